@@ -1,0 +1,129 @@
+"""The one error hierarchy of the project, and its one mapping to HTTP.
+
+    ServingError                      500 server_error
+    ├── InvalidRequestError           400 invalid_request_error (names the offending field in ``param``)
+    │   ├── TokenCodecError           400 (prompt_token_ids_b64 / prompt_len)
+    │   ├── UnsupportedParameterError 400 code=unsupported_parameter
+    │   ├── ContextLengthError        400 code=context_length_exceeded
+    │   └── HandoffError              400 code=invalid_handoff (unknown, expired, replayed or mismatched KV)
+    ├── AuthenticationError           401
+    ├── ModelNotFoundError            404 code=model_not_found
+    ├── PayloadTooLargeError          413
+    ├── OverloadedError               429 with Retry-After
+    ├── EngineError                   500 (the engine failed; foreign errors are wrapped at the adapter)
+    └── UpstreamError                 502 (a worker answered badly; says which step failed)
+        ├── UpstreamUnavailableError  503 (no worker reachable after retries)
+        └── UpstreamTimeoutError      504
+
+Handlers raise; they never return error values. ``error_body`` and ``sse_error_event`` are the only places that
+turn an error into bytes, so the HTTP and SSE shapes cannot drift apart.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import orjson
+
+
+class ServingError(Exception):
+    status_code: ClassVar[int] = 500
+    error_type: ClassVar[str] = "server_error"
+    default_code: ClassVar[str | None] = None
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code if code is not None else self.default_code
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {}
+
+    def to_dict(self) -> dict[str, object]:
+        return {"error": {"message": self.message, "type": self.error_type, "param": self.param, "code": self.code}}
+
+
+class InvalidRequestError(ServingError):
+    status_code = 400
+    error_type = "invalid_request_error"
+
+
+class TokenCodecError(InvalidRequestError):
+    default_code = "invalid_prompt_tokens"
+
+
+class UnsupportedParameterError(InvalidRequestError):
+    default_code = "unsupported_parameter"
+
+
+class ContextLengthError(InvalidRequestError):
+    default_code = "context_length_exceeded"
+
+
+class HandoffError(InvalidRequestError):
+    default_code = "invalid_handoff"
+
+
+class AuthenticationError(ServingError):
+    status_code = 401
+    error_type = "authentication_error"
+    default_code = "invalid_api_key"
+
+
+class ModelNotFoundError(ServingError):
+    status_code = 404
+    error_type = "invalid_request_error"
+    default_code = "model_not_found"
+
+
+class PayloadTooLargeError(ServingError):
+    status_code = 413
+    error_type = "invalid_request_error"
+    default_code = "payload_too_large"
+
+
+class OverloadedError(ServingError):
+    status_code = 429
+    error_type = "rate_limit_error"
+    default_code = "overloaded"
+
+    def __init__(self, message: str, *, retry_after_s: int = 1) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": str(self.retry_after_s)}
+
+
+class EngineError(ServingError):
+    default_code = "engine_error"
+
+
+class UpstreamError(ServingError):
+    status_code = 502
+    error_type = "upstream_error"
+    default_code = "upstream_error"
+
+
+class UpstreamUnavailableError(UpstreamError):
+    status_code = 503
+    error_type = "service_unavailable"
+    default_code = "upstream_unavailable"
+
+
+class UpstreamTimeoutError(UpstreamError):
+    status_code = 504
+    error_type = "timeout"
+    default_code = "upstream_timeout"
+
+
+def error_body(error: ServingError) -> bytes:
+    return orjson.dumps(error.to_dict())
+
+
+def sse_error_event(error: ServingError) -> bytes:
+    """The SSE frame a stream ends with when it fails after its first byte (then ``data: [DONE]``)."""
+    return b"data: " + orjson.dumps(error.to_dict()) + b"\n\n"

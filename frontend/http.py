@@ -1,0 +1,145 @@
+"""HTTP glue shared by every server: body reading with a size limit, orjson responses, the error handlers.
+
+FastAPI's own body parsing would run the stdlib ``json`` over 500 KB prompts and build pydantic models of every
+field; the handlers here read raw bytes, parse once with orjson, and validate with the wire models.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import orjson
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from pydantic import BaseModel, ValidationError
+from starlette.responses import Response
+
+from frontend.errors import InvalidRequestError, PayloadTooLargeError, ServingError, error_body
+
+logger = logging.getLogger(__name__)
+
+# A 290,000-token prompt is ~1.6 MB as base64 and ~2 MB as a JSON list of ids; leave ample head-room.
+DEFAULT_MAX_BODY_BYTES = 64 * 1024 * 1024
+
+ModelT = TypeVar("ModelT", bound=BaseModel)
+T = TypeVar("T")
+
+
+class JSONBytesResponse(Response):
+    media_type = "application/json"
+
+
+def json_response(payload: Any, status_code: int = 200, headers: dict[str, str] | None = None) -> Response:
+    return JSONBytesResponse(orjson.dumps(payload), status_code=status_code, headers=headers)
+
+
+def error_response(error: ServingError) -> Response:
+    return JSONBytesResponse(error_body(error), status_code=error.status_code, headers=error.headers)
+
+
+async def read_body(request: Request, max_bytes: int) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+        raise PayloadTooLargeError(f"request body of {declared} bytes exceeds the limit of {max_bytes} bytes")
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            raise PayloadTooLargeError(f"request body exceeds the limit of {max_bytes} bytes")
+        chunks.append(chunk)
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+def parse_json_object(body: bytes) -> dict[str, Any]:
+    try:
+        parsed = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise InvalidRequestError(f"the request body is not valid JSON: {exc}") from exc
+    if not isinstance(parsed, dict):
+        raise InvalidRequestError("the request body must be a JSON object")
+    return parsed
+
+
+def validate_wire(model: type[ModelT], payload: dict[str, Any]) -> ModelT:
+    try:
+        return model.model_validate(payload)
+    except ValidationError as exc:
+        raise invalid_request_from(exc) from exc
+
+
+def invalid_request_from(exc: ValidationError) -> InvalidRequestError:
+    first = exc.errors(include_url=False)[0]
+    # Drop the union-member tags pydantic inserts (e.g. 'str', 'list[...]') so param reads like the wire field.
+    location = [str(p) for p in first["loc"] if not (isinstance(p, str) and ("[" in p or p in _TYPE_TAGS))]
+    param = ".".join(location) or None
+    if first["type"] == "extra_forbidden":
+        message = f"unrecognized request argument supplied: {param}"
+    else:
+        message = f"{param}: {first['msg']}" if param else str(first["msg"])
+    return InvalidRequestError(message, param=param)
+
+
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none", "function-after", "function-plain"})
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    async def serving_error(_: Request, exc: Exception) -> Response:
+        assert isinstance(exc, ServingError)
+        return error_response(exc)
+
+    async def validation_error(_: Request, exc: Exception) -> Response:
+        assert isinstance(exc, RequestValidationError)
+        errors = exc.errors()
+        param = ".".join(str(p) for p in errors[0]["loc"]) if errors else None
+        return error_response(InvalidRequestError(str(errors[0]["msg"]) if errors else "invalid", param=param))
+
+    async def unexpected_error(_: Request, exc: Exception) -> Response:
+        logger.exception("unhandled error", exc_info=exc)
+        return error_response(ServingError("internal server error"))
+
+    async def client_disconnected(_: Request, exc: Exception) -> Response:
+        # Nobody is listening; 499 (nginx's "client closed request") keeps the access log honest.
+        return Response(status_code=499)
+
+    app.add_exception_handler(ClientDisconnected, client_disconnected)
+    app.add_exception_handler(ServingError, serving_error)
+    app.add_exception_handler(RequestValidationError, validation_error)
+    app.add_exception_handler(Exception, unexpected_error)
+
+
+async def cancel_on_disconnect(request: Request, work: Callable[[], Awaitable[T]]) -> T:
+    """Run ``work`` but cancel it as soon as the client goes away (non-streaming handlers).
+
+    Starlette does not cancel a plain handler when the client disconnects, so without this a dropped client
+    would keep a prefill running on the engine. Cancellation propagates into the engine adapter, which aborts.
+    """
+    work_task = asyncio.ensure_future(work())
+    disconnect_task = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait({work_task, disconnect_task}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not work_task.done():
+            work_task.cancel()
+        disconnect_task.cancel()
+    if not work_task.done() or work_task.cancelled():
+        try:
+            await work_task
+        except asyncio.CancelledError:
+            pass
+        raise ClientDisconnected()
+    return work_task.result()
+
+
+class ClientDisconnected(Exception):
+    """The client went away; nothing is sent back."""
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return

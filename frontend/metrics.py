@@ -1,0 +1,56 @@
+"""Prometheus metrics. Each process (and each app built in a test) owns its registry, so apps never collide."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+METRICS_CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+
+
+@dataclass
+class Metrics:
+    registry: CollectorRegistry = field(default_factory=CollectorRegistry)
+
+    def __post_init__(self) -> None:
+        r = self.registry
+        self.requests = Counter(
+            "disagg_requests", "Requests served, by role, endpoint and HTTP status", ["role", "endpoint", "status"],
+            registry=r,
+        )
+        self.gen_prompt_path = Counter(
+            "disagg_gen_prompt_path", "How GEN received the prompt: array (b64), list, or metadata_only", ["path"],
+            registry=r,
+        )
+        self.engine_inflight = Gauge(
+            "disagg_engine_inflight_requests", "Requests inside the engine right now", ["role"], registry=r
+        )
+        self.time_to_first_token = Histogram(
+            "disagg_time_to_first_token_seconds", "Orchestrator: request start to first byte of output",
+            buckets=_LATENCY_BUCKETS, registry=r,
+        )
+        self.request_latency = Histogram(
+            "disagg_request_latency_seconds", "Orchestrator: whole-request latency", ["endpoint"],
+            buckets=_LATENCY_BUCKETS, registry=r,
+        )
+        self.ctx_latency = Histogram(
+            "disagg_ctx_step_seconds", "Orchestrator: time in the CTX step", buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.ctx_finished = Counter(
+            "disagg_ctx_finished_requests", "Requests CTX finished by itself (GEN never called)", registry=r
+        )
+        self.metadata_only_fallback = Counter(
+            "disagg_metadata_only_fallback", "Metadata-only mode not taken, by reason", ["reason"], registry=r
+        )
+        self.retries = Counter(
+            "disagg_upstream_retries", "Orchestrator retries, by step and reason", ["step", "reason"], registry=r
+        )
+        self.kv_store_entries = Gauge("disagg_kv_store_entries", "KV hand-offs held for GEN", registry=r)
+        self.kv_store_bytes = Gauge("disagg_kv_store_bytes", "Bytes of KV hand-offs held for GEN", registry=r)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,138 @@
+"""The synthetic engine: computes nothing, emits deterministic text with a configured TTFT and inter-token latency.
+
+For load tests of the front end alone, where a real model would hide the front end's own cost. It never reads
+prompt token values (only the prompt length), so it is also the cleanest witness that the array path builds no
+list. Output token i is byte i (mod the length) of a fixed text, so aggregated and disaggregated runs agree.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass
+
+import orjson
+
+from frontend.errors import HandoffError
+from workers.engines.base import Engine, EngineInfo, EngineOutput, FinishReason, TokenLogprob
+from workers.engines.byte_tokenizer import BYTE_TOKENS, ByteTokenizer
+from workers.generation_request import GenerationRequest, Phase
+
+SYNTHETIC_TEXT = b"The quick brown fox jumps over the lazy dog. "
+EOS_TOKEN_ID = BYTE_TOKENS  # 256
+
+
+@dataclass(frozen=True, slots=True)
+class SyntheticConfig:
+    model: str = "synthetic"
+    vocab_size: int = 50_000
+    max_context: int = 1_048_576
+    time_to_first_token_s: float = 0.0
+    inter_token_latency_s: float = 0.0
+    output_tokens: int | None = None  # emit EOS after this many tokens; None: run to max_tokens
+
+
+class SyntheticEngine(Engine):
+    def __init__(self, config: SyntheticConfig | None = None) -> None:
+        self.config = config or SyntheticConfig()
+        self.info = EngineInfo(
+            engine="synthetic",
+            model=self.config.model,
+            vocab_size=self.config.vocab_size,
+            max_context=self.config.max_context,
+            model_hash="synthetic-v1",
+        )
+        self.tokenizer = ByteTokenizer(self.config.vocab_size)
+        self._running: set[str] = set()
+        self._aborted: set[str] = set()
+
+    def generate(self, request: GenerationRequest) -> AsyncGenerator[EngineOutput, None]:
+        return self._tracked(request)
+
+    async def _tracked(self, request: GenerationRequest) -> AsyncGenerator[EngineOutput, None]:
+        self._running.add(request.request_id)
+        try:
+            async for output in self._generate(request):
+                yield output
+        finally:
+            self._running.discard(request.request_id)
+            self._aborted.discard(request.request_id)
+
+    async def _generate(self, request: GenerationRequest) -> AsyncGenerator[EngineOutput, None]:
+        sampling = request.sampling
+        position = 0
+        if request.phase is Phase.GENERATION_ONLY:
+            assert request.handoff is not None
+            position = self._check_handoff(request)
+        else:
+            if self.config.time_to_first_token_s:
+                await asyncio.sleep(self.config.time_to_first_token_s)
+            prompt_logprobs = None
+            if sampling.prompt_logprobs is not None:
+                prompt_logprobs = (None,) + tuple(
+                    TokenLogprob(t, 0.0) for t in request.prompt_token_ids[1:]
+                )
+            token = self._token_at(0)
+            position = 1
+            finish = self._finish_reason(token, position, sampling.max_tokens, sampling.ignore_eos)
+            handoff = None
+            if request.phase is Phase.CONTEXT_ONLY and finish is None:
+                handoff = orjson.dumps({"engine": "synthetic", "prompt_len": request.prompt_len, "position": 1})
+            yield EngineOutput((token,), self._logprobs(token, sampling.logprobs), finish, handoff, prompt_logprobs)
+            if finish is not None or request.phase is Phase.CONTEXT_ONLY:
+                return
+        while True:
+            if request.request_id in self._aborted:
+                yield EngineOutput((), finish_reason="abort")
+                return
+            if self.config.inter_token_latency_s:
+                await asyncio.sleep(self.config.inter_token_latency_s)
+            else:
+                await asyncio.sleep(0)  # stay a good citizen of the event loop
+            token = self._token_at(position)
+            position += 1
+            finish = self._finish_reason(token, position, sampling.max_tokens, sampling.ignore_eos)
+            yield EngineOutput((token,), self._logprobs(token, sampling.logprobs), finish)
+            if finish is not None:
+                return
+
+    def _check_handoff(self, request: GenerationRequest) -> int:
+        assert request.handoff is not None
+        try:
+            state = orjson.loads(request.handoff.opaque_state)
+            engine, prompt_len, position = state["engine"], state["prompt_len"], state["position"]
+        except (orjson.JSONDecodeError, KeyError, TypeError) as exc:
+            raise HandoffError("encoded_opaque_state is not a synthetic-engine hand-off", param="disaggregated_params") from exc
+        if engine != "synthetic":
+            raise HandoffError(f"hand-off from engine {engine!r}, this is 'synthetic'", param="disaggregated_params")
+        if prompt_len != request.prompt_len:
+            raise HandoffError(
+                f"hand-off is for a {prompt_len}-token prompt, the request has {request.prompt_len}",
+                param="disaggregated_params.prompt_len",
+            )
+        return int(position)
+
+    def _token_at(self, position: int) -> int:
+        if self.config.output_tokens is not None and position >= self.config.output_tokens:
+            return EOS_TOKEN_ID
+        return SYNTHETIC_TEXT[position % len(SYNTHETIC_TEXT)]
+
+    @staticmethod
+    def _finish_reason(token: int, produced: int, max_tokens: int, ignore_eos: bool) -> FinishReason | None:
+        if token == EOS_TOKEN_ID and not ignore_eos:
+            return "stop"
+        if produced >= max_tokens:
+            return "length"
+        return None
+
+    @staticmethod
+    def _logprobs(token: int, top: int | None) -> tuple[TokenLogprob, ...]:
+        if top is None:
+            return ()
+        # The synthetic engine is certain of every token: probability 1, alternatives effectively impossible.
+        alternatives = tuple((token + i, -100.0) for i in range(1, top))
+        return (TokenLogprob(token, 0.0, ((token, 0.0), *alternatives)),)
+
+    async def abort(self, request_id: str) -> None:
+        if request_id in self._running:
+            self._aborted.add(request_id)

@@ -1,0 +1,137 @@
+"""The worker's HTTP front end: thin routes over ``WorkerService`` (parse -> call -> serialise)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from starlette.responses import Response, StreamingResponse
+
+from frontend.errors import ServingError
+from frontend.http import (
+    cancel_on_disconnect,
+    install_error_handlers,
+    json_response,
+    parse_json_object,
+    read_body,
+)
+from frontend.metrics import METRICS_CONTENT_TYPE, Metrics
+from frontend.openai_models import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    GenerationWireRequest,
+    ResponsesRequest,
+)
+from frontend.sse import SSE_HEADERS, SSE_MEDIA_TYPE
+from workers.engines.base import Engine
+from workers.generation_request import Phase
+from workers.serving import WorkerService, WorkerSettings
+
+_STARTED = int(time.time())
+
+
+def create_worker_app(engine: Engine, settings: WorkerSettings, metrics: Metrics | None = None) -> FastAPI:
+    metrics = metrics or Metrics()
+    service = WorkerService(engine, settings, metrics)
+    ready = {"engine": False}
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        await engine.start()
+        ready["engine"] = True
+        try:
+            yield
+        finally:
+            ready["engine"] = False
+            await engine.aclose()
+
+    app = FastAPI(title=f"disagg-serve worker ({settings.role})", lifespan=lifespan)
+    app.state.service = service
+    app.state.metrics = metrics
+    install_error_handlers(app)
+
+    async def serve(request: Request, wire_model: type[GenerationWireRequest], endpoint: str) -> Response:
+        status = 500
+        try:
+            service.admit()
+        except ServingError as exc:
+            metrics.requests.labels(role=settings.role, endpoint=endpoint, status=str(exc.status_code)).inc()
+            raise
+        released = False
+        try:
+            body = parse_json_object(await read_body(request, settings.max_body_bytes))
+            prepared = await service.prepare(body, wire_model)
+            # CTX always answers whole: the orchestrator needs its hand-off fields, not a stream.
+            if prepared.wire.stream and prepared.request.phase is not Phase.CONTEXT_ONLY:
+                frames = await service.open_stream(prepared)
+                status, released = 200, True
+                return StreamingResponse(_released(frames, service.release), media_type=SSE_MEDIA_TYPE,
+                                         headers=SSE_HEADERS)
+            result = await cancel_on_disconnect(request, lambda: service.complete(prepared))
+            status = 200
+            return json_response(result)
+        except ServingError as exc:
+            status = exc.status_code
+            raise
+        finally:
+            if not released:
+                service.release()
+            metrics.requests.labels(role=settings.role, endpoint=endpoint, status=str(status)).inc()
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await serve(request, ChatCompletionRequest, "chat")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await serve(request, CompletionRequest, "completions")
+
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        return await serve(request, ResponsesRequest, "responses")
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        info = engine.info
+        card: dict[str, Any] = {
+            "id": info.model,
+            "object": "model",
+            "created": _STARTED,
+            "owned_by": "disagg-serve",
+            "max_model_len": info.max_context,
+            # The orchestrator's guardrail reads GEN's engine facts from here, never from its own config.
+            "engine_info": {
+                "engine": info.engine,
+                "role": settings.role,
+                "vocab_size": info.vocab_size,
+                "kv_block_reuse": info.kv_block_reuse,
+                "prompt_tokens_in_handoff": info.prompt_tokens_in_handoff,
+                "model_hash": info.model_hash,
+            },
+        }
+        return json_response({"object": "list", "data": [card]})
+
+    @app.get("/health")
+    async def health() -> Response:
+        healthy = ready["engine"] and await engine.health()
+        return json_response({"status": "ok" if healthy else "unavailable", "role": settings.role,
+                              "inflight": service.inflight}, status_code=200 if healthy else 503)
+
+    @app.get("/metrics")
+    async def metrics_endpoint() -> Response:
+        return Response(metrics.render(), media_type=METRICS_CONTENT_TYPE)
+
+    return app
+
+
+async def _released(frames: AsyncIterator[bytes], release: Callable[[], None]) -> AsyncIterator[bytes]:
+    try:
+        async for frame in frames:
+            yield frame
+    finally:
+        release()
+        await frames.aclose()  # type: ignore[attr-defined]
+

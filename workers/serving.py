@@ -1,0 +1,263 @@
+"""The worker's request logic, free of FastAPI: admit -> parse -> prepare the prompt -> run -> render.
+
+A CTX (context_only) request returns the first token, the KV hand-off and the prompt as base64 int32. A GEN
+(generation_only) request continues from the hand-off and answers the client's whole output, first token
+included. A plain request (role ``both``) is ordinary aggregated serving.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import pybase64
+
+from frontend.errors import (
+    EngineError,
+    InvalidRequestError,
+    ModelNotFoundError,
+    OverloadedError,
+    ServingError,
+)
+from frontend.openai_models import (
+    DisaggregatedParams,
+    GenerationWireRequest,
+    refuse_unsupported_parameters,
+)
+from frontend.openai_output import (
+    ResponseIdentity,
+    StreamRenderer,
+    TokenLogprobInfo,
+    Usage,
+    render_response,
+)
+from frontend.http import validate_wire
+from frontend.metrics import Metrics
+from frontend.token_codec import encode_prompt_tokens
+from workers.engines.base import Engine, FinishReason, TokenLogprob
+from workers.generation_request import GenerationRequest, Phase, PromptPath
+from workers.request_builder import (
+    endpoint_of,
+    handoff_from,
+    phase_of,
+    prepare_prompt,
+    sampling_params_from,
+)
+from workers.text_stream import TextStep, stream_text
+
+logger = logging.getLogger(__name__)
+
+Role = Literal["context", "generation", "both"]
+_ID_PREFIX = {"chat": "chatcmpl-", "completions": "cmpl-", "responses": "resp_"}
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerSettings:
+    role: Role = "both"
+    max_body_bytes: int = 64 * 1024 * 1024
+    max_concurrent_requests: int = 512
+
+
+@dataclass(slots=True)
+class PreparedGeneration:
+    """A request that passed every check and is ready to run."""
+
+    wire: GenerationWireRequest
+    request: GenerationRequest
+    ident: ResponseIdentity
+    disagg: DisaggregatedParams | None
+
+
+@dataclass(slots=True)
+class CollectedOutput:
+    text_parts: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    handoff_state: bytes | None = None
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
+
+
+class WorkerService:
+    def __init__(self, engine: Engine, settings: WorkerSettings, metrics: Metrics) -> None:
+        self.engine = engine
+        self.settings = settings
+        self.metrics = metrics
+        self.inflight = 0
+        self._inflight_gauge = metrics.engine_inflight.labels(role=settings.role)
+
+    # -- admission and parsing -------------------------------------------------------------------------
+    async def prepare(self, body: dict[str, Any], wire_model: type[GenerationWireRequest]) -> PreparedGeneration:
+        refuse_unsupported_parameters(body)
+        wire = validate_wire(wire_model, body)  # type: ignore[type-var]
+        info = self.engine.info
+        if wire.model != info.model:
+            raise ModelNotFoundError(f"the model '{wire.model}' does not exist; this worker serves '{info.model}'",
+                                     param="model")
+        disagg = wire.disaggregated_params
+        phase = phase_of(disagg)
+        self._check_role(phase)
+        prompt = await prepare_prompt(wire, body, info, self.engine.tokenizer)
+        sampling = sampling_params_from(wire, int(prompt.tokens.size), info)
+        handoff = handoff_from(disagg, info.vocab_size)
+        request_id = uuid.uuid4().hex
+        if prompt.token_list is not None:
+            request = GenerationRequest.from_token_list(
+                request_id, prompt.token_list, prompt.tokens, sampling, phase=phase, handoff=handoff
+            )
+        else:
+            request = GenerationRequest(
+                request_id, prompt.tokens, sampling, phase=phase, prompt_path=prompt.path, handoff=handoff
+            )
+        if phase is Phase.GENERATION_ONLY:
+            self.metrics.gen_prompt_path.labels(path=prompt.path.value).inc()
+        endpoint = endpoint_of(wire)
+        ident = ResponseIdentity(endpoint, _ID_PREFIX[endpoint] + request_id, info.model)
+        return PreparedGeneration(wire, request, ident, disagg)
+
+    def _check_role(self, phase: Phase) -> None:
+        role = self.settings.role
+        if phase is Phase.GENERATION_ONLY and role == "context":
+            raise InvalidRequestError("this worker has role 'context' and takes no generation_only requests",
+                                      param="disaggregated_params.request_type")
+        if phase is Phase.CONTEXT_ONLY and role == "generation":
+            raise InvalidRequestError("this worker has role 'generation' and takes no context_only requests",
+                                      param="disaggregated_params.request_type")
+
+    def admit(self) -> None:
+        if self.inflight >= self.settings.max_concurrent_requests:
+            raise OverloadedError(
+                f"this worker is at its limit of {self.settings.max_concurrent_requests} concurrent requests"
+            )
+        self.inflight += 1
+        self._inflight_gauge.inc()
+
+    def release(self) -> None:
+        self.inflight -= 1
+        self._inflight_gauge.dec()
+
+    # -- running ----------------------------------------------------------------------------------------
+    async def complete(self, prepared: PreparedGeneration) -> dict[str, Any]:
+        """Run to the end and return the whole response body (CTX adds its hand-off fields)."""
+        collected = CollectedOutput()
+        try:
+            async for step in stream_text(self.engine, prepared.request):
+                collected.text_parts.append(step.text)
+                collected.token_ids.extend(step.token_ids)
+                collected.logprobs.extend(step.logprobs)
+                collected.finish_reason = step.finish_reason or collected.finish_reason
+                collected.handoff_state = step.handoff_state or collected.handoff_state
+                if step.prompt_logprobs is not None:
+                    collected.prompt_logprobs = step.prompt_logprobs
+        except ServingError:
+            raise
+        except Exception as exc:  # an adapter bug must still answer in OpenAI's shape
+            logger.exception("engine failure on %s", prepared.request.request_id)
+            raise EngineError(f"the engine failed: {type(exc).__name__}") from exc
+        return self._render_whole(prepared, collected)
+
+    def _render_whole(self, prepared: PreparedGeneration, out: CollectedOutput) -> dict[str, Any]:
+        request = prepared.request
+        sampling = request.sampling
+        text = "".join(out.text_parts)
+        logprob_entries: list[TokenLogprobInfo | None] | None = None
+        if sampling.logprobs is not None:
+            logprob_entries = list(self._logprob_infos(out.logprobs))
+        if sampling.echo:
+            text = self.engine.tokenizer.decode(request.prompt_token_ids) + text
+            if logprob_entries is not None:
+                prompt_lp = out.prompt_logprobs or (None,) * request.prompt_len
+                logprob_entries = [self._logprob_info(lp) if lp else None for lp in prompt_lp] + logprob_entries
+        usage = Usage(request.prompt_len, len(out.token_ids))
+        body = render_response(prepared.ident, text, out.finish_reason, usage, logprob_entries)
+        if request.phase is Phase.CONTEXT_ONLY:
+            self._add_context_fields(body, prepared, out)
+        return body
+
+    def _add_context_fields(self, body: dict[str, Any], prepared: PreparedGeneration, out: CollectedOutput) -> None:
+        request = prepared.request
+        disagg = prepared.disagg
+        assert disagg is not None
+        params: dict[str, Any] = {
+            "request_type": "context_only",
+            "ctx_request_id": request.request_id,
+            "disagg_request_id": disagg.disagg_request_id,
+            "first_gen_tokens": out.token_ids,
+            "encoded_opaque_state": pybase64.b64encode(out.handoff_state).decode("ascii")
+            if out.handoff_state is not None and out.finish_reason is None
+            else None,
+            "prompt_len": request.prompt_len,
+        }
+        if request.sampling.logprobs is not None:
+            params["first_gen_logprobs"] = [
+                {"token_id": lp.token_id, "logprob": lp.logprob, "top": [list(t) for t in lp.top]}
+                for lp in out.logprobs
+            ]
+        if "choices" in body:
+            body["choices"][0]["disaggregated_params"] = params
+        else:
+            body["disaggregated_params"] = params
+        if disagg.return_prompt_token_ids_b64:
+            body["prompt_token_ids"] = None
+            body["prompt_token_ids_b64"] = encode_prompt_tokens(request.prompt_token_ids_i32)
+
+    async def open_stream(self, prepared: PreparedGeneration) -> AsyncIterator[bytes]:
+        """Start the stream and return its frames. Fails as an HTTP error if it fails before the first token."""
+        include_usage = bool(prepared.wire.stream_options and prepared.wire.stream_options.include_usage)
+        renderer = StreamRenderer(prepared.ident, include_usage)
+        steps = stream_text(self.engine, prepared.request)
+        try:
+            first = await anext(steps)
+        except StopAsyncIteration:
+            first = None
+        except BaseException:
+            await steps.aclose()
+            raise
+        return self._frames(prepared, renderer, steps, first)
+
+    async def _frames(
+        self,
+        prepared: PreparedGeneration,
+        renderer: StreamRenderer,
+        steps: AsyncIterator[TextStep],
+        first: TextStep | None,
+    ) -> AsyncIterator[bytes]:
+        request = prepared.request
+        completion_tokens = 0
+        finish: FinishReason | None = None
+        try:
+            for frame in renderer.begin():
+                yield frame
+            if request.sampling.echo:
+                for frame in renderer.delta(self.engine.tokenizer.decode(request.prompt_token_ids)):
+                    yield frame
+            step = first
+            while step is not None:
+                completion_tokens += len(step.token_ids)
+                finish = step.finish_reason or finish
+                logprobs = self._logprob_infos(step.logprobs) if request.sampling.logprobs is not None else None
+                for frame in renderer.delta(step.text, logprobs):
+                    yield frame
+                step = await anext(steps, None)
+            for frame in renderer.finish(finish, Usage(request.prompt_len, completion_tokens)):
+                yield frame
+        except ServingError as exc:
+            for frame in renderer.error(exc):
+                yield frame
+        except Exception as exc:
+            logger.exception("stream failure on %s", request.request_id)
+            for frame in renderer.error(EngineError(f"the engine failed: {type(exc).__name__}")):
+                yield frame
+        finally:
+            await steps.aclose()  # type: ignore[attr-defined]
+
+    # -- logprob token strings --------------------------------------------------------------------------
+    def _logprob_info(self, lp: TokenLogprob) -> TokenLogprobInfo:
+        decode = self.engine.tokenizer.decode
+        return TokenLogprobInfo(decode([lp.token_id]), lp.logprob, tuple((decode([t]), v) for t, v in lp.top))
+
+    def _logprob_infos(self, logprobs: Sequence[TokenLogprob]) -> list[TokenLogprobInfo]:
+        return [self._logprob_info(lp) for lp in logprobs]
