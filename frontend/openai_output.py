@@ -244,11 +244,18 @@ class StreamRenderer:
         ]
 
     def error(self, error: ServingError) -> list[bytes]:
-        """Frames that end a stream that failed after it started: an error event, then the end marker."""
-        if self.ident.endpoint == "responses":
-            body = {"code": error.code, "message": error.message, "param": error.param}
-            return [self._event("error", body)]
-        return [data_frame(error.to_dict()), DONE_FRAME]
+        frames = stream_error_frames(self.ident.endpoint, error, self._sequence)
+        self._sequence += 1
+        return frames
+
+
+def stream_error_frames(endpoint: Endpoint, error: ServingError, sequence_number: int = 0) -> list[bytes]:
+    """Frames that end a stream that failed after it started: an error event, then the end marker."""
+    if endpoint == "responses":
+        body = {"type": "error", "sequence_number": sequence_number, "code": error.code, "message": error.message,
+                "param": error.param}
+        return [event_frame("error", body)]
+    return [data_frame(error.to_dict()), DONE_FRAME]
 
 
 def replay_as_stream(endpoint: Endpoint, response: dict[str, Any], include_usage: bool) -> list[bytes]:

@@ -1,0 +1,85 @@
+"""Orchestrator configuration: one immutable object loaded from YAML at start-up (TensorRT-LLM-style names).
+
+An unknown key or a bad value stops start-up with a message that names it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from frontend.http import DEFAULT_MAX_BODY_BYTES
+
+
+class ConfigError(Exception):
+    """The configuration cannot be used; the message names the offending key."""
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class RouterConfig(_Frozen):
+    type: Literal["round_robin"] = "round_robin"
+
+
+class ServerGroupConfig(_Frozen):
+    urls: Annotated[list[str], Field(min_length=1)]
+    router: RouterConfig = RouterConfig()
+
+    @field_validator("urls")
+    @classmethod
+    def _http_urls(cls, urls: list[str]) -> list[str]:
+        for url in urls:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"worker URL {url!r} must start with http:// or https://")
+        return [url.rstrip("/") for url in urls]
+
+
+class OrchestratorConfig(_Frozen):
+    hostname: str = "127.0.0.1"
+    port: Annotated[int, Field(ge=0, le=65535)] = 8000
+    context_servers: ServerGroupConfig
+    generation_servers: ServerGroupConfig
+    gen_tokids_ctxbytes: bool = True  # relay CTX's prompt_token_ids_b64 to GEN (the array path)
+    gen_tokids_metadata_only: bool = False  # send GEN only prompt_len, behind the guardrail
+    request_timeout_s: Annotated[float, Field(gt=0)] = 600.0
+    connect_timeout_s: Annotated[float, Field(gt=0)] = 5.0
+    max_retries: Annotated[int, Field(ge=0, le=10)] = 1
+    health_check_interval_s: Annotated[float, Field(gt=0)] = 2.0
+    max_body_bytes: Annotated[int, Field(ge=1024)] = DEFAULT_MAX_BODY_BYTES
+    max_concurrent_requests: Annotated[int, Field(ge=1)] = 1024
+
+
+def parse_config(raw: Any, source: str = "config") -> OrchestratorConfig:
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{source}: the configuration must be a mapping of keys to values")
+    try:
+        return OrchestratorConfig.model_validate(raw)
+    except ValidationError as exc:
+        problems = []
+        for error in exc.errors(include_url=False):
+            key = ".".join(str(p) for p in error["loc"])
+            if error["type"] == "extra_forbidden":
+                problems.append(f"unknown key '{key}'")
+            elif error["type"] == "missing":
+                problems.append(f"missing key '{key}'")
+            else:
+                problems.append(f"bad value for '{key}': {error['msg']}")
+        raise ConfigError(f"{source}: " + "; ".join(problems)) from exc
+
+
+def load_config(path: str | Path, **overrides: Any) -> OrchestratorConfig:
+    path = Path(path)
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from exc
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
+    if isinstance(raw, dict):
+        raw.update({k: v for k, v in overrides.items() if v is not None})
+    return parse_config(raw, str(path))

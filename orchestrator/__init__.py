@@ -1,0 +1,1 @@
+"""The orchestrator: OpenAI endpoints for clients, the CTX-first two-step flow, worker pools."""

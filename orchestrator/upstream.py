@@ -1,0 +1,83 @@
+"""One pooled HTTP client per worker; httpx's exceptions are translated here and go no further.
+
+Bodies are handed over as bytes already encoded with orjson (httpx's own ``json=`` is ~50x slower on a 500 KB
+prompt), and one connection pool per upstream is kept for the process's life.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+import httpx
+
+from frontend.errors import UpstreamError, UpstreamTimeoutError, UpstreamUnavailableError
+from frontend.guardrail import GenEngineFacts
+
+_JSON_HEADERS = {"Content-Type": "application/json"}
+
+
+@dataclass(frozen=True, slots=True)
+class UpstreamReply:
+    status_code: int
+    content: bytes
+
+
+class WorkerClient:
+    def __init__(self, url: str, *, request_timeout_s: float, connect_timeout_s: float) -> None:
+        self.url = url
+        self.healthy = False
+        self.facts = GenEngineFacts()
+        self.inflight = 0
+        self._client = httpx.AsyncClient(
+            base_url=url,
+            timeout=httpx.Timeout(request_timeout_s, connect=connect_timeout_s),
+            limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256),
+        )
+
+    async def post(self, path: str, body: bytes, headers: dict[str, str] | None = None) -> UpstreamReply:
+        try:
+            response = await self._client.post(path, content=body, headers=self._headers(headers))
+        except httpx.HTTPError as exc:
+            raise translate_http_error(exc, self.url) from exc
+        return UpstreamReply(response.status_code, response.content)
+
+    @asynccontextmanager
+    async def stream(
+        self, path: str, body: bytes, headers: dict[str, str] | None = None
+    ) -> AsyncIterator[httpx.Response]:
+        request = self._client.build_request("POST", path, content=body, headers=self._headers(headers))
+        try:
+            response = await self._client.send(request, stream=True)
+        except httpx.HTTPError as exc:
+            raise translate_http_error(exc, self.url) from exc
+        try:
+            yield response
+        finally:
+            await response.aclose()
+
+    async def get(self, path: str, timeout_s: float) -> UpstreamReply:
+        try:
+            response = await self._client.get(path, timeout=timeout_s)
+        except httpx.HTTPError as exc:
+            raise translate_http_error(exc, self.url) from exc
+        return UpstreamReply(response.status_code, response.content)
+
+    async def aclose(self) -> None:
+        await self._client.aclose()
+
+    @staticmethod
+    def _headers(extra: dict[str, str] | None) -> dict[str, str]:
+        return {**_JSON_HEADERS, **extra} if extra else _JSON_HEADERS
+
+    def __repr__(self) -> str:
+        return f"WorkerClient({self.url!r}, healthy={self.healthy})"
+
+
+def translate_http_error(exc: httpx.HTTPError, url: str) -> UpstreamError:
+    if isinstance(exc, httpx.TimeoutException):
+        return UpstreamTimeoutError(f"worker {url} timed out ({type(exc).__name__})")
+    if isinstance(exc, httpx.ConnectError | httpx.RemoteProtocolError | httpx.ReadError | httpx.WriteError):
+        return UpstreamUnavailableError(f"worker {url} is unreachable ({type(exc).__name__})")
+    return UpstreamError(f"worker {url} failed: {type(exc).__name__}: {exc}")
