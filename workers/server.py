@@ -122,6 +122,10 @@ def create_worker_app(engine: Engine, settings: WorkerSettings, metrics: Metrics
 
     @app.get("/metrics")
     async def metrics_endpoint() -> Response:
+        kv_stats = engine.kv_store_stats()
+        if kv_stats is not None:
+            metrics.kv_store_entries.set(kv_stats[0])
+            metrics.kv_store_bytes.set(kv_stats[1])
         return Response(metrics.render(), media_type=METRICS_CONTENT_TYPE)
 
     return app

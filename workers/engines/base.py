@@ -99,5 +99,9 @@ class Engine(ABC):
     async def health(self) -> bool:
         return True
 
+    def kv_store_stats(self) -> tuple[int, int] | None:
+        """(entries, bytes) of KV hand-offs this engine holds for GEN workers; None if it keeps none."""
+        return None
+
     async def aclose(self) -> None:
         """Release the engine; after this no request is running."""

@@ -1,0 +1,143 @@
+"""``disagg-serve``: the one command line for laptops, containers and Kubernetes alike.
+
+    disagg-serve worker --role context|generation|both --engine reference|synthetic --host H --port P
+    disagg-serve orchestrator --config FILE.yaml [--host H] [--port P]
+    disagg-serve up [--engine ...] [--host 127.0.0.1] [--port 8000] [--metadata-only]
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import uvicorn
+
+from frontend.http import DEFAULT_MAX_BODY_BYTES
+
+logger = logging.getLogger("disagg_serve")
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="disagg-serve", description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser.add_argument("--log-level", default=os.environ.get("DISAGG_LOG_LEVEL", "info"),
+                        choices=["debug", "info", "warning", "error"])
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{worker,orchestrator,up}")
+
+    worker = sub.add_parser("worker", help="run a CTX, GEN or aggregated OpenAI worker in front of one engine")
+    worker.add_argument("--role", choices=["context", "generation", "both"], default="both")
+    _add_engine_arguments(worker)
+    worker.add_argument("--host", default="127.0.0.1")
+    worker.add_argument("--port", type=int, default=8001)
+    worker.add_argument("--max-concurrent-requests", type=int, default=512,
+                        help="requests over this get 429 with Retry-After (default 512)")
+    worker.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                        help="bodies over this get 413 (default 64 MiB; a 290k-token prompt is ~2 MB)")
+
+    orch = sub.add_parser("orchestrator", help="run the orchestrator in front of CTX and GEN workers")
+    orch.add_argument("--config", required=True, help="YAML file (see docs/cli.md)")
+    orch.add_argument("--host", default=None, help="overrides the config's hostname")
+    orch.add_argument("--port", type=int, default=None, help="overrides the config's port")
+
+    up = sub.add_parser("up", help="start orchestrator + one CTX + one GEN on this machine and serve")
+    _add_engine_arguments(up)
+    up.add_argument("--host", default="127.0.0.1")
+    up.add_argument("--port", type=int, default=8000)
+    up.add_argument("--metadata-only", action="store_true", help="send GEN only prompt_len (behind the guardrail)")
+    up.add_argument("--startup-timeout", type=float, default=300.0, help="seconds to wait for health (default 300)")
+    return parser
+
+
+def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--engine", choices=["reference", "synthetic"], default="reference",
+                        help="reference: SmolLM2-135M on the CPU (default); synthetic: computes nothing")
+    parser.add_argument("--model", default=None, help="reference engine: a llama-architecture GGUF file")
+    parser.add_argument("--served-model-name", default=None, help="the model name clients ask for")
+    parser.add_argument("--kv-block-reuse", action="store_true", help="reference engine: reuse KV blocks on GEN")
+    parser.add_argument("--synthetic-ttft-ms", type=_positive_float, default=0.0)
+    parser.add_argument("--synthetic-itl-ms", type=_positive_float, default=0.0)
+    parser.add_argument("--synthetic-output-tokens", type=int, default=None,
+                        help="synthetic engine: emit EOS after this many tokens")
+
+
+def engine_arguments(args: argparse.Namespace) -> list[str]:
+    """The engine flags of ``args`` again, for child processes started by ``up``."""
+    argv = ["--engine", args.engine, "--synthetic-ttft-ms", str(args.synthetic_ttft_ms),
+            "--synthetic-itl-ms", str(args.synthetic_itl_ms)]
+    if args.model:
+        argv += ["--model", args.model]
+    if args.served_model_name:
+        argv += ["--served-model-name", args.served_model_name]
+    if args.kv_block_reuse:
+        argv.append("--kv-block-reuse")
+    if args.synthetic_output_tokens is not None:
+        argv += ["--synthetic-output-tokens", str(args.synthetic_output_tokens)]
+    return argv
+
+
+def _serve(app: Any, host: str, port: int, log_level: str) -> None:
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, loop="uvloop", http="httptools",
+                            timeout_graceful_shutdown=30, access_log=False)
+    uvicorn.Server(config).run()
+
+
+def run_worker(args: argparse.Namespace) -> int:
+    from workers.engines.factory import EngineOptions, create_engine
+    from workers.engines.synthetic import SyntheticConfig
+    from workers.server import create_worker_app
+    from workers.serving import WorkerSettings
+
+    options = EngineOptions(
+        model_path=args.model,
+        served_model_name=args.served_model_name,
+        kv_block_reuse=args.kv_block_reuse,
+        synthetic=SyntheticConfig(
+            time_to_first_token_s=args.synthetic_ttft_ms / 1000,
+            inter_token_latency_s=args.synthetic_itl_ms / 1000,
+            output_tokens=args.synthetic_output_tokens,
+        ),
+    )
+    engine = create_engine(args.engine, options)
+    settings = WorkerSettings(role=args.role, max_body_bytes=args.max_body_bytes,
+                              max_concurrent_requests=args.max_concurrent_requests)
+    _serve(create_worker_app(engine, settings), args.host, args.port, args.log_level)
+    return 0
+
+
+def run_orchestrator(args: argparse.Namespace) -> int:
+    from frontend.config import ConfigError, load_config
+    from orchestrator.server import create_orchestrator_app
+
+    try:
+        config = load_config(args.config, hostname=args.host, port=args.port)
+    except ConfigError as exc:
+        print(f"disagg-serve orchestrator: {exc}", file=sys.stderr)
+        return 2
+    _serve(create_orchestrator_app(config), config.hostname, config.port, args.log_level)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.command == "worker":
+        return run_worker(args)
+    if args.command == "orchestrator":
+        return run_orchestrator(args)
+    from frontend.launcher import run_up
+
+    return run_up(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,160 @@
+"""``disagg-serve up``: one CTX, one GEN and the orchestrator as child processes on loopback.
+
+Shutdown is explicit and ordered: on Ctrl-C or SIGTERM the orchestrator stops first (no new requests), then the
+workers; each child gets SIGTERM and a grace period, then SIGKILL. Children also get PR_SET_PDEATHSIG, so even a
+SIGKILLed launcher leaves no orphans behind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import yaml
+
+_PR_SET_PDEATHSIG = 1
+_GRACE_S = 15.0
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def die_with_parent() -> None:
+    """Runs in a child before exec: the kernel sends it SIGTERM when its parent dies (Linux)."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:  # not Linux: the launcher's own handlers still stop its children
+        pass
+
+
+@dataclass
+class Child:
+    name: str
+    url: str
+    process: subprocess.Popen[bytes]
+
+
+class StartupFailed(Exception):
+    pass
+
+
+def _spawn(name: str, argv: list[str], url: str) -> Child:
+    command = [sys.executable, "-m", "frontend.cli", *argv]
+    process = subprocess.Popen(command, preexec_fn=die_with_parent)  # noqa: PLW1509 - prctl only
+    return Child(name, url, process)
+
+
+def _wait_healthy(children: list[Child], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    pending = list(children)
+    with httpx.Client(timeout=2.0) as client:
+        while pending:
+            for child in list(pending):
+                if child.process.poll() is not None:
+                    raise StartupFailed(f"{child.name} exited with status {child.process.returncode} during start-up")
+                try:
+                    if client.get(child.url + "/health").status_code == 200:
+                        print(f"  {child.name:<12} healthy at {child.url}", flush=True)
+                        pending.remove(child)
+                except httpx.HTTPError:
+                    pass
+            if time.monotonic() > deadline:
+                names = ", ".join(c.name for c in pending)
+                raise StartupFailed(f"{names} not healthy after {timeout_s:.0f} s")
+            if pending:
+                time.sleep(0.25)
+
+
+def _stop(children: list[Child]) -> None:
+    for child in children:  # orchestrator first: it stops taking requests before its workers go
+        if child.process.poll() is None:
+            child.process.send_signal(signal.SIGTERM)
+            try:
+                child.process.wait(timeout=_GRACE_S)
+            except subprocess.TimeoutExpired:
+                child.process.kill()
+                child.process.wait()
+
+
+def run_up(args: argparse.Namespace) -> int:
+    from frontend.cli import engine_arguments
+
+    stop_requested = {"signal": 0}
+
+    def on_signal(signum: int, _frame: object) -> None:
+        stop_requested["signal"] = signum
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+
+    ctx_port, gen_port = free_port(), free_port()
+    engine_argv = engine_arguments(args)
+    log = ["--log-level", args.log_level]
+    workdir = Path(tempfile.mkdtemp(prefix="disagg-serve-"))
+    config_path = workdir / "orchestrator.yaml"
+    config_path.write_text(yaml.safe_dump({
+        "hostname": args.host,
+        "port": args.port,
+        "context_servers": {"urls": [f"http://127.0.0.1:{ctx_port}"]},
+        "generation_servers": {"urls": [f"http://127.0.0.1:{gen_port}"]},
+        "gen_tokids_metadata_only": bool(args.metadata_only),
+    }))
+    print(f"disagg-serve up: engine={args.engine}, starting CTX, GEN and the orchestrator ...", flush=True)
+    workers = [
+        _spawn("ctx", [*log, "worker", "--role", "context", *engine_argv, "--port", str(ctx_port)],
+               f"http://127.0.0.1:{ctx_port}"),
+        _spawn("gen", [*log, "worker", "--role", "generation", *engine_argv, "--port", str(gen_port)],
+               f"http://127.0.0.1:{gen_port}"),
+    ]
+    children = list(workers)
+    try:
+        _wait_healthy(workers, args.startup_timeout)
+        orchestrator_url = f"http://{args.host}:{args.port}"
+        orchestrator = _spawn("orchestrator", [*log, "orchestrator", "--config", str(config_path)],
+                              orchestrator_url.replace("0.0.0.0", "127.0.0.1"))
+        children.insert(0, orchestrator)
+        _wait_healthy([orchestrator], args.startup_timeout)
+    except StartupFailed as exc:
+        print(f"disagg-serve up: {exc}; stopping", file=sys.stderr, flush=True)
+        _stop(children)
+        return 1
+    model = _served_model(orchestrator.url)
+    print(f"\nServing on {orchestrator_url}  (model '{model}')\nTry:\n"
+          f"  curl {orchestrator_url}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
+          f"    -d '{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"user\", \"content\": "
+          f"\"What is the capital of France?\"}}], \"max_tokens\": 32}}'\n"
+          "Press Ctrl-C to stop.", flush=True)
+    exit_code = 0
+    while not stop_requested["signal"]:
+        dead = [c for c in children if c.process.poll() is not None]
+        if dead:
+            print(f"disagg-serve up: {dead[0].name} exited with status {dead[0].process.returncode}; stopping",
+                  file=sys.stderr, flush=True)
+            exit_code = 1
+            break
+        time.sleep(0.2)
+    _stop(children)
+    print("disagg-serve up: stopped", flush=True)
+    return exit_code
+
+
+def _served_model(url: str) -> str:
+    try:
+        return str(httpx.get(url + "/v1/models", timeout=5).json()["data"][0]["id"])
+    except (httpx.HTTPError, KeyError, IndexError, ValueError):
+        return "default"
+
+

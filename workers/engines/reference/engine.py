@@ -1,0 +1,314 @@
+"""The reference engine's adapter: the front-end half of the typed engine protocol.
+
+It starts the engine core as a child process, talks to it over a Unix socket (token ids cross as raw int32
+payloads), and turns the core's frames into ``EngineOutput`` values. The core's failures become
+``frontend.errors`` types here; nothing foreign passes this boundary.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from frontend.errors import EngineError, HandoffError, OverloadedError, ServingError
+from frontend.launcher import die_with_parent
+from workers.engines.base import Engine, EngineInfo, EngineOutput, TokenLogprob, Tokenizer
+from workers.engines.reference.ipc import ChannelClosed, Header, encode_frame, read_frame
+from workers.engines.reference.model_file import TokenizerMetadata
+from workers.engines.reference.tokenizer import GGUFTokenizer
+from workers.generation_request import GenerationRequest, Phase, PromptPath
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class ReferenceOptions:
+    model_path: str | None = None
+    served_model_name: str | None = None
+    kv_block_reuse: bool = False
+    prompt_tokens_in_handoff: bool = True
+    kv_host: str = "127.0.0.1"
+    kv_advertise_host: str | None = None
+    kv_port: int = 0
+    kv_store_bytes: int = 4 * 1024**3
+    kv_ttl_s: float = 120.0
+    prefill_chunk: int = 512
+    blas_threads: int | None = None  # pin for bitwise-reproducible prefill across workers
+    startup_timeout_s: float = 300.0
+
+
+class ReferenceEngine(Engine):
+    def __init__(self, options: ReferenceOptions | None = None) -> None:
+        self.options = options or ReferenceOptions()
+        self._info: EngineInfo | None = None
+        self._tokenizer: GGUFTokenizer | None = None
+        self._process: subprocess.Popen[bytes] | None = None
+        self._writer: asyncio.StreamWriter | None = None
+        self._reader_task: asyncio.Task[None] | None = None
+        self._queues: dict[str, asyncio.Queue[Header]] = {}
+        self._workdir: Path | None = None
+        self._alive = False
+        self.kv_store_entries = 0
+        self.kv_store_bytes = 0
+
+    @property
+    def info(self) -> EngineInfo:  # type: ignore[override]
+        if self._info is None:
+            raise EngineError("the reference engine has not started")
+        return self._info
+
+    @property
+    def tokenizer(self) -> Tokenizer:  # type: ignore[override]
+        if self._tokenizer is None:
+            raise EngineError("the reference engine has not started")
+        return self._tokenizer
+
+    # -- lifecycle ----------------------------------------------------------------------------------------
+    async def start(self) -> None:
+        self._workdir = Path(tempfile.mkdtemp(prefix="disagg-core-"))
+        socket_path = str(self._workdir / "core.sock")
+        connected: asyncio.Future[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = (
+            asyncio.get_running_loop().create_future()
+        )
+
+        def on_connect(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            if not connected.done():
+                connected.set_result((reader, writer))
+            else:
+                writer.close()
+
+        server = await asyncio.start_unix_server(on_connect, socket_path, limit=2**20)
+        self._process = subprocess.Popen(
+            self._core_command(socket_path), env=self._core_env(), preexec_fn=die_with_parent
+        )
+        try:
+            reader, writer = await self._wait_for(connected)
+            ready, _ = await self._wait_for(asyncio.ensure_future(read_frame(reader)))
+        finally:
+            server.close()
+        if ready.get("op") != "ready":
+            await self.aclose()
+            raise EngineError(f"the engine core failed to start: {ready.get('message', ready)}")
+        self._writer = writer
+        self._tokenizer = await asyncio.to_thread(GGUFTokenizer, TokenizerMetadata(**_tokenizer_fields(ready)))
+        self._info = EngineInfo(
+            engine="reference",
+            model=self.options.served_model_name or Path(ready["model_path"]).stem,
+            vocab_size=int(ready["vocab_size"]),
+            max_context=int(ready["context_length"]),
+            model_hash=str(ready["model_hash"]),
+            kv_block_reuse=self.options.kv_block_reuse,
+            prompt_tokens_in_handoff=bool(ready["prompt_tokens_in_handoff"]),
+        )
+        self._alive = True
+        self._reader_task = asyncio.create_task(self._read_loop(reader), name="reference-core-reader")
+        logger.info("reference engine ready: model %s loaded in %.1f s, core RSS %.0f MB (pid %d)",
+                    self._info.model, ready["load_s"], ready["rss_mb"], self._process.pid)
+        print(f"reference engine: {self._info.model} loaded in {ready['load_s']:.1f} s, "
+              f"engine core RSS {ready['rss_mb']:.0f} MB", flush=True)
+
+    async def _wait_for(self, future: asyncio.Future[Any]) -> Any:
+        """Await the core's start-up step, failing fast if the process dies or the time runs out."""
+        assert self._process is not None
+        deadline = asyncio.get_running_loop().time() + self.options.startup_timeout_s
+        while not future.done():
+            if self._process.poll() is not None:
+                future.cancel()
+                raise EngineError(f"the engine core exited during start-up (status {self._process.returncode})")
+            if asyncio.get_running_loop().time() > deadline:
+                future.cancel()
+                raise EngineError(f"the engine core did not start within {self.options.startup_timeout_s} s")
+            await asyncio.wait({future}, timeout=0.1)
+        try:
+            return future.result()
+        except ChannelClosed as exc:
+            raise EngineError("the engine core closed its channel during start-up") from exc
+
+    def _core_command(self, socket_path: str) -> list[str]:
+        o = self.options
+        command = [sys.executable, "-m", "workers.engines.reference.core", "--socket", socket_path,
+                   "--kv-host", o.kv_host, "--kv-port", str(o.kv_port), "--kv-store-bytes", str(o.kv_store_bytes),
+                   "--kv-ttl-s", str(o.kv_ttl_s), "--prefill-chunk", str(o.prefill_chunk)]
+        if o.model_path:
+            command += ["--model", o.model_path]
+        if o.kv_advertise_host:
+            command += ["--kv-advertise-host", o.kv_advertise_host]
+        if not o.prompt_tokens_in_handoff:
+            command.append("--no-prompt-tokens-in-handoff")
+        return command
+
+    def _core_env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        if self.options.blas_threads is not None:
+            for name in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+                env[name] = str(self.options.blas_threads)
+        return env
+
+    def kv_store_stats(self) -> tuple[int, int]:
+        return self.kv_store_entries, self.kv_store_bytes
+
+    async def health(self) -> bool:
+        return self._alive and self._process is not None and self._process.poll() is None
+
+    async def aclose(self) -> None:
+        was_alive, self._alive = self._alive, False
+        if self._writer is not None and was_alive:
+            with contextlib.suppress(ConnectionError, RuntimeError):
+                self._writer.writelines(encode_frame({"op": "shutdown"}))
+                await self._writer.drain()
+        if self._process is not None and self._process.poll() is None:
+            try:
+                await asyncio.wait_for(asyncio.to_thread(self._process.wait), timeout=10)
+            except TimeoutError:
+                self._process.send_signal(signal.SIGKILL)
+                await asyncio.to_thread(self._process.wait)
+        if self._reader_task is not None:
+            self._reader_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reader_task
+        if self._writer is not None:
+            self._writer.close()
+        if self._workdir is not None:
+            shutil.rmtree(self._workdir, ignore_errors=True)
+        self._fail_all("the engine is shutting down")
+
+    # -- the channel --------------------------------------------------------------------------------------
+    def _send(self, header: Header, payload: bytes | memoryview = b"") -> None:
+        if self._writer is None or not self._alive:
+            raise EngineError("the engine core is not running")
+        self._writer.writelines(encode_frame(header, payload))
+
+    async def _read_loop(self, reader: asyncio.StreamReader) -> None:
+        try:
+            while True:
+                header, _ = await read_frame(reader)
+                op = header.get("op")
+                if op == "kv_stats":
+                    self.kv_store_entries, self.kv_store_bytes = int(header["entries"]), int(header["bytes"])
+                elif op in ("output", "error"):
+                    request_queue = self._queues.get(str(header["id"]))
+                    if request_queue is not None:
+                        request_queue.put_nowait(header)
+                elif op == "fatal":
+                    logger.error("engine core failed: %s", header.get("message"))
+        except ChannelClosed:
+            pass
+        finally:
+            if self._alive:
+                logger.error("the engine core went away")
+            self._alive = False
+            self._fail_all("the engine core went away")
+
+    def _fail_all(self, message: str) -> None:
+        for request_queue in self._queues.values():
+            request_queue.put_nowait({"op": "error", "kind": "engine", "message": message})
+
+    # -- requests -----------------------------------------------------------------------------------------
+    def generate(self, request: GenerationRequest) -> AsyncGenerator[EngineOutput, None]:
+        return self._generate(request)
+
+    async def _generate(self, request: GenerationRequest) -> AsyncGenerator[EngineOutput, None]:
+        request_id = request.request_id
+        outputs: asyncio.Queue[Header] = asyncio.Queue()
+        self._queues[request_id] = outputs
+        finished = False
+        try:
+            header, payload = _submit_frame(request)
+            self._send(header, payload)
+            while True:
+                message = await outputs.get()
+                if message["op"] == "error":
+                    finished = True
+                    raise _translate(message)
+                output = _engine_output(message)
+                if output.finish_reason is not None or output.handoff_state is not None:
+                    finished = True
+                yield output
+                if finished or (request.phase is Phase.CONTEXT_ONLY and output.token_ids):
+                    finished = True
+                    return
+        finally:
+            del self._queues[request_id]
+            if not finished and self._alive:
+                # The consumer stopped early (client gone, stop string, error): free the request in the core.
+                with contextlib.suppress(EngineError, ConnectionError, RuntimeError):
+                    self._send({"op": "abort", "id": request_id})
+
+    async def abort(self, request_id: str) -> None:
+        if self._alive:
+            self._send({"op": "abort", "id": request_id})
+
+
+def _submit_frame(request: GenerationRequest) -> tuple[Header, memoryview | bytes]:
+    s = request.sampling
+    header: Header = {
+        "op": "submit",
+        "id": request.request_id,
+        "phase": request.phase.value,
+        "prompt_len": request.prompt_len,
+        "placeholder": request.prompt_path is PromptPath.METADATA_ONLY,
+        "reads_prompt_values": bool(s.reads_prompt_token_values),
+        "sampling": {
+            "max_tokens": s.max_tokens, "temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k,
+            "seed": s.seed, "frequency_penalty": s.frequency_penalty, "presence_penalty": s.presence_penalty,
+            "repetition_penalty": s.repetition_penalty, "logprobs": s.logprobs, "ignore_eos": s.ignore_eos,
+            "logit_bias": [list(pair) for pair in s.logit_bias], "prompt_logprobs": s.prompt_logprobs,
+        },
+    }
+    if request.handoff is not None:
+        header["first_gen_tokens"] = list(request.handoff.first_gen_tokens)
+        header["handoff_state"] = request.handoff.opaque_state.decode("utf-8", errors="replace")
+    if request.prompt_path is PromptPath.METADATA_ONLY:
+        return header, b""
+    return header, request.prompt_token_ids_i32.data  # the raw int32 buffer: no list, no copy
+
+
+def _engine_output(message: Header) -> EngineOutput:
+    logprobs = tuple(
+        TokenLogprob(int(t), float(lp), tuple((int(i), float(v)) for i, v in top))
+        for t, lp, top in message.get("logprobs") or ()
+    )
+    prompt_logprobs = None
+    if message.get("prompt_logprobs") is not None:
+        prompt_logprobs = tuple(
+            None if entry is None
+            else TokenLogprob(int(entry[0]), float(entry[1]), tuple((int(i), float(v)) for i, v in entry[2]))
+            for entry in message["prompt_logprobs"]
+        )
+    state = message.get("handoff_state")
+    return EngineOutput(
+        token_ids=tuple(int(t) for t in message["tokens"]),
+        logprobs=logprobs,
+        finish_reason=message.get("finish"),
+        handoff_state=state.encode() if isinstance(state, str) else None,
+        prompt_logprobs=prompt_logprobs,
+    )
+
+
+def _translate(message: Header) -> ServingError:
+    kind, text = message.get("kind"), str(message.get("message", "engine error"))
+    if kind == "handoff":
+        return HandoffError(text, param="disaggregated_params.encoded_opaque_state")
+    if kind == "overloaded":
+        return OverloadedError(text)
+    return EngineError(text)
+
+
+def _tokenizer_fields(ready: Header) -> dict[str, Any]:
+    t = ready["tokenizer"]
+    return {
+        "model": t["model"], "pre": t["pre"], "tokens": tuple(t["tokens"]), "merges": tuple(t["merges"]),
+        "token_types": tuple(t["token_types"]), "bos_token_id": t["bos_token_id"],
+        "eos_token_id": t["eos_token_id"], "chat_template": t["chat_template"],
+    }

@@ -1,0 +1,260 @@
+"""The engine core's scheduler: chunked prefill and per-sequence decode, interleaved step by step.
+
+Each ``step`` runs one prefill chunk of the oldest waiting request, then one decode step of every running
+request, so a long prompt never starves the streams already running. Decoding stays per sequence (not
+batched) on purpose: batched BLAS changes bits with the batch's composition, and this engine exists to show
+disaggregated output equal to aggregated output, token for token, whatever the load.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import orjson
+
+from frontend.token_codec import TokenArray
+from workers.engines.reference.kv_fetch import FetchedHandoff, HandoffUnavailable, fetch_handoff
+from workers.engines.reference.kv_handoff import KVHandoff, encode_handoff
+from workers.engines.reference.kv_store import KVStore, KVStoreFull
+from workers.engines.reference.sampler import Sampler, SamplingConfig, log_softmax, top_logprobs
+from workers.engines.reference.transformer import KVCache, Transformer, export_kv
+
+logger = logging.getLogger(__name__)
+
+Emit = Callable[[dict[str, Any]], None]
+
+
+@dataclass(slots=True)
+class SubmitSpec:
+    request_id: str
+    phase: str  # "aggregated" | "context_only" | "generation_only"
+    prompt: TokenArray
+    placeholder: bool
+    max_tokens: int
+    sampling: SamplingConfig
+    ignore_eos: bool = False
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    prompt_logprobs: int | None = None
+    first_gen_tokens: tuple[int, ...] = ()
+    handoff_state: bytes | None = None
+    reads_prompt_values: bool = False
+
+
+@dataclass(slots=True)
+class Sequence:
+    spec: SubmitSpec
+    cache: KVCache
+    sampler: Sampler | None = None
+    prefilled: int = 0
+    produced: int = 0
+    last_token: int = -1
+    prompt_logprobs: list[Any] = field(default_factory=list)
+    handoff_prompt_logprobs: list[Any] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    model_hash: str
+    eos_token_ids: frozenset[int]
+    prefill_chunk: int = 512
+    prompt_tokens_in_handoff: bool = True
+    kv_url_base: str = ""  # "http://host:port" of this core's KV transfer server
+
+
+class Scheduler:
+    def __init__(self, model: Transformer, config: SchedulerConfig, store: KVStore, emit: Emit) -> None:
+        self.model = model
+        self.config = config
+        self.store = store
+        self.emit = emit
+        self.vocab_size = model.config.vocab_size
+        self.context = model.config.context_length
+        self._prefill_queue: collections.deque[Sequence] = collections.deque()
+        self._running: dict[str, Sequence] = {}
+        self._fetching: dict[str, tuple[SubmitSpec, Future[FetchedHandoff]]] = {}
+        self._fetcher = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv-fetch")
+
+    # -- requests in --------------------------------------------------------------------------------------
+    def submit(self, spec: SubmitSpec) -> None:
+        if spec.phase == "generation_only":
+            assert spec.handoff_state is not None
+            future = self._fetcher.submit(fetch_handoff, spec.handoff_state, self.model.config,
+                                          self.config.model_hash, int(spec.prompt.shape[0]))
+            self._fetching[spec.request_id] = (spec, future)
+            return
+        self._prefill_queue.append(Sequence(spec, self.model.new_cache(int(spec.prompt.shape[0]) + 16)))
+
+    def abort(self, request_id: str) -> None:
+        self._running.pop(request_id, None)
+        self._fetching.pop(request_id, None)  # a fetch in flight finishes in its thread; its result is dropped
+        self._prefill_queue = collections.deque(s for s in self._prefill_queue if s.spec.request_id != request_id)
+        self.store.discard(request_id)
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._prefill_queue or self._running or self._fetching)
+
+    @property
+    def active_requests(self) -> int:
+        return len(self._prefill_queue) + len(self._running) + len(self._fetching)
+
+    # -- one step -----------------------------------------------------------------------------------------
+    def step(self) -> None:
+        self._admit_fetched()
+        if self._prefill_queue:
+            self._prefill_chunk(self._prefill_queue[0])
+        for seq in list(self._running.values()):
+            if seq.spec.request_id in self._running:
+                self._decode_one(seq)
+
+    def _admit_fetched(self) -> None:
+        for request_id, (spec, future) in list(self._fetching.items()):
+            if not future.done():
+                continue
+            del self._fetching[request_id]
+            try:
+                fetched = future.result()
+            except HandoffUnavailable as exc:
+                self._fail(request_id, "handoff", str(exc))
+                continue
+            except Exception as exc:  # a transfer bug must fail one request, not the core
+                logger.exception("KV fetch failed for %s", request_id)
+                self._fail(request_id, "engine", f"KV fetch failed: {type(exc).__name__}")
+                continue
+            self._start_generation(spec, fetched)
+
+    def _start_generation(self, spec: SubmitSpec, fetched: FetchedHandoff) -> None:
+        handoff: KVHandoff = fetched.handoff
+        prompt = spec.prompt
+        if spec.placeholder:
+            if handoff.prompt_tokens is not None:
+                prompt = handoff.prompt_tokens  # the real prompt, carried beside the KV
+            elif spec.reads_prompt_values:
+                self._fail(spec.request_id, "handoff", "this request reads prompt token values, but neither the "
+                           "request nor the KV hand-off carries the prompt's tokens")
+                return
+        seq = Sequence(spec, fetched.cache)
+        seq.sampler = self._sampler(spec, prompt)
+        seq.produced = len(spec.first_gen_tokens)
+        seq.handoff_prompt_logprobs = handoff.prompt_logprobs
+        for token in spec.first_gen_tokens[:-1]:  # tokens CTX chose beyond the first enter the cache here
+            self.model.decode(token, seq.cache)
+        seq.last_token = spec.first_gen_tokens[-1]
+        if seq.handoff_prompt_logprobs is not None and spec.prompt_logprobs is not None:
+            self.emit({"op": "output", "id": spec.request_id, "tokens": [], "logprobs": None, "finish": None,
+                       "prompt_logprobs": seq.handoff_prompt_logprobs})
+        finish = self._finish_reason(seq, seq.last_token)
+        if finish is not None:
+            self.emit({"op": "output", "id": spec.request_id, "tokens": [], "logprobs": None, "finish": finish})
+            return
+        self._running[spec.request_id] = seq
+
+    def _sampler(self, spec: SubmitSpec, prompt: TokenArray) -> Sampler:
+        return Sampler(spec.sampling, prompt, self.vocab_size, output_so_far=spec.first_gen_tokens)
+
+    def _prefill_chunk(self, seq: Sequence) -> None:
+        spec = seq.spec
+        start = seq.prefilled
+        chunk = spec.prompt[start : start + self.config.prefill_chunk]
+        if spec.prompt_logprobs is not None:
+            all_logits = self.model.prefill_all_logits(chunk, seq.cache)
+            self._record_prompt_logprobs(seq, all_logits, start)
+            logits = all_logits[-1]
+        else:
+            logits = self.model.prefill(chunk, seq.cache)
+        seq.prefilled += int(chunk.shape[0])
+        if seq.prefilled < spec.prompt.shape[0]:
+            return
+        self._prefill_queue.popleft()
+        seq.sampler = self._sampler(spec, spec.prompt)
+        self._emit_token(seq, logits, first=True)
+
+    def _record_prompt_logprobs(self, seq: Sequence, logits: np.ndarray, start: int) -> None:
+        prompt = seq.spec.prompt
+        n_top = seq.spec.prompt_logprobs or 0
+        if start == 0:
+            seq.prompt_logprobs.append(None)  # the first prompt token has no context to be scored in
+        for row in range(logits.shape[0]):
+            target = start + row + 1
+            if target >= prompt.shape[0]:
+                break
+            lp = log_softmax(logits[row])
+            token = int(prompt[target])
+            seq.prompt_logprobs.append([token, float(lp[token]), [list(t) for t in top_logprobs(lp, n_top)]])
+
+    def _decode_one(self, seq: Sequence) -> None:
+        logits = self.model.decode(seq.last_token, seq.cache)
+        self._emit_token(seq, logits, first=False)
+
+    def _emit_token(self, seq: Sequence, logits: np.ndarray, first: bool) -> None:
+        spec = seq.spec
+        assert seq.sampler is not None
+        if spec.logit_bias:
+            logits = logits.copy()
+            for token, bias in spec.logit_bias:
+                logits[token] += np.float32(bias)
+        sampled = seq.sampler.sample(logits)
+        seq.produced += 1
+        seq.last_token = sampled.token_id
+        finish = self._finish_reason(seq, sampled.token_id)
+        message: dict[str, Any] = {
+            "op": "output",
+            "id": spec.request_id,
+            "tokens": [sampled.token_id],
+            "logprobs": None if spec.sampling.logprobs is None
+            else [[sampled.token_id, sampled.logprob, [list(t) for t in sampled.top_logprobs]]],
+            "finish": finish,
+        }
+        if first and spec.prompt_logprobs is not None:
+            message["prompt_logprobs"] = seq.prompt_logprobs
+        if first and spec.phase == "context_only":
+            if finish is None:
+                try:
+                    message["handoff_state"] = self._park_kv(seq)
+                except KVStoreFull as exc:
+                    self._fail(spec.request_id, "overloaded", str(exc))
+                    return
+            self.emit(message)
+            return
+        self.emit(message)
+        if finish is None:
+            self._running[spec.request_id] = seq
+        else:
+            self._running.pop(spec.request_id, None)
+
+    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
+        if token in self.config.eos_token_ids and not seq.spec.ignore_eos:
+            return "stop"
+        if seq.produced >= seq.spec.max_tokens or seq.cache.length + 1 >= self.context:
+            return "length"
+        return None
+
+    def _park_kv(self, seq: Sequence) -> str:
+        k, v = export_kv(seq.cache)
+        spec = seq.spec
+        handoff = KVHandoff(
+            k, v, self.config.model_hash, self.model.config.rope_base,
+            prompt_tokens=spec.prompt if self.config.prompt_tokens_in_handoff else None,
+            prompt_logprobs=seq.prompt_logprobs if spec.prompt_logprobs is not None else None,
+        )
+        key = self.store.put(spec.request_id, encode_handoff(handoff))
+        return json_state(self.config.kv_url_base, spec.request_id, key, self.config.model_hash, handoff.n_tokens)
+
+    def _fail(self, request_id: str, kind: str, message: str) -> None:
+        self._running.pop(request_id, None)
+        self.emit({"op": "error", "id": request_id, "kind": kind, "message": message})
+
+    def close(self) -> None:
+        self._fetcher.shutdown(wait=False, cancel_futures=True)
+
+
+def json_state(kv_url_base: str, entry_id: str, key: str, model_hash: str, n_tokens: int) -> str:
+    """The opaque state GEN gets (base64-wrapped by the front end): where the KV is and the one-time key."""
+    return orjson.dumps({"kv_url": f"{kv_url_base}/kv/{entry_id}", "key": key, "model_hash": model_hash,
+                         "n_tokens": n_tokens}).decode()

@@ -1,0 +1,176 @@
+"""A byte-level BPE tokenizer rebuilt from GGUF metadata, chat-template rendering and streaming decode."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jinja2
+import numpy as np
+import numpy.typing as npt
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+from workers.engines.reference.model_file import TokenizerMetadata
+
+I32Array = npt.NDArray[np.int32]
+
+# GGUF token_type 3 = CONTROL: <|im_start|> and friends, matched whole in text and skippable on decode.
+_CONTROL_TOKEN_TYPE = 3
+# Pre-tokenizers that split every digit on its own before the GPT-2 byte-level regex.
+_DIGIT_SPLITTING_PRE = frozenset({"smollm"})
+# Ids that end generation besides the GGUF eos: SmolLM2 stops on <|im_end|> and <|endoftext|>.
+_EXTRA_STOP_TOKENS = ("<|endoftext|>", "<|im_end|>")
+
+
+class TokenizerError(ValueError):
+    """The GGUF tokenizer metadata describes a tokenizer this module cannot build."""
+
+
+class ChatTemplateError(ValueError):
+    """The chat template is missing or failed to render."""
+
+
+def _raise_exception(message: str) -> None:
+    # HF chat templates call raise_exception() to reject malformed conversations.
+    raise ChatTemplateError(message)
+
+
+class GGUFTokenizer:
+    def __init__(self, meta: TokenizerMetadata) -> None:
+        if meta.model != "gpt2":
+            raise TokenizerError(
+                f"tokenizer model {meta.model!r} is not supported (only byte-level BPE 'gpt2')"
+            )
+        vocab = {tok: i for i, tok in enumerate(meta.tokens)}
+        merges = []
+        for merge in meta.merges:
+            left, sep, right = merge.partition(" ")
+            if not sep:
+                raise TokenizerError(f"malformed merge {merge!r}")
+            merges.append((left, right))
+        tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
+        byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        if meta.pre in _DIGIT_SPLITTING_PRE:
+            tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+                [pre_tokenizers.Digits(individual_digits=True), byte_level]
+            )
+        else:
+            tokenizer.pre_tokenizer = byte_level
+        tokenizer.decoder = decoders.ByteLevel()
+        specials = [meta.tokens[i] for i, kind in enumerate(meta.token_types) if kind == _CONTROL_TOKEN_TYPE]
+        tokenizer.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in specials])
+        self._tokenizer = tokenizer
+        self._vocab_size = len(meta.tokens)
+        self._special_ids = frozenset(vocab[s] for s in specials)
+        stops = {vocab[s] for s in _EXTRA_STOP_TOKENS if s in vocab}
+        if meta.eos_token_id is not None:
+            stops.add(meta.eos_token_id)
+        self._eos_ids = frozenset(stops)
+        self._bos_token = meta.tokens[meta.bos_token_id] if meta.bos_token_id is not None else ""
+        self._eos_token = meta.tokens[meta.eos_token_id] if meta.eos_token_id is not None else ""
+        self._template = self._compile_template(meta.chat_template)
+
+    @staticmethod
+    def _compile_template(source: str | None) -> jinja2.Template | None:
+        if source is None:
+            return None
+        # Same environment settings as HF transformers, so templates written for it render identically;
+        # the sandbox keeps a hostile template (it ships inside a model file) away from Python internals.
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = _raise_exception
+        try:
+            return env.from_string(source)
+        except jinja2.TemplateError as exc:
+            raise ChatTemplateError(f"chat template does not compile: {exc}") from exc
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab_size
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        return self._eos_ids
+
+    @property
+    def special_token_ids(self) -> frozenset[int]:
+        return self._special_ids
+
+    def encode(self, text: str) -> I32Array:
+        """Token ids for text; control tokens written in the text become their single ids."""
+        ids = self._tokenizer.encode(text, add_special_tokens=False).ids
+        return np.asarray(ids, dtype=np.int32)
+
+    def decode(
+        self, ids: Sequence[int] | npt.NDArray[np.integer[Any]], skip_special_tokens: bool = True
+    ) -> str:
+        return self._tokenizer.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    def token_text(self, token_id: int) -> str:
+        """Decoded text of one token (may be a partial UTF-8 character, shown as U+FFFD)."""
+        return self._tokenizer.decode([int(token_id)], skip_special_tokens=False)
+
+    def detokenizer(self) -> IncrementalDetokenizer:
+        return IncrementalDetokenizer(self)
+
+    def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        if self._template is None:
+            raise ChatTemplateError("this model file has no tokenizer.chat_template")
+        try:
+            return self._template.render(
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self._bos_token,
+                eos_token=self._eos_token,
+            )
+        except ChatTemplateError:
+            raise
+        except Exception as exc:  # a template can fail in many ways (undefined, type errors, sandbox)
+            raise ChatTemplateError(f"chat template failed to render: {exc}") from exc
+
+
+class IncrementalDetokenizer:
+    """Turns a stream of token ids into text deltas.
+
+    Each step decodes only a short window: the tokens since the last emitted boundary plus a few
+    tokens of left context (byte-level decoding of a token can depend on its neighbours only
+    through incomplete UTF-8 sequences). Text ending in U+FFFD is held back until the character's
+    remaining bytes arrive; `flush` releases whatever is left at the end of the stream.
+    """
+
+    _CONTEXT_TOKENS = 4
+
+    def __init__(self, tokenizer: GGUFTokenizer, skip_special_tokens: bool = True) -> None:
+        self._tokenizer = tokenizer
+        self._skip = skip_special_tokens
+        self._ids: list[int] = []
+        self._prefix_offset = 0  # window start (left context)
+        self._read_offset = 0  # everything before this has been emitted
+
+    @property
+    def token_ids(self) -> tuple[int, ...]:
+        return tuple(self._ids)
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=self._skip)
+
+    def add(self, token_ids: int | Sequence[int]) -> str:
+        """Record one or more new tokens; returns the newly completed text (possibly empty)."""
+        if isinstance(token_ids, int | np.integer):
+            self._ids.append(int(token_ids))
+        else:
+            self._ids.extend(int(t) for t in token_ids)
+        prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        full_text = self._decode(self._ids[self._prefix_offset :])
+        if len(full_text) <= len(prefix_text) or full_text.endswith("\ufffd"):
+            return ""
+        self._prefix_offset = max(self._read_offset, len(self._ids) - self._CONTEXT_TOKENS)
+        self._read_offset = len(self._ids)
+        return full_text[len(prefix_text) :]
+
+    def flush(self) -> str:
+        """Text still held back (an incomplete character at the end of the stream), emitted as-is."""
+        prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        full_text = self._decode(self._ids[self._prefix_offset :])
+        self._prefix_offset = self._read_offset = len(self._ids)
+        return full_text[len(prefix_text) :]
