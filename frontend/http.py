@@ -7,6 +7,7 @@ field; the handlers here read raw bytes, parse once with orjson, and validate wi
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
@@ -16,6 +17,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
 from starlette.responses import Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from frontend.errors import InvalidRequestError, PayloadTooLargeError, ServingError, error_body
 
@@ -97,10 +99,6 @@ def install_error_handlers(app: FastAPI) -> None:
         param = ".".join(str(p) for p in errors[0]["loc"]) if errors else None
         return error_response(InvalidRequestError(str(errors[0]["msg"]) if errors else "invalid", param=param))
 
-    async def unexpected_error(_: Request, exc: Exception) -> Response:
-        logger.exception("unhandled error", exc_info=exc)
-        return error_response(ServingError("internal server error"))
-
     async def client_disconnected(_: Request, exc: Exception) -> Response:
         # Nobody is listening; 499 (nginx's "client closed request") keeps the access log honest.
         return Response(status_code=499)
@@ -108,7 +106,36 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(ClientDisconnected, client_disconnected)
     app.add_exception_handler(ServingError, serving_error)
     app.add_exception_handler(RequestValidationError, validation_error)
-    app.add_exception_handler(Exception, unexpected_error)
+    # Not an ``Exception`` handler: Starlette re-raises those after answering, and uvicorn then closes the
+    # keep-alive connection, so the next request a pooled client sends on it fails with a connection reset.
+    app.add_middleware(_AnswerUnexpectedErrors)
+
+
+class _AnswerUnexpectedErrors:
+    """Pure ASGI middleware: an exception no handler took becomes a 500 in OpenAI's shape, logged once."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        except Exception as exc:
+            if started:  # too late to answer: let the server drop the connection
+                raise
+            logger.exception("unhandled error", exc_info=exc)
+            await error_response(ServingError("internal server error"))(scope, receive, send)
 
 
 async def cancel_on_disconnect(request: Request, work: Callable[[], Awaitable[T]]) -> T:
@@ -126,10 +153,8 @@ async def cancel_on_disconnect(request: Request, work: Callable[[], Awaitable[T]
             work_task.cancel()
         disconnect_task.cancel()
     if not work_task.done() or work_task.cancelled():
-        try:
+        with contextlib.suppress(asyncio.CancelledError):
             await work_task
-        except asyncio.CancelledError:
-            pass
         raise ClientDisconnected()
     return work_task.result()
 

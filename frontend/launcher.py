@@ -8,8 +8,8 @@ SIGKILLed launcher leaves no orphans behind.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
-
 import signal
 import socket
 import subprocess
@@ -34,10 +34,8 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 def die_with_parent() -> None:
     """Runs in a child before exec: the kernel sends it SIGTERM when its parent dies (Linux)."""
-    try:
+    with contextlib.suppress(OSError):  # not Linux: the launcher's own handlers still stop its children
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    except OSError:  # not Linux: the launcher's own handlers still stop its children
-        pass
 
 
 @dataclass
@@ -53,7 +51,7 @@ class StartupFailed(Exception):
 
 def _spawn(name: str, argv: list[str], url: str) -> Child:
     command = [sys.executable, "-m", "frontend.cli", *argv]
-    process = subprocess.Popen(command, preexec_fn=die_with_parent)  # noqa: PLW1509 - prctl only
+    process = subprocess.Popen(command, preexec_fn=die_with_parent)
     return Child(name, url, process)
 
 

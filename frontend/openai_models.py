@@ -139,9 +139,9 @@ class CompletionRequest(SamplingFields):
 
     @model_validator(mode="after")
     def _single_prompt(self) -> CompletionRequest:
-        if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], str | list):
-            if len(self.prompt) != 1:
-                raise UnsupportedParameterError("only one prompt per request is supported", param="prompt")
+        batched = isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], str | list)
+        if batched and len(self.prompt) != 1:
+            raise UnsupportedParameterError("only one prompt per request is supported", param="prompt")
         if self.suffix:
             raise UnsupportedParameterError("'suffix' is not supported", param="suffix")
         if self.best_of not in (None, 1):

@@ -33,7 +33,7 @@ class Usage:
         if endpoint == "responses":
             return {
                 "input_tokens": self.prompt_tokens,
-                "input_tokens_details": {"cached_tokens": 0},
+                "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
                 "output_tokens": self.completion_tokens,
                 "output_tokens_details": {"reasoning_tokens": 0},
                 "total_tokens": self.prompt_tokens + self.completion_tokens,
@@ -222,7 +222,10 @@ class StreamRenderer:
         endpoint = self.ident.endpoint
         if endpoint in ("chat", "completions"):
             choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish_reason}
-            choice.update({"delta": {}} if endpoint == "chat" else {"text": ""})
+            if endpoint == "chat":
+                choice["delta"] = {}
+            else:
+                choice["text"] = ""
             frames = [self._chunk(choice)]
             if self.include_usage:
                 frames.append(self._chunk({}, usage=usage.as_openai(endpoint)))

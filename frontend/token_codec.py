@@ -68,11 +68,15 @@ def token_array_from_list(
 ) -> TokenArray:
     """The list path: a client's explicit ``prompt_token_ids``. Validated the same way as the array path."""
     try:
-        wide = np.asarray(token_ids, dtype=np.int64)
+        given = np.asarray(token_ids)
     except (ValueError, TypeError, OverflowError) as exc:
         raise TokenCodecError(f"'{field}' must be a list of integers", param=field) from exc
-    if wide.ndim != 1:
+    if given.ndim != 1:
         raise TokenCodecError(f"'{field}' must be a flat list of integers", param=field)
+    # Casting straight to int64 would truncate 1.5 to 1 and parse "7" as 7: refuse anything not integral.
+    if given.size and given.dtype.kind not in "iu":
+        raise TokenCodecError(f"'{field}' must be a list of integers", param=field)
+    wide = given.astype(np.int64)  # a uint64 id beyond int64 wraps negative and fails the range check below
     # Range-check in int64 first so that ids beyond int32 are reported, not silently wrapped.
     _check_range(wide, vocab_size, field)
     tokens: TokenArray = wide.astype(TOKEN_DTYPE)
@@ -103,7 +107,7 @@ def validate_token_array(
 
 def _check_range(tokens: npt.NDArray[np.integer], vocab_size: int, field: str) -> None:
     # One pass: viewed as unsigned, a negative id becomes huge, so a single comparison finds both ends.
-    unsigned = tokens.view(np.uint32 if tokens.dtype.itemsize == 4 else np.uint64)
+    unsigned: npt.NDArray[np.unsignedinteger] = tokens.view(np.uint32 if tokens.dtype.itemsize == 4 else np.uint64)
     out_of_range = unsigned >= vocab_size
     if out_of_range.any():
         index = int(np.flatnonzero(out_of_range)[0])

@@ -28,7 +28,7 @@ from frontend.openai_models import (
 )
 from frontend.openai_output import Endpoint
 from frontend.token_codec import TOKEN_DTYPE, TokenArray, decode_prompt_tokens, token_array_from_list
-from workers.engines.base import EngineInfo, TokenLogprob, Tokenizer
+from workers.engines.base import EngineInfo, Tokenizer, TokenLogprob
 from workers.generation_request import Handoff, Phase, PromptPath
 from workers.sampling_params import SamplingParams
 
@@ -102,7 +102,9 @@ def _logit_bias(bias: dict[str, float] | None, vocab_size: int) -> tuple[tuple[i
     pairs = []
     for key, value in bias.items():
         if not key.isdigit() or int(key) >= vocab_size:
-            raise InvalidRequestError(f"logit_bias key {key!r} is not a token id in [0, {vocab_size})", param="logit_bias")
+            raise InvalidRequestError(
+                f"logit_bias key {key!r} is not a token id in [0, {vocab_size})", param="logit_bias"
+            )
         pairs.append((int(key), float(value)))
     return tuple(sorted(pairs))
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -22,6 +22,8 @@ from frontend.errors import (
     OverloadedError,
     ServingError,
 )
+from frontend.http import validate_wire
+from frontend.metrics import Metrics
 from frontend.openai_models import (
     DisaggregatedParams,
     GenerationWireRequest,
@@ -34,11 +36,9 @@ from frontend.openai_output import (
     Usage,
     render_response,
 )
-from frontend.http import validate_wire
-from frontend.metrics import Metrics
 from frontend.token_codec import encode_prompt_tokens
 from workers.engines.base import Engine, FinishReason, TokenLogprob
-from workers.generation_request import GenerationRequest, Phase, PromptPath
+from workers.generation_request import GenerationRequest, Phase
 from workers.request_builder import (
     endpoint_of,
     handoff_from,
@@ -92,7 +92,7 @@ class WorkerService:
     # -- admission and parsing -------------------------------------------------------------------------
     async def prepare(self, body: dict[str, Any], wire_model: type[GenerationWireRequest]) -> PreparedGeneration:
         refuse_unsupported_parameters(body)
-        wire = validate_wire(wire_model, body)  # type: ignore[type-var]
+        wire = validate_wire(wire_model, body)
         info = self.engine.info
         if wire.model != info.model:
             raise ModelNotFoundError(f"the model '{wire.model}' does not exist; this worker serves '{info.model}'",
@@ -222,7 +222,7 @@ class WorkerService:
         self,
         prepared: PreparedGeneration,
         renderer: StreamRenderer,
-        steps: AsyncIterator[TextStep],
+        steps: AsyncGenerator[TextStep, None],
         first: TextStep | None,
     ) -> AsyncIterator[bytes]:
         request = prepared.request
@@ -252,7 +252,7 @@ class WorkerService:
             for frame in renderer.error(EngineError(f"the engine failed: {type(exc).__name__}")):
                 yield frame
         finally:
-            await steps.aclose()  # type: ignore[attr-defined]
+            await steps.aclose()
 
     # -- logprob token strings --------------------------------------------------------------------------
     def _logprob_info(self, lp: TokenLogprob) -> TokenLogprobInfo:

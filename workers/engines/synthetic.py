@@ -69,9 +69,7 @@ class SyntheticEngine(Engine):
                 await asyncio.sleep(self.config.time_to_first_token_s)
             prompt_logprobs = None
             if sampling.prompt_logprobs is not None:
-                prompt_logprobs = (None,) + tuple(
-                    TokenLogprob(t, 0.0) for t in request.prompt_token_ids[1:]
-                )
+                prompt_logprobs = (None, *(TokenLogprob(t, 0.0) for t in request.prompt_token_ids[1:]))
             token = self._token_at(0)
             position = 1
             finish = self._finish_reason(token, position, sampling.max_tokens, sampling.ignore_eos)
@@ -102,7 +100,9 @@ class SyntheticEngine(Engine):
             state = orjson.loads(request.handoff.opaque_state)
             engine, prompt_len, position = state["engine"], state["prompt_len"], state["position"]
         except (orjson.JSONDecodeError, KeyError, TypeError) as exc:
-            raise HandoffError("encoded_opaque_state is not a synthetic-engine hand-off", param="disaggregated_params") from exc
+            raise HandoffError(
+                "encoded_opaque_state is not a synthetic-engine hand-off", param="disaggregated_params"
+            ) from exc
         if engine != "synthetic":
             raise HandoffError(f"hand-off from engine {engine!r}, this is 'synthetic'", param="disaggregated_params")
         if prompt_len != request.prompt_len:

@@ -10,6 +10,7 @@ A reader thread moves incoming frames onto a queue, so a long prefill chunk neve
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import queue
 import resource
@@ -149,7 +150,7 @@ class Core:
                 self.send({"op": "error", "id": header.get("id"), "kind": "engine",
                            "message": f"bad submit frame: {type(exc).__name__}: {exc}"})
         elif op == "ping":
-            self.send({"op": "pong", "active": scheduler.active_requests})
+            self.send({"op": "pong", "ping": header.get("ping", 0), "active": scheduler.active_requests})
         else:
             logger.warning("unknown frame op %r", op)
 
@@ -157,10 +158,8 @@ class Core:
 def _submit_spec(header: Header, payload: bytes) -> SubmitSpec:
     prompt_len = int(header["prompt_len"])
     placeholder = bool(header.get("placeholder"))
-    if placeholder:
-        prompt = np.full(prompt_len, 0, dtype=TOKEN_DTYPE)
-    else:
-        prompt = np.frombuffer(payload, dtype=TOKEN_DTYPE)  # the raw int32 buffer, as it crossed the socket
+    # A placeholder is rebuilt from its length; real tokens are the raw int32 buffer as it crossed the socket.
+    prompt = np.full(prompt_len, 0, dtype=TOKEN_DTYPE) if placeholder else np.frombuffer(payload, TOKEN_DTYPE)
     s: dict[str, Any] = header["sampling"]
     state = header.get("handoff_state")
     return SubmitSpec(
@@ -192,10 +191,8 @@ def main(argv: list[str] | None = None) -> int:
         return Core(args, channel).run()
     except Exception as exc:
         logger.exception("engine core failed")
-        try:
+        with contextlib.suppress(OSError):
             send_frame_blocking(channel, {"op": "fatal", "message": f"{type(exc).__name__}: {exc}"})
-        except OSError:
-            pass
         return 1
     finally:
         channel.close()

@@ -23,13 +23,16 @@ from typing import Any
 
 from frontend.errors import EngineError, HandoffError, OverloadedError, ServingError
 from frontend.launcher import die_with_parent
-from workers.engines.base import Engine, EngineInfo, EngineOutput, TokenLogprob, Tokenizer
+from workers.engines.base import Engine, EngineInfo, EngineOutput, Tokenizer, TokenLogprob
 from workers.engines.reference.ipc import ChannelClosed, Header, encode_frame, read_frame
 from workers.engines.reference.model_file import TokenizerMetadata
 from workers.engines.reference.tokenizer import GGUFTokenizer
 from workers.generation_request import GenerationRequest, Phase, PromptPath
 
 logger = logging.getLogger(__name__)
+
+# A core busy with a long prefill chunk answers between steps; longer than this means it is stuck.
+_HEALTH_PING_TIMEOUT_S = 30.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +62,8 @@ class ReferenceEngine(Engine):
         self._queues: dict[str, asyncio.Queue[Header]] = {}
         self._workdir: Path | None = None
         self._alive = False
+        self._pings: dict[int, asyncio.Future[int]] = {}
+        self._ping_counter = 0
         self.kv_store_entries = 0
         self.kv_store_bytes = 0
 
@@ -89,17 +94,19 @@ class ReferenceEngine(Engine):
                 writer.close()
 
         server = await asyncio.start_unix_server(on_connect, socket_path, limit=2**20)
-        self._process = subprocess.Popen(
+        self._process = subprocess.Popen(  # noqa: ASYNC220 - a brief fork; Popen gives us preexec + poll()
             self._core_command(socket_path), env=self._core_env(), preexec_fn=die_with_parent
         )
         try:
             reader, writer = await self._wait_for(connected)
             ready, _ = await self._wait_for(asyncio.ensure_future(read_frame(reader)))
+            if ready.get("op") != "ready":
+                raise EngineError(f"the engine core failed to start: {ready.get('message', ready)}")
+        except BaseException:
+            await self.aclose()  # no half-started core, socket or temp dir is left behind
+            raise
         finally:
             server.close()
-        if ready.get("op") != "ready":
-            await self.aclose()
-            raise EngineError(f"the engine core failed to start: {ready.get('message', ready)}")
         self._writer = writer
         self._tokenizer = await asyncio.to_thread(GGUFTokenizer, TokenizerMetadata(**_tokenizer_fields(ready)))
         self._info = EngineInfo(
@@ -159,7 +166,27 @@ class ReferenceEngine(Engine):
         return self.kv_store_entries, self.kv_store_bytes
 
     async def health(self) -> bool:
-        return self._alive and self._process is not None and self._process.poll() is None
+        if not (self._alive and self._process is not None and self._process.poll() is None):
+            return False
+        try:
+            await self.active_requests(timeout_s=_HEALTH_PING_TIMEOUT_S)
+        except EngineError:
+            return False
+        return True
+
+    async def active_requests(self, timeout_s: float = 10.0) -> int:
+        """Requests the core holds right now (prefill, decode, or fetching KV), asked over the channel."""
+        self._ping_counter += 1
+        ping_id = self._ping_counter
+        answer: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        self._pings[ping_id] = answer
+        try:
+            self._send({"op": "ping", "ping": ping_id})
+            return await asyncio.wait_for(answer, timeout_s)
+        except TimeoutError as exc:
+            raise EngineError(f"the engine core did not answer within {timeout_s} s") from exc
+        finally:
+            self._pings.pop(ping_id, None)
 
     async def aclose(self) -> None:
         was_alive, self._alive = self._alive, False
@@ -200,6 +227,10 @@ class ReferenceEngine(Engine):
                     request_queue = self._queues.get(str(header["id"]))
                     if request_queue is not None:
                         request_queue.put_nowait(header)
+                elif op == "pong":
+                    waiter = self._pings.get(int(header["ping"]))
+                    if waiter is not None and not waiter.done():
+                        waiter.set_result(int(header["active"]))
                 elif op == "fatal":
                     logger.error("engine core failed: %s", header.get("message"))
         except ChannelClosed:
@@ -211,6 +242,9 @@ class ReferenceEngine(Engine):
             self._fail_all("the engine core went away")
 
     def _fail_all(self, message: str) -> None:
+        for waiter in self._pings.values():
+            if not waiter.done():
+                waiter.set_exception(EngineError(message))
         for request_queue in self._queues.values():
             request_queue.put_nowait({"op": "error", "kind": "engine", "message": message})
 

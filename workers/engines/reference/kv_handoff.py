@@ -60,8 +60,8 @@ def encode_handoff(handoff: KVHandoff) -> bytes:
         "prompt_logprobs": handoff.prompt_logprobs,
     }
     head = orjson.dumps(header)
-    parts = [MAGIC, _LEN.pack(len(head)), head, np.ascontiguousarray(handoff.k).data,
-             np.ascontiguousarray(handoff.v).data]
+    parts: list[bytes | memoryview] = [MAGIC, _LEN.pack(len(head)), head, np.ascontiguousarray(handoff.k).data,
+                                       np.ascontiguousarray(handoff.v).data]
     if handoff.prompt_tokens is not None:
         parts.append(np.ascontiguousarray(handoff.prompt_tokens, dtype=TOKEN_DTYPE).data)
     return b"".join(parts)

@@ -114,7 +114,7 @@ class KVTransferServer:
         self.store = store
 
         class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:  # noqa: N802 - the http.server API
+            def do_GET(self) -> None:
                 if not self.path.startswith("/kv/"):
                     self._answer(404, b"not found")
                     return
@@ -132,7 +132,7 @@ class KVTransferServer:
                 self.end_headers()
                 self.wfile.write(body)
 
-            def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - quiet access log
+            def log_message(self, format: str, *args: Any) -> None:
                 pass
 
         self._server = ThreadingHTTPServer((host, port), Handler)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import pathlib
 import resource
 import time
@@ -62,4 +63,6 @@ def real() -> Engine:
     try:
         return _engine(None)
     except ModelFileError as exc:
+        if os.environ.get("CI"):
+            raise  # CI installs the model package: a missing model there is a failure, not a skip
         pytest.skip(str(exc))

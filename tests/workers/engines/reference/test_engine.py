@@ -1,0 +1,263 @@
+"""The reference engine's adapter and hand-off, on the tiny model, through real servers and core processes."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import pathlib
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import numpy as np
+import openai
+import pytest
+
+from frontend.errors import EngineError
+from frontend.token_codec import TOKEN_DTYPE
+from tests.workers.engines.reference.cluster import RefCluster, reference_cluster, start_reference_worker
+from workers.engines.reference.engine import ReferenceEngine, ReferenceOptions
+from workers.engines.reference.tiny_model import write_tiny_model
+from workers.generation_request import GenerationRequest, Phase
+from workers.sampling_params import SamplingParams
+
+MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def tiny_options(tiny_path: pathlib.Path) -> ReferenceOptions:
+    return ReferenceOptions(model_path=str(tiny_path), served_model_name="tiny", blas_threads=1)
+
+
+@pytest.fixture(scope="module")
+def tiny_cluster(tiny_options: ReferenceOptions) -> Iterator[RefCluster]:
+    with reference_cluster(tiny_options) as cluster:
+        yield cluster
+
+
+def _context_step(cluster: RefCluster, **extra: Any) -> dict[str, Any]:
+    body = {"model": cluster.model, "messages": MESSAGES, "max_tokens": 8, "temperature": 0,
+            "disaggregated_params": {"request_type": "context_only", "disagg_request_id": 1,
+                                     "return_prompt_token_ids_b64": True}, **extra}
+    reply = httpx.post(cluster.ctx.url + "/v1/chat/completions", json=body, timeout=60)
+    assert reply.status_code == 200, reply.text
+    result: dict[str, Any] = reply.json()
+    return result
+
+
+def _generation_step(cluster: RefCluster, ctx: dict[str, Any], **params: Any) -> httpx.Response:
+    disagg = {**ctx["choices"][0]["disaggregated_params"], "request_type": "generation_only", **params}
+    body = {"model": cluster.model, "messages": MESSAGES, "max_tokens": 8, "temperature": 0,
+            "disaggregated_params": disagg, "prompt_token_ids_b64": ctx["prompt_token_ids_b64"]}
+    return httpx.post(cluster.gen.url + "/v1/chat/completions", json=body, timeout=60)
+
+
+def _kv_entries(node_url: str) -> float:
+    text = httpx.get(node_url + "/metrics", timeout=10).text
+    line = next(line for line in text.splitlines() if line.startswith("disagg_kv_store_entries "))
+    return float(line.split()[1])
+
+
+def _wait_for(condition: Any, timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def test_disaggregated_equals_aggregated_on_the_tiny_model(tiny_cluster: RefCluster) -> None:
+    cases: list[dict[str, Any]] = [
+        {"temperature": 0},
+        {"temperature": 0, "extra_body": {"repetition_penalty": 1.3}, "frequency_penalty": 0.5,
+         "presence_penalty": 0.3},
+        {"temperature": 0.9, "top_p": 0.9, "extra_body": {"top_k": 20}, "seed": 7},
+        {"temperature": 0, "logprobs": True, "top_logprobs": 3},
+    ]
+    with tiny_cluster.orchestrator.client() as disagg, tiny_cluster.aggregated.client() as agg:
+        for case in cases:
+            a = disagg.chat.completions.create(model=tiny_cluster.model, messages=MESSAGES, max_tokens=12, **case)
+            b = agg.chat.completions.create(model=tiny_cluster.model, messages=MESSAGES, max_tokens=12, **case)
+            assert a.choices[0].message.content == b.choices[0].message.content, case
+            assert a.usage == b.usage
+            if case.get("logprobs"):
+                assert a.choices[0].logprobs == b.choices[0].logprobs
+
+
+def test_kv_store_is_empty_after_requests_complete(tiny_cluster: RefCluster) -> None:
+    with tiny_cluster.orchestrator.client() as client:
+        for stream in (False, True):
+            result = client.completions.create(model=tiny_cluster.model, prompt="Hello", max_tokens=5,
+                                               temperature=0, stream=stream)
+            if stream:
+                list(result)  # type: ignore[call-overload]
+    assert _wait_for(lambda: _kv_entries(tiny_cluster.ctx.url) == 0)
+
+
+def test_a_replayed_handoff_is_refused(tiny_cluster: RefCluster) -> None:
+    ctx = _context_step(tiny_cluster)
+    assert _kv_entries(tiny_cluster.ctx.url) == 1
+    first = _generation_step(tiny_cluster, ctx)
+    assert first.status_code == 200, first.text
+    replay = _generation_step(tiny_cluster, ctx)
+    assert replay.status_code == 400
+    error = replay.json()["error"]
+    assert error["code"] == "invalid_handoff"
+    assert "already taken" in error["message"]
+    assert _kv_entries(tiny_cluster.ctx.url) == 0
+
+
+def test_a_tampered_key_is_refused_and_the_entry_survives_for_the_real_key(tiny_cluster: RefCluster) -> None:
+    import orjson
+    import pybase64
+
+    ctx = _context_step(tiny_cluster)
+    params = ctx["choices"][0]["disaggregated_params"]
+    state = orjson.loads(pybase64.b64decode(params["encoded_opaque_state"]))
+    forged = pybase64.b64encode(orjson.dumps({**state, "key": "not-the-key"})).decode()
+    refused = _generation_step(tiny_cluster, ctx, encoded_opaque_state=forged)
+    assert refused.status_code == 400
+    assert "wrong key" in refused.json()["error"]["message"]
+    assert _generation_step(tiny_cluster, ctx).status_code == 200
+
+
+def test_a_handoff_for_another_prompt_length_is_refused(tiny_cluster: RefCluster) -> None:
+    ctx = _context_step(tiny_cluster)
+    tokens = np.frombuffer(__import__("pybase64").b64decode(ctx["prompt_token_ids_b64"]), TOKEN_DTYPE)
+    shorter = __import__("frontend.token_codec").token_codec.encode_prompt_tokens(tokens[:-1])
+    disagg = {**ctx["choices"][0]["disaggregated_params"], "request_type": "generation_only",
+              "prompt_len": int(tokens.size) - 1}
+    body = {"model": tiny_cluster.model, "messages": MESSAGES, "max_tokens": 8,
+            "disaggregated_params": disagg, "prompt_token_ids_b64": shorter}
+    reply = httpx.post(tiny_cluster.gen.url + "/v1/chat/completions", json=body, timeout=60)
+    assert reply.status_code == 400
+    assert reply.json()["error"]["code"] == "invalid_handoff"
+    assert _generation_step(tiny_cluster, ctx).status_code == 200  # refusing it did not consume it
+
+
+def test_a_handoff_from_another_model_is_refused(tiny_cluster: RefCluster, tmp_path: pathlib.Path) -> None:
+    other = write_tiny_model(tmp_path / "other.gguf", seed=1)
+    options = ReferenceOptions(model_path=str(other), served_model_name="tiny", blas_threads=1)
+    ctx = _context_step(tiny_cluster)
+    with contextlib.ExitStack() as stack:
+        other_gen = start_reference_worker(stack, "generation", options)
+        disagg = {**ctx["choices"][0]["disaggregated_params"], "request_type": "generation_only"}
+        body = {"model": "tiny", "messages": MESSAGES, "max_tokens": 8, "disaggregated_params": disagg,
+                "prompt_token_ids_b64": ctx["prompt_token_ids_b64"]}
+        reply = httpx.post(other_gen.url + "/v1/chat/completions", json=body, timeout=60)
+    assert reply.status_code == 400
+    assert "different model" in reply.json()["error"]["message"]
+    assert _generation_step(tiny_cluster, ctx).status_code == 200
+
+
+def test_an_unused_handoff_expires(tiny_path: pathlib.Path) -> None:
+    options = ReferenceOptions(model_path=str(tiny_path), served_model_name="tiny", blas_threads=1, kv_ttl_s=0.5)
+    with reference_cluster(options) as cluster:
+        ctx = _context_step(cluster)
+        assert _kv_entries(cluster.ctx.url) == 1
+        assert _wait_for(lambda: _kv_entries(cluster.ctx.url) == 0, timeout_s=10)
+        expired = _generation_step(cluster, ctx)
+        assert expired.status_code == 400
+        assert "expired" in expired.json()["error"]["message"]
+
+
+def test_a_stop_string_hit_at_ctx_frees_the_parked_kv(tiny_cluster: RefCluster) -> None:
+    with tiny_cluster.aggregated.client() as agg:
+        text = agg.chat.completions.create(model=tiny_cluster.model, messages=MESSAGES, max_tokens=1,
+                                           temperature=0).choices[0].message.content
+    assert text
+    ctx = _context_step(tiny_cluster, stop=[text[:1]])
+    assert ctx["choices"][0]["finish_reason"] == "stop"
+    assert ctx["choices"][0]["disaggregated_params"]["encoded_opaque_state"] is None
+    assert _wait_for(lambda: _kv_entries(tiny_cluster.ctx.url) == 0)
+
+
+async def test_closing_the_stream_early_aborts_the_request_in_the_core(tiny_options: ReferenceOptions) -> None:
+    engine = ReferenceEngine(tiny_options)
+    await engine.start()
+    try:
+        prompt = engine.tokenizer.encode("Once upon a time")
+        request = GenerationRequest("r1", prompt, SamplingParams(max_tokens=400, temperature=0, ignore_eos=True))
+        outputs = engine.generate(request)
+        received = [await anext(outputs) for _ in range(3)]
+        assert all(len(o.token_ids) == 1 for o in received)
+        assert await engine.active_requests() == 1
+        await outputs.aclose()
+        for _ in range(100):
+            if await engine.active_requests() == 0:
+                break
+            await asyncio.sleep(0.02)
+        assert await engine.active_requests() == 0
+        assert not request.prompt_list_built  # the prompt crossed to the core as raw int32 bytes
+    finally:
+        await engine.aclose()
+    assert not await engine.health()
+
+
+async def test_requests_are_interleaved_so_a_long_one_does_not_starve_a_short_one(
+    tiny_options: ReferenceOptions,
+) -> None:
+    engine = ReferenceEngine(tiny_options)
+    await engine.start()
+    try:
+        prompt = engine.tokenizer.encode("Tell me a story")
+        long = GenerationRequest("long", prompt, SamplingParams(max_tokens=450, temperature=0, ignore_eos=True))
+        short = GenerationRequest("short", prompt, SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
+        order: list[str] = []
+        long_started = asyncio.Event()
+
+        async def consume(request: GenerationRequest) -> None:
+            async for output in engine.generate(request):
+                long_started.set()
+                if output.finish_reason is not None:
+                    order.append(request.request_id)
+
+        long_task = asyncio.create_task(consume(long))
+        await long_started.wait()  # the long request is decoding when the short one arrives
+        await consume(short)
+        await long_task
+        assert order == ["short", "long"]
+    finally:
+        await engine.aclose()
+
+
+async def test_a_context_only_request_parks_its_kv_and_reports_the_handoff(tiny_options: ReferenceOptions) -> None:
+    engine = ReferenceEngine(tiny_options)
+    await engine.start()
+    try:
+        prompt = engine.tokenizer.encode("Hello there")
+        request = GenerationRequest("c1", prompt, SamplingParams(max_tokens=4, temperature=0),
+                                    phase=Phase.CONTEXT_ONLY)
+        outputs = [o async for o in engine.generate(request)]
+        assert len(outputs) == 1 and len(outputs[0].token_ids) == 1
+        assert outputs[0].handoff_state is not None
+        await asyncio.sleep(0.1)
+        assert engine.kv_store_stats()[0] == 1
+        await engine.abort("c1")  # aborting a parked request frees its hand-off
+        for _ in range(100):
+            if engine.kv_store_stats() == (0, 0):
+                break
+            await asyncio.sleep(0.02)
+        assert engine.kv_store_stats() == (0, 0)
+    finally:
+        await engine.aclose()
+
+
+async def test_a_missing_model_file_fails_start_up_with_a_clear_error(tmp_path: pathlib.Path) -> None:
+    engine = ReferenceEngine(ReferenceOptions(model_path=str(tmp_path / "missing.gguf"), startup_timeout_s=60))
+    with pytest.raises(EngineError, match=r"missing\.gguf does not exist"):
+        await engine.start()
+    assert not await engine.health()
+
+
+def test_openai_client_streams_from_the_reference_worker(tiny_cluster: RefCluster) -> None:
+    with tiny_cluster.orchestrator.client() as client, tiny_cluster.aggregated.client() as agg:
+        chunks = client.chat.completions.create(model=tiny_cluster.model, messages=MESSAGES, max_tokens=10,
+                                                temperature=0, stream=True)
+        streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        whole = agg.chat.completions.create(model=tiny_cluster.model, messages=MESSAGES, max_tokens=10,
+                                            temperature=0)
+    assert streamed == whole.choices[0].message.content
+    _ = openai  # the official client is the client in every test here
