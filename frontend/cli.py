@@ -39,6 +39,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_arguments(worker)
     worker.add_argument("--host", default="127.0.0.1")
     worker.add_argument("--port", type=int, default=8001)
+    worker.add_argument("--kv-host", default=None,
+                        help="reference engine: address of the KV transfer server (default: --host)")
+    worker.add_argument("--kv-port", type=int, default=0, help="reference engine: KV transfer port (default: any)")
+    worker.add_argument("--kv-advertise-host", default=None,
+                        help="reference engine: host name GEN workers use to fetch KV from this worker")
     worker.add_argument("--max-concurrent-requests", type=int, default=512,
                         help="requests over this get 429 with Retry-After (default 512)")
     worker.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
@@ -63,7 +68,14 @@ def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         help="reference: SmolLM2-135M on the CPU (default); synthetic: computes nothing")
     parser.add_argument("--model", default=None, help="reference engine: a llama-architecture GGUF file")
     parser.add_argument("--served-model-name", default=None, help="the model name clients ask for")
-    parser.add_argument("--kv-block-reuse", action="store_true", help="reference engine: reuse KV blocks on GEN")
+    parser.add_argument("--kv-block-reuse", action="store_true",
+                        help="reference engine: reuse KV blocks keyed by token values (off by default)")
+    parser.add_argument("--no-prompt-tokens-in-handoff", action="store_true",
+                        help="reference engine: keep the prompt's token ids out of the KV hand-off")
+    parser.add_argument("--kv-ttl-s", type=_positive_float, default=120.0,
+                        help="reference engine: seconds a CTX keeps an untaken KV hand-off (default 120)")
+    parser.add_argument("--blas-threads", type=int, default=None,
+                        help="reference engine: BLAS threads of the engine core (pin it equal on CTX and GEN)")
     parser.add_argument("--synthetic-ttft-ms", type=_positive_float, default=0.0)
     parser.add_argument("--synthetic-itl-ms", type=_positive_float, default=0.0)
     parser.add_argument("--synthetic-output-tokens", type=int, default=None,
@@ -80,6 +92,11 @@ def engine_arguments(args: argparse.Namespace) -> list[str]:
         argv += ["--served-model-name", args.served_model_name]
     if args.kv_block_reuse:
         argv.append("--kv-block-reuse")
+    if args.no_prompt_tokens_in_handoff:
+        argv.append("--no-prompt-tokens-in-handoff")
+    if args.blas_threads is not None:
+        argv += ["--blas-threads", str(args.blas_threads)]
+    argv += ["--kv-ttl-s", str(args.kv_ttl_s)]
     if args.synthetic_output_tokens is not None:
         argv += ["--synthetic-output-tokens", str(args.synthetic_output_tokens)]
     return argv
@@ -101,6 +118,12 @@ def run_worker(args: argparse.Namespace) -> int:
         model_path=args.model,
         served_model_name=args.served_model_name,
         kv_block_reuse=args.kv_block_reuse,
+        prompt_tokens_in_handoff=not args.no_prompt_tokens_in_handoff,
+        kv_host=args.kv_host or args.host,
+        kv_advertise_host=args.kv_advertise_host,
+        kv_port=args.kv_port,
+        kv_ttl_s=args.kv_ttl_s,
+        blas_threads=args.blas_threads,
         synthetic=SyntheticConfig(
             time_to_first_token_s=args.synthetic_ttft_ms / 1000,
             inter_token_latency_s=args.synthetic_itl_ms / 1000,

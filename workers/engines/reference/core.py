@@ -48,6 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--kv-ttl-s", type=float, default=120.0)
     parser.add_argument("--prefill-chunk", type=int, default=512)
     parser.add_argument("--no-prompt-tokens-in-handoff", action="store_true")
+    parser.add_argument("--prefix-cache-bytes", type=int, default=0, help="KV block reuse budget; 0 = off")
     return parser
 
 
@@ -89,6 +90,7 @@ class Core:
             prefill_chunk=self.args.prefill_chunk,
             prompt_tokens_in_handoff=not self.args.no_prompt_tokens_in_handoff,
             kv_url_base=f"http://{advertise}:{transfer.port}",
+            prefix_cache_bytes=self.args.prefix_cache_bytes,
         )
         scheduler = Scheduler(model, config, store, self.send)
         meta = loaded.tokenizer
@@ -150,7 +152,7 @@ class Core:
                 self.send({"op": "error", "id": header.get("id"), "kind": "engine",
                            "message": f"bad submit frame: {type(exc).__name__}: {exc}"})
         elif op == "ping":
-            self.send({"op": "pong", "ping": header.get("ping", 0), "active": scheduler.active_requests})
+            self.send({"op": "pong", "ping": header.get("ping", 0), **scheduler.stats()})
         else:
             logger.warning("unknown frame op %r", op)
 

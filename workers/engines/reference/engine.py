@@ -40,6 +40,7 @@ class ReferenceOptions:
     model_path: str | None = None
     served_model_name: str | None = None
     kv_block_reuse: bool = False
+    kv_block_reuse_bytes: int = 512 * 1024**2
     prompt_tokens_in_handoff: bool = True
     kv_host: str = "127.0.0.1"
     kv_advertise_host: str | None = None
@@ -62,7 +63,7 @@ class ReferenceEngine(Engine):
         self._queues: dict[str, asyncio.Queue[Header]] = {}
         self._workdir: Path | None = None
         self._alive = False
-        self._pings: dict[int, asyncio.Future[int]] = {}
+        self._pings: dict[int, asyncio.Future[dict[str, int]]] = {}
         self._ping_counter = 0
         self.kv_store_entries = 0
         self.kv_store_bytes = 0
@@ -153,6 +154,8 @@ class ReferenceEngine(Engine):
             command += ["--kv-advertise-host", o.kv_advertise_host]
         if not o.prompt_tokens_in_handoff:
             command.append("--no-prompt-tokens-in-handoff")
+        if o.kv_block_reuse:
+            command += ["--prefix-cache-bytes", str(o.kv_block_reuse_bytes)]
         return command
 
     def _core_env(self) -> dict[str, str]:
@@ -176,9 +179,13 @@ class ReferenceEngine(Engine):
 
     async def active_requests(self, timeout_s: float = 10.0) -> int:
         """Requests the core holds right now (prefill, decode, or fetching KV), asked over the channel."""
+        return (await self.core_stats(timeout_s))["active"]
+
+    async def core_stats(self, timeout_s: float = 10.0) -> dict[str, int]:
+        """The core's own counters (active requests, prefix-cache blocks and hits), asked over the channel."""
         self._ping_counter += 1
         ping_id = self._ping_counter
-        answer: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        answer: asyncio.Future[dict[str, int]] = asyncio.get_running_loop().create_future()
         self._pings[ping_id] = answer
         try:
             self._send({"op": "ping", "ping": ping_id})
@@ -230,7 +237,7 @@ class ReferenceEngine(Engine):
                 elif op == "pong":
                     waiter = self._pings.get(int(header["ping"]))
                     if waiter is not None and not waiter.done():
-                        waiter.set_result(int(header["active"]))
+                        waiter.set_result({k: int(v) for k, v in header.items() if k not in ("op", "ping")})
                 elif op == "fatal":
                     logger.error("engine core failed: %s", header.get("message"))
         except ChannelClosed:

@@ -22,6 +22,7 @@ from frontend.token_codec import TokenArray
 from workers.engines.reference.kv_fetch import FetchedHandoff, HandoffUnavailable, fetch_handoff
 from workers.engines.reference.kv_handoff import KVHandoff, encode_handoff
 from workers.engines.reference.kv_store import KVStore, KVStoreFull
+from workers.engines.reference.prefix_cache import PrefixCache
 from workers.engines.reference.sampler import Sampler, SamplingConfig, log_softmax, top_logprobs
 from workers.engines.reference.transformer import KVCache, Transformer, export_kv
 
@@ -65,6 +66,7 @@ class SchedulerConfig:
     prefill_chunk: int = 512
     prompt_tokens_in_handoff: bool = True
     kv_url_base: str = ""  # "http://host:port" of this core's KV transfer server
+    prefix_cache_bytes: int = 0  # KV block reuse: 0 = off
 
 
 class Scheduler:
@@ -79,6 +81,7 @@ class Scheduler:
         self._running: dict[str, Sequence] = {}
         self._fetching: dict[str, tuple[SubmitSpec, Future[FetchedHandoff]]] = {}
         self._fetcher = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv-fetch")
+        self.prefix_cache = PrefixCache(config.prefix_cache_bytes) if config.prefix_cache_bytes else None
 
     # -- requests in --------------------------------------------------------------------------------------
     def submit(self, spec: SubmitSpec) -> None:
@@ -88,7 +91,10 @@ class Scheduler:
                                           self.config.model_hash, int(spec.prompt.shape[0]))
             self._fetching[spec.request_id] = (spec, future)
             return
-        self._prefill_queue.append(Sequence(spec, self.model.new_cache(int(spec.prompt.shape[0]) + 16)))
+        seq = Sequence(spec, self.model.new_cache(int(spec.prompt.shape[0]) + 16))
+        if self.prefix_cache is not None and spec.prompt_logprobs is None:
+            seq.prefilled = self.prefix_cache.load_prefix(spec.prompt, seq.cache)
+        self._prefill_queue.append(seq)
 
     def abort(self, request_id: str) -> None:
         self._running.pop(request_id, None)
@@ -103,6 +109,14 @@ class Scheduler:
     @property
     def active_requests(self) -> int:
         return len(self._prefill_queue) + len(self._running) + len(self._fetching)
+
+    def stats(self) -> dict[str, int]:
+        cache = self.prefix_cache
+        return {
+            "active": self.active_requests,
+            "prefix_cache_blocks": cache.blocks if cache else 0,
+            "prefix_cache_hit_tokens": cache.hit_tokens if cache else 0,
+        }
 
     # -- one step -----------------------------------------------------------------------------------------
     def step(self) -> None:
@@ -140,6 +154,9 @@ class Scheduler:
                            "request nor the KV hand-off carries the prompt's tokens")
                 return
         seq = Sequence(spec, fetched.cache)
+        if self.prefix_cache is not None:
+            # Keyed by the token values this worker holds: real ones, or a placeholder's (hence the guardrail).
+            self.prefix_cache.insert(prompt, seq.cache)
         seq.sampler = self._sampler(spec, prompt)
         seq.produced = len(spec.first_gen_tokens)
         seq.handoff_prompt_logprobs = handoff.prompt_logprobs
@@ -172,6 +189,8 @@ class Scheduler:
         if seq.prefilled < spec.prompt.shape[0]:
             return
         self._prefill_queue.popleft()
+        if self.prefix_cache is not None:
+            self.prefix_cache.insert(spec.prompt, seq.cache)
         seq.sampler = self._sampler(spec, spec.prompt)
         self._emit_token(seq, logits, first=True)
 

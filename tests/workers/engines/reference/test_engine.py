@@ -261,3 +261,21 @@ def test_openai_client_streams_from_the_reference_worker(tiny_cluster: RefCluste
                                             temperature=0)
     assert streamed == whole.choices[0].message.content
     _ = openai  # the official client is the client in every test here
+
+
+async def test_kv_block_reuse_serves_a_repeated_prefix_from_the_cache(tiny_path: pathlib.Path) -> None:
+    engine = ReferenceEngine(ReferenceOptions(model_path=str(tiny_path), blas_threads=1, kv_block_reuse=True))
+    await engine.start()
+    try:
+        assert engine.info.kv_block_reuse
+        prompt = engine.tokenizer.encode("A long shared system prompt that repeats across requests. " * 3)
+        texts = []
+        for request_id in ("first", "second"):
+            request = GenerationRequest(request_id, prompt, SamplingParams(max_tokens=6, temperature=0))
+            texts.append([t for o in [o async for o in engine.generate(request)] for t in o.token_ids])
+        stats = await engine.core_stats()
+        assert stats["prefix_cache_blocks"] >= prompt.size // 16
+        assert stats["prefix_cache_hit_tokens"] >= 16 * ((prompt.size - 1) // 16)
+        assert texts[0] == texts[1]
+    finally:
+        await engine.aclose()
