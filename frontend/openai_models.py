@@ -113,9 +113,18 @@ class SamplingFields(WireModel):
             raise UnsupportedParameterError("only n=1 is supported", param="n")
         return self
 
+    @property
+    def is_generation_only(self) -> bool:
+        return self.disaggregated_params is not None and self.disaggregated_params.request_type == "generation_only"
+
+    def _require_prompt(self, field: str, value: object) -> None:
+        # GEN may get no prompt text at all: the orchestrator drops it when the KV hand-off carries the tokens.
+        if value is None and not self.is_generation_only:
+            raise ValueError(f"'{field}' is required")
+
 
 class ChatCompletionRequest(SamplingFields):
-    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool = False
@@ -123,13 +132,18 @@ class ChatCompletionRequest(SamplingFields):
     prompt_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
+    @model_validator(mode="after")
+    def _has_messages(self) -> ChatCompletionRequest:
+        self._require_prompt("messages", self.messages)
+        return self
+
     @property
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
+    prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]] | None = None
     max_tokens: Annotated[int, Field(ge=1)] | None = 16
     logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     echo: bool = False
@@ -139,8 +153,9 @@ class CompletionRequest(SamplingFields):
 
     @model_validator(mode="after")
     def _single_prompt(self) -> CompletionRequest:
-        batched = isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], str | list)
-        if batched and len(self.prompt) != 1:
+        self._require_prompt("prompt", self.prompt)
+        prompt = self.prompt
+        if isinstance(prompt, list) and len(prompt) > 1 and isinstance(prompt[0], str | list):
             raise UnsupportedParameterError("only one prompt per request is supported", param="prompt")
         if self.suffix:
             raise UnsupportedParameterError("'suffix' is not supported", param="suffix")
@@ -165,7 +180,7 @@ class ResponsesInputMessage(WireModel):
 
 
 class ResponsesRequest(SamplingFields):
-    input: str | Annotated[list[ResponsesInputMessage], Field(min_length=1)]
+    input: str | Annotated[list[ResponsesInputMessage], Field(min_length=1)] | None = None
     instructions: str | None = None
     max_output_tokens: Annotated[int, Field(ge=1)] | None = None
     store: bool | None = None
@@ -174,6 +189,7 @@ class ResponsesRequest(SamplingFields):
 
     @model_validator(mode="after")
     def _stateless(self) -> ResponsesRequest:
+        self._require_prompt("input", self.input)
         if self.previous_response_id is not None:
             raise UnsupportedParameterError(
                 "'previous_response_id' is not supported: this server stores no responses", param="previous_response_id"
@@ -184,7 +200,7 @@ class ResponsesRequest(SamplingFields):
         messages = [ChatMessage(role="system", content=self.instructions)] if self.instructions else []
         if isinstance(self.input, str):
             messages.append(ChatMessage(role="user", content=self.input))
-        else:
+        elif self.input is not None:
             messages.extend(m.as_chat_message() for m in self.input)
         return messages
 

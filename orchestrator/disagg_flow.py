@@ -27,6 +27,10 @@ from orchestrator.upstream import UpstreamReply, WorkerClient, translate_http_er
 
 logger = logging.getLogger(__name__)
 
+# Metadata-only GEN bodies carry no token ids; and no prompt text when GEN reads the prompt from the hand-off.
+TOKEN_FIELDS = ("prompt_token_ids", "prompt_token_ids_b64")
+PROMPT_FIELDS = (*TOKEN_FIELDS, "messages", "prompt", "input", "instructions")
+
 PATHS: dict[Endpoint, str] = {
     "chat": "/v1/chat/completions",
     "completions": "/v1/completions",
@@ -122,12 +126,18 @@ class DisaggFlow:
         if self.config.gen_tokids_metadata_only:
             reason = metadata_only_decision(body, params.get("prompt_len"), gen_worker.facts)
             if reason is None:
-                return orjson.dumps(gen_body)  # only prompt_len travels
+                # Only prompt_len travels. If GEN's hand-off carries the real tokens, the prompt text need not
+                # travel either: the body stops growing with the prompt.
+                dropped = PROMPT_FIELDS if gen_worker.facts.prompt_tokens_in_handoff else TOKEN_FIELDS
+                for name in dropped:
+                    gen_body.pop(name, None)
+                return orjson.dumps(gen_body)
             self.metrics.metadata_only_fallback.labels(reason=reason.value).inc()
-        if self.config.gen_tokids_ctxbytes or self.config.gen_tokids_metadata_only:
-            encoded = ctx.response.get("prompt_token_ids_b64")
-            if encoded is not None:
-                gen_body["prompt_token_ids_b64"] = encoded  # the same str object CTX's answer held
+        encoded = ctx.response.get("prompt_token_ids_b64")
+        if (self.config.gen_tokids_ctxbytes or self.config.gen_tokids_metadata_only) and encoded is not None:
+            gen_body["prompt_token_ids_b64"] = encoded  # the same str object CTX's answer held
+        elif "prompt_token_ids" not in body:
+            params.pop("prompt_len", None)  # no tokens travel: GEN tokenizes the text itself (the baseline)
         return orjson.dumps(gen_body)
 
     async def generate_whole(self, endpoint: Endpoint, body: dict[str, Any], ctx: ContextResult) -> WholeAnswer:

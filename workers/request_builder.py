@@ -179,13 +179,23 @@ def _explicit_token_list(wire: GenerationWireRequest) -> list[int] | None:
 def _prompt_text(wire: GenerationWireRequest, tokenizer: Tokenizer) -> str:
     if isinstance(wire, CompletionRequest):
         prompt = wire.prompt
+        if prompt is None:
+            raise InvalidRequestError("'prompt' is required: no prompt text or tokens were sent", param="prompt")
         if isinstance(prompt, list):
             return str(prompt[0]) if prompt else ""
         return prompt
-    messages: list[ChatMessage] = wire.messages if isinstance(wire, ChatCompletionRequest) else wire.chat_messages()
+    if isinstance(wire, ChatCompletionRequest):
+        field, messages = "messages", wire.messages or []
+    else:
+        field, messages = "input", wire.chat_messages()
+    if not messages:
+        raise InvalidRequestError(f"'{field}' is required: no prompt text or tokens were sent", param=field)
     if any(m.has_media for m in messages):
-        raise UnsupportedParameterError("this model accepts text only (no images or audio)", param="messages")
-    return tokenizer.render_chat([{"role": _template_role(m.role), "content": m.text()} for m in messages])
+        raise UnsupportedParameterError("this model accepts text only (no images or audio)", param=field)
+    try:
+        return tokenizer.render_chat([{"role": _template_role(m.role), "content": m.text()} for m in messages])
+    except ValueError as exc:  # the model's chat template refused these messages
+        raise InvalidRequestError(f"the chat template cannot render these messages: {exc}", param=field) from exc
 
 
 def _template_role(role: str) -> str:

@@ -36,7 +36,7 @@ from frontend.openai_output import (
     Usage,
     render_response,
 )
-from frontend.token_codec import encode_prompt_tokens
+from frontend.token_codec import TokenArray, encode_prompt_tokens
 from workers.engines.base import Engine, FinishReason, TokenLogprob
 from workers.generation_request import GenerationRequest, Phase
 from workers.request_builder import (
@@ -79,6 +79,7 @@ class CollectedOutput:
     finish_reason: FinishReason | None = None
     handoff_state: bytes | None = None
     prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
+    real_prompt: TokenArray | None = None  # from the engine, when this request had a placeholder prompt
 
 
 class WorkerService:
@@ -152,6 +153,8 @@ class WorkerService:
                 collected.handoff_state = step.handoff_state or collected.handoff_state
                 if step.prompt_logprobs is not None:
                     collected.prompt_logprobs = step.prompt_logprobs
+                if step.prompt_token_ids is not None:
+                    collected.real_prompt = step.prompt_token_ids
         except ServingError:
             raise
         except Exception as exc:  # an adapter bug must still answer in OpenAI's shape
@@ -167,7 +170,7 @@ class WorkerService:
         if sampling.logprobs is not None:
             logprob_entries = list(self._logprob_infos(out.logprobs))
         if sampling.echo:
-            text = self.engine.tokenizer.decode(request.prompt_token_ids) + text
+            text = self._prompt_text(request, out.real_prompt) + text
             if logprob_entries is not None:
                 prompt_lp = out.prompt_logprobs or (None,) * request.prompt_len
                 logprob_entries = [self._logprob_info(lp) if lp else None for lp in prompt_lp] + logprob_entries
@@ -232,7 +235,8 @@ class WorkerService:
             for frame in renderer.begin():
                 yield frame
             if request.sampling.echo:
-                for frame in renderer.delta(self.engine.tokenizer.decode(request.prompt_token_ids)):
+                real_prompt = first.prompt_token_ids if first is not None else None
+                for frame in renderer.delta(self._prompt_text(request, real_prompt)):
                     yield frame
             step = first
             while step is not None:
@@ -253,6 +257,15 @@ class WorkerService:
                 yield frame
         finally:
             await steps.aclose()
+
+    def _prompt_text(self, request: GenerationRequest, real_prompt: TokenArray | None) -> str:
+        """Echo reads prompt token values: the real prompt from the engine if this request had a placeholder."""
+        if real_prompt is not None:
+            return self.engine.tokenizer.decode(real_prompt)
+        if request.prompt_is_placeholder:
+            raise InvalidRequestError("echo needs the real prompt tokens, which this request did not carry",
+                                      param="echo")
+        return self.engine.tokenizer.decode(request.prompt_token_ids)
 
     # -- logprob token strings --------------------------------------------------------------------------
     def _logprob_info(self, lp: TokenLogprob) -> TokenLogprobInfo:

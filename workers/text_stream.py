@@ -6,9 +6,11 @@ error), the iterator is closed, which aborts the request inside the engine.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
 
+from frontend.token_codec import TokenArray
 from workers.engines.base import Engine, EngineOutput, FinishReason, TokenLogprob
 from workers.generation_request import GenerationRequest
 
@@ -21,6 +23,7 @@ class TextStep:
     finish_reason: FinishReason | None = None
     handoff_state: bytes | None = None
     prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
+    prompt_token_ids: TokenArray | None = None
 
 
 class StopStringMatcher:
@@ -76,7 +79,7 @@ async def stream_text(engine: Engine, request: GenerationRequest) -> AsyncGenera
             if stopped and output.handoff_state is not None:
                 # CTX parked a KV hand-off that no GEN will fetch now: free it at once.
                 await engine.abort(request.request_id)
-                step = TextStep(step.text, step.token_ids, step.logprobs, "stop", None, step.prompt_logprobs)
+                step = dataclasses.replace(step, finish_reason="stop", handoff_state=None)
             yield step
             if step.finish_reason is not None or stopped:
                 return
@@ -91,5 +94,6 @@ def _to_text_step(output: EngineOutput, new_text: str, matcher: StopStringMatche
         finish = "stop"
     elif finish is not None:
         text += matcher.flush()
-    step = TextStep(text, output.token_ids, output.logprobs, finish, output.handoff_state, output.prompt_logprobs)
+    step = TextStep(text, output.token_ids, output.logprobs, finish, output.handoff_state, output.prompt_logprobs,
+                    output.prompt_token_ids)
     return step, stopped

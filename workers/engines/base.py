@@ -54,6 +54,7 @@ class EngineOutput:
     finish_reason: FinishReason | None = None
     handoff_state: bytes | None = None
     prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None  # first output only, when asked for
+    prompt_token_ids: TokenArray | None = None  # the real prompt, when the request had a placeholder (echo)
 
 
 class Detokenizer(Protocol):

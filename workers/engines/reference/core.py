@@ -181,6 +181,7 @@ def _submit_spec(header: Header, payload: bytes) -> SubmitSpec:
         first_gen_tokens=tuple(int(t) for t in header.get("first_gen_tokens") or ()),
         handoff_state=state.encode() if isinstance(state, str) else None,
         reads_prompt_values=bool(header.get("reads_prompt_values")),
+        echo=bool(s.get("echo")),
     )
 
 

@@ -21,8 +21,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from frontend.errors import EngineError, HandoffError, OverloadedError, ServingError
 from frontend.launcher import die_with_parent
+from frontend.token_codec import TOKEN_DTYPE
 from workers.engines.base import Engine, EngineInfo, EngineOutput, Tokenizer, TokenLogprob
 from workers.engines.reference.ipc import ChannelClosed, Header, encode_frame, read_frame
 from workers.engines.reference.model_file import TokenizerMetadata
@@ -60,7 +63,7 @@ class ReferenceEngine(Engine):
         self._process: subprocess.Popen[bytes] | None = None
         self._writer: asyncio.StreamWriter | None = None
         self._reader_task: asyncio.Task[None] | None = None
-        self._queues: dict[str, asyncio.Queue[Header]] = {}
+        self._queues: dict[str, asyncio.Queue[tuple[Header, bytes]]] = {}
         self._workdir: Path | None = None
         self._alive = False
         self._pings: dict[int, asyncio.Future[dict[str, int]]] = {}
@@ -226,14 +229,14 @@ class ReferenceEngine(Engine):
     async def _read_loop(self, reader: asyncio.StreamReader) -> None:
         try:
             while True:
-                header, _ = await read_frame(reader)
+                header, payload = await read_frame(reader)
                 op = header.get("op")
                 if op == "kv_stats":
                     self.kv_store_entries, self.kv_store_bytes = int(header["entries"]), int(header["bytes"])
                 elif op in ("output", "error"):
                     request_queue = self._queues.get(str(header["id"]))
                     if request_queue is not None:
-                        request_queue.put_nowait(header)
+                        request_queue.put_nowait((header, payload))
                 elif op == "pong":
                     waiter = self._pings.get(int(header["ping"]))
                     if waiter is not None and not waiter.done():
@@ -253,7 +256,7 @@ class ReferenceEngine(Engine):
             if not waiter.done():
                 waiter.set_exception(EngineError(message))
         for request_queue in self._queues.values():
-            request_queue.put_nowait({"op": "error", "kind": "engine", "message": message})
+            request_queue.put_nowait(({"op": "error", "kind": "engine", "message": message}, b""))
 
     # -- requests -----------------------------------------------------------------------------------------
     def generate(self, request: GenerationRequest) -> AsyncGenerator[EngineOutput, None]:
@@ -261,18 +264,18 @@ class ReferenceEngine(Engine):
 
     async def _generate(self, request: GenerationRequest) -> AsyncGenerator[EngineOutput, None]:
         request_id = request.request_id
-        outputs: asyncio.Queue[Header] = asyncio.Queue()
+        outputs: asyncio.Queue[tuple[Header, bytes]] = asyncio.Queue()
         self._queues[request_id] = outputs
         finished = False
         try:
             header, payload = _submit_frame(request)
             self._send(header, payload)
             while True:
-                message = await outputs.get()
+                message, payload = await outputs.get()
                 if message["op"] == "error":
                     finished = True
                     raise _translate(message)
-                output = _engine_output(message)
+                output = _engine_output(message, payload)
                 if output.finish_reason is not None or output.handoff_state is not None:
                     finished = True
                 yield output
@@ -305,6 +308,7 @@ def _submit_frame(request: GenerationRequest) -> tuple[Header, memoryview | byte
             "seed": s.seed, "frequency_penalty": s.frequency_penalty, "presence_penalty": s.presence_penalty,
             "repetition_penalty": s.repetition_penalty, "logprobs": s.logprobs, "ignore_eos": s.ignore_eos,
             "logit_bias": [list(pair) for pair in s.logit_bias], "prompt_logprobs": s.prompt_logprobs,
+            "echo": s.echo,
         },
     }
     if request.handoff is not None:
@@ -315,7 +319,7 @@ def _submit_frame(request: GenerationRequest) -> tuple[Header, memoryview | byte
     return header, request.prompt_token_ids_i32.data  # the raw int32 buffer: no list, no copy
 
 
-def _engine_output(message: Header) -> EngineOutput:
+def _engine_output(message: Header, payload: bytes) -> EngineOutput:
     logprobs = tuple(
         TokenLogprob(int(t), float(lp), tuple((int(i), float(v)) for i, v in top))
         for t, lp, top in message.get("logprobs") or ()
@@ -334,6 +338,7 @@ def _engine_output(message: Header) -> EngineOutput:
         finish_reason=message.get("finish"),
         handoff_state=state.encode() if isinstance(state, str) else None,
         prompt_logprobs=prompt_logprobs,
+        prompt_token_ids=np.frombuffer(payload, TOKEN_DTYPE) if message.get("prompt_tokens") else None,
     )
 
 

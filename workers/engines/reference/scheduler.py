@@ -28,7 +28,7 @@ from workers.engines.reference.transformer import KVCache, Transformer, export_k
 
 logger = logging.getLogger(__name__)
 
-Emit = Callable[[dict[str, Any]], None]
+Emit = Callable[..., None]  # (header, payload=b"") -> None
 
 
 @dataclass(slots=True)
@@ -45,6 +45,7 @@ class SubmitSpec:
     first_gen_tokens: tuple[int, ...] = ()
     handoff_state: bytes | None = None
     reads_prompt_values: bool = False
+    echo: bool = False
 
 
 @dataclass(slots=True)
@@ -163,9 +164,15 @@ class Scheduler:
         for token in spec.first_gen_tokens[:-1]:  # tokens CTX chose beyond the first enter the cache here
             self.model.decode(token, seq.cache)
         seq.last_token = spec.first_gen_tokens[-1]
-        if seq.handoff_prompt_logprobs is not None and spec.prompt_logprobs is not None:
-            self.emit({"op": "output", "id": spec.request_id, "tokens": [], "logprobs": None, "finish": None,
-                       "prompt_logprobs": seq.handoff_prompt_logprobs})
+        report_prompt_logprobs = seq.handoff_prompt_logprobs is not None and spec.prompt_logprobs is not None
+        # Echo on a placeholder: the front end needs the real prompt, which came with the KV.
+        report_prompt = spec.placeholder and spec.echo and prompt is not spec.prompt
+        if report_prompt_logprobs or report_prompt:
+            opening: dict[str, Any] = {"op": "output", "id": spec.request_id, "tokens": [], "logprobs": None,
+                                       "finish": None, "prompt_tokens": report_prompt}
+            if report_prompt_logprobs:
+                opening["prompt_logprobs"] = seq.handoff_prompt_logprobs
+            self.emit(opening, prompt.data if report_prompt else b"")
         finish = self._finish_reason(seq, seq.last_token)
         if finish is not None:
             self.emit({"op": "output", "id": spec.request_id, "tokens": [], "logprobs": None, "finish": finish})
