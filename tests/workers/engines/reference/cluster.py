@@ -16,6 +16,7 @@ from fastapi import FastAPI
 
 from frontend.config import parse_config
 from orchestrator.server import create_orchestrator_app
+from tests.cluster import Recorder
 from tests.servers import running
 from workers.engines.reference.engine import ReferenceEngine, ReferenceOptions
 from workers.server import create_worker_app
@@ -27,6 +28,7 @@ class RefNode:
     url: str
     app: FastAPI
     engine: ReferenceEngine | None = None
+    recorder: Recorder | None = None
 
     def client(self) -> openai.OpenAI:
         return openai.OpenAI(base_url=self.url + "/v1", api_key="test", max_retries=0, timeout=120)
@@ -44,7 +46,8 @@ class RefCluster:
 def start_reference_worker(stack: contextlib.ExitStack, role: Role, options: ReferenceOptions) -> RefNode:
     engine = ReferenceEngine(options)
     app = create_worker_app(engine, WorkerSettings(role=role))
-    return RefNode(stack.enter_context(running(app)), app, engine)
+    recorder = Recorder(app)  # keeps the bytes each request carried, so tests can read GEN's bodies
+    return RefNode(stack.enter_context(running(recorder)), app, engine, recorder)
 
 
 def start_orchestrator(stack: contextlib.ExitStack, ctx: list[str], gen: list[str], **options: Any) -> RefNode:
@@ -54,10 +57,12 @@ def start_orchestrator(stack: contextlib.ExitStack, ctx: list[str], gen: list[st
 
 
 @contextlib.contextmanager
-def reference_cluster(options: ReferenceOptions, **orchestrator_options: Any) -> Iterator[RefCluster]:
+def reference_cluster(
+    options: ReferenceOptions, gen_options: ReferenceOptions | None = None, **orchestrator_options: Any
+) -> Iterator[RefCluster]:
     with contextlib.ExitStack() as stack:
         ctx = start_reference_worker(stack, "context", options)
-        gen = start_reference_worker(stack, "generation", options)
+        gen = start_reference_worker(stack, "generation", gen_options or options)
         aggregated = start_reference_worker(stack, "both", options)
         orchestrator = start_orchestrator(stack, [ctx.url], [gen.url], **orchestrator_options)
         assert ctx.engine is not None

@@ -6,10 +6,14 @@ from collections.abc import Iterator
 from typing import Any
 
 import httpx
+import numpy as np
 import pytest
 
 from tests.workers.engines.reference.cluster import RefCluster, reference_cluster
+from tests.workers.engines.reference.conftest import Engine
 from workers.engines.reference.engine import ReferenceOptions
+from workers.engines.reference.sampler import Sampler, SamplingConfig
+from workers.engines.reference.transformer import export_kv, import_kv
 
 pytestmark = pytest.mark.real_model
 
@@ -74,3 +78,51 @@ def test_kv_store_is_empty_after_the_real_model_requests(real_cluster: RefCluste
     text = httpx.get(real_cluster.ctx.url + "/metrics", timeout=10).text
     assert "disagg_kv_store_entries 0.0" in text
     assert "disagg_kv_store_bytes 0.0" in text
+
+
+def test_metadata_only_through_the_orchestrator_equals_aggregated(real_cluster: RefCluster) -> None:
+    import contextlib
+
+    from tests.workers.engines.reference.cluster import start_orchestrator
+
+    with contextlib.ExitStack() as stack:
+        metadata_only = start_orchestrator(stack, [real_cluster.ctx.url], [real_cluster.gen.url],
+                                           gen_tokids_metadata_only=True)
+        cases: list[dict[str, Any]] = [{"temperature": 0},
+                                       {"temperature": 0, "extra_body": {"repetition_penalty": 1.3}}]
+        with metadata_only.client() as disagg, real_cluster.aggregated.client() as agg:
+            for options in cases:
+                a = disagg.chat.completions.create(model=real_cluster.model, messages=FRANCE, max_tokens=24,
+                                                   **options)
+                b = agg.chat.completions.create(model=real_cluster.model, messages=FRANCE, max_tokens=24,
+                                                **options)
+                assert a.choices[0].message.content == b.choices[0].message.content
+        metrics = real_cluster.gen.app.state.metrics
+        assert metrics.registry.get_sample_value("disagg_gen_prompt_path_total", {"path": "metadata_only"}) == 2
+
+
+def test_the_guardrail_is_not_decorative(real: Engine) -> None:
+    """Decode on a placeholder prompt under repetition penalty 1.3 (what the guardrail forbids when the hand-off
+    carries no tokens): the output changes. Without the penalty the placeholder is harmless."""
+    model, tokenizer = real.transformer, real.tokenizer
+    prompt = tokenizer.encode(tokenizer.render_chat(FRANCE))
+    placeholder = np.zeros_like(prompt)
+
+    def continue_on_gen(gen_prompt: np.ndarray, config: SamplingConfig) -> list[int]:
+        ctx_cache = model.new_cache()
+        logits = model.prefill(prompt, ctx_cache)
+        first = Sampler(config, prompt, model.config.vocab_size).sample(logits).token_id  # chosen on CTX
+        cache = import_kv(*export_kv(ctx_cache), model.config)
+        sampler = Sampler(config, gen_prompt, model.config.vocab_size, output_so_far=[first])
+        out, token = [first], first
+        for _ in range(24):
+            token = sampler.sample(model.decode(token, cache)).token_id
+            out.append(token)
+            if token in tokenizer.eos_token_ids:
+                break
+        return out
+
+    greedy = SamplingConfig(temperature=0.0)
+    assert continue_on_gen(placeholder, greedy) == continue_on_gen(prompt, greedy)
+    penalised = SamplingConfig(temperature=0.0, repetition_penalty=1.3)
+    assert continue_on_gen(placeholder, penalised) != continue_on_gen(prompt, penalised)
