@@ -17,6 +17,7 @@ from typing import Any
 import uvicorn
 
 from frontend.http import DEFAULT_MAX_BODY_BYTES
+from frontend.logging_setup import configure_logging
 
 logger = logging.getLogger("disagg_serve")
 
@@ -32,6 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="disagg-serve", description=__doc__.split("\n\n")[0] if __doc__ else None)
     parser.add_argument("--log-level", default=os.environ.get("DISAGG_LOG_LEVEL", "info"),
                         choices=["debug", "info", "warning", "error"])
+    parser.add_argument("--log-format", default=os.environ.get("DISAGG_LOG_FORMAT", "text"), choices=["text", "json"],
+                        help="json: one JSON object a line, with the request's X-Request-Id")
     sub = parser.add_subparsers(dest="command", required=True, metavar="{worker,orchestrator,up}")
 
     worker = sub.add_parser("worker", help="run a CTX, GEN or aggregated OpenAI worker in front of one engine")
@@ -48,11 +51,20 @@ def build_parser() -> argparse.ArgumentParser:
                         help="requests over this get 429 with Retry-After (default 512)")
     worker.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                         help="bodies over this get 413 (default 64 MiB; a 290k-token prompt is ~2 MB)")
+    worker.add_argument("--register", default=None, metavar="ORCHESTRATOR_URL",
+                        help="announce this worker to an orchestrator at start-up, and leave at shutdown")
+    worker.add_argument("--advertise-url", default=None,
+                        help="the URL the orchestrator should use for this worker (default http://HOST:PORT)")
+    worker.add_argument("--admin-key", default=None, help="the orchestrator's admin key, for --register")
 
     orch = sub.add_parser("orchestrator", help="run the orchestrator in front of CTX and GEN workers")
     orch.add_argument("--config", required=True, help="YAML file (see docs/cli.md)")
     orch.add_argument("--host", default=None, help="overrides the config's hostname")
     orch.add_argument("--port", type=int, default=None, help="overrides the config's port")
+    orch.add_argument("--api-key", default=None,
+                      help="require 'Authorization: Bearer KEY' from clients (or set DISAGG_API_KEY)")
+    orch.add_argument("--admin-key", default=None,
+                      help="enable the admin API (worker registration) behind this key (or DISAGG_ADMIN_KEY)")
 
     up = sub.add_parser("up", help="start orchestrator + one CTX + one GEN on this machine and serve")
     _add_engine_arguments(up)
@@ -60,7 +72,40 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--port", type=int, default=8000)
     up.add_argument("--metadata-only", action="store_true", help="send GEN only prompt_len (behind the guardrail)")
     up.add_argument("--startup-timeout", type=float, default=300.0, help="seconds to wait for health (default 300)")
+    for subparser in (worker, orch, up):
+        apply_environment_defaults(subparser)
     return parser
+
+
+_TRUE = {"1", "true", "yes", "on"}
+
+
+def apply_environment_defaults(parser: argparse.ArgumentParser, environ: dict[str, str] | None = None) -> None:
+    """Every option can also come from ``DISAGG_<OPTION>`` (e.g. DISAGG_ROLE, DISAGG_KV_BLOCK_REUSE=1).
+
+    Containers and Helm charts set environment variables; the command line still wins when both are given.
+    """
+    env = os.environ if environ is None else environ
+    defaults: dict[str, Any] = {}
+    for action in parser._actions:
+        if not action.option_strings or action.dest in ("help",):
+            continue
+        raw = env.get("DISAGG_" + action.dest.upper())
+        if raw is None:
+            continue
+        if isinstance(action, argparse._StoreTrueAction):
+            defaults[action.dest] = raw.strip().lower() in _TRUE
+            continue
+        try:
+            value = action.type(raw) if callable(action.type) else raw
+        except (TypeError, ValueError) as exc:
+            parser.error(f"environment variable DISAGG_{action.dest.upper()}={raw!r}: {exc}")
+        if action.choices is not None and value not in action.choices:
+            parser.error(f"environment variable DISAGG_{action.dest.upper()}={raw!r}: choose from "
+                         f"{', '.join(map(str, action.choices))}")
+        defaults[action.dest] = value
+        action.required = False
+    parser.set_defaults(**defaults)
 
 
 def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
@@ -104,13 +149,14 @@ def engine_arguments(args: argparse.Namespace) -> list[str]:
 
 def _serve(app: Any, host: str, port: int, log_level: str) -> None:
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, loop="uvloop", http="httptools",
-                            timeout_graceful_shutdown=30, access_log=False)
+                            timeout_graceful_shutdown=30, access_log=False, log_config=None)
     uvicorn.Server(config).run()
 
 
 def run_worker(args: argparse.Namespace) -> int:
     from workers.engines.factory import EngineOptions, create_engine
     from workers.engines.synthetic import SyntheticConfig
+    from workers.registration import Registration
     from workers.server import create_worker_app
     from workers.serving import WorkerSettings
 
@@ -133,7 +179,11 @@ def run_worker(args: argparse.Namespace) -> int:
     engine = create_engine(args.engine, options)
     settings = WorkerSettings(role=args.role, max_body_bytes=args.max_body_bytes,
                               max_concurrent_requests=args.max_concurrent_requests)
-    _serve(create_worker_app(engine, settings), args.host, args.port, args.log_level)
+    registration = None
+    if args.register:
+        advertise = args.advertise_url or f"http://{args.host}:{args.port}"
+        registration = Registration(args.register, advertise, args.role, args.admin_key)
+    _serve(create_worker_app(engine, settings, registration=registration), args.host, args.port, args.log_level)
     return 0
 
 
@@ -146,13 +196,14 @@ def run_orchestrator(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"disagg-serve orchestrator: {exc}", file=sys.stderr)
         return 2
-    _serve(create_orchestrator_app(config), config.hostname, config.port, args.log_level)
+    app = create_orchestrator_app(config, api_key=args.api_key, admin_key=args.admin_key)
+    _serve(app, config.hostname, config.port, args.log_level)
     return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(args.log_level, args.log_format)
     if args.command == "worker":
         return run_worker(args)
     if args.command == "orchestrator":

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from frontend.http import DEFAULT_MAX_BODY_BYTES
 
@@ -23,12 +23,34 @@ class _Frozen(BaseModel):
 
 
 class RouterConfig(_Frozen):
-    type: Literal["round_robin"] = "round_robin"
+    type: Literal["round_robin", "least_loaded", "prefix_affinity"] = "round_robin"
+    load_metric: Literal["requests", "prompt_tokens"] = "requests"  # least_loaded: what "load" counts
+    # prefix_affinity: how much of the prompt's start picks the worker, and how far above the mean load a
+    # worker may go before its requests spill to the next one on the ring (bounded-load consistent hashing).
+    prefix_chars: Annotated[int, Field(ge=1)] = 1024
+    load_factor: Annotated[float, Field(ge=1.0)] = 1.25
+
+
+class DiscoveryConfig(_Frozen):
+    """Workers found by re-resolving a DNS name, e.g. a Kubernetes headless service (one A record per pod)."""
+
+    dns_name: str
+    port: Annotated[int, Field(ge=1, le=65535)]
+    scheme: Literal["http", "https"] = "http"
+    interval_s: Annotated[float, Field(gt=0)] = 5.0
 
 
 class ServerGroupConfig(_Frozen):
-    urls: Annotated[list[str], Field(min_length=1)]
+    urls: list[str] = []
+    discovery: DiscoveryConfig | None = None
+    registration: bool = False  # the pool may start empty: workers join with `disagg-serve worker --register`
     router: RouterConfig = RouterConfig()
+
+    @model_validator(mode="after")
+    def _has_members(self) -> ServerGroupConfig:
+        if not self.urls and self.discovery is None and not self.registration:
+            raise ValueError("give 'urls', a 'discovery' section, or 'registration: true'")
+        return self
 
     @field_validator("urls")
     @classmethod
@@ -52,6 +74,12 @@ class OrchestratorConfig(_Frozen):
     health_check_interval_s: Annotated[float, Field(gt=0)] = 2.0
     max_body_bytes: Annotated[int, Field(ge=1024)] = DEFAULT_MAX_BODY_BYTES
     max_concurrent_requests: Annotated[int, Field(ge=1)] = 1024
+    # Health: a worker leaves its pool after this many failed checks in a row, and returns after this many good.
+    health_failure_threshold: Annotated[int, Field(ge=1)] = 2
+    health_recovery_threshold: Annotated[int, Field(ge=1)] = 1
+    # Conditional disaggregation: prompts estimated under this many tokens go to GEN alone (0 = always split).
+    max_local_prefill_length: Annotated[int, Field(ge=0)] = 0
+    # Secrets come from the environment (DISAGG_API_KEY, DISAGG_ADMIN_KEY) or the command line, not this file.
 
 
 def parse_config(raw: Any, source: str = "config") -> OrchestratorConfig:

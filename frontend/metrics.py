@@ -38,7 +38,24 @@ class Metrics:
             buckets=_LATENCY_BUCKETS, registry=r,
         )
         self.ctx_latency = Histogram(
-            "disagg_ctx_step_seconds", "Orchestrator: time in the CTX step", buckets=_LATENCY_BUCKETS, registry=r
+            "disagg_ctx_step_seconds", "Orchestrator: time in the CTX step, by CTX worker", ["worker"],
+            buckets=_LATENCY_BUCKETS, registry=r,
+        )
+        self.gen_first_byte = Histogram(
+            "disagg_gen_first_byte_seconds", "Orchestrator: GEN request sent to its first byte, by GEN worker",
+            ["worker"], buckets=_LATENCY_BUCKETS, registry=r,
+        )
+        self.inter_token_latency = Histogram(
+            "disagg_inter_token_latency_seconds", "Orchestrator: gap between stream chunks relayed from GEN",
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5), registry=r,
+        )
+        self.failovers = Counter(
+            "disagg_upstream_failovers", "Requests moved to another worker after one failed, by step", ["step"],
+            registry=r,
+        )
+        self.local_prefill = Counter(
+            "disagg_local_prefill_requests", "Short prompts sent to GEN alone (conditional disaggregation)",
+            registry=r,
         )
         self.ctx_finished = Counter(
             "disagg_ctx_finished_requests", "Requests CTX finished by itself (GEN never called)", registry=r

@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, model_validator
 
-from frontend.errors import UnsupportedParameterError
+from frontend.errors import InvalidRequestError, UnsupportedParameterError
 
 
 class WireModel(BaseModel):
@@ -120,7 +120,8 @@ class SamplingFields(WireModel):
     def _require_prompt(self, field: str, value: object) -> None:
         # GEN may get no prompt text at all: the orchestrator drops it when the KV hand-off carries the tokens.
         if value is None and not self.is_generation_only:
-            raise ValueError(f"'{field}' is required")
+            # Not a ValueError: pydantic would report it at the model level, with no field for 'param'.
+            raise InvalidRequestError(f"'{field}' is required", param=field)
 
 
 class ChatCompletionRequest(SamplingFields):

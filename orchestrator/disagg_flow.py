@@ -2,6 +2,7 @@
 
 The orchestrator never decodes the prompt. It parses CTX's answer once with orjson and puts the very
 ``prompt_token_ids_b64`` string object it got into GEN's body, which it encodes once with orjson.
+Short prompts (``max_local_prefill_length``) skip the split and go to a GEN worker alone.
 """
 
 from __future__ import annotations
@@ -10,7 +11,8 @@ import logging
 import random
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
@@ -23,6 +25,7 @@ from frontend.metrics import Metrics
 from frontend.openai_output import Endpoint, replay_as_stream, stream_error_frames
 from frontend.sse import DONE_FRAME, FrameSplitter
 from orchestrator.pool import WorkerPool
+from orchestrator.routers import RoutingKey, routing_key
 from orchestrator.upstream import UpstreamReply, WorkerClient, translate_http_error
 
 logger = logging.getLogger(__name__)
@@ -36,6 +39,7 @@ PATHS: dict[Endpoint, str] = {
     "completions": "/v1/completions",
     "responses": "/v1/responses",
 }
+_STREAM_ENDS = (DONE_FRAME, b"event: response.completed", b"event: response.incomplete", b"event: error")
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +56,27 @@ class StreamedAnswer:
 Answer = WholeAnswer | StreamedAnswer
 
 
+@dataclass(slots=True)
+class FlowRequest:
+    """One client request as the flow carries it from step to step."""
+
+    endpoint: Endpoint
+    body: dict[str, Any]
+    key: RoutingKey
+    started: float
+    headers: dict[str, str] = field(default_factory=dict)  # forwarded to both workers (X-Request-Id)
+    ctx_worker: str | None = None
+    gen_worker: str | None = None
+
+    @property
+    def path(self) -> str:
+        return PATHS[self.endpoint]
+
+    @property
+    def streaming(self) -> bool:
+        return self.body.get("stream") is True
+
+
 @dataclass(frozen=True, slots=True)
 class ContextResult:
     response: dict[str, Any]
@@ -66,19 +91,26 @@ class DisaggFlow:
         self.gen_pool = gen_pool
         self.metrics = metrics
 
-    async def run(self, endpoint: Endpoint, body: dict[str, Any], started: float) -> Answer:
-        streaming = body.get("stream") is True
-        ctx = await self.run_context_step(endpoint, body)
+    def new_request(self, endpoint: Endpoint, body: dict[str, Any], started: float,
+                    headers: dict[str, str] | None = None) -> FlowRequest:
+        prefix_chars = self.config.context_servers.router.prefix_chars
+        return FlowRequest(endpoint, body, routing_key(body, prefix_chars), started, headers or {})
+
+    async def run(self, request: FlowRequest) -> Answer:
+        if request.key.prompt_tokens < self.config.max_local_prefill_length:
+            self.metrics.local_prefill.inc()
+            return await self.run_on_gen_alone(request)
+        ctx = await self.run_context_step(request)
         if ctx.finished:
             self.metrics.ctx_finished.inc()
-            return self.answer_from_context(endpoint, body, ctx, streaming)
-        if streaming:
-            return StreamedAnswer(await self.stream_generation(endpoint, body, ctx, started))
-        return await self.generate_whole(endpoint, body, ctx)
+            return self.answer_from_context(request, ctx)
+        if request.streaming:
+            return StreamedAnswer(await self.stream_generation(request, ctx))
+        return await self.generate_whole(request, ctx)
 
     # -- step 1: CTX --------------------------------------------------------------------------------------
-    async def run_context_step(self, endpoint: Endpoint, body: dict[str, Any]) -> ContextResult:
-        ctx_body = dict(body)
+    async def run_context_step(self, request: FlowRequest) -> ContextResult:
+        ctx_body = dict(request.body)
         ctx_body["stream"] = False
         ctx_body.pop("stream_options", None)
         ctx_body["disaggregated_params"] = {
@@ -87,49 +119,46 @@ class DisaggFlow:
             "return_prompt_token_ids_b64": self.config.gen_tokids_ctxbytes or self.config.gen_tokids_metadata_only,
         }
         started = time.perf_counter()
-        reply = await self._post_with_retries(self.ctx_pool, "ctx", PATHS[endpoint], orjson.dumps(ctx_body))
-        self.metrics.ctx_latency.observe(time.perf_counter() - started)
+        reply, worker = await self._post_with_retries(self.ctx_pool, "ctx", request, orjson.dumps(ctx_body))
+        request.ctx_worker = worker.url
+        self.metrics.ctx_latency.labels(worker=worker.url).observe(time.perf_counter() - started)
         if reply.status_code != 200:
-            raise _RelayedError(reply)
+            raise RelayedError(reply)
         try:
             response = orjson.loads(reply.content)
             params = response["choices"][0]["disaggregated_params"] if "choices" in response \
                 else response["disaggregated_params"]
         except (orjson.JSONDecodeError, KeyError, IndexError, TypeError) as exc:
             raise UpstreamError("the CTX step failed: its answer has no disaggregated_params") from exc
-        finished = params.get("encoded_opaque_state") is None
-        return ContextResult(response, params, finished)
+        return ContextResult(response, params, finished=params.get("encoded_opaque_state") is None)
 
-    def answer_from_context(
-        self, endpoint: Endpoint, body: dict[str, Any], ctx: ContextResult, streaming: bool
-    ) -> Answer:
+    def answer_from_context(self, request: FlowRequest, ctx: ContextResult) -> Answer:
         """CTX finished the request by itself (EOS, a stop string, or max_tokens at the first token)."""
         response = ctx.response
-        response.pop("prompt_token_ids_b64", None)
-        response.pop("prompt_token_ids", None)
-        response.pop("disaggregated_params", None)
+        for name in ("prompt_token_ids_b64", "prompt_token_ids", "disaggregated_params"):
+            response.pop(name, None)
         for choice in response.get("choices", ()):
             choice.pop("disaggregated_params", None)
-        if not streaming:
+        if not request.streaming:
             return WholeAnswer(200, orjson.dumps(response))
-        options = body.get("stream_options")
+        options = request.body.get("stream_options")
         include_usage = isinstance(options, dict) and options.get("include_usage") is True
-        frames = replay_as_stream(endpoint, response, include_usage)
-        return StreamedAnswer(_iterate(frames))
+        return StreamedAnswer(_iterate(replay_as_stream(request.endpoint, response, include_usage)))
 
     # -- step 2: GEN --------------------------------------------------------------------------------------
-    def generation_body(self, body: dict[str, Any], ctx: ContextResult, gen_worker: WorkerClient) -> bytes:
+    def generation_body(self, request: FlowRequest, ctx: ContextResult, gen_worker: WorkerClient) -> bytes:
+        body = request.body
         gen_body = dict(body)
         params = dict(ctx.params)
         params["request_type"] = "generation_only"
         gen_body["disaggregated_params"] = params
         if self.config.gen_tokids_metadata_only:
-            reason = metadata_only_decision(body, params.get("prompt_len"), gen_worker.facts)
+            facts = gen_worker.engine_facts
+            reason = metadata_only_decision(body, params.get("prompt_len"), facts)
             if reason is None:
                 # Only prompt_len travels. If GEN's hand-off carries the real tokens, the prompt text need not
                 # travel either: the body stops growing with the prompt.
-                dropped = PROMPT_FIELDS if gen_worker.facts.prompt_tokens_in_handoff else TOKEN_FIELDS
-                for name in dropped:
+                for name in PROMPT_FIELDS if facts.prompt_tokens_in_handoff else TOKEN_FIELDS:
                     gen_body.pop(name, None)
                 return orjson.dumps(gen_body)
             self.metrics.metadata_only_fallback.labels(reason=reason.value).inc()
@@ -140,100 +169,188 @@ class DisaggFlow:
             params.pop("prompt_len", None)  # no tokens travel: GEN tokenizes the text itself (the baseline)
         return orjson.dumps(gen_body)
 
-    async def generate_whole(self, endpoint: Endpoint, body: dict[str, Any], ctx: ContextResult) -> WholeAnswer:
+    def _gen_key(self, request: FlowRequest, ctx: ContextResult) -> RoutingKey:
+        prompt_len = ctx.params.get("prompt_len")
+        exact = prompt_len if isinstance(prompt_len, int) else request.key.prompt_tokens
+        return RoutingKey(request.key.prompt_prefix, exact)
+
+    async def generate_whole(self, request: FlowRequest, ctx: ContextResult) -> WholeAnswer:
+        key = self._gen_key(request, ctx)
         tried: list[WorkerClient] = []
         while True:
-            worker = self.gen_pool.pick(tried)
+            worker = self.gen_pool.pick(key, tried)
             tried.append(worker)
+            request.gen_worker = worker.url
             try:
-                reply = await self._post(worker, PATHS[endpoint], self.generation_body(body, ctx, worker))
+                reply = await self._post(worker, request, self.generation_body(request, ctx, worker), key)
             except UpstreamError as exc:
-                if self._give_up("gen", tried, exc):
-                    raise UpstreamUnavailableError(f"the GEN step failed: {exc.message}") from exc
+                self._give_up_or_count("gen", tried, exc, f"the GEN step failed: {exc.message}")
                 continue
             if reply.status_code >= 500 and not self._give_up("gen", tried, None):
                 continue
+            if self._handoff_lost(reply, tried):
+                ctx = await self.redo_context(request)
+                if ctx.finished:
+                    answer = self.answer_from_context(request, ctx)
+                    assert isinstance(answer, WholeAnswer)
+                    return answer
+                tried.clear()
+                continue
             return WholeAnswer(reply.status_code, reply.content)
 
-    async def stream_generation(
-        self, endpoint: Endpoint, body: dict[str, Any], ctx: ContextResult, started: float
-    ) -> AsyncIterator[bytes]:
+    async def stream_generation(self, request: FlowRequest, ctx: ContextResult) -> AsyncIterator[bytes]:
         """Open GEN's stream (retrying another GEN before the first byte) and return the relay."""
+        key = self._gen_key(request, ctx)
         tried: list[WorkerClient] = []
         while True:
-            worker = self.gen_pool.pick(tried)
+            worker = self.gen_pool.pick(key, tried)
             tried.append(worker)
-            stream = worker.stream(PATHS[endpoint], self.generation_body(body, ctx, worker))
+            request.gen_worker = worker.url
+            started = time.perf_counter()
+            stream = worker.stream(request.path, self.generation_body(request, ctx, worker), request.headers)
             try:
                 response = await stream.__aenter__()
             except UpstreamError as exc:
-                self._mark_down(worker, exc)
-                if self._give_up("gen", tried, exc):
-                    raise UpstreamUnavailableError(f"the GEN step failed: {exc.message}") from exc
+                self._mark(worker, exc)
+                self._give_up_or_count("gen", tried, exc, f"the GEN step failed: {exc.message}")
                 continue
             if response.status_code != 200:
-                content = await response.aread()
+                reply = UpstreamReply(response.status_code, await response.aread())
                 await stream.__aexit__(None, None, None)
                 if response.status_code >= 500 and not self._give_up("gen", tried, None):
                     continue
-                raise _RelayedError(UpstreamReply(response.status_code, content))
-            return self._relay(endpoint, stream, response, started)
+                if self._handoff_lost(reply, tried):
+                    ctx = await self.redo_context(request)
+                    if ctx.finished:
+                        answer = self.answer_from_context(request, ctx)
+                        assert isinstance(answer, StreamedAnswer)
+                        return answer.frames
+                    tried.clear()
+                    continue
+                raise RelayedError(reply)
+            self.metrics.gen_first_byte.labels(worker=worker.url).observe(time.perf_counter() - started)
+            return self._relay(request, worker, stream, response, key)
+
+    def _handoff_lost(self, reply: UpstreamReply, tried: list[WorkerClient]) -> bool:
+        """A retried GEN found the hand-off gone (an earlier GEN took it before failing): CTX must run again."""
+        if reply.status_code != 400 or len(tried) < 2:
+            return False
+        try:
+            return bool(orjson.loads(reply.content)["error"]["code"] == "invalid_handoff")
+        except (orjson.JSONDecodeError, KeyError, TypeError):
+            return False
+
+    async def redo_context(self, request: FlowRequest) -> ContextResult:
+        self.metrics.retries.labels(step="ctx", reason="handoff_lost").inc()
+        logger.warning("the KV hand-off was lost with a failed GEN; running CTX again")
+        return await self.run_context_step(request)
+
+    async def run_on_gen_alone(self, request: FlowRequest) -> Answer:
+        """Conditional disaggregation: a short prompt is cheaper to prefill where it is decoded."""
+        body = orjson.dumps(request.body)
+        if not request.streaming:
+            reply, worker = await self._post_with_retries(self.gen_pool, "gen", request, body)
+            request.gen_worker = worker.url
+            if reply.status_code != 200:
+                raise RelayedError(reply)
+            return WholeAnswer(reply.status_code, reply.content)
+        tried: list[WorkerClient] = []
+        while True:
+            worker = self.gen_pool.pick(request.key, tried)
+            tried.append(worker)
+            request.gen_worker = worker.url
+            stream = worker.stream(request.path, body, request.headers)
+            try:
+                response = await stream.__aenter__()
+            except UpstreamError as exc:
+                self._mark(worker, exc)
+                self._give_up_or_count("gen", tried, exc, f"the GEN step failed: {exc.message}")
+                continue
+            if response.status_code != 200:
+                reply = UpstreamReply(response.status_code, await response.aread())
+                await stream.__aexit__(None, None, None)
+                if response.status_code >= 500 and not self._give_up("gen", tried, None):
+                    continue
+                raise RelayedError(reply)
+            return StreamedAnswer(self._relay(request, worker, stream, response, request.key))
 
     async def _relay(
-        self, endpoint: Endpoint, stream: Any, response: httpx.Response, started: float
+        self,
+        request: FlowRequest,
+        worker: WorkerClient,
+        stream: AbstractAsyncContextManager[httpx.Response],
+        response: httpx.Response,
+        key: RoutingKey,
     ) -> AsyncIterator[bytes]:
         splitter = FrameSplitter()
         seen_end = False
-        first = True
+        last: float | None = None
+        self._count_in(worker, key)
         try:
             async for chunk in response.aiter_raw():
-                if first:
-                    self.metrics.time_to_first_token.observe(time.perf_counter() - started)
-                    first = False
+                now = time.perf_counter()
+                if last is None:
+                    self.metrics.time_to_first_token.observe(now - request.started)
+                else:
+                    self.metrics.inter_token_latency.observe(now - last)
+                last = now
                 # Relay bytes as they come; only watch for the end marker to detect a truncated stream.
                 for frame in splitter.feed(chunk):
-                    if frame == DONE_FRAME or frame.startswith((b"event: response.completed",
-                                                                b"event: response.incomplete", b"event: error")):
+                    if frame.startswith(_STREAM_ENDS):
                         seen_end = True
                 yield chunk
         except httpx.HTTPError as exc:
-            error = translate_http_error(exc, str(response.url))
+            error = translate_http_error(exc, worker.url)
             logger.warning("GEN stream broke mid-way: %s", error.message)
-            for frame in stream_error_frames(endpoint, UpstreamError(f"the GEN stream broke: {error.message}")):
+            for frame in stream_error_frames(request.endpoint, UpstreamError(f"the GEN stream broke: {error.message}")):
                 yield frame
             return
         finally:
+            self._count_out(worker, key)
             await stream.__aexit__(None, None, None)
         if not seen_end:
-            for frame in stream_error_frames(endpoint, UpstreamError("the GEN stream ended before it was complete")):
+            for frame in stream_error_frames(request.endpoint,
+                                             UpstreamError("the GEN stream ended before it was complete")):
                 yield frame
 
-    # -- retries ------------------------------------------------------------------------------------------
-    async def _post_with_retries(self, pool: WorkerPool, step: str, path: str, body: bytes) -> UpstreamReply:
+    # -- retries and load accounting ----------------------------------------------------------------------
+    async def _post_with_retries(
+        self, pool: WorkerPool, step: str, request: FlowRequest, body: bytes
+    ) -> tuple[UpstreamReply, WorkerClient]:
         tried: list[WorkerClient] = []
         while True:
-            worker = pool.pick(tried)
+            worker = pool.pick(request.key, tried)
             tried.append(worker)
             try:
-                reply = await self._post(worker, path, body)
+                reply = await self._post(worker, request, body, request.key)
             except UpstreamError as exc:
-                if self._give_up(step, tried, exc):
-                    raise type(exc)(f"the {step.upper()} step failed after {len(tried)} attempt(s): "
-                                    f"{exc.message}") from exc
+                self._give_up_or_count(step, tried, exc,
+                                       f"the {step.upper()} step failed after {len(tried)} attempt(s): {exc.message}")
                 continue
             if reply.status_code in (502, 503, 504) and not self._give_up(step, tried, None):
                 continue
-            return reply
+            return reply, worker
 
-    async def _post(self, worker: WorkerClient, path: str, body: bytes) -> UpstreamReply:
-        worker.inflight += 1
+    async def _post(self, worker: WorkerClient, request: FlowRequest, body: bytes, key: RoutingKey
+                    ) -> UpstreamReply:
+        self._count_in(worker, key)
         try:
-            return await worker.post(path, body)
+            return await worker.post(request.path, body, request.headers)
         except UpstreamError as exc:
-            self._mark_down(worker, exc)
+            self._mark(worker, exc)
             raise
         finally:
-            worker.inflight -= 1
+            self._count_out(worker, key)
+
+    @staticmethod
+    def _count_in(worker: WorkerClient, key: RoutingKey) -> None:
+        worker.inflight += 1
+        worker.inflight_prompt_tokens += key.prompt_tokens
+
+    @staticmethod
+    def _count_out(worker: WorkerClient, key: RoutingKey) -> None:
+        worker.inflight -= 1
+        worker.inflight_prompt_tokens -= key.prompt_tokens
 
     def _give_up(self, step: str, tried: list[WorkerClient], error: UpstreamError | None) -> bool:
         if len(tried) > self.config.max_retries:
@@ -242,22 +359,23 @@ class DisaggFlow:
         self.metrics.retries.labels(step=step, reason=reason).inc()
         return False
 
+    def _give_up_or_count(self, step: str, tried: list[WorkerClient], error: UpstreamError, message: str) -> None:
+        if self._give_up(step, tried, error):
+            raise type(error)(message) from error
+        self.metrics.failovers.labels(step=step).inc()
+
     @staticmethod
-    def _mark_down(worker: WorkerClient, error: UpstreamError) -> None:
-        # Passive health: a worker that refused a connection leaves routing until the monitor sees it back.
+    def _mark(worker: WorkerClient, error: UpstreamError) -> None:
         if isinstance(error, UpstreamUnavailableError):
-            worker.healthy = False
+            worker.mark_unreachable()
 
 
-class _RelayedError(Exception):
+class RelayedError(Exception):
     """A worker's own error answer (4xx, or 5xx after retries), passed to the client as it came."""
 
     def __init__(self, reply: UpstreamReply) -> None:
         super().__init__(f"upstream answered {reply.status_code}")
         self.reply = reply
-
-
-RelayedError = _RelayedError
 
 
 async def _iterate(frames: list[bytes]) -> AsyncIterator[bytes]:

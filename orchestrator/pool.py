@@ -1,10 +1,9 @@
-"""Worker pools: membership, active health checks, and the router that picks a worker per request."""
+"""Worker pools: membership, active health checks with thresholds, and routing through a ``Router``."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import logging
 from collections.abc import Iterable
 
@@ -12,62 +11,108 @@ import orjson
 
 from frontend.errors import UpstreamError, UpstreamUnavailableError
 from frontend.guardrail import GenEngineFacts
-from orchestrator.upstream import WorkerClient
+from orchestrator.routers import Router, RoutingKey
+from orchestrator.upstream import WorkerClient, WorkerTimeouts
 
 logger = logging.getLogger(__name__)
 
 
-class RoundRobinRouter:
-    """Cycles over the healthy workers; skips the ones already tried for this request."""
-
-    def __init__(self) -> None:
-        self._counter = itertools.count()
-
-    def pick(self, workers: list[WorkerClient], exclude: Iterable[WorkerClient] = ()) -> WorkerClient | None:
-        excluded = set(map(id, exclude))
-        candidates = [w for w in workers if w.healthy and id(w) not in excluded]
-        if not candidates:
-            return None
-        return candidates[next(self._counter) % len(candidates)]
-
-
 class WorkerPool:
-    def __init__(self, name: str, workers: list[WorkerClient], router: RoundRobinRouter) -> None:
+    def __init__(
+        self,
+        name: str,
+        router: Router,
+        timeouts: WorkerTimeouts,
+        *,
+        failure_threshold: int = 2,
+        recovery_threshold: int = 1,
+    ) -> None:
         self.name = name
-        self.workers = workers
         self.router = router
+        self.timeouts = timeouts
+        self.failure_threshold = failure_threshold
+        self.recovery_threshold = recovery_threshold
+        self.workers: list[WorkerClient] = []
+        self._sources: dict[str, str] = {}  # url -> "static" | "dns" | "registered"
+        self._closing: set[asyncio.Task[None]] = set()
 
+    # -- membership ---------------------------------------------------------------------------------------
+    def add(self, url: str, source: str = "static") -> WorkerClient:
+        url = url.rstrip("/")
+        for worker in self.workers:
+            if worker.url == url:
+                return worker
+        worker = WorkerClient(url, self.timeouts)
+        self.workers.append(worker)
+        self._sources[url] = source
+        logger.info("%s pool: added %s (%s)", self.name, url, source)
+        return worker
+
+    def remove(self, url: str) -> bool:
+        url = url.rstrip("/")
+        worker = next((w for w in self.workers if w.url == url), None)
+        if worker is None:
+            return False
+        self.workers.remove(worker)
+        self._sources.pop(url, None)
+        worker.healthy = False
+        logger.info("%s pool: removed %s (%d requests still finishing)", self.name, url, worker.inflight)
+        task = asyncio.get_running_loop().create_task(self._close_when_idle(worker))
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
+        return True
+
+    def sync(self, urls: Iterable[str], source: str) -> None:
+        """Make this source's members exactly ``urls``; members from other sources are left alone."""
+        wanted = {u.rstrip("/") for u in urls}
+        for url in wanted:
+            self.add(url, source)
+        for url, owner in list(self._sources.items()):
+            if owner == source and url not in wanted:
+                self.remove(url)
+
+    async def _close_when_idle(self, worker: WorkerClient) -> None:
+        deadline = asyncio.get_running_loop().time() + self.timeouts.request_s
+        # inflight is a plain counter bumped by many tasks; a poll twice a second is plenty for a drain.
+        while worker.inflight and asyncio.get_running_loop().time() < deadline:  # noqa: ASYNC110
+            await asyncio.sleep(0.5)
+        await worker.aclose()
+
+    # -- routing ------------------------------------------------------------------------------------------
     @property
     def has_healthy(self) -> bool:
         return any(w.healthy for w in self.workers)
 
-    def pick(self, exclude: Iterable[WorkerClient] = ()) -> WorkerClient:
-        worker = self.router.pick(self.workers, exclude)
+    def pick(self, key: RoutingKey, exclude: Iterable[WorkerClient] = ()) -> WorkerClient:
+        tried = list(exclude)
+        worker = self.router.pick(self.workers, key, tried)
         if worker is None:
-            tried = list(exclude)
             detail = f" (tried {', '.join(w.url for w in tried)})" if tried else ""
             raise UpstreamUnavailableError(f"no healthy {self.name} worker is available{detail}")
         return worker
 
-    async def check_health(self, timeout_s: float) -> None:
-        await asyncio.gather(*(self._check(worker, timeout_s) for worker in self.workers))
+    # -- health -------------------------------------------------------------------------------------------
+    async def check_health(self) -> None:
+        await asyncio.gather(*(self._check(worker) for worker in list(self.workers)))
 
-    async def _check(self, worker: WorkerClient, timeout_s: float) -> None:
+    async def _check(self, worker: WorkerClient) -> None:
         try:
-            reply = await worker.get("/health", timeout_s)
-            healthy = reply.status_code == 200
-            if healthy and not worker.healthy:
-                worker.facts = await self._engine_facts(worker, timeout_s)
+            reply = await worker.get("/health", self.timeouts.health_s)
+            ok = reply.status_code == 200
+            if ok and worker.facts is None:
+                worker.facts = await self._engine_facts(worker)
         except UpstreamError:
-            healthy = False
-        if healthy != worker.healthy:
-            logger.info("%s worker %s is now %s", self.name, worker.url, "healthy" if healthy else "unhealthy")
-        worker.healthy = healthy
+            ok = False
+        was_healthy = worker.healthy
+        worker.record_health(ok, self.failure_threshold, self.recovery_threshold)
+        if worker.healthy != was_healthy:
+            logger.info("%s worker %s is now %s", self.name, worker.url, "healthy" if worker.healthy else "unhealthy")
+            if not worker.healthy:
+                worker.facts = None  # a worker that comes back may come back with another engine
 
-    @staticmethod
-    async def _engine_facts(worker: WorkerClient, timeout_s: float) -> GenEngineFacts:
+    async def _engine_facts(self, worker: WorkerClient) -> GenEngineFacts:
         # The guardrail needs GEN's real engine facts: ask the worker, never trust our own config.
-        reply = await worker.get("/v1/models", timeout_s)
+        reply = await worker.get("/v1/models", self.timeouts.health_s)
         try:
             info = orjson.loads(reply.content)["data"][0]["engine_info"]
             return GenEngineFacts(bool(info["kv_block_reuse"]), bool(info["prompt_tokens_in_handoff"]))
@@ -76,20 +121,21 @@ class WorkerPool:
             return GenEngineFacts(kv_block_reuse=True, prompt_tokens_in_handoff=False)
 
     async def aclose(self) -> None:
-        await asyncio.gather(*(w.aclose() for w in self.workers))
+        for task in list(self._closing):
+            task.cancel()
+        await asyncio.gather(*(w.aclose() for w in self.workers), *self._closing, return_exceptions=True)
 
 
 class HealthMonitor:
     """Polls every pool on an interval so that routing only ever sees workers that answered lately."""
 
-    def __init__(self, pools: list[WorkerPool], interval_s: float, timeout_s: float) -> None:
+    def __init__(self, pools: list[WorkerPool], interval_s: float) -> None:
         self.pools = pools
         self.interval_s = interval_s
-        self.timeout_s = timeout_s
         self._task: asyncio.Task[None] | None = None
 
     async def check_now(self) -> None:
-        await asyncio.gather(*(pool.check_health(self.timeout_s) for pool in self.pools))
+        await asyncio.gather(*(pool.check_health() for pool in self.pools))
 
     async def _run(self) -> None:
         while True:

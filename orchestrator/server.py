@@ -1,17 +1,28 @@
-"""The orchestrator's HTTP front end: thin routes over ``DisaggFlow``, plus health, models and metrics."""
+"""The orchestrator's HTTP front end: thin routes over ``DisaggFlow``, plus health, models, metrics and admin."""
 
 from __future__ import annotations
 
+import logging
 import time
+import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from typing import Any
 
 from fastapi import FastAPI, Request
 from starlette.responses import Response, StreamingResponse
 
-from frontend.config import OrchestratorConfig
-from frontend.errors import OverloadedError, ServingError, UpstreamError, UpstreamUnavailableError
+from frontend.auth import require_bearer
+from frontend.config import OrchestratorConfig, ServerGroupConfig
+from frontend.errors import (
+    InvalidRequestError,
+    OverloadedError,
+    ServingError,
+    UpstreamError,
+    UpstreamUnavailableError,
+)
 from frontend.http import (
+    ClientDisconnected,
     JSONBytesResponse,
     cancel_on_disconnect,
     install_error_handlers,
@@ -19,40 +30,61 @@ from frontend.http import (
     parse_json_object,
     read_body,
 )
+from frontend.logging_setup import request_id_var
 from frontend.metrics import METRICS_CONTENT_TYPE, Metrics
 from frontend.openai_output import Endpoint
 from frontend.sse import SSE_HEADERS, SSE_MEDIA_TYPE
-from orchestrator.disagg_flow import DisaggFlow, RelayedError, StreamedAnswer, check_client_body
-from orchestrator.pool import HealthMonitor, RoundRobinRouter, WorkerPool
-from orchestrator.upstream import WorkerClient
+from orchestrator.disagg_flow import DisaggFlow, FlowRequest, RelayedError, StreamedAnswer, check_client_body
+from orchestrator.membership import DnsDiscovery
+from orchestrator.pool import HealthMonitor, WorkerPool
+from orchestrator.routers import make_router
+from orchestrator.upstream import WorkerTimeouts
 
 ROLE = "orchestrator"
+REQUEST_ID_HEADER = "X-Request-Id"
+logger = logging.getLogger("disagg_serve.orchestrator")
 
 
-def _pool(name: str, urls: list[str], config: OrchestratorConfig) -> WorkerPool:
-    clients = [
-        WorkerClient(url, request_timeout_s=config.request_timeout_s, connect_timeout_s=config.connect_timeout_s)
-        for url in urls
-    ]
-    return WorkerPool(name, clients, RoundRobinRouter())
+def _pool(name: str, group: ServerGroupConfig, config: OrchestratorConfig) -> WorkerPool:
+    timeouts = WorkerTimeouts(config.request_timeout_s, config.connect_timeout_s, min(config.connect_timeout_s, 5.0))
+    pool = WorkerPool(name, make_router(group.router), timeouts,
+                      failure_threshold=config.health_failure_threshold,
+                      recovery_threshold=config.health_recovery_threshold)
+    for url in group.urls:
+        pool.add(url, "static")
+    return pool
 
 
-def create_orchestrator_app(config: OrchestratorConfig, metrics: Metrics | None = None) -> FastAPI:
+def create_orchestrator_app(
+    config: OrchestratorConfig,
+    metrics: Metrics | None = None,
+    *,
+    api_key: str | None = None,
+    admin_key: str | None = None,
+) -> FastAPI:
     metrics = metrics or Metrics()
-    ctx_pool = _pool("ctx", config.context_servers.urls, config)
-    gen_pool = _pool("gen", config.generation_servers.urls, config)
+    ctx_pool = _pool("ctx", config.context_servers, config)
+    gen_pool = _pool("gen", config.generation_servers, config)
+    pools = {"context": ctx_pool, "generation": gen_pool}
     flow = DisaggFlow(config, ctx_pool, gen_pool, metrics)
-    monitor = HealthMonitor([ctx_pool, gen_pool], config.health_check_interval_s,
-                            timeout_s=min(config.connect_timeout_s, 5.0))
+    monitor = HealthMonitor([ctx_pool, gen_pool], config.health_check_interval_s)
+    discoveries = [DnsDiscovery(pool, group.discovery)
+                   for pool, group in ((ctx_pool, config.context_servers), (gen_pool, config.generation_servers))
+                   if group.discovery is not None]
     inflight = {"count": 0}
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        for discovery in discoveries:
+            await discovery.refresh()
+            discovery.start()
         await monitor.check_now()
         monitor.start()
         try:
             yield
         finally:
+            for discovery in discoveries:
+                await discovery.stop()
             await monitor.stop()
             await ctx_pool.aclose()
             await gen_pool.aclose()
@@ -60,41 +92,57 @@ def create_orchestrator_app(config: OrchestratorConfig, metrics: Metrics | None 
     app = FastAPI(title="disagg-serve orchestrator", lifespan=lifespan)
     app.state.flow = flow
     app.state.metrics = metrics
+    app.state.pools = pools
     install_error_handlers(app)
 
-    def release(endpoint: Endpoint, status: int, started: float) -> None:
+    def release(flow_request: FlowRequest, status: int) -> None:
         inflight["count"] -= 1
         metrics.engine_inflight.labels(role=ROLE).dec()
+        endpoint = flow_request.endpoint
+        elapsed = time.perf_counter() - flow_request.started
         metrics.requests.labels(role=ROLE, endpoint=endpoint, status=str(status)).inc()
-        metrics.request_latency.labels(endpoint=endpoint).observe(time.perf_counter() - started)
+        metrics.request_latency.labels(endpoint=endpoint).observe(elapsed)
+        logger.info("request done", extra={"event": "request", "endpoint": endpoint, "status": status,
+                                           "latency_ms": round(elapsed * 1000, 2),
+                                           "ctx_worker": flow_request.ctx_worker,
+                                           "gen_worker": flow_request.gen_worker})
 
     async def handle(request: Request, endpoint: Endpoint) -> Response:
+        require_bearer(request, api_key)
         started = time.perf_counter()
+        request_id = request.headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex
+        request_id_var.set(request_id)
         if inflight["count"] >= config.max_concurrent_requests:
             metrics.requests.labels(role=ROLE, endpoint=endpoint, status="429").inc()
             raise OverloadedError(f"the orchestrator is at its limit of {config.max_concurrent_requests} requests")
         inflight["count"] += 1
         metrics.engine_inflight.labels(role=ROLE).inc()
+        headers = {REQUEST_ID_HEADER: request_id}
+        flow_request = flow.new_request(endpoint, {}, started, headers)  # replaced once the body is parsed
         status, streaming = 500, False
         try:
             body = parse_json_object(await read_body(request, config.max_body_bytes))
             check_client_body(body)
-            answer = await cancel_on_disconnect(request, lambda: flow.run(endpoint, body, started))
+            flow_request = flow.new_request(endpoint, body, started, headers)
+            answer = await cancel_on_disconnect(request, lambda: flow.run(flow_request))
             if isinstance(answer, StreamedAnswer):
                 status, streaming = 200, True
-                frames = _finally(answer.frames, lambda: release(endpoint, 200, started))
-                return StreamingResponse(frames, media_type=SSE_MEDIA_TYPE, headers=SSE_HEADERS)
+                frames = _finally(answer.frames, lambda: release(flow_request, 200))
+                return StreamingResponse(frames, media_type=SSE_MEDIA_TYPE, headers={**SSE_HEADERS, **headers})
             status = answer.status_code
-            return JSONBytesResponse(answer.content, status_code=answer.status_code)
+            return JSONBytesResponse(answer.content, status_code=answer.status_code, headers=headers)
         except RelayedError as exc:
             status = exc.reply.status_code
-            return JSONBytesResponse(exc.reply.content, status_code=status)
+            return JSONBytesResponse(exc.reply.content, status_code=status, headers=headers)
         except ServingError as exc:
             status = exc.status_code
             raise
+        except ClientDisconnected:
+            status = 499  # as the access log says; not a 500 of ours
+            raise
         finally:
             if not streaming:
-                release(endpoint, status, started)
+                release(flow_request, status)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
@@ -109,7 +157,8 @@ def create_orchestrator_app(config: OrchestratorConfig, metrics: Metrics | None 
         return await handle(request, "responses")
 
     @app.get("/v1/models")
-    async def models() -> Response:
+    async def models(request: Request) -> Response:
+        require_bearer(request, api_key)
         last_error: UpstreamError = UpstreamUnavailableError("no healthy CTX worker to list models from")
         for worker in [w for w in ctx_pool.workers if w.healthy]:
             try:
@@ -133,6 +182,38 @@ def create_orchestrator_app(config: OrchestratorConfig, metrics: Metrics | None 
     @app.get("/metrics")
     async def metrics_endpoint() -> Response:
         return Response(metrics.render(), media_type=METRICS_CONTENT_TYPE)
+
+    async def membership_change(request: Request) -> tuple[WorkerPool, str]:
+        require_bearer(request, admin_key, admin=True)
+        body = parse_json_object(await read_body(request, 64 * 1024))
+        role, url = body.get("role"), body.get("url")
+        if role not in pools:
+            raise InvalidRequestError("'role' must be 'context' or 'generation'", param="role")
+        if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+            raise InvalidRequestError("'url' must be an http(s) URL", param="url")
+        return pools[role], url
+
+    @app.post("/admin/workers", status_code=201)
+    async def register_worker(request: Request) -> Response:
+        pool, url = await membership_change(request)
+        worker = pool.add(url, "registered")
+        await pool.check_health()  # a registered worker serves as soon as it answers its first check
+        return json_response({"url": worker.url, "healthy": worker.healthy}, status_code=201)
+
+    @app.delete("/admin/workers")
+    async def deregister_worker(request: Request) -> Response:
+        pool, url = await membership_change(request)
+        return json_response({"url": url, "removed": pool.remove(url)})
+
+    @app.get("/admin/workers")
+    async def list_workers(request: Request) -> Response:
+        require_bearer(request, admin_key, admin=True)
+        listing: dict[str, Any] = {
+            role: [{"url": w.url, "healthy": w.healthy, "inflight": w.inflight,
+                    "inflight_prompt_tokens": w.inflight_prompt_tokens} for w in pool.workers]
+            for role, pool in pools.items()
+        }
+        return json_response(listing)
 
     return app
 

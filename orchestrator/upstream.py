@@ -22,19 +22,54 @@ _JSON_HEADERS = {"Content-Type": "application/json"}
 class UpstreamReply:
     status_code: int
     content: bytes
+    headers: dict[str, str] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerTimeouts:
+    request_s: float = 600.0
+    connect_s: float = 5.0
+    health_s: float = 5.0
 
 
 class WorkerClient:
-    def __init__(self, url: str, *, request_timeout_s: float, connect_timeout_s: float) -> None:
+    """One worker as the orchestrator sees it: a pooled HTTP client, its health, and its load as counted here."""
+
+    def __init__(self, url: str, timeouts: WorkerTimeouts) -> None:
         self.url = url
         self.healthy = False
-        self.facts = GenEngineFacts()
+        self.facts: GenEngineFacts | None = None
         self.inflight = 0
+        self.inflight_prompt_tokens = 0
+        self._failures = 0
+        self._successes = 0
         self._client = httpx.AsyncClient(
             base_url=url,
-            timeout=httpx.Timeout(request_timeout_s, connect=connect_timeout_s),
+            timeout=httpx.Timeout(timeouts.request_s, connect=timeouts.connect_s),
             limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256),
         )
+
+    @property
+    def engine_facts(self) -> GenEngineFacts:
+        # Until the worker has told us, assume the facts under which metadata-only is never admitted.
+        return self.facts or GenEngineFacts(kv_block_reuse=True, prompt_tokens_in_handoff=False)
+
+    def record_health(self, ok: bool, failure_threshold: int, recovery_threshold: int) -> None:
+        if ok:
+            self._failures = 0
+            self._successes += 1
+            if not self.healthy and self._successes >= recovery_threshold:
+                self.healthy = True
+        else:
+            self._successes = 0
+            self._failures += 1
+            if self.healthy and self._failures >= failure_threshold:
+                self.healthy = False
+
+    def mark_unreachable(self) -> None:
+        """Passive health: a refused connection takes the worker out at once; the monitor brings it back."""
+        self.healthy = False
+        self._successes = 0
 
     async def post(self, path: str, body: bytes, headers: dict[str, str] | None = None) -> UpstreamReply:
         try:

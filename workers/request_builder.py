@@ -20,7 +20,6 @@ from frontend.errors import ContextLengthError, HandoffError, InvalidRequestErro
 from frontend.guardrail import GenEngineFacts, metadata_only_decision
 from frontend.openai_models import (
     ChatCompletionRequest,
-    ChatMessage,
     CompletionRequest,
     DisaggregatedParams,
     GenerationWireRequest,

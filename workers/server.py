@@ -18,6 +18,7 @@ from frontend.http import (
     parse_json_object,
     read_body,
 )
+from frontend.logging_setup import request_id_var
 from frontend.metrics import METRICS_CONTENT_TYPE, Metrics
 from frontend.openai_models import (
     ChatCompletionRequest,
@@ -28,12 +29,16 @@ from frontend.openai_models import (
 from frontend.sse import SSE_HEADERS, SSE_MEDIA_TYPE
 from workers.engines.base import Engine
 from workers.generation_request import Phase
+from workers.registration import Registration
 from workers.serving import WorkerService, WorkerSettings
 
 _STARTED = int(time.time())
 
 
-def create_worker_app(engine: Engine, settings: WorkerSettings, metrics: Metrics | None = None) -> FastAPI:
+def create_worker_app(
+    engine: Engine, settings: WorkerSettings, metrics: Metrics | None = None, *,
+    registration: Registration | None = None,
+) -> FastAPI:
     metrics = metrics or Metrics()
     service = WorkerService(engine, settings, metrics)
     ready = {"engine": False}
@@ -42,10 +47,14 @@ def create_worker_app(engine: Engine, settings: WorkerSettings, metrics: Metrics
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         await engine.start()
         ready["engine"] = True
+        if registration is not None:
+            registration.start()
         try:
             yield
         finally:
-            ready["engine"] = False
+            ready["engine"] = False  # health turns 503 first, so balancers stop sending before we go
+            if registration is not None:
+                await registration.leave()
             await engine.aclose()
 
     app = FastAPI(title=f"disagg-serve worker ({settings.role})", lifespan=lifespan)
@@ -54,6 +63,7 @@ def create_worker_app(engine: Engine, settings: WorkerSettings, metrics: Metrics
     install_error_handlers(app)
 
     async def serve(request: Request, wire_model: type[GenerationWireRequest], endpoint: str) -> Response:
+        request_id_var.set(request.headers.get("x-request-id"))
         status = 500
         try:
             service.admit()

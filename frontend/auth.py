@@ -1,0 +1,28 @@
+"""API keys: ``Authorization: Bearer <key>`` compared in constant time; 401 in OpenAI's shape otherwise."""
+
+from __future__ import annotations
+
+import hmac
+
+from starlette.requests import Request
+
+from frontend.errors import AuthenticationError, ServingError
+
+
+class AdminDisabledError(ServingError):
+    status_code = 403
+    error_type = "permission_error"
+    default_code = "admin_disabled"
+
+
+def require_bearer(request: Request, key: str | None, *, admin: bool = False) -> None:
+    """Refuse the request unless it carries ``key``. No key configured: client routes are open, admin ones shut."""
+    if key is None:
+        if admin:
+            raise AdminDisabledError("the admin API is disabled: start the orchestrator with --admin-key")
+        return
+    header = request.headers.get("authorization", "")
+    scheme, _, presented = header.partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(presented.strip().encode(), key.encode()):
+        kind = "admin key" if admin else "API key"
+        raise AuthenticationError(f"missing or incorrect {kind}: send 'Authorization: Bearer <key>'")

@@ -1,0 +1,59 @@
+"""Dynamic membership: workers found by DNS (a Kubernetes headless service) or registered over the admin API.
+
+A DNS blip never empties a pool: a failed lookup keeps the members it had. A worker that leaves stops getting
+new requests at once; its in-flight requests finish on their own connections (the pool closes its client when
+it is idle).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+
+from frontend.config import DiscoveryConfig
+from orchestrator.pool import WorkerPool
+
+logger = logging.getLogger(__name__)
+
+
+def _url(scheme: str, address: str, port: int) -> str:
+    host = f"[{address}]" if ":" in address else address
+    return f"{scheme}://{host}:{port}"
+
+
+class DnsDiscovery:
+    def __init__(self, pool: WorkerPool, config: DiscoveryConfig) -> None:
+        self.pool = pool
+        self.config = config
+        self._task: asyncio.Task[None] | None = None
+
+    async def resolve(self) -> set[str] | None:
+        """The URLs the name resolves to now, or None if the lookup failed."""
+        c = self.config
+        try:
+            infos = await asyncio.get_running_loop().getaddrinfo(c.dns_name, c.port, type=socket.SOCK_STREAM)
+        except OSError as exc:
+            logger.warning("cannot resolve %s for the %s pool: %s", c.dns_name, self.pool.name, exc)
+            return None
+        return {_url(c.scheme, str(info[4][0]), c.port) for info in infos}
+
+    async def refresh(self) -> None:
+        urls = await self.resolve()
+        if urls is not None:
+            self.pool.sync(urls, source="dns")
+
+    async def _run(self) -> None:
+        while True:
+            await self.refresh()
+            await asyncio.sleep(self.config.interval_s)
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name=f"dns-discovery-{self.pool.name}")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task

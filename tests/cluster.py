@@ -1,0 +1,175 @@
+"""Test helpers for real CTX / GEN / orchestrator servers on loopback (no mocks).
+
+``Recorder`` is a pure ASGI middleware that keeps what went over the wire; ``RecordingEngine`` is a real
+``SyntheticEngine`` that also keeps every ``GenerationRequest`` it was handed. Both let tests look at what a
+worker really received without replacing any part of the path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import AsyncGenerator, Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+from fastapi import FastAPI
+from starlette.types import Message, Receive, Scope, Send
+
+from frontend.config import parse_config
+from frontend.metrics import Metrics
+from orchestrator.server import create_orchestrator_app
+from tests.servers import running
+from workers.engines.base import EngineOutput
+from workers.engines.synthetic import SyntheticConfig, SyntheticEngine
+from workers.generation_request import GenerationRequest
+from workers.server import create_worker_app
+from workers.serving import Role, WorkerSettings
+
+MODEL = "synthetic"
+
+
+@dataclass
+class Exchange:
+    method: str
+    path: str
+    request_body: bytes = b""
+    status: int | None = None
+    response_body: bytes = b""
+    done: bool = False
+
+    def request_json(self) -> Any:
+        return orjson.loads(self.request_body)
+
+    def response_json(self) -> Any:
+        return orjson.loads(self.response_body)
+
+
+class Recorder:
+    """ASGI middleware that records every HTTP exchange it passes through, bytes as they were."""
+
+    def __init__(self, app: FastAPI) -> None:
+        self.app = app
+        self.exchanges: list[Exchange] = []
+        self._lock = threading.Lock()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        exchange = Exchange(scope["method"], scope["path"])
+        with self._lock:
+            self.exchanges.append(exchange)
+
+        async def recording_receive() -> Message:
+            message = await receive()
+            if message["type"] == "http.request":
+                exchange.request_body += message.get("body", b"")
+            return message
+
+        async def recording_send(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                exchange.status = message["status"]
+            elif message["type"] == "http.response.body":
+                exchange.response_body += message.get("body", b"")
+                if not message.get("more_body", False):
+                    exchange.done = True
+            await send(message)
+
+        await self.app(scope, recording_receive, recording_send)
+
+    def posts(self, path: str | None = None) -> list[Exchange]:
+        with self._lock:
+            return [e for e in self.exchanges if e.method == "POST" and (path is None or e.path == path)]
+
+    def count(self) -> int:
+        return len(self.posts())
+
+
+class RecordingEngine(SyntheticEngine):
+    """The synthetic engine, keeping every request it was asked to run (a real engine, not a stand-in)."""
+
+    def __init__(self, config: SyntheticConfig | None = None) -> None:
+        super().__init__(config)
+        self.requests: list[GenerationRequest] = []
+
+    def generate(self, request: GenerationRequest) -> AsyncGenerator[EngineOutput, None]:
+        self.requests.append(request)
+        return super().generate(request)
+
+
+@dataclass
+class Node:
+    url: str
+    app: FastAPI
+    recorder: Recorder
+    engine: RecordingEngine | None = None
+
+    @property
+    def metrics(self) -> Metrics:
+        metrics: Metrics = self.app.state.metrics
+        return metrics
+
+
+@dataclass
+class Cluster:
+    ctx: Node
+    gen: Node
+    orchestrator: Node
+    aggregated: Node
+    extras: dict[str, Node] = field(default_factory=dict)
+
+
+def start_worker(stack: contextlib.ExitStack, role: Role, config: SyntheticConfig | None = None,
+                 **settings: Any) -> Node:
+    engine = RecordingEngine(config)
+    app = create_worker_app(engine, WorkerSettings(role=role, **settings))
+    recorder = Recorder(app)
+    url = stack.enter_context(running(recorder))
+    return Node(url, app, recorder, engine)
+
+
+def start_orchestrator(stack: contextlib.ExitStack, ctx_urls: list[str], gen_urls: list[str],
+                       **options: Any) -> Node:
+    config = parse_config({
+        "context_servers": {"urls": ctx_urls},
+        "generation_servers": {"urls": gen_urls},
+        **options,
+    })
+    app = create_orchestrator_app(config)
+    recorder = Recorder(app)
+    url = stack.enter_context(running(recorder))
+    return Node(url, app, recorder)
+
+
+@contextlib.contextmanager
+def cluster_running() -> Iterator[Cluster]:
+    with contextlib.ExitStack() as stack:
+        ctx = start_worker(stack, "context")
+        gen = start_worker(stack, "generation")
+        aggregated = start_worker(stack, "both")
+        orchestrator = start_orchestrator(stack, [ctx.url], [gen.url], max_body_bytes=64 * 1024)
+        yield Cluster(ctx, gen, orchestrator, aggregated)
+
+
+# -- reading metrics ---------------------------------------------------------------------------------------
+def sample(metrics: Metrics, name: str, **labels: str) -> float:
+    value = metrics.registry.get_sample_value(name, labels)
+    return 0.0 if value is None else value
+
+
+def total(metrics: Metrics, name: str) -> float:
+    """The sum of every sample called ``name``, whatever its labels."""
+    return sum(s.value for family in metrics.registry.collect() for s in family.samples if s.name == name)
+
+
+def eventually(condition: Callable[[], bool], timeout_s: float = 10.0) -> bool:
+    """Wait (bounded) for state that is set just after a stream's last byte, such as release() bookkeeping."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True

@@ -1,0 +1,97 @@
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+
+from frontend.config import ConfigError, OrchestratorConfig, load_config, parse_config
+
+VALID = """\
+hostname: 0.0.0.0
+port: 9000
+context_servers:
+  urls: ["http://ctx-0:8001/", "http://ctx-1:8001"]
+generation_servers:
+  urls: ["http://gen-0:8002"]
+  router: {type: round_robin}
+gen_tokids_metadata_only: true
+max_retries: 2
+"""
+
+
+def write(tmp_path: pathlib.Path, text: str) -> pathlib.Path:
+    path = tmp_path / "orchestrator.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_valid_yaml_loads(tmp_path: pathlib.Path) -> None:
+    config = load_config(write(tmp_path, VALID))
+    assert isinstance(config, OrchestratorConfig)
+    assert config.hostname == "0.0.0.0"
+    assert config.port == 9000
+    assert config.context_servers.urls == ["http://ctx-0:8001", "http://ctx-1:8001"]  # trailing slash dropped
+    assert config.generation_servers.urls == ["http://gen-0:8002"]
+    assert config.gen_tokids_metadata_only is True
+    assert config.gen_tokids_ctxbytes is True
+    assert config.max_retries == 2
+
+
+def test_overrides_win_and_none_is_ignored(tmp_path: pathlib.Path) -> None:
+    config = load_config(write(tmp_path, VALID), hostname=None, port=1234)
+    assert (config.hostname, config.port) == ("0.0.0.0", 1234)
+
+
+def test_config_is_immutable(tmp_path: pathlib.Path) -> None:
+    config = load_config(write(tmp_path, VALID))
+    with pytest.raises(ValueError, match="frozen"):
+        config.port = 1  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    ("text", "names"),
+    [
+        pytest.param(VALID + "gen_tokids_metadata_onyl: true\n", ["unknown key", "gen_tokids_metadata_onyl"],
+                     id="unknown-key"),
+        pytest.param(VALID.replace("  router: {type: round_robin}", "  router: {type: random}"),
+                     ["generation_servers.router.type"], id="bad-router"),
+        pytest.param(VALID + "context_servers_extra: 1\n", ["context_servers_extra"], id="another-unknown"),
+        pytest.param(VALID.replace("generation_servers:\n  urls: [\"http://gen-0:8002\"]\n  router: "
+                                   "{type: round_robin}\n", ""), ["missing key", "generation_servers"],
+                     id="missing-key"),
+        pytest.param(VALID.replace("port: 9000", "port: 70000"), ["bad value", "port"], id="port-out-of-range"),
+        pytest.param(VALID.replace("max_retries: 2", "max_retries: many"), ["bad value", "max_retries"],
+                     id="not-an-int"),
+        pytest.param(VALID.replace("http://gen-0:8002", "gen-0:8002"), ["generation_servers.urls"],
+                     id="url-without-scheme"),
+        pytest.param(VALID.replace('["http://gen-0:8002"]', "[]"), ["generation_servers", "urls"], id="no-urls"),
+        pytest.param(VALID + "request_timeout_s: 0\n", ["request_timeout_s"], id="zero-timeout"),
+        pytest.param(VALID + "max_body_bytes: 10\n", ["max_body_bytes"], id="tiny-body-limit"),
+    ],
+)
+def test_bad_config_names_the_key(tmp_path: pathlib.Path, text: str, names: list[str]) -> None:
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError) as caught:
+        load_config(path)
+    message = str(caught.value)
+    assert str(path) in message
+    for name in names:
+        assert name in message
+
+
+def test_unreadable_and_invalid_files(tmp_path: pathlib.Path) -> None:
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_config(tmp_path / "absent.yaml")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(write(tmp_path, "port: [1, 2\n"))
+    with pytest.raises(ConfigError, match="mapping"):
+        load_config(write(tmp_path, "- a\n- b\n"))
+    with pytest.raises(ConfigError, match="missing key 'context_servers'"):
+        load_config(write(tmp_path, ""))
+
+
+def test_parse_config_from_a_dict() -> None:
+    config = parse_config({"context_servers": {"urls": ["http://a"]}, "generation_servers": {"urls": ["http://b"]}})
+    assert config.gen_tokids_metadata_only is False
+    with pytest.raises(ConfigError, match="mapping"):
+        parse_config(["not", "a", "mapping"])

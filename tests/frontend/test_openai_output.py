@@ -1,0 +1,250 @@
+from __future__ import annotations
+
+import typing
+from typing import Any
+
+import orjson
+import pytest
+from openai import BaseModel as OpenAIModel
+from openai.types import Completion
+from openai.types.chat import ChatCompletion, ChatCompletionChunk
+from openai.types.responses import Response, ResponseStreamEvent
+
+from frontend.errors import UpstreamError
+from frontend.openai_output import (
+    Endpoint,
+    ResponseIdentity,
+    StreamRenderer,
+    TokenLogprobInfo,
+    Usage,
+    render_response,
+    replay_as_stream,
+    stream_error_frames,
+)
+from frontend.sse import DONE_FRAME, FrameSplitter
+
+USAGE = Usage(prompt_tokens=11, completion_tokens=3)
+LOGPROBS = [TokenLogprobInfo("He", -0.5, (("He", -0.5), ("Hi", -1.5))), TokenLogprobInfo("llo", 0.0, (("llo", 0.0),))]
+
+
+def _event_classes() -> dict[str, type[OpenAIModel]]:
+    union = typing.get_args(ResponseStreamEvent)[0]
+    classes: dict[str, type[OpenAIModel]] = {}
+    for cls in typing.get_args(union):
+        (literal,) = typing.get_args(cls.model_fields["type"].annotation)
+        classes[literal] = cls
+    return classes
+
+
+EVENT_CLASSES = _event_classes()
+
+
+def ident(endpoint: Endpoint) -> ResponseIdentity:
+    prefix = {"chat": "chatcmpl-", "completions": "cmpl-", "responses": "resp_"}[endpoint]
+    return ResponseIdentity(endpoint, prefix + "abc123", "synthetic", created=1_700_000_000)
+
+
+def parse_frames(frames: list[bytes]) -> list[tuple[str | None, Any]]:
+    """(event type or None, parsed data) per frame; ``[DONE]`` comes back as the string."""
+    out: list[tuple[str | None, Any]] = []
+    for frame in frames:
+        assert frame.endswith(b"\n\n")
+        event, data = None, None
+        for line in frame[:-2].split(b"\n"):
+            if line.startswith(b"event: "):
+                event = line[len(b"event: "):].decode()
+            elif line.startswith(b"data: "):
+                raw = line[len(b"data: "):]
+                data = raw.decode() if raw == b"[DONE]" else orjson.loads(raw)
+        out.append((event, data))
+    return out
+
+
+def validate_completion_chunk(data: dict[str, Any]) -> dict[str, Any]:
+    """The client's ``Completion`` type is reused for stream chunks but types ``finish_reason`` as non-null, while
+    the API (OpenAI's and vLLM's alike) streams ``null`` until the last chunk: validate everything else."""
+    checked = orjson.loads(orjson.dumps(data))
+    for choice in checked["choices"]:
+        if choice["finish_reason"] is None:
+            choice["finish_reason"] = "stop"
+    Completion.model_validate(checked)
+    return data
+
+
+def validate_responses_events(frames: list[bytes]) -> list[str]:
+    types = []
+    for event, data in parse_frames(frames):
+        assert event == data["type"]
+        EVENT_CLASSES[event].model_validate(data)
+        types.append(event)
+    return types
+
+
+# -- whole responses ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("logprobs", [None, LOGPROBS])
+def test_chat_response_is_a_valid_chat_completion(logprobs: list[TokenLogprobInfo] | None) -> None:
+    body = render_response(ident("chat"), "Hello", "stop", USAGE, logprobs)
+    parsed = ChatCompletion.model_validate(orjson.loads(orjson.dumps(body)))
+    assert parsed.choices[0].message.content == "Hello"
+    assert parsed.choices[0].finish_reason == "stop"
+    assert parsed.usage is not None
+    assert (parsed.usage.prompt_tokens, parsed.usage.completion_tokens, parsed.usage.total_tokens) == (11, 3, 14)
+    if logprobs is None:
+        assert parsed.choices[0].logprobs is None
+    else:
+        assert parsed.choices[0].logprobs is not None
+        content = parsed.choices[0].logprobs.content
+        assert content is not None
+        assert [c.token for c in content] == ["He", "llo"]
+        assert content[0].bytes == list(b"He")
+        assert [t.token for t in content[0].top_logprobs] == ["He", "Hi"]
+
+
+@pytest.mark.parametrize("logprobs", [None, LOGPROBS])
+def test_completion_response_is_a_valid_completion(logprobs: list[TokenLogprobInfo] | None) -> None:
+    body = render_response(ident("completions"), "Hello", "length", USAGE, logprobs)
+    parsed = Completion.model_validate(body)
+    assert parsed.choices[0].text == "Hello"
+    assert parsed.choices[0].finish_reason == "length"
+    if logprobs is not None:
+        lp = parsed.choices[0].logprobs
+        assert lp is not None
+        assert lp.tokens == ["He", "llo"]
+        assert lp.text_offset == [0, 2]
+        assert lp.token_logprobs == [-0.5, 0.0]
+
+
+@pytest.mark.parametrize(("finish", "status"), [("stop", "completed"), ("length", "incomplete")])
+def test_responses_response_is_a_valid_response(finish: str, status: str) -> None:
+    body = render_response(ident("responses"), "Hello", finish, USAGE)
+    parsed = Response.model_validate(body)
+    assert parsed.output_text == "Hello"
+    assert parsed.status == status
+    assert parsed.usage is not None
+    assert (parsed.usage.input_tokens, parsed.usage.output_tokens, parsed.usage.total_tokens) == (11, 3, 14)
+    if status == "incomplete":
+        assert parsed.incomplete_details is not None
+        assert parsed.incomplete_details.reason == "max_output_tokens"
+
+
+# -- streams -----------------------------------------------------------------------------------------------
+def render_stream(endpoint: Endpoint, deltas: list[str], finish: str, include_usage: bool) -> list[bytes]:
+    renderer = StreamRenderer(ident(endpoint), include_usage)
+    frames = renderer.begin()
+    for delta in deltas:
+        frames += renderer.delta(delta)
+    return frames + renderer.finish(finish, USAGE)
+
+
+@pytest.mark.parametrize("include_usage", [False, True])
+def test_chat_stream_chunks_are_valid_and_end_with_done(include_usage: bool) -> None:
+    frames = render_stream("chat", ["He", "", "llo"], "stop", include_usage)
+    assert frames[-1] == DONE_FRAME
+    chunks = [ChatCompletionChunk.model_validate(data) for _, data in parse_frames(frames[:-1])]
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "Hello"
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finishes[-1] == "stop"
+    assert all(f is None for f in finishes[:-1])
+    usage = [c.usage for c in chunks if c.usage is not None]
+    if include_usage:
+        assert len(usage) == 1
+        assert chunks[-1].choices == []
+        assert usage[0].completion_tokens == 3
+    else:
+        assert usage == []
+
+
+@pytest.mark.parametrize("include_usage", [False, True])
+def test_completion_stream_chunks_are_valid_and_end_with_done(include_usage: bool) -> None:
+    frames = render_stream("completions", ["He", "llo"], "length", include_usage)
+    assert frames[-1] == DONE_FRAME
+    chunks = [validate_completion_chunk(data) for _, data in parse_frames(frames[:-1])]
+    assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == "Hello"
+    finishes = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]]
+    assert finishes == [None, None, "length"]
+    assert any("usage" in c for c in chunks) is include_usage
+
+
+RESPONSES_SEQUENCE = [
+    "response.created",
+    "response.in_progress",
+    "response.output_item.added",
+    "response.content_part.added",
+    "response.output_text.delta",
+    "response.output_text.delta",
+    "response.output_text.done",
+    "response.content_part.done",
+    "response.output_item.done",
+]
+
+
+@pytest.mark.parametrize(("finish", "last"), [("stop", "response.completed"), ("length", "response.incomplete")])
+def test_responses_stream_events_are_valid_and_in_order(finish: str, last: str) -> None:
+    frames = render_stream("responses", ["He", "llo"], finish, False)
+    assert validate_responses_events(frames) == [*RESPONSES_SEQUENCE, last]
+    parsed = parse_frames(frames)
+    assert [data["sequence_number"] for _, data in parsed] == list(range(len(frames)))
+    final = Response.model_validate(parsed[-1][1]["response"])
+    assert final.output_text == "Hello"
+    assert parsed[6][1]["text"] == "Hello"
+
+
+def test_stream_frames_survive_any_resplitting() -> None:
+    frames = render_stream("responses", ["a", "b", "c"], "stop", False)
+    splitter = FrameSplitter()
+    out = [f for byte in b"".join(frames) for f in splitter.feed(bytes([byte]))]
+    assert out == frames
+
+
+def test_stream_error_frames() -> None:
+    error = UpstreamError("the GEN stream broke")
+    chat = stream_error_frames("chat", error)
+    assert chat[-1] == DONE_FRAME
+    assert parse_frames(chat)[0][1]["error"]["code"] == "upstream_error"
+    (frame,) = stream_error_frames("responses", error, sequence_number=4)
+    event, data = parse_frames([frame])[0]
+    assert event == "error"
+    EVENT_CLASSES["error"].model_validate(data)
+    assert data["sequence_number"] == 4
+    assert data["message"] == "the GEN stream broke"
+
+
+def test_renderer_error_continues_the_sequence_numbers() -> None:
+    renderer = StreamRenderer(ident("responses"))
+    begun = renderer.begin()
+    (frame,) = renderer.error(UpstreamError("x"))
+    assert parse_frames([frame])[0][1]["sequence_number"] == len(begun)
+
+
+@pytest.mark.parametrize("endpoint", ["chat", "completions", "responses"])
+@pytest.mark.parametrize("finish", ["stop", "length"])
+def test_replay_of_a_whole_response_streams_the_same_text(endpoint: Endpoint, finish: str) -> None:
+    whole = orjson.loads(orjson.dumps(render_response(ident(endpoint), "Hi!", finish, USAGE)))
+    frames = replay_as_stream(endpoint, whole, include_usage=True)
+    if endpoint == "responses":
+        types = validate_responses_events(frames)
+        assert types[-1] == ("response.completed" if finish == "stop" else "response.incomplete")
+        final = parse_frames(frames)[-1][1]["response"]
+        assert final["output"][0]["content"][0]["text"] == "Hi!"
+        assert final["usage"]["input_tokens"] == 11
+        return
+    assert frames[-1] == DONE_FRAME
+    chunks = [data for _, data in parse_frames(frames[:-1])]
+    for chunk in chunks:
+        if endpoint == "chat":
+            ChatCompletionChunk.model_validate(chunk)
+        else:
+            validate_completion_chunk(chunk)
+    choices = [c["choices"][0] for c in chunks if c["choices"]]
+    text = "".join(c["delta"].get("content") or "" if endpoint == "chat" else c["text"] for c in choices)
+    assert text == "Hi!"
+    assert choices[-1]["finish_reason"] == finish
+    assert chunks[-1]["usage"]["prompt_tokens"] == 11
+    assert all(c["id"] == whole["id"] for c in chunks)
+
+
+def test_usage_shapes() -> None:
+    assert USAGE.as_openai("chat") == {"prompt_tokens": 11, "completion_tokens": 3, "total_tokens": 14}
+    assert USAGE.as_openai("responses")["input_tokens"] == 11
+    assert USAGE.as_openai("responses")["output_tokens"] == 3

@@ -1,0 +1,121 @@
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from frontend.token_codec import TOKEN_DTYPE
+from workers.engines.synthetic import SYNTHETIC_TEXT, SyntheticEngine
+from workers.generation_request import GenerationRequest, Handoff, Phase
+from workers.sampling_params import SamplingParams
+from workers.text_stream import StopStringMatcher, TextStep, stream_text
+
+ALPHABET = "abc\n"
+
+
+@st.composite
+def texts_and_chunks(draw: st.DrawFn) -> tuple[str, list[str]]:
+    text = draw(st.text(alphabet=ALPHABET, max_size=40))
+    cuts = sorted(draw(st.lists(st.integers(min_value=0, max_value=len(text)), max_size=10)))
+    bounds = [0, *cuts, len(text)]
+    return text, [text[a:b] for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+
+
+@given(texts_and_chunks(), st.lists(st.text(alphabet=ALPHABET, min_size=1, max_size=4), max_size=3))
+def test_the_emitted_text_is_everything_before_the_first_stop(case: tuple[str, list[str]], stops: list[str]) -> None:
+    text, chunks = case
+    matcher = StopStringMatcher(stops)
+    emitted, stopped = "", False
+    for chunk in chunks:
+        out, stopped = matcher.push(chunk)
+        emitted += out
+        if stopped:
+            break
+    if not stopped:
+        emitted += matcher.flush()
+    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
+    if hits:
+        assert stopped
+        assert emitted == text[: min(hits)]
+    else:
+        assert not stopped
+        assert emitted == text
+
+
+def test_partial_stop_is_held_back_until_decided() -> None:
+    matcher = StopStringMatcher(["</s>"])
+    assert matcher.push("Hello </") == ("Hello ", False)
+    assert matcher.push("b>") == ("</b>", False)
+    assert matcher.push(" bye</s> more") == (" bye", True)
+
+
+def test_no_stops_passes_everything_through() -> None:
+    matcher = StopStringMatcher(["", ""])
+    assert matcher.push("abc") == ("abc", False)
+    assert matcher.flush() == ""
+
+
+async def collect(engine: SyntheticEngine, request: GenerationRequest) -> list[TextStep]:
+    return [step async for step in stream_text(engine, request)]
+
+
+def prompt() -> np.ndarray:  # type: ignore[type-arg]
+    return np.frombuffer(b"prompt", dtype=np.uint8).astype(TOKEN_DTYPE)
+
+
+async def test_aggregated_text_and_finish() -> None:
+    engine = SyntheticEngine()
+    steps = await collect(engine, GenerationRequest("a", prompt(), SamplingParams(max_tokens=5)))
+    assert "".join(s.text for s in steps) == SYNTHETIC_TEXT[:5].decode()
+    assert [s.finish_reason for s in steps] == [None] * 4 + ["length"]
+
+
+async def test_ctx_then_gen_gives_the_aggregated_text() -> None:
+    engine = SyntheticEngine()
+    sampling = SamplingParams(max_tokens=12)
+    (ctx_step,) = await collect(engine, GenerationRequest("c", prompt(), sampling, phase=Phase.CONTEXT_ONLY))
+    assert ctx_step.handoff_state is not None
+    handoff = Handoff(ctx_step.token_ids, ctx_step.handoff_state)
+    gen_steps = await collect(engine, GenerationRequest("g", prompt(), sampling, phase=Phase.GENERATION_ONLY,
+                                                        handoff=handoff))
+    assert ctx_step.text + "".join(s.text for s in gen_steps[1:]) == SYNTHETIC_TEXT[:12].decode()
+    assert gen_steps[0].text == ctx_step.text  # GEN's answer opens with CTX's token
+    assert sum(len(s.token_ids) for s in gen_steps) == 12
+
+
+async def test_a_stop_string_at_ctx_releases_the_parked_handoff() -> None:
+    engine = SyntheticEngine()
+    sampling = SamplingParams(max_tokens=12, stop=("T",))
+    (step,) = await collect(engine, GenerationRequest("c", prompt(), sampling, phase=Phase.CONTEXT_ONLY))
+    assert step.finish_reason == "stop"
+    assert step.handoff_state is None
+    assert step.text == ""
+
+
+async def test_a_stop_string_inside_the_first_gen_token_ends_at_once() -> None:
+    engine = SyntheticEngine()
+    handoff = Handoff((ord("T"),), b'{"engine":"synthetic","prompt_len":6,"position":1}')
+    request = GenerationRequest("g", prompt(), SamplingParams(max_tokens=12, stop=("T",)),
+                                phase=Phase.GENERATION_ONLY, handoff=handoff)
+    steps = await collect(engine, request)
+    assert [(s.text, s.finish_reason) for s in steps] == [("", "stop")]
+
+
+async def test_closing_the_stream_early_aborts_the_engine_request() -> None:
+    engine = SyntheticEngine()
+    steps = stream_text(engine, GenerationRequest("a", prompt(), SamplingParams(max_tokens=1000)))
+    await anext(steps)
+    await anext(steps)
+    assert engine._running == {"a"}
+    await steps.aclose()  # type: ignore[attr-defined]
+    assert engine._running == set()
+
+
+@pytest.mark.parametrize("stops", [("quick",), ("quick", "The")])
+async def test_stop_strings_across_tokens(stops: tuple[str, ...]) -> None:
+    engine = SyntheticEngine()
+    steps = await collect(engine, GenerationRequest("a", prompt(), SamplingParams(max_tokens=40, stop=stops)))
+    expected = "" if "The" in stops else "The "
+    assert "".join(s.text for s in steps) == expected
+    assert steps[-1].finish_reason == "stop"
