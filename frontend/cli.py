@@ -56,6 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--advertise-url", default=None,
                         help="the URL the orchestrator should use for this worker (default http://HOST:PORT)")
     worker.add_argument("--admin-key", default=None, help="the orchestrator's admin key, for --register")
+    _add_front_end_arguments(worker)
+    worker.add_argument("--engine-core-socket", default=None, help=argparse.SUPPRESS)  # set by the supervisor
 
     orch = sub.add_parser("orchestrator", help="run the orchestrator in front of CTX and GEN workers")
     orch.add_argument("--config", required=True, help="YAML file (see docs/cli.md)")
@@ -65,6 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="require 'Authorization: Bearer KEY' from clients (or set DISAGG_API_KEY)")
     orch.add_argument("--admin-key", default=None,
                       help="enable the admin API (worker registration) behind this key (or DISAGG_ADMIN_KEY)")
+    _add_front_end_arguments(orch)
 
     up = sub.add_parser("up", help="start orchestrator + one CTX + one GEN on this machine and serve")
     _add_engine_arguments(up)
@@ -108,6 +111,13 @@ def apply_environment_defaults(parser: argparse.ArgumentParser, environ: dict[st
     parser.set_defaults(**defaults)
 
 
+def _add_front_end_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--api-workers", type=int, default=1,
+                        help="HTTP front-end processes sharing the port (SO_REUSEPORT) and, for a worker, one "
+                             "engine core (default 1)")
+    parser.add_argument("--reuse-port", action="store_true", help=argparse.SUPPRESS)  # set by the supervisor
+
+
 def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--engine", choices=["reference", "synthetic"], default="reference",
                         help="reference: SmolLM2-135M on the CPU (default); synthetic: computes nothing")
@@ -147,13 +157,38 @@ def engine_arguments(args: argparse.Namespace) -> list[str]:
     return argv
 
 
-def _serve(app: Any, host: str, port: int, log_level: str) -> None:
+def _serve(app: Any, host: str, port: int, log_level: str, reuse_port: bool = False) -> None:
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, loop="uvloop", http="httptools",
                             timeout_graceful_shutdown=30, access_log=False, log_config=None)
-    uvicorn.Server(config).run()
+    server = uvicorn.Server(config)
+    if reuse_port:
+        from frontend.front_ends import reuse_port_socket
+
+        server.run(sockets=[reuse_port_socket(host, port)])
+    else:
+        server.run()
 
 
-def run_worker(args: argparse.Namespace) -> int:
+def _supervise(args: argparse.Namespace, argv: Sequence[str], engine_options: Any = None) -> int:
+    """``--api-workers N`` with N > 1: this process supervises N front ends (and the shared engine core)."""
+    from frontend.front_ends import FrontEndSupervisor
+
+    if args.port == 0:
+        print("disagg-serve: --api-workers needs a fixed --port (the front ends share it)", file=sys.stderr)
+        return 2
+    core_command_for, core_env = None, None
+    if engine_options is not None:
+        from workers.engines.factory import reference_options
+        from workers.engines.reference.engine import core_command
+        from workers.engines.reference.engine import core_env as make_core_env
+
+        options = reference_options(engine_options)
+        core_command_for = lambda path: core_command(options, path)  # noqa: E731 - a one-line closure
+        core_env = make_core_env(options)
+    return FrontEndSupervisor(argv, args.api_workers, core_command_for, core_env).run()
+
+
+def run_worker(args: argparse.Namespace, argv: Sequence[str]) -> int:
     from workers.engines.factory import EngineOptions, create_engine
     from workers.engines.synthetic import SyntheticConfig
     from workers.registration import Registration
@@ -170,12 +205,15 @@ def run_worker(args: argparse.Namespace) -> int:
         kv_port=args.kv_port,
         kv_ttl_s=args.kv_ttl_s,
         blas_threads=args.blas_threads,
+        core_socket=args.engine_core_socket,
         synthetic=SyntheticConfig(
             time_to_first_token_s=args.synthetic_ttft_ms / 1000,
             inter_token_latency_s=args.synthetic_itl_ms / 1000,
             output_tokens=args.synthetic_output_tokens,
         ),
     )
+    if args.api_workers > 1:
+        return _supervise(args, argv, options if args.engine == "reference" else None)
     engine = create_engine(args.engine, options)
     settings = WorkerSettings(role=args.role, max_body_bytes=args.max_body_bytes,
                               max_concurrent_requests=args.max_concurrent_requests)
@@ -183,11 +221,12 @@ def run_worker(args: argparse.Namespace) -> int:
     if args.register:
         advertise = args.advertise_url or f"http://{args.host}:{args.port}"
         registration = Registration(args.register, advertise, args.role, args.admin_key)
-    _serve(create_worker_app(engine, settings, registration=registration), args.host, args.port, args.log_level)
+    app = create_worker_app(engine, settings, registration=registration)
+    _serve(app, args.host, args.port, args.log_level, args.reuse_port)
     return 0
 
 
-def run_orchestrator(args: argparse.Namespace) -> int:
+def run_orchestrator(args: argparse.Namespace, argv: Sequence[str]) -> int:
     from frontend.config import ConfigError, load_config
     from orchestrator.server import create_orchestrator_app
 
@@ -196,18 +235,22 @@ def run_orchestrator(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"disagg-serve orchestrator: {exc}", file=sys.stderr)
         return 2
+    if args.api_workers > 1:
+        args.port = config.port
+        return _supervise(args, argv)
     app = create_orchestrator_app(config, api_key=args.api_key, admin_key=args.admin_key)
-    _serve(app, config.hostname, config.port, args.log_level)
+    _serve(app, config.hostname, config.port, args.log_level, args.reuse_port)
     return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     configure_logging(args.log_level, args.log_format)
     if args.command == "worker":
-        return run_worker(args)
+        return run_worker(args, argv)
     if args.command == "orchestrator":
-        return run_orchestrator(args)
+        return run_orchestrator(args, argv)
     from frontend.launcher import run_up
 
     return run_up(args)

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.multiprocess import MultiProcessCollector
 
 METRICS_CONTENT_TYPE = CONTENT_TYPE_LATEST
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
@@ -27,7 +30,8 @@ class Metrics:
             registry=r,
         )
         self.engine_inflight = Gauge(
-            "disagg_engine_inflight_requests", "Requests inside the engine right now", ["role"], registry=r
+            "disagg_engine_inflight_requests", "Requests inside the engine right now", ["role"], registry=r,
+            multiprocess_mode="livesum",
         )
         self.time_to_first_token = Histogram(
             "disagg_time_to_first_token_seconds", "Orchestrator: request start to first byte of output",
@@ -66,8 +70,15 @@ class Metrics:
         self.retries = Counter(
             "disagg_upstream_retries", "Orchestrator retries, by step and reason", ["step", "reason"], registry=r
         )
-        self.kv_store_entries = Gauge("disagg_kv_store_entries", "KV hand-offs held for GEN", registry=r)
-        self.kv_store_bytes = Gauge("disagg_kv_store_bytes", "Bytes of KV hand-offs held for GEN", registry=r)
+        self.kv_store_entries = Gauge("disagg_kv_store_entries", "KV hand-offs held for GEN", registry=r,
+                                      multiprocess_mode="max")
+        self.kv_store_bytes = Gauge("disagg_kv_store_bytes", "Bytes of KV hand-offs held for GEN", registry=r,
+                                    multiprocess_mode="max")
 
     def render(self) -> bytes:
+        if os.environ.get(MULTIPROC_ENV):
+            # Several front-end processes: any one of them answers with the sum over all of them.
+            merged = CollectorRegistry()
+            MultiProcessCollector(merged)  # type: ignore[no-untyped-call]
+            return generate_latest(merged)
         return generate_latest(self.registry)

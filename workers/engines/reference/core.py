@@ -1,10 +1,12 @@
-"""The reference engine core: its own process, so the HTTP event loop never blocks on the model.
+"""The reference engine core: its own process, so no HTTP event loop ever blocks on the model.
 
-It connects to the front end's Unix socket, loads the model, announces itself with a ``ready`` frame (model
-facts, tokenizer vocabulary, load time, memory), then alternates between reading frames and scheduler steps.
-A reader thread moves incoming frames onto a queue, so a long prefill chunk never stalls the socket.
+It listens on a Unix socket. Each HTTP front end that connects (one, or several with ``--api-workers``)
+gets a ``ready`` frame once the model is loaded (model facts, tokenizer vocabulary, load time, memory) and
+then submits requests; outputs go back on the channel that submitted them. Reader threads move incoming
+frames onto one queue, so a long prefill chunk never stalls a socket; the main thread alternates between
+that queue and scheduler steps.
 
-    python -m workers.engines.reference.core --socket PATH [--model GGUF] [options]
+    python -m workers.engines.reference.core --listen PATH [--model GGUF] [options]
 """
 
 from __future__ import annotations
@@ -12,8 +14,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import os
 import queue
 import resource
+import signal
 import socket
 import sys
 import threading
@@ -36,10 +40,12 @@ logger = logging.getLogger("disagg_serve.reference_core")
 _IDLE_WAIT_S = 0.5
 _EXPIRY_EVERY_S = 1.0
 
+Inbound = tuple[int, Header, bytes]  # (channel id, header, payload); header {"op": "closed"} when one goes
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description="reference engine core (started by the worker)")
-    parser.add_argument("--socket", required=True)
+    parser.add_argument("--listen", required=True, help="Unix socket path the front ends connect to")
     parser.add_argument("--model", default=None)
     parser.add_argument("--kv-host", default="127.0.0.1", help="address the KV transfer server binds")
     parser.add_argument("--kv-port", type=int, default=0)
@@ -52,25 +58,78 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-class Core:
-    def __init__(self, args: argparse.Namespace, channel: socket.socket) -> None:
-        self.args = args
-        self.channel = channel
-        self.send_lock = threading.Lock()
-        self.inbox: queue.Queue[tuple[Header, bytes] | None] = queue.Queue()
+class Channel:
+    def __init__(self, channel_id: int, sock: socket.socket) -> None:
+        self.id = channel_id
+        self.sock = sock
+        self.lock = threading.Lock()
+        self.open = True
 
     def send(self, header: Header, payload: bytes | memoryview = b"") -> None:
-        with self.send_lock:
-            send_frame_blocking(self.channel, header, payload)
+        if not self.open:
+            return
+        try:
+            with self.lock:
+                send_frame_blocking(self.sock, header, payload)
+        except OSError:
+            self.open = False  # its reader thread reports the close
 
-    def _read_loop(self) -> None:
+
+class Core:
+    def __init__(self, args: argparse.Namespace, listener: socket.socket) -> None:
+        self.args = args
+        self.listener = listener
+        self.inbox: queue.Queue[Inbound] = queue.Queue()
+        self.channels: dict[int, Channel] = {}
+        self.channels_lock = threading.Lock()
+        self.owner_of: dict[str, int] = {}  # request id -> channel id
+        self.ready_frame: Header | None = None
+        self.stopping = threading.Event()
+
+    # -- channels -----------------------------------------------------------------------------------------
+    def _accept_loop(self) -> None:
+        next_id = 0
+        while not self.stopping.is_set():
+            try:
+                sock, _ = self.listener.accept()
+            except OSError:
+                return
+            next_id += 1
+            channel = Channel(next_id, sock)
+            with self.channels_lock:
+                self.channels[channel.id] = channel
+                if self.ready_frame is not None:
+                    channel.send(self.ready_frame)
+            threading.Thread(target=self._read_loop, args=(channel,), name=f"ipc-reader-{channel.id}",
+                             daemon=True).start()
+
+    def _read_loop(self, channel: Channel) -> None:
         try:
             while True:
-                self.inbox.put(read_frame_blocking(self.channel))
+                header, payload = read_frame_blocking(channel.sock)
+                self.inbox.put((channel.id, header, payload))
         except (ChannelClosed, OSError):
-            self.inbox.put(None)  # the front end is gone: shut down
+            channel.open = False
+            self.inbox.put((channel.id, {"op": "closed"}, b""))
 
+    def emit(self, header: Header, payload: bytes | memoryview = b"") -> None:
+        """Scheduler output: to the channel that submitted the request."""
+        request_id = str(header.get("id"))
+        channel = self.channels.get(self.owner_of.get(request_id, -1))
+        if channel is not None:
+            channel.send(header, payload)
+        if header.get("op") == "error" or header.get("finish") is not None or header.get("handoff_state"):
+            self.owner_of.pop(request_id, None)
+
+    def broadcast(self, header: Header) -> None:
+        with self.channels_lock:
+            channels = list(self.channels.values())
+        for channel in channels:
+            channel.send(header)
+
+    # -- run ----------------------------------------------------------------------------------------------
     def run(self) -> int:
+        threading.Thread(target=self._accept_loop, name="ipc-accept", daemon=True).start()
         started = time.perf_counter()
         loaded = load_model_file(self.args.model)
         model = Transformer(loaded.weights)
@@ -78,7 +137,7 @@ class Core:
         load_s = time.perf_counter() - started
         rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         store = KVStore(self.args.kv_store_bytes, self.args.kv_ttl_s)
-        store.on_change = lambda entries, size: self.send({"op": "kv_stats", "entries": entries, "bytes": size})
+        store.on_change = lambda entries, size: self.broadcast({"op": "kv_stats", "entries": entries, "bytes": size})
         transfer = KVTransferServer(store, self.args.kv_host, self.args.kv_port)
         transfer.start()
         advertise = self.args.kv_advertise_host or self.args.kv_host
@@ -92,24 +151,28 @@ class Core:
             kv_url_base=f"http://{advertise}:{transfer.port}",
             prefix_cache_bytes=self.args.prefix_cache_bytes,
         )
-        scheduler = Scheduler(model, config, store, self.send)
+        scheduler = Scheduler(model, config, store, self.emit)
         meta = loaded.tokenizer
-        self.send({
-            "op": "ready",
-            "model_path": str(loaded.path),
-            "model_hash": loaded.model_hash,
-            "vocab_size": loaded.config.vocab_size,
-            "context_length": loaded.config.context_length,
-            "load_s": round(load_s, 2),
-            "rss_mb": round(rss_mb, 1),
-            "prompt_tokens_in_handoff": config.prompt_tokens_in_handoff,
-            "tokenizer": {
-                "model": meta.model, "pre": meta.pre, "tokens": list(meta.tokens), "merges": list(meta.merges),
-                "token_types": list(meta.token_types), "bos_token_id": meta.bos_token_id,
-                "eos_token_id": meta.eos_token_id, "chat_template": meta.chat_template,
-            },
-        })
-        threading.Thread(target=self._read_loop, name="ipc-reader", daemon=True).start()
+        logger.info("model %s loaded in %.1f s, RSS %.0f MB; KV transfer on %s", loaded.path.name, load_s, rss_mb,
+                    config.kv_url_base)
+        with self.channels_lock:
+            self.ready_frame = {
+                "op": "ready",
+                "model_path": str(loaded.path),
+                "model_hash": loaded.model_hash,
+                "vocab_size": loaded.config.vocab_size,
+                "context_length": loaded.config.context_length,
+                "load_s": round(load_s, 2),
+                "rss_mb": round(rss_mb, 1),
+                "prompt_tokens_in_handoff": config.prompt_tokens_in_handoff,
+                "tokenizer": {
+                    "model": meta.model, "pre": meta.pre, "tokens": list(meta.tokens), "merges": list(meta.merges),
+                    "token_types": list(meta.token_types), "bos_token_id": meta.bos_token_id,
+                    "eos_token_id": meta.eos_token_id, "chat_template": meta.chat_template,
+                },
+            }
+            for channel in self.channels.values():
+                channel.send(self.ready_frame)
         try:
             self._serve(scheduler, store)
         finally:
@@ -131,30 +194,50 @@ class Core:
         try:
             item = self.inbox.get(timeout=_IDLE_WAIT_S) if block else self.inbox.get_nowait()
         except queue.Empty:
-            return True
+            return not self.stopping.is_set()
         while True:
-            if item is None or item[0].get("op") == "shutdown":
+            if not self._handle(scheduler, *item):
                 return False
-            self._handle(scheduler, *item)
             try:
                 item = self.inbox.get_nowait()
             except queue.Empty:
-                return True
+                return not self.stopping.is_set()
 
-    def _handle(self, scheduler: Scheduler, header: Header, payload: bytes) -> None:
+    def _handle(self, scheduler: Scheduler, channel_id: int, header: Header, payload: bytes) -> bool:
         op = header.get("op")
-        if op == "abort":
-            scheduler.abort(str(header["id"]))
-        elif op == "submit":
+        channel = self.channels.get(channel_id)
+        if op == "submit":
+            request_id = str(header.get("id"))
+            self.owner_of[request_id] = channel_id
             try:
                 scheduler.submit(_submit_spec(header, payload))
             except (KeyError, TypeError, ValueError) as exc:  # a malformed submit fails that request only
-                self.send({"op": "error", "id": header.get("id"), "kind": "engine",
+                self.emit({"op": "error", "id": request_id, "kind": "engine",
                            "message": f"bad submit frame: {type(exc).__name__}: {exc}"})
-        elif op == "ping":
-            self.send({"op": "pong", "ping": header.get("ping", 0), **scheduler.stats()})
+        elif op == "abort":
+            scheduler.abort(str(header["id"]))
+            self.owner_of.pop(str(header["id"]), None)
+        elif op == "ping" and channel is not None:
+            channel.send({"op": "pong", "ping": header.get("ping", 0), **scheduler.stats()})
+        elif op == "closed":
+            self._drop_channel(scheduler, channel_id)
+        elif op == "shutdown":
+            return False
         else:
             logger.warning("unknown frame op %r", op)
+        return True
+
+    def _drop_channel(self, scheduler: Scheduler, channel_id: int) -> None:
+        # A front end went away: whatever it was running has no one to answer to.
+        with self.channels_lock:
+            channel = self.channels.pop(channel_id, None)
+        if channel is not None:
+            with contextlib.suppress(OSError):
+                channel.sock.close()
+        for request_id, owner in list(self.owner_of.items()):
+            if owner == channel_id:
+                scheduler.abort(request_id)
+                del self.owner_of[request_id]
 
 
 def _submit_spec(header: Header, payload: bytes) -> SubmitSpec:
@@ -188,17 +271,33 @@ def _submit_spec(header: Header, payload: bytes) -> SubmitSpec:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    channel = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    channel.connect(args.socket)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(args.listen)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(args.listen)
+    listener.listen(64)
+    core = Core(args, listener)
+    # SIGTERM (from a supervisor, or PR_SET_PDEATHSIG when the front end dies) ends the loop cleanly.
+    def on_sigterm(_signum: int, _frame: object) -> None:
+        core.stopping.set()
+        core.inbox.put((0, {"op": "shutdown"}, b""))
+
+    signal.signal(signal.SIGTERM, on_sigterm)
     try:
-        return Core(args, channel).run()
+        return core.run()
     except Exception as exc:
         logger.exception("engine core failed")
-        with contextlib.suppress(OSError):
-            send_frame_blocking(channel, {"op": "fatal", "message": f"{type(exc).__name__}: {exc}"})
+        core.broadcast({"op": "fatal", "message": f"{type(exc).__name__}: {exc}"})
+        # A front end that connects after the failure still needs to hear why.
+        with core.channels_lock:
+            core.ready_frame = {"op": "fatal", "message": f"{type(exc).__name__}: {exc}"}
+        time.sleep(0.5)
         return 1
     finally:
-        channel.close()
+        core.stopping.set()
+        listener.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(args.listen)
 
 
 if __name__ == "__main__":

@@ -53,6 +53,7 @@ class ReferenceOptions:
     prefill_chunk: int = 512
     blas_threads: int | None = None  # pin for bitwise-reproducible prefill across workers
     startup_timeout_s: float = 300.0
+    core_socket: str | None = None  # connect to a running core (shared by several front ends); None: spawn one
 
 
 class ReferenceEngine(Engine):
@@ -85,32 +86,23 @@ class ReferenceEngine(Engine):
 
     # -- lifecycle ----------------------------------------------------------------------------------------
     async def start(self) -> None:
-        self._workdir = Path(tempfile.mkdtemp(prefix="disagg-core-"))
-        socket_path = str(self._workdir / "core.sock")
-        connected: asyncio.Future[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = (
-            asyncio.get_running_loop().create_future()
-        )
-
-        def on_connect(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            if not connected.done():
-                connected.set_result((reader, writer))
-            else:
-                writer.close()
-
-        server = await asyncio.start_unix_server(on_connect, socket_path, limit=2**20)
-        self._process = subprocess.Popen(  # noqa: ASYNC220 - a brief fork; Popen gives us preexec + poll()
-            self._core_command(socket_path), env=self._core_env(), preexec_fn=die_with_parent
-        )
+        if self.options.core_socket is not None:
+            socket_path = self.options.core_socket  # a core shared by several front-end processes
+        else:
+            self._workdir = Path(tempfile.mkdtemp(prefix="disagg-core-"))
+            socket_path = str(self._workdir / "core.sock")
+            self._process = subprocess.Popen(  # noqa: ASYNC220 - a brief fork; Popen gives us preexec + poll()
+                core_command(self.options, socket_path), env=core_env(self.options), preexec_fn=die_with_parent
+            )
         try:
-            reader, writer = await self._wait_for(connected)
+            reader, writer = await self._wait_for(asyncio.ensure_future(self._connect(socket_path)))
             ready, _ = await self._wait_for(asyncio.ensure_future(read_frame(reader)))
             if ready.get("op") != "ready":
+                writer.close()
                 raise EngineError(f"the engine core failed to start: {ready.get('message', ready)}")
         except BaseException:
             await self.aclose()  # no half-started core, socket or temp dir is left behind
             raise
-        finally:
-            server.close()
         self._writer = writer
         self._tokenizer = await asyncio.to_thread(GGUFTokenizer, TokenizerMetadata(**_tokenizer_fields(ready)))
         self._info = EngineInfo(
@@ -124,17 +116,24 @@ class ReferenceEngine(Engine):
         )
         self._alive = True
         self._reader_task = asyncio.create_task(self._read_loop(reader), name="reference-core-reader")
-        logger.info("reference engine ready: model %s loaded in %.1f s, core RSS %.0f MB (pid %d)",
-                    self._info.model, ready["load_s"], ready["rss_mb"], self._process.pid)
+        logger.info("reference engine ready: model %s loaded in %.1f s, core RSS %.0f MB",
+                    self._info.model, ready["load_s"], ready["rss_mb"])
         print(f"reference engine: {self._info.model} loaded in {ready['load_s']:.1f} s, "
               f"engine core RSS {ready['rss_mb']:.0f} MB", flush=True)
 
+    async def _connect(self, socket_path: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        # The core binds its socket before it loads the model; until then, a refused connect means "not yet".
+        while True:
+            try:
+                return await asyncio.open_unix_connection(socket_path, limit=2**20)
+            except (FileNotFoundError, ConnectionRefusedError):
+                await asyncio.sleep(0.02)
+
     async def _wait_for(self, future: asyncio.Future[Any]) -> Any:
         """Await the core's start-up step, failing fast if the process dies or the time runs out."""
-        assert self._process is not None
         deadline = asyncio.get_running_loop().time() + self.options.startup_timeout_s
         while not future.done():
-            if self._process.poll() is not None:
+            if self._process is not None and self._process.poll() is not None:
                 future.cancel()
                 raise EngineError(f"the engine core exited during start-up (status {self._process.returncode})")
             if asyncio.get_running_loop().time() > deadline:
@@ -146,33 +145,11 @@ class ReferenceEngine(Engine):
         except ChannelClosed as exc:
             raise EngineError("the engine core closed its channel during start-up") from exc
 
-    def _core_command(self, socket_path: str) -> list[str]:
-        o = self.options
-        command = [sys.executable, "-m", "workers.engines.reference.core", "--socket", socket_path,
-                   "--kv-host", o.kv_host, "--kv-port", str(o.kv_port), "--kv-store-bytes", str(o.kv_store_bytes),
-                   "--kv-ttl-s", str(o.kv_ttl_s), "--prefill-chunk", str(o.prefill_chunk)]
-        if o.model_path:
-            command += ["--model", o.model_path]
-        if o.kv_advertise_host:
-            command += ["--kv-advertise-host", o.kv_advertise_host]
-        if not o.prompt_tokens_in_handoff:
-            command.append("--no-prompt-tokens-in-handoff")
-        if o.kv_block_reuse:
-            command += ["--prefix-cache-bytes", str(o.kv_block_reuse_bytes)]
-        return command
-
-    def _core_env(self) -> dict[str, str]:
-        env = dict(os.environ)
-        if self.options.blas_threads is not None:
-            for name in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
-                env[name] = str(self.options.blas_threads)
-        return env
-
     def kv_store_stats(self) -> tuple[int, int]:
         return self.kv_store_entries, self.kv_store_bytes
 
     async def health(self) -> bool:
-        if not (self._alive and self._process is not None and self._process.poll() is None):
+        if not self._alive or (self._process is not None and self._process.poll() is not None):
             return False
         try:
             await self.active_requests(timeout_s=_HEALTH_PING_TIMEOUT_S)
@@ -200,11 +177,13 @@ class ReferenceEngine(Engine):
 
     async def aclose(self) -> None:
         was_alive, self._alive = self._alive, False
-        if self._writer is not None and was_alive:
-            with contextlib.suppress(ConnectionError, RuntimeError):
-                self._writer.writelines(encode_frame({"op": "shutdown"}))
-                await self._writer.drain()
-        if self._process is not None and self._process.poll() is None:
+        if self._process is not None:  # this adapter owns its core; a shared core belongs to its supervisor
+            if self._writer is not None and was_alive:
+                with contextlib.suppress(ConnectionError, RuntimeError):
+                    self._writer.writelines(encode_frame({"op": "shutdown"}))
+                    await self._writer.drain()
+            elif self._process.poll() is None:
+                self._process.terminate()
             try:
                 await asyncio.wait_for(asyncio.to_thread(self._process.wait), timeout=10)
             except TimeoutError:
@@ -292,6 +271,31 @@ class ReferenceEngine(Engine):
     async def abort(self, request_id: str) -> None:
         if self._alive:
             self._send({"op": "abort", "id": request_id})
+
+
+def core_command(options: ReferenceOptions, socket_path: str) -> list[str]:
+    """The engine core's command line (used by the adapter, and by a worker running several front ends)."""
+    o = options
+    command = [sys.executable, "-m", "workers.engines.reference.core", "--listen", socket_path,
+               "--kv-host", o.kv_host, "--kv-port", str(o.kv_port), "--kv-store-bytes", str(o.kv_store_bytes),
+               "--kv-ttl-s", str(o.kv_ttl_s), "--prefill-chunk", str(o.prefill_chunk)]
+    if o.model_path:
+        command += ["--model", o.model_path]
+    if o.kv_advertise_host:
+        command += ["--kv-advertise-host", o.kv_advertise_host]
+    if not o.prompt_tokens_in_handoff:
+        command.append("--no-prompt-tokens-in-handoff")
+    if o.kv_block_reuse:
+        command += ["--prefix-cache-bytes", str(o.kv_block_reuse_bytes)]
+    return command
+
+
+def core_env(options: ReferenceOptions) -> dict[str, str]:
+    env = dict(os.environ)
+    if options.blas_threads is not None:
+        for name in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+            env[name] = str(options.blas_threads)
+    return env
 
 
 def _submit_frame(request: GenerationRequest) -> tuple[Header, memoryview | bytes]:

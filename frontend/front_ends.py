@@ -1,0 +1,111 @@
+"""Several HTTP front-end processes on one port (``--api-workers N``), sharing one engine core per worker.
+
+One asyncio loop is a known ceiling for a Python front end. With N > 1 the command's process becomes a
+supervisor: it starts N copies of itself that each bind the same port with SO_REUSEPORT (the kernel spreads
+connections over them), gives them one Prometheus multiprocess directory so that any one of them reports the
+sum of all, and for the reference engine starts the single engine core they all connect to. Shutdown is
+ordered: the front ends get SIGTERM and drain their streams, then the engine core goes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from frontend.launcher import die_with_parent
+
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
+_DRAIN_S = 35.0  # a little over uvicorn's graceful shutdown, so streams in flight can finish
+
+
+def reuse_port_socket(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((host, port))
+    return sock
+
+
+class FrontEndSupervisor:
+    def __init__(
+        self,
+        argv: Sequence[str],
+        count: int,
+        core_command_for: Callable[[str], list[str]] | None = None,
+        core_env: dict[str, str] | None = None,
+    ) -> None:
+        self.argv = list(argv)
+        self.count = count
+        self.core_command_for = core_command_for  # given the socket path, the engine core's command line
+        self.core_env = core_env
+        self.workdir = Path(tempfile.mkdtemp(prefix="disagg-front-ends-"))
+        self.children: list[subprocess.Popen[bytes]] = []
+        self.core: subprocess.Popen[bytes] | None = None
+        self._stop = 0
+
+    @property
+    def core_socket(self) -> str:
+        return str(self.workdir / "core.sock")
+
+    def _on_signal(self, signum: int, _frame: object) -> None:
+        self._stop = signum
+
+    def run(self) -> int:
+        signal.signal(signal.SIGTERM, self._on_signal)
+        signal.signal(signal.SIGINT, self._on_signal)
+        env = dict(os.environ)
+        metrics_dir = self.workdir / "metrics"
+        metrics_dir.mkdir()
+        env[MULTIPROC_ENV] = str(metrics_dir)
+        extra = ["--api-workers", "1", "--reuse-port"]
+        try:
+            if self.core_command_for is not None:
+                command = self.core_command_for(self.core_socket)
+                self.core = subprocess.Popen(command, env=self.core_env, preexec_fn=die_with_parent)
+                extra += ["--engine-core-socket", self.core_socket]
+            for _ in range(self.count):
+                command = [sys.executable, "-m", "frontend.cli", *self.argv, *extra]
+                self.children.append(subprocess.Popen(command, env=env, preexec_fn=die_with_parent))
+            return self._watch()
+        finally:
+            self._shutdown()
+            shutil.rmtree(self.workdir, ignore_errors=True)
+
+    def _watch(self) -> int:
+        while not self._stop:
+            for process in [*self.children, *([self.core] if self.core else [])]:
+                if process.poll() is not None:
+                    print(f"disagg-serve: process {process.pid} exited with status {process.returncode}; stopping",
+                          file=sys.stderr, flush=True)
+                    return 1
+            time.sleep(0.2)
+        return 0
+
+    def _shutdown(self) -> None:
+        for process in self.children:
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + _DRAIN_S
+        for process in self.children:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                process.wait(timeout=max(0.1, deadline - time.monotonic()))
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+        if self.core is not None and self.core.poll() is None:
+            self.core.send_signal(signal.SIGTERM)
+            try:
+                self.core.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.core.kill()
+                self.core.wait()
