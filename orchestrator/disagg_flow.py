@@ -7,6 +7,7 @@ Short prompts (``max_local_prefill_length``) skip the split and go to a GEN work
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import random
 import time
@@ -90,6 +91,7 @@ class DisaggFlow:
         self.ctx_pool = ctx_pool
         self.gen_pool = gen_pool
         self.metrics = metrics
+        self._background: set[asyncio.Task[None]] = set()
 
     def new_request(self, endpoint: Endpoint, body: dict[str, Any], started: float,
                     headers: dict[str, str] | None = None) -> FlowRequest:
@@ -104,9 +106,17 @@ class DisaggFlow:
         if ctx.finished:
             self.metrics.ctx_finished.inc()
             return self.answer_from_context(request, ctx)
-        if request.streaming:
-            return StreamedAnswer(await self.stream_generation(request, ctx))
-        return await self.generate_whole(request, ctx)
+        try:
+            if request.streaming:
+                return StreamedAnswer(await self.stream_generation(request, ctx))
+            answer = await self.generate_whole(request, ctx)
+            if answer.status_code != 200:
+                self._release_in_background(request, ctx)  # GEN refused the request: it took no KV
+            return answer
+        except BaseException:
+            # The client left, or no GEN could take the request: free CTX's parked KV now, not at its expiry.
+            self._release_in_background(request, ctx)
+            raise
 
     # -- step 1: CTX --------------------------------------------------------------------------------------
     async def run_context_step(self, request: FlowRequest) -> ContextResult:
@@ -230,6 +240,23 @@ class DisaggFlow:
                 raise RelayedError(reply)
             self.metrics.gen_first_byte.labels(worker=worker.url).observe(time.perf_counter() - started)
             return self._relay(request, worker, stream, response, key)
+
+    def _release_in_background(self, request: FlowRequest, ctx: ContextResult) -> None:
+        worker = next((w for w in self.ctx_pool.workers if w.url == request.ctx_worker), None)
+        state, ctx_id = ctx.params.get("encoded_opaque_state"), ctx.params.get("ctx_request_id")
+        if worker is None or not isinstance(state, str) or ctx_id is None:
+            return
+        body = orjson.dumps({"ctx_request_id": str(ctx_id), "encoded_opaque_state": state})
+
+        async def release() -> None:
+            try:
+                await asyncio.wait_for(worker.post("/v1/disagg/release", body, request.headers), timeout=10)
+            except (UpstreamError, TimeoutError) as exc:
+                logger.info("could not release a hand-off on %s (%s); it expires on its own", worker.url, exc)
+
+        task = asyncio.get_running_loop().create_task(release())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     def _handoff_lost(self, reply: UpstreamReply, tried: list[WorkerClient]) -> bool:
         """A retried GEN found the hand-off gone (an earlier GEN took it before failing): CTX must run again."""

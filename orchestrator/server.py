@@ -32,7 +32,9 @@ from frontend.http import (
 )
 from frontend.logging_setup import request_id_var
 from frontend.metrics import METRICS_CONTENT_TYPE, Metrics
+from frontend.openai_models import ChatCompletionRequest, CompletionRequest, ResponsesRequest
 from frontend.openai_output import Endpoint
+from frontend.openapi import install_body_schemas, json_body
 from frontend.sse import SSE_HEADERS, SSE_MEDIA_TYPE
 from orchestrator.disagg_flow import DisaggFlow, FlowRequest, RelayedError, StreamedAnswer, check_client_body
 from orchestrator.membership import DnsDiscovery
@@ -94,6 +96,7 @@ def create_orchestrator_app(
     app.state.metrics = metrics
     app.state.pools = pools
     install_error_handlers(app)
+    install_body_schemas(app, [ChatCompletionRequest, CompletionRequest, ResponsesRequest])
 
     def release(flow_request: FlowRequest, status: int) -> None:
         inflight["count"] -= 1
@@ -144,15 +147,15 @@ def create_orchestrator_app(
             if not streaming:
                 release(flow_request, status)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=json_body(ChatCompletionRequest))
     async def chat_completions(request: Request) -> Response:
         return await handle(request, "chat")
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=json_body(CompletionRequest))
     async def completions(request: Request) -> Response:
         return await handle(request, "completions")
 
-    @app.post("/v1/responses")
+    @app.post("/v1/responses", openapi_extra=json_body(ResponsesRequest))
     async def responses(request: Request) -> Response:
         return await handle(request, "responses")
 

@@ -69,7 +69,7 @@ class GenerationRequest:
         if prompt_i32.dtype != TOKEN_DTYPE or prompt_i32.ndim != 1:
             raise TypeError("prompt_i32 must be a 1-D little-endian int32 array")
         if prompt_i32.flags.writeable:
-            # Share, never copy: freezing the caller's array makes accidental in-place edits fail loudly.
+            # Share, never copy: the request keeps a read-only view, so no reader of it can edit the prompt.
             prompt_i32 = prompt_i32.view()
             prompt_i32.flags.writeable = False
         if phase is Phase.GENERATION_ONLY and handoff is None:

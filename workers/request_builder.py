@@ -54,7 +54,7 @@ def sampling_params_from(wire: GenerationWireRequest, prompt_len: int, info: Eng
     if remaining < 1:
         raise ContextLengthError(
             f"the {prompt_len}-token prompt leaves no room to generate in a context of {info.max_context}",
-            param="messages" if isinstance(wire, ChatCompletionRequest) else "prompt",
+            param=_prompt_field(wire),
         )
     logprobs: int | None
     echo = False
@@ -138,9 +138,15 @@ async def prepare_prompt(
     if tokens.size > limit:
         raise ContextLengthError(
             f"the prompt has {tokens.size} tokens, more than the model's context of {limit}",
-            param="messages" if isinstance(wire, ChatCompletionRequest) else "prompt",
+            param=_prompt_field(wire),
         )
     return PreparedPrompt(tokens, PromptPath.TEXT)
+
+
+def _prompt_field(wire: GenerationWireRequest) -> str:
+    if isinstance(wire, ChatCompletionRequest):
+        return "messages"
+    return "input" if isinstance(wire, ResponsesRequest) else "prompt"
 
 
 def _metadata_only_prompt(body: dict[str, Any], prompt_len: int, info: EngineInfo) -> PreparedPrompt:

@@ -7,11 +7,13 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
+import pybase64
 from fastapi import FastAPI, Request
 from starlette.responses import Response, StreamingResponse
 
-from frontend.errors import ServingError
+from frontend.errors import InvalidRequestError, ServingError
 from frontend.http import (
+    ClientDisconnected,
     cancel_on_disconnect,
     install_error_handlers,
     json_response,
@@ -26,6 +28,7 @@ from frontend.openai_models import (
     GenerationWireRequest,
     ResponsesRequest,
 )
+from frontend.openapi import install_body_schemas, json_body
 from frontend.sse import SSE_HEADERS, SSE_MEDIA_TYPE
 from workers.engines.base import Engine
 from workers.generation_request import Phase
@@ -61,6 +64,7 @@ def create_worker_app(
     app.state.service = service
     app.state.metrics = metrics
     install_error_handlers(app)
+    install_body_schemas(app, [ChatCompletionRequest, CompletionRequest, ResponsesRequest])
 
     async def serve(request: Request, wire_model: type[GenerationWireRequest], endpoint: str) -> Response:
         request_id_var.set(request.headers.get("x-request-id"))
@@ -86,22 +90,39 @@ def create_worker_app(
         except ServingError as exc:
             status = exc.status_code
             raise
+        except ClientDisconnected:
+            status = 499  # the client went away; not a failure of ours
+            raise
         finally:
             if not released:
                 service.release()
             metrics.requests.labels(role=settings.role, endpoint=endpoint, status=str(status)).inc()
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=json_body(ChatCompletionRequest))
     async def chat_completions(request: Request) -> Response:
         return await serve(request, ChatCompletionRequest, "chat")
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=json_body(CompletionRequest))
     async def completions(request: Request) -> Response:
         return await serve(request, CompletionRequest, "completions")
 
-    @app.post("/v1/responses")
+    @app.post("/v1/responses", openapi_extra=json_body(ResponsesRequest))
     async def responses(request: Request) -> Response:
         return await serve(request, ResponsesRequest, "responses")
+
+    @app.post("/v1/disagg/release")
+    async def release_handoff(request: Request) -> Response:
+        """Free a parked KV hand-off no GEN will take. The one-time key inside the state proves ownership."""
+        body = parse_json_object(await read_body(request, 64 * 1024))
+        ctx_id, state = body.get("ctx_request_id"), body.get("encoded_opaque_state")
+        if not isinstance(ctx_id, str) or not isinstance(state, str):
+            raise InvalidRequestError("'ctx_request_id' and 'encoded_opaque_state' must be strings")
+        try:
+            raw_state = pybase64.b64decode(state, validate=True)
+        except ValueError as exc:
+            raise InvalidRequestError("encoded_opaque_state is not valid base64",
+                                      param="encoded_opaque_state") from exc
+        return json_response({"released": await engine.release_handoff(ctx_id, raw_state)})
 
     @app.get("/v1/models")
     async def models() -> Response:

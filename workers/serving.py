@@ -216,6 +216,13 @@ class WorkerService:
             first = await anext(steps)
         except StopAsyncIteration:
             first = None
+        except ServingError:
+            await steps.aclose()
+            raise
+        except Exception as exc:  # an adapter bug before the first byte: still an OpenAI-shaped engine error
+            await steps.aclose()
+            logger.exception("engine failure on %s", prepared.request.request_id)
+            raise EngineError(f"the engine failed: {type(exc).__name__}") from exc
         except BaseException:
             await steps.aclose()
             raise

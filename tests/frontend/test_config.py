@@ -45,7 +45,7 @@ def test_overrides_win_and_none_is_ignored(tmp_path: pathlib.Path) -> None:
 def test_config_is_immutable(tmp_path: pathlib.Path) -> None:
     config = load_config(write(tmp_path, VALID))
     with pytest.raises(ValueError, match="frozen"):
-        config.port = 1  # type: ignore[misc]
+        config.port = 1
 
 
 @pytest.mark.parametrize(

@@ -74,7 +74,7 @@ def validate_completion_chunk(data: dict[str, Any]) -> dict[str, Any]:
 def validate_responses_events(frames: list[bytes]) -> list[str]:
     types = []
     for event, data in parse_frames(frames):
-        assert event == data["type"]
+        assert event is not None and event == data["type"]
         EVENT_CLASSES[event].model_validate(data)
         types.append(event)
     return types

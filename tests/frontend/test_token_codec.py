@@ -85,14 +85,15 @@ def _b64(*ids: int) -> str:
     ],
 )
 def test_invalid_b64_input_is_a_400_naming_the_field(
-    encoded: str, kwargs: dict[str, int], error: type[InvalidRequestError], param: str
+    encoded: str, kwargs: dict[str, Any], error: type[InvalidRequestError], param: str
 ) -> None:
     with pytest.raises(error) as caught:
         decode_prompt_tokens(encoded, vocab_size=VOCAB, **kwargs)
     assert type(caught.value) is error
     assert caught.value.status_code == 400
     assert caught.value.param == param
-    assert caught.value.to_dict()["error"]["param"] == param
+    assert caught.value.to_dict() == {"error": {"message": caught.value.message, "type": "invalid_request_error",
+                                                "param": param, "code": caught.value.code}}
 
 
 def test_the_reported_index_is_the_first_bad_id() -> None:

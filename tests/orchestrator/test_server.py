@@ -19,7 +19,7 @@ from tests.cluster import MODEL, Cluster, Node, eventually, sample, start_orches
 from workers.engines.byte_tokenizer import ByteTokenizer
 from workers.engines.synthetic import SYNTHETIC_TEXT
 
-MESSAGES: list[dict[str, Any]] = [
+MESSAGES: Any = [
     {"role": "system", "content": "Be brief."},
     {"role": "user", "content": "What is the capital of France? ünïcödé"},
 ]
@@ -63,13 +63,13 @@ def generate(client: openai.OpenAI, endpoint: Endpoint, stream: bool, max_tokens
     """One request through ``client`` on ``endpoint``, reduced to what must match across deployments."""
     if endpoint == "chat":
         if not stream:
-            chat = client.chat.completions.create(model=MODEL, messages=MESSAGES,  # type: ignore[arg-type]
+            chat = client.chat.completions.create(model=MODEL, messages=MESSAGES,
                                                   max_tokens=max_tokens)
             assert chat.usage is not None
             return Outcome(chat.choices[0].message.content or "", chat.usage.prompt_tokens,
                            chat.usage.completion_tokens, chat.choices[0].finish_reason)
         parts, finish, usage = [], None, None
-        for chunk in client.chat.completions.create(model=MODEL, messages=MESSAGES,  # type: ignore[arg-type]
+        for chunk in client.chat.completions.create(model=MODEL, messages=MESSAGES,
                                                     max_tokens=max_tokens, stream=True,
                                                     stream_options={"include_usage": True}):
             if chunk.choices:
@@ -216,11 +216,11 @@ def test_health_is_503_and_requests_fail_cleanly_without_a_healthy_gen(cluster: 
         assert reply.json()["generation_servers"] == {dead_gen: False}
         with openai.OpenAI(base_url=orchestrator.url + "/v1", api_key="x", max_retries=0) as oai:
             with pytest.raises(openai.APIStatusError) as caught:
-                oai.chat.completions.create(model=MODEL, messages=MESSAGES,  # type: ignore[arg-type]
+                oai.chat.completions.create(model=MODEL, messages=MESSAGES,
                                             max_tokens=4)
             assert caught.value.status_code == 503
             # A request CTX finishes by itself needs no GEN, so it is still served.
-            short = oai.chat.completions.create(model=MODEL, messages=MESSAGES,  # type: ignore[arg-type]
+            short = oai.chat.completions.create(model=MODEL, messages=MESSAGES,
                                                 max_tokens=1)
             assert short.choices[0].message.content == "T"
 
@@ -340,14 +340,14 @@ def test_bad_requests_get_openai_shaped_errors_and_serving_goes_on(
 
 def test_the_openai_client_sees_typed_errors(client: openai.OpenAI) -> None:
     with pytest.raises(openai.NotFoundError) as not_found:
-        client.chat.completions.create(model="nope", messages=MESSAGES, max_tokens=2)  # type: ignore[arg-type]
+        client.chat.completions.create(model="nope", messages=MESSAGES, max_tokens=2)
     assert not_found.value.code == "model_not_found"
     with pytest.raises(openai.BadRequestError) as bad:
-        client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2,  # type: ignore[arg-type]
+        client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2,
                                        extra_body={"frobnicate": True})
     assert bad.value.param == "frobnicate"
     with pytest.raises(openai.BadRequestError) as tools:
-        client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2,  # type: ignore[arg-type]
+        client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2,
                                        tools=[{"type": "function", "function": {"name": "f"}}])
     assert tools.value.param == "tools"
     assert tools.value.code == "unsupported_parameter"
@@ -410,7 +410,7 @@ def test_over_the_concurrency_limit_is_429_and_a_client_leaving_frees_everything
     assert eventually(lambda: sample(slow_gen.metrics, "disagg_engine_inflight_requests",
                                      role="generation") == 0, timeout_s=5)
     with openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0) as oai:
-        again = oai.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2)  # type: ignore[arg-type]
+        again = oai.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2)
     assert again.choices[0].message.content == "Th"
 
 

@@ -35,7 +35,7 @@ GEN_PARAMS = {"request_type": "generation_only", "prompt_len": 3, "first_gen_tok
 
 
 def wire_of(model: type[GenerationWireRequest], body: dict[str, Any]) -> GenerationWireRequest:
-    return validate_wire(model, body)  # type: ignore[type-var]
+    return validate_wire(model, body)
 
 
 async def prepare(model: type[GenerationWireRequest], body: dict[str, Any], info: EngineInfo = INFO) -> Any:
@@ -113,8 +113,6 @@ async def test_a_prompt_longer_than_the_context_is_refused(
     assert caught.value.param == param
 
 
-@pytest.mark.xfail(strict=True, reason="workers/request_builder.py: a too-long Responses prompt names param "
-                   "'prompt'; the Responses field is 'input'")
 async def test_a_too_long_responses_prompt_names_input() -> None:
     with pytest.raises(ContextLengthError) as caught:
         await prepare(ResponsesRequest, {"model": "synthetic", "input": "x" * 80})

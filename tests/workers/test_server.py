@@ -228,8 +228,6 @@ def test_an_engine_failure_is_a_500_engine_error(special: Special) -> None:
     assert sample(special.fails_at_once.metrics, "disagg_engine_inflight_requests", role="both") == 0
 
 
-@pytest.mark.xfail(strict=True, reason="workers/serving.py open_stream: a foreign engine error before the first "
-                   "token escapes unwrapped (generic 500, code null) where complete() answers engine_error")
 def test_an_engine_failure_before_the_first_streamed_token_is_a_500_engine_error(special: Special) -> None:
     reply = httpx.post(special.fails_at_once.url + "/v1/chat/completions",
                        json={"model": MODEL, "messages": MESSAGES, "max_tokens": 5, "stream": True}, timeout=10)
@@ -276,8 +274,6 @@ def test_worker_metrics_text(cluster: Cluster, worker_client: openai.OpenAI) -> 
     assert 'disagg_engine_inflight_requests{role="both"} 0.0' in text
 
 
-@pytest.mark.xfail(strict=True, reason="workers/server.py serve(): a client that disconnects (ClientDisconnected) "
-                   "is counted as status 500 instead of 499")
 def test_a_client_that_gives_up_is_counted_499(special: Special) -> None:
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(special.small.url + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 500},

@@ -1,11 +1,13 @@
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from frontend.token_codec import TOKEN_DTYPE
+from frontend.token_codec import TOKEN_DTYPE, TokenArray
 from workers.engines.synthetic import SYNTHETIC_TEXT, SyntheticEngine
 from workers.generation_request import GenerationRequest, Handoff, Phase
 from workers.sampling_params import SamplingParams
@@ -19,28 +21,33 @@ def texts_and_chunks(draw: st.DrawFn) -> tuple[str, list[str]]:
     text = draw(st.text(alphabet=ALPHABET, max_size=40))
     cuts = sorted(draw(st.lists(st.integers(min_value=0, max_value=len(text)), max_size=10)))
     bounds = [0, *cuts, len(text)]
-    return text, [text[a:b] for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+    return text, [text[a:b] for a, b in itertools.pairwise(bounds)]
 
 
 @given(texts_and_chunks(), st.lists(st.text(alphabet=ALPHABET, min_size=1, max_size=4), max_size=3))
-def test_the_emitted_text_is_everything_before_the_first_stop(case: tuple[str, list[str]], stops: list[str]) -> None:
+def test_the_text_stops_where_a_stop_string_first_appears(case: tuple[str, list[str]], stops: list[str]) -> None:
+    """Generation ends at the first chunk after which some stop string is present; the text is cut where the
+    earliest present stop string begins, and no stop string (or part of one) is ever emitted before that."""
     text, chunks = case
     matcher = StopStringMatcher(stops)
-    emitted, stopped = "", False
+    emitted, stopped, seen = "", False, ""
+    expected: str | None = None
     for chunk in chunks:
+        seen += chunk
+        hits = [i for i in (seen.find(s) for s in stops) if i >= 0]
         out, stopped = matcher.push(chunk)
         emitted += out
-        if stopped:
+        assert not any(s in emitted for s in stops)
+        if hits:
+            expected = seen[: min(hits)]
             break
-    if not stopped:
-        emitted += matcher.flush()
-    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
-    if hits:
-        assert stopped
-        assert emitted == text[: min(hits)]
-    else:
+        assert seen.startswith(emitted)
+    if expected is None:
         assert not stopped
-        assert emitted == text
+        assert emitted + matcher.flush() == text
+    else:
+        assert stopped
+        assert emitted == expected
 
 
 def test_partial_stop_is_held_back_until_decided() -> None:
@@ -60,7 +67,7 @@ async def collect(engine: SyntheticEngine, request: GenerationRequest) -> list[T
     return [step async for step in stream_text(engine, request)]
 
 
-def prompt() -> np.ndarray:  # type: ignore[type-arg]
+def prompt() -> TokenArray:
     return np.frombuffer(b"prompt", dtype=np.uint8).astype(TOKEN_DTYPE)
 
 
@@ -108,7 +115,7 @@ async def test_closing_the_stream_early_aborts_the_engine_request() -> None:
     await anext(steps)
     await anext(steps)
     assert engine._running == {"a"}
-    await steps.aclose()  # type: ignore[attr-defined]
+    await steps.aclose()
     assert engine._running == set()
 
 

@@ -100,6 +100,11 @@ class Engine(ABC):
     async def health(self) -> bool:
         return True
 
+    async def release_handoff(self, ctx_request_id: str, opaque_state: bytes) -> bool:
+        """Free a parked hand-off that no GEN will take (the client left between the steps). The opaque state
+        (with its one-time key) is the proof of ownership. Returns whether something was freed."""
+        return False
+
     def kv_store_stats(self) -> tuple[int, int] | None:
         """(entries, bytes) of KV hand-offs this engine holds for GEN workers; None if it keeps none."""
         return None

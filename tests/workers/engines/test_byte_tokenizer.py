@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import itertools
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -24,7 +26,7 @@ def test_incremental_detokenizer_gives_the_whole_text_whatever_the_split(text: s
     data = list(text.encode())
     bounds = sorted({0, len(data), *(min(c, len(data)) for c in cuts)})
     detokenizer = ByteDetokenizer()
-    pieces = [detokenizer.add(data[a:b]) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+    pieces = [detokenizer.add(data[a:b]) for a, b in itertools.pairwise(bounds)]
     assert "".join(pieces) == text
 
 

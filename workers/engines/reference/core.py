@@ -217,6 +217,10 @@ class Core:
         elif op == "abort":
             scheduler.abort(str(header["id"]))
             self.owner_of.pop(str(header["id"]), None)
+        elif op == "release":
+            released = scheduler.store.discard_with_key(str(header["id"]), str(header.get("key", "")))
+            if channel is not None:
+                channel.send({"op": "released", "ping": header.get("ping", 0), "released": released})
         elif op == "ping" and channel is not None:
             channel.send({"op": "pong", "ping": header.get("ping", 0), **scheduler.stats()})
         elif op == "closed":

@@ -28,6 +28,7 @@ from frontend.launcher import die_with_parent
 from frontend.token_codec import TOKEN_DTYPE
 from workers.engines.base import Engine, EngineInfo, EngineOutput, Tokenizer, TokenLogprob
 from workers.engines.reference.ipc import ChannelClosed, Header, encode_frame, read_frame
+from workers.engines.reference.kv_fetch import HandoffUnavailable, parse_state
 from workers.engines.reference.model_file import TokenizerMetadata
 from workers.engines.reference.tokenizer import GGUFTokenizer
 from workers.generation_request import GenerationRequest, Phase, PromptPath
@@ -145,6 +146,23 @@ class ReferenceEngine(Engine):
         except ChannelClosed as exc:
             raise EngineError("the engine core closed its channel during start-up") from exc
 
+    async def release_handoff(self, ctx_request_id: str, opaque_state: bytes) -> bool:
+        try:
+            state = parse_state(opaque_state)
+        except HandoffUnavailable:
+            return False
+        self._ping_counter += 1
+        ping_id = self._ping_counter
+        answer: asyncio.Future[dict[str, int]] = asyncio.get_running_loop().create_future()
+        self._pings[ping_id] = answer
+        try:
+            self._send({"op": "release", "id": ctx_request_id, "key": str(state["key"]), "ping": ping_id})
+            return bool((await asyncio.wait_for(answer, 10.0)).get("released"))
+        except TimeoutError:
+            return False
+        finally:
+            self._pings.pop(ping_id, None)
+
     def kv_store_stats(self) -> tuple[int, int]:
         return self.kv_store_entries, self.kv_store_bytes
 
@@ -216,7 +234,7 @@ class ReferenceEngine(Engine):
                     request_queue = self._queues.get(str(header["id"]))
                     if request_queue is not None:
                         request_queue.put_nowait((header, payload))
-                elif op == "pong":
+                elif op in ("pong", "released"):
                     waiter = self._pings.get(int(header["ping"]))
                     if waiter is not None and not waiter.done():
                         waiter.set_result({k: int(v) for k, v in header.items() if k not in ("op", "ping")})

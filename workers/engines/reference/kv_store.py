@@ -71,6 +71,14 @@ class KVStore:
         self._notify()
         return entry.payload
 
+    def discard_with_key(self, entry_id: str, key: str) -> bool:
+        """Discard only for the holder of the entry's key (a release from the network)."""
+        with self._lock:
+            entry = self._entries.get(entry_id)
+            if entry is None or not hmac.compare_digest(entry.key.encode(), key.encode()):
+                return False
+        return self.discard(entry_id)
+
     def discard(self, entry_id: str) -> bool:
         with self._lock:
             entry = self._entries.pop(entry_id, None)

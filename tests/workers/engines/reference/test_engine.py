@@ -279,3 +279,33 @@ async def test_kv_block_reuse_serves_a_repeated_prefix_from_the_cache(tiny_path:
         assert texts[0] == texts[1]
     finally:
         await engine.aclose()
+
+
+def test_a_parked_handoff_is_released_only_with_its_key(tiny_cluster: RefCluster) -> None:
+    import orjson
+    import pybase64
+
+    ctx = _context_step(tiny_cluster)
+    params = ctx["choices"][0]["disaggregated_params"]
+    state = orjson.loads(pybase64.b64decode(params["encoded_opaque_state"]))
+    forged = pybase64.b64encode(orjson.dumps({**state, "key": "guess"})).decode()
+    release = tiny_cluster.ctx.url + "/v1/disagg/release"
+    refused = httpx.post(release, json={"ctx_request_id": params["ctx_request_id"], "encoded_opaque_state": forged})
+    assert refused.status_code == 200 and refused.json() == {"released": False}
+    assert _kv_entries(tiny_cluster.ctx.url) == 1
+    released = httpx.post(release, json={"ctx_request_id": params["ctx_request_id"],
+                                         "encoded_opaque_state": params["encoded_opaque_state"]})
+    assert released.json() == {"released": True}
+    assert _wait_for(lambda: _kv_entries(tiny_cluster.ctx.url) == 0)
+
+
+def test_the_orchestrator_frees_ctx_kv_when_gen_refuses_the_request(tiny_path: pathlib.Path,
+                                                                    tmp_path: pathlib.Path) -> None:
+    """GEN runs another model, so it refuses the hand-off without taking it: CTX's KV is freed at once."""
+    options = ReferenceOptions(model_path=str(tiny_path), served_model_name="tiny", blas_threads=1, kv_ttl_s=600)
+    other = ReferenceOptions(model_path=str(write_tiny_model(tmp_path / "other.gguf", seed=3)),
+                             served_model_name="tiny", blas_threads=1)
+    with reference_cluster(options, gen_options=other) as cluster, cluster.orchestrator.client() as client:
+        with pytest.raises(openai.BadRequestError, match="different model"):
+            client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=8)  # type: ignore[arg-type]
+        assert _wait_for(lambda: _kv_entries(cluster.ctx.url) == 0, timeout_s=10)
