@@ -238,7 +238,8 @@ def run_orchestrator(args: argparse.Namespace, argv: Sequence[str]) -> int:
     if args.api_workers > 1:
         args.port = config.port
         return _supervise(args, argv)
-    app = create_orchestrator_app(config, api_key=args.api_key, admin_key=args.admin_key)
+    # An empty key (DISAGG_API_KEY="") means no key, not "the empty string is the key".
+    app = create_orchestrator_app(config, api_key=args.api_key or None, admin_key=args.admin_key or None)
     _serve(app, config.hostname, config.port, args.log_level, args.reuse_port)
     return 0
 

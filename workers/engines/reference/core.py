@@ -148,7 +148,7 @@ class Core:
             eos_token_ids=tokenizer.eos_token_ids,
             prefill_chunk=self.args.prefill_chunk,
             prompt_tokens_in_handoff=not self.args.no_prompt_tokens_in_handoff,
-            kv_url_base=f"http://{advertise}:{transfer.port}",
+            kv_url_base=f"http://{f'[{advertise}]' if ':' in advertise else advertise}:{transfer.port}",
             prefix_cache_bytes=self.args.prefix_cache_bytes,
         )
         scheduler = Scheduler(model, config, store, self.emit)

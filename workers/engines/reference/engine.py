@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from frontend.errors import EngineError, HandoffError, OverloadedError, ServingError
+from frontend.errors import EngineError, HandoffError, OverloadedError, ServingError, UpstreamError
 from frontend.launcher import die_with_parent
 from frontend.token_codec import TOKEN_DTYPE
 from workers.engines.base import Engine, EngineInfo, EngineOutput, Tokenizer, TokenLogprob
@@ -370,6 +370,8 @@ def _translate(message: Header) -> ServingError:
         return HandoffError(text, param="disaggregated_params.encoded_opaque_state")
     if kind == "overloaded":
         return OverloadedError(text)
+    if kind == "upstream":
+        return UpstreamError(text)
     return EngineError(text)
 
 

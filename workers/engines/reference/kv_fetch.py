@@ -20,6 +20,10 @@ class HandoffUnavailable(Exception):
     """The hand-off cannot be used: unknown, expired, replayed, tampered or mismatched. The message says which."""
 
 
+class HandoffUnreachable(HandoffUnavailable):
+    """CTX's KV transfer server could not be reached: an upstream failure, not a bad request."""
+
+
 @dataclass(frozen=True, slots=True)
 class FetchedHandoff:
     handoff: KVHandoff
@@ -55,7 +59,7 @@ def fetch_handoff(state: bytes, config: ModelConfig, model_hash: str, prompt_len
         detail = exc.read().decode(errors="replace")
         raise HandoffUnavailable(f"CTX refused the KV fetch ({exc.code}): {detail}") from exc
     except (urllib.error.URLError, OSError) as exc:
-        raise HandoffUnavailable(f"the KV fetch from {url} failed: {exc}") from exc
+        raise HandoffUnreachable(f"the KV fetch from {url} failed: {exc}") from exc
     try:
         handoff = decode_handoff(
             data, model_hash=model_hash, rope_base=config.rope_base, layers=config.n_layers,

@@ -19,7 +19,7 @@ import numpy as np
 import orjson
 
 from frontend.token_codec import TokenArray
-from workers.engines.reference.kv_fetch import FetchedHandoff, HandoffUnavailable, fetch_handoff
+from workers.engines.reference.kv_fetch import FetchedHandoff, HandoffUnavailable, HandoffUnreachable, fetch_handoff
 from workers.engines.reference.kv_handoff import KVHandoff, encode_handoff
 from workers.engines.reference.kv_store import KVStore, KVStoreFull
 from workers.engines.reference.prefix_cache import PrefixCache
@@ -135,6 +135,9 @@ class Scheduler:
             del self._fetching[request_id]
             try:
                 fetched = future.result()
+            except HandoffUnreachable as exc:
+                self._fail(request_id, "upstream", str(exc))
+                continue
             except HandoffUnavailable as exc:
                 self._fail(request_id, "handoff", str(exc))
                 continue
