@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
+import shutil
 import signal
 import socket
 import subprocess
@@ -88,6 +89,14 @@ def _stop(children: list[Child]) -> None:
 
 
 def run_up(args: argparse.Namespace) -> int:
+    workdir = Path(tempfile.mkdtemp(prefix="disagg-serve-"))
+    try:
+        return _run_up(args, workdir)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _run_up(args: argparse.Namespace, workdir: Path) -> int:
     from frontend.cli import engine_arguments
 
     stop_requested = {"signal": 0}
@@ -101,7 +110,6 @@ def run_up(args: argparse.Namespace) -> int:
     ctx_port, gen_port = free_port(), free_port()
     engine_argv = engine_arguments(args)
     log = ["--log-level", args.log_level]
-    workdir = Path(tempfile.mkdtemp(prefix="disagg-serve-"))
     config_path = workdir / "orchestrator.yaml"
     config_path.write_text(yaml.safe_dump({
         "hostname": args.host,

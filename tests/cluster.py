@@ -39,6 +39,7 @@ class Exchange:
     status: int | None = None
     response_body: bytes = b""
     done: bool = False
+    headers: dict[str, str] = field(default_factory=dict)  # the request's headers, names lower-cased
 
     def request_json(self) -> Any:
         return orjson.loads(self.request_body)
@@ -59,7 +60,8 @@ class Recorder:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        exchange = Exchange(scope["method"], scope["path"])
+        headers = {name.decode("latin-1").lower(): value.decode("latin-1") for name, value in scope["headers"]}
+        exchange = Exchange(scope["method"], scope["path"], headers=headers)
         with self._lock:
             self.exchanges.append(exchange)
 

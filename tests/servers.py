@@ -13,8 +13,9 @@ import uvicorn
 
 
 class ServerThread:
-    def __init__(self, app: Any) -> None:
-        config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="on",
+    def __init__(self, app: Any, port: int = 0) -> None:
+        # port 0: any free port; a fixed port lets a test bring a "restarted" worker back at the same address.
+        config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on",
                                 loop="uvloop", http="httptools", timeout_graceful_shutdown=5)
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self._run, daemon=True)
