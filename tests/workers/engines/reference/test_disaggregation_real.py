@@ -8,6 +8,7 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
+from openai.types.chat import ChatCompletionMessageParam
 
 from tests.workers.engines.reference.cluster import RefCluster, reference_cluster
 from tests.workers.engines.reference.conftest import Engine
@@ -17,8 +18,8 @@ from workers.engines.reference.transformer import export_kv, import_kv
 
 pytestmark = pytest.mark.real_model
 
-FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
-PROMPTS = [
+FRANCE: list[ChatCompletionMessageParam] = [{"role": "user", "content": "What is the capital of France?"}]
+PROMPTS: list[list[ChatCompletionMessageParam]] = [
     FRANCE,
     [{"role": "system", "content": "You answer in one short sentence."},
      {"role": "user", "content": "Why is the sky blue?"}],
@@ -55,9 +56,9 @@ def test_greedy_france_answers_paris(real_cluster: RefCluster) -> None:
 def test_disaggregated_equals_aggregated(real_cluster: RefCluster, options: dict[str, Any]) -> None:
     with real_cluster.orchestrator.client() as disagg, real_cluster.aggregated.client() as agg:
         for messages in PROMPTS:
-            a = disagg.chat.completions.create(model=real_cluster.model, messages=messages,  # type: ignore[arg-type]
+            a = disagg.chat.completions.create(model=real_cluster.model, messages=messages,
                                                max_tokens=12, **options)
-            b = agg.chat.completions.create(model=real_cluster.model, messages=messages,  # type: ignore[arg-type]
+            b = agg.chat.completions.create(model=real_cluster.model, messages=messages,
                                             max_tokens=12, **options)
             assert a.choices[0].message.content == b.choices[0].message.content
             assert a.choices[0].finish_reason == b.choices[0].finish_reason
@@ -105,7 +106,7 @@ def test_the_guardrail_is_not_decorative(real: Engine) -> None:
     """Decode on a placeholder prompt under repetition penalty 1.3 (what the guardrail forbids when the hand-off
     carries no tokens): the output changes. Without the penalty the placeholder is harmless."""
     model, tokenizer = real.transformer, real.tokenizer
-    prompt = tokenizer.encode(tokenizer.render_chat(FRANCE))
+    prompt = tokenizer.encode(tokenizer.render_chat([{"role": "user", "content": "What is the capital of France?"}]))
     placeholder = np.zeros_like(prompt)
 
     def continue_on_gen(gen_prompt: np.ndarray, config: SamplingConfig) -> list[int]:

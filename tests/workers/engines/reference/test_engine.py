@@ -13,6 +13,7 @@ import httpx
 import numpy as np
 import openai
 import pytest
+from openai.types.chat import ChatCompletionMessageParam
 
 from frontend.errors import EngineError
 from frontend.token_codec import TOKEN_DTYPE
@@ -22,7 +23,7 @@ from workers.engines.reference.tiny_model import write_tiny_model
 from workers.generation_request import GenerationRequest, Phase
 from workers.sampling_params import SamplingParams
 
-MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
+MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +93,7 @@ def test_kv_store_is_empty_after_requests_complete(tiny_cluster: RefCluster) -> 
             result = client.completions.create(model=tiny_cluster.model, prompt="Hello", max_tokens=5,
                                                temperature=0, stream=stream)
             if stream:
-                list(result)  # type: ignore[call-overload]
+                list(result)
     assert _wait_for(lambda: _kv_entries(tiny_cluster.ctx.url) == 0)
 
 
@@ -307,5 +308,5 @@ def test_the_orchestrator_frees_ctx_kv_when_gen_refuses_the_request(tiny_path: p
                              served_model_name="tiny", blas_threads=1)
     with reference_cluster(options, gen_options=other) as cluster, cluster.orchestrator.client() as client:
         with pytest.raises(openai.BadRequestError, match="different model"):
-            client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=8)  # type: ignore[arg-type]
+            client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=8)
         assert _wait_for(lambda: _kv_entries(cluster.ctx.url) == 0, timeout_s=10)

@@ -13,7 +13,7 @@ from workers.engines.reference.tiny_model import write_tiny_model
 from workers.engines.reference.transformer import Transformer
 
 if TYPE_CHECKING:
-    from conftest import Engine
+    from tests.workers.engines.reference.conftest import Engine
 
 
 def test_tiny_config_and_shapes(tiny: Engine) -> None:

@@ -17,7 +17,7 @@ from workers.engines.reference.tokenizer import GGUFTokenizer
 from workers.engines.reference.transformer import Transformer
 
 if TYPE_CHECKING:
-    from conftest import Engine
+    from tests.workers.engines.reference.conftest import Engine
 
 
 def test_byte_level_alphabet() -> None:

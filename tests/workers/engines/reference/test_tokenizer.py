@@ -16,7 +16,7 @@ from workers.engines.reference.tokenizer import (
 )
 
 if TYPE_CHECKING:
-    from conftest import Engine
+    from tests.workers.engines.reference.conftest import Engine
 
 TRICKY = [
     "Hello world",
@@ -151,7 +151,8 @@ def test_incremental_detokenizer_decodes_a_bounded_window(
 
     def spy(window: list[int], skip_special_tokens: bool = True) -> str:
         sizes.append(len(window))
-        return real_decode(window, skip_special_tokens)
+        text: str = real_decode(window, skip_special_tokens)
+        return text
 
     monkeypatch.setattr(tok, "decode", spy)
     detok = IncrementalDetokenizer(tok)

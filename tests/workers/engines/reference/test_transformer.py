@@ -12,7 +12,7 @@ from workers.engines.reference.sampler import Sampler, SamplingConfig
 from workers.engines.reference.transformer import KVCache, Transformer, export_kv, import_kv
 
 if TYPE_CHECKING:
-    from conftest import Engine
+    from tests.workers.engines.reference.conftest import Engine
 
 F32 = npt.NDArray[np.float32]
 PROMPT = np.array(
