@@ -8,10 +8,11 @@ Short prompts (``max_local_prefill_length``) skip the split and go to a GEN work
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import random
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from typing import Any
@@ -213,33 +214,50 @@ class DisaggFlow:
         key = self._gen_key(request, ctx)
         tried: list[WorkerClient] = []
         while True:
+            started = time.perf_counter()
+            worker, stream, opened = await self._open_gen_stream(
+                request, key, functools.partial(self.generation_body, request, ctx), tried
+            )
+            if isinstance(opened, UpstreamReply):
+                if not self._handoff_lost(opened, tried):
+                    raise RelayedError(opened)
+                ctx = await self.redo_context(request)
+                if ctx.finished:
+                    answer = self.answer_from_context(request, ctx)
+                    assert isinstance(answer, StreamedAnswer)
+                    return answer.frames
+                tried.clear()
+                continue
+            self.metrics.gen_first_byte.labels(worker=worker.url).observe(time.perf_counter() - started)
+            return self._relay(request, worker, stream, opened, key)
+
+    async def _open_gen_stream(
+        self,
+        request: FlowRequest,
+        key: RoutingKey,
+        body_for: Callable[[WorkerClient], bytes],
+        tried: list[WorkerClient],
+    ) -> tuple[WorkerClient, AbstractAsyncContextManager[httpx.Response], httpx.Response | UpstreamReply]:
+        """Open a stream on a GEN worker, moving to another one on a refused connection or a 5xx before the
+        first byte. An answer that is not a stream (and is not retried) comes back as an ``UpstreamReply``."""
+        while True:
             worker = self.gen_pool.pick(key, tried)
             tried.append(worker)
             request.gen_worker = worker.url
-            started = time.perf_counter()
-            stream = worker.stream(request.path, self.generation_body(request, ctx, worker), request.headers)
+            stream = worker.stream(request.path, body_for(worker), request.headers)
             try:
                 response = await stream.__aenter__()
             except UpstreamError as exc:
                 self._mark(worker, exc)
                 self._give_up_or_count("gen", tried, exc, f"the GEN step failed: {exc.message}")
                 continue
-            if response.status_code != 200:
-                reply = UpstreamReply(response.status_code, await response.aread())
-                await stream.__aexit__(None, None, None)
-                if response.status_code >= 500 and not self._give_up("gen", tried, None):
-                    continue
-                if self._handoff_lost(reply, tried):
-                    ctx = await self.redo_context(request)
-                    if ctx.finished:
-                        answer = self.answer_from_context(request, ctx)
-                        assert isinstance(answer, StreamedAnswer)
-                        return answer.frames
-                    tried.clear()
-                    continue
-                raise RelayedError(reply)
-            self.metrics.gen_first_byte.labels(worker=worker.url).observe(time.perf_counter() - started)
-            return self._relay(request, worker, stream, response, key)
+            if response.status_code == 200:
+                return worker, stream, response
+            reply = UpstreamReply(response.status_code, await response.aread())
+            await stream.__aexit__(None, None, None)
+            if response.status_code >= 500 and not self._give_up("gen", tried, None):
+                continue
+            return worker, stream, reply
 
     def _release_in_background(self, request: FlowRequest, ctx: ContextResult) -> None:
         worker = next((w for w in self.ctx_pool.workers if w.url == request.ctx_worker), None)
@@ -281,25 +299,10 @@ class DisaggFlow:
             if reply.status_code != 200:
                 raise RelayedError(reply)
             return WholeAnswer(reply.status_code, reply.content)
-        tried: list[WorkerClient] = []
-        while True:
-            worker = self.gen_pool.pick(request.key, tried)
-            tried.append(worker)
-            request.gen_worker = worker.url
-            stream = worker.stream(request.path, body, request.headers)
-            try:
-                response = await stream.__aenter__()
-            except UpstreamError as exc:
-                self._mark(worker, exc)
-                self._give_up_or_count("gen", tried, exc, f"the GEN step failed: {exc.message}")
-                continue
-            if response.status_code != 200:
-                reply = UpstreamReply(response.status_code, await response.aread())
-                await stream.__aexit__(None, None, None)
-                if response.status_code >= 500 and not self._give_up("gen", tried, None):
-                    continue
-                raise RelayedError(reply)
-            return StreamedAnswer(self._relay(request, worker, stream, response, request.key))
+        worker, stream, opened = await self._open_gen_stream(request, request.key, lambda _: body, [])
+        if isinstance(opened, UpstreamReply):
+            raise RelayedError(opened)
+        return StreamedAnswer(self._relay(request, worker, stream, opened, request.key))
 
     async def _relay(
         self,
