@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
+import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -20,6 +22,7 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from frontend.errors import InvalidRequestError, PayloadTooLargeError, ServingError, error_body
+from frontend.logging_setup import request_id_var
 
 logger = logging.getLogger(__name__)
 
@@ -136,6 +139,46 @@ class _AnswerUnexpectedErrors:
                 raise
             logger.exception("unhandled error", exc_info=exc)
             await error_response(ServingError("internal server error"))(scope, receive, send)
+
+
+REQUEST_ID_HEADER = "X-Request-Id"
+_REQUEST_ID_OK = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+
+
+def install_request_ids(app: FastAPI) -> None:
+    app.add_middleware(_RequestIds)
+
+
+class _RequestIds:
+    """Every answer, errors included, carries ``X-Request-Id``: the client's (if sane) or a new one.
+
+    The id is in ``request.state.request_id`` for handlers and in the log context for every line logged while
+    the request is served. An id that is too long or has odd characters is replaced, so logs cannot be forged.
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        presented = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"x-request-id"), "")
+        request_id = presented if _REQUEST_ID_OK.fullmatch(presented) else uuid.uuid4().hex
+        scope.setdefault("state", {})["request_id"] = request_id
+        token = request_id_var.set(request_id)
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != b"x-request-id"]
+                headers.append((b"x-request-id", request_id.encode()))
+                message = {**message, "headers": headers}
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_id)
+        finally:
+            request_id_var.reset(token)
 
 
 async def cancel_on_disconnect(request: Request, work: Callable[[], Awaitable[T]]) -> T:

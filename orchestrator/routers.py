@@ -12,6 +12,7 @@ from __future__ import annotations
 import bisect
 import hashlib
 import itertools
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -90,7 +91,7 @@ class PrefixAffinityRouter:
         hashes, owners = self._ring(candidates)
         total = sum(w.inflight for w in candidates)
         # Bounded load: no worker takes more than load_factor x the mean (counting this request).
-        limit = max(1.0, self.load_factor * (total + 1) / len(candidates))
+        limit = max(1, math.ceil(self.load_factor * (total + 1) / len(candidates)))
         start = bisect.bisect(hashes, self._hash(key.prompt_prefix[: self.prefix_chars]))
         for step in range(len(owners)):
             worker = owners[(start + step) % len(owners)]

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
@@ -22,15 +21,16 @@ from frontend.errors import (
     UpstreamUnavailableError,
 )
 from frontend.http import (
+    REQUEST_ID_HEADER,
     ClientDisconnected,
     JSONBytesResponse,
     cancel_on_disconnect,
     install_error_handlers,
+    install_request_ids,
     json_response,
     parse_json_object,
     read_body,
 )
-from frontend.logging_setup import request_id_var
 from frontend.metrics import METRICS_CONTENT_TYPE, Metrics
 from frontend.openai_models import ChatCompletionRequest, CompletionRequest, ResponsesRequest
 from frontend.openai_output import Endpoint
@@ -43,7 +43,6 @@ from orchestrator.routers import make_router
 from orchestrator.upstream import WorkerTimeouts
 
 ROLE = "orchestrator"
-REQUEST_ID_HEADER = "X-Request-Id"
 logger = logging.getLogger("disagg_serve.orchestrator")
 
 
@@ -96,6 +95,7 @@ def create_orchestrator_app(
     app.state.metrics = metrics
     app.state.pools = pools
     install_error_handlers(app)
+    install_request_ids(app)
     install_body_schemas(app, [ChatCompletionRequest, CompletionRequest, ResponsesRequest])
 
     def release(flow_request: FlowRequest, status: int) -> None:
@@ -113,8 +113,7 @@ def create_orchestrator_app(
     async def handle(request: Request, endpoint: Endpoint) -> Response:
         require_bearer(request, api_key)
         started = time.perf_counter()
-        request_id = request.headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex
-        request_id_var.set(request_id)
+        request_id: str = request.state.request_id  # the client's, or a new one (frontend.http)
         if inflight["count"] >= config.max_concurrent_requests:
             metrics.requests.labels(role=ROLE, endpoint=endpoint, status="429").inc()
             raise OverloadedError(f"the orchestrator is at its limit of {config.max_concurrent_requests} requests")
@@ -131,12 +130,12 @@ def create_orchestrator_app(
             if isinstance(answer, StreamedAnswer):
                 status, streaming = 200, True
                 frames = _finally(answer.frames, lambda: release(flow_request, 200))
-                return StreamingResponse(frames, media_type=SSE_MEDIA_TYPE, headers={**SSE_HEADERS, **headers})
+                return StreamingResponse(frames, media_type=SSE_MEDIA_TYPE, headers=SSE_HEADERS)
             status = answer.status_code
-            return JSONBytesResponse(answer.content, status_code=answer.status_code, headers=headers)
+            return JSONBytesResponse(answer.content, status_code=answer.status_code)
         except RelayedError as exc:
             status = exc.reply.status_code
-            return JSONBytesResponse(exc.reply.content, status_code=status, headers=headers)
+            return JSONBytesResponse(exc.reply.content, status_code=status)
         except ServingError as exc:
             status = exc.status_code
             raise

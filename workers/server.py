@@ -16,11 +16,11 @@ from frontend.http import (
     ClientDisconnected,
     cancel_on_disconnect,
     install_error_handlers,
+    install_request_ids,
     json_response,
     parse_json_object,
     read_body,
 )
-from frontend.logging_setup import request_id_var
 from frontend.metrics import METRICS_CONTENT_TYPE, Metrics
 from frontend.openai_models import (
     ChatCompletionRequest,
@@ -64,10 +64,10 @@ def create_worker_app(
     app.state.service = service
     app.state.metrics = metrics
     install_error_handlers(app)
+    install_request_ids(app)
     install_body_schemas(app, [ChatCompletionRequest, CompletionRequest, ResponsesRequest])
 
     async def serve(request: Request, wire_model: type[GenerationWireRequest], endpoint: str) -> Response:
-        request_id_var.set(request.headers.get("x-request-id"))
         status = 500
         try:
             service.admit()
