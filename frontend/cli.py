@@ -159,7 +159,7 @@ def engine_arguments(args: argparse.Namespace) -> list[str]:
 
 def _serve(app: Any, host: str, port: int, log_level: str, reuse_port: bool = False) -> None:
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, loop="uvloop", http="httptools",
-                            timeout_graceful_shutdown=30, access_log=False, log_config=None)
+                            timeout_graceful_shutdown=30, timeout_keep_alive=75, access_log=False, log_config=None)
     server = uvicorn.Server(config)
     if reuse_port:
         from frontend.front_ends import reuse_port_socket

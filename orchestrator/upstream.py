@@ -46,7 +46,9 @@ class WorkerClient:
         self._client = httpx.AsyncClient(
             base_url=url,
             timeout=httpx.Timeout(timeouts.request_s, connect=timeouts.connect_s),
-            limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256),
+            # Idle connections are dropped well before a worker's own keep-alive timeout (75 s), so the
+            # orchestrator is the side that closes them, not a race it loses.
+            limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256, keepalive_expiry=30.0),
         )
 
     @property
@@ -72,21 +74,34 @@ class WorkerClient:
         self._successes = 0
 
     async def post(self, path: str, body: bytes, headers: dict[str, str] | None = None) -> UpstreamReply:
-        try:
-            response = await self._client.post(path, content=body, headers=self._headers(headers))
-        except httpx.HTTPError as exc:
-            raise translate_http_error(exc, self.url) from exc
-        return UpstreamReply(response.status_code, response.content)
+        for attempt in range(2):
+            try:
+                response = await self._client.post(path, content=body, headers=self._headers(headers))
+                return UpstreamReply(response.status_code, response.content)
+            except _STALE_CONNECTION as exc:
+                if attempt:
+                    raise translate_http_error(exc, self.url) from exc
+                # The worker closed a pooled keep-alive connection just as it was reused: once more.
+            except httpx.HTTPError as exc:
+                raise translate_http_error(exc, self.url) from exc
+        raise AssertionError("unreachable")
 
     @asynccontextmanager
     async def stream(
         self, path: str, body: bytes, headers: dict[str, str] | None = None
     ) -> AsyncIterator[httpx.Response]:
-        request = self._client.build_request("POST", path, content=body, headers=self._headers(headers))
-        try:
-            response = await self._client.send(request, stream=True)
-        except httpx.HTTPError as exc:
-            raise translate_http_error(exc, self.url) from exc
+        response = None
+        for attempt in range(2):
+            request = self._client.build_request("POST", path, content=body, headers=self._headers(headers))
+            try:
+                response = await self._client.send(request, stream=True)
+                break
+            except _STALE_CONNECTION as exc:
+                if attempt:
+                    raise translate_http_error(exc, self.url) from exc
+            except httpx.HTTPError as exc:
+                raise translate_http_error(exc, self.url) from exc
+        assert response is not None
         try:
             yield response
         finally:
@@ -110,9 +125,15 @@ class WorkerClient:
         return f"WorkerClient({self.url!r}, healthy={self.healthy})"
 
 
+# Errors of a connection that went away under a request; on a reused keep-alive connection, usually a race
+# with the worker's idle timeout, so worth one more try before anyone calls the worker broken.
+_STALE_CONNECTION = (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
+
+
 def translate_http_error(exc: httpx.HTTPError, url: str) -> UpstreamError:
     if isinstance(exc, httpx.TimeoutException):
         return UpstreamTimeoutError(f"worker {url} timed out ({type(exc).__name__})")
-    if isinstance(exc, httpx.ConnectError | httpx.RemoteProtocolError | httpx.ReadError | httpx.WriteError):
+    if isinstance(exc, httpx.ConnectError):
+        # Only a refused connection says the worker is gone (the pool takes it out until a health check passes).
         return UpstreamUnavailableError(f"worker {url} is unreachable ({type(exc).__name__})")
     return UpstreamError(f"worker {url} failed: {type(exc).__name__}: {exc}")

@@ -63,17 +63,24 @@ class StopStringMatcher:
 async def stream_text(engine: Engine, request: GenerationRequest) -> AsyncGenerator[TextStep, None]:
     detokenizer = engine.tokenizer.detokenizer()
     matcher = StopStringMatcher(request.sampling.stop)
-    if request.handoff is not None and request.handoff.first_gen_tokens:
-        # GEN: the first token(s) were chosen by CTX; they open this response's text.
-        first = request.handoff.first_gen_tokens
-        logprobs = request.handoff.first_gen_logprobs
-        text, stopped = matcher.push(detokenizer.add(first))
-        if stopped:
-            yield TextStep(text, first, logprobs, finish_reason="stop")
-            return
-        yield TextStep(text, first, logprobs)
     outputs = engine.generate(request)
     try:
+        if request.handoff is not None and request.handoff.first_gen_tokens:
+            # GEN: the engine's first output confirms it accepted the hand-off, so a bad one fails the request
+            # before any byte is sent (a 400 the orchestrator can act on, not an error in the middle of a 200).
+            accepted = await anext(outputs)
+            # The first token(s) were chosen by CTX; they open this response's text.
+            first = request.handoff.first_gen_tokens
+            text, stopped = matcher.push(detokenizer.add(first))
+            yield TextStep(text, first, request.handoff.first_gen_logprobs, "stop" if stopped else None,
+                           prompt_logprobs=accepted.prompt_logprobs, prompt_token_ids=accepted.prompt_token_ids)
+            if stopped:
+                return
+            if accepted.token_ids or accepted.finish_reason is not None:
+                step, stopped = _to_text_step(accepted, detokenizer.add(accepted.token_ids), matcher)
+                yield step
+                if step.finish_reason is not None:
+                    return
         async for output in outputs:
             step, stopped = _to_text_step(output, detokenizer.add(output.token_ids), matcher)
             if stopped and output.handoff_state is not None:
@@ -81,7 +88,7 @@ async def stream_text(engine: Engine, request: GenerationRequest) -> AsyncGenera
                 await engine.abort(request.request_id)
                 step = dataclasses.replace(step, finish_reason="stop", handoff_state=None)
             yield step
-            if step.finish_reason is not None or stopped:
+            if step.finish_reason is not None:
                 return
     finally:
         await outputs.aclose()

@@ -47,6 +47,8 @@ class EngineOutput:
 
     A CONTEXT_ONLY request yields exactly one output: the first token, with ``handoff_state`` (the opaque bytes
     GEN needs to continue) unless the request already finished, in which case the engine has freed its KV.
+    A GENERATION_ONLY request's first output confirms that the hand-off was accepted (it may hold no tokens);
+    a hand-off the engine cannot use raises before it.
     """
 
     token_ids: tuple[int, ...]

@@ -64,6 +64,7 @@ class SyntheticEngine(Engine):
         if request.phase is Phase.GENERATION_ONLY:
             assert request.handoff is not None
             position = self._check_handoff(request)
+            yield EngineOutput(())  # the hand-off is accepted
         else:
             if self.config.time_to_first_token_s:
                 await asyncio.sleep(self.config.time_to_first_token_s)

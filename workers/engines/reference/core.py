@@ -107,9 +107,17 @@ class Core:
         try:
             while True:
                 header, payload = read_frame_blocking(channel.sock)
+                if not isinstance(header, dict):
+                    raise ChannelClosed("a frame header must be a JSON object")
                 self.inbox.put((channel.id, header, payload))
-        except (ChannelClosed, OSError):
+        except (ChannelClosed, OSError, ValueError) as exc:
+            # A closed socket, or a peer that breaks the framing (not JSON, not an object): either way this
+            # channel is done, and only this one. orjson's decode error is a ValueError.
+            if not isinstance(exc, ChannelClosed | ConnectionError):
+                logger.warning("closing engine channel %d: %s", channel.id, exc)
             channel.open = False
+            with contextlib.suppress(OSError):
+                channel.sock.shutdown(socket.SHUT_RDWR)
             self.inbox.put((channel.id, {"op": "closed"}, b""))
 
     def emit(self, header: Header, payload: bytes | memoryview = b"") -> None:
@@ -204,6 +212,13 @@ class Core:
                 return not self.stopping.is_set()
 
     def _handle(self, scheduler: Scheduler, channel_id: int, header: Header, payload: bytes) -> bool:
+        try:
+            return self._dispatch(scheduler, channel_id, header, payload)
+        except (KeyError, TypeError, ValueError) as exc:  # a malformed frame must not take the shared core down
+            logger.warning("ignoring a malformed %r frame on channel %d: %s", header.get("op"), channel_id, exc)
+            return True
+
+    def _dispatch(self, scheduler: Scheduler, channel_id: int, header: Header, payload: bytes) -> bool:
         op = header.get("op")
         channel = self.channels.get(channel_id)
         if op == "submit":

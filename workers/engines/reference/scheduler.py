@@ -170,12 +170,12 @@ class Scheduler:
         report_prompt_logprobs = seq.handoff_prompt_logprobs is not None and spec.prompt_logprobs is not None
         # Echo on a placeholder: the front end needs the real prompt, which came with the KV.
         report_prompt = spec.placeholder and spec.echo and prompt is not spec.prompt
-        if report_prompt_logprobs or report_prompt:
-            opening: dict[str, Any] = {"op": "output", "id": spec.request_id, "tokens": [], "logprobs": None,
-                                       "finish": None, "prompt_tokens": report_prompt}
-            if report_prompt_logprobs:
-                opening["prompt_logprobs"] = seq.handoff_prompt_logprobs
-            self.emit(opening, prompt.data if report_prompt else b"")
+        # Always answered: the front end holds the first token back until the hand-off is accepted.
+        opening: dict[str, Any] = {"op": "output", "id": spec.request_id, "tokens": [], "logprobs": None,
+                                   "finish": None, "prompt_tokens": report_prompt}
+        if report_prompt_logprobs:
+            opening["prompt_logprobs"] = seq.handoff_prompt_logprobs
+        self.emit(opening, prompt.data if report_prompt else b"")
         finish = self._finish_reason(seq, seq.last_token)
         if finish is not None:
             self.emit({"op": "output", "id": spec.request_id, "tokens": [], "logprobs": None, "finish": finish})

@@ -1,0 +1,250 @@
+"""Several HTTP front-end processes on one port (``--api-workers 2``), as real ``disagg-serve`` subprocesses.
+
+Each request goes over a fresh TCP connection so that the kernel's SO_REUSEPORT spreads them over the front ends.
+Which process served what is read from the Prometheus multiprocess files each front end writes (one file per PID),
+and ``/metrics`` must report the sum over all of them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+from prometheus_client.mmap_dict import MmapedDict
+from prometheus_client.parser import text_string_to_metric_families
+
+from frontend.launcher import die_with_parent, free_port
+from workers.engines.reference.tiny_model import write_tiny_model
+
+CORE_MODULE = "workers.engines.reference.core"
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+@dataclass
+class Server:
+    name: str
+    url: str
+    process: subprocess.Popen[bytes]
+    log_path: Path
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def log_tail(self) -> str:
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-30:])
+
+
+@contextlib.contextmanager
+def processes(log_dir: Path) -> Iterator[Callable[[str, list[str], int], Server]]:
+    """Start ``disagg-serve`` subprocesses on loopback; every one is stopped (SIGTERM, then SIGKILL) at the end."""
+    started: list[Server] = []
+
+    def spawn(name: str, args: list[str], port: int) -> Server:
+        log_path = log_dir / f"{name}.log"
+        with open(log_path, "wb") as log:
+            process = subprocess.Popen([sys.executable, "-m", "frontend.cli", "--log-level", "warning", *args],
+                                       stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                       cwd=REPO_ROOT, preexec_fn=die_with_parent)
+        server = Server(name, f"http://127.0.0.1:{port}", process, log_path)
+        started.append(server)
+        return server
+
+    try:
+        yield spawn
+    finally:
+        for server in reversed(started):
+            if server.process.poll() is None:
+                server.process.send_signal(signal.SIGTERM)
+        for server in reversed(started):
+            try:
+                server.process.wait(timeout=40)
+            except subprocess.TimeoutExpired:
+                server.process.kill()
+                server.process.wait(timeout=10)
+
+
+def descendants(pid: int) -> list[int]:
+    """``pid`` and every live process below it."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                raw = Path(f"/proc/{entry}/stat").read_bytes()
+                children.setdefault(int(raw.rsplit(b")", 1)[1].split()[1]), []).append(int(entry))
+            except (OSError, ValueError, IndexError):
+                continue
+    found, stack = [], [pid]
+    while stack:
+        current = stack.pop()
+        found.append(current)
+        stack.extend(children.get(current, ()))
+    return found
+
+
+def worker_args(role: str, engine: str, port: int, *extra: str) -> list[str]:
+    return ["worker", "--role", role, "--engine", engine, "--host", "127.0.0.1", "--port", str(port), *extra]
+
+
+def wait_healthy(servers: list[Server], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    for server in servers:
+        while True:
+            assert server.process.poll() is None, server.log_tail()
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(server.url + "/health", timeout=2).status_code == 200:
+                    break
+            assert time.monotonic() < deadline, f"{server.name} not healthy:\n{server.log_tail()}"
+            time.sleep(0.1)
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_bytes().rsplit(b")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != b"Z"
+
+
+def _front_ends(supervisor: int) -> list[int]:
+    return [pid for pid in descendants(supervisor)[1:] if "--reuse-port" in _cmdline(pid)]
+
+
+def _multiproc_dir(pid: int) -> Path:
+    environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    for entry in environ:
+        if entry.startswith(b"PROMETHEUS_MULTIPROC_DIR="):
+            return Path(entry.split(b"=", 1)[1].decode())
+    raise AssertionError(f"process {pid} has no PROMETHEUS_MULTIPROC_DIR")
+
+
+def _served_by_pid(metrics_dir: Path, role: str) -> Counter[int]:
+    """Requests answered 200, per front-end PID, from each process's own counter file."""
+    served: Counter[int] = Counter()
+    for path in glob.glob(str(metrics_dir / "counter_*.db")):
+        pid = int(Path(path).stem.split("_")[-1])
+        for key, value, _timestamp, _pos in MmapedDict.read_all_values_from_file(path):  # type: ignore[no-untyped-call]
+            _metric, name, labels, _help = json.loads(key)
+            if name == "disagg_requests_total" and labels.get("role") == role and labels.get("status") == "200":
+                served[pid] += int(value)
+    return served
+
+
+def _merged_requests(url: str, role: str) -> float:
+    text = httpx.get(url + "/metrics", timeout=10).text
+    return sum(s.value for family in text_string_to_metric_families(text) for s in family.samples
+               if s.name == "disagg_requests_total" and s.labels.get("role") == role
+               and s.labels.get("status") == "200")
+
+
+def _wait_for_front_ends(server: Server, count: int, timeout_s: float = 60.0) -> list[int]:
+    """Both front ends up: each answers /health over fresh connections (the kernel picks which one)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        pids = _front_ends(server.pid)
+        if len(pids) == count:
+            answers = []
+            for _ in range(12):
+                try:
+                    with httpx.Client(timeout=5) as fresh:
+                        answers.append(fresh.get(server.url + "/health").status_code)
+                except httpx.HTTPError:
+                    answers.append(0)
+            if answers == [200] * 12:
+                return pids
+        assert server.process.poll() is None, server.log_tail()
+        time.sleep(0.2)
+    raise AssertionError(f"{server.name}: {count} front ends not ready:\n{server.log_tail()}")
+
+
+def _stop_with_sigterm(server: Server, family: list[int]) -> None:
+    server.process.send_signal(signal.SIGTERM)
+    assert server.process.wait(timeout=60) == 0, server.log_tail()
+    deadline = time.monotonic() + 10
+    while any(_alive(pid) for pid in family) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert [pid for pid in family if _alive(pid)] == []
+
+
+def test_an_orchestrator_with_two_front_ends_counts_every_request_once(tmp_path: Path) -> None:
+    ctx_port, gen_port, port = free_port(), free_port(), free_port()
+    with processes(tmp_path) as spawn:
+        ctx = spawn("ctx", worker_args("context", "synthetic", ctx_port), ctx_port)
+        gen = spawn("gen", worker_args("generation", "synthetic", gen_port), gen_port)
+        config = tmp_path / "orchestrator.yaml"
+        config.write_text(yaml.safe_dump({
+            "hostname": "127.0.0.1", "port": port, "health_check_interval_s": 0.5,
+            "context_servers": {"urls": [ctx.url]}, "generation_servers": {"urls": [gen.url]},
+        }))
+        orch = spawn("orchestrator", ["orchestrator", "--config", str(config), "--api-workers", "2"], port)
+        wait_healthy([ctx, gen], 60)
+        front_ends = _wait_for_front_ends(orch, 2)
+        metrics_dir = _multiproc_dir(front_ends[0])
+        body = {"model": "synthetic", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+        for _ in range(40):
+            with httpx.Client(timeout=30) as fresh:  # a new connection each time: the kernel spreads them
+                reply = fresh.post(orch.url + "/v1/chat/completions", json=body)
+            assert reply.status_code == 200, reply.text
+            assert reply.json()["choices"][0]["message"]["content"] == "The"
+        assert _merged_requests(orch.url, "orchestrator") == 40  # any front end answers with the sum
+        served = _served_by_pid(metrics_dir, "orchestrator")
+        assert sum(served.values()) == 40
+        assert set(served) == set(front_ends), served  # both front ends served some
+        assert all(_alive(pid) for pid in front_ends)
+        family = descendants(orch.pid)
+        _stop_with_sigterm(orch, family)
+        assert not metrics_dir.exists()  # the supervisor cleaned up after itself
+
+
+def test_a_reference_worker_with_two_front_ends_shares_one_engine_core(tmp_path: Path) -> None:
+    model = write_tiny_model(tmp_path / "tiny.gguf", seed=0)
+    port = free_port()
+    with processes(tmp_path) as spawn:
+        worker = spawn("worker", worker_args(
+            "both", "reference", port, "--api-workers", "2", "--model", str(model), "--blas-threads", "1"), port)
+        front_ends = _wait_for_front_ends(worker, 2, timeout_s=120)
+        family = descendants(worker.pid)
+        cores = [pid for pid in family if CORE_MODULE in _cmdline(pid)]
+        assert len(cores) == 1, [_cmdline(pid) for pid in family]
+        metrics_dir = _multiproc_dir(front_ends[0])
+        body = {"model": "tiny", "prompt": "Hello world", "max_tokens": 4, "temperature": 0}
+        texts = set()
+        for _ in range(16):
+            with httpx.Client(timeout=60) as fresh:
+                reply = fresh.post(worker.url + "/v1/completions", json=body)
+            assert reply.status_code == 200, reply.text
+            texts.add(reply.json()["choices"][0]["text"])
+        assert len(texts) == 1  # one engine, one greedy answer, whichever front end took the request
+        served = _served_by_pid(metrics_dir, "both")
+        assert sum(served.values()) == 16
+        assert set(served) == set(front_ends), served
+        assert [pid for pid in descendants(worker.pid) if CORE_MODULE in _cmdline(pid)] == cores  # still one
+        _stop_with_sigterm(worker, family)
+
+
+@pytest.fixture(autouse=True)
+def _no_stray_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A developer's DISAGG_* variables must not change what these subprocesses do.
+    for name in list(os.environ):
+        if name.startswith("DISAGG_") or name == "PROMETHEUS_MULTIPROC_DIR":
+            monkeypatch.delenv(name)

@@ -1,0 +1,163 @@
+"""A client that goes away frees everything it held, on the reference engine (real engine core processes).
+
+The tiny model is given a long context and a small prefill chunk so that a long prompt keeps CTX busy for a while,
+and ``ignore_eos`` with a large ``max_tokens`` keeps GEN decoding; the test waits until the engine core really
+holds the request (asked over its channel) and only then drops the client's TCP connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+
+from frontend.config import parse_config
+from frontend.metrics import Metrics
+from orchestrator.server import create_orchestrator_app
+from tests.cluster import sample
+from tests.servers import ServerThread
+from workers.engines.reference.engine import ReferenceEngine, ReferenceOptions
+from workers.engines.reference.tiny_model import write_tiny_model
+from workers.server import create_worker_app
+from workers.serving import Role, WorkerSettings
+
+CONTEXT = 8192
+LONG_PROMPT = 7000  # tokens of CTX prefill, in chunks of 16
+
+
+@dataclass
+class Worker:
+    engine: ReferenceEngine
+    server: ServerThread
+    url: str
+    role: Role
+    metrics: Metrics
+
+    def core(self) -> dict[str, int]:
+        """The engine core's own counters, asked on the server's event loop."""
+        assert self.server.loop is not None
+        future = asyncio.run_coroutine_threadsafe(self.engine.core_stats(), self.server.loop)
+        return future.result(timeout=15)
+
+    def gauge(self, name: str, **labels: str) -> float:
+        return sample(self.metrics, name, **labels)
+
+    def kv_entries(self) -> float:
+        text = httpx.get(self.url + "/metrics", timeout=10).text
+        line = next(line for line in text.splitlines() if line.startswith("disagg_kv_store_entries "))
+        return float(line.split()[1])
+
+    def inflight(self) -> float:
+        return self.gauge("disagg_engine_inflight_requests", role=self.role)
+
+
+@dataclass
+class Cluster:
+    ctx: Worker
+    gen: Worker
+    url: str  # the orchestrator
+    model: str
+
+
+def _wait(condition: Any, timeout_s: float = 30.0, every_s: float = 0.01) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(every_s)
+    return True
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    model = write_tiny_model(tmp_path_factory.mktemp("long") / "tiny-long.gguf", seed=0, context_length=CONTEXT)
+    options = ReferenceOptions(model_path=str(model), served_model_name="tiny", blas_threads=1, prefill_chunk=16)
+    servers: list[ServerThread] = []
+    try:
+        workers = []
+        for role in ("context", "generation"):
+            engine, metrics = ReferenceEngine(options), Metrics()
+            server = ServerThread(create_worker_app(engine, WorkerSettings(role=role), metrics))
+            servers.append(server)
+            workers.append(Worker(engine, server, server.start(timeout_s=120), role, metrics))
+        config = parse_config({"context_servers": {"urls": [workers[0].url]},
+                               "generation_servers": {"urls": [workers[1].url]}})
+        orchestrator = ServerThread(create_orchestrator_app(config))
+        servers.append(orchestrator)
+        yield Cluster(workers[0], workers[1], orchestrator.start(), "tiny")
+    finally:
+        for server in reversed(servers):
+            server.stop()
+
+
+def _raw_post(url: str, path: str, body: dict[str, Any]) -> socket.socket:
+    """Send one HTTP request over a plain TCP socket and leave it open (the test decides when the client goes)."""
+    host, port = url.removeprefix("http://").split(":")
+    sock = socket.create_connection((host, int(port)), timeout=30)
+    payload = orjson.dumps(body)
+    sock.sendall(f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                 f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
+    return sock
+
+
+def _idle(cluster: Cluster) -> bool:
+    return (cluster.ctx.core()["active"] == 0 and cluster.gen.core()["active"] == 0
+            and cluster.ctx.inflight() == 0 and cluster.gen.inflight() == 0 and cluster.ctx.kv_entries() == 0)
+
+
+def test_a_client_leaving_while_ctx_prefills_frees_ctx(cluster: Cluster) -> None:
+    assert _idle(cluster)
+    body = {"model": cluster.model, "prompt": [7] * LONG_PROMPT, "max_tokens": 4, "temperature": 0}
+    sock = _raw_post(cluster.url, "/v1/completions", body)
+    try:
+        assert _wait(lambda: cluster.ctx.core()["active"] == 1), "CTX never started the prefill"
+        assert cluster.ctx.inflight() == 1
+        assert cluster.gen.inflight() == 0  # still in the CTX step
+    finally:
+        sock.close()  # the client goes away mid-prefill
+    assert _wait(lambda: cluster.ctx.core()["active"] == 0 and cluster.ctx.inflight() == 0, every_s=0.05)
+    # Aborted, not finished: a finished prefill would have parked its KV for a GEN that will never come.
+    assert cluster.ctx.kv_entries() == 0
+    assert _wait(lambda: cluster.ctx.gauge("disagg_requests_total", role="context", endpoint="completions",
+                                           status="499") == 1)
+    assert cluster.gen.core()["active"] == 0
+    _serves_normally(cluster)
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+def test_a_client_leaving_while_gen_streams_frees_gen_and_the_handoff(cluster: Cluster, path: str) -> None:
+    assert _idle(cluster)
+    body: dict[str, Any] = {"model": cluster.model, "max_tokens": CONTEXT - 200, "ignore_eos": True,
+                            "temperature": 0, "stream": True}
+    body.update({"messages": [{"role": "user", "content": "Tell me a long story."}]} if "chat" in path
+                else {"prompt": "Once upon a time"})
+    with httpx.Client(timeout=30) as http, http.stream("POST", cluster.url + path, json=body) as response:
+        assert response.status_code == 200
+        chunks = response.iter_raw()
+        for _ in range(3):
+            next(chunks)
+        assert cluster.gen.core()["active"] == 1
+        assert cluster.gen.inflight() == 1
+        assert cluster.ctx.kv_entries() == 0  # GEN took the hand-off already
+    # The client closed the connection after three chunks of thousands.
+    assert _wait(lambda: cluster.gen.core()["active"] == 0 and cluster.gen.inflight() == 0, every_s=0.05)
+    assert cluster.ctx.core()["active"] == 0
+    assert cluster.ctx.kv_entries() == 0
+    _serves_normally(cluster)
+
+
+def _serves_normally(cluster: Cluster) -> None:
+    reply = httpx.post(cluster.url + "/v1/completions",
+                       json={"model": cluster.model, "prompt": "Hello", "max_tokens": 3, "temperature": 0},
+                       timeout=60)
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["usage"]["completion_tokens"] >= 1
+    assert _wait(lambda: _idle(cluster), every_s=0.05)
+
