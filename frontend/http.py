@@ -18,6 +18,7 @@ import orjson
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
+from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -51,11 +52,14 @@ async def read_body(request: Request, max_bytes: int) -> bytes:
         raise PayloadTooLargeError(f"request body of {declared} bytes exceeds the limit of {max_bytes} bytes")
     chunks: list[bytes] = []
     size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > max_bytes:
-            raise PayloadTooLargeError(f"request body exceeds the limit of {max_bytes} bytes")
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > max_bytes:
+                raise PayloadTooLargeError(f"request body exceeds the limit of {max_bytes} bytes")
+            chunks.append(chunk)
+    except ClientDisconnect as exc:  # gone before the body was read: nothing to answer, nothing to log
+        raise ClientDisconnected() from exc
     return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 

@@ -70,6 +70,10 @@ class Metrics:
         self.retries = Counter(
             "disagg_upstream_retries", "Orchestrator retries, by step and reason", ["step", "reason"], registry=r
         )
+        self.event_loop_lag = Histogram(
+            "disagg_event_loop_lag_seconds", "How late a 50 ms timer fires on this process's event loop",
+            buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0), registry=r,
+        )
         self.kv_store_entries = Gauge("disagg_kv_store_entries", "KV hand-offs held for GEN", registry=r,
                                       multiprocess_mode="max")
         self.kv_store_bytes = Gauge("disagg_kv_store_bytes", "Bytes of KV hand-offs held for GEN", registry=r,

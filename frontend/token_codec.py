@@ -107,10 +107,10 @@ def validate_token_array(
 
 def _check_range(tokens: npt.NDArray[np.integer], vocab_size: int, field: str) -> None:
     # One pass: viewed as unsigned, a negative id becomes huge, so a single comparison finds both ends.
+    # ``max()`` is a reduction: no per-token temporary, so validation allocates nothing that grows with the prompt.
     unsigned: npt.NDArray[np.unsignedinteger] = tokens.view(np.uint32 if tokens.dtype.itemsize == 4 else np.uint64)
-    out_of_range = unsigned >= vocab_size
-    if out_of_range.any():
-        index = int(np.flatnonzero(out_of_range)[0])
+    if unsigned.size and int(unsigned.max()) >= vocab_size:
+        index = int(np.flatnonzero(unsigned >= vocab_size)[0])  # only on the error path
         raise TokenCodecError(
             f"'{field}'[{index}] = {int(tokens[index])} is outside the vocabulary [0, {vocab_size})", param=field
         )

@@ -127,7 +127,7 @@ class DisaggFlow:
         ctx_body["disaggregated_params"] = {
             "request_type": "context_only",
             "disagg_request_id": random.getrandbits(63),
-            "return_prompt_token_ids_b64": self.config.gen_tokids_ctxbytes or self.config.gen_tokids_metadata_only,
+            "return_prompt_token_ids_b64": self._wants_prompt_tokens(request),
         }
         started = time.perf_counter()
         reply, worker = await self._post_with_retries(self.ctx_pool, "ctx", request, orjson.dumps(ctx_body))
@@ -142,6 +142,15 @@ class DisaggFlow:
         except (orjson.JSONDecodeError, KeyError, IndexError, TypeError) as exc:
             raise UpstreamError("the CTX step failed: its answer has no disaggregated_params") from exc
         return ContextResult(response, params, finished=params.get("encoded_opaque_state") is None)
+
+    def _wants_prompt_tokens(self, request: FlowRequest) -> bool:
+        """Ask CTX for the b64 prompt only if GEN may need it: in metadata-only mode, only if some healthy GEN
+        worker would make this request fall back (a 131k-token prompt is ~700 KB that would be parsed and
+        dropped)."""
+        if not self.config.gen_tokids_metadata_only:
+            return self.config.gen_tokids_ctxbytes
+        return any(metadata_only_decision(request.body, 1, w.engine_facts) is not None
+                   for w in self.gen_pool.workers if w.healthy) or not self.gen_pool.has_healthy
 
     def answer_from_context(self, request: FlowRequest, ctx: ContextResult) -> Answer:
         """CTX finished the request by itself (EOS, a stop string, or max_tokens at the first token)."""

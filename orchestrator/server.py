@@ -31,6 +31,7 @@ from frontend.http import (
     parse_json_object,
     read_body,
 )
+from frontend.loop_monitor import LoopLagMonitor
 from frontend.metrics import METRICS_CONTENT_TYPE, Metrics
 from frontend.openai_models import ChatCompletionRequest, CompletionRequest, ResponsesRequest
 from frontend.openai_output import Endpoint
@@ -73,6 +74,7 @@ def create_orchestrator_app(
                    for pool, group in ((ctx_pool, config.context_servers), (gen_pool, config.generation_servers))
                    if group.discovery is not None]
     inflight = {"count": 0}
+    lag_monitor = LoopLagMonitor(metrics.event_loop_lag)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -81,9 +83,11 @@ def create_orchestrator_app(
             discovery.start()
         await monitor.check_now()
         monitor.start()
+        lag_monitor.start()
         try:
             yield
         finally:
+            await lag_monitor.stop()
             for discovery in discoveries:
                 await discovery.stop()
             await monitor.stop()

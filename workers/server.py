@@ -21,6 +21,7 @@ from frontend.http import (
     parse_json_object,
     read_body,
 )
+from frontend.loop_monitor import LoopLagMonitor
 from frontend.metrics import METRICS_CONTENT_TYPE, Metrics
 from frontend.openai_models import (
     ChatCompletionRequest,
@@ -44,11 +45,13 @@ def create_worker_app(
 ) -> FastAPI:
     metrics = metrics or Metrics()
     service = WorkerService(engine, settings, metrics)
+    lag_monitor = LoopLagMonitor(metrics.event_loop_lag)
     ready = {"engine": False}
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         await engine.start()
+        lag_monitor.start()
         ready["engine"] = True
         if registration is not None:
             registration.start()
@@ -58,6 +61,7 @@ def create_worker_app(
             ready["engine"] = False  # health turns 503 first, so balancers stop sending before we go
             if registration is not None:
                 await registration.leave()
+            await lag_monitor.stop()
             await engine.aclose()
 
     app = FastAPI(title=f"disagg-serve worker ({settings.role})", lifespan=lifespan)

@@ -33,9 +33,10 @@ def slow_worker_url() -> Iterator[str]:
         (httpx.ReadTimeout("t"), UpstreamTimeoutError),
         (httpx.PoolTimeout("t"), UpstreamTimeoutError),
         (httpx.ConnectError("c"), UpstreamUnavailableError),
-        (httpx.RemoteProtocolError("r"), UpstreamUnavailableError),
-        (httpx.ReadError("r"), UpstreamUnavailableError),
-        (httpx.WriteError("w"), UpstreamUnavailableError),
+        # A connection lost under a request is an upstream failure, but not proof the worker is gone.
+        (httpx.RemoteProtocolError("r"), UpstreamError),
+        (httpx.ReadError("r"), UpstreamError),
+        (httpx.WriteError("w"), UpstreamError),
         (httpx.DecodingError("d"), UpstreamError),
     ],
 )

@@ -64,6 +64,9 @@ class SyntheticEngine(Engine):
         if request.phase is Phase.GENERATION_ONLY:
             assert request.handoff is not None
             position = self._check_handoff(request)
+            if position >= sampling.max_tokens:  # CTX's token(s) already used the whole budget
+                yield EngineOutput((), finish_reason="length")
+                return
             yield EngineOutput(())  # the hand-off is accepted
         else:
             if self.config.time_to_first_token_s:

@@ -159,7 +159,8 @@ class Core:
             kv_url_base=f"http://{f'[{advertise}]' if ':' in advertise else advertise}:{transfer.port}",
             prefix_cache_bytes=self.args.prefix_cache_bytes,
         )
-        scheduler = Scheduler(model, config, store, self.emit)
+        scheduler = Scheduler(model, config, store, self.emit,
+                              wake=lambda: self.inbox.put((0, {"op": "wake"}, b"")))
         meta = loaded.tokenizer
         logger.info("model %s loaded in %.1f s, RSS %.0f MB; KV transfer on %s", loaded.path.name, load_s, rss_mb,
                     config.kv_url_base)
@@ -238,6 +239,8 @@ class Core:
                 channel.send({"op": "released", "ping": header.get("ping", 0), "released": released})
         elif op == "ping" and channel is not None:
             channel.send({"op": "pong", "ping": header.get("ping", 0), **scheduler.stats()})
+        elif op == "wake":
+            pass  # a KV fetch finished: the next step admits it
         elif op == "closed":
             self._drop_channel(scheduler, channel_id)
         elif op == "shutdown":

@@ -71,11 +71,13 @@ class SchedulerConfig:
 
 
 class Scheduler:
-    def __init__(self, model: Transformer, config: SchedulerConfig, store: KVStore, emit: Emit) -> None:
+    def __init__(self, model: Transformer, config: SchedulerConfig, store: KVStore, emit: Emit,
+                 wake: Callable[[], None] = lambda: None) -> None:
         self.model = model
         self.config = config
         self.store = store
         self.emit = emit
+        self.wake = wake  # called from a fetch thread when its KV arrives
         self.vocab_size = model.config.vocab_size
         self.context = model.config.context_length
         self._prefill_queue: collections.deque[Sequence] = collections.deque()
@@ -91,6 +93,7 @@ class Scheduler:
             future = self._fetcher.submit(fetch_handoff, spec.handoff_state, self.model.config,
                                           self.config.model_hash, int(spec.prompt.shape[0]))
             self._fetching[spec.request_id] = (spec, future)
+            future.add_done_callback(lambda _: self.wake())
             return
         seq = Sequence(spec, self.model.new_cache(int(spec.prompt.shape[0]) + 16))
         if self.prefix_cache is not None and spec.prompt_logprobs is None:
@@ -105,7 +108,8 @@ class Scheduler:
 
     @property
     def busy(self) -> bool:
-        return bool(self._prefill_queue or self._running or self._fetching)
+        """Compute to do now. KV fetches in flight are not: their threads wake the loop when they finish."""
+        return bool(self._prefill_queue or self._running or any(f.done() for _, f in self._fetching.values()))
 
     @property
     def active_requests(self) -> int:

@@ -1,0 +1,248 @@
+"""The load generator: its own process, an asyncio closed loop of ``concurrency`` clients over httpx.
+
+Run as ``python -m bench.loadgen --config CONFIG.json --out RESULT.json`` (bench.system_load does). Two modes:
+
+- ``orchestrator``: each client streams ``/v1/completions`` from the orchestrator;
+- ``direct``: each client does the orchestrator's work itself: CTX (context_only, stream false, asking for
+  ``prompt_token_ids_b64``), then GEN's stream with the body the orchestrator would send (CTX's hand-off with
+  request_type generation_only and the very b64 string relayed), so the difference is the orchestrator's hop.
+
+Phases, all bounded in time: warm-up (not recorded) until ``warmup_s`` have passed and every client finished about
+one request; the measurement window until ``measure_s`` have passed and ``min_requests`` finished; then a tail that
+keeps the same load on until every request started in the window has finished (so the last ones do not run on an
+emptying system), then everything is cancelled. The CPU time of the given server processes is read from /proc at
+both ends of the window.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import orjson
+
+from bench.bodies import client_completion_body
+from bench.common import cpu_seconds, finite, machine_busy_seconds, summarize, tree_cpu_seconds
+
+_JSON = {"Content-Type": "application/json"}
+_PATH = "/v1/completions"
+
+
+@dataclass
+class Record:
+    started: float
+    first: float | None = None
+    ended: float | None = None
+    ok: bool = False
+    error: str | None = None
+    in_window: bool = False
+
+
+@dataclass
+class State:
+    phase: str = "warmup"  # warmup -> measure -> tail -> stop
+    records: list[Record] = field(default_factory=list)
+    completed: int = 0
+    window_start: float = 0.0
+    window_end: float = 0.0
+
+
+class StreamError(Exception):
+    pass
+
+
+async def _consume_stream(response: httpx.Response, record: Record) -> None:
+    if response.status_code != 200:
+        body = await response.aread()
+        raise StreamError(f"status {response.status_code}: {body[:200]!r}")
+    tail = b""
+    async for chunk in response.aiter_raw():
+        if not chunk:
+            continue
+        if record.first is None:
+            record.first = time.perf_counter()
+        tail = (tail + chunk)[-64:]
+    if b"[DONE]" not in tail:
+        raise StreamError("the stream ended without [DONE]")
+
+
+async def via_orchestrator(client: httpx.AsyncClient, config: dict[str, Any], body: bytes, record: Record) -> None:
+    async with client.stream("POST", config["url"] + _PATH, content=body, headers=_JSON) as response:
+        await _consume_stream(response, record)
+
+
+async def direct(client: httpx.AsyncClient, config: dict[str, Any], body: dict[str, Any], record: Record) -> None:
+    ctx_body = dict(body)
+    ctx_body["stream"] = False
+    ctx_body.pop("stream_options", None)
+    ctx_body["disaggregated_params"] = {"request_type": "context_only",
+                                        "disagg_request_id": random.getrandbits(63),
+                                        "return_prompt_token_ids_b64": True}
+    reply = await client.post(config["ctx_url"] + _PATH, content=orjson.dumps(ctx_body), headers=_JSON)
+    if reply.status_code != 200:
+        raise StreamError(f"CTX status {reply.status_code}: {reply.content[:200]!r}")
+    answer = orjson.loads(reply.content)
+    params = dict(answer["choices"][0]["disaggregated_params"])
+    if params.get("encoded_opaque_state") is None:
+        raise StreamError("CTX finished the request by itself; use max_tokens > 1")
+    params["request_type"] = "generation_only"
+    gen_body = dict(body)
+    gen_body["disaggregated_params"] = params
+    gen_body["prompt_token_ids_b64"] = answer["prompt_token_ids_b64"]
+    async with client.stream("POST", config["gen_url"] + _PATH, content=orjson.dumps(gen_body),
+                             headers=_JSON) as response:
+        await _consume_stream(response, record)
+
+
+async def client_loop(client: httpx.AsyncClient, config: dict[str, Any], state: State, body: dict[str, Any],
+                      body_bytes: bytes) -> None:
+    while state.phase != "stop":
+        record = Record(time.perf_counter(), in_window=state.phase == "measure")
+        state.records.append(record)
+        try:
+            if config["mode"] == "direct":
+                await direct(client, config, body, record)
+            else:
+                await via_orchestrator(client, config, body_bytes, record)
+            record.ok = True
+        except (httpx.HTTPError, StreamError, KeyError, IndexError, orjson.JSONDecodeError) as exc:
+            record.error = f"{type(exc).__name__}: {exc}"[:300]
+            await asyncio.sleep(0.05)  # a failing system must not turn the loop into a busy spin
+        finally:
+            record.ended = time.perf_counter()
+            state.completed += 1
+
+
+def _cpu_snapshot(pids: dict[str, int]) -> dict[str, float]:
+    snapshot = {}
+    for name, pid in pids.items():
+        with contextlib.suppress(OSError, ValueError):
+            snapshot[name] = tree_cpu_seconds(pid)
+    with contextlib.suppress(OSError):
+        snapshot["loadgen"] = cpu_seconds(os.getpid())
+    with contextlib.suppress(OSError, ValueError):
+        snapshot["machine"] = machine_busy_seconds()
+    return snapshot
+
+
+async def controller(config: dict[str, Any], state: State) -> dict[str, Any]:
+    concurrency = config["concurrency"]
+    started = time.perf_counter()
+    hard_stop = started + config["max_total_s"]
+    cpu: dict[str, dict[str, float]] = {}
+    while True:  # warm-up
+        now = time.perf_counter()
+        if (now - started >= config["warmup_s"] and state.completed >= concurrency) or \
+                now - started >= config["max_warmup_s"] or now >= hard_stop:
+            break
+        await asyncio.sleep(0.01)
+    cpu["start"] = _cpu_snapshot(config.get("pids", {}))
+    state.window_start = time.perf_counter()
+    wall_start = time.time()
+    state.phase = "measure"
+    measured_done = 0
+    while True:
+        now = time.perf_counter()
+        measured_done = sum(1 for r in state.records if r.in_window and r.ended is not None)
+        if (now - state.window_start >= config["measure_s"] and measured_done >= config["min_requests"]) or \
+                now - state.window_start >= config["max_measure_s"] or now >= hard_stop:
+            break
+        await asyncio.sleep(0.01)
+    state.window_end = time.perf_counter()
+    wall_end = time.time()
+    cpu["end"] = _cpu_snapshot(config.get("pids", {}))
+    state.phase = "tail"
+    tail_deadline = min(time.perf_counter() + config["tail_s"], hard_stop)
+    while time.perf_counter() < tail_deadline:
+        if all(r.ended is not None for r in state.records if r.in_window):
+            break
+        await asyncio.sleep(0.01)
+    state.phase = "stop"
+    return {"cpu": cpu, "wall_start": wall_start, "wall_end": wall_end}
+
+
+async def run(config: dict[str, Any]) -> dict[str, Any]:
+    body = client_completion_body(config["prompt_chars"], config["max_tokens"], stream=True)
+    body_bytes = orjson.dumps(body)
+    concurrency = config["concurrency"]
+    limits = httpx.Limits(max_connections=2 * concurrency + 8, max_keepalive_connections=2 * concurrency + 8)
+    timeout = httpx.Timeout(config.get("request_timeout_s", 120.0), connect=10.0)
+    state = State()
+    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
+        clients = [asyncio.create_task(client_loop(client, config, state, body, body_bytes))
+                   for _ in range(concurrency)]
+        try:
+            window = await controller(config, state)
+        finally:
+            for task in clients:
+                task.cancel()
+            await asyncio.gather(*clients, return_exceptions=True)
+    return summarize_run(config, state, window)
+
+
+def summarize_run(config: dict[str, Any], state: State, window: dict[str, Any]) -> dict[str, Any]:
+    span = max(state.window_end - state.window_start, 1e-9)
+    measured = [r for r in state.records if r.in_window and r.ended is not None]
+    good = [r for r in measured if r.ok and r.first is not None]
+    finished_in_window = [r for r in state.records
+                          if r.ok and r.ended is not None and state.window_start <= r.ended <= state.window_end]
+    errors = [r.error for r in measured if not r.ok and r.error]
+    unfinished = sum(1 for r in state.records if r.in_window and (r.ended is None or (not r.ok and not r.error)))
+    completed = len(finished_in_window)
+    cpu = window["cpu"]
+    cpu_ms = {name: (cpu["end"][name] - cpu["start"][name]) * 1e3 / completed
+              for name in cpu["start"] if name in cpu["end"] and completed and name != "machine"}
+    cpu_util = {name: (cpu["end"][name] - cpu["start"][name]) / span
+                for name in cpu["start"] if name in cpu["end"]}
+    if "machine" in cpu_util:
+        # Cores busy with anything but this benchmark's processes (other users of the machine, the prober).
+        cpu_util["other"] = max(0.0, cpu_util["machine"] - sum(v for k, v in cpu_util.items() if k != "machine"))
+    return {
+        "mode": config["mode"],
+        "concurrency": config["concurrency"],
+        "prompt_tokens": config["prompt_chars"],
+        "max_tokens": config["max_tokens"],
+        "window_s": span,
+        "window_wall": [window["wall_start"], window["wall_end"]],
+        "requests_per_s": completed / span,
+        "completed_in_window": completed,
+        "measured_requests": len(measured),
+        "ok_requests": len(good),
+        "errors": len(errors),
+        "error_samples": sorted(set(errors))[:5],
+        "unfinished": unfinished,
+        "ttft_ms": summarize([(r.first - r.started) * 1e3 for r in good if r.first is not None]),
+        "latency_ms": summarize([(r.ended - r.started) * 1e3 for r in good if r.ended is not None]),
+        "cpu_ms_per_request": cpu_ms,
+        "cpu_utilisation": cpu_util,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser.add_argument("--config", required=True, help="JSON file with the run's settings")
+    parser.add_argument("--out", required=True, help="where to write the JSON result")
+    args = parser.parse_args(argv)
+    config = orjson.loads(Path(args.config).read_bytes())
+    try:
+        import uvloop
+
+        runner = uvloop.run
+    except ImportError:  # pragma: no cover - uvloop is a dependency of uvicorn[standard]
+        runner = asyncio.run
+    result = runner(run(config))
+    Path(args.out).write_bytes(orjson.dumps(finite(result)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,147 @@
+"""PNG plots of the benchmark results (matplotlib, Agg backend: no display needed)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import matplotlib.pyplot as plt
+
+from bench.common import fmt
+
+_COLOURS = {"list": "#d62728", "array": "#1f77b4", "floor": "#2ca02c", "metadata": "#9467bd"}
+
+
+def _save(figure: Any, path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return path
+
+
+def prompt_path_plot(result: dict[str, Any], path: Path, machine_note: str = "") -> Path:
+    """List vs array vs floor, ms per operation at each prompt size (log scale)."""
+    sizes = result["sizes"]
+    figure, axis = plt.subplots(figsize=(8, 4.8))
+    width = 0.26
+    for offset, name in enumerate(("list", "array", "floor")):
+        xs = [i + (offset - 1) * width for i in range(len(sizes))]
+        ys = [s["timing"][name]["ms"] for s in sizes]
+        bars = axis.bar(xs, ys, width, label={"list": "list path (prompt_token_ids)",
+                                              "array": "array path (prompt_token_ids_b64)",
+                                              "floor": "floor (orjson + b64decode + frombuffer)"}[name],
+                        color=_COLOURS[name])
+        for bar, value in zip(bars, ys, strict=True):
+            axis.annotate(f"{value:.2f}", (bar.get_x() + bar.get_width() / 2, value), ha="center", va="bottom",
+                          fontsize=7)
+    axis.set_xticks(range(len(sizes)))
+    axis.set_xticklabels([f"{s['tokens']:,} tokens\nlist/array {fmt(s['speedup_list_over_array'], 0)}x, "
+                          f"array/floor {fmt(s['array_over_floor'])}x" for s in sizes], fontsize=8)
+    axis.set_yscale("log")
+    axis.set_ylabel("ms per operation (median)")
+    axis.set_title("GEN prompt path, in-process: list vs array vs floor" + machine_note, fontsize=10)
+    axis.legend(fontsize=8)
+    axis.grid(axis="y", which="both", alpha=0.3)
+    return _save(figure, path)
+
+
+def cpu_per_request_plot(gen_http: dict[str, Any] | None, prompt_path: dict[str, Any] | None, path: Path,
+                         machine_note: str = "") -> Path:
+    """CPU per request vs prompt length: the GEN worker over HTTP (whole process) and the in-process path."""
+    figure, axis = plt.subplots(figsize=(8, 4.8))
+    if gen_http:
+        sizes = [s["tokens"] for s in gen_http["sizes"]]
+        labels = {"list": "GEN worker, list body", "array": "GEN worker, b64 body",
+                  "metadata": "GEN worker, metadata-only body"}
+        for kind, label in labels.items():
+            axis.plot(sizes, [s[kind]["cpu_ms"] for s in gen_http["sizes"]], marker="o", label=label,
+                      color=_COLOURS[kind])
+    if prompt_path:
+        sizes = [s["tokens"] for s in prompt_path["sizes"]]
+        labels = {"list": "in-process list path", "array": "in-process array path", "floor": "in-process floor"}
+        for kind, label in labels.items():
+            axis.plot(sizes, [s["timing"][kind]["cpu_ms"] for s in prompt_path["sizes"]], marker="x",
+                      linestyle="--", label=label, color=_COLOURS[kind], alpha=0.7)
+    axis.set_xscale("log")
+    axis.set_yscale("log")
+    ticks = sorted({s["tokens"] for r in (gen_http, prompt_path) if r for s in r["sizes"]})
+    axis.set_xticks(ticks)
+    axis.set_xticklabels([f"{t:,}" for t in ticks])
+    axis.minorticks_off()
+    axis.set_xlabel("prompt tokens")
+    axis.set_ylabel("CPU ms per request")
+    axis.set_title("CPU per request vs prompt length" + machine_note, fontsize=10)
+    axis.grid(which="both", alpha=0.3)
+    axis.legend(fontsize=8)
+    return _save(figure, path)
+
+
+def load_plot(result: dict[str, Any], path: Path, machine_note: str = "") -> Path:
+    """TTFT p50/p99 and requests/s against concurrency, one line per prompt size."""
+    cells = result["cells"]
+    prompts = sorted({c["prompt_tokens"] for c in cells})
+    figure, (latency, rate) = plt.subplots(1, 2, figsize=(11, 4.6))
+    palette = plt.get_cmap("viridis")
+    for index, prompt in enumerate(prompts):
+        colour = palette(index / max(1, len(prompts) - 1) * 0.85)
+        for mode, style in (("orchestrator", "-"), ("direct", ":")):
+            points = sorted((c for c in cells if c["prompt_tokens"] == prompt and c["mode"] == mode),
+                            key=lambda c: c["concurrency"])
+            if not points:
+                continue
+            xs = [c["concurrency"] for c in points]
+            label = f"{prompt:,} tok" + (" (direct CTX+GEN)" if mode == "direct" else "")
+            latency.plot(xs, [c["ttft_ms"]["p50"] for c in points], marker="o", linestyle=style, color=colour,
+                         label=label + " p50")
+            if mode == "orchestrator":
+                latency.plot(xs, [c["ttft_ms"]["p99"] for c in points], marker="^", linestyle="--", color=colour,
+                             alpha=0.6, label=label + " p99")
+            rate.plot(xs, [c["requests_per_s"] for c in points], marker="o", linestyle=style, color=colour,
+                      label=label)
+    levels = sorted({c["concurrency"] for c in cells})
+    for axis in (latency, rate):
+        axis.set_xscale("log", base=2)
+        axis.set_xticks(levels)
+        axis.set_xticklabels([str(level) for level in levels])
+        axis.set_xlabel("concurrency (streaming clients)")
+        axis.grid(which="both", alpha=0.3)
+    latency.set_yscale("log")
+    latency.set_ylabel("time to first token, ms (client)")
+    latency.set_title("TTFT vs concurrency" + machine_note, fontsize=10)
+    latency.legend(fontsize=7)
+    rate.set_ylabel("requests/s")
+    rate.set_title("throughput vs concurrency (synthetic engine)", fontsize=10)
+    rate.legend(fontsize=7)
+    return _save(figure, path)
+
+
+def reference_plot(result: dict[str, Any], path: Path, machine_note: str = "") -> Path:
+    points = result["points"]
+    figure, (ttft, decode) = plt.subplots(1, 2, figsize=(10, 4.2))
+    xs = [p["aggregated"]["prompt_tokens"] for p in points]
+    for mode, colour in (("aggregated", "#1f77b4"), ("disaggregated", "#ff7f0e")):
+        ttft.plot(xs, [p[mode]["ttft_ms"] for p in points], marker="o", color=colour, label=f"{mode}: TTFT")
+        if any(p[mode].get("first_gap_ms") is not None for p in points):
+            ttft.plot(xs, [p[mode].get("first_gap_ms") or 0 for p in points], marker="^", linestyle="--",
+                      color=colour, label=f"{mode}: gap token 1→2")
+        steady = [p[mode].get("steady_decode_tokens_per_s") for p in points]
+        decode.plot(xs, [v if v is not None else p[mode]["decode_tokens_per_s"] or 0
+                         for v, p in zip(steady, points, strict=True)], marker="o", color=colour,
+                    label=f"{mode} (steady)")
+        decode.plot(xs, [p[mode]["decode_tokens_per_s"] or 0 for p in points], marker="x", linestyle=":",
+                    color=colour, label=f"{mode} (with the 1→2 gap)")
+    ttft.set_xlabel("prompt tokens")
+    ttft.set_ylabel("ms")
+    ttft.set_title("reference engine: TTFT and the hand-off gap" + machine_note, fontsize=10)
+    decode.set_xlabel("prompt tokens")
+    decode.set_ylabel("decode tokens/s")
+    decode.set_title("reference engine: decode rate (BLAS 1 thread)", fontsize=10)
+    for axis in (ttft, decode):
+        axis.grid(alpha=0.3)
+        axis.legend(fontsize=8)
+    return _save(figure, path)

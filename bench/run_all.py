@@ -1,0 +1,122 @@
+"""Every benchmark, one command: ``.venv/bin/python -m bench.run_all [--quick]``.
+
+Full mode (8-15 minutes on 2 cores) writes JSON and PNG plots to docs/benchmarks/ and replaces the generated block
+of docs/benchmarks.md; ``--quick`` (< 2 minutes) runs smaller matrices and writes to a temporary folder unless
+``--out`` says otherwise. Every table is also printed. ``--only NAME ...`` reruns some benchmarks and keeps the
+others' results from the JSON already in the output folder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from bench import gen_http, plots, prompt_path, reference, report, system_load
+from bench.common import REPO_ROOT, loadavg, machine_info, wait_for_quiet, write_json
+
+NAMES = ("prompt_path", "gen_http", "system_load", "reference")
+DOCS_DIR = REPO_ROOT / "docs" / "benchmarks"
+DOC_PAGE = REPO_ROOT / "docs" / "benchmarks.md"
+
+
+def runners(quick: bool) -> dict[str, Callable[[], dict[str, Any]]]:
+    if quick:
+        return {
+            "prompt_path": lambda: prompt_path.run(prompt_path.SIZES, warmups=2, runs=3, ops=5),
+            "gen_http": lambda: gen_http.run(gen_http.SIZES, batches=2, min_batch_s=0.2, warmups=2),
+            "system_load": lambda: system_load.run((1_024, 131_072), (1, 16), system_load.QUICK, idle_s=1.0),
+            "reference": lambda: reference.run((128,), runs=1, max_tokens=8),
+        }
+    return {
+        "prompt_path": lambda: prompt_path.run(prompt_path.SIZES, warmups=5, runs=9, ops=10),
+        "gen_http": lambda: gen_http.run(gen_http.SIZES, batches=5, min_batch_s=0.5, warmups=5),
+        "system_load": lambda: system_load.run(system_load.PROMPTS, system_load.CONCURRENCY, system_load.FULL),
+        "reference": lambda: reference.run(reference.PROMPT_TOKENS, runs=3, max_tokens=reference.MAX_TOKENS),
+    }
+
+
+def make_plots(results: dict[str, dict[str, Any]], out: Path, note: str) -> list[Path]:
+    written = []
+    if "prompt_path" in results:
+        written.append(plots.prompt_path_plot(results["prompt_path"], out / "prompt_path.png", note))
+    if "gen_http" in results or "prompt_path" in results:
+        written.append(plots.cpu_per_request_plot(results.get("gen_http"), results.get("prompt_path"),
+                                                  out / "cpu_per_request.png", note))
+    if "system_load" in results:
+        written.append(plots.load_plot(results["system_load"], out / "load_latency.png", note))
+    if "reference" in results:
+        written.append(plots.reference_plot(results["reference"], out / "reference.png", note))
+    return written
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser.add_argument("--quick", action="store_true", help="small matrices, under ~2 minutes")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="folder for JSON and PNG (default: docs/benchmarks, or a temp folder with --quick)")
+    parser.add_argument("--only", nargs="*", choices=NAMES, default=list(NAMES),
+                        help="run only these (none: just redraw the plots and the page from the JSON)")
+    parser.add_argument("--docs", action=argparse.BooleanOptionalAction, default=None,
+                        help="rewrite the generated block of docs/benchmarks.md (default: on unless --quick)")
+    args = parser.parse_args(argv)
+    out: Path = args.out or (Path(tempfile.mkdtemp(prefix="disagg-bench-quick-")) if args.quick else DOCS_DIR)
+    update_docs = (not args.quick) if args.docs is None else args.docs
+    mode = "quick" if args.quick else "full"
+    machine = machine_info()
+    cores = machine.get("nproc")
+    note = f"\n({machine.get('cpu_model')}, {cores} cores, Python {machine.get('python')}, {mode} run)"
+
+    results: dict[str, dict[str, Any]] = {}
+    for name in NAMES:  # keep earlier results for the benchmarks not rerun now
+        previous = out / f"{name}.json"
+        if name not in args.only and previous.exists():
+            results[name] = json.loads(previous.read_text())
+    started = time.perf_counter()
+    durations: dict[str, float] = {}
+    selected = runners(args.quick)
+    for name in args.only:
+        quiet = wait_for_quiet(0.0 if args.quick else 60.0)
+        waited = "" if args.quick else (f"; {quiet['busy_cores']:.2f} cores busy before it (waited "
+                                        f"{quiet['waited_s']:.0f} s for a quiet machine)")
+        print(f"[bench] running {name} ({mode}){waited} ...", file=sys.stderr, flush=True)
+        t0 = time.perf_counter()
+        result = selected[name]()
+        durations[name] = time.perf_counter() - t0
+        result["machine"] = machine
+        result["mode"] = mode
+        result["duration_s"] = durations[name]
+        result["machine_before"] = quiet
+        results[name] = result
+        write_json(out / f"{name}.json", result)
+        print(f"[bench] {name}: {durations[name]:.1f} s", file=sys.stderr, flush=True)
+    elapsed = time.perf_counter() - started
+
+    written = make_plots(results, out, note)
+    _targets_table, targets = report.targets_section(results)
+    write_json(out / "summary.json", {"machine": machine, "mode": mode, "durations_s": durations,
+                                      "elapsed_s": elapsed, "loadavg_at_end": loadavg(), "targets": targets})
+    block = report.generated_block(results, machine, mode, elapsed if set(args.only) == set(NAMES) else None,
+                                   _relative(out, DOC_PAGE.parent))
+    print(block.replace(report.BEGIN, "").replace(report.END, ""))
+    if update_docs:
+        report.update_docs(DOC_PAGE, block)
+        print(f"[bench] updated {DOC_PAGE}", file=sys.stderr)
+    print(f"[bench] wrote {len(written)} plots and the JSON to {out}; {elapsed:.1f} s in all", file=sys.stderr)
+    return 0
+
+
+def _relative(path: Path, base: Path) -> str:
+    try:
+        return str(path.resolve().relative_to(base.resolve()))
+    except ValueError:
+        return str(path.resolve())
+
+
+if __name__ == "__main__":
+    sys.exit(main())

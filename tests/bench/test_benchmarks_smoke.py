@@ -1,0 +1,151 @@
+"""Smoke runs of every benchmark at a tiny size, so that they cannot rot.
+
+These are not timed tests: they assert only that each benchmark runs end to end (real subprocess servers on
+loopback, the load generator and the prober in their own processes) and returns well-formed results, and that the
+report and the plots can be made from them. The figures themselves come from ``python -m bench.run_all``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bench import gen_http, plots, prompt_path, reference, report, run_all, system_load
+from bench.common import Processes, descendants, percentile, summarize
+
+TINY = system_load.Phases(warmup_s=0.1, max_warmup_s=5.0, measure_s=0.3, max_measure_s=3.0, tail_s=5.0,
+                          max_total_s=20.0, quiet_wait_s=0.0)
+
+
+def _positive(value: Any) -> bool:
+    return isinstance(value, int | float) and math.isfinite(value) and value > 0
+
+
+@pytest.fixture(scope="module")
+def prompt_path_result() -> dict[str, Any]:
+    return prompt_path.run((1_000,), warmups=1, runs=1, ops=1)
+
+
+@pytest.fixture(scope="module")
+def gen_http_result() -> dict[str, Any]:
+    return gen_http.run((1_000,), batches=1, min_batch_s=0.05, warmups=1)
+
+
+@pytest.fixture(scope="module")
+def system_load_result() -> dict[str, Any]:
+    return system_load.run((256,), (1, 2), TINY, profile=True, api_workers=True, idle_s=0.2)
+
+
+def test_prompt_path_runs_and_is_well_formed(prompt_path_result: dict[str, Any]) -> None:
+    (size,) = prompt_path_result["sizes"]
+    assert size["tokens"] == 1_000
+    for path in prompt_path.PATHS:
+        assert _positive(size["timing"][path]["ms"])
+        assert size["allocation"][path]["peak_beyond_body_bytes"] >= 0
+    assert size["speedup_list_over_array"] > 0 and size["array_over_floor"] > 0
+    assert size["pickle"]["list"]["identical_tokens"] and size["pickle"]["array"]["identical_tokens"]
+    assert size["pickle"]["array"]["array_path_built_list_when_pickled"] is False
+    assert set(size["stages_ms"]["list"]) == set(size["stages_ms"]["array"])
+    assert prompt_path.targets(prompt_path_result) == []  # no 131,072-token point at this size
+    assert "| 1,000 |" in prompt_path.tables(prompt_path_result)
+
+
+def test_gen_worker_cpu_per_request_runs(gen_http_result: dict[str, Any]) -> None:
+    (size,) = gen_http_result["sizes"]
+    for kind in ("list", "array", "metadata"):
+        assert size[kind]["requests"] >= 3
+        assert size[kind]["cpu_ms"] >= 0 and _positive(size[kind]["wall_ms"])
+    assert size["metadata"]["body_bytes"] < size["array"]["body_bytes"] < size["list"]["body_bytes"]
+    assert "| 1,000 |" in gen_http.tables(gen_http_result)
+
+
+def test_system_under_load_runs_every_scenario(system_load_result: dict[str, Any]) -> None:
+    cells = system_load_result["cells"]
+    assert {(c["mode"], c["concurrency"]) for c in cells} == {(m, c) for m in ("orchestrator", "direct")
+                                                              for c in (1, 2)}
+    for cell in cells:
+        assert cell["errors"] == 0, cell["error_samples"]
+        assert cell["ok_requests"] >= 1 and _positive(cell["requests_per_s"])
+        assert _positive(cell["ttft_ms"]["p50"]) and cell["ttft_ms"]["p99"] >= cell["ttft_ms"]["p50"]
+        assert set(cell["event_loop_lag_ms"]) == {"orchestrator", "ctx", "gen"}
+        assert set(cell["cpu_ms_per_request"]) >= {"orchestrator", "ctx", "gen", "loadgen"}
+    assert set(system_load_result["idle_probe_ms"]) == {"orchestrator", "ctx", "gen"}
+    meta = system_load_result["metadata_only"]
+    assert meta["runs"] and meta["ctx_reply"]["with_b64"]["bytes"] > meta["ctx_reply"]["without_b64"]["bytes"]
+    for key in ("profile", "profile_at_target"):
+        profile = system_load_result.get(key, {"available": False})
+        assert profile["available"] in (True, False)  # py-spy may be missing or not allowed to attach
+        if profile["available"]:
+            assert profile["samples"] >= 0 and "by_library_pct" in profile
+    api = system_load_result["api_workers"]
+    if api["available"]:
+        assert {r["api_workers"] for r in api["runs"]} == {1, 2}
+    table = system_load.tables(system_load_result)
+    assert "| 256 | 1 |" in table and "| 256 | 2 |" in table
+
+
+@pytest.mark.real_model
+def test_reference_engine_disaggregated_against_aggregated() -> None:
+    result = reference.run((16,), runs=1, max_tokens=3)
+    (point,) = result["points"]
+    for mode in ("aggregated", "disaggregated"):
+        assert point[mode]["prompt_tokens"] >= 1 and point[mode]["completion_tokens"] == 3
+        assert _positive(point[mode]["ttft_ms"]) and _positive(point[mode]["first_gap_ms"])
+    assert point["kv_handoff_mb"] > 0
+    assert point["identical_output"] is True  # temperature 0, BLAS 1 thread: bitwise the same
+    assert f"| {point['aggregated']['prompt_tokens']} |" in reference.tables(result)
+
+
+def test_report_and_plots_from_the_smoke_results(tmp_path: Path, prompt_path_result: dict[str, Any],
+                                                 gen_http_result: dict[str, Any],
+                                                 system_load_result: dict[str, Any]) -> None:
+    results = {"prompt_path": prompt_path_result, "gen_http": gen_http_result, "system_load": system_load_result}
+    written = run_all.make_plots(results, tmp_path, " (smoke)")
+    assert {p.name for p in written} == {"prompt_path.png", "cpu_per_request.png", "load_latency.png"}
+    for png in written:
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 1000
+    block = report.generated_block(results, {"cpu_model": "test", "versions": {}}, "smoke", 1.0, ".")
+    assert block.startswith(report.BEGIN) and block.endswith(report.END)
+    doc = tmp_path / "benchmarks.md"
+    doc.write_text("# Benchmarks\n\nintro\n\n" + report.BEGIN + "\nold\n" + report.END + "\n\nanalysis\n")
+    report.update_docs(doc, block)
+    text = doc.read_text()
+    assert "old" not in text and text.startswith("# Benchmarks\n\nintro") and text.endswith("analysis\n")
+    assert text.count(report.BEGIN) == 1
+
+
+def test_reference_plot_from_a_made_up_result(tmp_path: Path) -> None:
+    point = {mode: {"prompt_tokens": 8, "ttft_ms": 10.0, "decode_tokens_per_s": 5.0} for mode in
+             ("aggregated", "disaggregated")}
+    png = plots.reference_plot({"points": [point]}, tmp_path / "reference.png")
+    assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_profile_summary_reads_py_spy_collapsed_stacks() -> None:
+    text = ("main (frontend/cli.py:1);run (orchestrator/disagg_flow.py:10);send (anyio/_backends/_asyncio.py:5) 3\n"
+            "main (frontend/cli.py:1);loads (orchestrator/disagg_flow.py:12) 1\n")
+    summary = system_load.summarize_profile(text)
+    assert summary["samples"] == 4
+    assert summary["by_library_pct"] == {"anyio": 75.0, "project: orchestrator/": 25.0}
+    assert summary["top_project_inclusive_pct"][0] == ["run (orchestrator/disagg_flow.py:10)", 75.0]
+
+
+def test_statistics_helpers() -> None:
+    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
+    assert math.isnan(percentile([], 99))
+    assert summarize([5.0])["p99"] == 5.0
+
+
+def test_processes_are_stopped_whatever_happens() -> None:
+    with pytest.raises(RuntimeError), Processes() as processes:
+        sleeper = processes.spawn("sleeper", ["sleep", "60"])
+        raise RuntimeError("boom")
+    assert sleeper.process.poll() is not None
+    assert processes.log_dir.exists()  # kept after a failure, for whoever reads the traceback
+    shutil.rmtree(processes.log_dir)
+    assert os.getpid() in descendants(os.getpid())
