@@ -233,13 +233,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, help="where to write the JSON result")
     args = parser.parse_args(argv)
     config = orjson.loads(Path(args.config).read_bytes())
-    try:
-        import uvloop
+    import uvloop  # a dependency of uvicorn[standard]: the driver runs on the same loop as the servers
 
-        runner = uvloop.run
-    except ImportError:  # pragma: no cover - uvloop is a dependency of uvicorn[standard]
-        runner = asyncio.run
-    result = runner(run(config))
+    result = uvloop.run(run(config))
     Path(args.out).write_bytes(orjson.dumps(finite(result)))
     return 0
 

@@ -18,7 +18,7 @@ END = "<!-- END GENERATED -->"
 
 def machine_section(machine: dict[str, Any], mode: str, elapsed_s: float | None) -> str:
     versions = ", ".join(f"{k} {v}" for k, v in machine.get("versions", {}).items())
-    rows = [
+    rows: list[list[Any]] = [
         ["CPU", machine.get("cpu_model")],
         ["cores (nproc)", machine.get("nproc")],
         ["memory", f"{machine.get('mem_gib')} GiB"],
