@@ -8,8 +8,6 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
-import ctypes
 import logging
 import os
 import sys
@@ -246,25 +244,9 @@ def run_orchestrator(args: argparse.Namespace, argv: Sequence[str]) -> int:
     return 0
 
 
-_M_MMAP_THRESHOLD = -3
-_LARGE_BODY_BYTES = 256 * 1024
-
-
-def keep_large_buffers_returnable() -> None:
-    """Serve large buffers from mmap, so that memory goes back to the OS when a request ends (glibc only).
-
-    glibc raises its mmap threshold each time a large block is freed, after which multi-megabyte request and
-    response bodies come from the heap, where fragmentation keeps them resident: a server that relayed a burst
-    of 131k-token prompts would hold gigabytes long after. A fixed threshold costs one mmap per large body.
-    """
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6").mallopt(_M_MMAP_THRESHOLD, _LARGE_BODY_BYTES)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
-    keep_large_buffers_returnable()
     configure_logging(args.log_level, args.log_format)
     if args.command == "worker":
         return run_worker(args, argv)

@@ -32,6 +32,7 @@ from frontend.http import (
     read_body,
 )
 from frontend.loop_monitor import LoopLagMonitor
+from frontend.memory import IdleMemoryTrimmer
 from frontend.metrics import METRICS_CONTENT_TYPE, Metrics
 from frontend.openai_models import ChatCompletionRequest, CompletionRequest, ResponsesRequest
 from frontend.openai_output import Endpoint
@@ -75,6 +76,7 @@ def create_orchestrator_app(
                    if group.discovery is not None]
     inflight = {"count": 0}
     lag_monitor = LoopLagMonitor(metrics.event_loop_lag)
+    trimmer = IdleMemoryTrimmer(lambda: inflight["count"] == 0)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -84,10 +86,12 @@ def create_orchestrator_app(
         await monitor.check_now()
         monitor.start()
         lag_monitor.start()
+        trimmer.start()
         try:
             yield
         finally:
             await lag_monitor.stop()
+            await trimmer.stop()
             for discovery in discoveries:
                 await discovery.stop()
             await monitor.stop()

@@ -22,6 +22,7 @@ from frontend.http import (
     read_body,
 )
 from frontend.loop_monitor import LoopLagMonitor
+from frontend.memory import IdleMemoryTrimmer
 from frontend.metrics import METRICS_CONTENT_TYPE, Metrics
 from frontend.openai_models import (
     ChatCompletionRequest,
@@ -46,12 +47,14 @@ def create_worker_app(
     metrics = metrics or Metrics()
     service = WorkerService(engine, settings, metrics)
     lag_monitor = LoopLagMonitor(metrics.event_loop_lag)
+    trimmer = IdleMemoryTrimmer(lambda: service.inflight == 0)
     ready = {"engine": False}
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         await engine.start()
         lag_monitor.start()
+        trimmer.start()
         ready["engine"] = True
         if registration is not None:
             registration.start()
@@ -62,6 +65,7 @@ def create_worker_app(
             if registration is not None:
                 await registration.leave()
             await lag_monitor.stop()
+            await trimmer.stop()
             await engine.aclose()
 
     app = FastAPI(title=f"disagg-serve worker ({settings.role})", lifespan=lifespan)
