@@ -236,6 +236,11 @@ def run_orchestrator(args: argparse.Namespace, argv: Sequence[str]) -> int:
         print(f"disagg-serve orchestrator: {exc}", file=sys.stderr)
         return 2
     if args.api_workers > 1:
+        if config.context_servers.registration or config.generation_servers.registration:
+            # Each front-end process has its own pools and SO_REUSEPORT hands a registration to one of them.
+            print("disagg-serve orchestrator: 'registration: true' needs --api-workers 1; with several front-end "
+                  "processes use static urls or DNS discovery", file=sys.stderr)
+            return 2
         args.port = config.port
         return _supervise(args, argv)
     # An empty key (DISAGG_API_KEY="") means no key, not "the empty string is the key".

@@ -16,7 +16,8 @@
         └── UpstreamTimeoutError      504
 
 Handlers raise; they never return error values. ``error_body`` and ``sse_error_event`` are the only places that
-turn an error into bytes, so the HTTP and SSE shapes cannot drift apart.
+turn an error into bytes (``frontend.openai_output.stream_error_frames`` uses the latter for chat and completion
+streams), so the HTTP and SSE shapes cannot drift apart.
 """
 
 from __future__ import annotations

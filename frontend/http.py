@@ -11,7 +11,7 @@ import contextlib
 import logging
 import re
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 import orjson
@@ -143,6 +143,18 @@ class _AnswerUnexpectedErrors:
                 raise
             logger.exception("unhandled error", exc_info=exc)
             await error_response(ServingError("internal server error"))(scope, receive, send)
+
+
+async def then_call(frames: AsyncIterator[bytes], done: Callable[[], None]) -> AsyncIterator[bytes]:
+    """Relay ``frames`` and call ``done`` when the stream ends, however it ends (finished, failed, cancelled)."""
+    try:
+        async for frame in frames:
+            yield frame
+    finally:
+        done()
+        aclose = getattr(frames, "aclose", None)
+        if aclose is not None:
+            await aclose()
 
 
 REQUEST_ID_HEADER = "X-Request-Id"

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from frontend.errors import ServingError
+from frontend.errors import ServingError, sse_error_event
 from frontend.sse import DONE_FRAME, data_frame, event_frame
 
 Endpoint = Literal["chat", "completions", "responses"]
@@ -258,7 +258,7 @@ def stream_error_frames(endpoint: Endpoint, error: ServingError, sequence_number
         body = {"type": "error", "sequence_number": sequence_number, "code": error.code, "message": error.message,
                 "param": error.param}
         return [event_frame("error", body)]
-    return [data_frame(error.to_dict()), DONE_FRAME]
+    return [sse_error_event(error), DONE_FRAME]
 
 
 def replay_as_stream(endpoint: Endpoint, response: dict[str, Any], include_usage: bool) -> list[bytes]:

@@ -80,7 +80,8 @@ def token_array_from_list(
     # Range-check in int64 first so that ids beyond int32 are reported, not silently wrapped.
     _check_range(wide, vocab_size, field)
     tokens: TokenArray = wide.astype(TOKEN_DTYPE)
-    validate_token_array(tokens, vocab_size=vocab_size, max_tokens=max_tokens, expected_len=expected_len, field=field)
+    validate_token_array(tokens, vocab_size=vocab_size, max_tokens=max_tokens, expected_len=expected_len,
+                         field=field, check_range=False)  # checked above, in int64
     return tokens
 
 
@@ -91,6 +92,7 @@ def validate_token_array(
     max_tokens: int | None,
     expected_len: int | None,
     field: str,
+    check_range: bool = True,
 ) -> None:
     if tokens.size == 0:
         raise TokenCodecError(f"'{field}' must hold at least one token", param=field)
@@ -102,7 +104,8 @@ def validate_token_array(
         raise ContextLengthError(
             f"the prompt has {tokens.size} tokens, more than the model's context of {max_tokens}", param=field
         )
-    _check_range(tokens, vocab_size, field)
+    if check_range:
+        _check_range(tokens, vocab_size, field)
 
 
 def _check_range(tokens: npt.NDArray[np.integer], vocab_size: int, field: str) -> None:

@@ -34,7 +34,8 @@ logger = logging.getLogger(__name__)
 
 # Metadata-only GEN bodies carry no token ids; and no prompt text when GEN reads the prompt from the hand-off.
 TOKEN_FIELDS = ("prompt_token_ids", "prompt_token_ids_b64")
-PROMPT_FIELDS = (*TOKEN_FIELDS, "messages", "prompt", "input", "instructions")
+PROMPT_TEXT_FIELDS = ("messages", "prompt", "input", "instructions")
+PROMPT_FIELDS = (*TOKEN_FIELDS, *PROMPT_TEXT_FIELDS)
 
 PATHS: dict[Endpoint, str] = {
     "chat": "/v1/chat/completions",
@@ -69,6 +70,8 @@ class FlowRequest:
     headers: dict[str, str] = field(default_factory=dict)  # forwarded to both workers (X-Request-Id)
     ctx_worker: str | None = None
     gen_worker: str | None = None
+    ctx: ContextResult | None = None  # the latest CTX answer: the hand-off to release if GEN never takes it
+    ctx_redone: bool = False
 
     @property
     def path(self) -> str:
@@ -112,11 +115,11 @@ class DisaggFlow:
                 return StreamedAnswer(await self.stream_generation(request, ctx))
             answer = await self.generate_whole(request, ctx)
             if answer.status_code != 200:
-                self._release_in_background(request, ctx)  # GEN refused the request: it took no KV
+                self._release_in_background(request)  # GEN refused the request: it took no KV
             return answer
         except BaseException:
             # The client left, or no GEN could take the request: free CTX's parked KV now, not at its expiry.
-            self._release_in_background(request, ctx)
+            self._release_in_background(request)
             raise
 
     # -- step 1: CTX --------------------------------------------------------------------------------------
@@ -141,7 +144,8 @@ class DisaggFlow:
                 else response["disaggregated_params"]
         except (orjson.JSONDecodeError, KeyError, IndexError, TypeError) as exc:
             raise UpstreamError("the CTX step failed: its answer has no disaggregated_params") from exc
-        return ContextResult(response, params, finished=params.get("encoded_opaque_state") is None)
+        request.ctx = ContextResult(response, params, finished=params.get("encoded_opaque_state") is None)
+        return request.ctx
 
     def _wants_prompt_tokens(self, request: FlowRequest) -> bool:
         """Ask CTX for the b64 prompt only if GEN may need it: in metadata-only mode, only if some healthy GEN
@@ -185,6 +189,8 @@ class DisaggFlow:
         encoded = ctx.response.get("prompt_token_ids_b64")
         if (self.config.gen_tokids_ctxbytes or self.config.gen_tokids_metadata_only) and encoded is not None:
             gen_body["prompt_token_ids_b64"] = encoded  # the same str object CTX's answer held
+            for name in PROMPT_TEXT_FIELDS:  # GEN takes the array path and never reads the text
+                gen_body.pop(name, None)
         elif "prompt_token_ids" not in body:
             params.pop("prompt_len", None)  # no tokens travel: GEN tokenizes the text itself (the baseline)
         return orjson.dumps(gen_body)
@@ -208,7 +214,7 @@ class DisaggFlow:
                 continue
             if reply.status_code >= 500 and not self._give_up("gen", tried, None):
                 continue
-            if self._handoff_lost(reply, tried):
+            if self._handoff_lost(request, reply, tried):
                 ctx = await self.redo_context(request)
                 if ctx.finished:
                     answer = self.answer_from_context(request, ctx)
@@ -228,7 +234,7 @@ class DisaggFlow:
                 request, key, functools.partial(self.generation_body, request, ctx), tried
             )
             if isinstance(opened, UpstreamReply):
-                if not self._handoff_lost(opened, tried):
+                if not self._handoff_lost(request, opened, tried):
                     raise RelayedError(opened)
                 ctx = await self.redo_context(request)
                 if ctx.finished:
@@ -262,16 +268,25 @@ class DisaggFlow:
                 continue
             if response.status_code == 200:
                 return worker, stream, response
-            reply = UpstreamReply(response.status_code, await response.aread())
-            await stream.__aexit__(None, None, None)
+            try:
+                reply = UpstreamReply(response.status_code, await response.aread())
+            except httpx.HTTPError as exc:
+                self._give_up_or_count("gen", tried, translate_http_error(exc, worker.url),
+                                       f"the GEN step failed: reading its {response.status_code} answer broke")
+                continue
+            finally:
+                await stream.__aexit__(None, None, None)
             if response.status_code >= 500 and not self._give_up("gen", tried, None):
                 continue
             return worker, stream, reply
 
-    def _release_in_background(self, request: FlowRequest, ctx: ContextResult) -> None:
+    def _release_in_background(self, request: FlowRequest) -> None:
+        ctx = request.ctx  # the latest hand-off: after a CTX redo, the first one is already gone
         worker = next((w for w in self.ctx_pool.workers if w.url == request.ctx_worker), None)
+        if ctx is None or worker is None:
+            return
         state, ctx_id = ctx.params.get("encoded_opaque_state"), ctx.params.get("ctx_request_id")
-        if worker is None or not isinstance(state, str) or ctx_id is None:
+        if not isinstance(state, str) or ctx_id is None:
             return
         body = orjson.dumps({"ctx_request_id": str(ctx_id), "encoded_opaque_state": state})
 
@@ -285,9 +300,10 @@ class DisaggFlow:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    def _handoff_lost(self, reply: UpstreamReply, tried: list[WorkerClient]) -> bool:
-        """A retried GEN found the hand-off gone (an earlier GEN took it before failing): CTX must run again."""
-        if reply.status_code != 400 or len(tried) < 2:
+    def _handoff_lost(self, request: FlowRequest, reply: UpstreamReply, tried: list[WorkerClient]) -> bool:
+        """A retried GEN found the hand-off gone (an earlier GEN took it before failing): CTX must run again.
+        Once: a second loss is answered as it is, so a flapping GEN pool cannot make CTX prefill forever."""
+        if reply.status_code != 400 or len(tried) < 2 or request.ctx_redone:
             return False
         try:
             return bool(orjson.loads(reply.content)["error"]["code"] == "invalid_handoff")
@@ -295,6 +311,7 @@ class DisaggFlow:
             return False
 
     async def redo_context(self, request: FlowRequest) -> ContextResult:
+        request.ctx_redone = True
         self.metrics.retries.labels(step="ctx", reason="handoff_lost").inc()
         logger.warning("the KV hand-off was lost with a failed GEN; running CTX again")
         return await self.run_context_step(request)
@@ -366,7 +383,7 @@ class DisaggFlow:
                 self._give_up_or_count(step, tried, exc,
                                        f"the {step.upper()} step failed after {len(tried)} attempt(s): {exc.message}")
                 continue
-            if reply.status_code in (502, 503, 504) and not self._give_up(step, tried, None):
+            if reply.status_code >= 500 and not self._give_up(step, tried, None):
                 continue
             return reply, worker
 

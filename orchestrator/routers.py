@@ -73,15 +73,23 @@ class PrefixAffinityRouter:
     def __init__(self, prefix_chars: int, load_factor: float) -> None:
         self.prefix_chars = prefix_chars
         self.load_factor = load_factor
+        self._rings: dict[tuple[str, ...], tuple[list[int], list[int]]] = {}  # urls -> (points, owner index)
 
     @staticmethod
     def _hash(text: str) -> int:
         return int.from_bytes(hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=8).digest(), "big")
 
     def _ring(self, workers: Sequence[WorkerClient]) -> tuple[list[int], list[WorkerClient]]:
-        points = sorted((self._hash(f"{w.url}#{i}"), index) for index, w in enumerate(workers)
-                        for i in range(_VIRTUAL_NODES))
-        return [p for p, _ in points], [workers[i] for _, i in points]
+        # Built once per set of healthy workers (64 hashes and a sort per worker), not once per request.
+        urls = tuple(w.url for w in workers)
+        ring = self._rings.get(urls)
+        if ring is None:
+            if len(self._rings) > 64:  # membership churn: keep the cache small
+                self._rings.clear()
+            points = sorted((self._hash(f"{url}#{i}"), index) for index, url in enumerate(urls)
+                            for i in range(_VIRTUAL_NODES))
+            ring = self._rings[urls] = ([p for p, _ in points], [i for _, i in points])
+        return ring[0], [workers[i] for i in ring[1]]
 
     def pick(self, workers: Sequence[WorkerClient], key: RoutingKey, exclude: Iterable[WorkerClient] = ()
              ) -> WorkerClient | None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -30,6 +30,7 @@ from frontend.http import (
     json_response,
     parse_json_object,
     read_body,
+    then_call,
 )
 from frontend.loop_monitor import LoopLagMonitor
 from frontend.memory import IdleMemoryTrimmer
@@ -137,7 +138,7 @@ def create_orchestrator_app(
             answer = await cancel_on_disconnect(request, lambda: flow.run(flow_request))
             if isinstance(answer, StreamedAnswer):
                 status, streaming = 200, True
-                frames = _finally(answer.frames, lambda: release(flow_request, 200))
+                frames = then_call(answer.frames, lambda: release(flow_request, 200))
                 return StreamingResponse(frames, media_type=SSE_MEDIA_TYPE, headers=SSE_HEADERS)
             status = answer.status_code
             return JSONBytesResponse(answer.content, status_code=answer.status_code)
@@ -226,12 +227,3 @@ def create_orchestrator_app(
         return json_response(listing)
 
     return app
-
-
-async def _finally(frames: AsyncIterator[bytes], done: Callable[[], None]) -> AsyncIterator[bytes]:
-    try:
-        async for frame in frames:
-            yield frame
-    finally:
-        done()
-        await frames.aclose()  # type: ignore[attr-defined]

@@ -44,6 +44,13 @@ class Handoff:
     first_gen_logprobs: tuple[TokenLogprob, ...] = ()
 
 
+def placeholder_prompt(prompt_len: int) -> TokenArray:
+    """A length-only prompt: the decode side needs the length (RoPE positions, KV size), not the values.
+    A read-only zero-stride view: it costs nothing however long the prompt (the engine core never receives it)."""
+    placeholder: TokenArray = np.broadcast_to(np.zeros(1, dtype=TOKEN_DTYPE), (prompt_len,))
+    return placeholder
+
+
 class GenerationRequest:
     __slots__ = (
         "_prompt_i32",
@@ -94,8 +101,7 @@ class GenerationRequest:
         cls, request_id: str, prompt_len: int, sampling: SamplingParams, **kw: Any
     ) -> GenerationRequest:
         """Metadata-only: a length-only prompt. The decode side needs only the length (RoPE positions, KV size)."""
-        placeholder: TokenArray = np.full(prompt_len, 0, dtype=TOKEN_DTYPE)
-        return cls(request_id, placeholder, sampling, prompt_path=PromptPath.METADATA_ONLY, **kw)
+        return cls(request_id, placeholder_prompt(prompt_len), sampling, prompt_path=PromptPath.METADATA_ONLY, **kw)
 
     @property
     def prompt_token_ids_i32(self) -> TokenArray:

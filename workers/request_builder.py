@@ -13,7 +13,6 @@ import asyncio
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import pybase64
 
 from frontend.errors import ContextLengthError, HandoffError, InvalidRequestError, UnsupportedParameterError
@@ -26,9 +25,9 @@ from frontend.openai_models import (
     ResponsesRequest,
 )
 from frontend.openai_output import Endpoint
-from frontend.token_codec import TOKEN_DTYPE, TokenArray, decode_prompt_tokens, token_array_from_list
+from frontend.token_codec import TokenArray, decode_prompt_tokens, token_array_from_list
 from workers.engines.base import EngineInfo, Tokenizer, TokenLogprob
-from workers.generation_request import Handoff, Phase, PromptPath
+from workers.generation_request import Handoff, Phase, PromptPath, placeholder_prompt
 from workers.sampling_params import SamplingParams
 
 # Tokenizing a few KB on the loop is cheaper than a thread hop; past this, the loop must stay free.
@@ -164,9 +163,7 @@ def _metadata_only_prompt(body: dict[str, Any], prompt_len: int, info: EngineInf
         raise ContextLengthError(
             f"prompt_len {prompt_len} exceeds the model's context of {info.max_context}", param="prompt_len"
         )
-    # A length-only placeholder: the decode side needs the length (RoPE positions, KV size), not the values.
-    placeholder: TokenArray = np.full(prompt_len, 0, dtype=TOKEN_DTYPE)
-    return PreparedPrompt(placeholder, PromptPath.METADATA_ONLY)
+    return PreparedPrompt(placeholder_prompt(prompt_len), PromptPath.METADATA_ONLY)
 
 
 def _explicit_token_list(wire: GenerationWireRequest) -> list[int] | None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -20,6 +20,7 @@ from frontend.http import (
     json_response,
     parse_json_object,
     read_body,
+    then_call,
 )
 from frontend.loop_monitor import LoopLagMonitor
 from frontend.memory import IdleMemoryTrimmer
@@ -88,9 +89,10 @@ def create_worker_app(
             prepared = await service.prepare(body, wire_model)
             # CTX always answers whole: the orchestrator needs its hand-off fields, not a stream.
             if prepared.wire.stream and prepared.request.phase is not Phase.CONTEXT_ONLY:
-                frames = await service.open_stream(prepared)
+                # Up to the first token (a whole prefill, or a KV fetch) a gone client must stop the work too.
+                frames = await cancel_on_disconnect(request, lambda: service.open_stream(prepared))
                 status, released = 200, True
-                return StreamingResponse(_released(frames, service.release), media_type=SSE_MEDIA_TYPE,
+                return StreamingResponse(then_call(frames, service.release), media_type=SSE_MEDIA_TYPE,
                                          headers=SSE_HEADERS)
             result = await cancel_on_disconnect(request, lambda: service.complete(prepared))
             status = 200
@@ -168,13 +170,3 @@ def create_worker_app(
         return Response(metrics.render(), media_type=METRICS_CONTENT_TYPE)
 
     return app
-
-
-async def _released(frames: AsyncIterator[bytes], release: Callable[[], None]) -> AsyncIterator[bytes]:
-    try:
-        async for frame in frames:
-            yield frame
-    finally:
-        release()
-        await frames.aclose()  # type: ignore[attr-defined]
-

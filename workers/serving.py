@@ -203,7 +203,7 @@ class WorkerService:
             body["choices"][0]["disaggregated_params"] = params
         else:
             body["disaggregated_params"] = params
-        if disagg.return_prompt_token_ids_b64:
+        if disagg.return_prompt_token_ids_b64 and out.finish_reason is None:  # finished: no GEN will need it
             body["prompt_token_ids"] = None
             body["prompt_token_ids_b64"] = encode_prompt_tokens(request.prompt_token_ids_i32)
 

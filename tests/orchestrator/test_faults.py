@@ -348,3 +348,35 @@ def test_a_keep_alive_connection_the_worker_closed_is_retried_on_a_fresh_one(
         assert proxy.hung_up >= 1  # the race really happened
         assert texts == [synthetic_text(5)] * 3
         assert pool.workers[0].healthy
+
+
+# -- a lost hand-off: CTX runs again, once ---------------------------------------------------------------------
+def handoff_gone_gen() -> FastAPI:
+    """Answers every generation request as a GEN whose hand-off was already taken by an earlier, failed GEN."""
+    async def gone(_: Request) -> Response:
+        return JSONResponse({"error": {"message": "no KV hand-off: already taken", "type": "invalid_request_error",
+                                       "param": "disaggregated_params.encoded_opaque_state",
+                                       "code": "invalid_handoff"}}, status_code=400)
+
+    return FastAPI(routes=[Route("/health", _health), Route("/v1/models", _models),
+                           Route("/v1/chat/completions", gone, methods=["POST"])])
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_a_lost_handoff_reruns_ctx_once_and_then_answers_the_400(live: tuple[Node, Node], stream: bool) -> None:
+    ctx, _ = live
+    with running(refusing_gen()) as refusing, running(handoff_gone_gen()) as gone, contextlib.ExitStack() as stack:
+        # The 503 GEN is tried first and the hand-off-gone GEN second (round robin), every round.
+        orch = start_orchestrator(stack, [ctx.url], [refusing, gone], max_retries=1)
+        before = len(ctx.recorder.posts("/v1/chat/completions"))
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "stream": stream}
+        reply = httpx.post(orch.url + "/v1/chat/completions", json=body, timeout=30)
+        assert reply.status_code == 400
+        assert reply.json()["error"]["code"] == "invalid_handoff"
+        ctx_steps = ctx.recorder.posts("/v1/chat/completions")[before:]
+        assert len(ctx_steps) == 2  # the first CTX step and exactly one re-run
+        assert sample(orch.metrics, "disagg_upstream_retries_total", step="ctx", reason="handoff_lost") == 1
+        # The hand-off released is the second CTX's: the first one was already gone.
+        latest = ctx_steps[-1].response_json()["choices"][0]["disaggregated_params"]["ctx_request_id"]
+        assert eventually(lambda: any(e.request_json()["ctx_request_id"] == latest
+                                      for e in ctx.recorder.posts("/v1/disagg/release") if e.request_body))

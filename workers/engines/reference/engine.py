@@ -151,17 +151,11 @@ class ReferenceEngine(Engine):
             state = parse_state(opaque_state)
         except HandoffUnavailable:
             return False
-        self._ping_counter += 1
-        ping_id = self._ping_counter
-        answer: asyncio.Future[dict[str, int]] = asyncio.get_running_loop().create_future()
-        self._pings[ping_id] = answer
         try:
-            self._send({"op": "release", "id": ctx_request_id, "key": str(state["key"]), "ping": ping_id})
-            return bool((await asyncio.wait_for(answer, 10.0)).get("released"))
-        except TimeoutError:
+            answer = await self._ask({"op": "release", "id": ctx_request_id, "key": str(state["key"])}, 10.0)
+        except EngineError:
             return False
-        finally:
-            self._pings.pop(ping_id, None)
+        return bool(answer.get("released"))
 
     def kv_store_stats(self) -> tuple[int, int]:
         return self.kv_store_entries, self.kv_store_bytes
@@ -181,12 +175,16 @@ class ReferenceEngine(Engine):
 
     async def core_stats(self, timeout_s: float = 10.0) -> dict[str, int]:
         """The core's own counters (active requests, prefix-cache blocks and hits), asked over the channel."""
+        return await self._ask({"op": "ping"}, timeout_s)
+
+    async def _ask(self, header: Header, timeout_s: float) -> dict[str, int]:
+        """Send a frame the core answers on this channel (tagged with ``ping``) and wait for the answer."""
         self._ping_counter += 1
         ping_id = self._ping_counter
         answer: asyncio.Future[dict[str, int]] = asyncio.get_running_loop().create_future()
         self._pings[ping_id] = answer
         try:
-            self._send({"op": "ping", "ping": ping_id})
+            self._send({**header, "ping": ping_id})
             return await asyncio.wait_for(answer, timeout_s)
         except TimeoutError as exc:
             raise EngineError(f"the engine core did not answer within {timeout_s} s") from exc
