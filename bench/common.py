@@ -15,7 +15,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -366,3 +366,12 @@ def timed(label: str, log: list[str] | None = None) -> Iterator[None]:
         print(message, file=sys.stderr, flush=True)
         if log is not None:
             log.append(message)
+
+
+def print_and_save(result: dict[str, Any], tables: Callable[[dict[str, Any]], str], json_path: str | None) -> int:
+    """The end of every benchmark's ``main``: add the machine, print the tables, write the JSON if asked."""
+    result["machine"] = machine_info()
+    print(tables(result))
+    if json_path:
+        write_json(Path(json_path), result)
+    return 0

@@ -15,7 +15,6 @@ import http.client
 import statistics
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import orjson
@@ -27,12 +26,11 @@ from bench.common import (
     cpu_seconds,
     fmt,
     free_port,
-    machine_info,
     markdown_table,
+    print_and_save,
     ratio,
     wait_healthy,
     worker_args,
-    write_json,
 )
 
 SIZES = (40_000, 131_072, 290_000)
@@ -160,11 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     result = run(tuple(args.sizes), batches=args.batches)
-    result["machine"] = machine_info()
-    print(tables(result))
-    if args.json:
-        write_json(Path(args.json), result)
-    return 0
+    return print_and_save(result, tables, args.json)
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ import orjson
 import pybase64
 
 from bench.bodies import gen_body, random_tokens
-from bench.common import fmt, machine_info, markdown_table, ratio, write_json
+from bench.common import fmt, markdown_table, print_and_save, ratio
 from frontend.http import parse_json_object, validate_wire
 from frontend.metrics import Metrics
 from frontend.openai_models import CompletionRequest, refuse_unsupported_parameters
@@ -322,6 +322,10 @@ def tables(result: dict[str, Any]) -> str:
     return "\n".join(parts)
 
 
+def _pickle_round_trip(request: GenerationRequest) -> object:
+    return pickle.loads(pickle.dumps(request, protocol=pickle.HIGHEST_PROTOCOL))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     parser.add_argument("--sizes", type=int, nargs="+", default=list(SIZES))
@@ -329,18 +333,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", default=None, help="write the result here")
     args = parser.parse_args(argv)
     result = run(tuple(args.sizes), runs=args.runs)
-    result["machine"] = machine_info()
-    print(tables(result))
-    if args.json:
-        from pathlib import Path
-
-        write_json(Path(args.json), result)
-    return 0
+    return print_and_save(result, tables, args.json)
 
 
 if __name__ == "__main__":
     sys.exit(main())
 
-
-def _pickle_round_trip(request: GenerationRequest) -> object:
-    return pickle.loads(pickle.dumps(request, protocol=pickle.HIGHEST_PROTOCOL))

@@ -19,7 +19,6 @@ import itertools
 import statistics
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -30,12 +29,11 @@ from bench.common import (
     fmt,
     free_port,
     http_get,
-    machine_info,
     markdown_table,
     orchestrator_config,
+    print_and_save,
     wait_healthy,
     worker_args,
-    write_json,
 )
 
 PROMPT_TOKENS = (128, 512, 2048)
@@ -221,11 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     result = run(tuple(args.prompt_tokens), args.runs, args.max_tokens)
-    result["machine"] = machine_info()
-    print(tables(result))
-    if args.json:
-        write_json(Path(args.json), result)
-    return 0
+    return print_and_save(result, tables, args.json)
 
 
 if __name__ == "__main__":

@@ -27,15 +27,14 @@ from bench.common import (
     child_env,
     fmt,
     free_port,
-    machine_info,
     markdown_table,
     orchestrator_config,
     orchestrator_help,
+    print_and_save,
     summarize,
     wait_for_quiet,
     wait_healthy,
     worker_args,
-    write_json,
 )
 
 PROMPTS = (1_024, 40_000, 131_072)
@@ -518,11 +517,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     result = run(tuple(args.prompts), tuple(args.concurrency), QUICK if args.quick else FULL,
                  profile=not args.no_profile)
-    result["machine"] = machine_info()
-    print(tables(result))
-    if args.json:
-        write_json(Path(args.json), result)
-    return 0
+    return print_and_save(result, tables, args.json)
 
 
 if __name__ == "__main__":

@@ -7,18 +7,20 @@ A Python front end is one event loop; when it is saturated, every request waits 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 
 from prometheus_client import Histogram
+
+from frontend.background import BackgroundLoop
 
 INTERVAL_S = 0.05
 
 
-class LoopLagMonitor:
+class LoopLagMonitor(BackgroundLoop):
+    task_name = "loop-lag-monitor"
+
     def __init__(self, histogram: Histogram, interval_s: float = INTERVAL_S) -> None:
         self.histogram = histogram
         self.interval_s = interval_s
-        self._task: asyncio.Task[None] | None = None
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -27,11 +29,3 @@ class LoopLagMonitor:
             await asyncio.sleep(self.interval_s)
             self.histogram.observe(max(0.0, loop.time() - expected))
 
-    def start(self) -> None:
-        self._task = asyncio.create_task(self._run(), name="loop-lag-monitor")
-
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task

@@ -9,9 +9,10 @@ array path. So instead, when a process has had no request in flight for a while,
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import ctypes
 from collections.abc import Callable
+
+from frontend.background import BackgroundLoop
 
 _INTERVAL_S = 10.0
 
@@ -24,12 +25,13 @@ def _malloc_trim() -> Callable[[int], int] | None:
     return trim
 
 
-class IdleMemoryTrimmer:
+class IdleMemoryTrimmer(BackgroundLoop):
+    task_name = "idle-memory-trim"
+
     def __init__(self, is_idle: Callable[[], bool], interval_s: float = _INTERVAL_S) -> None:
         self.is_idle = is_idle
         self.interval_s = interval_s
         self._trim = _malloc_trim()
-        self._task: asyncio.Task[None] | None = None
         self.trims = 0
 
     async def _run(self) -> None:
@@ -43,11 +45,3 @@ class IdleMemoryTrimmer:
                 self.trims += 1
                 busy_since_last = False
 
-    def start(self) -> None:
-        self._task = asyncio.create_task(self._run(), name="idle-memory-trim")
-
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task

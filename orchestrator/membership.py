@@ -8,10 +8,10 @@ it is idle).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import socket
 
+from frontend.background import BackgroundLoop
 from frontend.config import DiscoveryConfig
 from orchestrator.pool import WorkerPool
 
@@ -23,11 +23,11 @@ def _url(scheme: str, address: str, port: int) -> str:
     return f"{scheme}://{host}:{port}"
 
 
-class DnsDiscovery:
+class DnsDiscovery(BackgroundLoop):
     def __init__(self, pool: WorkerPool, config: DiscoveryConfig) -> None:
         self.pool = pool
         self.config = config
-        self._task: asyncio.Task[None] | None = None
+        self.task_name = f"dns-discovery-{pool.name}"
 
     async def resolve(self) -> set[str] | None:
         """The URLs the name resolves to now, or None if the lookup failed."""
@@ -49,11 +49,3 @@ class DnsDiscovery:
             await self.refresh()
             await asyncio.sleep(self.config.interval_s)
 
-    def start(self) -> None:
-        self._task = asyncio.create_task(self._run(), name=f"dns-discovery-{self.pool.name}")
-
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Iterable
 
 import orjson
 
+from frontend.background import BackgroundLoop
 from frontend.errors import UpstreamError, UpstreamUnavailableError
 from frontend.guardrail import GenEngineFacts
 from orchestrator.routers import Router, RoutingKey
@@ -126,13 +126,14 @@ class WorkerPool:
         await asyncio.gather(*(w.aclose() for w in self.workers), *self._closing, return_exceptions=True)
 
 
-class HealthMonitor:
+class HealthMonitor(BackgroundLoop):
     """Polls every pool on an interval so that routing only ever sees workers that answered lately."""
+
+    task_name = "health-monitor"
 
     def __init__(self, pools: list[WorkerPool], interval_s: float) -> None:
         self.pools = pools
         self.interval_s = interval_s
-        self._task: asyncio.Task[None] | None = None
 
     async def check_now(self) -> None:
         await asyncio.gather(*(pool.check_health() for pool in self.pools))
@@ -145,11 +146,3 @@ class HealthMonitor:
                 logger.exception("health check round failed")
             await asyncio.sleep(self.interval_s)
 
-    def start(self) -> None:
-        self._task = asyncio.create_task(self._run(), name="health-monitor")
-
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
