@@ -72,6 +72,7 @@ class FlowRequest:
     gen_worker: str | None = None
     ctx: ContextResult | None = None  # the latest CTX answer: the hand-off to release if GEN never takes it
     ctx_redone: bool = False
+    fallback_counted: bool = False  # a metadata-only fallback is counted once, however many GEN attempts
 
     @property
     def path(self) -> str:
@@ -185,7 +186,9 @@ class DisaggFlow:
                 for name in PROMPT_FIELDS if facts.prompt_tokens_in_handoff else TOKEN_FIELDS:
                     gen_body.pop(name, None)
                 return orjson.dumps(gen_body)
-            self.metrics.metadata_only_fallback.labels(reason=reason.value).inc()
+            if not request.fallback_counted:
+                request.fallback_counted = True
+                self.metrics.metadata_only_fallback.labels(reason=reason.value).inc()
         encoded = ctx.response.get("prompt_token_ids_b64")
         if (self.config.gen_tokids_ctxbytes or self.config.gen_tokids_metadata_only) and encoded is not None:
             gen_body["prompt_token_ids_b64"] = encoded  # the same str object CTX's answer held
