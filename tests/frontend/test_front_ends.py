@@ -7,108 +7,31 @@ and ``/metrics`` must report the sum over all of them.
 
 from __future__ import annotations
 
-import contextlib
 import glob
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import pytest
-import yaml
 from prometheus_client.mmap_dict import MmapedDict
 from prometheus_client.parser import text_string_to_metric_families
 
-from frontend.launcher import die_with_parent, free_port
+from bench.common import (
+    Processes,
+    Server,
+    descendants,
+    free_port,
+    orchestrator_config,
+    wait_healthy,
+    worker_args,
+)
 from workers.engines.reference.tiny_model import write_tiny_model
 
 CORE_MODULE = "workers.engines.reference.core"
-REPO_ROOT = Path(__file__).resolve().parents[2]
-
-
-@dataclass
-class Server:
-    name: str
-    url: str
-    process: subprocess.Popen[bytes]
-    log_path: Path
-
-    @property
-    def pid(self) -> int:
-        return self.process.pid
-
-    def log_tail(self) -> str:
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-30:])
-
-
-@contextlib.contextmanager
-def processes(log_dir: Path) -> Iterator[Callable[[str, list[str], int], Server]]:
-    """Start ``disagg-serve`` subprocesses on loopback; every one is stopped (SIGTERM, then SIGKILL) at the end."""
-    started: list[Server] = []
-
-    def spawn(name: str, args: list[str], port: int) -> Server:
-        log_path = log_dir / f"{name}.log"
-        with open(log_path, "wb") as log:
-            process = subprocess.Popen([sys.executable, "-m", "frontend.cli", "--log-level", "warning", *args],
-                                       stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                       cwd=REPO_ROOT, preexec_fn=die_with_parent)
-        server = Server(name, f"http://127.0.0.1:{port}", process, log_path)
-        started.append(server)
-        return server
-
-    try:
-        yield spawn
-    finally:
-        for server in reversed(started):
-            if server.process.poll() is None:
-                server.process.send_signal(signal.SIGTERM)
-        for server in reversed(started):
-            try:
-                server.process.wait(timeout=40)
-            except subprocess.TimeoutExpired:
-                server.process.kill()
-                server.process.wait(timeout=10)
-
-
-def descendants(pid: int) -> list[int]:
-    """``pid`` and every live process below it."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                raw = Path(f"/proc/{entry}/stat").read_bytes()
-                children.setdefault(int(raw.rsplit(b")", 1)[1].split()[1]), []).append(int(entry))
-            except (OSError, ValueError, IndexError):
-                continue
-    found, stack = [], [pid]
-    while stack:
-        current = stack.pop()
-        found.append(current)
-        stack.extend(children.get(current, ()))
-    return found
-
-
-def worker_args(role: str, engine: str, port: int, *extra: str) -> list[str]:
-    return ["worker", "--role", role, "--engine", engine, "--host", "127.0.0.1", "--port", str(port), *extra]
-
-
-def wait_healthy(servers: list[Server], timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    for server in servers:
-        while True:
-            assert server.process.poll() is None, server.log_tail()
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(server.url + "/health", timeout=2).status_code == 200:
-                    break
-            assert time.monotonic() < deadline, f"{server.name} not healthy:\n{server.log_tail()}"
-            time.sleep(0.1)
 
 
 def _cmdline(pid: int) -> str:
@@ -188,15 +111,13 @@ def _stop_with_sigterm(server: Server, family: list[int]) -> None:
 
 def test_an_orchestrator_with_two_front_ends_counts_every_request_once(tmp_path: Path) -> None:
     ctx_port, gen_port, port = free_port(), free_port(), free_port()
-    with processes(tmp_path) as spawn:
-        ctx = spawn("ctx", worker_args("context", "synthetic", ctx_port), ctx_port)
-        gen = spawn("gen", worker_args("generation", "synthetic", gen_port), gen_port)
-        config = tmp_path / "orchestrator.yaml"
-        config.write_text(yaml.safe_dump({
-            "hostname": "127.0.0.1", "port": port, "health_check_interval_s": 0.5,
-            "context_servers": {"urls": [ctx.url]}, "generation_servers": {"urls": [gen.url]},
-        }))
-        orch = spawn("orchestrator", ["orchestrator", "--config", str(config), "--api-workers", "2"], port)
+    with Processes(log_dir=tmp_path) as processes:
+        ctx = processes.disagg_serve("ctx", worker_args("context", "synthetic", ctx_port), ctx_port)
+        gen = processes.disagg_serve("gen", worker_args("generation", "synthetic", gen_port), gen_port)
+        config = orchestrator_config(tmp_path / "orchestrator.yaml", port, [ctx.url], [gen.url],
+                                     health_check_interval_s=0.5)
+        orch = processes.disagg_serve("orchestrator", ["orchestrator", "--config", str(config), "--api-workers", "2"],
+                                      port)
         wait_healthy([ctx, gen], 60)
         front_ends = _wait_for_front_ends(orch, 2)
         metrics_dir = _multiproc_dir(front_ends[0])
@@ -219,8 +140,8 @@ def test_an_orchestrator_with_two_front_ends_counts_every_request_once(tmp_path:
 def test_a_reference_worker_with_two_front_ends_shares_one_engine_core(tmp_path: Path) -> None:
     model = write_tiny_model(tmp_path / "tiny.gguf", seed=0)
     port = free_port()
-    with processes(tmp_path) as spawn:
-        worker = spawn("worker", worker_args(
+    with Processes(log_dir=tmp_path) as processes:
+        worker = processes.disagg_serve("worker", worker_args(
             "both", "reference", port, "--api-workers", "2", "--model", str(model), "--blas-threads", "1"), port)
         front_ends = _wait_for_front_ends(worker, 2, timeout_s=120)
         family = descendants(worker.pid)
