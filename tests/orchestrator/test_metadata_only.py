@@ -53,6 +53,17 @@ def _gen_path_count(cluster: RefCluster, path: str) -> float:
     return sample(cluster.gen.app.state.metrics, "disagg_gen_prompt_path_total", path=path)
 
 
+def _echo_through_both(cluster: RefCluster) -> list[str]:
+    """An echo completion through the orchestrator, then from the aggregated worker."""
+    texts = []
+    for node in ("orchestrator", "aggregated"):
+        with getattr(cluster, node).client() as client:
+            reply = client.completions.create(model=cluster.model, prompt="Hello there", max_tokens=6,
+                                              temperature=0, echo=True)
+        texts.append(reply.choices[0].text)
+    return texts
+
+
 def _fallbacks(cluster: RefCluster, reason: str) -> float:
     return sample(cluster.orchestrator.app.state.metrics, "disagg_metadata_only_fallback_total", reason=reason)
 
@@ -97,12 +108,7 @@ def test_each_fallback_relays_real_tokens_counts_it_and_keeps_the_output(
 def test_echo_falls_back_and_keeps_the_output(without_tokens_in_handoff: RefCluster) -> None:
     cluster = without_tokens_in_handoff
     before = _fallbacks(cluster, "echo")
-    texts = []
-    for node in ("orchestrator", "aggregated"):
-        with getattr(cluster, node).client() as client:
-            reply = client.completions.create(model=cluster.model, prompt="Hello there", max_tokens=6,
-                                              temperature=0, echo=True)
-        texts.append(reply.choices[0].text)
+    texts = _echo_through_both(cluster)
     assert texts[0] == texts[1] and texts[0].startswith("Hello there")
     assert _fallbacks(cluster, "echo") == before + 1
 
@@ -149,12 +155,7 @@ def test_tokens_beside_the_kv_admit_penalties_with_equal_output(with_tokens_in_h
 
 def test_tokens_beside_the_kv_admit_echo(with_tokens_in_handoff: RefCluster) -> None:
     cluster = with_tokens_in_handoff
-    texts = []
-    for node in ("orchestrator", "aggregated"):
-        with getattr(cluster, node).client() as client:
-            reply = client.completions.create(model=cluster.model, prompt="Hello there", max_tokens=6,
-                                              temperature=0, echo=True)
-        texts.append(reply.choices[0].text)
+    texts = _echo_through_both(cluster)
     assert texts[0] == texts[1] and texts[0].startswith("Hello there")
     assert "prompt" not in _gen_bodies(cluster)[-1]
 
