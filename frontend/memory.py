@@ -33,11 +33,13 @@ class IdleMemoryTrimmer(BackgroundLoop):
         self.interval_s = interval_s
         self._trim = _malloc_trim()
         self.trims = 0
+        self.checks = 0  # ticks so far: lets a caller wait for the trimmer to have looked, not for the clock
 
     async def _run(self) -> None:
         busy_since_last = True
         while True:
             await asyncio.sleep(self.interval_s)
+            self.checks += 1
             if not self.is_idle():
                 busy_since_last = True
             elif busy_since_last and self._trim is not None:

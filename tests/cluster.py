@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import time
-from collections.abc import AsyncGenerator, Callable, Iterator
+from collections.abc import AsyncGenerator, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -166,12 +165,3 @@ def total(metrics: Metrics, name: str) -> float:
     """The sum of every sample called ``name``, whatever its labels."""
     return sum(s.value for family in metrics.registry.collect() for s in family.samples if s.name == name)
 
-
-def eventually(condition: Callable[[], bool], timeout_s: float = 10.0) -> bool:
-    """Wait (bounded) for state that is set just after a stream's last byte, such as release() bookkeeping."""
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True

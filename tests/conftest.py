@@ -3,12 +3,28 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
 import openai
 import pytest
+from hypothesis import HealthCheck, settings
 
 from tests.cluster import Cluster, cluster_running
+
+# One Hypothesis profile for the whole suite. No wall-clock deadline: a property test's examples run in
+# microseconds alone and in hundreds of milliseconds on a busy 2-core machine, and the deadline then fails a
+# correct test at random. Derandomized under CI (CI=true), so a CI run explores the same examples every time;
+# no example database (nothing carried between runs). Tests set only max_examples (and health checks) themselves.
+settings.register_profile(
+    "disagg-serve",
+    deadline=None,
+    derandomize=os.environ.get("CI", "").lower() == "true",
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow],
+    print_blob=True,
+)
+settings.load_profile("disagg-serve")
 
 
 @pytest.fixture(scope="session")

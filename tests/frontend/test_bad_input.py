@@ -19,7 +19,8 @@ import pybase64
 import pytest
 
 from frontend.token_codec import encode_prompt_tokens
-from tests.cluster import MODEL, Node, eventually, sample, start_orchestrator, start_worker
+from tests.cluster import MODEL, Node, sample, start_orchestrator, start_worker
+from tests.waiting import eventually
 from workers.engines.synthetic import SYNTHETIC_TEXT, SyntheticConfig
 
 CONTEXT = 1024
@@ -307,5 +308,5 @@ def test_more_concurrent_requests_than_configured_is_429_with_retry_after(nodes:
             assert refused.headers["retry-after"] == "1"
             assert "limit of 2" in error["message"]
         assert sample(node.metrics, "disagg_engine_inflight_requests", role=role) == 2
-    assert eventually(lambda: sample(node.metrics, "disagg_engine_inflight_requests", role=role) == 0, timeout_s=10)
+    assert eventually(lambda: sample(node.metrics, "disagg_engine_inflight_requests", role=role) == 0)
     assert_serving(node.url)

@@ -29,6 +29,7 @@ from bench.common import (
     wait_healthy,
     worker_args,
 )
+from tests.waiting import eventually
 from workers.engines.reference.tiny_model import write_tiny_model
 
 CORE_MODULE = "workers.engines.reference.core"
@@ -103,9 +104,7 @@ def _wait_for_front_ends(server: Server, count: int, timeout_s: float = 60.0) ->
 def _stop_with_sigterm(server: Server, family: list[int]) -> None:
     server.process.send_signal(signal.SIGTERM)
     assert server.process.wait(timeout=60) == 0, server.log_tail()
-    deadline = time.monotonic() + 10
-    while any(_alive(pid) for pid in family) and time.monotonic() < deadline:
-        time.sleep(0.1)
+    eventually(lambda: not any(_alive(pid) for pid in family), every_s=0.1)
     assert [pid for pid in family if _alive(pid)] == []
 
 

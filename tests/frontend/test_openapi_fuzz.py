@@ -23,7 +23,8 @@ from schemathesis.core.result import Ok
 from frontend.errors import ServingError
 from frontend.http import validate_wire
 from frontend.openai_models import ChatCompletionRequest, CompletionRequest, ResponsesRequest
-from tests.cluster import MODEL, Node, eventually, sample, start_orchestrator, start_worker
+from tests.cluster import MODEL, Node, sample, start_orchestrator, start_worker
+from tests.waiting import eventually
 from workers.engines.synthetic import SyntheticConfig
 
 MAX_EXAMPLES = 30
@@ -75,8 +76,7 @@ def test_no_generated_request_gets_a_5xx_or_hangs(
     statuses: list[int] = []
 
     with requests.Session() as session:
-        @settings(max_examples=MAX_EXAMPLES, deadline=None, derandomize=True, database=None,
-                  suppress_health_check=list(HealthCheck))
+        @settings(max_examples=MAX_EXAMPLES, suppress_health_check=list(HealthCheck))
         @given(case=operation.as_strategy(mode))
         def check(case: Any) -> None:
             if mode is GenerationMode.POSITIVE and isinstance(case.body, dict):
@@ -127,8 +127,7 @@ def _plausible(model: Any) -> st.SearchStrategy[dict[str, Any]]:
 
 
 @pytest.mark.parametrize("model", WIRE_MODELS, ids=[m.__name__ for m in WIRE_MODELS])
-@settings(max_examples=300, deadline=None, derandomize=True, database=None,
-          suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=300)
 @given(data=st.data())
 def test_wire_validation_raises_only_serving_errors(model: Any, data: st.DataObject) -> None:
     payload = data.draw(st.one_of(st.dictionaries(st.text(max_size=12), JSON, max_size=6), _fields(model),

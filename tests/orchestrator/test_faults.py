@@ -22,8 +22,9 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from frontend.launcher import free_port
-from tests.cluster import MODEL, Node, Recorder, RecordingEngine, eventually, sample, start_orchestrator, start_worker
+from tests.cluster import MODEL, Node, Recorder, RecordingEngine, sample, start_orchestrator, start_worker
 from tests.servers import ServerThread, running
+from tests.waiting import eventually
 from workers.engines.synthetic import SYNTHETIC_TEXT
 from workers.server import create_worker_app
 from workers.serving import Role, WorkerSettings
@@ -253,12 +254,12 @@ def test_a_gen_that_comes_back_on_the_same_port_is_used_again(live: tuple[Node, 
                 assert chat(orch.url) == synthetic_text(4)
             assert len(first_recorder.posts("/v1/chat/completions")) == 2
             first.stop()
-            assert eventually(lambda: not pool.workers[0].healthy, timeout_s=5)
+            assert eventually(lambda: not pool.workers[0].healthy)
             for i in range(4):
                 assert chat(orch.url, stream=i % 2 == 1) == synthetic_text(4)
             second, second_recorder, again = worker_thread("generation", port)
             assert again == url
-            assert eventually(lambda: pool.workers[0].healthy, timeout_s=5)
+            assert eventually(lambda: pool.workers[0].healthy)
             for _ in range(4):
                 assert chat(orch.url) == synthetic_text(4)
             assert len(second_recorder.posts("/v1/chat/completions")) == 2  # back in the round robin

@@ -17,8 +17,9 @@ import pytest
 from frontend.config import parse_config
 from frontend.launcher import free_port
 from orchestrator.server import create_orchestrator_app
-from tests.cluster import MODEL, Node, Recorder, RecordingEngine, eventually, start_worker
+from tests.cluster import MODEL, Node, Recorder, RecordingEngine, start_worker
 from tests.servers import ServerThread, running
+from tests.waiting import eventually
 from workers.engines.synthetic import SYNTHETIC_TEXT
 from workers.registration import Registration
 from workers.server import create_worker_app
@@ -106,7 +107,7 @@ def test_a_worker_built_with_registration_joins_by_itself_and_leaves_at_shutdown
     pool = registering.app.state.pools["generation"]
     try:
         assert server.start() == advertise
-        assert eventually(lambda: any(w.url == advertise and w.healthy for w in pool.workers), timeout_s=10)
+        assert eventually(lambda: any(w.url == advertise and w.healthy for w in pool.workers))
         assert _chat(registering.url, 6) == synthetic_text(6)
         assert len(engine.requests) == 1
     finally:
@@ -190,7 +191,7 @@ def test_dns_discovery_finds_a_worker_by_name(ctx: Node) -> None:
             "generation_servers": {"discovery": {"dns_name": "localhost", "port": port, "interval_s": 0.2}},
         }, admin_key=None)
         pool = orch.app.state.pools["generation"]
-        assert eventually(lambda: any(w.url == gen.url and w.healthy for w in pool.workers), timeout_s=10)
+        assert eventually(lambda: any(w.url == gen.url and w.healthy for w in pool.workers))
         found = {w.url: w.healthy for w in pool.workers}
         # localhost is 127.0.0.1 here, and maybe ::1 too: nothing listens there, so that one just stays out.
         assert set(found) <= {gen.url, f"http://[::1]:{port}"}

@@ -30,8 +30,9 @@ from orchestrator.routers import (
 )
 from orchestrator.server import create_orchestrator_app
 from orchestrator.upstream import WorkerClient, WorkerTimeouts
-from tests.cluster import MODEL, Node, Recorder, RecordingEngine, eventually, start_worker
+from tests.cluster import MODEL, Node, Recorder, RecordingEngine, start_worker
 from tests.servers import ServerThread, running
+from tests.waiting import eventually
 from workers.engines.synthetic import SYNTHETIC_TEXT, SyntheticConfig
 from workers.server import create_worker_app
 from workers.serving import Role, WorkerSettings

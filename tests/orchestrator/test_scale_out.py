@@ -11,7 +11,8 @@ import httpx
 import openai
 import pytest
 
-from tests.cluster import MODEL, Node, eventually, sample, start_orchestrator, start_worker
+from tests.cluster import MODEL, Node, sample, start_orchestrator, start_worker
+from tests.waiting import eventually
 from workers.engines.synthetic import SYNTHETIC_TEXT
 
 LOCAL_LIMIT = 100  # tokens, as the orchestrator estimates them (~4 characters a token)

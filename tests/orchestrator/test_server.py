@@ -15,7 +15,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from frontend.openai_output import Endpoint
-from tests.cluster import MODEL, Cluster, Node, eventually, sample, start_orchestrator, start_worker
+from tests.cluster import MODEL, Cluster, Node, sample, start_orchestrator, start_worker
+from tests.waiting import eventually
 from workers.engines.byte_tokenizer import ByteTokenizer
 from workers.engines.synthetic import SYNTHETIC_TEXT
 

@@ -14,8 +14,9 @@ import orjson
 import pytest
 from openai.types.chat import ChatCompletion
 
-from tests.cluster import MODEL, Cluster, Node, Recorder, eventually, sample
+from tests.cluster import MODEL, Cluster, Node, Recorder, sample
 from tests.servers import running
+from tests.waiting import eventually
 from workers.engines.base import EngineOutput
 from workers.engines.synthetic import SYNTHETIC_TEXT, SyntheticConfig, SyntheticEngine
 from workers.generation_request import GenerationRequest
@@ -292,7 +293,7 @@ def test_a_stream_whose_client_leaves_before_the_first_token_stops_at_once() -> 
         body = {"model": "synthetic", "prompt": "hello", "max_tokens": 4, "stream": True}
         with pytest.raises(httpx.ReadTimeout), httpx.Client(timeout=httpx.Timeout(10, read=0.5)) as client:
             client.post(url + "/v1/completions", json=body)
-        assert eventually(lambda: app.state.service.inflight == 0, timeout_s=5)  # not after the 30 s prefill
-        assert eventually(lambda: not engine._running, timeout_s=5)
+        assert eventually(lambda: app.state.service.inflight == 0, timeout_s=20)  # not after the 30 s prefill
+        assert eventually(lambda: not engine._running, timeout_s=20)
         assert sample(app.state.metrics, "disagg_requests_total", role="both", endpoint="completions",
                       status="499") == 1

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import socket
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -23,6 +22,7 @@ from frontend.metrics import Metrics
 from orchestrator.server import create_orchestrator_app
 from tests.cluster import sample
 from tests.servers import ServerThread
+from tests.waiting import eventually
 from workers.engines.reference.engine import ReferenceEngine, ReferenceOptions
 from workers.engines.reference.tiny_model import write_tiny_model
 from workers.server import create_worker_app
@@ -64,15 +64,6 @@ class Cluster:
     gen: Worker
     url: str  # the orchestrator
     model: str
-
-
-def _wait(condition: Any, timeout_s: float = 30.0, every_s: float = 0.01) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(every_s)
-    return True
 
 
 @pytest.fixture(scope="module")
@@ -117,15 +108,15 @@ def test_a_client_leaving_while_ctx_prefills_frees_ctx(cluster: Cluster) -> None
     body = {"model": cluster.model, "prompt": [7] * LONG_PROMPT, "max_tokens": 4, "temperature": 0}
     sock = _raw_post(cluster.url, "/v1/completions", body)
     try:
-        assert _wait(lambda: cluster.ctx.core()["active"] == 1), "CTX never started the prefill"
+        assert eventually(lambda: cluster.ctx.core()["active"] == 1), "CTX never started the prefill"
         assert cluster.ctx.inflight() == 1
         assert cluster.gen.inflight() == 0  # still in the CTX step
     finally:
         sock.close()  # the client goes away mid-prefill
-    assert _wait(lambda: cluster.ctx.core()["active"] == 0 and cluster.ctx.inflight() == 0, every_s=0.05)
+    assert eventually(lambda: cluster.ctx.core()["active"] == 0 and cluster.ctx.inflight() == 0, every_s=0.05)
     # Aborted, not finished: a finished prefill would have parked its KV for a GEN that will never come.
     assert cluster.ctx.kv_entries() == 0
-    assert _wait(lambda: cluster.ctx.gauge("disagg_requests_total", role="context", endpoint="completions",
+    assert eventually(lambda: cluster.ctx.gauge("disagg_requests_total", role="context", endpoint="completions",
                                            status="499") == 1)
     assert cluster.gen.core()["active"] == 0
     _serves_normally(cluster)
@@ -147,7 +138,7 @@ def test_a_client_leaving_while_gen_streams_frees_gen_and_the_handoff(cluster: C
         assert cluster.gen.inflight() == 1
         assert cluster.ctx.kv_entries() == 0  # GEN took the hand-off already
     # The client closed the connection after three chunks of thousands.
-    assert _wait(lambda: cluster.gen.core()["active"] == 0 and cluster.gen.inflight() == 0, every_s=0.05)
+    assert eventually(lambda: cluster.gen.core()["active"] == 0 and cluster.gen.inflight() == 0, every_s=0.05)
     assert cluster.ctx.core()["active"] == 0
     assert cluster.ctx.kv_entries() == 0
     _serves_normally(cluster)
@@ -159,5 +150,5 @@ def _serves_normally(cluster: Cluster) -> None:
                        timeout=60)
     assert reply.status_code == 200, reply.text
     assert reply.json()["usage"]["completion_tokens"] >= 1
-    assert _wait(lambda: _idle(cluster), every_s=0.05)
+    assert eventually(lambda: _idle(cluster), every_s=0.05)
 

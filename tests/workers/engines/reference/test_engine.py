@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import pathlib
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -17,6 +16,7 @@ from openai.types.chat import ChatCompletionMessageParam
 
 from frontend.errors import EngineError
 from frontend.token_codec import TOKEN_DTYPE
+from tests.waiting import eventually, eventually_async
 from tests.workers.engines.reference.cluster import RefCluster, reference_cluster, start_reference_worker
 from workers.engines.reference.engine import ReferenceEngine, ReferenceOptions
 from workers.engines.reference.tiny_model import write_tiny_model
@@ -54,19 +54,14 @@ def _generation_step(cluster: RefCluster, ctx: dict[str, Any], **params: Any) ->
     return httpx.post(cluster.gen.url + "/v1/chat/completions", json=body, timeout=60)
 
 
+async def _no_active_requests(engine: ReferenceEngine) -> bool:
+    return await engine.active_requests() == 0
+
+
 def _kv_entries(node_url: str) -> float:
     text = httpx.get(node_url + "/metrics", timeout=10).text
     line = next(line for line in text.splitlines() if line.startswith("disagg_kv_store_entries "))
     return float(line.split()[1])
-
-
-def _wait_for(condition: Any, timeout_s: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
 
 
 def test_disaggregated_equals_aggregated_on_the_tiny_model(tiny_cluster: RefCluster) -> None:
@@ -94,7 +89,7 @@ def test_kv_store_is_empty_after_requests_complete(tiny_cluster: RefCluster) -> 
                                                temperature=0, stream=stream)
             if stream:
                 list(result)
-    assert _wait_for(lambda: _kv_entries(tiny_cluster.ctx.url) == 0)
+    assert eventually(lambda: _kv_entries(tiny_cluster.ctx.url) == 0)
 
 
 def test_a_replayed_handoff_is_refused(tiny_cluster: RefCluster) -> None:
@@ -158,7 +153,7 @@ def test_an_unused_handoff_expires(tiny_path: pathlib.Path) -> None:
     with reference_cluster(options) as cluster:
         ctx = _context_step(cluster)
         assert _kv_entries(cluster.ctx.url) == 1
-        assert _wait_for(lambda: _kv_entries(cluster.ctx.url) == 0, timeout_s=10)
+        assert eventually(lambda: _kv_entries(cluster.ctx.url) == 0)
         expired = _generation_step(cluster, ctx)
         assert expired.status_code == 400
         assert "expired" in expired.json()["error"]["message"]
@@ -172,7 +167,7 @@ def test_a_stop_string_hit_at_ctx_frees_the_parked_kv(tiny_cluster: RefCluster) 
     ctx = _context_step(tiny_cluster, stop=[text[:1]])
     assert ctx["choices"][0]["finish_reason"] == "stop"
     assert ctx["choices"][0]["disaggregated_params"]["encoded_opaque_state"] is None
-    assert _wait_for(lambda: _kv_entries(tiny_cluster.ctx.url) == 0)
+    assert eventually(lambda: _kv_entries(tiny_cluster.ctx.url) == 0)
 
 
 async def test_closing_the_stream_early_aborts_the_request_in_the_core(tiny_options: ReferenceOptions) -> None:
@@ -186,11 +181,7 @@ async def test_closing_the_stream_early_aborts_the_request_in_the_core(tiny_opti
         assert all(len(o.token_ids) == 1 for o in received)
         assert await engine.active_requests() == 1
         await outputs.aclose()
-        for _ in range(100):
-            if await engine.active_requests() == 0:
-                break
-            await asyncio.sleep(0.02)
-        assert await engine.active_requests() == 0
+        assert await eventually_async(lambda: _no_active_requests(engine))
         assert not request.prompt_list_built  # the prompt crossed to the core as raw int32 bytes
     finally:
         await engine.aclose()
@@ -234,14 +225,9 @@ async def test_a_context_only_request_parks_its_kv_and_reports_the_handoff(tiny_
         outputs = [o async for o in engine.generate(request)]
         assert len(outputs) == 1 and len(outputs[0].token_ids) == 1
         assert outputs[0].handoff_state is not None
-        await asyncio.sleep(0.1)
-        assert engine.kv_store_stats()[0] == 1
+        assert await eventually_async(lambda: engine.kv_store_stats()[0] == 1)
         await engine.abort("c1")  # aborting a parked request frees its hand-off
-        for _ in range(100):
-            if engine.kv_store_stats() == (0, 0):
-                break
-            await asyncio.sleep(0.02)
-        assert engine.kv_store_stats() == (0, 0)
+        assert await eventually_async(lambda: engine.kv_store_stats() == (0, 0))
     finally:
         await engine.aclose()
 
@@ -297,7 +283,7 @@ def test_a_parked_handoff_is_released_only_with_its_key(tiny_cluster: RefCluster
     released = httpx.post(release, json={"ctx_request_id": params["ctx_request_id"],
                                          "encoded_opaque_state": params["encoded_opaque_state"]})
     assert released.json() == {"released": True}
-    assert _wait_for(lambda: _kv_entries(tiny_cluster.ctx.url) == 0)
+    assert eventually(lambda: _kv_entries(tiny_cluster.ctx.url) == 0)
 
 
 def test_the_orchestrator_frees_ctx_kv_when_gen_refuses_the_request(tiny_path: pathlib.Path,
@@ -309,4 +295,4 @@ def test_the_orchestrator_frees_ctx_kv_when_gen_refuses_the_request(tiny_path: p
     with reference_cluster(options, gen_options=other) as cluster, cluster.orchestrator.client() as client:
         with pytest.raises(openai.BadRequestError, match="different model"):
             client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=8)
-        assert _wait_for(lambda: _kv_entries(cluster.ctx.url) == 0, timeout_s=10)
+        assert eventually(lambda: _kv_entries(cluster.ctx.url) == 0)

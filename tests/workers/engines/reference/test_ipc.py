@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import asyncio
+import contextlib
 import pathlib
 import pickle
 import socket
@@ -24,12 +25,13 @@ import pytest
 
 from tests.workers.engines.reference.cluster import RefCluster, reference_cluster
 from workers.engines.reference.engine import ReferenceEngine, ReferenceOptions
-from workers.engines.reference.ipc import ChannelClosed, read_frame_blocking
+from workers.engines.reference.ipc import ChannelClosed, read_frame_blocking, send_frame_blocking
 from workers.generation_request import GenerationRequest
 from workers.sampling_params import SamplingParams
 
 REFERENCE = pathlib.Path(__file__).resolve().parents[4] / "workers" / "engines" / "reference"
 BOUNDARY_MODULES = ["ipc.py", "core.py", "engine.py", "kv_store.py", "kv_fetch.py", "kv_handoff.py"]
+_SYNC_PING = 424242
 UNSAFE_LOADERS = {"pickle", "_pickle", "cPickle", "cloudpickle", "dill", "marshal", "shelve", "joblib",
                   "multiprocessing.connection"}
 
@@ -76,6 +78,23 @@ def _send_raw_frame(path: str, header: bytes, payload: bytes = b"") -> socket.so
     return sock
 
 
+async def _until_handled(sock: socket.socket) -> None:
+    """Synchronise with the core, not the clock: the core handles a channel's frames in order, so a ping sent
+    after the frame under test is answered only once that frame was handled. A channel the core closed ends
+    the wait too (its frame never reached the core)."""
+    def wait() -> None:
+        sock.settimeout(60)
+        with contextlib.suppress(OSError):
+            send_frame_blocking(sock, {"op": "ping", "ping": _SYNC_PING})
+        with contextlib.suppress(ChannelClosed, OSError):
+            while True:
+                header, _ = read_frame_blocking(sock)
+                if header.get("op") == "pong" and header.get("ping") == _SYNC_PING:
+                    return
+
+    await asyncio.to_thread(wait)
+
+
 async def _still_serves(engine: ReferenceEngine) -> None:
     assert await engine.health()
     prompt = engine.tokenizer.encode("Hello")
@@ -102,7 +121,7 @@ async def test_a_pickled_frame_is_never_unpickled_and_the_core_keeps_serving(
     evil = pickle.dumps(_Canary(canary))
     for header, payload in ((evil, b""), (b'{"op": "ping", "ping": 1}', evil)):
         sock = _send_raw_frame(_socket_path(engine), header, payload)
-        await asyncio.sleep(0.3)
+        await _until_handled(sock)
         sock.close()
     await _still_serves(engine)
     assert not canary.exists()
@@ -110,7 +129,7 @@ async def test_a_pickled_frame_is_never_unpickled_and_the_core_keeps_serving(
 
 async def test_a_frame_that_is_not_json_closes_only_that_channel(engine: ReferenceEngine) -> None:
     sock = _send_raw_frame(_socket_path(engine), b"\x80\x04not json")
-    sock.settimeout(2)
+    sock.settimeout(60)
     try:
         def drain() -> None:
             for _ in range(10):  # the ready frame first, then the end of the channel
@@ -126,7 +145,7 @@ async def test_a_frame_that_is_not_json_closes_only_that_channel(engine: Referen
 @pytest.mark.parametrize("header", [b"[1, 2]", b'"text"', b'{"op": "abort"}'], ids=["array", "string", "abort-no-id"])
 async def test_a_malformed_json_frame_does_not_kill_the_core(engine: ReferenceEngine, header: bytes) -> None:
     sock = _send_raw_frame(_socket_path(engine), header)
-    await asyncio.sleep(0.5)
+    await _until_handled(sock)
     sock.close()
     assert engine._process is not None and engine._process.poll() is None
     await _still_serves(engine)

@@ -73,7 +73,7 @@ def test_logprobs_describe_raw_logits() -> None:
     assert len(many) == 4
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=30)
 @given(seed=st.integers(0, 2**32), data_seed=st.integers(0, 1000))
 def test_top_k_one_and_tiny_top_p_are_greedy(seed: int, data_seed: int) -> None:
     steps = random_logits(data_seed, steps=5)
@@ -102,7 +102,7 @@ def test_draws_follow_the_distribution() -> None:
     np.testing.assert_allclose(freq, [0.5, 0.3, 0.2], atol=0.04)
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=25)
 @given(seed=st.integers(0, 2**63 - 1), data_seed=st.integers(0, 1000))
 def test_seed_reproducible(seed: int, data_seed: int) -> None:
     steps = random_logits(data_seed)
@@ -119,7 +119,7 @@ def test_different_seeds_differ_and_none_is_random_but_replayable() -> None:
     assert run(SamplingConfig(seed=sampler.seed), steps) == first
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=40)
 @given(
     seed=st.integers(0, 2**32),
     data_seed=st.integers(0, 1000),

@@ -45,7 +45,7 @@ def test_tiny_round_trip(tiny: Engine, text: str) -> None:
     assert tiny.tokenizer.decode(ids, skip_special_tokens=False) == text
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=60)
 @given(text=st.text(max_size=40))
 def test_tiny_round_trip_any_text(tiny: Engine, text: str) -> None:
     assert tiny.tokenizer.decode(tiny.tokenizer.encode(text), skip_special_tokens=False) == text
@@ -119,7 +119,7 @@ def test_incremental_detokenizer_matches_decode(tiny: Engine, text: str, chunk: 
     assert not any("\ufffd" in d for d in deltas)  # partial characters are held back, never emitted
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=60)
 @given(text=st.text(max_size=30), chunk=st.integers(1, 4), skip=st.booleans())
 def test_incremental_detokenizer_any_text(tiny: Engine, text: str, chunk: int, skip: bool) -> None:
     ids = tiny.tokenizer.encode(text).tolist()
