@@ -187,7 +187,7 @@ def tree_cpu_seconds(pid: int) -> float:
 
 # -- servers as subprocesses ---------------------------------------------------------------------------------
 def free_port() -> int:
-    from frontend.launcher import free_port as project_free_port
+    from entrypoints.launcher import free_port as project_free_port
 
     return project_free_port(LOOPBACK)
 
@@ -201,7 +201,7 @@ def child_env(**extra: str) -> dict[str, str]:
 
 
 def _die_with_parent() -> None:
-    from frontend.launcher import die_with_parent
+    from frontend.process_lifetime import die_with_parent
 
     die_with_parent()
 
@@ -246,7 +246,7 @@ class Processes:
         return server
 
     def disagg_serve(self, name: str, args: list[str], port: int, env: dict[str, str] | None = None) -> Server:
-        argv = [PYTHON, "-m", "frontend.cli", "--log-level", "warning", *args]
+        argv = [PYTHON, "-m", "entrypoints.cli", "--log-level", "warning", *args]
         return self.spawn(name, argv, f"http://{LOOPBACK}:{port}", env)
 
     def stop(self, servers: Sequence[Server] | None = None) -> None:
@@ -331,7 +331,7 @@ def orchestrator_config(path: Path, port: int, ctx_urls: list[str], gen_urls: li
 def orchestrator_help() -> str:
     """The orchestrator's --help text, to find options added after these benchmarks were written."""
     try:
-        done = subprocess.run([PYTHON, "-m", "frontend.cli", "orchestrator", "--help"], capture_output=True,
+        done = subprocess.run([PYTHON, "-m", "entrypoints.cli", "orchestrator", "--help"], capture_output=True,
                               text=True, timeout=60, cwd=REPO_ROOT, env=child_env())
     except subprocess.TimeoutExpired:
         return ""

@@ -5,7 +5,7 @@ project's own GEN code, exactly as a GEN worker runs it after reading the HTTP b
 
     parse_json_object (orjson) -> WorkerService.prepare (refuse_unsupported_parameters, wire-model validation,
     prepare_prompt decode, sampling params, hand-off, GenerationRequest) -> the reference adapter's submit
-    encoding (_submit_frame + encode_frame, the bytes written to the engine core's socket)
+    encoding (submit_frame + encode_frame, the bytes written to the engine core's socket)
 
 once with a client ``prompt_token_ids`` list (the list path) and once with ``prompt_token_ids_b64`` (the array
 path). The floor is what no implementation can avoid for the array body: ``orjson.loads`` + ``pybase64.b64decode(
@@ -36,11 +36,11 @@ from bench.common import fmt, markdown_table, print_and_save, ratio
 from frontend.http import parse_json_object, validate_wire
 from frontend.metrics import Metrics
 from frontend.openai_models import CompletionRequest, refuse_unsupported_parameters
-from workers.engines.reference.engine import _submit_frame
+from workers.engines.reference.frames import submit_frame
 from workers.engines.reference.ipc import encode_frame
+from workers.engines.request import GenerationRequest
 from workers.engines.synthetic import SyntheticEngine
-from workers.generation_request import GenerationRequest
-from workers.request_builder import handoff_from, phase_of, prepare_prompt, sampling_params_from
+from workers.request_builder import handoff_from, phase_of, prepare_prompt, resolve_max_tokens, sampling_params_from
 from workers.serving import WorkerService, WorkerSettings
 
 SIZES = (40_000, 131_072, 290_000)
@@ -70,7 +70,7 @@ class GenPath:
 
     def from_parsed(self, payload: dict[str, Any]) -> tuple[GenerationRequest, list[bytes | memoryview]]:
         prepared = run_to_completion(self.service.prepare(payload, CompletionRequest))
-        header, data = _submit_frame(prepared.request)
+        header, data = submit_frame(prepared.request)
         return prepared.request, encode_frame(header, data)
 
 
@@ -156,7 +156,8 @@ def stage_breakdown(body: bytes, gen: GenPath, warmups: int, runs: int, ops: int
     payload = parse_json_object(body)
     refuse_unsupported_parameters(payload)
     wire = validate_wire(CompletionRequest, payload)
-    prompt = run_to_completion(prepare_prompt(wire, payload, info, gen.engine.tokenizer))
+    sampling = sampling_params_from(wire, info)
+    prompt = run_to_completion(prepare_prompt(wire, sampling, info, gen.engine.get_tokenizer()))
     request = run_to_completion(service.prepare(payload, CompletionRequest)).request
 
     def validate() -> Any:
@@ -164,20 +165,20 @@ def stage_breakdown(body: bytes, gen: GenPath, warmups: int, runs: int, ops: int
         return validate_wire(CompletionRequest, payload)
 
     def build_request() -> Any:
-        sampling = sampling_params_from(wire, int(prompt.tokens.size), info)
+        resolved = resolve_max_tokens(wire, sampling_params_from(wire, info), int(prompt.tokens.size), info)
         handoff = handoff_from(wire.disaggregated_params, info.vocab_size)
         if prompt.token_list is not None:
-            return GenerationRequest.from_token_list("x", prompt.token_list, prompt.tokens, sampling,
+            return GenerationRequest.from_token_list("x", prompt.token_list, prompt.tokens, resolved,
                                                      phase=phase_of(wire.disaggregated_params), handoff=handoff)
-        return GenerationRequest("x", prompt.tokens, sampling, phase=phase_of(wire.disaggregated_params),
+        return GenerationRequest("x", prompt.tokens, resolved, phase=phase_of(wire.disaggregated_params),
                                  prompt_path=prompt.path, handoff=handoff)
 
     stages: dict[str, Callable[[], Any]] = {
         "orjson parse": lambda: parse_json_object(body),
         "wire validation": validate,
-        "prepare_prompt": lambda: run_to_completion(prepare_prompt(wire, payload, info, gen.engine.tokenizer)),
+        "prepare_prompt": lambda: run_to_completion(prepare_prompt(wire, sampling, info, gen.engine.get_tokenizer())),
         "GenerationRequest": build_request,
-        "submit encoding": lambda: encode_frame(*_submit_frame(request)),
+        "submit encoding": lambda: encode_frame(*submit_frame(request)),
     }
     return {name: time_per_op(op, warmups, runs, ops)["ms"] for name, op in stages.items()}
 

@@ -36,7 +36,8 @@ import httpx
 import orjson
 import yaml
 
-from frontend.launcher import die_with_parent, free_port
+from entrypoints.launcher import free_port
+from frontend.process_lifetime import die_with_parent
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 MODEL = "synthetic"
@@ -71,7 +72,7 @@ class Proc:
     def start(self) -> None:
         with open(self.log, "ab") as log:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "frontend.cli", "--log-level", "warning", *self.argv],
+                [sys.executable, "-m", "entrypoints.cli", "--log-level", "warning", *self.argv],
                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=REPO_ROOT,
                 preexec_fn=die_with_parent,
             )

@@ -41,6 +41,7 @@ PROMPTS = (1_024, 40_000, 131_072)
 CONCURRENCY = (1, 16, 64, 256)
 MAX_TOKENS = 8
 TARGET_PROMPT = 131_072
+_PROBER_START_S = 120.0  # a bound on a start-up that takes 0.2 s alone and seconds on a busy machine
 
 
 @dataclass(frozen=True)
@@ -117,11 +118,23 @@ def run_loadgen(processes: Processes, config: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
-def start_prober(processes: Processes, targets: dict[str, str], out: Path, max_s: float) -> Server:
-    argv = [PYTHON, "-m", "bench.prober", "--out", str(out), "--interval-ms", "20", "--max-s", str(max_s)]
+def start_prober(processes: Processes, targets: dict[str, str], out: Path, max_s: float,
+                 samples: int | None = None) -> Server:
+    """Start the prober and return once it is probing (it says so with a file), however slow its start-up."""
+    ready = out.with_suffix(".ready")
+    argv = [PYTHON, "-m", "bench.prober", "--out", str(out), "--interval-ms", "20", "--max-s", str(max_s),
+            "--ready-file", str(ready)]
+    if samples is not None:
+        argv += ["--samples", str(samples)]
     for name, url in targets.items():
         argv += ["--target", f"{name}={url}"]
-    return processes.spawn(f"prober-{out.stem}", argv)
+    prober = processes.spawn(f"prober-{out.stem}", argv)
+    deadline = time.monotonic() + _PROBER_START_S
+    while not ready.exists():
+        if prober.process.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"the prober did not start:\n{prober.log_tail()}")
+        time.sleep(0.01)
+    return prober
 
 
 def stop_prober(processes: Processes, prober: Server, out: Path) -> dict[str, list[list[float | None]]]:
@@ -161,9 +174,12 @@ def run_cell(processes: Processes, cluster: Cluster, mode: str, prompt: int, con
 
 
 def idle_probe(processes: Processes, cluster: Cluster, seconds: float) -> dict[str, Any]:
+    """``seconds`` worth of probes (one every 20 ms) on the idle system, counted rather than timed: on a busy
+    machine the window stretches instead of coming back empty."""
     out = processes.log_dir / "probe-idle.json"
-    prober = start_prober(processes, cluster.urls, out, seconds + 30)
-    time.sleep(seconds)
+    count = max(1, round(seconds / 0.020))
+    prober = start_prober(processes, cluster.urls, out, seconds + 300, samples=count)
+    prober.process.wait(timeout=seconds + 300)
     samples = stop_prober(processes, prober, out)
     return lag_in_window(samples, (0.0, float("inf")))
 
@@ -247,7 +263,7 @@ def summarize_profile(text: str, top: int = 15) -> dict[str, Any]:
             inclusive[frame] += count
     share = (lambda n: 100.0 * n / total) if total else (lambda n: 0.0)
     project = [(f, n) for f, n in inclusive.most_common()
-               if ("orchestrator/" in f or "frontend/" in f) and "frontend/cli.py" not in f]
+               if ("orchestrator/" in f or "frontend/" in f) and "entrypoints/cli.py" not in f]
     return {
         "samples": total,
         "by_library_pct": {name: share(n) for name, n in category.most_common()},

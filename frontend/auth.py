@@ -6,13 +6,7 @@ import hmac
 
 from starlette.requests import Request
 
-from frontend.errors import AuthenticationError, ServingError
-
-
-class AdminDisabledError(ServingError):
-    status_code = 403
-    error_type = "permission_error"
-    default_code = "admin_disabled"
+from frontend.errors import AdminDisabledError, AuthenticationError
 
 
 def require_bearer(request: Request, key: str | None, *, admin: bool = False) -> None:

@@ -7,17 +7,20 @@
     │   ├── ContextLengthError        400 code=context_length_exceeded
     │   └── HandoffError              400 code=invalid_handoff (unknown, expired, replayed or mismatched KV)
     ├── AuthenticationError           401
+    ├── AdminDisabledError            403 code=admin_disabled (no admin key configured: the admin API is shut)
     ├── ModelNotFoundError            404 code=model_not_found
     ├── PayloadTooLargeError          413
     ├── OverloadedError               429 with Retry-After
     ├── EngineError                   500 (the engine failed; foreign errors are wrapped at the adapter)
+    ├── RelayedError                  the worker's own status (a worker's 4xx, or 5xx after retries, whose
+    │                                 body the orchestrator passes on byte for byte)
     └── UpstreamError                 502 (a worker answered badly; says which step failed)
         ├── UpstreamUnavailableError  503 (no worker reachable after retries)
         └── UpstreamTimeoutError      504
 
-Handlers raise; they never return error values. ``error_body`` and ``sse_error_event`` are the only places that
-turn an error into bytes (``frontend.openai_output.stream_error_frames`` uses the latter for chat and completion
-streams), so the HTTP and SSE shapes cannot drift apart.
+Handlers raise; they never return error values. ``error_body``, ``sse_error_event`` (chat and completion streams)
+and ``responses_error_event`` (the Responses API stream) are the only places that turn an error into bytes, so the
+HTTP and SSE shapes cannot drift apart. ``frontend.http`` is the one place that turns an error into a response.
 """
 
 from __future__ import annotations
@@ -26,9 +29,12 @@ from typing import ClassVar
 
 import orjson
 
+from frontend.sse import event_frame
+
 
 class ServingError(Exception):
-    status_code: ClassVar[int] = 500
+    # Not a ClassVar: a relayed error carries the status the worker answered with.
+    status_code: int = 500
     error_type: ClassVar[str] = "server_error"
     default_code: ClassVar[str | None] = None
 
@@ -73,6 +79,12 @@ class AuthenticationError(ServingError):
     default_code = "invalid_api_key"
 
 
+class AdminDisabledError(ServingError):
+    status_code = 403
+    error_type = "permission_error"
+    default_code = "admin_disabled"
+
+
 class ModelNotFoundError(ServingError):
     status_code = 404
     error_type = "invalid_request_error"
@@ -103,6 +115,28 @@ class EngineError(ServingError):
     default_code = "engine_error"
 
 
+class RelayedError(ServingError):
+    """A worker's own error answer, passed to the client as it came: its status and its very bytes.
+
+    Not an ``UpstreamError``: a worker's 400 says the request is bad, not that the worker failed.
+    """
+
+    def __init__(self, status_code: int, content: bytes) -> None:
+        super().__init__(f"the worker answered {status_code}")
+        self.status_code = status_code
+        self.content = content
+
+    def to_dict(self) -> dict[str, object]:
+        # Only for an SSE error event; the HTTP answer is ``content`` itself (see ``error_body``).
+        try:
+            relayed = orjson.loads(self.content)
+        except orjson.JSONDecodeError:
+            relayed = None
+        if isinstance(relayed, dict) and isinstance(relayed.get("error"), dict):
+            return relayed
+        return super().to_dict()
+
+
 class UpstreamError(ServingError):
     status_code = 502
     error_type = "upstream_error"
@@ -122,9 +156,21 @@ class UpstreamTimeoutError(UpstreamError):
 
 
 def error_body(error: ServingError) -> bytes:
+    if isinstance(error, RelayedError):
+        return error.content  # relayed untouched: never parsed and re-encoded
     return orjson.dumps(error.to_dict())
 
 
 def sse_error_event(error: ServingError) -> bytes:
-    """The SSE frame a stream ends with when it fails after its first byte (then ``data: [DONE]``)."""
+    """The SSE frame a chat or completion stream ends with when it fails after its first byte (then
+    ``data: [DONE]``)."""
     return b"data: " + orjson.dumps(error.to_dict()) + b"\n\n"
+
+
+def responses_error_event(error: ServingError, sequence_number: int) -> bytes:
+    """The ``error`` event a Responses API stream ends with when it fails after its first byte (OpenAI's
+    ``ResponseErrorEvent``: the error's fields at the top level, no ``[DONE]`` after it)."""
+    fields = error.to_dict()["error"]
+    assert isinstance(fields, dict)
+    return event_frame("error", {"type": "error", "sequence_number": sequence_number, "code": fields.get("code"),
+                                 "message": fields.get("message"), "param": fields.get("param")})

@@ -1,8 +1,10 @@
 """The metadata-only guardrail: may GEN decode on a length-only placeholder instead of the real prompt?
 
-One pure function over (request body, CTX's prompt_len, GEN engine facts). The orchestrator runs it to decide
-what to send GEN; the GEN server runs it again on what it received, so a placeholder never reaches a feature that
-reads prompt token values. It reads the raw JSON body (a dict), so both sides judge exactly the same thing.
+One pure function (``metadata_only_decision``) over typed facts: the request's ``SamplingParams``, what its
+prompt is made of (``PromptFacts``), CTX's prompt_len and the GEN engine's facts. The GEN worker runs it on its own
+validated request; the orchestrator runs it through ``decide_for_body``, which reads only the few fields the
+decision needs from the raw client body (never the prompt text: the orchestrator relays 131k-token prompts), so
+both sides judge the same typed values.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ import enum
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
+
+from frontend.sampling import InvalidSamplingValue, SamplingParams
 
 
 class FallbackReason(enum.Enum):
@@ -35,29 +39,108 @@ class GenEngineFacts:
     prompt_tokens_in_handoff: bool = False
 
 
-# Features that read prompt token *values*; the hand-off's real tokens make them safe.
-_VALUE_READERS: tuple[tuple[FallbackReason, str], ...] = (
-    (FallbackReason.FREQUENCY_PENALTY, "frequency_penalty"),
-    (FallbackReason.PRESENCE_PENALTY, "presence_penalty"),
-    (FallbackReason.REPETITION_PENALTY, "repetition_penalty"),
-    (FallbackReason.NO_REPEAT_NGRAM, "no_repeat_ngram_size"),
-    (FallbackReason.ECHO, "echo"),
-    (FallbackReason.PROMPT_LOGPROBS, "prompt_logprobs"),
-    (FallbackReason.LOGIT_BIAS, "logit_bias"),
-)
-_NEUTRAL: Mapping[str, object] = {
-    "frequency_penalty": 0,
-    "presence_penalty": 0,
-    "repetition_penalty": 1,
-    "no_repeat_ngram_size": 0,
-    "echo": False,
-    "logit_bias": {},
-}
+@dataclass(frozen=True, slots=True)
+class PromptFacts:
+    """What the guardrail needs to know of the prompt besides its length."""
+
+    multimodal: bool = False  # images or audio: rebuilt from token values on the decode side
+    harmony: bool = False  # gpt-oss's harmony format: likewise
 
 
-def _is_set(body: Mapping[str, Any], name: str) -> bool:
-    value = body.get(name)
-    return value is not None and value != _NEUTRAL.get(name, None)
+def metadata_only_decision(
+    sampling: SamplingParams, prompt: PromptFacts, prompt_len: int | None, gen: GenEngineFacts
+) -> FallbackReason | None:
+    """``None`` admits metadata-only; otherwise the reason to relay real tokens instead."""
+    if prompt_len is None:
+        return FallbackReason.NO_PROMPT_LEN
+    if prompt.multimodal:
+        return FallbackReason.MULTIMODAL
+    if prompt.harmony:
+        return FallbackReason.HARMONY
+    if gen.prompt_tokens_in_handoff:
+        # GEN reads the real prompt from the KV hand-off: value readers and block reuse see real tokens.
+        return None
+    readers = sampling.reads_prompt_token_values
+    if readers:
+        return FallbackReason(readers[0])
+    if gen.kv_block_reuse:
+        return FallbackReason.KV_BLOCK_REUSE
+    return None
+
+
+def decide_for_body(body: Mapping[str, Any], prompt_len: int | None, gen: GenEngineFacts) -> FallbackReason | None:
+    """The orchestrator's entry: the guardrail over a raw client body.
+
+    A value of the wrong type or out of range cannot be judged; relaying real tokens is always safe, so it falls
+    back under that field's name (CTX refuses such a body anyway).
+    """
+    try:
+        sampling = sampling_from_body(body)
+    except InvalidSamplingValue as exc:
+        return FallbackReason(exc.field)
+    return metadata_only_decision(sampling, prompt_facts_of_body(body), prompt_len, gen)
+
+
+# The body fields the guardrail judges, each with the type it must have and its neutral value.
+_FLOAT_FIELDS = ("frequency_penalty", "presence_penalty", "repetition_penalty")
+_INT_FIELDS = ("no_repeat_ngram_size",)
+
+
+def sampling_from_body(body: Mapping[str, Any]) -> SamplingParams:
+    """The value-reading sampling fields of a raw JSON body, as ``SamplingParams`` (the others keep defaults).
+
+    Strict about types where pydantic would coerce ("0.5", true): anything not plainly a number or a bool is
+    reported as unreadable rather than guessed at. Raises ``InvalidSamplingValue`` naming the field.
+    """
+    fields: dict[str, Any] = {}
+    for name in _FLOAT_FIELDS:
+        value = body.get(name)
+        if value is not None:
+            fields[name] = float(_number(name, value))
+    for name in _INT_FIELDS:
+        value = body.get(name)
+        if value is not None:
+            fields[name] = _integer(name, value)
+    echo = body.get("echo")
+    if echo is not None:
+        if not isinstance(echo, bool):
+            raise InvalidSamplingValue("echo", "echo must be a boolean")
+        fields["echo"] = echo
+    prompt_logprobs = body.get("prompt_logprobs")
+    if prompt_logprobs is not None:
+        fields["prompt_logprobs"] = _integer("prompt_logprobs", prompt_logprobs)
+    bias = body.get("logit_bias")
+    if bias is not None:
+        fields["logit_bias"] = _logit_bias(bias)
+    return SamplingParams(**fields)
+
+
+def _number(name: str, value: Any) -> int | float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise InvalidSamplingValue(name, f"{name} must be a number")
+    return value
+
+
+def _integer(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidSamplingValue(name, f"{name} must be an integer")
+    return value
+
+
+def _logit_bias(bias: Any) -> tuple[tuple[int, float], ...]:
+    if not isinstance(bias, dict):
+        raise InvalidSamplingValue("logit_bias", "logit_bias must be an object")
+    pairs = []
+    for key, value in bias.items():
+        if not isinstance(key, str) or not key.isdigit():
+            raise InvalidSamplingValue("logit_bias", "logit_bias keys must be token ids")
+        pairs.append((int(key), float(_number("logit_bias", value))))
+    return tuple(sorted(pairs))
+
+
+def prompt_facts_of_body(body: Mapping[str, Any]) -> PromptFacts:
+    """Reads only the messages' content-part types and the chat-template kwargs, never the text."""
+    return PromptFacts(multimodal=_has_media(body), harmony=is_harmony(body.get("chat_template_kwargs")))
 
 
 def _has_media(body: Mapping[str, Any]) -> bool:
@@ -71,28 +154,6 @@ def _has_media(body: Mapping[str, Any]) -> bool:
     return False
 
 
-def _is_harmony(body: Mapping[str, Any]) -> bool:
-    # Harmony (gpt-oss) prompts are rebuilt from token values on the decode side.
-    kwargs = body.get("chat_template_kwargs")
-    return isinstance(kwargs, dict) and kwargs.get("format") == "harmony"
-
-
-def metadata_only_decision(
-    body: Mapping[str, Any], prompt_len: int | None, gen: GenEngineFacts
-) -> FallbackReason | None:
-    """``None`` admits metadata-only; otherwise the reason to relay real tokens instead."""
-    if prompt_len is None:
-        return FallbackReason.NO_PROMPT_LEN
-    if _has_media(body):
-        return FallbackReason.MULTIMODAL
-    if _is_harmony(body):
-        return FallbackReason.HARMONY
-    if gen.prompt_tokens_in_handoff:
-        # GEN reads the real prompt from the KV hand-off: value readers and block reuse see real tokens.
-        return None
-    for reason, name in _VALUE_READERS:
-        if _is_set(body, name):
-            return reason
-    if gen.kv_block_reuse:
-        return FallbackReason.KV_BLOCK_REUSE
-    return None
+def is_harmony(chat_template_kwargs: object) -> bool:
+    """Harmony (gpt-oss) prompts are rebuilt from token values on the decode side."""
+    return isinstance(chat_template_kwargs, dict) and chat_template_kwargs.get("format") == "harmony"

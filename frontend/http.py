@@ -107,8 +107,7 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(InvalidRequestError(str(errors[0]["msg"]) if errors else "invalid", param=param))
 
     async def client_disconnected(_: Request, exc: Exception) -> Response:
-        # Nobody is listening; 499 (nginx's "client closed request") keeps the access log honest.
-        return Response(status_code=499)
+        return Response(status_code=answered_status(exc))  # nobody is listening: only the access log reads it
 
     app.add_exception_handler(ClientDisconnected, client_disconnected)
     app.add_exception_handler(ServingError, serving_error)
@@ -220,6 +219,23 @@ async def cancel_on_disconnect(request: Request, work: Callable[[], Awaitable[T]
 
 class ClientDisconnected(Exception):
     """The client went away; nothing is sent back."""
+
+
+# nginx's "client closed request": a request the client abandoned is not a 500 of ours.
+CLIENT_CLOSED_REQUEST = 499
+
+
+def answered_status(exc: BaseException) -> int:
+    """The status the handlers above answer ``exc`` with, for a handler's request metrics and log line.
+
+    A handler that counts its requests by status writes ``except BaseException as exc: status =
+    answered_status(exc); raise``, so its count and the answer cannot drift apart.
+    """
+    if isinstance(exc, ServingError):
+        return exc.status_code
+    if isinstance(exc, ClientDisconnected):
+        return CLIENT_CLOSED_REQUEST
+    return 500
 
 
 async def _wait_for_disconnect(request: Request) -> None:

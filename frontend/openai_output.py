@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from frontend.errors import ServingError, sse_error_event
+from frontend.errors import ServingError, responses_error_event, sse_error_event
 from frontend.sse import DONE_FRAME, data_frame, event_frame
 
 Endpoint = Literal["chat", "completions", "responses"]
@@ -255,9 +255,7 @@ class StreamRenderer:
 def stream_error_frames(endpoint: Endpoint, error: ServingError, sequence_number: int = 0) -> list[bytes]:
     """Frames that end a stream that failed after it started: an error event, then the end marker."""
     if endpoint == "responses":
-        body = {"type": "error", "sequence_number": sequence_number, "code": error.code, "message": error.message,
-                "param": error.param}
-        return [event_frame("error", body)]
+        return [responses_error_event(error, sequence_number)]
     return [sse_error_event(error), DONE_FRAME]
 
 

@@ -33,7 +33,3 @@ class FrameSplitter:
             return []
         *frames, self._buffer = self._buffer.split(b"\n\n")
         return [frame + b"\n\n" for frame in frames]
-
-    @property
-    def pending(self) -> bytes:
-        return self._buffer

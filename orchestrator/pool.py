@@ -1,18 +1,22 @@
-"""Worker pools: membership, active health checks with thresholds, and routing through a ``Router``."""
+"""Worker pools: membership, active health checks with thresholds, and routing through a ``Router``.
+
+The pool owns each member's state (``PoolMember``); the members' transports only move bytes.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import orjson
 
 from frontend.background import BackgroundLoop
 from frontend.errors import UpstreamError, UpstreamUnavailableError
 from frontend.guardrail import GenEngineFacts
+from orchestrator.member import UNKNOWN_ENGINE_FACTS, PoolMember
 from orchestrator.routers import Router, RoutingKey
-from orchestrator.upstream import WorkerClient, WorkerTimeouts
+from orchestrator.transport import Transport, WorkerTimeouts, make_transport
 
 logger = logging.getLogger(__name__)
 
@@ -26,23 +30,25 @@ class WorkerPool:
         *,
         failure_threshold: int = 2,
         recovery_threshold: int = 1,
+        transport_factory: Callable[[str, WorkerTimeouts], Transport] = make_transport,
     ) -> None:
         self.name = name
         self.router = router
         self.timeouts = timeouts
+        self.transport_factory = transport_factory
         self.failure_threshold = failure_threshold
         self.recovery_threshold = recovery_threshold
-        self.workers: list[WorkerClient] = []
+        self.workers: list[PoolMember] = []
         self._sources: dict[str, str] = {}  # url -> "static" | "dns" | "registered"
         self._closing: set[asyncio.Task[None]] = set()
 
     # -- membership ---------------------------------------------------------------------------------------
-    def add(self, url: str, source: str = "static") -> WorkerClient:
+    def add(self, url: str, source: str = "static") -> PoolMember:
         url = url.rstrip("/")
         for worker in self.workers:
             if worker.url == url:
                 return worker
-        worker = WorkerClient(url, self.timeouts)
+        worker = PoolMember(self.transport_factory(url, self.timeouts))
         self.workers.append(worker)
         self._sources[url] = source
         logger.info("%s pool: added %s (%s)", self.name, url, source)
@@ -71,19 +77,19 @@ class WorkerPool:
             if owner == source and url not in wanted:
                 self.remove(url)
 
-    async def _close_when_idle(self, worker: WorkerClient) -> None:
+    async def _close_when_idle(self, worker: PoolMember) -> None:
         deadline = asyncio.get_running_loop().time() + self.timeouts.request_s
         # inflight is a plain counter bumped by many tasks; a poll twice a second is plenty for a drain.
         while worker.inflight and asyncio.get_running_loop().time() < deadline:  # noqa: ASYNC110
             await asyncio.sleep(0.5)
-        await worker.aclose()
+        await worker.transport.aclose()
 
     # -- routing ------------------------------------------------------------------------------------------
     @property
     def has_healthy(self) -> bool:
         return any(w.healthy for w in self.workers)
 
-    def pick(self, key: RoutingKey, exclude: Iterable[WorkerClient] = ()) -> WorkerClient:
+    def pick(self, key: RoutingKey, exclude: Iterable[PoolMember] = ()) -> PoolMember:
         tried = list(exclude)
         worker = self.router.pick(self.workers, key, tried)
         if worker is None:
@@ -95,9 +101,9 @@ class WorkerPool:
     async def check_health(self) -> None:
         await asyncio.gather(*(self._check(worker) for worker in list(self.workers)))
 
-    async def _check(self, worker: WorkerClient) -> None:
+    async def _check(self, worker: PoolMember) -> None:
         try:
-            reply = await worker.get("/health", self.timeouts.health_s)
+            reply = await worker.transport.get("/health", self.timeouts.health_s)
             ok = reply.status_code == 200
             if ok and worker.facts is None:
                 worker.facts = await self._engine_facts(worker)
@@ -110,20 +116,21 @@ class WorkerPool:
             if not worker.healthy:
                 worker.facts = None  # a worker that comes back may come back with another engine
 
-    async def _engine_facts(self, worker: WorkerClient) -> GenEngineFacts:
+    async def _engine_facts(self, worker: PoolMember) -> GenEngineFacts:
         # The guardrail needs GEN's real engine facts: ask the worker, never trust our own config.
-        reply = await worker.get("/v1/models", self.timeouts.health_s)
+        reply = await worker.transport.get("/v1/models", self.timeouts.health_s)
         try:
             info = orjson.loads(reply.content)["data"][0]["engine_info"]
             return GenEngineFacts(bool(info["kv_block_reuse"]), bool(info["prompt_tokens_in_handoff"]))
         except (orjson.JSONDecodeError, KeyError, IndexError, TypeError):
             logger.warning("worker %s reports no engine_info; assuming the most restrictive facts", worker.url)
-            return GenEngineFacts(kv_block_reuse=True, prompt_tokens_in_handoff=False)
+            return UNKNOWN_ENGINE_FACTS
 
     async def aclose(self) -> None:
         for task in list(self._closing):
             task.cancel()
-        await asyncio.gather(*(w.aclose() for w in self.workers), *self._closing, return_exceptions=True)
+        await asyncio.gather(*(w.transport.aclose() for w in self.workers), *self._closing,
+                             return_exceptions=True)
 
 
 class HealthMonitor(BackgroundLoop):

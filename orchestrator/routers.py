@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from frontend.config import RouterConfig
-from orchestrator.upstream import WorkerClient
+from orchestrator.member import PoolMember
 
 _VIRTUAL_NODES = 64
 
@@ -32,11 +32,11 @@ class RoutingKey:
 
 
 class Router(Protocol):
-    def pick(self, workers: Sequence[WorkerClient], key: RoutingKey, exclude: Iterable[WorkerClient] = ()
-             ) -> WorkerClient | None: ...
+    def pick(self, workers: Sequence[PoolMember], key: RoutingKey, exclude: Iterable[PoolMember] = ()
+             ) -> PoolMember | None: ...
 
 
-def _candidates(workers: Sequence[WorkerClient], exclude: Iterable[WorkerClient]) -> list[WorkerClient]:
+def _candidates(workers: Sequence[PoolMember], exclude: Iterable[PoolMember]) -> list[PoolMember]:
     excluded = {id(w) for w in exclude}
     return [w for w in workers if w.healthy and id(w) not in excluded]
 
@@ -45,8 +45,8 @@ class RoundRobinRouter:
     def __init__(self) -> None:
         self._counter = itertools.count()
 
-    def pick(self, workers: Sequence[WorkerClient], key: RoutingKey, exclude: Iterable[WorkerClient] = ()
-             ) -> WorkerClient | None:
+    def pick(self, workers: Sequence[PoolMember], key: RoutingKey, exclude: Iterable[PoolMember] = ()
+             ) -> PoolMember | None:
         candidates = _candidates(workers, exclude)
         return candidates[next(self._counter) % len(candidates)] if candidates else None
 
@@ -56,8 +56,8 @@ class LeastLoadedRouter:
         self.by_prompt_tokens = by_prompt_tokens
         self._counter = itertools.count()
 
-    def pick(self, workers: Sequence[WorkerClient], key: RoutingKey, exclude: Iterable[WorkerClient] = ()
-             ) -> WorkerClient | None:
+    def pick(self, workers: Sequence[PoolMember], key: RoutingKey, exclude: Iterable[PoolMember] = ()
+             ) -> PoolMember | None:
         candidates = _candidates(workers, exclude)
         if not candidates:
             return None
@@ -79,7 +79,7 @@ class PrefixAffinityRouter:
     def _hash(text: str) -> int:
         return int.from_bytes(hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=8).digest(), "big")
 
-    def _ring(self, workers: Sequence[WorkerClient]) -> tuple[list[int], list[WorkerClient]]:
+    def _ring(self, workers: Sequence[PoolMember]) -> tuple[list[int], list[PoolMember]]:
         # Built once per set of healthy workers (64 hashes and a sort per worker), not once per request.
         urls = tuple(w.url for w in workers)
         ring = self._rings.get(urls)
@@ -91,8 +91,8 @@ class PrefixAffinityRouter:
             ring = self._rings[urls] = ([p for p, _ in points], [i for _, i in points])
         return ring[0], [workers[i] for i in ring[1]]
 
-    def pick(self, workers: Sequence[WorkerClient], key: RoutingKey, exclude: Iterable[WorkerClient] = ()
-             ) -> WorkerClient | None:
+    def pick(self, workers: Sequence[PoolMember], key: RoutingKey, exclude: Iterable[PoolMember] = ()
+             ) -> PoolMember | None:
         candidates = _candidates(workers, exclude)
         if not candidates:
             return None

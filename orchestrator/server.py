@@ -13,17 +13,11 @@ from starlette.responses import Response, StreamingResponse
 
 from frontend.auth import require_bearer
 from frontend.config import OrchestratorConfig, ServerGroupConfig
-from frontend.errors import (
-    InvalidRequestError,
-    OverloadedError,
-    ServingError,
-    UpstreamError,
-    UpstreamUnavailableError,
-)
+from frontend.errors import InvalidRequestError, OverloadedError
 from frontend.http import (
     REQUEST_ID_HEADER,
-    ClientDisconnected,
     JSONBytesResponse,
+    answered_status,
     cancel_on_disconnect,
     install_error_handlers,
     install_request_ids,
@@ -39,11 +33,12 @@ from frontend.openai_models import ChatCompletionRequest, CompletionRequest, Res
 from frontend.openai_output import Endpoint
 from frontend.openapi import install_body_schemas, json_body
 from frontend.sse import SSE_HEADERS, SSE_MEDIA_TYPE
-from orchestrator.disagg_flow import DisaggFlow, FlowRequest, RelayedError, StreamedAnswer, check_client_body
+from orchestrator.disagg_flow import DisaggFlow
+from orchestrator.flow_request import FlowRequest, StreamedAnswer, check_client_body
 from orchestrator.membership import DnsDiscovery
 from orchestrator.pool import HealthMonitor, WorkerPool
-from orchestrator.routers import make_router
-from orchestrator.upstream import WorkerTimeouts
+from orchestrator.routers import RoutingKey, make_router
+from orchestrator.transport import WorkerTimeouts
 
 ROLE = "orchestrator"
 logger = logging.getLogger("disagg_serve.orchestrator")
@@ -140,16 +135,10 @@ def create_orchestrator_app(
                 status, streaming = 200, True
                 frames = then_call(answer.frames, lambda: release(flow_request, 200))
                 return StreamingResponse(frames, media_type=SSE_MEDIA_TYPE, headers=SSE_HEADERS)
-            status = answer.status_code
-            return JSONBytesResponse(answer.content, status_code=answer.status_code)
-        except RelayedError as exc:
-            status = exc.reply.status_code
-            return JSONBytesResponse(exc.reply.content, status_code=status)
-        except ServingError as exc:
-            status = exc.status_code
-            raise
-        except ClientDisconnected:
-            status = 499  # as the access log says; not a 500 of ours
+            status = 200
+            return JSONBytesResponse(answer.content)
+        except BaseException as exc:  # a worker's own error answer too: it is a RelayedError
+            status = answered_status(exc)
             raise
         finally:
             if not streaming:
@@ -170,15 +159,9 @@ def create_orchestrator_app(
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
         require_bearer(request, api_key)
-        last_error: UpstreamError = UpstreamUnavailableError("no healthy CTX worker to list models from")
-        for worker in [w for w in ctx_pool.workers if w.healthy]:
-            try:
-                reply = await worker.get("/v1/models", config.connect_timeout_s)
-            except UpstreamError as exc:
-                last_error = exc
-                continue
-            return JSONBytesResponse(reply.content, status_code=reply.status_code)
-        raise last_error
+        done = await flow.retry.run("models", ctx_pool, RoutingKey(),
+                                    lambda ctx: ctx.transport.get("/v1/models", config.connect_timeout_s))
+        return JSONBytesResponse(done.answer.content, status_code=done.answer.status_code)
 
     @app.get("/health")
     async def health() -> Response:

@@ -21,9 +21,9 @@ from frontend.config import parse_config
 from frontend.metrics import Metrics
 from orchestrator.server import create_orchestrator_app
 from tests.servers import running
-from workers.engines.base import EngineOutput
+from workers.engines.outputs import EngineOutput
+from workers.engines.request import GenerationRequest
 from workers.engines.synthetic import SyntheticConfig, SyntheticEngine
-from workers.generation_request import GenerationRequest
 from workers.server import create_worker_app
 from workers.serving import Role, WorkerSettings
 

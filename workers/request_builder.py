@@ -1,5 +1,9 @@
 """Parse, don't validate: a wire request becomes the ``GenerationRequest`` the engine accepts.
 
+The sampling fields are parsed once into ``SamplingParams`` (``sampling_params_from``), which the GEN side of the
+metadata-only guardrail reads; the output budget is fixed once the prompt's length is known
+(``resolve_max_tokens``).
+
 The prompt comes from exactly one source, checked in this order:
   1. ``prompt_token_ids_b64`` -> the array path (zero-copy int32 view, validated with array operations);
   2. ``prompt_token_ids`` (or a completions prompt given as ids) -> the list path;
@@ -10,13 +14,13 @@ The prompt comes from exactly one source, checked in this order:
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from dataclasses import dataclass
-from typing import Any
 
 import pybase64
 
 from frontend.errors import ContextLengthError, HandoffError, InvalidRequestError, UnsupportedParameterError
-from frontend.guardrail import GenEngineFacts, metadata_only_decision
+from frontend.guardrail import GenEngineFacts, PromptFacts, is_harmony, metadata_only_decision
 from frontend.openai_models import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -25,10 +29,11 @@ from frontend.openai_models import (
     ResponsesRequest,
 )
 from frontend.openai_output import Endpoint
+from frontend.sampling import SamplingParams, sampling_from_request
 from frontend.token_codec import TokenArray, decode_prompt_tokens, token_array_from_list
-from workers.engines.base import EngineInfo, Tokenizer, TokenLogprob
-from workers.generation_request import Handoff, Phase, PromptPath, placeholder_prompt
-from workers.sampling_params import SamplingParams
+from workers.engines.base import Tokenizer
+from workers.engines.outputs import EngineInfo, TokenLogprob
+from workers.engines.request import Handoff, Phase, PromptPath, placeholder_prompt
 
 # Tokenizing a few KB on the loop is cheaper than a thread hop; past this, the loop must stay free.
 _TOKENIZE_IN_THREAD_CHARS = 16_384
@@ -41,9 +46,20 @@ class PreparedPrompt:
     token_list: list[int] | None = None  # the list path keeps the client's list
 
 
-def sampling_params_from(wire: GenerationWireRequest, prompt_len: int, info: EngineInfo) -> SamplingParams:
+def sampling_params_from(wire: GenerationWireRequest, info: EngineInfo) -> SamplingParams:
+    """The request's sampling, parsed once; ``max_tokens`` stays as asked until ``resolve_max_tokens``."""
+    sampling = sampling_from_request(wire, info.vocab_size)
+    if sampling.logprobs is not None and not info.supports_logprobs:
+        raise UnsupportedParameterError(f"the {info.engine} engine does not return logprobs", param="logprobs")
+    return sampling
+
+
+def resolve_max_tokens(
+    wire: GenerationWireRequest, sampling: SamplingParams, prompt_len: int, info: EngineInfo
+) -> SamplingParams:
+    """Fix the output budget against the prompt and the engine's context (all of what is left, if not asked)."""
     remaining = info.max_context - prompt_len
-    requested = wire.requested_max_tokens
+    requested = sampling.max_tokens
     if requested is not None and requested > remaining:
         raise ContextLengthError(
             f"max_tokens={requested} plus the {prompt_len}-token prompt exceeds the model's context of "
@@ -55,35 +71,7 @@ def sampling_params_from(wire: GenerationWireRequest, prompt_len: int, info: Eng
             f"the {prompt_len}-token prompt leaves no room to generate in a context of {info.max_context}",
             param=_prompt_field(wire),
         )
-    logprobs: int | None
-    echo = False
-    if isinstance(wire, ChatCompletionRequest):
-        logprobs = (wire.top_logprobs or 0) if wire.logprobs else None
-        if wire.top_logprobs and not wire.logprobs:
-            raise InvalidRequestError("top_logprobs requires logprobs=true", param="top_logprobs")
-    elif isinstance(wire, CompletionRequest):
-        logprobs, echo = wire.logprobs, wire.echo
-    else:
-        logprobs = None
-    if logprobs is not None and not info.supports_logprobs:
-        raise UnsupportedParameterError(f"the {info.engine} engine does not return logprobs", param="logprobs")
-    stop = (wire.stop,) if isinstance(wire.stop, str) else tuple(wire.stop or ())
-    return SamplingParams(
-        max_tokens=requested if requested is not None else remaining,
-        temperature=1.0 if wire.temperature is None else wire.temperature,
-        top_p=1.0 if wire.top_p is None else wire.top_p,
-        top_k=wire.top_k or 0,
-        seed=wire.seed,
-        stop=stop,
-        frequency_penalty=wire.frequency_penalty or 0.0,
-        presence_penalty=wire.presence_penalty or 0.0,
-        repetition_penalty=1.0 if wire.repetition_penalty is None else wire.repetition_penalty,
-        logit_bias=_logit_bias(wire.logit_bias, info.vocab_size),
-        logprobs=logprobs,
-        prompt_logprobs=getattr(wire, "prompt_logprobs", None),
-        echo=echo,
-        ignore_eos=wire.ignore_eos,
-    )
+    return sampling if requested is not None else dataclasses.replace(sampling, max_tokens=remaining)
 
 
 def _max_tokens_field(wire: GenerationWireRequest) -> str:
@@ -94,21 +82,8 @@ def _max_tokens_field(wire: GenerationWireRequest) -> str:
     return "max_tokens"
 
 
-def _logit_bias(bias: dict[str, float] | None, vocab_size: int) -> tuple[tuple[int, float], ...]:
-    if not bias:
-        return ()
-    pairs = []
-    for key, value in bias.items():
-        if not key.isdigit() or int(key) >= vocab_size:
-            raise InvalidRequestError(
-                f"logit_bias key {key!r} is not a token id in [0, {vocab_size})", param="logit_bias"
-            )
-        pairs.append((int(key), float(value)))
-    return tuple(sorted(pairs))
-
-
 async def prepare_prompt(
-    wire: GenerationWireRequest, body: dict[str, Any], info: EngineInfo, tokenizer: Tokenizer
+    wire: GenerationWireRequest, sampling: SamplingParams, info: EngineInfo, tokenizer: Tokenizer
 ) -> PreparedPrompt:
     disagg = wire.disaggregated_params
     expected_len = disagg.prompt_len if disagg is not None and disagg.request_type == "generation_only" else None
@@ -126,7 +101,7 @@ async def prepare_prompt(
         )
         return PreparedPrompt(tokens, PromptPath.LIST, token_list)
     if expected_len is not None:
-        return _metadata_only_prompt(body, expected_len, info)
+        return _metadata_only_prompt(wire, sampling, expected_len, info)
     text = _prompt_text(wire, tokenizer)
     if len(text) > _TOKENIZE_IN_THREAD_CHARS:
         tokens = await asyncio.to_thread(tokenizer.encode, text)
@@ -148,10 +123,12 @@ def _prompt_field(wire: GenerationWireRequest) -> str:
     return "input" if isinstance(wire, ResponsesRequest) else "prompt"
 
 
-def _metadata_only_prompt(body: dict[str, Any], prompt_len: int, info: EngineInfo) -> PreparedPrompt:
+def _metadata_only_prompt(
+    wire: GenerationWireRequest, sampling: SamplingParams, prompt_len: int, info: EngineInfo
+) -> PreparedPrompt:
     # The GEN side of the guardrail: judge what was actually received, with this engine's own facts.
     facts = GenEngineFacts(info.kv_block_reuse, info.prompt_tokens_in_handoff)
-    reason = metadata_only_decision(body, prompt_len, facts)
+    reason = metadata_only_decision(sampling, prompt_facts_of(wire), prompt_len, facts)
     if reason is not None:
         raise InvalidRequestError(
             f"metadata-only request refused: '{reason.value}' needs the real prompt tokens, and this worker's "
@@ -164,6 +141,16 @@ def _metadata_only_prompt(body: dict[str, Any], prompt_len: int, info: EngineInf
             f"prompt_len {prompt_len} exceeds the model's context of {info.max_context}", param="prompt_len"
         )
     return PreparedPrompt(placeholder_prompt(prompt_len), PromptPath.METADATA_ONLY)
+
+
+def prompt_facts_of(wire: GenerationWireRequest) -> PromptFacts:
+    """What the guardrail needs to know of a validated request's prompt (content-part types only)."""
+    if isinstance(wire, ChatCompletionRequest):
+        multimodal = any(m.has_media for m in wire.messages or ())
+        return PromptFacts(multimodal=multimodal, harmony=is_harmony(wire.chat_template_kwargs))
+    if isinstance(wire, ResponsesRequest) and isinstance(wire.input, list):
+        return PromptFacts(multimodal=any(m.as_chat_message().has_media for m in wire.input))
+    return PromptFacts()
 
 
 def _explicit_token_list(wire: GenerationWireRequest) -> list[int] | None:

@@ -13,7 +13,7 @@ from starlette.responses import Response, StreamingResponse
 
 from frontend.errors import InvalidRequestError, ServingError
 from frontend.http import (
-    ClientDisconnected,
+    answered_status,
     cancel_on_disconnect,
     install_error_handlers,
     install_request_ids,
@@ -33,8 +33,8 @@ from frontend.openai_models import (
 )
 from frontend.openapi import install_body_schemas, json_body
 from frontend.sse import SSE_HEADERS, SSE_MEDIA_TYPE
-from workers.engines.base import Engine
-from workers.generation_request import Phase
+from workers.engines.base import Engine, HealthCheck, KVHandoffStore
+from workers.engines.request import Phase
 from workers.registration import Registration
 from workers.serving import WorkerService, WorkerSettings
 
@@ -97,11 +97,8 @@ def create_worker_app(
             result = await cancel_on_disconnect(request, lambda: service.complete(prepared))
             status = 200
             return json_response(result)
-        except ServingError as exc:
-            status = exc.status_code
-            raise
-        except ClientDisconnected:
-            status = 499  # the client went away; not a failure of ours
+        except BaseException as exc:
+            status = answered_status(exc)  # a client that went away is a 499, not a failure of ours
             raise
         finally:
             if not released:
@@ -132,7 +129,8 @@ def create_worker_app(
         except ValueError as exc:
             raise InvalidRequestError("encoded_opaque_state is not valid base64",
                                       param="encoded_opaque_state") from exc
-        return json_response({"released": await engine.release_handoff(ctx_id, raw_state)})
+        released = isinstance(engine, KVHandoffStore) and await engine.release_handoff(ctx_id, raw_state)
+        return json_response({"released": released})
 
     @app.get("/v1/models")
     async def models() -> Response:
@@ -157,16 +155,16 @@ def create_worker_app(
 
     @app.get("/health")
     async def health() -> Response:
-        healthy = ready["engine"] and await engine.health()
+        healthy = ready["engine"] and (not isinstance(engine, HealthCheck) or await engine.health())
         return json_response({"status": "ok" if healthy else "unavailable", "role": settings.role,
                               "inflight": service.inflight}, status_code=200 if healthy else 503)
 
     @app.get("/metrics")
     async def metrics_endpoint() -> Response:
-        kv_stats = engine.kv_store_stats()
-        if kv_stats is not None:
-            metrics.kv_store_entries.set(kv_stats[0])
-            metrics.kv_store_bytes.set(kv_stats[1])
+        if isinstance(engine, KVHandoffStore):
+            entries, size = engine.kv_store_stats()
+            metrics.kv_store_entries.set(entries)
+            metrics.kv_store_bytes.set(size)
         return Response(metrics.render(), media_type=METRICS_CONTENT_TYPE)
 
     return app

@@ -37,13 +37,15 @@ from frontend.openai_output import (
     render_response,
 )
 from frontend.token_codec import TokenArray, encode_prompt_tokens
-from workers.engines.base import Engine, FinishReason, TokenLogprob
-from workers.generation_request import GenerationRequest, Phase
+from workers.engines.base import Engine, ProvidesTokenizer, Tokenizer
+from workers.engines.outputs import FinishReason, TokenLogprob
+from workers.engines.request import GenerationRequest, Phase
 from workers.request_builder import (
     endpoint_of,
     handoff_from,
     phase_of,
     prepare_prompt,
+    resolve_max_tokens,
     sampling_params_from,
 )
 from workers.text_stream import TextStep, stream_text
@@ -84,7 +86,11 @@ class CollectedOutput:
 
 class WorkerService:
     def __init__(self, engine: Engine, settings: WorkerSettings, metrics: Metrics) -> None:
+        if not isinstance(engine, ProvidesTokenizer):
+            # An OpenAI server reads and writes text; an engine without a tokenizer would need one given here.
+            raise TypeError(f"{type(engine).__name__} provides no tokenizer (workers.engines.base.ProvidesTokenizer)")
         self.engine = engine
+        self._tokenizer_source: ProvidesTokenizer = engine
         self.settings = settings
         self.metrics = metrics
         self.inflight = 0
@@ -101,8 +107,9 @@ class WorkerService:
         disagg = wire.disaggregated_params
         phase = phase_of(disagg)
         self._check_role(phase)
-        prompt = await prepare_prompt(wire, body, info, self.engine.tokenizer)
-        sampling = sampling_params_from(wire, int(prompt.tokens.size), info)
+        sampling = sampling_params_from(wire, info)
+        prompt = await prepare_prompt(wire, sampling, info, self.tokenizer)
+        sampling = resolve_max_tokens(wire, sampling, int(prompt.tokens.size), info)
         handoff = handoff_from(disagg, info.vocab_size)
         request_id = uuid.uuid4().hex
         if prompt.token_list is not None:
@@ -118,6 +125,11 @@ class WorkerService:
         endpoint = endpoint_of(wire)
         ident = ResponseIdentity(endpoint, _ID_PREFIX[endpoint] + request_id, info.model)
         return PreparedGeneration(wire, request, ident, disagg)
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        """The engine's tokenizer (asked each time: an engine has one only once it has started)."""
+        return self._tokenizer_source.get_tokenizer()
 
     def _check_role(self, phase: Phase) -> None:
         role = self.settings.role
@@ -145,7 +157,7 @@ class WorkerService:
         """Run to the end and return the whole response body (CTX adds its hand-off fields)."""
         collected = CollectedOutput()
         try:
-            async for step in stream_text(self.engine, prepared.request):
+            async for step in stream_text(self.engine, self.tokenizer.detokenizer(), prepared.request):
                 collected.text_parts.append(step.text)
                 collected.token_ids.extend(step.token_ids)
                 collected.logprobs.extend(step.logprobs)
@@ -211,7 +223,7 @@ class WorkerService:
         """Start the stream and return its frames. Fails as an HTTP error if it fails before the first token."""
         include_usage = bool(prepared.wire.stream_options and prepared.wire.stream_options.include_usage)
         renderer = StreamRenderer(prepared.ident, include_usage)
-        steps = stream_text(self.engine, prepared.request)
+        steps = stream_text(self.engine, self.tokenizer.detokenizer(), prepared.request)
         try:
             first = await anext(steps)
         except StopAsyncIteration:
@@ -268,15 +280,15 @@ class WorkerService:
     def _prompt_text(self, request: GenerationRequest, real_prompt: TokenArray | None) -> str:
         """Echo reads prompt token values: the real prompt from the engine if this request had a placeholder."""
         if real_prompt is not None:
-            return self.engine.tokenizer.decode(real_prompt)
+            return self.tokenizer.decode(real_prompt)
         if request.prompt_is_placeholder:
             raise InvalidRequestError("echo needs the real prompt tokens, which this request did not carry",
                                       param="echo")
-        return self.engine.tokenizer.decode(request.prompt_token_ids)
+        return self.tokenizer.decode(request.prompt_token_ids)
 
     # -- logprob token strings --------------------------------------------------------------------------
     def _logprob_info(self, lp: TokenLogprob) -> TokenLogprobInfo:
-        decode = self.engine.tokenizer.decode
+        decode = self.tokenizer.decode
         return TokenLogprobInfo(decode([lp.token_id]), lp.logprob, tuple((decode([t]), v) for t, v in lp.top))
 
     def _logprob_infos(self, logprobs: Sequence[TokenLogprob]) -> list[TokenLogprobInfo]:

@@ -11,8 +11,9 @@ from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
 
 from frontend.token_codec import TokenArray
-from workers.engines.base import Engine, EngineOutput, FinishReason, TokenLogprob
-from workers.generation_request import GenerationRequest
+from workers.engines.base import Detokenizer, Engine
+from workers.engines.outputs import EngineOutput, FinishReason, TokenLogprob
+from workers.engines.request import GenerationRequest
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,8 +61,9 @@ class StopStringMatcher:
         return longest
 
 
-async def stream_text(engine: Engine, request: GenerationRequest) -> AsyncGenerator[TextStep, None]:
-    detokenizer = engine.tokenizer.detokenizer()
+async def stream_text(
+    engine: Engine, detokenizer: Detokenizer, request: GenerationRequest
+) -> AsyncGenerator[TextStep, None]:
     matcher = StopStringMatcher(request.sampling.stop)
     outputs = engine.generate(request)
     try:

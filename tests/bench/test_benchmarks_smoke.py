@@ -127,8 +127,8 @@ def test_reference_plot_from_a_made_up_result(tmp_path: Path) -> None:
 
 
 def test_profile_summary_reads_py_spy_collapsed_stacks() -> None:
-    text = ("main (frontend/cli.py:1);run (orchestrator/disagg_flow.py:10);send (anyio/_backends/_asyncio.py:5) 3\n"
-            "main (frontend/cli.py:1);loads (orchestrator/disagg_flow.py:12) 1\n")
+    text = ("main (entrypoints/cli.py:1);run (orchestrator/disagg_flow.py:10);send (anyio/_backends/_asyncio.py:5) 3\n"
+            "main (entrypoints/cli.py:1);loads (orchestrator/disagg_flow.py:12) 1\n")
     summary = system_load.summarize_profile(text)
     assert summary["samples"] == 4
     assert summary["by_library_pct"] == {"anyio": 75.0, "project: orchestrator/": 25.0}

@@ -1,7 +1,7 @@
 """Run what a deployment file describes as local processes on loopback, and use it with the official client.
 
-A container runs the image's ENTRYPOINT (``disagg-serve``, i.e. ``frontend.cli:main`` as pyproject.toml installs
-it) followed by the service's arguments; here that is ``[sys.executable, "-m", "frontend.cli", *args]``. The
+A container runs the image's ENTRYPOINT (``disagg-serve``, i.e. ``entrypoints.cli:main`` as pyproject.toml installs
+it) followed by the service's arguments; here that is ``[sys.executable, "-m", "entrypoints.cli", *args]``. The
 environment is the file's own, with only the substitutions that one shared loopback interface forces, where each
 container had a network namespace and a DNS name of its own (see ``loopback_environment``):
 
@@ -28,11 +28,12 @@ import httpx
 import openai
 from prometheus_client.parser import text_string_to_metric_families
 
-from frontend.launcher import die_with_parent, free_port
+from entrypoints.launcher import free_port
+from frontend.process_lifetime import die_with_parent
 
 REPO = Path(__file__).resolve().parents[2]
 ENTRYPOINT = ["disagg-serve"]  # the image's, checked against deploy/Dockerfile by test_dockerfile.py
-_ENTRYPOINT_HERE = [sys.executable, "-m", "frontend.cli"]
+_ENTRYPOINT_HERE = [sys.executable, "-m", "entrypoints.cli"]
 _PORT_VARIABLES = ("DISAGG_PORT", "DISAGG_KV_PORT")
 _BIND_VARIABLES = ("DISAGG_HOST", "DISAGG_KV_HOST")
 _STOP_GRACE_S = 20.0

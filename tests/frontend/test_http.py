@@ -9,8 +9,11 @@ import pytest
 from fastapi import FastAPI, Request
 from starlette.responses import Response
 
-from frontend.errors import InvalidRequestError, OverloadedError
+from frontend.errors import InvalidRequestError, OverloadedError, RelayedError, ServingError, UpstreamTimeoutError
 from frontend.http import (
+    CLIENT_CLOSED_REQUEST,
+    ClientDisconnected,
+    answered_status,
     cancel_on_disconnect,
     install_error_handlers,
     invalid_request_from,
@@ -23,6 +26,7 @@ from frontend.openai_models import ChatCompletionRequest, CompletionRequest
 from tests.servers import running
 
 LIMIT = 1024
+RELAYED = b'{"error":{"message":"a teapot","type":"invalid_request_error","param":null,"code":"teapot"}}'
 
 
 class Probe:
@@ -51,6 +55,10 @@ def make_app(probe: Probe) -> FastAPI:
     @app.get("/busy")
     async def busy() -> Response:
         raise OverloadedError("busy", retry_after_s=3)
+
+    @app.get("/relayed")
+    async def relayed() -> Response:
+        raise RelayedError(418, RELAYED)
 
     @app.post("/hang")
     async def hang(request: Request) -> Response:
@@ -149,6 +157,31 @@ def test_overloaded_carries_retry_after(http: httpx.Client) -> None:
     reply = http.get("/busy")
     assert reply.status_code == 429
     assert reply.headers["retry-after"] == "3"
+
+
+def test_a_relayed_error_is_answered_with_the_workers_status_and_bytes(http: httpx.Client) -> None:
+    reply = http.get("/relayed")
+    assert reply.status_code == 418
+    assert reply.content == RELAYED
+    assert reply.headers["content-type"] == "application/json"
+
+
+@pytest.mark.parametrize(
+    ("exc", "status"),
+    [
+        (InvalidRequestError("bad"), 400),
+        (OverloadedError("busy"), 429),
+        (UpstreamTimeoutError("slow"), 504),
+        (RelayedError(418, RELAYED), 418),
+        (ServingError("ours"), 500),
+        (ClientDisconnected(), CLIENT_CLOSED_REQUEST),
+        (RuntimeError("unexpected"), 500),
+        (asyncio.CancelledError(), 500),
+    ],
+)
+def test_answered_status_is_what_the_handlers_answer(exc: BaseException, status: int) -> None:
+    assert answered_status(exc) == status
+    assert CLIENT_CLOSED_REQUEST == 499
 
 
 def test_a_client_that_goes_away_cancels_the_work(http: httpx.Client, probe: Probe) -> None:

@@ -30,8 +30,8 @@ from tests.cluster import (
 )
 from tests.servers import ServerThread
 from workers.engines.byte_tokenizer import ByteTokenizer
+from workers.engines.request import GenerationRequest, Phase, PromptPath
 from workers.engines.synthetic import SYNTHETIC_TEXT, SyntheticConfig
-from workers.generation_request import GenerationRequest, Phase, PromptPath
 from workers.server import create_worker_app
 from workers.serving import WorkerSettings
 
@@ -152,11 +152,15 @@ def test_whole_gen_answer_is_relayed_unchanged(cluster: Cluster) -> None:
 
 
 def test_the_orchestrator_never_loads_the_codec() -> None:
-    probe = ("import sys, orchestrator.server, orchestrator.disagg_flow, orchestrator.pool, orchestrator.upstream;"
+    package = pathlib.Path(orchestrator.__file__).parent
+    sources = sorted(package.rglob("*.py"))
+    modules = [".".join(s.with_suffix("").relative_to(package.parent).parts).removesuffix(".__init__")
+               for s in sources]
+    probe = (f"import sys, {', '.join(modules)};"
              "print(sorted(m for m in ('frontend.token_codec', 'pybase64') if m in sys.modules))")
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, check=True)
     assert result.stdout.strip() == "[]"
-    for source in pathlib.Path(orchestrator.__file__).parent.glob("*.py"):
+    for source in sources:
         text = source.read_text()
         for forbidden in ("token_codec", "b64decode", "b64encode", "frombuffer", "pybase64"):
             assert forbidden not in text, f"{source.name} mentions {forbidden}"

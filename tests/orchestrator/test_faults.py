@@ -21,7 +21,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from frontend.launcher import free_port
+from entrypoints.launcher import free_port
 from tests.cluster import MODEL, Node, Recorder, RecordingEngine, sample, start_orchestrator, start_worker
 from tests.servers import ServerThread, running
 from tests.waiting import eventually

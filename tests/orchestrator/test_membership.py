@@ -14,8 +14,8 @@ import httpx
 import openai
 import pytest
 
+from entrypoints.launcher import free_port
 from frontend.config import parse_config
-from frontend.launcher import free_port
 from orchestrator.server import create_orchestrator_app
 from tests.cluster import MODEL, Node, Recorder, RecordingEngine, start_worker
 from tests.servers import ServerThread, running

@@ -10,8 +10,8 @@ import pytest
 
 from tests.cluster import sample
 from tests.workers.engines.reference.cluster import RefCluster, reference_cluster
-from workers.engines.reference.engine import ReferenceOptions
-from workers.engines.reference.tiny_model import write_tiny_model
+from tests.workers.engines.reference.tiny_model import write_tiny_model
+from workers.engines.reference.options import ReferenceOptions
 
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
 

@@ -1,6 +1,6 @@
 """Routers: which worker of a pool takes a request.
 
-Unit tests use real ``WorkerClient`` objects made from URLs, with ``healthy`` and the in-flight counts set by hand
+Unit tests use real ``PoolMember`` objects made from URLs, with ``healthy`` and the in-flight counts set by hand
 (exactly the fields the orchestrator itself maintains). The integration tests run every router type over two CTX
 and two GEN synthetic workers behind one orchestrator, on loopback.
 """
@@ -20,6 +20,7 @@ import openai
 import pytest
 
 from frontend.config import RouterConfig, parse_config
+from orchestrator.member import PoolMember
 from orchestrator.routers import (
     LeastLoadedRouter,
     PrefixAffinityRouter,
@@ -29,7 +30,7 @@ from orchestrator.routers import (
     routing_key,
 )
 from orchestrator.server import create_orchestrator_app
-from orchestrator.upstream import WorkerClient, WorkerTimeouts
+from orchestrator.transport import WorkerTimeouts, make_transport
 from tests.cluster import MODEL, Node, Recorder, RecordingEngine, start_worker
 from tests.servers import ServerThread, running
 from tests.waiting import eventually
@@ -45,9 +46,9 @@ def synthetic_text(n: int) -> str:
 
 
 @pytest.fixture
-def pool() -> Iterator[list[WorkerClient]]:
-    """Three healthy, idle workers (their HTTP clients are never used here, only closed)."""
-    workers = [WorkerClient(f"http://127.0.0.1:{9100 + i}", WorkerTimeouts()) for i in range(3)]
+def pool() -> Iterator[list[PoolMember]]:
+    """Three healthy, idle workers (their transports are never used here, only closed)."""
+    workers = [PoolMember(make_transport(f"http://127.0.0.1:{9100 + i}", WorkerTimeouts())) for i in range(3)]
     for worker in workers:
         worker.healthy = True
     try:
@@ -55,7 +56,7 @@ def pool() -> Iterator[list[WorkerClient]]:
     finally:
         async def close() -> None:
             for worker in workers:
-                await worker.aclose()
+                await worker.transport.aclose()
 
         asyncio.run(close())
 
@@ -64,13 +65,13 @@ KEY = RoutingKey("hello", 10)
 
 
 # -- round robin -----------------------------------------------------------------------------------------------
-def test_round_robin_cycles_over_the_workers_in_order(pool: list[WorkerClient]) -> None:
+def test_round_robin_cycles_over_the_workers_in_order(pool: list[PoolMember]) -> None:
     router = RoundRobinRouter()
     picks = [router.pick(pool, KEY) for _ in range(9)]
     assert picks == pool * 3
 
 
-def test_round_robin_skips_unhealthy_and_excluded_workers(pool: list[WorkerClient]) -> None:
+def test_round_robin_skips_unhealthy_and_excluded_workers(pool: list[PoolMember]) -> None:
     router = RoundRobinRouter()
     pool[1].healthy = False
     picks = [router.pick(pool, KEY) for _ in range(6)]
@@ -84,7 +85,7 @@ def test_round_robin_skips_unhealthy_and_excluded_workers(pool: list[WorkerClien
 
 
 # -- least loaded ----------------------------------------------------------------------------------------------
-def test_least_loaded_picks_the_fewest_requests_in_flight(pool: list[WorkerClient]) -> None:
+def test_least_loaded_picks_the_fewest_requests_in_flight(pool: list[PoolMember]) -> None:
     router = LeastLoadedRouter(by_prompt_tokens=False)
     for worker, load in zip(pool, (3, 1, 2), strict=True):
         worker.inflight = load
@@ -94,13 +95,13 @@ def test_least_loaded_picks_the_fewest_requests_in_flight(pool: list[WorkerClien
     assert router.pick(pool, KEY) is pool[2]
 
 
-def test_least_loaded_spreads_ties(pool: list[WorkerClient]) -> None:
+def test_least_loaded_spreads_ties(pool: list[PoolMember]) -> None:
     router = LeastLoadedRouter(by_prompt_tokens=False)
     picks = [router.pick(pool, KEY) for _ in range(6)]
     assert Counter(map(id, picks)) == {id(w): 2 for w in pool}
 
 
-def test_least_loaded_by_prompt_tokens_picks_the_fewest_tokens_in_flight(pool: list[WorkerClient]) -> None:
+def test_least_loaded_by_prompt_tokens_picks_the_fewest_tokens_in_flight(pool: list[PoolMember]) -> None:
     # pool[1] holds the most requests but the fewest prompt tokens: one long prompt weighs more than many short.
     for worker, (requests, tokens) in zip(pool, ((1, 100_000), (5, 300), (1, 50_000)), strict=True):
         worker.inflight, worker.inflight_prompt_tokens = requests, tokens
@@ -112,7 +113,7 @@ def test_least_loaded_by_prompt_tokens_picks_the_fewest_tokens_in_flight(pool: l
 
 
 # -- prefix affinity -------------------------------------------------------------------------------------------
-def test_prefix_affinity_sends_equal_prefixes_to_the_same_worker(pool: list[WorkerClient]) -> None:
+def test_prefix_affinity_sends_equal_prefixes_to_the_same_worker(pool: list[PoolMember]) -> None:
     router = PrefixAffinityRouter(prefix_chars=16, load_factor=1.25)
     for prefix in ("system: you are helpful", "Once upon a time", "def main():", "ünïcödé \ud800"):
         key = RoutingKey(prefix, 100)
@@ -124,14 +125,14 @@ def test_prefix_affinity_sends_equal_prefixes_to_the_same_worker(pool: list[Work
     assert a is b
 
 
-def test_prefix_affinity_spreads_different_prefixes(pool: list[WorkerClient]) -> None:
+def test_prefix_affinity_spreads_different_prefixes(pool: list[PoolMember]) -> None:
     router = PrefixAffinityRouter(prefix_chars=1024, load_factor=1.25)
     picks = Counter(id(router.pick(pool, RoutingKey(f"conversation {i}: hello", 10))) for i in range(300))
     assert set(picks) == {id(w) for w in pool}
     assert min(picks.values()) >= 30  # no worker starved (uniform would be 100 each)
 
 
-def test_prefix_affinity_is_stable_when_another_worker_leaves(pool: list[WorkerClient]) -> None:
+def test_prefix_affinity_is_stable_when_another_worker_leaves(pool: list[PoolMember]) -> None:
     router = PrefixAffinityRouter(prefix_chars=1024, load_factor=1.25)
     keys = [RoutingKey(f"doc {i}", 10) for i in range(100)]
     before = {k: router.pick(pool, k) for k in keys}
@@ -142,7 +143,7 @@ def test_prefix_affinity_is_stable_when_another_worker_leaves(pool: list[WorkerC
     assert all(after[k] is not pool[2] for k in keys)
 
 
-def test_prefix_affinity_spills_when_the_owner_is_over_the_load_bound(pool: list[WorkerClient]) -> None:
+def test_prefix_affinity_spills_when_the_owner_is_over_the_load_bound(pool: list[PoolMember]) -> None:
     router = PrefixAffinityRouter(prefix_chars=1024, load_factor=1.25)
     key = RoutingKey("a shared system prompt", 10)
     owner = router.pick(pool, key)
@@ -164,7 +165,7 @@ def test_prefix_affinity_spills_when_the_owner_is_over_the_load_bound(pool: list
     assert router.pick(pool, key) is not owner
 
 
-def test_prefix_affinity_all_excluded_or_unhealthy_is_none(pool: list[WorkerClient]) -> None:
+def test_prefix_affinity_all_excluded_or_unhealthy_is_none(pool: list[PoolMember]) -> None:
     router = PrefixAffinityRouter(prefix_chars=1024, load_factor=1.25)
     assert router.pick(pool, KEY, pool) is None
     for worker in pool:
@@ -172,7 +173,7 @@ def test_prefix_affinity_all_excluded_or_unhealthy_is_none(pool: list[WorkerClie
     assert router.pick(pool, KEY) is None
 
 
-def test_prefix_affinity_holds_under_even_light_load(pool: list[WorkerClient]) -> None:
+def test_prefix_affinity_holds_under_even_light_load(pool: list[PoolMember]) -> None:
     router = PrefixAffinityRouter(prefix_chars=1024, load_factor=1.25)
     keys = [RoutingKey(f"doc {i}", 10) for i in range(30)]
     owners = {k: router.pick(pool, k) for k in keys}

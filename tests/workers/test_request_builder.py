@@ -15,15 +15,18 @@ from frontend.openai_models import (
     GenerationWireRequest,
     ResponsesRequest,
 )
+from frontend.sampling import SamplingParams
 from frontend.token_codec import encode_prompt_tokens
-from workers.engines.base import EngineInfo
+from workers.engines.outputs import EngineInfo
+from workers.engines.request import Phase, PromptPath
 from workers.engines.synthetic import SyntheticConfig, SyntheticEngine
-from workers.generation_request import Phase, PromptPath
 from workers.request_builder import (
     endpoint_of,
     handoff_from,
     phase_of,
     prepare_prompt,
+    prompt_facts_of,
+    resolve_max_tokens,
     sampling_params_from,
 )
 
@@ -39,7 +42,12 @@ def wire_of(model: type[GenerationWireRequest], body: dict[str, Any]) -> Generat
 
 
 async def prepare(model: type[GenerationWireRequest], body: dict[str, Any], info: EngineInfo = INFO) -> Any:
-    return await prepare_prompt(wire_of(model, body), body, info, ENGINE.tokenizer)
+    wire = wire_of(model, body)
+    return await prepare_prompt(wire, sampling_params_from(wire, info), info, ENGINE.get_tokenizer())
+
+
+def resolved(wire: GenerationWireRequest, prompt_len: int, info: EngineInfo = INFO) -> SamplingParams:
+    return resolve_max_tokens(wire, sampling_params_from(wire, info), prompt_len, info)
 
 
 async def test_b64_comes_first_and_is_zero_copy() -> None:
@@ -137,7 +145,8 @@ def test_sampling_defaults_and_fields() -> None:
     wire = wire_of(ChatCompletionRequest, {**CHAT, "temperature": 0, "top_p": 0.5, "top_k": 3, "seed": 1,
                                            "stop": "x", "frequency_penalty": 0.5, "logit_bias": {"7": 2, "3": -1},
                                            "logprobs": True, "top_logprobs": 2})
-    sampling = sampling_params_from(wire, 10, INFO)
+    assert sampling_params_from(wire, INFO).max_tokens is None  # not asked for: open until the prompt is known
+    sampling = resolved(wire, 10)
     assert sampling.max_tokens == 54  # the rest of the context
     assert (sampling.temperature, sampling.top_p, sampling.top_k, sampling.seed) == (0.0, 0.5, 3, 1)
     assert sampling.stop == ("x",)
@@ -159,28 +168,47 @@ def test_max_tokens_beyond_the_context_names_its_field(
     model: type[GenerationWireRequest], body: dict[str, Any], param: str
 ) -> None:
     with pytest.raises(ContextLengthError) as caught:
-        sampling_params_from(wire_of(model, body), 10, INFO)
+        resolved(wire_of(model, body), 10)
     assert caught.value.param == param
 
 
 def test_a_prompt_that_fills_the_context_leaves_no_room() -> None:
     with pytest.raises(ContextLengthError):
-        sampling_params_from(wire_of(CompletionRequest, {"model": "synthetic", "prompt": "x", "max_tokens": None}),
-                             64, INFO)
+        resolved(wire_of(CompletionRequest, {"model": "synthetic", "prompt": "x", "max_tokens": None}), 64)
 
 
 @pytest.mark.parametrize("key", ["-1", "abc", "64000", "1.5"])
 def test_logit_bias_keys_must_be_token_ids(key: str) -> None:
     with pytest.raises(InvalidRequestError) as caught:
-        sampling_params_from(wire_of(ChatCompletionRequest, {**CHAT, "logit_bias": {key: 1}}), 3, INFO)
+        sampling_params_from(wire_of(ChatCompletionRequest, {**CHAT, "logit_bias": {key: 1}}), INFO)
     assert caught.value.param == "logit_bias"
 
 
 def test_logprobs_on_an_engine_without_them_is_refused() -> None:
     info = EngineInfo("x", "synthetic", 50_000, 64, supports_logprobs=False)
     with pytest.raises(UnsupportedParameterError):
-        sampling_params_from(wire_of(CompletionRequest, {"model": "synthetic", "prompt": "x", "logprobs": 1}), 1,
-                             info)
+        sampling_params_from(wire_of(CompletionRequest, {"model": "synthetic", "prompt": "x", "logprobs": 1}), info)
+
+
+# -- what the guardrail reads of the prompt -------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("model", "body", "multimodal", "harmony"),
+    [
+        (ChatCompletionRequest, CHAT, False, False),
+        (ChatCompletionRequest, {**CHAT, "messages": [{"role": "user", "content": [
+            {"type": "text", "text": "see"}, {"type": "image_url", "image_url": {"url": "x"}}]}]}, True, False),
+        (ChatCompletionRequest, {**CHAT, "chat_template_kwargs": {"format": "harmony"}}, False, True),
+        (ResponsesRequest, {"model": "synthetic", "input": [{"role": "user", "content": [
+            {"type": "input_audio", "input_audio": {}}]}]}, True, False),
+        (ResponsesRequest, {"model": "synthetic", "input": "hi"}, False, False),
+        (CompletionRequest, {"model": "synthetic", "prompt": "hi"}, False, False),
+    ],
+)
+def test_prompt_facts_of_a_validated_request(
+    model: type[GenerationWireRequest], body: dict[str, Any], multimodal: bool, harmony: bool
+) -> None:
+    facts = prompt_facts_of(wire_of(model, body))
+    assert (facts.multimodal, facts.harmony) == (multimodal, harmony)
 
 
 # -- hand-off, phase, endpoint ----------------------------------------------------------------------------------

@@ -17,9 +17,9 @@ from openai.types.chat import ChatCompletion
 from tests.cluster import MODEL, Cluster, Node, Recorder, sample
 from tests.servers import running
 from tests.waiting import eventually
-from workers.engines.base import EngineOutput
+from workers.engines.outputs import EngineOutput
+from workers.engines.request import GenerationRequest
 from workers.engines.synthetic import SYNTHETIC_TEXT, SyntheticConfig, SyntheticEngine
-from workers.generation_request import GenerationRequest
 from workers.server import create_worker_app
 from workers.serving import WorkerSettings
 

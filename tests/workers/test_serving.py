@@ -13,8 +13,8 @@ import pytest
 from frontend.token_codec import decode_prompt_tokens, encode_prompt_tokens
 from tests.cluster import MODEL, Cluster, Node, sample
 from workers.engines.byte_tokenizer import ByteTokenizer
+from workers.engines.request import Phase, PromptPath
 from workers.engines.synthetic import SYNTHETIC_TEXT
-from workers.generation_request import Phase, PromptPath
 
 TOKENIZER = ByteTokenizer(50_000)
 MESSAGES = [{"role": "user", "content": "Tell me a story."}]

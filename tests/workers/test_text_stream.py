@@ -7,10 +7,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from frontend.sampling import SamplingParams
 from frontend.token_codec import TOKEN_DTYPE, TokenArray
+from workers.engines.request import GenerationRequest, Handoff, Phase
 from workers.engines.synthetic import SYNTHETIC_TEXT, SyntheticEngine
-from workers.generation_request import GenerationRequest, Handoff, Phase
-from workers.sampling_params import SamplingParams
 from workers.text_stream import StopStringMatcher, TextStep, stream_text
 
 ALPHABET = "abc\n"
@@ -64,7 +64,7 @@ def test_no_stops_passes_everything_through() -> None:
 
 
 async def collect(engine: SyntheticEngine, request: GenerationRequest) -> list[TextStep]:
-    return [step async for step in stream_text(engine, request)]
+    return [step async for step in stream_text(engine, engine.get_tokenizer().detokenizer(), request)]
 
 
 def prompt() -> TokenArray:
@@ -111,7 +111,8 @@ async def test_a_stop_string_inside_the_first_gen_token_ends_at_once() -> None:
 
 async def test_closing_the_stream_early_aborts_the_engine_request() -> None:
     engine = SyntheticEngine()
-    steps = stream_text(engine, GenerationRequest("a", prompt(), SamplingParams(max_tokens=1000)))
+    steps = stream_text(engine, engine.get_tokenizer().detokenizer(),
+                        GenerationRequest("a", prompt(), SamplingParams(max_tokens=1000)))
     await anext(steps)
     await anext(steps)
     assert engine._running == {"a"}

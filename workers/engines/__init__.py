@@ -1,1 +1,2 @@
-"""Engines behind the typed adapter protocol (``base.Engine``); ``factory.create_engine`` picks one."""
+"""Engines behind the typed adapter protocol (``base.Engine``); ``factory.ENGINES`` names them and
+``factory.create_engine`` builds one."""

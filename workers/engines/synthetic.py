@@ -9,30 +9,34 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncGenerator
-from dataclasses import dataclass
+from dataclasses import replace
 
 import orjson
 
 from frontend.errors import HandoffError
-from workers.engines.base import Engine, EngineInfo, EngineOutput, FinishReason, TokenLogprob
+from workers.engines.base import Tokenizer
 from workers.engines.byte_tokenizer import BYTE_TOKENS, ByteTokenizer
-from workers.generation_request import GenerationRequest, Phase
+from workers.engines.options import EngineOptions, SyntheticConfig
+from workers.engines.outputs import EngineInfo, EngineOutput, FinishReason, TokenLogprob
+from workers.engines.request import GenerationRequest, Phase
+
+__all__ = ["EOS_TOKEN_ID", "SYNTHETIC_TEXT", "SyntheticConfig", "SyntheticEngine", "create"]
 
 SYNTHETIC_TEXT = b"The quick brown fox jumps over the lazy dog. "
 EOS_TOKEN_ID = BYTE_TOKENS  # 256
 
 
-@dataclass(frozen=True, slots=True)
-class SyntheticConfig:
-    model: str = "synthetic"
-    vocab_size: int = 50_000
-    max_context: int = 1_048_576
-    time_to_first_token_s: float = 0.0
-    inter_token_latency_s: float = 0.0
-    output_tokens: int | None = None  # emit EOS after this many tokens; None: run to max_tokens
+def create(options: EngineOptions) -> SyntheticEngine:
+    """The factory ``workers.engines.factory`` calls for ``--engine synthetic``."""
+    config = options.synthetic
+    if options.served_model_name:
+        config = replace(config, model=options.served_model_name)
+    return SyntheticEngine(config)
 
 
-class SyntheticEngine(Engine):
+class SyntheticEngine:
+    """A typed engine (``workers.engines.base.Engine``) that also provides its byte tokenizer."""
+
     def __init__(self, config: SyntheticConfig | None = None) -> None:
         self.config = config or SyntheticConfig()
         self.info = EngineInfo(
@@ -42,9 +46,18 @@ class SyntheticEngine(Engine):
             max_context=self.config.max_context,
             model_hash="synthetic-v1",
         )
-        self.tokenizer = ByteTokenizer(self.config.vocab_size)
+        self._tokenizer = ByteTokenizer(self.config.vocab_size)
         self._running: set[str] = set()
         self._aborted: set[str] = set()
+
+    async def start(self) -> None:
+        pass  # nothing to load
+
+    async def aclose(self) -> None:
+        pass  # nothing held between requests
+
+    def get_tokenizer(self) -> Tokenizer:
+        return self._tokenizer
 
     def generate(self, request: GenerationRequest) -> AsyncGenerator[EngineOutput, None]:
         return self._tracked(request)
@@ -60,11 +73,12 @@ class SyntheticEngine(Engine):
 
     async def _generate(self, request: GenerationRequest) -> AsyncGenerator[EngineOutput, None]:
         sampling = request.sampling
+        max_tokens = request.max_tokens
         position = 0
         if request.phase is Phase.GENERATION_ONLY:
             assert request.handoff is not None
             position = self._check_handoff(request)
-            if position >= sampling.max_tokens:  # CTX's token(s) already used the whole budget
+            if position >= max_tokens:  # CTX's token(s) already used the whole budget
                 yield EngineOutput((), finish_reason="length")
                 return
             yield EngineOutput(())  # the hand-off is accepted
@@ -76,7 +90,7 @@ class SyntheticEngine(Engine):
                 prompt_logprobs = (None, *(TokenLogprob(t, 0.0) for t in request.prompt_token_ids[1:]))
             token = self._token_at(0)
             position = 1
-            finish = self._finish_reason(token, position, sampling.max_tokens, sampling.ignore_eos)
+            finish = self._finish_reason(token, position, max_tokens, sampling.ignore_eos)
             handoff = None
             if request.phase is Phase.CONTEXT_ONLY and finish is None:
                 handoff = orjson.dumps({"engine": "synthetic", "prompt_len": request.prompt_len, "position": 1})
@@ -93,7 +107,7 @@ class SyntheticEngine(Engine):
                 await asyncio.sleep(0)  # stay a good citizen of the event loop
             token = self._token_at(position)
             position += 1
-            finish = self._finish_reason(token, position, sampling.max_tokens, sampling.ignore_eos)
+            finish = self._finish_reason(token, position, max_tokens, sampling.ignore_eos)
             yield EngineOutput((token,), self._logprobs(token, sampling.logprobs), finish)
             if finish is not None:
                 return

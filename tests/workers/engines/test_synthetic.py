@@ -5,11 +5,11 @@ import orjson
 import pytest
 
 from frontend.errors import HandoffError
+from frontend.sampling import SamplingParams
 from frontend.token_codec import TOKEN_DTYPE
-from workers.engines.base import EngineOutput
+from workers.engines.outputs import EngineOutput
+from workers.engines.request import GenerationRequest, Handoff, Phase
 from workers.engines.synthetic import EOS_TOKEN_ID, SYNTHETIC_TEXT, SyntheticConfig, SyntheticEngine
-from workers.generation_request import GenerationRequest, Handoff, Phase
-from workers.sampling_params import SamplingParams
 
 PROMPT = np.arange(10, dtype=TOKEN_DTYPE)
 

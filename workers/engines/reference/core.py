@@ -22,15 +22,15 @@ import socket
 import sys
 import threading
 import time
-from typing import Any
 
 import numpy as np
 
+from frontend.sampling import SamplingParams
 from frontend.token_codec import TOKEN_DTYPE
 from workers.engines.reference.ipc import ChannelClosed, Header, read_frame_blocking, send_frame_blocking
 from workers.engines.reference.kv_store import KVStore, KVTransferServer
 from workers.engines.reference.model_file import load_model_file
-from workers.engines.reference.sampler import SamplingConfig
+from workers.engines.reference.sampler import check_sampling
 from workers.engines.reference.scheduler import Scheduler, SchedulerConfig, SubmitSpec
 from workers.engines.reference.tokenizer import GGUFTokenizer
 from workers.engines.reference.transformer import Transformer
@@ -267,26 +267,20 @@ def _submit_spec(header: Header, payload: bytes) -> SubmitSpec:
     placeholder = bool(header.get("placeholder"))
     # A placeholder is rebuilt from its length; real tokens are the raw int32 buffer as it crossed the socket.
     prompt = np.full(prompt_len, 0, dtype=TOKEN_DTYPE) if placeholder else np.frombuffer(payload, TOKEN_DTYPE)
-    s: dict[str, Any] = header["sampling"]
+    sampling = SamplingParams.from_wire(header["sampling"])
+    check_sampling(sampling)
+    if sampling.max_tokens is None:
+        raise ValueError("max_tokens must be resolved before the core sees a request")
     state = header.get("handoff_state")
     return SubmitSpec(
         request_id=str(header["id"]),
         phase=str(header["phase"]),
         prompt=prompt,
         placeholder=placeholder,
-        max_tokens=int(s["max_tokens"]),
-        sampling=SamplingConfig(
-            temperature=s["temperature"], top_p=s["top_p"], top_k=s["top_k"], seed=s["seed"],
-            frequency_penalty=s["frequency_penalty"], presence_penalty=s["presence_penalty"],
-            repetition_penalty=s["repetition_penalty"], logprobs=s["logprobs"],
-        ),
-        ignore_eos=bool(s["ignore_eos"]),
-        logit_bias=tuple((int(t), float(b)) for t, b in s["logit_bias"]),
-        prompt_logprobs=s["prompt_logprobs"],
+        max_tokens=sampling.max_tokens,
+        sampling=sampling,
         first_gen_tokens=tuple(int(t) for t in header.get("first_gen_tokens") or ()),
         handoff_state=state.encode() if isinstance(state, str) else None,
-        reads_prompt_values=bool(header.get("reads_prompt_values")),
-        echo=bool(s.get("echo")),
     )
 
 

@@ -10,28 +10,26 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 from collections.abc import AsyncGenerator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
-from frontend.errors import EngineError, HandoffError, OverloadedError, ServingError, UpstreamError
-from frontend.launcher import die_with_parent
-from frontend.token_codec import TOKEN_DTYPE
-from workers.engines.base import Engine, EngineInfo, EngineOutput, Tokenizer, TokenLogprob
+from frontend.errors import EngineError
+from frontend.process_lifetime import die_with_parent
+from workers.engines.base import Tokenizer
+from workers.engines.options import EngineOptions
+from workers.engines.outputs import EngineInfo, EngineOutput
+from workers.engines.reference.frames import core_error, engine_output, submit_frame, tokenizer_fields
 from workers.engines.reference.ipc import ChannelClosed, Header, encode_frame, read_frame
 from workers.engines.reference.kv_fetch import HandoffUnavailable, parse_state
 from workers.engines.reference.model_file import TokenizerMetadata
+from workers.engines.reference.options import ReferenceOptions, core_command, core_env, reference_options
 from workers.engines.reference.tokenizer import GGUFTokenizer
-from workers.generation_request import GenerationRequest, Phase, PromptPath
+from workers.engines.request import GenerationRequest, Phase
 
 logger = logging.getLogger(__name__)
 
@@ -39,25 +37,10 @@ logger = logging.getLogger(__name__)
 _HEALTH_PING_TIMEOUT_S = 30.0
 
 
-@dataclass(frozen=True, slots=True)
-class ReferenceOptions:
-    model_path: str | None = None
-    served_model_name: str | None = None
-    kv_block_reuse: bool = False
-    kv_block_reuse_bytes: int = 512 * 1024**2
-    prompt_tokens_in_handoff: bool = True
-    kv_host: str = "127.0.0.1"
-    kv_advertise_host: str | None = None
-    kv_port: int = 0
-    kv_store_bytes: int = 4 * 1024**3
-    kv_ttl_s: float = 120.0
-    prefill_chunk: int = 512
-    blas_threads: int | None = None  # pin for bitwise-reproducible prefill across workers
-    startup_timeout_s: float = 300.0
-    core_socket: str | None = None  # connect to a running core (shared by several front ends); None: spawn one
+class ReferenceEngine:
+    """The typed adapter over the engine core; also a ``ProvidesTokenizer``, ``KVHandoffStore`` and
+    ``HealthCheck``."""
 
-
-class ReferenceEngine(Engine):
     def __init__(self, options: ReferenceOptions | None = None) -> None:
         self.options = options or ReferenceOptions()
         self._info: EngineInfo | None = None
@@ -74,13 +57,12 @@ class ReferenceEngine(Engine):
         self.kv_store_bytes = 0
 
     @property
-    def info(self) -> EngineInfo:  # type: ignore[override]
+    def info(self) -> EngineInfo:
         if self._info is None:
             raise EngineError("the reference engine has not started")
         return self._info
 
-    @property
-    def tokenizer(self) -> Tokenizer:  # type: ignore[override]
+    def get_tokenizer(self) -> Tokenizer:
         if self._tokenizer is None:
             raise EngineError("the reference engine has not started")
         return self._tokenizer
@@ -105,7 +87,7 @@ class ReferenceEngine(Engine):
             await self.aclose()  # no half-started core, socket or temp dir is left behind
             raise
         self._writer = writer
-        self._tokenizer = await asyncio.to_thread(GGUFTokenizer, TokenizerMetadata(**_tokenizer_fields(ready)))
+        self._tokenizer = await asyncio.to_thread(GGUFTokenizer, TokenizerMetadata(**tokenizer_fields(ready)))
         self._info = EngineInfo(
             engine="reference",
             model=self.options.served_model_name or Path(ready["model_path"]).stem,
@@ -263,14 +245,14 @@ class ReferenceEngine(Engine):
         self._queues[request_id] = outputs
         finished = False
         try:
-            header, payload = _submit_frame(request)
+            header, payload = submit_frame(request)
             self._send(header, payload)
             while True:
                 message, payload = await outputs.get()
                 if message["op"] == "error":
                     finished = True
-                    raise _translate(message)
-                output = _engine_output(message, payload)
+                    raise core_error(message)
+                output = engine_output(message, payload)
                 if output.finish_reason is not None or output.handoff_state is not None:
                     finished = True
                 yield output
@@ -289,94 +271,7 @@ class ReferenceEngine(Engine):
             self._send({"op": "abort", "id": request_id})
 
 
-def core_command(options: ReferenceOptions, socket_path: str) -> list[str]:
-    """The engine core's command line (used by the adapter, and by a worker running several front ends)."""
-    o = options
-    command = [sys.executable, "-m", "workers.engines.reference.core", "--listen", socket_path,
-               "--kv-host", o.kv_host, "--kv-port", str(o.kv_port), "--kv-store-bytes", str(o.kv_store_bytes),
-               "--kv-ttl-s", str(o.kv_ttl_s), "--prefill-chunk", str(o.prefill_chunk)]
-    if o.model_path:
-        command += ["--model", o.model_path]
-    if o.kv_advertise_host:
-        command += ["--kv-advertise-host", o.kv_advertise_host]
-    if not o.prompt_tokens_in_handoff:
-        command.append("--no-prompt-tokens-in-handoff")
-    if o.kv_block_reuse:
-        command += ["--prefix-cache-bytes", str(o.kv_block_reuse_bytes)]
-    return command
 
-
-def core_env(options: ReferenceOptions) -> dict[str, str]:
-    env = dict(os.environ)
-    if options.blas_threads is not None:
-        for name in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
-            env[name] = str(options.blas_threads)
-    return env
-
-
-def _submit_frame(request: GenerationRequest) -> tuple[Header, memoryview | bytes]:
-    s = request.sampling
-    header: Header = {
-        "op": "submit",
-        "id": request.request_id,
-        "phase": request.phase.value,
-        "prompt_len": request.prompt_len,
-        "placeholder": request.prompt_path is PromptPath.METADATA_ONLY,
-        "reads_prompt_values": bool(s.reads_prompt_token_values),
-        "sampling": {
-            "max_tokens": s.max_tokens, "temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k,
-            "seed": s.seed, "frequency_penalty": s.frequency_penalty, "presence_penalty": s.presence_penalty,
-            "repetition_penalty": s.repetition_penalty, "logprobs": s.logprobs, "ignore_eos": s.ignore_eos,
-            "logit_bias": [list(pair) for pair in s.logit_bias], "prompt_logprobs": s.prompt_logprobs,
-            "echo": s.echo,
-        },
-    }
-    if request.handoff is not None:
-        header["first_gen_tokens"] = list(request.handoff.first_gen_tokens)
-        header["handoff_state"] = request.handoff.opaque_state.decode("utf-8", errors="replace")
-    if request.prompt_path is PromptPath.METADATA_ONLY:
-        return header, b""
-    return header, request.prompt_token_ids_i32.data  # the raw int32 buffer: no list, no copy
-
-
-def _engine_output(message: Header, payload: bytes) -> EngineOutput:
-    logprobs = tuple(
-        TokenLogprob(int(t), float(lp), tuple((int(i), float(v)) for i, v in top))
-        for t, lp, top in message.get("logprobs") or ()
-    )
-    prompt_logprobs = None
-    if message.get("prompt_logprobs") is not None:
-        prompt_logprobs = tuple(
-            None if entry is None
-            else TokenLogprob(int(entry[0]), float(entry[1]), tuple((int(i), float(v)) for i, v in entry[2]))
-            for entry in message["prompt_logprobs"]
-        )
-    state = message.get("handoff_state")
-    return EngineOutput(
-        token_ids=tuple(int(t) for t in message["tokens"]),
-        logprobs=logprobs,
-        finish_reason=message.get("finish"),
-        handoff_state=state.encode() if isinstance(state, str) else None,
-        prompt_logprobs=prompt_logprobs,
-        prompt_token_ids=np.frombuffer(payload, TOKEN_DTYPE) if message.get("prompt_tokens") else None,
-    )
-
-
-def _translate(message: Header) -> ServingError:
-    kind, text = message.get("kind"), str(message.get("message", "engine error"))
-    if kind == "handoff":
-        return HandoffError(text, param="disaggregated_params.encoded_opaque_state")
-    if kind == "overloaded":
-        return OverloadedError(text)
-    if kind == "upstream":
-        return UpstreamError(text)
-    return EngineError(text)
-
-
-def _tokenizer_fields(ready: Header) -> dict[str, Any]:
-    t = ready["tokenizer"]
-    return {
-        "model": t["model"], "pre": t["pre"], "tokens": tuple(t["tokens"]), "merges": tuple(t["merges"]),
-        "token_types": tuple(t["token_types"]), "bos_token_id": t["bos_token_id"],
-        "eos_token_id": t["eos_token_id"], "chat_template": t["chat_template"],
-    }
+def create(options: EngineOptions) -> ReferenceEngine:
+    """The factory ``workers.engines.factory`` calls for ``--engine reference``."""
+    return ReferenceEngine(reference_options(options))

@@ -16,34 +16,16 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from frontend.sampling import SamplingParams
+
 F32Array = npt.NDArray[np.float32]
 F64Array = npt.NDArray[np.float64]
 
 
-@dataclass(frozen=True)
-class SamplingConfig:
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0 = off
-    seed: int | None = None  # None = a random seed chosen when the Sampler is built
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    logprobs: int | None = None  # None = none requested; N = chosen token plus N top alternatives
-
-    def __post_init__(self) -> None:
-        if not self.temperature >= 0.0:
-            raise ValueError("temperature must be >= 0")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError("top_p must be in (0, 1]")
-        if self.top_k < 0:
-            raise ValueError("top_k must be >= 0")
-        if not self.repetition_penalty > 0.0:
-            raise ValueError("repetition_penalty must be > 0")
-        if self.logprobs is not None and self.logprobs < 0:
-            raise ValueError("logprobs must be >= 0")
-        if self.seed is not None and self.seed < 0:
-            raise ValueError("seed must be >= 0")
+def check_sampling(params: SamplingParams) -> None:
+    """What this sampler needs beyond ``SamplingParams``' own checks: PCG64 takes only non-negative seeds."""
+    if params.seed is not None and params.seed < 0:
+        raise ValueError("seed must be >= 0")
 
 
 @dataclass(frozen=True)
@@ -81,11 +63,12 @@ class Sampler:
 
     def __init__(
         self,
-        config: SamplingConfig,
+        config: SamplingParams,
         prompt_ids: npt.NDArray[np.integer[Any]] | Sequence[int],
         vocab_size: int,
         output_so_far: Sequence[int] = (),
     ) -> None:
+        check_sampling(config)
         self.config = config
         self.vocab_size = vocab_size
         self.seed = config.seed if config.seed is not None else secrets.randbits(63)

@@ -18,12 +18,13 @@ from typing import Any
 import numpy as np
 import orjson
 
+from frontend.sampling import SamplingParams
 from frontend.token_codec import TokenArray
 from workers.engines.reference.kv_fetch import FetchedHandoff, HandoffUnavailable, HandoffUnreachable, fetch_handoff
 from workers.engines.reference.kv_handoff import KVHandoff, encode_handoff
 from workers.engines.reference.kv_store import KVStore, KVStoreFull
 from workers.engines.reference.prefix_cache import PrefixCache
-from workers.engines.reference.sampler import Sampler, SamplingConfig, log_softmax, top_logprobs
+from workers.engines.reference.sampler import Sampler, log_softmax, top_logprobs
 from workers.engines.reference.transformer import KVCache, Transformer, export_kv
 
 logger = logging.getLogger(__name__)
@@ -37,15 +38,10 @@ class SubmitSpec:
     phase: str  # "aggregated" | "context_only" | "generation_only"
     prompt: TokenArray
     placeholder: bool
-    max_tokens: int
-    sampling: SamplingConfig
-    ignore_eos: bool = False
-    logit_bias: tuple[tuple[int, float], ...] = ()
-    prompt_logprobs: int | None = None
+    max_tokens: int  # the request's output budget, resolved by the worker
+    sampling: SamplingParams
     first_gen_tokens: tuple[int, ...] = ()
     handoff_state: bytes | None = None
-    reads_prompt_values: bool = False
-    echo: bool = False
 
 
 @dataclass(slots=True)
@@ -96,7 +92,7 @@ class Scheduler:
             future.add_done_callback(lambda _: self.wake())
             return
         seq = Sequence(spec, self.model.new_cache(int(spec.prompt.shape[0]) + 16))
-        if self.prefix_cache is not None and spec.prompt_logprobs is None:
+        if self.prefix_cache is not None and spec.sampling.prompt_logprobs is None:
             seq.prefilled = self.prefix_cache.load_prefix(spec.prompt, seq.cache)
         self._prefill_queue.append(seq)
 
@@ -157,7 +153,7 @@ class Scheduler:
         if spec.placeholder:
             if handoff.prompt_tokens is not None:
                 prompt = handoff.prompt_tokens  # the real prompt, carried beside the KV
-            elif spec.reads_prompt_values:
+            elif spec.sampling.reads_prompt_token_values:
                 self._fail(spec.request_id, "handoff", "this request reads prompt token values, but neither the "
                            "request nor the KV hand-off carries the prompt's tokens")
                 return
@@ -171,9 +167,9 @@ class Scheduler:
         for token in spec.first_gen_tokens[:-1]:  # tokens CTX chose beyond the first enter the cache here
             self.model.decode(token, seq.cache)
         seq.last_token = spec.first_gen_tokens[-1]
-        report_prompt_logprobs = seq.handoff_prompt_logprobs is not None and spec.prompt_logprobs is not None
+        report_prompt_logprobs = seq.handoff_prompt_logprobs is not None and spec.sampling.prompt_logprobs is not None
         # Echo on a placeholder: the front end needs the real prompt, which came with the KV.
-        report_prompt = spec.placeholder and spec.echo and prompt is not spec.prompt
+        report_prompt = spec.placeholder and spec.sampling.echo and prompt is not spec.prompt
         # Always answered: the front end holds the first token back until the hand-off is accepted.
         opening: dict[str, Any] = {"op": "output", "id": spec.request_id, "tokens": [], "logprobs": None,
                                    "finish": None, "prompt_tokens": report_prompt}
@@ -193,7 +189,7 @@ class Scheduler:
         spec = seq.spec
         start = seq.prefilled
         chunk = spec.prompt[start : start + self.config.prefill_chunk]
-        if spec.prompt_logprobs is not None:
+        if spec.sampling.prompt_logprobs is not None:
             all_logits = self.model.prefill_all_logits(chunk, seq.cache)
             self._record_prompt_logprobs(seq, all_logits, start)
             logits = all_logits[-1]
@@ -210,7 +206,7 @@ class Scheduler:
 
     def _record_prompt_logprobs(self, seq: Sequence, logits: np.ndarray, start: int) -> None:
         prompt = seq.spec.prompt
-        n_top = seq.spec.prompt_logprobs or 0
+        n_top = seq.spec.sampling.prompt_logprobs or 0
         if start == 0:
             seq.prompt_logprobs.append(None)  # the first prompt token has no context to be scored in
         for row in range(logits.shape[0]):
@@ -228,9 +224,9 @@ class Scheduler:
     def _emit_token(self, seq: Sequence, logits: np.ndarray, first: bool) -> None:
         spec = seq.spec
         assert seq.sampler is not None
-        if spec.logit_bias:
+        if spec.sampling.logit_bias:
             logits = logits.copy()
-            for token, bias in spec.logit_bias:
+            for token, bias in spec.sampling.logit_bias:
                 logits[token] += np.float32(bias)
         sampled = seq.sampler.sample(logits)
         seq.produced += 1
@@ -244,7 +240,7 @@ class Scheduler:
             else [[sampled.token_id, sampled.logprob, [list(t) for t in sampled.top_logprobs]]],
             "finish": finish,
         }
-        if first and spec.prompt_logprobs is not None:
+        if first and spec.sampling.prompt_logprobs is not None:
             message["prompt_logprobs"] = seq.prompt_logprobs
         if first and spec.phase == "context_only":
             if finish is None:
@@ -262,7 +258,7 @@ class Scheduler:
             self._running.pop(spec.request_id, None)
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
-        if token in self.config.eos_token_ids and not seq.spec.ignore_eos:
+        if token in self.config.eos_token_ids and not seq.spec.sampling.ignore_eos:
             return "stop"
         if seq.produced >= seq.spec.max_tokens or seq.cache.length + 1 >= self.context:
             return "length"
@@ -274,7 +270,7 @@ class Scheduler:
         handoff = KVHandoff(
             k, v, self.config.model_hash, self.model.config.rope_base,
             prompt_tokens=spec.prompt if self.config.prompt_tokens_in_handoff else None,
-            prompt_logprobs=seq.prompt_logprobs if spec.prompt_logprobs is not None else None,
+            prompt_logprobs=seq.prompt_logprobs if spec.sampling.prompt_logprobs is not None else None,
         )
         key = self.store.put(spec.request_id, encode_handoff(handoff))
         return json_state(self.config.kv_url_base, spec.request_id, key, self.config.model_hash, handoff.n_tokens)

@@ -8,8 +8,6 @@ runs the same operations in the same order whatever the cache's capacity.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import numpy as np
 import numpy.typing as npt
 
@@ -52,9 +50,6 @@ class KVCache:
                 grown = np.zeros(shape, np.float32)
                 grown[:, : self.length] = store[layer][:, : self.length]
                 store[layer] = grown
-
-    def nbytes_used(self) -> int:
-        return 2 * self.config.n_layers * self.config.n_kv_heads * self.length * self.config.head_dim * 4
 
 
 def export_kv(cache: KVCache) -> tuple[F32Array, F32Array]:
@@ -225,41 +220,3 @@ class Transformer:
         hidden = self._forward(np.array([token_id], dtype=np.int32), cache)
         logits: F32Array = self._logits(hidden)[0]
         return logits
-
-    def decode_batch(self, token_ids: Sequence[int], caches: Sequence[KVCache]) -> F32Array:
-        """One decode step for several independent sequences: logits (batch, vocab).
-
-        Projections and MLP run as one stacked matmul over the batch (weights read once per step);
-        attention runs per sequence over its own cache. Matches `decode` to float rounding, not
-        necessarily bitwise, because BLAS may block a (B, d) matmul differently from a (1, d) one.
-        """
-        if len(token_ids) != len(caches):
-            raise ValueError("token_ids and caches differ in length")
-        if len(set(map(id, caches))) != len(caches):
-            raise ValueError("each sequence needs its own cache")
-        c = self.config
-        ids = np.asarray(token_ids, dtype=np.int32)
-        if ids.size == 0:
-            return np.empty((0, c.vocab_size), np.float32)
-        if ids.min() < 0 or ids.max() >= c.vocab_size:
-            raise ValueError(f"token id out of range [0, {c.vocab_size})")
-        for cache in caches:
-            cache.reserve(cache.length + 1)
-        positions = np.array([cache.length for cache in caches], dtype=np.int32)
-        x = self.weights.token_embedding[ids]  # (B, d)
-        for layer in range(c.n_layers):
-            lw = self.weights.layers[layer]
-            q, k, v = self._qkv(_rms_norm(x, lw.attn_norm, c.rms_eps), layer, positions)
-            attn = np.empty((len(caches), c.n_heads * c.head_dim), np.float32)
-            for b, cache in enumerate(caches):
-                pos = int(positions[b])
-                cache.k[layer][:, pos] = k[:, b]
-                cache.v[layer][:, pos] = v[:, b]
-                attn[b] = self._attend(
-                    q[:, b : b + 1], cache.k[layer][:, : pos + 1], cache.v[layer][:, : pos + 1], pos
-                )[0]
-            x = x + attn @ lw.wo.T
-            x = x + self._mlp(x, layer)
-        for cache in caches:
-            cache.length += 1
-        return self._logits(_rms_norm(x, self.weights.output_norm, c.rms_eps))

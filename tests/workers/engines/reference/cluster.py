@@ -18,7 +18,8 @@ from frontend.config import parse_config
 from orchestrator.server import create_orchestrator_app
 from tests.cluster import Recorder
 from tests.servers import running
-from workers.engines.reference.engine import ReferenceEngine, ReferenceOptions
+from workers.engines.reference.engine import ReferenceEngine
+from workers.engines.reference.options import ReferenceOptions
 from workers.server import create_worker_app
 from workers.serving import Role, WorkerSettings
 

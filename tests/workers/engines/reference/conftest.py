@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 import pytest
 
+from tests.workers.engines.reference.tiny_model import write_tiny_model
 from workers.engines.reference.model_file import LoadedModelFile, ModelFileError, load_model_file
-from workers.engines.reference.tiny_model import write_tiny_model
 from workers.engines.reference.tokenizer import GGUFTokenizer
 from workers.engines.reference.transformer import Transformer
 

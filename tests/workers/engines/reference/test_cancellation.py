@@ -23,8 +23,9 @@ from orchestrator.server import create_orchestrator_app
 from tests.cluster import sample
 from tests.servers import ServerThread
 from tests.waiting import eventually
-from workers.engines.reference.engine import ReferenceEngine, ReferenceOptions
-from workers.engines.reference.tiny_model import write_tiny_model
+from tests.workers.engines.reference.tiny_model import write_tiny_model
+from workers.engines.reference.engine import ReferenceEngine
+from workers.engines.reference.options import ReferenceOptions
 from workers.server import create_worker_app
 from workers.serving import Role, WorkerSettings
 

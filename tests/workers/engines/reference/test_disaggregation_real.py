@@ -10,10 +10,11 @@ import numpy as np
 import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
+from frontend.sampling import SamplingParams
 from tests.workers.engines.reference.cluster import RefCluster, reference_cluster
 from tests.workers.engines.reference.conftest import Engine
-from workers.engines.reference.engine import ReferenceOptions
-from workers.engines.reference.sampler import Sampler, SamplingConfig
+from workers.engines.reference.options import ReferenceOptions
+from workers.engines.reference.sampler import Sampler
 from workers.engines.reference.transformer import export_kv, import_kv
 
 pytestmark = pytest.mark.real_model
@@ -109,7 +110,7 @@ def test_the_guardrail_is_not_decorative(real: Engine) -> None:
     prompt = tokenizer.encode(tokenizer.render_chat([{"role": "user", "content": "What is the capital of France?"}]))
     placeholder = np.zeros_like(prompt)
 
-    def continue_on_gen(gen_prompt: np.ndarray, config: SamplingConfig) -> list[int]:
+    def continue_on_gen(gen_prompt: np.ndarray, config: SamplingParams) -> list[int]:
         ctx_cache = model.new_cache()
         logits = model.prefill(prompt, ctx_cache)
         first = Sampler(config, prompt, model.config.vocab_size).sample(logits).token_id  # chosen on CTX
@@ -123,7 +124,7 @@ def test_the_guardrail_is_not_decorative(real: Engine) -> None:
                 break
         return out
 
-    greedy = SamplingConfig(temperature=0.0)
+    greedy = SamplingParams(temperature=0.0)
     assert continue_on_gen(placeholder, greedy) == continue_on_gen(prompt, greedy)
-    penalised = SamplingConfig(temperature=0.0, repetition_penalty=1.3)
+    penalised = SamplingParams(temperature=0.0, repetition_penalty=1.3)
     assert continue_on_gen(placeholder, penalised) != continue_on_gen(prompt, penalised)

@@ -15,13 +15,14 @@ import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
 from frontend.errors import EngineError
+from frontend.sampling import SamplingParams
 from frontend.token_codec import TOKEN_DTYPE
 from tests.waiting import eventually, eventually_async
 from tests.workers.engines.reference.cluster import RefCluster, reference_cluster, start_reference_worker
-from workers.engines.reference.engine import ReferenceEngine, ReferenceOptions
-from workers.engines.reference.tiny_model import write_tiny_model
-from workers.generation_request import GenerationRequest, Phase
-from workers.sampling_params import SamplingParams
+from tests.workers.engines.reference.tiny_model import write_tiny_model
+from workers.engines.reference.engine import ReferenceEngine
+from workers.engines.reference.options import ReferenceOptions
+from workers.engines.request import GenerationRequest, Phase
 
 MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -174,7 +175,7 @@ async def test_closing_the_stream_early_aborts_the_request_in_the_core(tiny_opti
     engine = ReferenceEngine(tiny_options)
     await engine.start()
     try:
-        prompt = engine.tokenizer.encode("Once upon a time")
+        prompt = engine.get_tokenizer().encode("Once upon a time")
         request = GenerationRequest("r1", prompt, SamplingParams(max_tokens=400, temperature=0, ignore_eos=True))
         outputs = engine.generate(request)
         received = [await anext(outputs) for _ in range(3)]
@@ -194,7 +195,7 @@ async def test_requests_are_interleaved_so_a_long_one_does_not_starve_a_short_on
     engine = ReferenceEngine(tiny_options)
     await engine.start()
     try:
-        prompt = engine.tokenizer.encode("Tell me a story")
+        prompt = engine.get_tokenizer().encode("Tell me a story")
         long = GenerationRequest("long", prompt, SamplingParams(max_tokens=450, temperature=0, ignore_eos=True))
         short = GenerationRequest("short", prompt, SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
         order: list[str] = []
@@ -219,7 +220,7 @@ async def test_a_context_only_request_parks_its_kv_and_reports_the_handoff(tiny_
     engine = ReferenceEngine(tiny_options)
     await engine.start()
     try:
-        prompt = engine.tokenizer.encode("Hello there")
+        prompt = engine.get_tokenizer().encode("Hello there")
         request = GenerationRequest("c1", prompt, SamplingParams(max_tokens=4, temperature=0),
                                     phase=Phase.CONTEXT_ONLY)
         outputs = [o async for o in engine.generate(request)]
@@ -255,7 +256,7 @@ async def test_kv_block_reuse_serves_a_repeated_prefix_from_the_cache(tiny_path:
     await engine.start()
     try:
         assert engine.info.kv_block_reuse
-        prompt = engine.tokenizer.encode("A long shared system prompt that repeats across requests. " * 3)
+        prompt = engine.get_tokenizer().encode("A long shared system prompt that repeats across requests. " * 3)
         texts = []
         for request_id in ("first", "second"):
             request = GenerationRequest(request_id, prompt, SamplingParams(max_tokens=6, temperature=0))

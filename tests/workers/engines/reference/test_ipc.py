@@ -23,11 +23,12 @@ import orjson
 import pybase64
 import pytest
 
+from frontend.sampling import SamplingParams
 from tests.workers.engines.reference.cluster import RefCluster, reference_cluster
-from workers.engines.reference.engine import ReferenceEngine, ReferenceOptions
+from workers.engines.reference.engine import ReferenceEngine
 from workers.engines.reference.ipc import ChannelClosed, read_frame_blocking, send_frame_blocking
-from workers.generation_request import GenerationRequest
-from workers.sampling_params import SamplingParams
+from workers.engines.reference.options import ReferenceOptions
+from workers.engines.request import GenerationRequest
 
 REFERENCE = pathlib.Path(__file__).resolve().parents[4] / "workers" / "engines" / "reference"
 BOUNDARY_MODULES = ["ipc.py", "core.py", "engine.py", "kv_store.py", "kv_fetch.py", "kv_handoff.py"]
@@ -97,7 +98,7 @@ async def _until_handled(sock: socket.socket) -> None:
 
 async def _still_serves(engine: ReferenceEngine) -> None:
     assert await engine.health()
-    prompt = engine.tokenizer.encode("Hello")
+    prompt = engine.get_tokenizer().encode("Hello")
     request = GenerationRequest("after-attack", prompt, SamplingParams(max_tokens=3, temperature=0.0,
                                                                        ignore_eos=True))
     outputs = [o async for o in engine.generate(request)]

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType, GGUFWriter
 
+from tests.workers.engines.reference.tiny_model import write_tiny_model
 from workers.engines.reference.model_file import ModelFileError, default_model_path, load_model_file
-from workers.engines.reference.tiny_model import write_tiny_model
 from workers.engines.reference.transformer import Transformer
 
 if TYPE_CHECKING:

@@ -6,7 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from workers.engines.reference.sampler import Sampler, SamplingConfig, log_softmax
+from frontend.sampling import SamplingParams
+from workers.engines.reference.sampler import Sampler, log_softmax
 
 F32 = npt.NDArray[np.float32]
 NO_PROMPT = np.zeros(0, np.int32)
@@ -21,13 +22,13 @@ def random_logits(seed: int, vocab: int = 50, steps: int = 20) -> list[F32]:
     return [(rng.standard_normal(vocab) * 2).astype(np.float32) for _ in range(steps)]
 
 
-def run(cfg: SamplingConfig, steps: list[F32], prompt: npt.NDArray[np.int32] = NO_PROMPT) -> list[int]:
+def run(cfg: SamplingParams, steps: list[F32], prompt: npt.NDArray[np.int32] = NO_PROMPT) -> list[int]:
     sampler = Sampler(cfg, prompt, len(steps[0]))
     return [sampler.sample(x).token_id for x in steps]
 
 
 def test_greedy_is_argmax_and_records_output() -> None:
-    sampler = Sampler(SamplingConfig(temperature=0.0), NO_PROMPT, 4)
+    sampler = Sampler(SamplingParams(temperature=0.0), NO_PROMPT, 4)
     assert sampler.sample(logits_of(0.1, 3.0, -1.0, 2.9)).token_id == 1
     assert sampler.position == 1
 
@@ -35,21 +36,21 @@ def test_greedy_is_argmax_and_records_output() -> None:
 def test_presence_and_frequency_penalties_apply_to_output_only() -> None:
     x = logits_of(1.0, 0.9, 0.0, 0.0)
     prompt = np.array([0, 0, 0], np.int32)  # prompt tokens are not penalised by these two
-    assert Sampler(SamplingConfig(temperature=0.0, presence_penalty=0.5), prompt, 4).choose(x) == 0
-    seen = Sampler(SamplingConfig(temperature=0.0, presence_penalty=0.2), prompt, 4, output_so_far=[0])
+    assert Sampler(SamplingParams(temperature=0.0, presence_penalty=0.5), prompt, 4).choose(x) == 0
+    seen = Sampler(SamplingParams(temperature=0.0, presence_penalty=0.2), prompt, 4, output_so_far=[0])
     assert seen.choose(x) == 1
     # frequency: 1.0 - 0.06 * 2 = 0.88 < 0.9 after two occurrences, 0.94 > 0.9 after one.
-    once = Sampler(SamplingConfig(temperature=0.0, frequency_penalty=0.06), NO_PROMPT, 4, output_so_far=[0])
+    once = Sampler(SamplingParams(temperature=0.0, frequency_penalty=0.06), NO_PROMPT, 4, output_so_far=[0])
     twice = Sampler(
-        SamplingConfig(temperature=0.0, frequency_penalty=0.06), NO_PROMPT, 4, output_so_far=[0, 0]
+        SamplingParams(temperature=0.0, frequency_penalty=0.06), NO_PROMPT, 4, output_so_far=[0, 0]
     )
     assert once.choose(x) == 0 and twice.choose(x) == 1
     # Negative penalties encourage repetition, as in OpenAI's API.
-    assert Sampler(SamplingConfig(temperature=0.0, presence_penalty=-0.5), NO_PROMPT, 4, [1]).choose(x) == 1
+    assert Sampler(SamplingParams(temperature=0.0, presence_penalty=-0.5), NO_PROMPT, 4, [1]).choose(x) == 1
 
 
 def test_repetition_penalty_covers_prompt_and_output() -> None:
-    cfg = SamplingConfig(temperature=0.0, repetition_penalty=1.1)
+    cfg = SamplingParams(temperature=0.0, repetition_penalty=1.1)
     assert Sampler(cfg, np.array([0], np.int32), 3).choose(logits_of(2.0, 1.9, 0.0)) == 1  # 2.0 / 1.1 < 1.9
     assert Sampler(cfg, NO_PROMPT, 3, output_so_far=[0]).choose(logits_of(2.0, 1.9, 0.0)) == 1
     assert Sampler(cfg, NO_PROMPT, 3).choose(logits_of(2.0, 1.9, 0.0)) == 0
@@ -61,15 +62,15 @@ def test_logprobs_describe_raw_logits() -> None:
     x = logits_of(1.0, 2.0, 0.5, -1.0)
     expected = log_softmax(x)
     assert np.isclose(np.exp(expected).sum(), 1.0)
-    cfg = SamplingConfig(temperature=0.0, repetition_penalty=3.0, presence_penalty=5.0, logprobs=2)
+    cfg = SamplingParams(temperature=0.0, repetition_penalty=3.0, presence_penalty=5.0, logprobs=2)
     token = Sampler(cfg, np.array([1], np.int32), 4, output_so_far=[1]).sample(x)
     assert token.token_id == 0  # penalties moved the choice ...
     assert token.logprob == pytest.approx(expected[0])  # ... but not the reported logprob
     assert [t for t, _ in token.top_logprobs] == [1, 0]
     assert [lp for _, lp in token.top_logprobs] == pytest.approx([expected[1], expected[0]])
-    assert Sampler(SamplingConfig(logprobs=0, seed=1), NO_PROMPT, 4).sample(x).top_logprobs == ()
-    assert Sampler(SamplingConfig(seed=1), NO_PROMPT, 4).sample(x).top_logprobs == ()
-    many = Sampler(SamplingConfig(logprobs=10, seed=1), NO_PROMPT, 4).sample(x).top_logprobs
+    assert Sampler(SamplingParams(logprobs=0, seed=1), NO_PROMPT, 4).sample(x).top_logprobs == ()
+    assert Sampler(SamplingParams(seed=1), NO_PROMPT, 4).sample(x).top_logprobs == ()
+    many = Sampler(SamplingParams(logprobs=10, seed=1), NO_PROMPT, 4).sample(x).top_logprobs
     assert len(many) == 4
 
 
@@ -78,25 +79,25 @@ def test_logprobs_describe_raw_logits() -> None:
 def test_top_k_one_and_tiny_top_p_are_greedy(seed: int, data_seed: int) -> None:
     steps = random_logits(data_seed, steps=5)
     greedy = [int(np.argmax(x)) for x in steps]
-    assert run(SamplingConfig(temperature=1.5, top_k=1, seed=seed), steps) == greedy
-    assert run(SamplingConfig(temperature=1.5, top_p=1e-6, seed=seed), steps) == greedy
+    assert run(SamplingParams(temperature=1.5, top_k=1, seed=seed), steps) == greedy
+    assert run(SamplingParams(temperature=1.5, top_p=1e-6, seed=seed), steps) == greedy
 
 
 def test_top_k_and_top_p_restrict_candidates() -> None:
     x = np.log(np.array([0.4, 0.3, 0.2, 0.1], np.float32))
-    top_k = {Sampler(SamplingConfig(top_k=2, seed=s), NO_PROMPT, 4).sample(x).token_id for s in range(200)}
+    top_k = {Sampler(SamplingParams(top_k=2, seed=s), NO_PROMPT, 4).sample(x).token_id for s in range(200)}
     assert top_k == {0, 1}
     # Nucleus: 0.4 < 0.5, 0.4 + 0.3 >= 0.5, so tokens 0 and 1 only.
-    top_p = {Sampler(SamplingConfig(top_p=0.5, seed=s), NO_PROMPT, 4).sample(x).token_id for s in range(200)}
+    top_p = {Sampler(SamplingParams(top_p=0.5, seed=s), NO_PROMPT, 4).sample(x).token_id for s in range(200)}
     assert top_p == {0, 1}
-    everything = {Sampler(SamplingConfig(seed=s), NO_PROMPT, 4).sample(x).token_id for s in range(200)}
+    everything = {Sampler(SamplingParams(seed=s), NO_PROMPT, 4).sample(x).token_id for s in range(200)}
     assert everything == {0, 1, 2, 3}
 
 
 def test_draws_follow_the_distribution() -> None:
     x = np.log(np.array([0.5, 0.3, 0.2], np.float32)) * 2  # temperature 2 undoes the doubling
     draws = [
-        Sampler(SamplingConfig(temperature=2.0, seed=s), NO_PROMPT, 3).sample(x).token_id for s in range(3000)
+        Sampler(SamplingParams(temperature=2.0, seed=s), NO_PROMPT, 3).sample(x).token_id for s in range(3000)
     ]
     freq = np.bincount(draws, minlength=3) / len(draws)
     np.testing.assert_allclose(freq, [0.5, 0.3, 0.2], atol=0.04)
@@ -106,17 +107,17 @@ def test_draws_follow_the_distribution() -> None:
 @given(seed=st.integers(0, 2**63 - 1), data_seed=st.integers(0, 1000))
 def test_seed_reproducible(seed: int, data_seed: int) -> None:
     steps = random_logits(data_seed)
-    cfg = SamplingConfig(temperature=1.0, top_p=0.95, seed=seed)
+    cfg = SamplingParams(temperature=1.0, top_p=0.95, seed=seed)
     assert run(cfg, steps) == run(cfg, steps)
 
 
 def test_different_seeds_differ_and_none_is_random_but_replayable() -> None:
     steps = random_logits(0)
-    outs = {tuple(run(SamplingConfig(seed=s), steps)) for s in range(5)}
+    outs = {tuple(run(SamplingParams(seed=s), steps)) for s in range(5)}
     assert len(outs) == 5
-    sampler = Sampler(SamplingConfig(), NO_PROMPT, 50)
+    sampler = Sampler(SamplingParams(), NO_PROMPT, 50)
     first = [sampler.sample(x).token_id for x in steps]
-    assert run(SamplingConfig(seed=sampler.seed), steps) == first
+    assert run(SamplingParams(seed=sampler.seed), steps) == first
 
 
 @settings(max_examples=40)
@@ -145,7 +146,8 @@ def test_split_across_workers_continues_identically(
     # Low-entropy logits so penalties and repeats actually matter.
     steps = random_logits(data_seed, vocab=12)
     prompt = np.random.default_rng(data_seed).integers(0, 12, 30).astype(np.int32)
-    cfg = SamplingConfig(temperature, top_p, top_k, seed, frequency, presence, repetition, logprobs=2)
+    cfg = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, frequency_penalty=frequency,
+                         presence_penalty=presence, repetition_penalty=repetition, logprobs=2)
     whole = Sampler(cfg, prompt, 12)
     one = [whole.sample(x) for x in steps]
     ctx = Sampler(cfg, prompt, 12)
@@ -159,15 +161,15 @@ def test_sampler_does_not_modify_logits_and_validates() -> None:
     x = logits_of(1.0, 2.0, 3.0)
     before = x.copy()
     Sampler(
-        SamplingConfig(temperature=0.0, repetition_penalty=2.0, presence_penalty=1.0), [2], 3, [2]
+        SamplingParams(temperature=0.0, repetition_penalty=2.0, presence_penalty=1.0), [2], 3, [2]
     ).sample(x)
     assert np.array_equal(x, before)
     with pytest.raises(ValueError):
-        Sampler(SamplingConfig(), NO_PROMPT, 3).sample(logits_of(1.0, 2.0))
+        Sampler(SamplingParams(), NO_PROMPT, 3).sample(logits_of(1.0, 2.0))
     with pytest.raises(ValueError):
-        Sampler(SamplingConfig(), np.array([3], np.int32), 3)
+        Sampler(SamplingParams(), np.array([3], np.int32), 3)
     with pytest.raises(ValueError):
-        Sampler(SamplingConfig(), NO_PROMPT, 3).observe(-1)
+        Sampler(SamplingParams(), NO_PROMPT, 3).observe(-1)
     for bad in (
         {"temperature": -1.0},
         {"top_p": 0.0},
@@ -175,14 +177,15 @@ def test_sampler_does_not_modify_logits_and_validates() -> None:
         {"top_k": -1},
         {"repetition_penalty": 0.0},
         {"logprobs": -1},
-        {"seed": -5},
     ):
         with pytest.raises(ValueError):
-            SamplingConfig(**bad)
+            SamplingParams(**bad)
+    with pytest.raises(ValueError):  # PCG64 takes only non-negative seeds: the sampler's own condition
+        Sampler(SamplingParams(seed=-5), NO_PROMPT, 3)
 
 
 def test_long_prompt_counts_built_once() -> None:
     prompt = np.random.default_rng(0).integers(0, 49152, 100_000).astype(np.int32)
-    sampler = Sampler(SamplingConfig(repetition_penalty=1.2, seed=0), prompt, 49152)
+    sampler = Sampler(SamplingParams(repetition_penalty=1.2, seed=0), prompt, 49152)
     x = np.random.default_rng(1).standard_normal(49152).astype(np.float32)
     assert 0 <= sampler.sample(x).token_id < 49152

@@ -5,14 +5,15 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from workers.engines.reference.model_file import load_model_file
-from workers.engines.reference.sampler import Sampler, SamplingConfig
-from workers.engines.reference.tiny_model import (
+from frontend.sampling import SamplingParams
+from tests.workers.engines.reference.tiny_model import (
     CONTROL_TOKENS,
     byte_level_alphabet,
     tiny_vocab,
     write_tiny_model,
 )
+from workers.engines.reference.model_file import load_model_file
+from workers.engines.reference.sampler import Sampler
 from workers.engines.reference.tokenizer import GGUFTokenizer
 from workers.engines.reference.transformer import Transformer
 
@@ -63,7 +64,7 @@ def test_not_degenerate(tiny: Engine) -> None:
         cache = tr.new_cache()
         logits = tr.prefill(prompt, cache)
         first_eos += int(np.argmax(logits)) in tok.eos_token_ids
-        sampler = Sampler(SamplingConfig(seed=int(rng.integers(1 << 30))), prompt, tok.vocab_size)
+        sampler = Sampler(SamplingParams(seed=int(rng.integers(1 << 30))), prompt, tok.vocab_size)
         out = []
         for _ in range(20):
             out.append(sampler.sample(logits).token_id)

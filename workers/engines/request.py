@@ -14,9 +14,9 @@ from typing import Any
 
 import numpy as np
 
+from frontend.sampling import SamplingParams
 from frontend.token_codec import TOKEN_DTYPE, TokenArray
-from workers.engines.base import TokenLogprob
-from workers.sampling_params import SamplingParams
+from workers.engines.outputs import TokenLogprob
 
 
 class Phase(enum.Enum):
@@ -81,6 +81,8 @@ class GenerationRequest:
             prompt_i32.flags.writeable = False
         if phase is Phase.GENERATION_ONLY and handoff is None:
             raise ValueError("a generation_only request needs a hand-off")
+        if sampling.max_tokens is None:
+            raise ValueError("resolve max_tokens against the engine's context before building the request")
         self.request_id = request_id
         self._prompt_i32 = prompt_i32
         self._prompt_list = prompt_list
@@ -106,6 +108,12 @@ class GenerationRequest:
     @property
     def prompt_token_ids_i32(self) -> TokenArray:
         return self._prompt_i32
+
+    @property
+    def max_tokens(self) -> int:
+        """The output budget, always resolved (the constructor refuses an open one)."""
+        assert self.sampling.max_tokens is not None
+        return self.sampling.max_tokens
 
     @property
     def prompt_len(self) -> int:

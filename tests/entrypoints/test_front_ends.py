@@ -30,7 +30,7 @@ from bench.common import (
     worker_args,
 )
 from tests.waiting import eventually
-from workers.engines.reference.tiny_model import write_tiny_model
+from tests.workers.engines.reference.tiny_model import write_tiny_model
 
 CORE_MODULE = "workers.engines.reference.core"
 

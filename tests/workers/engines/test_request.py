@@ -9,9 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from frontend.sampling import SamplingParams
 from frontend.token_codec import TOKEN_DTYPE, TokenArray, decode_prompt_tokens, encode_prompt_tokens
-from workers.generation_request import GenerationRequest, Handoff, Phase, PromptPath
-from workers.sampling_params import SamplingParams
+from workers.engines.request import GenerationRequest, Handoff, Phase, PromptPath
 
 SAMPLING = SamplingParams(max_tokens=8)
 VOCAB = 50_000
@@ -165,3 +165,9 @@ def test_generation_only_needs_a_handoff() -> None:
 def test_only_a_flat_little_endian_int32_array_is_accepted(bad: np.ndarray[Any, Any]) -> None:
     with pytest.raises(TypeError):
         GenerationRequest("r", bad, SAMPLING)
+
+
+def test_the_engine_never_sees_an_open_output_budget() -> None:
+    with pytest.raises(ValueError, match="max_tokens"):
+        GenerationRequest("a", np.zeros(3, np.int32), SamplingParams())
+    assert GenerationRequest("a", np.zeros(3, np.int32), SAMPLING).max_tokens == 8

@@ -8,8 +8,6 @@ SIGKILLed launcher leaves no orphans behind.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import ctypes
 import shutil
 import signal
 import socket
@@ -23,7 +21,9 @@ from pathlib import Path
 import httpx
 import yaml
 
-_PR_SET_PDEATHSIG = 1
+from entrypoints.arguments import engine_arguments
+from frontend.process_lifetime import die_with_parent
+
 _GRACE_S = 15.0
 
 
@@ -31,12 +31,6 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return int(sock.getsockname()[1])
-
-
-def die_with_parent() -> None:
-    """Runs in a child before exec: the kernel sends it SIGTERM when its parent dies (Linux)."""
-    with contextlib.suppress(OSError):  # not Linux: the launcher's own handlers still stop its children
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 @dataclass
@@ -51,7 +45,7 @@ class StartupFailed(Exception):
 
 
 def _spawn(name: str, argv: list[str], url: str) -> Child:
-    command = [sys.executable, "-m", "frontend.cli", *argv]
+    command = [sys.executable, "-m", "entrypoints.cli", *argv]
     process = subprocess.Popen(command, preexec_fn=die_with_parent)
     return Child(name, url, process)
 
@@ -97,8 +91,6 @@ def run_up(args: argparse.Namespace) -> int:
 
 
 def _run_up(args: argparse.Namespace, workdir: Path) -> int:
-    from frontend.cli import engine_arguments
-
     stop_requested = {"signal": 0}
 
     def on_signal(signum: int, _frame: object) -> None:

@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from frontend.launcher import die_with_parent
+from frontend.process_lifetime import die_with_parent
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 _DRAIN_S = 35.0  # a little over uvicorn's graceful shutdown, so streams in flight can finish
@@ -74,7 +74,7 @@ class FrontEndSupervisor:
                 self.core = subprocess.Popen(command, env=self.core_env, preexec_fn=die_with_parent)
                 extra += ["--engine-core-socket", self.core_socket]
             for _ in range(self.count):
-                command = [sys.executable, "-m", "frontend.cli", *self.argv, *extra]
+                command = [sys.executable, "-m", "entrypoints.cli", *self.argv, *extra]
                 self.children.append(subprocess.Popen(command, env=env, preexec_fn=die_with_parent))
             return self._watch()
         finally:

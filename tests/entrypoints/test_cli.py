@@ -17,10 +17,11 @@ from collections.abc import Iterator
 import openai
 import pytest
 
-from frontend.cli import build_parser, engine_arguments, main
-from frontend.launcher import free_port
+from entrypoints.arguments import build_parser, engine_arguments
+from entrypoints.cli import main
+from entrypoints.launcher import free_port
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+REPO = pathlib.Path(__file__).resolve().parents[2]
 
 
 def clean_env() -> dict[str, str]:
@@ -63,7 +64,7 @@ def test_bad_arguments_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str
 
 
 def run_cli(*argv: str, timeout_s: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "frontend.cli", *argv], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "entrypoints.cli", *argv], capture_output=True, text=True,
                           timeout=timeout_s, cwd=REPO, env=clean_env())
 
 
@@ -127,7 +128,7 @@ def test_up_serves_a_chat_completion_and_stops_cleanly_on_sigterm(tmp_path: path
     port = free_port()
     stderr = (tmp_path / "stderr.log").open("w")
     process = subprocess.Popen(
-        [sys.executable, "-m", "frontend.cli", "--log-level", "warning", "up", "--engine", "synthetic",
+        [sys.executable, "-m", "entrypoints.cli", "--log-level", "warning", "up", "--engine", "synthetic",
          "--port", str(port), "--startup-timeout", "120"],
         stdout=subprocess.PIPE, stderr=stderr, text=True, cwd=REPO, env=clean_env(),
     )

@@ -1,0 +1,130 @@
+"""``disagg-serve``: the one command line for laptops, containers and Kubernetes alike.
+
+    disagg-serve worker --role context|generation|both --engine reference|synthetic --host H --port P
+    disagg-serve orchestrator --config FILE.yaml [--host H] [--port P]
+    disagg-serve up [--engine ...] [--host 127.0.0.1] [--port 8000] [--metadata-only]
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import uvicorn
+
+from entrypoints.arguments import build_parser
+from frontend.logging_setup import configure_logging
+
+logger = logging.getLogger("disagg_serve")
+
+
+def _serve(app: Any, host: str, port: int, log_level: str, reuse_port: bool = False) -> None:
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, loop="uvloop", http="httptools",
+                            timeout_graceful_shutdown=30, timeout_keep_alive=75, access_log=False, log_config=None)
+    server = uvicorn.Server(config)
+    if reuse_port:
+        from entrypoints.front_ends import reuse_port_socket
+
+        server.run(sockets=[reuse_port_socket(host, port)])
+    else:
+        server.run()
+
+
+def _supervise(args: argparse.Namespace, argv: Sequence[str], engine_options: Any = None) -> int:
+    """``--api-workers N`` with N > 1: this process supervises N front ends (and the shared engine core)."""
+    from entrypoints.front_ends import FrontEndSupervisor
+
+    if args.port == 0:
+        print("disagg-serve: --api-workers needs a fixed --port (the front ends share it)", file=sys.stderr)
+        return 2
+    core_command_for, core_env = None, None
+    if engine_options is not None:
+        from workers.engines.factory import reference_options
+        from workers.engines.reference.options import core_command
+        from workers.engines.reference.options import core_env as make_core_env
+
+        options = reference_options(engine_options)
+        core_command_for = lambda path: core_command(options, path)  # noqa: E731 - a one-line closure
+        core_env = make_core_env(options)
+    return FrontEndSupervisor(argv, args.api_workers, core_command_for, core_env).run()
+
+
+def run_worker(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    from workers.engines.factory import EngineOptions, create_engine
+    from workers.engines.synthetic import SyntheticConfig
+    from workers.registration import Registration
+    from workers.server import create_worker_app
+    from workers.serving import WorkerSettings
+
+    options = EngineOptions(
+        model_path=args.model,
+        served_model_name=args.served_model_name,
+        kv_block_reuse=args.kv_block_reuse,
+        prompt_tokens_in_handoff=not args.no_prompt_tokens_in_handoff,
+        kv_host=args.kv_host or args.host,
+        kv_advertise_host=args.kv_advertise_host,
+        kv_port=args.kv_port,
+        kv_ttl_s=args.kv_ttl_s,
+        blas_threads=args.blas_threads,
+        core_socket=args.engine_core_socket,
+        synthetic=SyntheticConfig(
+            time_to_first_token_s=args.synthetic_ttft_ms / 1000,
+            inter_token_latency_s=args.synthetic_itl_ms / 1000,
+            output_tokens=args.synthetic_output_tokens,
+        ),
+    )
+    if args.api_workers > 1:
+        return _supervise(args, argv, options if args.engine == "reference" else None)
+    engine = create_engine(args.engine, options)
+    settings = WorkerSettings(role=args.role, max_body_bytes=args.max_body_bytes,
+                              max_concurrent_requests=args.max_concurrent_requests)
+    registration = None
+    if args.register:
+        advertise = args.advertise_url or f"http://{args.host}:{args.port}"
+        registration = Registration(args.register, advertise, args.role, args.admin_key)
+    app = create_worker_app(engine, settings, registration=registration)
+    _serve(app, args.host, args.port, args.log_level, args.reuse_port)
+    return 0
+
+
+def run_orchestrator(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    from frontend.config import ConfigError, load_config
+    from orchestrator.server import create_orchestrator_app
+
+    try:
+        config = load_config(args.config, hostname=args.host, port=args.port)
+    except ConfigError as exc:
+        print(f"disagg-serve orchestrator: {exc}", file=sys.stderr)
+        return 2
+    if args.api_workers > 1:
+        if config.context_servers.registration or config.generation_servers.registration:
+            # Each front-end process has its own pools and SO_REUSEPORT hands a registration to one of them.
+            print("disagg-serve orchestrator: 'registration: true' needs --api-workers 1; with several front-end "
+                  "processes use static urls or DNS discovery", file=sys.stderr)
+            return 2
+        args.port = config.port
+        return _supervise(args, argv)
+    # An empty key (DISAGG_API_KEY="") means no key, not "the empty string is the key".
+    app = create_orchestrator_app(config, api_key=args.api_key or None, admin_key=args.admin_key or None)
+    _serve(app, config.hostname, config.port, args.log_level, args.reuse_port)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    configure_logging(args.log_level, args.log_format)
+    if args.command == "worker":
+        return run_worker(args, argv)
+    if args.command == "orchestrator":
+        return run_orchestrator(args, argv)
+    from entrypoints.launcher import run_up
+
+    return run_up(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,67 @@
+"""One client request as the flow carries it from step to step, what it admits, and what it answers."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from frontend.errors import InvalidRequestError
+from frontend.openai_output import Endpoint
+from orchestrator.routers import RoutingKey
+from orchestrator.worker_protocol import ContextAnswer
+
+PATHS: dict[Endpoint, str] = {
+    "chat": "/v1/chat/completions",
+    "completions": "/v1/completions",
+    "responses": "/v1/responses",
+}
+
+
+@dataclass(slots=True)
+class FlowRequest:
+    """One client request as the flow carries it from step to step."""
+
+    endpoint: Endpoint
+    body: dict[str, Any]
+    key: RoutingKey
+    started: float
+    headers: dict[str, str] = field(default_factory=dict)  # forwarded to both workers (X-Request-Id)
+    ctx_worker: str | None = None
+    gen_worker: str | None = None
+    ctx: ContextAnswer | None = None  # the latest CTX answer: the hand-off to release if GEN never takes it
+    ctx_redone: bool = False
+
+    @property
+    def path(self) -> str:
+        return PATHS[self.endpoint]
+
+    @property
+    def streaming(self) -> bool:
+        return self.body.get("stream") is True
+
+
+@dataclass(frozen=True, slots=True)
+class WholeAnswer:
+    """A 200 answer, whole (error answers are raised, never returned)."""
+
+    content: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class StreamedAnswer:
+    frames: AsyncIterator[bytes]
+
+
+Answer = WholeAnswer | StreamedAnswer
+
+
+def check_client_body(body: dict[str, Any]) -> None:
+    """The few checks the orchestrator needs to route; the CTX worker validates everything else."""
+    if not isinstance(body.get("model"), str):
+        raise InvalidRequestError("'model' is required and must be a string", param="model")
+    if "stream" in body and not isinstance(body["stream"], bool):
+        raise InvalidRequestError("'stream' must be a boolean", param="stream")
+    if "disaggregated_params" in body:
+        raise InvalidRequestError("disaggregated_params is set by the orchestrator, not by clients",
+                                  param="disaggregated_params")

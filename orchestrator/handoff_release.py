@@ -1,0 +1,43 @@
+"""Freeing a CTX's parked KV hand-off that no GEN will take, in the background, now rather than at its expiry.
+
+Called when the client left, when no GEN could take the request, or when GEN refused it. Best effort: a
+release that fails is only logged, since the hand-off expires on the CTX worker anyway.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from frontend.errors import UpstreamError
+from orchestrator.pool import WorkerPool
+from orchestrator.worker_protocol import ContextAnswer, WorkerProtocol
+
+logger = logging.getLogger(__name__)
+
+
+class HandoffReleaser:
+    def __init__(self, ctx_pool: WorkerPool, protocol: WorkerProtocol, timeout_s: float = 10.0) -> None:
+        self.ctx_pool = ctx_pool
+        self.protocol = protocol
+        self.timeout_s = timeout_s
+        self._tasks: set[asyncio.Task[None]] = set()  # held so that a running release is not collected
+
+    def release(self, ctx: ContextAnswer | None, ctx_worker: str | None, headers: dict[str, str]) -> None:
+        """Release ``ctx``'s hand-off on the CTX worker at URL ``ctx_worker``, if it is still in the pool."""
+        member = next((w for w in self.ctx_pool.workers if w.url == ctx_worker), None)
+        request = self.protocol.release_request(ctx) if ctx is not None else None
+        if member is None or request is None:
+            return
+        path, body = request
+        transport = member.transport
+
+        async def release() -> None:
+            try:
+                await asyncio.wait_for(transport.post(path, body, headers), timeout=self.timeout_s)
+            except (UpstreamError, TimeoutError) as exc:
+                logger.info("could not release a hand-off on %s (%s); it expires on its own", member.url, exc)
+
+        task = asyncio.get_running_loop().create_task(release())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)

@@ -1,0 +1,62 @@
+"""One worker as its pool knows it: its transport, its health, its load as counted here, and its engine facts.
+
+The transport only moves bytes; everything a router or the guardrail reads about a worker lives here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from frontend.guardrail import GenEngineFacts
+from orchestrator.transport import Transport
+
+# Until a worker has told us, assume the facts under which metadata-only is never admitted.
+UNKNOWN_ENGINE_FACTS = GenEngineFacts(kv_block_reuse=True, prompt_tokens_in_handoff=False)
+
+
+class PoolMember:
+    def __init__(self, transport: Transport) -> None:
+        self.transport = transport
+        self.url = transport.url
+        self.healthy = False
+        self.facts: GenEngineFacts | None = None  # from the worker's /v1/models, once it is healthy
+        self.inflight = 0
+        self.inflight_prompt_tokens = 0
+        self._failures = 0  # health checks failed in a row
+        self._successes = 0  # health checks passed in a row
+
+    @property
+    def engine_facts(self) -> GenEngineFacts:
+        return self.facts or UNKNOWN_ENGINE_FACTS
+
+    def record_health(self, ok: bool, failure_threshold: int, recovery_threshold: int) -> None:
+        if ok:
+            self._failures = 0
+            self._successes += 1
+            if not self.healthy and self._successes >= recovery_threshold:
+                self.healthy = True
+        else:
+            self._successes = 0
+            self._failures += 1
+            if self.healthy and self._failures >= failure_threshold:
+                self.healthy = False
+
+    def mark_unreachable(self) -> None:
+        """Passive health: a refused connection takes the worker out at once; the monitor brings it back."""
+        self.healthy = False
+        self._successes = 0
+
+    @contextmanager
+    def carrying(self, prompt_tokens: int) -> Iterator[None]:
+        """Count one request (and its prompt tokens) in flight on this worker while the block runs."""
+        self.inflight += 1
+        self.inflight_prompt_tokens += prompt_tokens
+        try:
+            yield
+        finally:
+            self.inflight -= 1
+            self.inflight_prompt_tokens -= prompt_tokens
+
+    def __repr__(self) -> str:
+        return f"PoolMember({self.url!r}, healthy={self.healthy}, inflight={self.inflight})"

@@ -1,0 +1,97 @@
+"""This project's own CTX/GEN wire: TensorRT-LLM's field names, ``disaggregated_params`` as the hand-off.
+
+CTX gets the client's body with ``stream: false`` and ``disaggregated_params: {request_type: context_only, ...}``;
+it answers with the first token, ``disaggregated_params`` (in ``choices[0]``, or at the top level for
+``/v1/responses``) and, when asked, ``prompt_token_ids_b64``. GEN gets the client's body, the hand-off marked
+``generation_only``, and the prompt as the flow chose to carry it. A CTX answer without
+``encoded_opaque_state`` is one CTX finished by itself.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import orjson
+
+from frontend.errors import UpstreamError
+from orchestrator.transport import Reply
+from orchestrator.worker_protocol import ContextAnswer, PromptCarriage
+
+# Metadata-only GEN bodies carry no token ids; and no prompt text when GEN reads the prompt from the hand-off.
+TOKEN_FIELDS = ("prompt_token_ids", "prompt_token_ids_b64")
+PROMPT_TEXT_FIELDS = ("messages", "prompt", "input", "instructions")
+PROMPT_FIELDS = (*TOKEN_FIELDS, *PROMPT_TEXT_FIELDS)
+
+RELEASE_PATH = "/v1/disagg/release"
+
+
+class NativeProtocol:
+    def context_request(self, body: dict[str, Any], *, return_prompt_tokens: bool) -> bytes:
+        ctx_body = dict(body)  # shallow: the prompt itself is not copied
+        ctx_body["stream"] = False
+        ctx_body.pop("stream_options", None)
+        ctx_body["disaggregated_params"] = {
+            "request_type": "context_only",
+            "disagg_request_id": random.getrandbits(63),
+            "return_prompt_token_ids_b64": return_prompt_tokens,
+        }
+        return orjson.dumps(ctx_body)
+
+    def read_context_answer(self, content: bytes) -> ContextAnswer:
+        try:
+            response = orjson.loads(content)
+            params = response["choices"][0]["disaggregated_params"] if "choices" in response \
+                else response["disaggregated_params"]
+        except (orjson.JSONDecodeError, KeyError, IndexError, TypeError) as exc:
+            raise UpstreamError("the CTX step failed: its answer has no disaggregated_params") from exc
+        if not isinstance(params, dict):
+            raise UpstreamError("the CTX step failed: its disaggregated_params is not an object")
+        prompt_len, encoded = params.get("prompt_len"), response.get("prompt_token_ids_b64")
+        return ContextAnswer(
+            response=response,
+            handoff=params,
+            finished=params.get("encoded_opaque_state") is None,
+            prompt_len=prompt_len if isinstance(prompt_len, int) else None,
+            prompt_b64=encoded if isinstance(encoded, str) else None,
+        )
+
+    def finished_response(self, ctx: ContextAnswer) -> dict[str, Any]:
+        response = ctx.response
+        for name in ("prompt_token_ids_b64", "prompt_token_ids", "disaggregated_params"):
+            response.pop(name, None)
+        for choice in response.get("choices", ()):
+            choice.pop("disaggregated_params", None)
+        return response
+
+    def generation_request(self, body: dict[str, Any], ctx: ContextAnswer, carriage: PromptCarriage) -> bytes:
+        gen_body = dict(body)  # shallow: the prompt itself is not copied
+        params = dict(ctx.handoff)
+        params["request_type"] = "generation_only"
+        gen_body["disaggregated_params"] = params
+        if carriage is PromptCarriage.CTX_TOKENS:
+            gen_body["prompt_token_ids_b64"] = ctx.prompt_b64  # the same str object CTX's answer held
+            for name in PROMPT_TEXT_FIELDS:  # GEN takes the array path and never reads the text
+                gen_body.pop(name, None)
+        elif carriage is PromptCarriage.LENGTH_ONLY or carriage is PromptCarriage.NOTHING:
+            # Only prompt_len travels. If GEN's hand-off carries the real tokens, the prompt text need not travel
+            # either: the body stops growing with the prompt.
+            for name in TOKEN_FIELDS if carriage is PromptCarriage.LENGTH_ONLY else PROMPT_FIELDS:
+                gen_body.pop(name, None)
+        elif "prompt_token_ids" not in body:
+            params.pop("prompt_len", None)  # no tokens travel: GEN tokenizes the text itself (the baseline)
+        return orjson.dumps(gen_body)
+
+    def handoff_lost(self, reply: Reply) -> bool:
+        if reply.status_code != 400:
+            return False
+        try:
+            return bool(orjson.loads(reply.content)["error"]["code"] == "invalid_handoff")
+        except (orjson.JSONDecodeError, KeyError, TypeError):
+            return False
+
+    def release_request(self, ctx: ContextAnswer) -> tuple[str, bytes] | None:
+        state, ctx_id = ctx.handoff.get("encoded_opaque_state"), ctx.handoff.get("ctx_request_id")
+        if not isinstance(state, str) or ctx_id is None:
+            return None
+        return RELEASE_PATH, orjson.dumps({"ctx_request_id": str(ctx_id), "encoded_opaque_state": state})

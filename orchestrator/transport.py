@@ -1,0 +1,87 @@
+"""The boundary between the orchestrator and the HTTP client library: what moves bytes to one worker and back.
+
+The flow, the pool and the routes see only what is here: bytes in, a status and bytes (or an async byte iterator)
+out, and the project's own errors (``frontend.errors.UpstreamError`` and its subclasses). Nothing else of the
+client library gets through, so another client is one new module implementing ``Transport`` plus one line in
+``make_transport``.
+
+Contract of every implementation:
+- bodies are JSON bytes already encoded by the caller; the transport adds ``Content-Type: application/json``;
+- a failure to connect, send or read raises ``UpstreamUnavailableError`` (the worker refused the connection: it is
+  gone), ``UpstreamTimeoutError`` or ``UpstreamError``, naming the worker's URL; an HTTP error status is not a
+  failure: it comes back as a status like any other;
+- a keep-alive connection the worker closed just as it was reused is retried once on a fresh connection (a race
+  with the worker's idle timeout, not a broken worker), before any error is raised;
+- one connection pool per worker, kept until ``aclose``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass
+from typing import Protocol
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    """A whole answer: its status and its body as it came."""
+
+    status_code: int
+    content: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerTimeouts:
+    request_s: float = 600.0
+    connect_s: float = 5.0
+    health_s: float = 5.0
+
+
+class OpenStream(Protocol):
+    """An answer whose status has arrived and whose body is still coming.
+
+    Whoever opened it must consume it: iterate ``chunks`` to the end, or ``read`` it, or ``aclose`` it. ``aclose``
+    is idempotent and safe after either, so ``try: ... finally: await stream.aclose()`` is always right.
+    """
+
+    @property
+    def status_code(self) -> int: ...
+
+    def chunks(self) -> AsyncGenerator[bytes, None]:
+        """The body as it arrives, unchanged; failures mid-way raise ``UpstreamError``; closes at the end."""
+        ...
+
+    async def read(self) -> bytes:
+        """The rest of the body, whole; then closed."""
+        ...
+
+    async def aclose(self) -> None: ...
+
+
+class Transport(Protocol):
+    """Moves bytes to and from one worker (``url``)."""
+
+    url: str
+
+    async def post(self, path: str, body: bytes, headers: dict[str, str] | None = None) -> Reply:
+        """POST ``body`` and read the whole answer."""
+        ...
+
+    async def open_stream(self, path: str, body: bytes, headers: dict[str, str] | None = None) -> OpenStream:
+        """POST ``body`` and return as soon as the answer's status has arrived."""
+        ...
+
+    async def get(self, path: str, timeout_s: float) -> Reply:
+        """GET with its own, short timeout (health checks, model listings)."""
+        ...
+
+    async def aclose(self) -> None:
+        """Close the connection pool; answers being streamed are cut."""
+        ...
+
+
+def make_transport(url: str, timeouts: WorkerTimeouts) -> Transport:
+    """The one place that chooses the HTTP client."""
+    from orchestrator.httpx_transport import HttpxTransport  # here, not at the top: it imports this module
+
+    return HttpxTransport(url, timeouts)

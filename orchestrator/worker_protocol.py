@@ -1,0 +1,63 @@
+"""The seam between the two-step flow and the wire a pair of CTX/GEN workers speaks.
+
+The flow decides *what* happens (which worker, what of the prompt travels to GEN, when to retry); a
+``WorkerProtocol`` says *how* it is written on the wire: the CTX request, reading CTX's answer, the GEN request,
+and the two follow-ups (a lost hand-off, releasing a hand-off no GEN will take). Today's native protocol is
+``orchestrator.protocols.native``; another project's protocol is one more module implementing this interface.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from orchestrator.transport import Reply
+
+
+class PromptCarriage(enum.Enum):
+    """What of the prompt travels to GEN beside the hand-off (the flow chooses, the protocol writes it)."""
+
+    CLIENT_PROMPT = "client_prompt"  # the client's own prompt: its text (GEN tokenizes it) or its own token list
+    CTX_TOKENS = "ctx_tokens"  # the b64 token ids CTX sent, relayed as the very object; no prompt text
+    LENGTH_ONLY = "length_only"  # metadata-only: the length and the text, no token ids
+    NOTHING = "nothing"  # metadata-only, GEN reads the real tokens from the hand-off: no text, no token ids
+
+
+@dataclass(frozen=True, slots=True)
+class ContextAnswer:
+    """CTX's answer, read once: everything the flow needs from it, and the parsed answer itself."""
+
+    response: dict[str, Any]  # the whole answer, parsed once
+    handoff: dict[str, Any]  # what GEN needs to continue (the KV hand-off and the first token), as CTX wrote it
+    finished: bool  # CTX finished the request by itself: GEN is never called
+    prompt_len: int | None  # the prompt's length in tokens, when CTX reported it
+    prompt_b64: str | None  # the prompt's token ids as CTX encoded them: relayed, never decoded
+
+
+class WorkerProtocol(Protocol):
+    def context_request(self, body: dict[str, Any], *, return_prompt_tokens: bool) -> bytes:
+        """The CTX step's body for the client's ``body``: a context-only, whole (not streamed) request."""
+        ...
+
+    def read_context_answer(self, content: bytes) -> ContextAnswer:
+        """CTX's 200 answer; ``UpstreamError`` if it is not one this protocol can continue from."""
+        ...
+
+    def finished_response(self, ctx: ContextAnswer) -> dict[str, Any]:
+        """CTX's answer as the client gets it when CTX finished the request: the hand-off fields removed."""
+        ...
+
+    def generation_request(self, body: dict[str, Any], ctx: ContextAnswer, carriage: PromptCarriage) -> bytes:
+        """The GEN step's body: the client's ``body``, the hand-off from ``ctx``, and the prompt as ``carriage``
+        says. ``CTX_TOKENS`` must put ``ctx.prompt_b64`` itself in the body, never a decoded or re-encoded copy."""
+        ...
+
+    def handoff_lost(self, reply: Reply) -> bool:
+        """Whether GEN's error answer says the hand-off is gone (an earlier GEN took it), so CTX must run again."""
+        ...
+
+    def release_request(self, ctx: ContextAnswer) -> tuple[str, bytes] | None:
+        """(path, body) that frees a hand-off no GEN will take, on the CTX worker that made it; None if it
+        cannot be released early (it then expires on its own)."""
+        ...

@@ -1,0 +1,163 @@
+"""The httpx transport against real workers on loopback: whole and streamed answers, and every failure arriving
+as the project's own error, stream iteration included."""
+
+from __future__ import annotations
+
+import ast
+import asyncio
+import contextlib
+import pathlib
+import socket
+from collections.abc import AsyncIterator, Iterator
+
+import httpx
+import orjson
+import pytest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route
+
+import orchestrator
+from frontend.errors import UpstreamError, UpstreamTimeoutError, UpstreamUnavailableError
+from orchestrator.httpx_transport import HttpxTransport, translate_http_error
+from orchestrator.transport import Transport, WorkerTimeouts, make_transport
+from tests.cluster import MODEL, Cluster, start_worker
+from tests.servers import running
+from workers.engines.synthetic import SyntheticConfig
+
+
+def closed_port_url() -> str:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{sock.getsockname()[1]}"
+
+
+@pytest.fixture(scope="module")
+def slow_worker_url() -> Iterator[str]:
+    with contextlib.ExitStack() as stack:
+        yield start_worker(stack, "both", SyntheticConfig(time_to_first_token_s=10)).url
+
+
+@pytest.mark.parametrize(
+    ("error", "expected"),
+    [
+        (httpx.ConnectTimeout("t"), UpstreamTimeoutError),
+        (httpx.ReadTimeout("t"), UpstreamTimeoutError),
+        (httpx.PoolTimeout("t"), UpstreamTimeoutError),
+        (httpx.ConnectError("c"), UpstreamUnavailableError),
+        # A connection lost under a request is an upstream failure, but not proof the worker is gone.
+        (httpx.RemoteProtocolError("r"), UpstreamError),
+        (httpx.ReadError("r"), UpstreamError),
+        (httpx.WriteError("w"), UpstreamError),
+        (httpx.DecodingError("d"), UpstreamError),
+    ],
+)
+def test_httpx_errors_are_translated(error: httpx.HTTPError, expected: type[UpstreamError]) -> None:
+    translated = translate_http_error(error, "http://w:1")
+    assert type(translated) is expected
+    assert "http://w:1" in translated.message
+
+
+async def test_the_transport_is_chosen_in_one_place() -> None:
+    transport: Transport = make_transport("http://w:1", WorkerTimeouts())
+    try:
+        assert isinstance(transport, HttpxTransport)
+        assert transport.url == "http://w:1"
+    finally:
+        await transport.aclose()
+
+
+async def test_post_stream_and_get_against_a_real_worker(cluster: Cluster) -> None:
+    transport = HttpxTransport(cluster.aggregated.url, WorkerTimeouts())
+    try:
+        body = orjson.dumps({"model": MODEL, "prompt": "x", "max_tokens": 3})
+        reply = await transport.post("/v1/completions", body)
+        assert reply.status_code == 200
+        assert orjson.loads(reply.content)["choices"][0]["text"] == "The"
+        health = await transport.get("/health", 5)
+        assert health.status_code == 200
+        stream = await transport.open_stream("/v1/completions", orjson.dumps(
+            {"model": MODEL, "prompt": "x", "max_tokens": 2, "stream": True}))
+        assert stream.status_code == 200
+        raw = b"".join([chunk async for chunk in stream.chunks()])
+        assert raw.endswith(b"data: [DONE]\n\n")
+        await stream.aclose()  # idempotent after the iteration closed it
+    finally:
+        await transport.aclose()
+
+
+async def test_an_error_status_is_an_answer_not_an_exception(cluster: Cluster) -> None:
+    transport = HttpxTransport(cluster.aggregated.url, WorkerTimeouts())
+    try:
+        reply = await transport.post("/v1/completions", b"{}")
+        assert reply.status_code == 400
+        stream = await transport.open_stream("/v1/completions", b"{}")
+        assert stream.status_code == 400
+        assert orjson.loads(await stream.read())["error"]["type"] == "invalid_request_error"
+    finally:
+        await transport.aclose()
+
+
+async def test_a_closed_port_is_unavailable() -> None:
+    transport = HttpxTransport(closed_port_url(), WorkerTimeouts(connect_s=2))
+    try:
+        with pytest.raises(UpstreamUnavailableError):
+            await transport.post("/v1/completions", b"{}")
+        with pytest.raises(UpstreamUnavailableError):
+            await transport.open_stream("/v1/completions", b"{}")
+        with pytest.raises(UpstreamUnavailableError):
+            await transport.get("/health", 2)
+    finally:
+        await transport.aclose()
+
+
+async def test_a_worker_slower_than_the_request_timeout_times_out(slow_worker_url: str) -> None:
+    transport = HttpxTransport(slow_worker_url, WorkerTimeouts(request_s=0.2))
+    try:
+        with pytest.raises(UpstreamTimeoutError):
+            await transport.post("/v1/completions", orjson.dumps({"model": MODEL, "prompt": "x", "max_tokens": 2}))
+    finally:
+        await transport.aclose()
+
+
+def stalling_stream() -> Starlette:
+    """Answers 200 and one frame at once, then nothing for 10 s."""
+    async def stream(_: Request) -> Response:
+        async def frames() -> AsyncIterator[bytes]:
+            yield b"data: {}\n\n"
+            await asyncio.sleep(10)
+
+        return StreamingResponse(frames(), media_type="text/event-stream")
+
+    return Starlette(routes=[Route("/v1/completions", stream, methods=["POST"])])
+
+
+async def test_a_stream_that_stalls_mid_way_fails_with_the_projects_error() -> None:
+    with running(stalling_stream()) as url:
+        transport = HttpxTransport(url, WorkerTimeouts(request_s=0.3))
+        try:
+            stream = await transport.open_stream("/v1/completions", b"{}")
+            assert stream.status_code == 200
+            received = []
+            with pytest.raises(UpstreamTimeoutError, match=url):
+                async for chunk in stream.chunks():
+                    received.append(chunk)
+            assert received == [b"data: {}\n\n"]
+        finally:
+            await transport.aclose()
+
+
+def test_httpx_stays_inside_its_module() -> None:
+    root = pathlib.Path(orchestrator.__file__).parent
+    for source in root.rglob("*.py"):
+        tree = ast.parse(source.read_text())
+        imported = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import)
+                    for alias in node.names}
+        imported |= {(node.module or "").split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+        if source.name != "httpx_transport.py":
+            assert not {"httpx", "httpcore", "h11"} & imported, f"{source.relative_to(root)} imports the HTTP client"
+        called = {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)}
+        assert not {"__aenter__", "__aexit__"} & called, f"{source.relative_to(root)} drives a context by hand"
+        if source.name != "httpx_transport.py":
+            assert "translate_http_error" not in source.read_text()

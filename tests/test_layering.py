@@ -1,0 +1,66 @@
+"""The layering contract (``[tool.importlinter]`` in pyproject.toml), checked on the real source tree.
+
+Entry points on top may import everything; ``orchestrator`` and ``workers`` never import each other; the shared
+layer (``frontend``) imports neither; ``workers.engines`` imports no HTTP server module. A second test proves the
+contract bites: the same configuration over a small tree that breaks each rule reports every break.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _lint_imports(cwd: Path, extra_path: Path) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(extra_path)}
+    code = "import sys; from importlinter.cli import lint_imports; sys.exit(lint_imports(no_cache=True, no_logo=True))"
+    return subprocess.run([sys.executable, "-c", code], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=300, check=False)
+
+
+def test_the_source_tree_keeps_every_layering_contract() -> None:
+    result = _lint_imports(REPO, REPO)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "0 broken" in result.stdout
+
+
+def test_the_contract_reports_each_kind_of_break(tmp_path: Path) -> None:
+    files = {
+        "entrypoints/__init__.py": "",
+        "entrypoints/cli.py": "import orchestrator.flow\nimport workers.server\n",  # allowed: on top
+        "frontend/__init__.py": "",
+        "frontend/shared.py": "import workers.server\n",  # the shared layer imports a service
+        "orchestrator/__init__.py": "",
+        "orchestrator/flow.py": "import workers.engines.engine\n",  # one service imports the other
+        "workers/__init__.py": "",
+        "workers/server.py": "import frontend.shared\n",
+        "workers/serving.py": "",
+        "workers/registration.py": "",
+        "workers/engines/__init__.py": "",
+        "workers/engines/engine.py": "import workers.server\nimport entrypoints.cli\n",  # HTTP server; a launcher
+    }
+    for name, text in files.items():
+        path = tmp_path / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    config = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["importlinter"]
+    contracts = config["contracts"]
+    lines = ["[importlinter]", "root_packages =", *(f"    {p}" for p in config["root_packages"]),
+             "include_external_packages = True"]
+    for index, contract in enumerate(contracts):
+        lines.append(f"[importlinter:contract:{index}]")
+        for key, value in contract.items():
+            lines.append(f"{key} =" + "".join(f"\n    {v}" for v in value) if isinstance(value, list)
+                         else f"{key} = {value}")
+    (tmp_path / ".importlinter").write_text("\n".join(lines) + "\n")
+    result = _lint_imports(tmp_path, tmp_path)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert f"{len(contracts)} broken" in result.stdout, result.stdout
+    for broken in ("frontend.shared -> workers.server", "orchestrator.flow -> workers.engines.engine",
+                   "workers.engines.engine -> entrypoints.cli", "workers.engines.engine -> workers.server"):
+        assert broken in result.stdout, result.stdout

