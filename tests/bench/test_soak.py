@@ -29,7 +29,8 @@ def test_a_short_soak_has_no_unexpected_errors_and_leaks_nothing(tmp_path: Path)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["unexpected_errors"] == 0, result["unexpected_error_samples"]
-    assert result["ok"] > 200
+    # How many requests fit in 20 s depends on how busy the machine is, so no absolute count is asserted.
+    assert result["ok"] > result["cancelled"]  # ~10% of clients hang up on purpose
     assert result["cancelled"] > 0  # the clients that hung up on purpose
     total = result["ok"] + result["cancelled"] + result["expected_errors"] + result["unexpected_errors"]
     assert total == result["requests"]
