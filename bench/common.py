@@ -11,6 +11,7 @@ import os
 import platform
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -19,6 +20,8 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import orjson
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
@@ -291,6 +294,17 @@ def http_get(url: str, path: str, timeout_s: float = 2.0) -> tuple[int, bytes]:
         return response.status, response.read()
     finally:
         connection.close()
+
+
+def open_raw_post(url: str, path: str, body: dict[str, Any]) -> socket.socket:
+    """Send one JSON POST over a plain TCP socket and leave it open: closing the socket is the client going away
+    (what a cancelled request looks like to the server, with no client library deciding when)."""
+    host, port = url.removeprefix("http://").split(":")
+    sock = socket.create_connection((host, int(port)), timeout=30)
+    payload = orjson.dumps(body)
+    sock.sendall(f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                 f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
+    return sock
 
 
 def wait_healthy(servers: Sequence[Server], timeout_s: float) -> None:

@@ -19,6 +19,7 @@ import itertools
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -26,6 +27,7 @@ import orjson
 
 from bench.common import (
     Processes,
+    Server,
     fmt,
     free_port,
     http_get,
@@ -127,27 +129,46 @@ def _median_of(runs: list[dict[str, Any]], key: str) -> float | None:
     return statistics.median(values) if values else None
 
 
+@dataclass(frozen=True)
+class ReferenceSystem:
+    """The reference engine served both ways on one machine: one aggregated worker, and CTX + GEN workers behind
+    an orchestrator."""
+
+    both: Server
+    ctx: Server
+    gen: Server
+    orchestrator: Server
+    model: str
+
+
+def start_reference_system(processes: Processes, worker_extra: list[str], startup_timeout_s: float
+                           ) -> ReferenceSystem:
+    ports = {name: free_port() for name in ("ctx", "gen", "both", "orchestrator")}
+    ctx = processes.disagg_serve("ctx", worker_args("context", "reference", ports["ctx"], *worker_extra),
+                                 ports["ctx"])
+    gen = processes.disagg_serve("gen", worker_args("generation", "reference", ports["gen"], *worker_extra),
+                                 ports["gen"])
+    both = processes.disagg_serve("both", worker_args("both", "reference", ports["both"], *worker_extra),
+                                  ports["both"])
+    wait_healthy([ctx, gen, both], startup_timeout_s)
+    config = orchestrator_config(processes.log_dir / "orchestrator.yaml", ports["orchestrator"], [ctx.url],
+                                 [gen.url])
+    orchestrator = processes.disagg_serve("orchestrator", ["orchestrator", "--config", str(config)],
+                                          ports["orchestrator"])
+    wait_healthy([orchestrator], startup_timeout_s)
+    model = str(orjson.loads(http_get(both.url, "/v1/models")[1])["data"][0]["id"])
+    return ReferenceSystem(both, ctx, gen, orchestrator, model)
+
+
 def run(prompt_tokens: tuple[int, ...] = PROMPT_TOKENS, runs: int = 2, max_tokens: int = MAX_TOKENS,
         startup_timeout_s: float = 300.0) -> dict[str, Any]:
-    ports = {name: free_port() for name in ("ctx", "gen", "both", "orchestrator")}
-    blas = ["--blas-threads", "1"]
     points: list[dict[str, Any]] = []
     with Processes() as processes:
-        ctx = processes.disagg_serve("ctx", worker_args("context", "reference", ports["ctx"], *blas), ports["ctx"])
-        gen = processes.disagg_serve("gen", worker_args("generation", "reference", ports["gen"], *blas),
-                                     ports["gen"])
-        both = processes.disagg_serve("both", worker_args("both", "reference", ports["both"], *blas),
-                                      ports["both"])
         started = time.perf_counter()
-        wait_healthy([ctx, gen, both], startup_timeout_s)
+        system = start_reference_system(processes, ["--blas-threads", "1"], startup_timeout_s)
         load_s = time.perf_counter() - started
-        config = orchestrator_config(processes.log_dir / "orchestrator.yaml", ports["orchestrator"], [ctx.url],
-                                     [gen.url])
-        orchestrator = processes.disagg_serve("orchestrator", ["orchestrator", "--config", str(config)],
-                                              ports["orchestrator"])
-        wait_healthy([orchestrator], startup_timeout_s)
-        model = str(orjson.loads(http_get(both.url, "/v1/models")[1])["data"][0]["id"])
-        targets = {"disaggregated": orchestrator.url, "aggregated": both.url}
+        model = system.model
+        targets = {"disaggregated": system.orchestrator.url, "aggregated": system.both.url}
         with httpx.Client(timeout=httpx.Timeout(300.0, connect=10.0)) as client:
             for url in targets.values():  # warm-up: first-call costs (allocations, BLAS) are not the figure
                 stream_once(client, url, model, prompt_of(16), 4)

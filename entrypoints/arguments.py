@@ -10,6 +10,7 @@ import argparse
 import os
 from typing import Any
 
+from frontend.client_timeouts import DEFAULT_HEADER_TIMEOUT_S, DEFAULT_SEND_TIMEOUT_S
 from frontend.http import DEFAULT_MAX_BODY_BYTES
 from workers.engines.factory import ENGINE_NAMES
 
@@ -20,6 +21,13 @@ def _positive_float(text: str) -> float:
     value = float(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
     return value
 
 
@@ -49,7 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="announce this worker to an orchestrator at start-up, and leave at shutdown")
     worker.add_argument("--advertise-url", default=None,
                         help="the URL the orchestrator should use for this worker (default http://HOST:PORT)")
-    worker.add_argument("--admin-key", default=None, help="the orchestrator's admin key, for --register")
+    worker.add_argument("--admin-key", default=None,
+                        help="the deployment's admin key: sent to the orchestrator for --register, and required by "
+                             "this worker's admin endpoints (GET /v1/disagg/handoffs; without it they answer 403)")
     _add_front_end_arguments(worker)
     worker.add_argument("--engine-core-socket", default=None, help=argparse.SUPPRESS)  # set by the supervisor
 
@@ -110,6 +120,11 @@ def _add_front_end_arguments(parser: argparse.ArgumentParser) -> None:
                         help="HTTP front-end processes sharing the port (SO_REUSEPORT) and, for a worker, one "
                              "engine core (default 1)")
     parser.add_argument("--reuse-port", action="store_true", help=argparse.SUPPRESS)  # set by the supervisor
+    parser.add_argument("--client-send-timeout-s", type=_seconds, default=DEFAULT_SEND_TIMEOUT_S,
+                        help="cut off a client that reads nothing of an answer for this long (default 60)")
+    parser.add_argument("--header-timeout-s", type=_seconds, default=DEFAULT_HEADER_TIMEOUT_S,
+                        help="close a connection whose request headers are not complete after this long "
+                             "(default 30)")
 
 
 def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:

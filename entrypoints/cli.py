@@ -16,16 +16,23 @@ from typing import Any
 import uvicorn
 
 from entrypoints.arguments import build_parser
+from entrypoints.http_protocol import protocol_with_header_timeout
+from frontend.client_timeouts import SendTimeoutMiddleware
 from frontend.logging_setup import configure_logging
 
 logger = logging.getLogger("disagg_serve")
 
 
-def _serve(app: Any, host: str, port: int, log_level: str, reuse_port: bool = False) -> None:
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, loop="uvloop", http="httptools",
+def _serve(app: Any, args: argparse.Namespace, host: str, port: int) -> None:
+    """Serve ``app`` with the limits every front end gets against slow and hostile clients (docs/reliability.md):
+    headers within ``--header-timeout-s``, each piece of an answer taken within ``--client-send-timeout-s``
+    (uvicorn's flow control already caps what a non-reading client makes us buffer), idle keep-alive 75 s."""
+    config = uvicorn.Config(SendTimeoutMiddleware(app, args.client_send_timeout_s), host=host, port=port,
+                            log_level=args.log_level, loop="uvloop",
+                            http=protocol_with_header_timeout(args.header_timeout_s),
                             timeout_graceful_shutdown=30, timeout_keep_alive=75, access_log=False, log_config=None)
     server = uvicorn.Server(config)
-    if reuse_port:
+    if args.reuse_port:
         from entrypoints.front_ends import reuse_port_socket
 
         server.run(sockets=[reuse_port_socket(host, port)])
@@ -80,13 +87,14 @@ def run_worker(args: argparse.Namespace, argv: Sequence[str]) -> int:
         return _supervise(args, argv, options if args.engine == "reference" else None)
     engine = create_engine(args.engine, options)
     settings = WorkerSettings(role=args.role, max_body_bytes=args.max_body_bytes,
-                              max_concurrent_requests=args.max_concurrent_requests)
+                              max_concurrent_requests=args.max_concurrent_requests,
+                              admin_key=args.admin_key or None)
     registration = None
     if args.register:
         advertise = args.advertise_url or f"http://{args.host}:{args.port}"
         registration = Registration(args.register, advertise, args.role, args.admin_key)
     app = create_worker_app(engine, settings, registration=registration)
-    _serve(app, args.host, args.port, args.log_level, args.reuse_port)
+    _serve(app, args, args.host, args.port)
     return 0
 
 
@@ -109,7 +117,7 @@ def run_orchestrator(args: argparse.Namespace, argv: Sequence[str]) -> int:
         return _supervise(args, argv)
     # An empty key (DISAGG_API_KEY="") means no key, not "the empty string is the key".
     app = create_orchestrator_app(config, api_key=args.api_key or None, admin_key=args.admin_key or None)
-    _serve(app, config.hostname, config.port, args.log_level, args.reuse_port)
+    _serve(app, args, config.hostname, config.port)
     return 0
 
 

@@ -12,6 +12,8 @@
     ├── PayloadTooLargeError          413
     ├── OverloadedError               429 with Retry-After
     ├── EngineError                   500 (the engine failed; foreign errors are wrapped at the adapter)
+    │   └── EngineRequestError        500 code=engine_request_failed (this request fails the engine on any
+    │                                 worker: the orchestrator does not retry it)
     ├── RelayedError                  the worker's own status (a worker's 4xx, or 5xx after retries, whose
     │                                 body the orchestrator passes on byte for byte)
     └── UpstreamError                 502 (a worker answered badly; says which step failed)
@@ -113,6 +115,16 @@ class OverloadedError(ServingError):
 
 class EngineError(ServingError):
     default_code = "engine_error"
+
+
+class EngineRequestError(EngineError):
+    """The engine failed on this request in a way that would repeat on any worker (deterministic)."""
+
+    default_code = "engine_request_failed"
+
+
+# A worker's 5xx with one of these ``code``s is a deterministic failure: retrying it elsewhere cannot help.
+DETERMINISTIC_FAILURE_CODES: frozenset[str] = frozenset({EngineRequestError.default_code})
 
 
 class RelayedError(ServingError):

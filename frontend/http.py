@@ -18,6 +18,7 @@ import orjson
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -96,9 +97,21 @@ _TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none", "
 
 
 def install_error_handlers(app: FastAPI) -> None:
-    async def serving_error(_: Request, exc: Exception) -> Response:
+    async def serving_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, ServingError)
+        if exc.status_code >= 500:  # every 5xx is logged with its request id and its cause
+            logger.error("request %s answered %d on %s %s: %s", getattr(request.state, "request_id", "-"),
+                         exc.status_code, request.method, request.url.path, _cause(exc))
         return error_response(exc)
+
+    async def http_error(request: Request, exc: Exception) -> Response:
+        # Routing's own answers (no such route, wrong method) in OpenAI's shape, not FastAPI's {"detail": ...}.
+        assert isinstance(exc, StarletteHTTPException)
+        code, message = _ROUTING_ERRORS.get(exc.status_code, ("http_error", "{detail}"))
+        text = message.format(method=request.method, path=request.url.path, detail=exc.detail)
+        body = {"error": {"message": text, "type": "invalid_request_error", "param": None, "code": code}}
+        # A 405 keeps its Allow header: it says which methods the route takes.
+        return JSONBytesResponse(orjson.dumps(body), status_code=exc.status_code, headers=dict(exc.headers or {}))
 
     async def validation_error(_: Request, exc: Exception) -> Response:
         assert isinstance(exc, RequestValidationError)
@@ -112,9 +125,23 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(ClientDisconnected, client_disconnected)
     app.add_exception_handler(ServingError, serving_error)
     app.add_exception_handler(RequestValidationError, validation_error)
+    app.add_exception_handler(StarletteHTTPException, http_error)
     # Not an ``Exception`` handler: Starlette re-raises those after answering, and uvicorn then closes the
     # keep-alive connection, so the next request a pooled client sends on it fails with a connection reset.
     app.add_middleware(_AnswerUnexpectedErrors)
+
+
+def _cause(error: ServingError) -> str:
+    # A relayed worker error's cause is the worker's own message, inside its body.
+    fields = error.to_dict().get("error")
+    message = fields.get("message") if isinstance(fields, dict) else None
+    return message if isinstance(message, str) else error.message
+
+
+_ROUTING_ERRORS = {
+    404: ("not_found", "no route {method} {path}"),
+    405: ("method_not_allowed", "method {method} is not allowed on {path}"),
+}
 
 
 class _AnswerUnexpectedErrors:

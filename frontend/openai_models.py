@@ -2,16 +2,32 @@
 
 Pydantic lives only here, at the wire. Unknown fields are refused (``extra="forbid"``) so that a misspelt or
 unsupported parameter is a clear 400 instead of being silently ignored; parameters that OpenAI defines but this
-server does not implement are listed in ``UNSUPPORTED_PARAMETERS`` and refused with a message that says so.
+server does not implement are listed in ``frontend.openai_parameters``: a null or otherwise neutral value of one is
+accepted and dropped, any other is refused with a message that says so.
+
+Chat messages take every field the official SDK can put in one (``model_dump()`` of a reply included): an
+assistant's ``tool_calls`` and ``function_call`` and a tool message's ``tool_call_id`` are rendered into the chat
+template; ``refusal``, ``annotations`` and ``reasoning_content`` are read as history and ``audio`` must be null.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, model_validator
 
 from frontend.errors import InvalidRequestError, UnsupportedParameterError
+from frontend.openai_parameters import (
+    UNSUPPORTED_PARAMETERS,
+    WireEndpoint,
+    drop_neutral_parameters,
+    refuse_unsupported,
+)
+
+__all__ = ["UNSUPPORTED_PARAMETERS", "refuse_unsupported_parameters"]
+
+# A 64-bit signed integer, as OpenAI and vLLM take it.
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 
 
 class WireModel(BaseModel):
@@ -57,28 +73,72 @@ class AudioContentPart(WireModel):
     input_audio: Any = None
 
 
-ContentPart = Annotated[TextContentPart | ImageContentPart | AudioContentPart, Field(discriminator="type")]
+class FileContentPart(WireModel):
+    type: Literal["file"]
+    file: Any = None
+
+
+class RefusalContentPart(WireModel):
+    """An assistant turn's refusal, as the SDK writes it back into the history."""
+
+    type: Literal["refusal"]
+    refusal: str
+
+
+ContentPart = Annotated[
+    TextContentPart | ImageContentPart | AudioContentPart | FileContentPart | RefusalContentPart,
+    Field(discriminator="type"),
+]
+_TEXT_PARTS = (TextContentPart, RefusalContentPart)
+
+
+class FunctionCall(WireModel):
+    name: str
+    arguments: str
+
+
+class ToolCall(WireModel):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
 
 
 class ChatMessage(WireModel):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    # Assistant history, as ``reply.choices[0].message.model_dump()`` gives it back.
+    refusal: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    function_call: FunctionCall | None = None
+    audio: dict[str, Any] | None = None  # a reference to generated audio: only null can be honoured
+    annotations: list[Any] | None = None  # citations of the answer: output only, nothing to render
+    reasoning_content: str | None = None  # vLLM's reasoning field: earlier reasoning is not fed back
+    reasoning: str | None = None
+    # A tool's answer.
+    tool_call_id: str | None = None
 
     @property
     def has_media(self) -> bool:
-        return isinstance(self.content, list) and any(not isinstance(p, TextContentPart) for p in self.content)
+        return isinstance(self.content, list) and any(not isinstance(p, _TEXT_PARTS) for p in self.content)
 
     def text(self) -> str:
         if self.content is None:
-            return ""
+            return self.refusal or ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(p.text for p in self.content if isinstance(p, TextContentPart))
+        return "".join(p.text if isinstance(p, TextContentPart) else p.refusal
+                       for p in self.content if isinstance(p, _TEXT_PARTS))
+
+    def calls(self) -> list[FunctionCall]:
+        """The function calls this (assistant) message made, the deprecated ``function_call`` included."""
+        calls = [call.function for call in self.tool_calls or ()]
+        return [*calls, self.function_call] if self.function_call is not None else calls
 
 
 class StreamOptions(WireModel):
-    include_usage: bool = False
+    include_usage: bool | None = False
+    include_obfuscation: bool | None = None  # OpenAI's padding against length side channels: nothing to pad here
 
 
 Stop = str | list[str] | None
@@ -87,13 +147,15 @@ Stop = str | list[str] | None
 class SamplingFields(WireModel):
     """Fields every generation endpoint shares; extensions match vLLM / TensorRT-LLM names."""
 
+    wire_endpoint: ClassVar[WireEndpoint | None] = None
+
     model: str
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
     top_k: Annotated[int, Field(ge=0)] | None = None
-    seed: int | None = None
+    seed: Annotated[StrictInt, Field(ge=SEED_MIN, le=SEED_MAX)] | None = None
     stop: Stop = None
     frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
     presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
@@ -107,11 +169,24 @@ class SamplingFields(WireModel):
     prompt_token_ids: list[StrictInt] | None = None
     prompt_token_ids_b64: str | None = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_neutral_parameters(cls, data: Any) -> Any:
+        if isinstance(data, dict) and cls.wire_endpoint is not None:
+            return drop_neutral_parameters(cls.wire_endpoint, data)
+        return data
+
     @model_validator(mode="after")
     def _refuse_unsupported(self) -> SamplingFields:
         if self.n is not None and self.n != 1:
             raise UnsupportedParameterError("only n=1 is supported", param="n")
+        if self.stream_options is not None and not self.stream:
+            raise InvalidRequestError("'stream_options' is only allowed when 'stream' is true", param="stream_options")
         return self
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
 
     @property
     def is_generation_only(self) -> bool:
@@ -125,10 +200,12 @@ class SamplingFields(WireModel):
 
 
 class ChatCompletionRequest(SamplingFields):
+    wire_endpoint = "chat"
+
     messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
-    logprobs: bool = False
+    logprobs: bool | None = False
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     prompt_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
@@ -136,6 +213,10 @@ class ChatCompletionRequest(SamplingFields):
     @model_validator(mode="after")
     def _has_messages(self) -> ChatCompletionRequest:
         self._require_prompt("messages", self.messages)
+        for index, message in enumerate(self.messages or ()):
+            if message.audio is not None:
+                raise UnsupportedParameterError("a message's 'audio' must be null: this server makes no audio",
+                                                param=f"messages.{index}.audio")
         return self
 
     @property
@@ -144,10 +225,12 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class CompletionRequest(SamplingFields):
+    wire_endpoint = "completions"
+
     prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]] | None = None
     max_tokens: Annotated[int, Field(ge=1)] | None = 16
     logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
-    echo: bool = False
+    echo: bool | None = False
     suffix: str | None = None
     best_of: int | None = None
     prompt_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
@@ -181,6 +264,8 @@ class ResponsesInputMessage(WireModel):
 
 
 class ResponsesRequest(SamplingFields):
+    wire_endpoint = "responses"
+
     input: str | Annotated[list[ResponsesInputMessage], Field(min_length=1)] | None = None
     instructions: str | None = None
     max_output_tokens: Annotated[int, Field(ge=1)] | None = None
@@ -212,32 +297,8 @@ class ResponsesRequest(SamplingFields):
 
 GenerationWireRequest = ChatCompletionRequest | CompletionRequest | ResponsesRequest
 
-# OpenAI parameters that are recognised but not implemented: refused by name, never ignored.
-UNSUPPORTED_PARAMETERS: frozenset[str] = frozenset(
-    {
-        "tools",
-        "tool_choice",
-        "functions",
-        "function_call",
-        "parallel_tool_calls",
-        "response_format",
-        "audio",
-        "modalities",
-        "prediction",
-        "reasoning_effort",
-        "reasoning",
-        "web_search_options",
-        "text",
-        "include",
-        "truncation",
-        "background",
-        "service_tier",
-        "no_repeat_ngram_size",
-    }
-)
-
 
 def refuse_unsupported_parameters(body: dict[str, Any]) -> None:
-    for name in UNSUPPORTED_PARAMETERS.intersection(body):
-        if body[name] is not None:
-            raise UnsupportedParameterError(f"parameter '{name}' is not supported by this server", param=name)
+    """A non-neutral value of a parameter no endpoint implements is a 400 naming it (``frontend.openai_parameters``);
+    the wire models drop the neutral ones, endpoint by endpoint."""
+    refuse_unsupported(body)

@@ -2,6 +2,11 @@
 
 Shared by the workers (which produce answers) and the orchestrator (which, when CTX finished a streaming request
 by itself, replays CTX's whole response as a stream). Knows nothing of tokenizers: callers pass token strings.
+
+Every chat and completions answer carries ``system_fingerprint`` (this server's name and version: the same on CTX,
+GEN and aggregated workers, so a disaggregated answer reads like an aggregated one) and
+``usage.prompt_tokens_details.cached_tokens``. When a streaming client asks for usage, every chunk but the last has
+``usage: null``, as OpenAI sends it. Completions ``text_offset`` runs over the whole answer, stream or not.
 """
 
 from __future__ import annotations
@@ -9,6 +14,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from importlib import metadata
 from typing import Any, Literal
 
 from frontend.errors import ServingError, responses_error_event, sse_error_event
@@ -17,10 +23,20 @@ from frontend.sse import DONE_FRAME, data_frame, event_frame
 Endpoint = Literal["chat", "completions", "responses"]
 
 
+def _version() -> str:
+    try:
+        return metadata.version("disagg-serve")
+    except metadata.PackageNotFoundError:
+        return "dev"
+
+
+SYSTEM_FINGERPRINT = "fp_disagg_serve_" + _version()
+
+
 @dataclass(frozen=True, slots=True)
 class TokenLogprobInfo:
     token: str
-    logprob: float
+    logprob: float | None  # None: the first prompt token of an echo, which has no context to be scored in
     top: tuple[tuple[str, float], ...] = ()
 
 
@@ -28,12 +44,13 @@ class TokenLogprobInfo:
 class Usage:
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int = 0  # prompt tokens whose KV was reused rather than computed
 
     def as_openai(self, endpoint: Endpoint) -> dict[str, Any]:
         if endpoint == "responses":
             return {
                 "input_tokens": self.prompt_tokens,
-                "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+                "input_tokens_details": {"cached_tokens": self.cached_tokens, "cache_write_tokens": 0},
                 "output_tokens": self.completion_tokens,
                 "output_tokens_details": {"reasoning_tokens": 0},
                 "total_tokens": self.prompt_tokens + self.completion_tokens,
@@ -42,7 +59,16 @@ class Usage:
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "total_tokens": self.prompt_tokens + self.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
         }
+
+    @classmethod
+    def from_openai(cls, usage: dict[str, Any] | None) -> Usage:
+        """The inverse of ``as_openai`` (any endpoint), for a replayed answer."""
+        usage = usage or {}
+        details = usage.get("prompt_tokens_details") or usage.get("input_tokens_details") or {}
+        return cls(usage.get("prompt_tokens", usage.get("input_tokens", 0)),
+                   usage.get("completion_tokens", usage.get("output_tokens", 0)), details.get("cached_tokens", 0))
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +77,7 @@ class ResponseIdentity:
     response_id: str
     model: str
     created: int = field(default_factory=lambda: int(time.time()))
+    system_fingerprint: str = SYSTEM_FINGERPRINT
 
 
 def _utf8(text: str) -> list[int]:
@@ -73,6 +100,7 @@ def chat_logprobs(entries: Sequence[TokenLogprobInfo]) -> dict[str, Any]:
 
 
 def completion_logprobs(entries: Sequence[TokenLogprobInfo | None], text_offset: int = 0) -> dict[str, Any]:
+    """Completions' logprobs; ``text_offset`` is where the first entry's token starts in the whole text."""
     tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
     offset = text_offset
     for e in entries:
@@ -91,14 +119,17 @@ def render_response(
     finish_reason: str | None,
     usage: Usage,
     logprobs: Sequence[TokenLogprobInfo | None] | None = None,
+    prompt_logprobs: list[Any] | None = None,
 ) -> dict[str, Any]:
-    """The whole (non-streaming) response body for ``ident.endpoint``."""
+    """The whole (non-streaming) response body for ``ident.endpoint``; ``prompt_logprobs`` (vLLM's shape) goes
+    where vLLM puts it: at the top of a chat answer, in the choice of a completion."""
     if ident.endpoint == "chat":
-        return {
+        body: dict[str, Any] = {
             "id": ident.response_id,
             "object": "chat.completion",
             "created": ident.created,
             "model": ident.model,
+            "system_fingerprint": ident.system_fingerprint,
             "choices": [
                 {
                     "index": 0,
@@ -109,20 +140,25 @@ def render_response(
             ],
             "usage": usage.as_openai("chat"),
         }
+        if prompt_logprobs is not None:
+            body["prompt_logprobs"] = prompt_logprobs
+        return body
     if ident.endpoint == "completions":
+        choice: dict[str, Any] = {
+            "index": 0,
+            "text": text,
+            "logprobs": completion_logprobs(logprobs) if logprobs is not None else None,
+            "finish_reason": finish_reason,
+        }
+        if prompt_logprobs is not None:
+            choice["prompt_logprobs"] = prompt_logprobs
         return {
             "id": ident.response_id,
             "object": "text_completion",
             "created": ident.created,
             "model": ident.model,
-            "choices": [
-                {
-                    "index": 0,
-                    "text": text,
-                    "logprobs": completion_logprobs(logprobs) if logprobs is not None else None,
-                    "finish_reason": finish_reason,
-                }
-            ],
+            "system_fingerprint": ident.system_fingerprint,
+            "choices": [choice],
             "usage": usage.as_openai("completions"),
         }
     return _responses_object(ident, text, finish_reason, usage, status=_responses_status(finish_reason))
@@ -166,18 +202,24 @@ class StreamRenderer:
         self.include_usage = include_usage
         self._text_parts: list[str] = []
         self._sequence = 0
+        self._text_offset = 0  # completions: where the next logprob token starts in the whole streamed text
 
-    def _chunk(self, choice: dict[str, Any], usage: dict[str, Any] | None = None) -> bytes:
+    def _chunk(
+        self, choice: dict[str, Any], usage: dict[str, Any] | None = None, top: dict[str, Any] | None = None
+    ) -> bytes:
         chat = self.ident.endpoint == "chat"
         payload: dict[str, Any] = {
             "id": self.ident.response_id,
             "object": "chat.completion.chunk" if chat else "text_completion",
             "created": self.ident.created,
             "model": self.ident.model,
+            "system_fingerprint": self.ident.system_fingerprint,
             "choices": [choice] if choice else [],
         }
-        if usage is not None:
-            payload["usage"] = usage
+        if self.include_usage:
+            payload["usage"] = usage  # null until the last chunk, as OpenAI streams it
+        if top:
+            payload.update(top)
         return data_frame(payload)
 
     def _event(self, event_type: str, body: dict[str, Any]) -> bytes:
@@ -203,16 +245,33 @@ class StreamRenderer:
                         {"item_id": item["id"], "output_index": 0, "content_index": 0, "part": part}),
         ]
 
-    def delta(self, text: str, logprobs: Sequence[TokenLogprobInfo] | None = None) -> list[bytes]:
-        if not text and not logprobs:
+    def delta(
+        self, text: str, logprobs: Sequence[TokenLogprobInfo] | None = None, prompt_logprobs: list[Any] | None = None
+    ) -> list[bytes]:
+        if not text and not logprobs and prompt_logprobs is None:
             return []
+        lp: dict[str, Any] | None = None
+        if logprobs and self.ident.endpoint == "chat":
+            lp = chat_logprobs(logprobs)
+        elif logprobs and self.ident.endpoint == "completions":
+            lp = completion_logprobs(logprobs, self._text_offset)
+            self._text_offset += sum(len(e.token) for e in logprobs)
+        return self.delta_rendered(text, lp, prompt_logprobs)
+
+    def delta_rendered(
+        self, text: str, logprobs: dict[str, Any] | None, prompt_logprobs: list[Any] | None = None
+    ) -> list[bytes]:
+        """A delta whose logprobs are already in the endpoint's shape (a replayed whole answer's)."""
         self._text_parts.append(text)
         if self.ident.endpoint == "chat":
-            lp = chat_logprobs(logprobs) if logprobs else None
-            return [self._chunk({"index": 0, "delta": {"content": text}, "logprobs": lp, "finish_reason": None})]
+            choice = {"index": 0, "delta": {"content": text}, "logprobs": logprobs, "finish_reason": None}
+            top = {"prompt_logprobs": prompt_logprobs} if prompt_logprobs is not None else None
+            return [self._chunk(choice, top=top)]
         if self.ident.endpoint == "completions":
-            lp = completion_logprobs(logprobs) if logprobs else None
-            return [self._chunk({"index": 0, "text": text, "logprobs": lp, "finish_reason": None})]
+            choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": None}
+            if prompt_logprobs is not None:
+                choice["prompt_logprobs"] = prompt_logprobs
+            return [self._chunk(choice)]
         item_id = "msg_" + self.ident.response_id[5:]
         return [self._event("response.output_text.delta",
                             {"item_id": item_id, "output_index": 0, "content_index": 0, "delta": text,
@@ -260,20 +319,25 @@ def stream_error_frames(endpoint: Endpoint, error: ServingError, sequence_number
 
 
 def replay_as_stream(endpoint: Endpoint, response: dict[str, Any], include_usage: bool) -> list[bytes]:
-    """Re-render a whole response (from a CTX that finished the request itself) as the client's stream."""
+    """Re-render a whole response (from a CTX that finished the request itself) as the client's stream: the same
+    text, logprobs, prompt logprobs, fingerprint and usage the whole answer has."""
+    logprobs: dict[str, Any] | None = None
+    prompt_logprobs: list[Any] | None = None
     if endpoint == "responses":
         ident = ResponseIdentity(endpoint, response["id"], response["model"], response["created_at"])
         output = response.get("output") or []
         text = output[0]["content"][0]["text"] if output else ""
         finish = "length" if response.get("status") == "incomplete" else "stop"
-        usage_raw = response.get("usage") or {}
-        usage = Usage(usage_raw.get("input_tokens", 0), usage_raw.get("output_tokens", 0))
     else:
-        ident = ResponseIdentity(endpoint, response["id"], response["model"], response["created"])
+        ident = ResponseIdentity(endpoint, response["id"], response["model"], response["created"],
+                                 response.get("system_fingerprint") or SYSTEM_FINGERPRINT)
         choice = response["choices"][0]
         text = choice["message"]["content"] if endpoint == "chat" else choice["text"]
         finish = choice["finish_reason"]
-        usage_raw = response.get("usage") or {}
-        usage = Usage(usage_raw.get("prompt_tokens", 0), usage_raw.get("completion_tokens", 0))
+        logprobs = choice.get("logprobs")
+        prompt_logprobs = response.get("prompt_logprobs") if endpoint == "chat" else choice.get("prompt_logprobs")
+    usage = Usage.from_openai(response.get("usage"))
     renderer = StreamRenderer(ident, include_usage)
-    return [*renderer.begin(), *renderer.delta(text or ""), *renderer.finish(finish, usage)]
+    delta = renderer.delta_rendered(text or "", logprobs, prompt_logprobs) \
+        if text or logprobs is not None or prompt_logprobs is not None else []
+    return [*renderer.begin(), *delta, *renderer.finish(finish, usage)]

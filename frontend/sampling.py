@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from frontend.errors import InvalidRequestError
-from frontend.openai_models import ChatCompletionRequest, CompletionRequest, GenerationWireRequest
+from frontend.openai_models import SEED_MAX, SEED_MIN, ChatCompletionRequest, CompletionRequest, GenerationWireRequest
 
 
 class InvalidSamplingValue(ValueError):
@@ -33,7 +33,7 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0: off
-    seed: int | None = None  # None: the engine draws a random one
+    seed: int | None = None  # None: the engine draws a random one; any 64-bit signed integer otherwise
     stop: tuple[str, ...] = ()
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
@@ -42,12 +42,15 @@ class SamplingParams:
     # (``UNSUPPORTED_PARAMETERS``) and only the orchestrator's reading of a raw body ever sets it.
     no_repeat_ngram_size: int = 0
     echo: bool = False
+    # Logprobs of the prompt's tokens (vLLM's extension); also asked for when echo meets logprobs.
     prompt_logprobs: int | None = None
     logit_bias: tuple[tuple[int, float], ...] = ()
     logprobs: int | None = None  # None: none; 0: the chosen token only; k: plus the top k alternatives
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
+        _require(self.seed is None or SEED_MIN <= self.seed <= SEED_MAX, "seed",
+                 "seed must be a 64-bit signed integer")
         _require(self.max_tokens is None or self.max_tokens >= 1, "max_tokens", "max_tokens must be >= 1")
         _require(self.temperature >= 0.0, "temperature", "temperature must be >= 0")
         _require(0.0 < self.top_p <= 1.0, "top_p", "top_p must be in (0, 1]")
@@ -108,9 +111,22 @@ def sampling_from_request(wire: GenerationWireRequest, vocab_size: int) -> Sampl
             raise InvalidRequestError("top_logprobs requires logprobs=true", param="top_logprobs")
         logprobs = (wire.top_logprobs or 0) if wire.logprobs else None
     elif isinstance(wire, CompletionRequest):
-        logprobs, echo = wire.logprobs, wire.echo
+        logprobs, echo = wire.logprobs, bool(wire.echo)
     else:
         logprobs = None
+    prompt_logprobs: int | None = getattr(wire, "prompt_logprobs", None)
+    if echo and logprobs is not None:
+        # The echoed prompt's tokens carry logprobs too: the engine scores them during prefill.
+        prompt_logprobs = max(prompt_logprobs or 0, logprobs)
+    try:
+        return _sampling(wire, vocab_size, logprobs, echo, prompt_logprobs)
+    except InvalidSamplingValue as exc:
+        raise InvalidRequestError(str(exc), param=exc.field) from exc
+
+
+def _sampling(
+    wire: GenerationWireRequest, vocab_size: int, logprobs: int | None, echo: bool, prompt_logprobs: int | None
+) -> SamplingParams:
     return SamplingParams(
         max_tokens=wire.requested_max_tokens,
         temperature=1.0 if wire.temperature is None else wire.temperature,
@@ -122,10 +138,10 @@ def sampling_from_request(wire: GenerationWireRequest, vocab_size: int) -> Sampl
         presence_penalty=wire.presence_penalty or 0.0,
         repetition_penalty=1.0 if wire.repetition_penalty is None else wire.repetition_penalty,
         echo=echo,
-        prompt_logprobs=getattr(wire, "prompt_logprobs", None),
+        prompt_logprobs=prompt_logprobs,
         logit_bias=_logit_bias(wire.logit_bias, vocab_size),
         logprobs=logprobs,
-        ignore_eos=wire.ignore_eos,
+        ignore_eos=bool(wire.ignore_eos),
     )
 
 

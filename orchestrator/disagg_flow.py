@@ -16,7 +16,7 @@ from typing import Any
 import orjson
 
 from frontend.config import OrchestratorConfig
-from frontend.errors import RelayedError
+from frontend.errors import RelayedError, UpstreamError
 from frontend.guardrail import FallbackReason, decide_for_body
 from frontend.metrics import Metrics
 from frontend.openai_output import Endpoint, replay_as_stream
@@ -130,13 +130,20 @@ class DisaggFlow:
             fallback = fallback or reason
             return self.protocol.generation_request(request.body, ctx, carriage)
 
+        failed: tuple[PoolMember, ...] = ()  # GEN workers that failed this request: not the first choice again
         try:
             while True:
                 key = RoutingKey(request.key.prompt_prefix,
                                  ctx.prompt_len if ctx.prompt_len is not None else request.key.prompt_tokens)
-                done = await self._call_gen(request, key, body_for)
+                done = await self._call_gen(request, key, body_for, avoid=failed)
                 if not self._handoff_lost(request, done):
                     return self._gen_answer(request, done, key)
+                if request.ctx_redone:
+                    # Lost twice: failing GEN workers, not the client's request. Once only, so a flapping GEN
+                    # pool cannot make CTX prefill forever.
+                    raise UpstreamError("the GEN step failed: the KV hand-off was lost twice with failing GEN "
+                                        f"workers (last tried {done.member.url})")
+                failed = (*failed, *done.failed)
                 ctx = await self.redo_context(request)
                 if ctx.finished:
                     return self.answer_from_context(request, ctx)
@@ -150,8 +157,8 @@ class DisaggFlow:
         done = await self._call_gen(request, request.key, lambda _: body)
         return self._gen_answer(request, done, request.key)
 
-    async def _call_gen(self, request: FlowRequest, key: RoutingKey, body_for: Callable[[PoolMember], bytes]
-                        ) -> Attempted[GenAnswer]:
+    async def _call_gen(self, request: FlowRequest, key: RoutingKey, body_for: Callable[[PoolMember], bytes],
+                        avoid: tuple[PoolMember, ...] = ()) -> Attempted[GenAnswer]:
         """GEN's answer: whole, or (streaming) opened, moving to another GEN on a failure before the first byte."""
         async def whole(gen: PoolMember) -> GenAnswer:
             request.gen_worker = gen.url
@@ -165,15 +172,15 @@ class DisaggFlow:
             return Reply(stream.status_code, await stream.read())  # an error answer is whole: read, closed
 
         started = time.perf_counter()
-        done = await self.retry.run("gen", self.gen_pool, key, streamed if request.streaming else whole)
+        done = await self.retry.run("gen", self.gen_pool, key, streamed if request.streaming else whole, avoid)
         if not isinstance(done.answer, Reply):
             self.metrics.gen_first_byte.labels(worker=done.member.url).observe(time.perf_counter() - started)
         return done
 
     def _handoff_lost(self, request: FlowRequest, done: Attempted[GenAnswer]) -> bool:
         """A retried GEN found the hand-off gone (an earlier GEN took it before failing): CTX must run again.
-        Once: a second loss is answered as it is, so a flapping GEN pool cannot make CTX prefill forever."""
-        return (isinstance(done.answer, Reply) and done.attempts >= 2 and not request.ctx_redone
+        After a CTX rerun any such answer counts, first attempt included: the hand-off was fresh."""
+        return (isinstance(done.answer, Reply) and (done.attempts >= 2 or request.ctx_redone)
                 and self.protocol.handoff_lost(done.answer))
 
     def _gen_answer(self, request: FlowRequest, done: Attempted[GenAnswer], key: RoutingKey) -> Answer:

@@ -2,18 +2,25 @@
 
 A step is tried on one worker after another (the router picks, never one already tried) while it fails before
 its answer: a transport error, or a 5xx status (for a stream: before the first byte). After ``max_retries``
-retries a transport error is raised naming the step, and a 5xx answer is returned for the caller to relay. A
-refused connection also takes the worker out of routing at once (passive health). Any other status is an
-answer, returned as it is.
+retries, or once no untried worker is left, the last failure stands: a transport error is raised naming the step,
+a 5xx answer is returned for the caller to relay with the worker's own message. A refused connection also takes
+the worker out of routing at once (passive health). Any other status is an answer, returned as it is.
+
+A 4xx is never retried: the request is wrong, and would be on any worker. Nor is a *deterministic* failure: a 5xx
+whose OpenAI error body has a ``code`` in ``frontend.errors.DETERMINISTIC_FAILURE_CODES`` — the worker's way of
+saying "this request failed the engine, and would fail it anywhere". Only a worker that failed for reasons of its
+own (a dead engine core, a full KV store, a timeout) is worth another try.
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
-from frontend.errors import UpstreamError, UpstreamUnavailableError
+import orjson
+
+from frontend.errors import DETERMINISTIC_FAILURE_CODES, UpstreamError, UpstreamUnavailableError
 from frontend.metrics import Metrics
 from orchestrator.member import PoolMember
 from orchestrator.pool import WorkerPool
@@ -33,6 +40,7 @@ class Attempted(Generic[AnswerT]):
     answer: AnswerT
     member: PoolMember  # the worker that gave it
     attempts: int  # workers tried, this one included
+    failed: tuple[PoolMember, ...] = ()  # the workers tried before it, which failed
 
 
 class RetryPolicy:
@@ -46,14 +54,27 @@ class RetryPolicy:
         pool: WorkerPool,
         key: RoutingKey,
         attempt: Callable[[PoolMember], Awaitable[AnswerT]],
+        avoid: Collection[PoolMember] = (),
     ) -> Attempted[AnswerT]:
         """Run ``attempt`` on workers of ``pool`` until one answers (``step`` names it in errors and metrics).
 
-        ``attempt`` must not leave a 5xx answer open: the policy drops it and moves on.
+        ``attempt`` must not leave a 5xx answer open: the policy drops it and moves on. ``avoid`` are workers that
+        already failed this request in an earlier round (a health check may still find them fine): they are
+        picked only when no other worker is left.
         """
         tried: list[PoolMember] = []
+        last: Attempted[AnswerT] | UpstreamError | None = None  # the failure that stands if no worker is left
         while True:
-            member = pool.pick(key, tried)
+            try:
+                member = _pick(pool, key, tried, avoid)
+            except UpstreamUnavailableError:
+                # No untried worker left: the last failure stands. A healthy worker that answered 5xx is not
+                # 'unavailable': its own answer is what the client gets.
+                if isinstance(last, UpstreamError):
+                    raise _named(step, len(tried), last) from last
+                if last is None:
+                    raise
+                return last
             tried.append(member)
             try:
                 answer = await attempt(member)
@@ -61,15 +82,42 @@ class RetryPolicy:
                 if isinstance(exc, UpstreamUnavailableError):
                     member.mark_unreachable()
                 if self._out_of_retries(tried):
-                    raise type(exc)(f"the {step.upper()} step failed after {len(tried)} attempt(s): "
-                                    f"{exc.message}") from exc
+                    raise _named(step, len(tried), exc) from exc
                 self.metrics.retries.labels(step=step, reason=type(exc).__name__).inc()
                 self.metrics.failovers.labels(step=step).inc()
+                last = exc
                 continue
-            if answer.status_code >= 500 and not self._out_of_retries(tried):
+            done = Attempted(answer, member, len(tried), tuple(tried[:-1]))
+            if answer.status_code >= 500 and not self._out_of_retries(tried) and not is_deterministic(answer):
                 self.metrics.retries.labels(step=step, reason="status_5xx").inc()
+                last = done
                 continue
-            return Attempted(answer, member, len(tried))
+            return done
 
     def _out_of_retries(self, tried: list[PoolMember]) -> bool:
         return len(tried) > self.max_retries
+
+
+def _pick(pool: WorkerPool, key: RoutingKey, tried: list[PoolMember], avoid: Collection[PoolMember]) -> PoolMember:
+    if avoid:
+        try:
+            return pool.pick(key, [*tried, *avoid])
+        except UpstreamUnavailableError:
+            pass  # only workers that failed before are left: one of them may do now
+    return pool.pick(key, tried)
+
+
+def _named(step: str, attempts: int, exc: UpstreamError) -> UpstreamError:
+    return type(exc)(f"the {step.upper()} step failed after {attempts} attempt(s): {exc.message}")
+
+
+def is_deterministic(answer: _Answered) -> bool:
+    """Whether a worker's 5xx says the request itself failed the engine (``DETERMINISTIC_FAILURE_CODES``)."""
+    content = getattr(answer, "content", None)
+    if not isinstance(content, bytes):
+        return False
+    try:
+        code = orjson.loads(content)["error"]["code"]
+    except (orjson.JSONDecodeError, KeyError, TypeError):
+        return False
+    return code in DETERMINISTIC_FAILURE_CODES

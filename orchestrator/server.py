@@ -8,12 +8,13 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
+import orjson
 from fastapi import FastAPI, Request
 from starlette.responses import Response, StreamingResponse
 
 from frontend.auth import require_bearer
 from frontend.config import OrchestratorConfig, ServerGroupConfig
-from frontend.errors import InvalidRequestError, OverloadedError
+from frontend.errors import InvalidRequestError, ModelNotFoundError, OverloadedError
 from frontend.http import (
     REQUEST_ID_HEADER,
     JSONBytesResponse,
@@ -52,6 +53,14 @@ def _pool(name: str, group: ServerGroupConfig, config: OrchestratorConfig) -> Wo
     for url in group.urls:
         pool.add(url, "static")
     return pool
+
+
+def model_card(listing: dict[str, Any], model_id: str) -> dict[str, Any]:
+    """The card of ``model_id`` in a ``/v1/models`` listing; ``ModelNotFoundError`` if it has none."""
+    for card in listing.get("data") or ():
+        if isinstance(card, dict) and card.get("id") == model_id:
+            return card
+    raise ModelNotFoundError(f"the model '{model_id}' does not exist", param="model")
 
 
 def create_orchestrator_app(
@@ -162,6 +171,16 @@ def create_orchestrator_app(
         done = await flow.retry.run("models", ctx_pool, RoutingKey(),
                                     lambda ctx: ctx.transport.get("/v1/models", config.connect_timeout_s))
         return JSONBytesResponse(done.answer.content, status_code=done.answer.status_code)
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(request: Request, model_id: str) -> Response:
+        """One model's card (the SDK's ``models.retrieve``): the CTX workers' card of that id, or a 404."""
+        require_bearer(request, api_key)
+        done = await flow.retry.run("models", ctx_pool, RoutingKey(),
+                                    lambda ctx: ctx.transport.get("/v1/models", config.connect_timeout_s))
+        if done.answer.status_code != 200:
+            return JSONBytesResponse(done.answer.content, status_code=done.answer.status_code)
+        return json_response(model_card(orjson.loads(done.answer.content), model_id))
 
     @app.get("/health")
     async def health() -> Response:

@@ -17,14 +17,17 @@ import asyncio
 import dataclasses
 from dataclasses import dataclass
 
+import orjson
 import pybase64
 
 from frontend.errors import ContextLengthError, HandoffError, InvalidRequestError, UnsupportedParameterError
 from frontend.guardrail import GenEngineFacts, PromptFacts, is_harmony, metadata_only_decision
 from frontend.openai_models import (
     ChatCompletionRequest,
+    ChatMessage,
     CompletionRequest,
     DisaggregatedParams,
+    FunctionCall,
     GenerationWireRequest,
     ResponsesRequest,
 )
@@ -182,13 +185,35 @@ def _prompt_text(wire: GenerationWireRequest, tokenizer: Tokenizer) -> str:
     if any(m.has_media for m in messages):
         raise UnsupportedParameterError("this model accepts text only (no images or audio)", param=field)
     try:
-        return tokenizer.render_chat([{"role": _template_role(m.role), "content": m.text()} for m in messages])
+        return tokenizer.render_chat([template_message(m) for m in messages])
     except ValueError as exc:  # the model's chat template refused these messages
         raise InvalidRequestError(f"the chat template cannot render these messages: {exc}", param=field) from exc
 
 
-def _template_role(role: str) -> str:
-    return "system" if role == "developer" else role
+def template_message(message: ChatMessage) -> dict[str, str]:
+    """One message as the chat template reads it: role, content, and ``name`` / ``tool_call_id`` when given.
+
+    Templates differ in how (and whether) they show tool calls; SmolLM2's shows none, so an assistant's calls are
+    written into its content the way Hermes-style templates do (``<tool_call>{"name", "arguments"}</tool_call>``),
+    and a tool's answer keeps the ``tool`` role. The deprecated ``function`` role is a tool answer.
+    """
+    role = {"developer": "system", "function": "tool"}.get(message.role, message.role)
+    parts = [message.text()] if message.text() else []
+    parts.extend(_tool_call_text(call) for call in message.calls())
+    rendered = {"role": role, "content": "\n".join(parts)}
+    if message.name is not None:
+        rendered["name"] = message.name
+    if message.tool_call_id is not None:
+        rendered["tool_call_id"] = message.tool_call_id
+    return rendered
+
+
+def _tool_call_text(call: FunctionCall) -> str:
+    try:
+        arguments = orjson.loads(call.arguments)
+    except orjson.JSONDecodeError:
+        arguments = call.arguments  # kept as the model wrote it
+    return "<tool_call>\n" + orjson.dumps({"name": call.name, "arguments": arguments}).decode() + "\n</tool_call>"
 
 
 def handoff_from(disagg: DisaggregatedParams | None, vocab_size: int) -> Handoff | None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -11,8 +11,10 @@ import pybase64
 from fastapi import FastAPI, Request
 from starlette.responses import Response, StreamingResponse
 
-from frontend.errors import InvalidRequestError, ServingError
+from frontend.auth import require_bearer
+from frontend.errors import InvalidRequestError, ModelNotFoundError, ServingError
 from frontend.http import (
+    ClientDisconnected,
     answered_status,
     cancel_on_disconnect,
     install_error_handlers,
@@ -50,6 +52,7 @@ def create_worker_app(
     lag_monitor = LoopLagMonitor(metrics.event_loop_lag)
     trimmer = IdleMemoryTrimmer(lambda: service.inflight == 0)
     ready = {"engine": False}
+    counted = _LedgerCounts(metrics)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -95,6 +98,10 @@ def create_worker_app(
                 return StreamingResponse(then_call(frames, service.release), media_type=SSE_MEDIA_TYPE,
                                          headers=SSE_HEADERS)
             result = await cancel_on_disconnect(request, lambda: service.complete(prepared))
+            if prepared.request.phase is Phase.CONTEXT_ONLY and await request.is_disconnected():
+                # The orchestrator left while the KV was being parked: no GEN will ever ask for this hand-off.
+                await release_parked(result)
+                raise ClientDisconnected()
             status = 200
             return json_response(result)
         except BaseException as exc:
@@ -117,6 +124,26 @@ def create_worker_app(
     async def responses(request: Request) -> Response:
         return await serve(request, ResponsesRequest, "responses")
 
+    async def release_parked(result: dict[str, Any]) -> None:
+        params = (result.get("choices") or [result])[0].get("disaggregated_params") or {}
+        state = params.get("encoded_opaque_state")
+        if isinstance(engine, KVHandoffStore) and isinstance(state, str):
+            await engine.release_handoff(str(params["ctx_request_id"]), pybase64.b64decode(state))
+
+    @app.get("/v1/disagg/handoffs")
+    async def handoffs(request: Request) -> Response:
+        """The KV hand-off ledger (admin): what is parked now, with ages and sizes, and every outcome so far."""
+        require_bearer(request, settings.admin_key, admin=True)
+        if not isinstance(engine, KVHandoffStore):
+            return json_response({"parked_now": [], "parked_bytes": 0, "totals": {}})
+        ledger = await engine.handoff_ledger()
+        return json_response({
+            "parked_now": [{"ctx_request_id": p.ctx_request_id, "age_s": p.age_s, "bytes": p.bytes,
+                            "expires_in_s": p.expires_in_s} for p in ledger.parked_now],
+            "parked_bytes": ledger.parked_bytes,
+            "totals": dict(ledger.totals),
+        })
+
     @app.post("/v1/disagg/release")
     async def release_handoff(request: Request) -> Response:
         """Free a parked KV hand-off no GEN will take. The one-time key inside the state proves ownership."""
@@ -132,8 +159,7 @@ def create_worker_app(
         released = isinstance(engine, KVHandoffStore) and await engine.release_handoff(ctx_id, raw_state)
         return json_response({"released": released})
 
-    @app.get("/v1/models")
-    async def models() -> Response:
+    def model_card() -> dict[str, Any]:
         info = engine.info
         card: dict[str, Any] = {
             "id": info.model,
@@ -151,7 +177,18 @@ def create_worker_app(
                 "model_hash": info.model_hash,
             },
         }
-        return json_response({"object": "list", "data": [card]})
+        return card
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        return json_response({"object": "list", "data": [model_card()]})
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> Response:
+        if model_id != engine.info.model:
+            raise ModelNotFoundError(f"the model '{model_id}' does not exist; this worker serves "
+                                     f"'{engine.info.model}'", param="model")
+        return json_response(model_card())
 
     @app.get("/health")
     async def health() -> Response:
@@ -165,6 +202,24 @@ def create_worker_app(
             entries, size = engine.kv_store_stats()
             metrics.kv_store_entries.set(entries)
             metrics.kv_store_bytes.set(size)
+            counted.bring_up_to(engine.kv_handoff_totals())
         return Response(metrics.render(), media_type=METRICS_CONTENT_TYPE)
 
     return app
+
+
+class _LedgerCounts:
+    """Moves the engine's running totals into the Prometheus counters: each scrape adds what is new. A restarted
+    engine core starts its totals again from zero; what it counts then is new too."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.metrics = metrics
+        self.seen: dict[str, int] = {}
+
+    def bring_up_to(self, totals: Mapping[str, int]) -> None:
+        for outcome, total in totals.items():
+            before = self.seen.get(outcome, 0)
+            added = total - before if total >= before else total
+            if added:
+                self.metrics.kv_handoffs.labels(outcome=outcome).inc(added)
+            self.seen[outcome] = total

@@ -40,6 +40,7 @@ from frontend.token_codec import TokenArray, encode_prompt_tokens
 from workers.engines.base import Engine, ProvidesTokenizer, Tokenizer
 from workers.engines.outputs import FinishReason, TokenLogprob
 from workers.engines.request import GenerationRequest, Phase
+from workers.prompt_logprobs import echo_logprob_infos, vllm_prompt_logprobs
 from workers.request_builder import (
     endpoint_of,
     handoff_from,
@@ -61,6 +62,7 @@ class WorkerSettings:
     role: Role = "both"
     max_body_bytes: int = 64 * 1024 * 1024
     max_concurrent_requests: int = 512
+    admin_key: str | None = None  # guards the worker's admin endpoints (the hand-off ledger); None: they answer 403
 
 
 @dataclass(slots=True)
@@ -184,10 +186,10 @@ class WorkerService:
         if sampling.echo:
             text = self._prompt_text(request, out.real_prompt) + text
             if logprob_entries is not None:
-                prompt_lp = out.prompt_logprobs or (None,) * request.prompt_len
-                logprob_entries = [self._logprob_info(lp) if lp else None for lp in prompt_lp] + logprob_entries
+                logprob_entries = [*self._echo_infos(request, out.real_prompt, out.prompt_logprobs), *logprob_entries]
         usage = Usage(request.prompt_len, len(out.token_ids))
-        body = render_response(prepared.ident, text, out.finish_reason, usage, logprob_entries)
+        body = render_response(prepared.ident, text, out.finish_reason, usage, logprob_entries,
+                               self._prompt_logprobs(prepared, out.prompt_logprobs))
         if request.phase is Phase.CONTEXT_ONLY:
             self._add_context_fields(body, prepared, out)
         return body
@@ -253,17 +255,23 @@ class WorkerService:
         try:
             for frame in renderer.begin():
                 yield frame
+            scores = first.prompt_logprobs if first is not None else None
+            prompt_logprobs = self._prompt_logprobs(prepared, scores)  # sent once, with the first delta
             if request.sampling.echo:
                 real_prompt = first.prompt_token_ids if first is not None else None
-                for frame in renderer.delta(self._prompt_text(request, real_prompt)):
+                echoed = self._echo_infos(request, real_prompt, scores) if request.sampling.logprobs is not None \
+                    else None
+                for frame in renderer.delta(self._prompt_text(request, real_prompt), echoed, prompt_logprobs):
                     yield frame
+                prompt_logprobs = None
             step = first
             while step is not None:
                 completion_tokens += len(step.token_ids)
                 finish = step.finish_reason or finish
                 logprobs = self._logprob_infos(step.logprobs) if request.sampling.logprobs is not None else None
-                for frame in renderer.delta(step.text, logprobs):
+                for frame in renderer.delta(step.text, logprobs, prompt_logprobs):
                     yield frame
+                prompt_logprobs = None
                 step = await anext(steps, None)
             for frame in renderer.finish(finish, Usage(request.prompt_len, completion_tokens)):
                 yield frame
@@ -287,6 +295,18 @@ class WorkerService:
         return self.tokenizer.decode(request.prompt_token_ids)
 
     # -- logprob token strings --------------------------------------------------------------------------
+    def _echo_infos(self, request: GenerationRequest, real_prompt: TokenArray | None,
+                    scores: Sequence[TokenLogprob | None] | None) -> list[TokenLogprobInfo]:
+        prompt = real_prompt if real_prompt is not None else request.prompt_token_ids
+        return echo_logprob_infos(self.tokenizer, prompt, scores)
+
+    def _prompt_logprobs(self, prepared: PreparedGeneration,
+                         scores: Sequence[TokenLogprob | None] | None) -> list[Any] | None:
+        """vLLM's ``prompt_logprobs``, when the client asked for them (not when only echo needed them)."""
+        if getattr(prepared.wire, "prompt_logprobs", None) is None or scores is None:
+            return None
+        return vllm_prompt_logprobs(self.tokenizer, scores)
+
     def _logprob_info(self, lp: TokenLogprob) -> TokenLogprobInfo:
         decode = self.tokenizer.decode
         return TokenLogprobInfo(decode([lp.token_id]), lp.logprob, tuple((decode([t]), v) for t, v in lp.top))

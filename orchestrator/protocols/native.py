@@ -29,8 +29,11 @@ RELEASE_PATH = "/v1/disagg/release"
 class NativeProtocol:
     def context_request(self, body: dict[str, Any], *, return_prompt_tokens: bool) -> bytes:
         ctx_body = dict(body)  # shallow: the prompt itself is not copied
+        if body.get("stream") is True:
+            # CTX answers whole whatever the client asked; stream_options belong to the client's stream. A
+            # non-streaming client's stream_options are left for CTX to refuse.
+            ctx_body.pop("stream_options", None)
         ctx_body["stream"] = False
-        ctx_body.pop("stream_options", None)
         ctx_body["disaggregated_params"] = {
             "request_type": "context_only",
             "disagg_request_id": random.getrandbits(63),

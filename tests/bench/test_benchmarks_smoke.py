@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from bench import gen_http, plots, prompt_path, reference, report, run_all, system_load
+from bench import cancel_storm, gen_http, plots, prompt_path, reference, report, run_all, system_load
 from bench.common import Processes, descendants, percentile, summarize
 
 TINY = system_load.Phases(warmup_s=0.1, max_warmup_s=5.0, measure_s=0.3, max_measure_s=3.0, tail_s=5.0,
@@ -149,3 +149,16 @@ def test_processes_are_stopped_whatever_happens() -> None:
     assert processes.log_dir.exists()  # kept after a failure, for whoever reads the traceback
     shutil.rmtree(processes.log_dir)
     assert os.getpid() in descendants(os.getpid())
+
+
+def test_cancel_storm_runs_on_both_setups(tmp_path: Path) -> None:
+    from tests.workers.engines.reference.tiny_model import write_tiny_model
+
+    model = write_tiny_model(tmp_path / "tiny.gguf", seed=0)
+    result = cancel_storm.run(rounds=1, requests=2, long_words=64, short_words=8, cancel_after_s=0.05,
+                              model_path=str(model))
+    assert set(result["setups"]) == {"aggregated", "disaggregated"}
+    for setup in result["setups"].values():
+        assert _positive(setup["idle_ttft_ms"]) and _positive(setup["after_storm_ttft_ms"])
+        assert _positive(setup["ratio"]) and setup["drain_after_short_s"] >= 0
+    assert "| aggregated |" in cancel_storm.tables(result)

@@ -9,13 +9,21 @@ import pytest
 from fastapi import FastAPI, Request
 from starlette.responses import Response
 
-from frontend.errors import InvalidRequestError, OverloadedError, RelayedError, ServingError, UpstreamTimeoutError
+from frontend.errors import (
+    EngineError,
+    InvalidRequestError,
+    OverloadedError,
+    RelayedError,
+    ServingError,
+    UpstreamTimeoutError,
+)
 from frontend.http import (
     CLIENT_CLOSED_REQUEST,
     ClientDisconnected,
     answered_status,
     cancel_on_disconnect,
     install_error_handlers,
+    install_request_ids,
     invalid_request_from,
     json_response,
     parse_json_object,
@@ -229,3 +237,26 @@ def test_an_unexpected_error_keeps_the_keep_alive_connection_usable(http: httpx.
     for _ in range(3):
         assert http.get("/boom").status_code == 500
         assert http.post("/echo", content=b'{"still": "serving"}').json() == {"still": "serving"}
+
+
+def test_every_5xx_is_logged_with_its_request_id_and_cause(caplog: pytest.LogCaptureFixture) -> None:
+    app = FastAPI()
+    install_error_handlers(app)
+    install_request_ids(app)
+
+    @app.get("/engine")
+    async def engine() -> Response:
+        raise EngineError("the engine core went away")
+
+    @app.get("/relayed-5xx")
+    async def relayed_5xx() -> Response:
+        raise RelayedError(503, b'{"error":{"message":"KV store full","type":"x","param":null,"code":"c"}}')
+
+    caplog.set_level("ERROR", logger="frontend.http")
+    with running(app) as url:
+        assert httpx.get(url + "/engine", headers={"X-Request-Id": "req-5xx-1"}).status_code == 500
+        assert httpx.get(url + "/relayed-5xx", headers={"X-Request-Id": "req-5xx-2"}).status_code == 503
+        assert httpx.get(url + "/nowhere").json()["error"]["code"] == "not_found"
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("req-5xx-1" in m and "the engine core went away" in m for m in messages)
+    assert any("req-5xx-2" in m and "KV store full" in m for m in messages)

@@ -245,6 +245,9 @@ def test_replay_of_a_whole_response_streams_the_same_text(endpoint: Endpoint, fi
 
 
 def test_usage_shapes() -> None:
-    assert USAGE.as_openai("chat") == {"prompt_tokens": 11, "completion_tokens": 3, "total_tokens": 14}
+    assert USAGE.as_openai("chat") == {"prompt_tokens": 11, "completion_tokens": 3, "total_tokens": 14,
+                                       "prompt_tokens_details": {"cached_tokens": 0}}
+    assert Usage.from_openai(Usage(11, 3, 5).as_openai("chat")) == Usage(11, 3, 5)
+    assert Usage.from_openai(Usage(11, 3, 5).as_openai("responses")) == Usage(11, 3, 5)
     assert USAGE.as_openai("responses")["input_tokens"] == 11
     assert USAGE.as_openai("responses")["output_tokens"] == 3

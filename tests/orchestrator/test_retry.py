@@ -102,7 +102,27 @@ async def test_no_retries_at_all(metrics: Metrics) -> None:
         await run(RetryPolicy(0, metrics), pool)
 
 
-async def test_when_no_worker_is_left_the_pool_says_so(metrics: Metrics) -> None:
+async def test_when_no_worker_is_left_the_last_failure_stands(metrics: Metrics) -> None:
     pool = pool_of({A: [UpstreamUnavailableError("refused")]})
-    with pytest.raises(UpstreamUnavailableError, match=r"no healthy ctx worker is available \(tried http://a:1\)"):
+    with pytest.raises(UpstreamUnavailableError, match=r"the CTX step failed after 1 attempt\(s\): refused"):
         await run(RetryPolicy(5, metrics), pool)
+
+
+async def test_a_5xx_from_the_only_worker_is_its_answer_not_an_unavailable_pool(metrics: Metrics) -> None:
+    failed = Reply(500, b'{"error":{"message":"the engine core restarted","code":"engine_error"}}')
+    pool = pool_of({A: [failed]})
+    assert await run(RetryPolicy(5, metrics), pool) == (failed, A, 1)
+    assert [w.healthy for w in pool.workers] == [True]
+
+
+async def test_a_deterministic_failure_is_never_retried(metrics: Metrics) -> None:
+    failed = Reply(500, b'{"error":{"message":"bad request for the engine","code":"engine_request_failed"}}')
+    pool = pool_of({A: [failed], B: [OK]})
+    assert await run(RetryPolicy(5, metrics), pool) == (failed, A, 1)
+    assert sample(metrics, "disagg_upstream_retries_total", step="ctx", reason="status_5xx") == 0
+
+
+async def test_a_4xx_is_an_answer_and_never_retried(metrics: Metrics) -> None:
+    refused = Reply(400, b'{"error":{"message":"seed: bad","code":null}}')
+    pool = pool_of({A: [refused], B: [OK]})
+    assert await run(RetryPolicy(5, metrics), pool) == (refused, A, 1)

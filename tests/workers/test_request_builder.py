@@ -10,6 +10,7 @@ from frontend.errors import ContextLengthError, HandoffError, InvalidRequestErro
 from frontend.http import validate_wire
 from frontend.openai_models import (
     ChatCompletionRequest,
+    ChatMessage,
     CompletionRequest,
     DisaggregatedParams,
     GenerationWireRequest,
@@ -28,6 +29,7 @@ from workers.request_builder import (
     prompt_facts_of,
     resolve_max_tokens,
     sampling_params_from,
+    template_message,
 )
 
 ENGINE = SyntheticEngine(SyntheticConfig(max_context=64))
@@ -242,3 +244,17 @@ def test_phase_and_endpoint() -> None:
     assert endpoint_of(wire_of(ChatCompletionRequest, CHAT)) == "chat"
     assert endpoint_of(wire_of(CompletionRequest, {"model": "m", "prompt": "x"})) == "completions"
     assert endpoint_of(wire_of(ResponsesRequest, {"model": "m", "input": "x"})) == "responses"
+
+
+def test_tool_calls_names_and_tool_answers_reach_the_chat_template() -> None:
+    call = {"id": "c1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Oslo"}'}}
+    assistant = ChatMessage.model_validate({"role": "assistant", "content": None, "tool_calls": [call],
+                                            "refusal": None, "audio": None, "function_call": None})
+    assert template_message(assistant) == {
+        "role": "assistant",
+        "content": '<tool_call>\n{"name":"weather","arguments":{"city":"Oslo"}}\n</tool_call>',
+    }
+    tool = ChatMessage.model_validate({"role": "tool", "tool_call_id": "c1", "content": "12 C"})
+    assert template_message(tool) == {"role": "tool", "content": "12 C", "tool_call_id": "c1"}
+    named = ChatMessage.model_validate({"role": "developer", "content": "Be brief", "name": "rules"})
+    assert template_message(named) == {"role": "system", "content": "Be brief", "name": "rules"}

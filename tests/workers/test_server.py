@@ -174,7 +174,7 @@ def test_aggregated_max_tokens_default_and_context_limit(worker_client: openai.O
     [
         ({"model": "other", "messages": MESSAGES}, 404, "model"),
         ({"model": MODEL, "messages": MESSAGES, "colour": "blue"}, 400, "colour"),
-        ({"model": MODEL, "messages": MESSAGES, "tool_choice": "auto"}, 400, "tool_choice"),
+        ({"model": MODEL, "messages": MESSAGES, "tool_choice": "required"}, 400, "tool_choice"),
         ({"model": MODEL, "messages": MESSAGES, "logit_bias": {"abc": 1}}, 400, "logit_bias"),
         ({"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
          400, "messages"),

@@ -62,7 +62,7 @@ def test_ctx_answers_the_first_token_the_handoff_and_the_prompt(cluster: Cluster
     assert answer["choices"][0]["message"]["content"] == "T"
     assert answer["choices"][0]["finish_reason"] is None
     assert answer["usage"] == {"prompt_tokens": prompt.size, "completion_tokens": 1,
-                               "total_tokens": prompt.size + 1}
+                               "total_tokens": prompt.size + 1, "prompt_tokens_details": {"cached_tokens": 0}}
 
 
 def test_ctx_without_return_b64_sends_no_prompt(cluster: Cluster) -> None:

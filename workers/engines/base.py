@@ -10,7 +10,8 @@ exc``); no foreign exception type leaks into the server.
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 from frontend.token_codec import TokenArray
@@ -76,6 +77,32 @@ class ProvidesTokenizer(Protocol):
         ...
 
 
+@dataclass(frozen=True, slots=True)
+class ParkedHandoff:
+    ctx_request_id: str
+    age_s: float
+    bytes: int
+    expires_in_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class HandoffLedger:
+    """Every hand-off a store parked, and how each left it: ``totals`` counts ``parked``, ``taken`` (a GEN
+    fetched it), ``released`` (refused by GEN, client gone, orchestrator failure, request aborted) and
+    ``expired`` (its time to live ran out); what has not left yet is in ``parked_now``."""
+
+    parked_now: tuple[ParkedHandoff, ...]
+    parked_bytes: int
+    totals: Mapping[str, int]
+
+    @property
+    def balanced(self) -> bool:
+        """Nothing parked, no parked bytes, and every parked hand-off accounted for."""
+        t = self.totals
+        return (not self.parked_now and self.parked_bytes == 0
+                and t.get("parked", 0) == t.get("taken", 0) + t.get("released", 0) + t.get("expired", 0))
+
+
 @runtime_checkable
 class KVHandoffStore(Protocol):
     """An engine that parks KV hand-offs for GEN workers to fetch (a CTX-side store)."""
@@ -87,6 +114,15 @@ class KVHandoffStore(Protocol):
 
     def kv_store_stats(self) -> tuple[int, int]:
         """(entries, bytes) of KV hand-offs parked now."""
+        ...
+
+    def kv_handoff_totals(self) -> Mapping[str, int]:
+        """The ledger's totals as last reported (``parked``, ``taken``, ``released``, ``expired``), without
+        waiting on the engine: for metrics scrapes."""
+        ...
+
+    async def handoff_ledger(self) -> HandoffLedger:
+        """The whole ledger, asked of the engine now: what is parked (with ages and sizes) and the totals."""
         ...
 
 

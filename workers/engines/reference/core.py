@@ -83,6 +83,9 @@ class Core:
         self.channels: dict[int, Channel] = {}
         self.channels_lock = threading.Lock()
         self.owner_of: dict[str, int] = {}  # request id -> channel id
+        # Request ids whose abort a reader thread has seen and the main loop has not handled yet: the scheduler
+        # reads it between layers, so an abort cuts a long prefill chunk short instead of waiting it out.
+        self.aborts_pending: set[str] = set()
         self.ready_frame: Header | None = None
         self.stopping = threading.Event()
 
@@ -109,6 +112,8 @@ class Core:
                 header, payload = read_frame_blocking(channel.sock)
                 if not isinstance(header, dict):
                     raise ChannelClosed("a frame header must be a JSON object")
+                if header.get("op") == "abort":
+                    self.aborts_pending.add(str(header.get("id")))
                 self.inbox.put((channel.id, header, payload))
         except (ChannelClosed, OSError, ValueError) as exc:
             # A closed socket, or a peer that breaks the framing (not JSON, not an object): either way this
@@ -118,6 +123,8 @@ class Core:
             channel.open = False
             with contextlib.suppress(OSError):
                 channel.sock.shutdown(socket.SHUT_RDWR)
+            # Everything this front end ran has no one to answer to: stop it at the next layer too.
+            self.aborts_pending.update(rid for rid, owner in list(self.owner_of.items()) if owner == channel.id)
             self.inbox.put((channel.id, {"op": "closed"}, b""))
 
     def emit(self, header: Header, payload: bytes | memoryview = b"") -> None:
@@ -145,7 +152,8 @@ class Core:
         load_s = time.perf_counter() - started
         rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         store = KVStore(self.args.kv_store_bytes, self.args.kv_ttl_s)
-        store.on_change = lambda entries, size: self.broadcast({"op": "kv_stats", "entries": entries, "bytes": size})
+        store.on_change = lambda entries, size: self.broadcast(
+            {"op": "kv_stats", "entries": entries, "bytes": size, "totals": dict(store.totals)})
         transfer = KVTransferServer(store, self.args.kv_host, self.args.kv_port)
         transfer.start()
         advertise = self.args.kv_advertise_host or self.args.kv_host
@@ -160,7 +168,8 @@ class Core:
             prefix_cache_bytes=self.args.prefix_cache_bytes,
         )
         scheduler = Scheduler(model, config, store, self.emit,
-                              wake=lambda: self.inbox.put((0, {"op": "wake"}, b"")))
+                              wake=lambda: self.inbox.put((0, {"op": "wake"}, b"")),
+                              abort_pending=self.aborts_pending.__contains__)
         meta = loaded.tokenizer
         logger.info("model %s loaded in %.1f s, RSS %.0f MB; KV transfer on %s", loaded.path.name, load_s, rss_mb,
                     config.kv_url_base)
@@ -228,15 +237,18 @@ class Core:
             try:
                 scheduler.submit(_submit_spec(header, payload))
             except (KeyError, TypeError, ValueError) as exc:  # a malformed submit fails that request only
-                self.emit({"op": "error", "id": request_id, "kind": "engine",
+                self.emit({"op": "error", "id": request_id, "kind": "request",
                            "message": f"bad submit frame: {type(exc).__name__}: {exc}"})
         elif op == "abort":
             scheduler.abort(str(header["id"]))
             self.owner_of.pop(str(header["id"]), None)
+            self.aborts_pending.discard(str(header["id"]))
         elif op == "release":
             released = scheduler.store.discard_with_key(str(header["id"]), str(header.get("key", "")))
             if channel is not None:
                 channel.send({"op": "released", "ping": header.get("ping", 0), "released": released})
+        elif op == "handoffs" and channel is not None:
+            channel.send({"op": "handoffs", "ping": header.get("ping", 0), **scheduler.store.ledger()})
         elif op == "ping" and channel is not None:
             channel.send({"op": "pong", "ping": header.get("ping", 0), **scheduler.stats()})
         elif op == "wake":
@@ -260,6 +272,7 @@ class Core:
             if owner == channel_id:
                 scheduler.abort(request_id)
                 del self.owner_of[request_id]
+                self.aborts_pending.discard(request_id)
 
 
 def _submit_spec(header: Header, payload: bytes) -> SubmitSpec:

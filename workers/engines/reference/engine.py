@@ -3,6 +3,13 @@
 It starts the engine core as a child process, talks to it over a Unix socket (token ids cross as raw int32
 payloads), and turns the core's frames into ``EngineOutput`` values. The core's failures become
 ``frontend.errors`` types here; nothing foreign passes this boundary.
+
+A core that dies under it (``kill -9``, the OOM killer) is restarted here, not by exiting the worker: the core is
+this adapter's own child, so it alone knows how to start another, and a worker that stays up keeps its address,
+its registration and its HTTP connections. From the moment the channel closes until the new core is ready,
+``health()`` is False (the worker's ``/health`` answers 503, so the orchestrator routes around it) and every
+request in flight ends with an ``EngineError``. Hand-offs the dead core held died with it: nothing stays parked.
+A core shared by several front-end processes (``core_socket``) belongs to its supervisor and is not restarted here.
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ from typing import Any
 
 from frontend.errors import EngineError
 from frontend.process_lifetime import die_with_parent
-from workers.engines.base import Tokenizer
+from workers.engines.base import HandoffLedger, ParkedHandoff, Tokenizer
 from workers.engines.options import EngineOptions
 from workers.engines.outputs import EngineInfo, EngineOutput
 from workers.engines.reference.frames import core_error, engine_output, submit_frame, tokenizer_fields
@@ -35,6 +42,8 @@ logger = logging.getLogger(__name__)
 
 # A core busy with a long prefill chunk answers between steps; longer than this means it is stuck.
 _HEALTH_PING_TIMEOUT_S = 30.0
+# Restarts of a dead core in a row before giving up (then /health stays 503 until an operator acts).
+_MAX_RESTARTS = 3
 
 
 class ReferenceEngine:
@@ -51,10 +60,14 @@ class ReferenceEngine:
         self._queues: dict[str, asyncio.Queue[tuple[Header, bytes]]] = {}
         self._workdir: Path | None = None
         self._alive = False
-        self._pings: dict[int, asyncio.Future[dict[str, int]]] = {}
+        self._pings: dict[int, asyncio.Future[dict[str, Any]]] = {}
         self._ping_counter = 0
         self.kv_store_entries = 0
         self.kv_store_bytes = 0
+        self.kv_handoff_totals_seen: dict[str, int] = {}
+        self._closing = False
+        self._restart_task: asyncio.Task[None] | None = None
+        self.restarts = 0  # cores started after the first one died
 
     @property
     def info(self) -> EngineInfo:
@@ -68,7 +81,16 @@ class ReferenceEngine:
         return self._tokenizer
 
     # -- lifecycle ----------------------------------------------------------------------------------------
+    @property
+    def core_pid(self) -> int | None:
+        """The engine core's process id, when this adapter started it."""
+        return self._process.pid if self._process is not None else None
+
     async def start(self) -> None:
+        self._closing = False
+        await self._launch()
+
+    async def _launch(self) -> None:
         if self.options.core_socket is not None:
             socket_path = self.options.core_socket  # a core shared by several front-end processes
         else:
@@ -84,7 +106,7 @@ class ReferenceEngine:
                 writer.close()
                 raise EngineError(f"the engine core failed to start: {ready.get('message', ready)}")
         except BaseException:
-            await self.aclose()  # no half-started core, socket or temp dir is left behind
+            await self._stop_core()  # no half-started core, socket or temp dir is left behind
             raise
         self._writer = writer
         self._tokenizer = await asyncio.to_thread(GGUFTokenizer, TokenizerMetadata(**tokenizer_fields(ready)))
@@ -157,13 +179,24 @@ class ReferenceEngine:
 
     async def core_stats(self, timeout_s: float = 10.0) -> dict[str, int]:
         """The core's own counters (active requests, prefix-cache blocks and hits), asked over the channel."""
-        return await self._ask({"op": "ping"}, timeout_s)
+        return {k: int(v) for k, v in (await self._ask({"op": "ping"}, timeout_s)).items()}
 
-    async def _ask(self, header: Header, timeout_s: float) -> dict[str, int]:
+    async def handoff_ledger(self) -> HandoffLedger:
+        """What the core's KV store holds now, with ages, and how every hand-off it parked has left it."""
+        answer = await self._ask({"op": "handoffs"}, _HEALTH_PING_TIMEOUT_S)
+        parked = tuple(ParkedHandoff(str(e["id"]), float(e["age_s"]), int(e["bytes"]), float(e["expires_in_s"]))
+                       for e in answer["parked_now"])
+        return HandoffLedger(parked, int(answer["parked_bytes"]),
+                             {k: int(v) for k, v in answer["totals"].items()})
+
+    def kv_handoff_totals(self) -> dict[str, int]:
+        return dict(self.kv_handoff_totals_seen)
+
+    async def _ask(self, header: Header, timeout_s: float) -> dict[str, Any]:
         """Send a frame the core answers on this channel (tagged with ``ping``) and wait for the answer."""
         self._ping_counter += 1
         ping_id = self._ping_counter
-        answer: asyncio.Future[dict[str, int]] = asyncio.get_running_loop().create_future()
+        answer: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         self._pings[ping_id] = answer
         try:
             self._send({**header, "ping": ping_id})
@@ -174,6 +207,15 @@ class ReferenceEngine:
             self._pings.pop(ping_id, None)
 
     async def aclose(self) -> None:
+        self._closing = True
+        if self._restart_task is not None:
+            self._restart_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._restart_task
+        await self._stop_core()
+        self._fail_all("the engine is shutting down")
+
+    async def _stop_core(self) -> None:
         was_alive, self._alive = self._alive, False
         if self._process is not None:  # this adapter owns its core; a shared core belongs to its supervisor
             if self._writer is not None and was_alive:
@@ -195,7 +237,23 @@ class ReferenceEngine:
             self._writer.close()
         if self._workdir is not None:
             shutil.rmtree(self._workdir, ignore_errors=True)
-        self._fail_all("the engine is shutting down")
+        self._reader_task = self._writer = None
+        # A dead core's store died with it: nothing of it is parked any more.
+        self.kv_store_entries = self.kv_store_bytes = 0
+
+    async def _restart(self) -> None:
+        """A core died under us: start another (the worker keeps serving once it is ready)."""
+        for attempt in range(1, _MAX_RESTARTS + 1):
+            await self._stop_core()
+            try:
+                await self._launch()
+            except (EngineError, OSError) as exc:
+                logger.error("engine core restart %d of %d failed: %s", attempt, _MAX_RESTARTS, exc)
+                continue
+            self.restarts += 1
+            logger.warning("engine core restarted (pid %s)", self.core_pid)
+            return
+        logger.error("the engine core could not be restarted; /health stays 503")
 
     # -- the channel --------------------------------------------------------------------------------------
     def _send(self, header: Header, payload: bytes | memoryview = b"") -> None:
@@ -210,23 +268,29 @@ class ReferenceEngine:
                 op = header.get("op")
                 if op == "kv_stats":
                     self.kv_store_entries, self.kv_store_bytes = int(header["entries"]), int(header["bytes"])
+                    self.kv_handoff_totals_seen = {k: int(v) for k, v in (header.get("totals") or {}).items()}
                 elif op in ("output", "error"):
                     request_queue = self._queues.get(str(header["id"]))
                     if request_queue is not None:
                         request_queue.put_nowait((header, payload))
-                elif op in ("pong", "released"):
+                elif op in ("pong", "released", "handoffs"):
                     waiter = self._pings.get(int(header["ping"]))
                     if waiter is not None and not waiter.done():
-                        waiter.set_result({k: int(v) for k, v in header.items() if k not in ("op", "ping")})
+                        waiter.set_result({k: v for k, v in header.items() if k not in ("op", "ping")})
                 elif op == "fatal":
                     logger.error("engine core failed: %s", header.get("message"))
         except ChannelClosed:
             pass
         finally:
-            if self._alive:
-                logger.error("the engine core went away")
+            lost = self._alive and not self._closing
             self._alive = False
             self._fail_all("the engine core went away")
+            if lost:
+                logger.error("the engine core went away (status %s)",
+                             self._process.poll() if self._process is not None else "unknown")
+                if self._process is not None and self.options.restart_dead_core:
+                    self._restart_task = asyncio.get_running_loop().create_task(self._restart(),
+                                                                                name="reference-core-restart")
 
     def _fail_all(self, message: str) -> None:
         for waiter in self._pings.values():

@@ -10,7 +10,14 @@ from typing import Any
 
 import numpy as np
 
-from frontend.errors import EngineError, HandoffError, OverloadedError, ServingError, UpstreamError
+from frontend.errors import (
+    EngineError,
+    EngineRequestError,
+    HandoffError,
+    OverloadedError,
+    ServingError,
+    UpstreamError,
+)
 from frontend.token_codec import TOKEN_DTYPE
 from workers.engines.outputs import EngineOutput, TokenLogprob
 from workers.engines.reference.ipc import Header
@@ -65,6 +72,8 @@ def core_error(message: Header) -> ServingError:
         return OverloadedError(text)
     if kind == "upstream":
         return UpstreamError(text)
+    if kind == "request":  # this request's own fault inside the core: it would fail on any worker
+        return EngineRequestError(text)
     return EngineError(text)
 
 

@@ -1,9 +1,11 @@
 """Where CTX keeps exported KV until GEN takes it: bounded by bytes, with a time to live, one-time keys.
 
-An entry leaves the store when GEN has taken it, when its request is aborted, or when it expires: nothing is
-stranded. Keys are 256-bit random tokens compared in constant time; a taken entry is gone, so a replayed
-fetch fails. The transfer server runs in the engine core process (like an engine's own KV transfer agent),
-so the KV bytes never pass through an HTTP front end's event loop.
+An entry leaves the store when GEN has taken it, when it is released (the orchestrator's release: GEN refused it,
+no GEN could take it, the client left; or its request was aborted in the core), or when it expires: nothing is
+stranded, and the ledger (``ledger``) counts every entry parked and every way one left, so that parked always
+equals taken + released + expired + parked now. Keys are 256-bit random tokens compared in constant time; a taken
+entry is gone, so a replayed fetch fails. The transfer server runs in the engine core process (like an engine's own
+KV transfer agent), so the KV bytes never pass through an HTTP front end's event loop.
 """
 
 from __future__ import annotations
@@ -30,10 +32,14 @@ class KVStoreMiss(Exception):
         self.status = status
 
 
+OUTCOMES = ("taken", "released", "expired")
+
+
 @dataclass(slots=True)
 class _Entry:
     key: str
     payload: bytes
+    parked_at: float
     expires_at: float
 
 
@@ -44,31 +50,39 @@ class KVStore:
         self._clock = clock
         self._entries: dict[str, _Entry] = {}
         self._bytes = 0
+        self.totals = {"parked": 0, **dict.fromkeys(OUTCOMES, 0)}  # the ledger's counts since start
         self._lock = threading.Lock()
         self.on_change: Callable[[int, int], None] = lambda entries, size: None
 
     def put(self, entry_id: str, payload: bytes) -> str:
-        with self._lock:
-            self._expire_locked()
-            if self._bytes + len(payload) > self.max_bytes:
-                raise KVStoreFull(f"KV store is full ({self._bytes} of {self.max_bytes} bytes held)")
-            key = secrets.token_urlsafe(32)
-            self._entries[entry_id] = _Entry(key, payload, self._clock() + self.ttl_s)
-            self._bytes += len(payload)
-        self._notify()
+        try:
+            with self._lock:
+                self._expire_locked()
+                if self._bytes + len(payload) > self.max_bytes:
+                    raise KVStoreFull(f"KV store is full ({self._bytes} of {self.max_bytes} bytes held)")
+                key = secrets.token_urlsafe(32)
+                now = self._clock()
+                self._entries[entry_id] = _Entry(key, payload, now, now + self.ttl_s)
+                self._bytes += len(payload)
+                self.totals["parked"] += 1
+        finally:
+            self._notify()  # a refusal may have expired entries on its way
         return key
 
     def take(self, entry_id: str, key: str) -> bytes:
-        with self._lock:
-            self._expire_locked()
-            entry = self._entries.get(entry_id)
-            if entry is None:
-                raise KVStoreMiss(f"no KV hand-off '{entry_id}': unknown, expired or already taken", 404)
-            if not hmac.compare_digest(entry.key.encode(), key.encode()):
-                raise KVStoreMiss("wrong key for this KV hand-off", 403)
-            del self._entries[entry_id]
-            self._bytes -= len(entry.payload)
-        self._notify()
+        try:
+            with self._lock:
+                self._expire_locked()
+                entry = self._entries.get(entry_id)
+                if entry is None:
+                    raise KVStoreMiss(f"no KV hand-off '{entry_id}': unknown, expired or already taken", 404)
+                if not hmac.compare_digest(entry.key.encode(), key.encode()):
+                    raise KVStoreMiss("wrong key for this KV hand-off", 403)
+                del self._entries[entry_id]
+                self._bytes -= len(entry.payload)
+                self.totals["taken"] += 1
+        finally:
+            self._notify()  # a miss may have expired entries on its way
         return entry.payload
 
     def discard_with_key(self, entry_id: str, key: str) -> bool:
@@ -84,6 +98,7 @@ class KVStore:
             entry = self._entries.pop(entry_id, None)
             if entry is not None:
                 self._bytes -= len(entry.payload)
+                self.totals["released"] += 1
         if entry is not None:
             self._notify()
         return entry is not None
@@ -100,12 +115,22 @@ class KVStore:
         dead = [entry_id for entry_id, entry in self._entries.items() if entry.expires_at <= now]
         for entry_id in dead:
             self._bytes -= len(self._entries.pop(entry_id).payload)
+        self.totals["expired"] += len(dead)
         return len(dead)
 
     @property
     def stats(self) -> tuple[int, int]:
         with self._lock:
             return len(self._entries), self._bytes
+
+    def ledger(self) -> dict[str, Any]:
+        """What is parked now (id, age, bytes, time left) and the totals: for the worker's admin listing."""
+        with self._lock:
+            self._expire_locked()
+            now = self._clock()
+            parked = [{"id": entry_id, "age_s": round(now - e.parked_at, 3), "bytes": len(e.payload),
+                       "expires_in_s": round(e.expires_at - now, 3)} for entry_id, e in self._entries.items()]
+            return {"parked_now": parked, "parked_bytes": self._bytes, "totals": dict(self.totals)}
 
     def _notify(self) -> None:
         entries, size = self.stats

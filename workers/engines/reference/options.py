@@ -28,6 +28,7 @@ class ReferenceOptions:
     blas_threads: int | None = None  # pin for bitwise-reproducible prefill across workers
     startup_timeout_s: float = 300.0
     core_socket: str | None = None  # connect to a running core (shared by several front ends); None: spawn one
+    restart_dead_core: bool = True  # off: a core that dies leaves the worker unhealthy (503) until it is restarted
 
 
 def reference_options(options: EngineOptions) -> ReferenceOptions:

@@ -22,10 +22,19 @@ F32Array = npt.NDArray[np.float32]
 F64Array = npt.NDArray[np.float64]
 
 
+_SEED_SPACE = 2**64
+
+
 def check_sampling(params: SamplingParams) -> None:
-    """What this sampler needs beyond ``SamplingParams``' own checks: PCG64 takes only non-negative seeds."""
-    if params.seed is not None and params.seed < 0:
-        raise ValueError("seed must be >= 0")
+    """What this sampler needs beyond ``SamplingParams``' own checks: a seed that fits in 64 bits."""
+    if params.seed is not None and not -(2**63) <= params.seed < _SEED_SPACE:
+        raise ValueError("seed must be a 64-bit integer")
+
+
+def seed_key(seed: int) -> int:
+    """PCG64 takes non-negative seeds: a negative one is read as its 64-bit two's complement, so every signed
+    64-bit seed names its own stream, and non-negative seeds keep the streams they always had."""
+    return seed % _SEED_SPACE
 
 
 @dataclass(frozen=True)
@@ -71,7 +80,7 @@ class Sampler:
         check_sampling(config)
         self.config = config
         self.vocab_size = vocab_size
-        self.seed = config.seed if config.seed is not None else secrets.randbits(63)
+        self.seed = seed_key(config.seed) if config.seed is not None else secrets.randbits(63)
         prompt = np.asarray(prompt_ids, dtype=np.int64).reshape(-1)
         self._check_ids(prompt)
         # Counts over token values, built once: per-step cost is O(vocab), not O(prompt + output).

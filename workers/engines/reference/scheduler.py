@@ -25,7 +25,7 @@ from workers.engines.reference.kv_handoff import KVHandoff, encode_handoff
 from workers.engines.reference.kv_store import KVStore, KVStoreFull
 from workers.engines.reference.prefix_cache import PrefixCache
 from workers.engines.reference.sampler import Sampler, log_softmax, top_logprobs
-from workers.engines.reference.transformer import KVCache, Transformer, export_kv
+from workers.engines.reference.transformer import Interrupted, KVCache, Transformer, export_kv
 
 logger = logging.getLogger(__name__)
 
@@ -68,12 +68,16 @@ class SchedulerConfig:
 
 class Scheduler:
     def __init__(self, model: Transformer, config: SchedulerConfig, store: KVStore, emit: Emit,
-                 wake: Callable[[], None] = lambda: None) -> None:
+                 wake: Callable[[], None] = lambda: None,
+                 abort_pending: Callable[[str], bool] = lambda request_id: False) -> None:
         self.model = model
         self.config = config
         self.store = store
         self.emit = emit
         self.wake = wake  # called from a fetch thread when its KV arrives
+        # Whether an abort for this request has arrived but is not handled yet (the core's reader threads see
+        # it at once; the loop only between steps): a prefill chunk stops at its next layer when it says so.
+        self.abort_pending = abort_pending
         self.vocab_size = model.config.vocab_size
         self.context = model.config.context_length
         self._prefill_queue: collections.deque[Sequence] = collections.deque()
@@ -189,12 +193,18 @@ class Scheduler:
         spec = seq.spec
         start = seq.prefilled
         chunk = spec.prompt[start : start + self.config.prefill_chunk]
-        if spec.sampling.prompt_logprobs is not None:
-            all_logits = self.model.prefill_all_logits(chunk, seq.cache)
-            self._record_prompt_logprobs(seq, all_logits, start)
-            logits = all_logits[-1]
-        else:
-            logits = self.model.prefill(chunk, seq.cache)
+        stop = lambda: self.abort_pending(spec.request_id)  # noqa: E731 - asked between layers
+        try:
+            if spec.sampling.prompt_logprobs is not None:
+                all_logits = self.model.prefill_all_logits(chunk, seq.cache, stop)
+                self._record_prompt_logprobs(seq, all_logits, start)
+                logits = all_logits[-1]
+            else:
+                logits = self.model.prefill(chunk, seq.cache, stop)
+        except Interrupted:
+            # Its abort is in the inbox: drop the sequence now; the abort frame, handled next, finds it gone.
+            self._prefill_queue.popleft()
+            return
         seq.prefilled += int(chunk.shape[0])
         if seq.prefilled < spec.prompt.shape[0]:
             return

@@ -8,6 +8,8 @@ runs the same operations in the same order whatever the cache's capacity.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import numpy.typing as npt
 
@@ -20,6 +22,12 @@ I32Array = npt.NDArray[np.int32]
 # n_heads * block * n floats instead of n_heads * n * n for long prompts.
 _PREFILL_QUERY_BLOCK = 512
 _MIN_CAPACITY = 64
+
+StopCheck = Callable[[], bool]
+
+
+class Interrupted(Exception):
+    """``stop`` said so between two layers: the cache holds a partial pass and must be thrown away."""
 
 
 class KVCache:
@@ -170,8 +178,13 @@ class Transformer:
         out: F32Array = act @ lw.w_down.T
         return out
 
-    def _forward(self, token_ids: I32Array, cache: KVCache) -> F32Array:
-        """Run T new tokens through every layer, appending to the cache; returns final hidden (T, d)."""
+    def _forward(self, token_ids: I32Array, cache: KVCache, stop: StopCheck | None = None) -> F32Array:
+        """Run T new tokens through every layer, appending to the cache; returns final hidden (T, d).
+
+        ``stop`` is asked before each layer; when it answers True the pass ends with ``Interrupted``. A prefill
+        chunk of 512 tokens takes seconds on a busy CPU: this is what lets an abort land within one layer of it
+        rather than after the whole chunk. It never changes what a finished pass computes.
+        """
         c = self.config
         ids = np.asarray(token_ids, dtype=np.int32).reshape(-1)
         t = ids.shape[0]
@@ -184,6 +197,8 @@ class Transformer:
         positions = np.arange(start, start + t, dtype=np.int32)
         x = self.weights.token_embedding[ids]
         for layer in range(c.n_layers):
+            if stop is not None and stop():
+                raise Interrupted
             lw = self.weights.layers[layer]
             q, k, v = self._qkv(_rms_norm(x, lw.attn_norm, c.rms_eps), layer, positions)
             cache.k[layer][:, start : start + t] = k
@@ -199,21 +214,21 @@ class Transformer:
         out: F32Array = hidden @ self.weights.output.T
         return out
 
-    def prefill(self, token_ids: I32Array, cache: KVCache) -> F32Array:
+    def prefill(self, token_ids: I32Array, cache: KVCache, stop: StopCheck | None = None) -> F32Array:
         """Process a whole prompt in one shot, after whatever the cache holds.
 
         Returns the logits (vocab,) of the last position.
         """
-        hidden = self._forward(token_ids, cache)
+        hidden = self._forward(token_ids, cache, stop)
         logits: F32Array = self._logits(hidden[-1:])[0]
         return logits
 
-    def prefill_all_logits(self, token_ids: I32Array, cache: KVCache) -> F32Array:
+    def prefill_all_logits(self, token_ids: I32Array, cache: KVCache, stop: StopCheck | None = None) -> F32Array:
         """Like prefill, but logits (T, vocab) for every position (prompt logprobs / echo).
 
         The cache contents are identical to prefill's; only the output projection differs.
         """
-        return self._logits(self._forward(token_ids, cache))
+        return self._logits(self._forward(token_ids, cache, stop))
 
     def decode(self, token_id: int, cache: KVCache) -> F32Array:
         """Append one token; logits (vocab,) for the next position."""

@@ -18,6 +18,7 @@ from frontend.config import parse_config
 from orchestrator.server import create_orchestrator_app
 from tests.cluster import Recorder
 from tests.servers import running
+from tests.workers.engines.reference.ledger import ADMIN_KEY
 from workers.engines.reference.engine import ReferenceEngine
 from workers.engines.reference.options import ReferenceOptions
 from workers.server import create_worker_app
@@ -44,9 +45,10 @@ class RefCluster:
     model: str
 
 
-def start_reference_worker(stack: contextlib.ExitStack, role: Role, options: ReferenceOptions) -> RefNode:
+def start_reference_worker(stack: contextlib.ExitStack, role: Role, options: ReferenceOptions,
+                           admin_key: str | None = ADMIN_KEY) -> RefNode:
     engine = ReferenceEngine(options)
-    app = create_worker_app(engine, WorkerSettings(role=role))
+    app = create_worker_app(engine, WorkerSettings(role=role, admin_key=admin_key))
     recorder = Recorder(app)  # keeps the bytes each request carried, so tests can read GEN's bodies
     return RefNode(stack.enter_context(running(recorder)), app, engine, recorder)
 

@@ -8,21 +8,22 @@ holds the request (asked over its channel) and only then drops the client's TCP 
 from __future__ import annotations
 
 import asyncio
-import socket
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
-import orjson
 import pytest
 
+from bench.common import open_raw_post
 from frontend.config import parse_config
 from frontend.metrics import Metrics
 from orchestrator.server import create_orchestrator_app
 from tests.cluster import sample
 from tests.servers import ServerThread
 from tests.waiting import eventually
+from tests.workers.engines.reference.holding_proxy import HoldingProxy
+from tests.workers.engines.reference.ledger import ADMIN_KEY, assert_ledger_balances
 from tests.workers.engines.reference.tiny_model import write_tiny_model
 from workers.engines.reference.engine import ReferenceEngine
 from workers.engines.reference.options import ReferenceOptions
@@ -76,7 +77,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         workers = []
         for role in ("context", "generation"):
             engine, metrics = ReferenceEngine(options), Metrics()
-            server = ServerThread(create_worker_app(engine, WorkerSettings(role=role), metrics))
+            server = ServerThread(create_worker_app(engine, WorkerSettings(role=role, admin_key=ADMIN_KEY), metrics))
             servers.append(server)
             workers.append(Worker(engine, server, server.start(timeout_s=120), role, metrics))
         config = parse_config({"context_servers": {"urls": [workers[0].url]},
@@ -89,15 +90,6 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
             server.stop()
 
 
-def _raw_post(url: str, path: str, body: dict[str, Any]) -> socket.socket:
-    """Send one HTTP request over a plain TCP socket and leave it open (the test decides when the client goes)."""
-    host, port = url.removeprefix("http://").split(":")
-    sock = socket.create_connection((host, int(port)), timeout=30)
-    payload = orjson.dumps(body)
-    sock.sendall(f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
-                 f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
-    return sock
-
 
 def _idle(cluster: Cluster) -> bool:
     return (cluster.ctx.core()["active"] == 0 and cluster.gen.core()["active"] == 0
@@ -107,7 +99,7 @@ def _idle(cluster: Cluster) -> bool:
 def test_a_client_leaving_while_ctx_prefills_frees_ctx(cluster: Cluster) -> None:
     assert _idle(cluster)
     body = {"model": cluster.model, "prompt": [7] * LONG_PROMPT, "max_tokens": 4, "temperature": 0}
-    sock = _raw_post(cluster.url, "/v1/completions", body)
+    sock = open_raw_post(cluster.url, "/v1/completions", body)
     try:
         assert eventually(lambda: cluster.ctx.core()["active"] == 1), "CTX never started the prefill"
         assert cluster.ctx.inflight() == 1
@@ -145,6 +137,34 @@ def test_a_client_leaving_while_gen_streams_frees_gen_and_the_handoff(cluster: C
     _serves_normally(cluster)
 
 
+def test_a_client_leaving_during_the_handoff_releases_the_parked_kv(cluster: Cluster) -> None:
+    """CTX has answered and parked the KV; the GEN call is accepted but not answered yet (a proxy holds it)."""
+    assert _idle(cluster)
+    before = assert_ledger_balances(cluster.ctx.url)["totals"]
+    proxy = HoldingProxy(cluster.gen.url)
+    servers = [ServerThread(create_orchestrator_app(parse_config({
+        "context_servers": {"urls": [cluster.ctx.url]}, "generation_servers": {"urls": [proxy.start()]}})))]
+    try:
+        orchestrator = servers[0].start()
+        body = {"model": cluster.model, "prompt": "Once upon a time", "max_tokens": 8, "temperature": 0,
+                "stream": True}
+        sock = open_raw_post(orchestrator, "/v1/completions", body)
+        try:
+            assert eventually(lambda: proxy.held == 1), "the GEN step never started"
+            assert cluster.ctx.kv_entries() == 1  # the hand-off is parked, waiting for a GEN
+        finally:
+            sock.close()  # the client goes away mid hand-off
+        assert eventually(lambda: proxy.let_go == 1)  # the orchestrator dropped its GEN call
+        after = assert_ledger_balances(cluster.ctx.url)["totals"]
+        assert after["released"] == before["released"] + 1
+        assert after["parked"] == before["parked"] + 1
+    finally:
+        for server in servers:
+            server.stop()
+        proxy.stop()
+    _serves_normally(cluster)
+
+
 def _serves_normally(cluster: Cluster) -> None:
     reply = httpx.post(cluster.url + "/v1/completions",
                        json={"model": cluster.model, "prompt": "Hello", "max_tokens": 3, "temperature": 0},
@@ -152,4 +172,5 @@ def _serves_normally(cluster: Cluster) -> None:
     assert reply.status_code == 200, reply.text
     assert reply.json()["usage"]["completion_tokens"] >= 1
     assert eventually(lambda: _idle(cluster), every_s=0.05)
+    assert_ledger_balances(cluster.ctx.url)
 

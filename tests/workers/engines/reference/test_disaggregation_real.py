@@ -13,6 +13,7 @@ from openai.types.chat import ChatCompletionMessageParam
 from frontend.sampling import SamplingParams
 from tests.workers.engines.reference.cluster import RefCluster, reference_cluster
 from tests.workers.engines.reference.conftest import Engine
+from tests.workers.engines.reference.ledger import assert_ledger_balances
 from workers.engines.reference.options import ReferenceOptions
 from workers.engines.reference.sampler import Sampler
 from workers.engines.reference.transformer import export_kv, import_kv
@@ -80,6 +81,7 @@ def test_kv_store_is_empty_after_the_real_model_requests(real_cluster: RefCluste
     text = httpx.get(real_cluster.ctx.url + "/metrics", timeout=10).text
     assert "disagg_kv_store_entries 0.0" in text
     assert "disagg_kv_store_bytes 0.0" in text
+    assert assert_ledger_balances(real_cluster.ctx.url)["totals"]["taken"] >= 1
 
 
 def test_metadata_only_through_the_orchestrator_equals_aggregated(real_cluster: RefCluster) -> None:

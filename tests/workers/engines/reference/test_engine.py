@@ -19,6 +19,7 @@ from frontend.sampling import SamplingParams
 from frontend.token_codec import TOKEN_DTYPE
 from tests.waiting import eventually, eventually_async
 from tests.workers.engines.reference.cluster import RefCluster, reference_cluster, start_reference_worker
+from tests.workers.engines.reference.ledger import ADMIN_KEY, assert_ledger_balances, handoff_ledger
 from tests.workers.engines.reference.tiny_model import write_tiny_model
 from workers.engines.reference.engine import ReferenceEngine
 from workers.engines.reference.options import ReferenceOptions
@@ -104,6 +105,7 @@ def test_a_replayed_handoff_is_refused(tiny_cluster: RefCluster) -> None:
     assert error["code"] == "invalid_handoff"
     assert "already taken" in error["message"]
     assert _kv_entries(tiny_cluster.ctx.url) == 0
+    assert_ledger_balances(tiny_cluster.ctx.url)
 
 
 def test_a_tampered_key_is_refused_and_the_entry_survives_for_the_real_key(tiny_cluster: RefCluster) -> None:
@@ -118,6 +120,7 @@ def test_a_tampered_key_is_refused_and_the_entry_survives_for_the_real_key(tiny_
     assert refused.status_code == 400
     assert "wrong key" in refused.json()["error"]["message"]
     assert _generation_step(tiny_cluster, ctx).status_code == 200
+    assert_ledger_balances(tiny_cluster.ctx.url)
 
 
 def test_a_handoff_for_another_prompt_length_is_refused(tiny_cluster: RefCluster) -> None:
@@ -132,6 +135,7 @@ def test_a_handoff_for_another_prompt_length_is_refused(tiny_cluster: RefCluster
     assert reply.status_code == 400
     assert reply.json()["error"]["code"] == "invalid_handoff"
     assert _generation_step(tiny_cluster, ctx).status_code == 200  # refusing it did not consume it
+    assert_ledger_balances(tiny_cluster.ctx.url)
 
 
 def test_a_handoff_from_another_model_is_refused(tiny_cluster: RefCluster, tmp_path: pathlib.Path) -> None:
@@ -158,6 +162,7 @@ def test_an_unused_handoff_expires(tiny_path: pathlib.Path) -> None:
         expired = _generation_step(cluster, ctx)
         assert expired.status_code == 400
         assert "expired" in expired.json()["error"]["message"]
+        assert assert_ledger_balances(cluster.ctx.url)["totals"]["expired"] == 1
 
 
 def test_a_stop_string_hit_at_ctx_frees_the_parked_kv(tiny_cluster: RefCluster) -> None:
@@ -169,6 +174,7 @@ def test_a_stop_string_hit_at_ctx_frees_the_parked_kv(tiny_cluster: RefCluster) 
     assert ctx["choices"][0]["finish_reason"] == "stop"
     assert ctx["choices"][0]["disaggregated_params"]["encoded_opaque_state"] is None
     assert eventually(lambda: _kv_entries(tiny_cluster.ctx.url) == 0)
+    assert_ledger_balances(tiny_cluster.ctx.url)
 
 
 async def test_closing_the_stream_early_aborts_the_request_in_the_core(tiny_options: ReferenceOptions) -> None:
@@ -285,6 +291,7 @@ def test_a_parked_handoff_is_released_only_with_its_key(tiny_cluster: RefCluster
                                          "encoded_opaque_state": params["encoded_opaque_state"]})
     assert released.json() == {"released": True}
     assert eventually(lambda: _kv_entries(tiny_cluster.ctx.url) == 0)
+    assert_ledger_balances(tiny_cluster.ctx.url)
 
 
 def test_the_orchestrator_frees_ctx_kv_when_gen_refuses_the_request(tiny_path: pathlib.Path,
@@ -297,3 +304,35 @@ def test_the_orchestrator_frees_ctx_kv_when_gen_refuses_the_request(tiny_path: p
         with pytest.raises(openai.BadRequestError, match="different model"):
             client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=8)
         assert eventually(lambda: _kv_entries(cluster.ctx.url) == 0)
+        assert assert_ledger_balances(cluster.ctx.url)["totals"]["released"] == 1
+
+
+def test_the_handoff_ledger_lists_what_is_parked_with_its_age_and_size(tiny_cluster: RefCluster) -> None:
+    before = assert_ledger_balances(tiny_cluster.ctx.url)["totals"]
+    ctx = _context_step(tiny_cluster)
+    params = ctx["choices"][0]["disaggregated_params"]
+    ledger = handoff_ledger(tiny_cluster.ctx.url)
+    (parked,) = ledger["parked_now"]
+    assert parked["ctx_request_id"] == params["ctx_request_id"]
+    assert parked["bytes"] > 0 and parked["bytes"] == ledger["parked_bytes"]
+    assert parked["age_s"] >= 0 and parked["expires_in_s"] > 0
+    assert ledger["totals"]["parked"] == before["parked"] + 1
+    assert _generation_step(tiny_cluster, ctx).status_code == 200
+    after = assert_ledger_balances(tiny_cluster.ctx.url)["totals"]
+    assert after["taken"] == before["taken"] + 1
+    metrics = httpx.get(tiny_cluster.ctx.url + "/metrics", timeout=10).text
+    assert f'disagg_kv_handoffs_total{{outcome="taken"}} {float(after["taken"])}' in metrics
+    assert f'disagg_kv_handoffs_total{{outcome="parked"}} {float(after["parked"])}' in metrics
+
+
+def test_the_handoff_ledger_is_admin_only(tiny_cluster: RefCluster, tiny_options: ReferenceOptions) -> None:
+    url = tiny_cluster.ctx.url + "/v1/disagg/handoffs"
+    wrong = httpx.get(url, headers={"Authorization": "Bearer not-" + ADMIN_KEY}, timeout=10)
+    assert wrong.status_code == 401 and wrong.json()["error"]["type"]
+    assert httpx.get(url, timeout=10).status_code == 401
+    with contextlib.ExitStack() as stack:
+        keyless = start_reference_worker(stack, "context", tiny_options, admin_key=None)
+        shut = httpx.get(keyless.url + "/v1/disagg/handoffs", headers={"Authorization": f"Bearer {ADMIN_KEY}"},
+                         timeout=10)
+    assert shut.status_code == 403
+    assert shut.json()["error"]["code"] == "admin_disabled"

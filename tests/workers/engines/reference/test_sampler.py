@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from frontend.sampling import SamplingParams
-from workers.engines.reference.sampler import Sampler, log_softmax
+from workers.engines.reference.sampler import Sampler, log_softmax, seed_key
 
 F32 = npt.NDArray[np.float32]
 NO_PROMPT = np.zeros(0, np.int32)
@@ -180,8 +180,17 @@ def test_sampler_does_not_modify_logits_and_validates() -> None:
     ):
         with pytest.raises(ValueError):
             SamplingParams(**bad)
-    with pytest.raises(ValueError):  # PCG64 takes only non-negative seeds: the sampler's own condition
-        Sampler(SamplingParams(seed=-5), NO_PROMPT, 3)
+    with pytest.raises(ValueError):  # beyond 64 bits: SamplingParams' own condition
+        SamplingParams(seed=2**63)
+
+
+@pytest.mark.parametrize("seed", [-1, -5, -(2**63), 2**63 - 1])
+def test_any_signed_64_bit_seed_is_reproducible_and_its_own_stream(seed: int) -> None:
+    steps = random_logits(3, steps=8)
+    params = SamplingParams(temperature=1.0, seed=seed)
+    assert run(params, steps) == run(params, steps)
+    assert seed_key(seed) != seed_key(seed + 1) and 0 <= seed_key(seed) < 2**64
+    assert seed_key(5) == 5  # non-negative seeds keep the streams they always had
 
 
 def test_long_prompt_counts_built_once() -> None:

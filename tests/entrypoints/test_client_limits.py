@@ -1,0 +1,146 @@
+"""Slow and hostile clients against a real ``disagg-serve worker`` process (raw sockets, no client library).
+
+What uvicorn already bounds, and what ``entrypoints/cli.py: _serve`` adds (docs/reliability.md, "Slow and hostile
+clients"): a client that stops reading is cut off after ``--client-send-timeout-s`` with the server's memory
+bounded by flow control; a client that sends its headers a byte at a time is cut off after ``--header-timeout-s``;
+1,000 idle keep-alive connections do not stop another client from being served.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.waiting import eventually
+
+SEND_TIMEOUT_S = 2.0
+HEADER_TIMEOUT_S = 1.0
+# A streamed answer far bigger than any buffer on the way: ~60 B per token frame, 200,000 tokens, ~12 MB.
+LONG_ANSWER = (b'{"model":"synthetic","prompt":"hi","max_tokens":200000,"stream":true,"ignore_eos":true}')
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+@pytest.fixture(scope="module")
+def worker() -> Iterator[tuple[str, int, subprocess.Popen[bytes]]]:
+    port = _free_port()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "entrypoints.cli", "--log-level", "warning", "worker", "--engine", "synthetic",
+         "--role", "both", "--port", str(port), "--client-send-timeout-s", str(SEND_TIMEOUT_S),
+         "--header-timeout-s", str(HEADER_TIMEOUT_S), "--synthetic-output-tokens", "1000000"])
+    try:
+        def healthy() -> bool:
+            try:
+                return httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200
+            except httpx.HTTPError:
+                return False
+        assert eventually(healthy, every_s=0.1), "the worker did not start"
+        yield "127.0.0.1", port, process
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+
+
+def _post(body: bytes, port: int) -> bytes:
+    return (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+
+
+def _read_to_close(sock: socket.socket) -> bytes:
+    sock.settimeout(60)
+    received = bytearray()
+    with contextlib.suppress(ConnectionResetError):  # a stalled client is reset: what it held may be lost
+        while chunk := sock.recv(1 << 16):
+            received += chunk
+    return bytes(received)
+
+
+def _served(port: int) -> bool:
+    reply = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=30,
+                       json={"model": "synthetic", "prompt": "hi", "max_tokens": 4})
+    return reply.status_code == 200 and reply.json()["choices"][0]["text"] != ""
+
+
+def test_a_client_that_stops_reading_is_cut_off_with_memory_bounded(
+        worker: tuple[str, int, subprocess.Popen[bytes]]) -> None:
+    host, port, process = worker
+    rss_before = _rss_bytes(process.pid)
+    with socket.create_connection((host, port)) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16384)
+        sock.sendall(_post(LONG_ANSWER, port))
+        # Read nothing until the server gives up on us: its send stalls once the buffers on the way are full.
+        assert eventually(lambda: _rss_bytes(process.pid) > 0 and _server_side_closed(sock), every_s=0.2)
+        rss_stalled = _rss_bytes(process.pid)
+        received = _read_to_close(sock)
+    assert b"data: [DONE]" not in received  # cut off, not finished
+    assert len(received) < 4 * 2**20  # what the buffers on the way held, not the 12 MB answer
+    assert rss_stalled - rss_before < 64 * 2**20
+    assert _served(port)
+
+
+def _server_side_closed(sock: socket.socket) -> bool:
+    """The server closed its end: our kernel reports the FIN through the TCP state (we have not read a byte)."""
+    state = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 1)[0]
+    return state in (7, 8)  # TCP_CLOSE (the peer reset) or TCP_CLOSE_WAIT (the peer closed, we did not yet)
+
+
+def test_a_slowloris_client_is_cut_off(worker: tuple[str, int, subprocess.Popen[bytes]]) -> None:
+    host, port, _ = worker
+    request = _post(b'{"model":"synthetic","prompt":"hi","max_tokens":4}', port)
+    with socket.create_connection((host, port)) as sock:
+        sent = 0
+        with contextlib.suppress(OSError):
+            for byte in request:
+                sock.sendall(bytes([byte]))
+                sent += 1
+                if _server_side_closed(sock):
+                    break
+                time.sleep(0.1)  # the slowloris pace, not a synchronisation
+        assert eventually(lambda: _server_side_closed(sock), timeout_s=30)
+        assert _read_to_close(sock) == b""  # closed without an answer
+    assert sent < len(request)
+    assert _served(port)
+
+
+def test_a_silent_connection_is_closed(worker: tuple[str, int, subprocess.Popen[bytes]]) -> None:
+    host, port, _ = worker
+    with socket.create_connection((host, port)) as sock:
+        assert eventually(lambda: _server_side_closed(sock), timeout_s=30)
+
+
+def test_a_thousand_idle_keep_alive_connections_do_not_stop_others(
+        worker: tuple[str, int, subprocess.Popen[bytes]]) -> None:
+    host, port, _ = worker
+    idle: list[socket.socket] = []
+    try:
+        for _ in range(1000):
+            sock = socket.create_connection((host, port))
+            sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")  # one answered request, then idle
+            idle.append(sock)
+        for sock in idle:
+            sock.settimeout(30)
+            assert sock.recv(4096).startswith(b"HTTP/1.1 200")
+        assert _served(port)
+        assert not any(_server_side_closed(sock) for sock in idle)  # kept alive (75 s), not dropped
+    finally:
+        for sock in idle:
+            sock.close()
