@@ -99,13 +99,18 @@ REFUSED_COMPLETIONS_VALUES: list[tuple[str, Any]] = [
 ]
 
 
+def _sdk_kwargs(field: str, value: Any, typed_fields: list[str]) -> dict[str, Any]:
+    """``field`` as the SDK takes it: a keyword where the SDK types it, else through ``extra_body``."""
+    return {field: value} if field in typed_fields else {"extra_body": {field: value}}
+
+
 @pytest.mark.parametrize(("field", "value"), REFUSED_RESPONSES_VALUES)
 def test_responses_refuse_values_they_cannot_honour_by_name(
     conformance_cluster: RefCluster, field: str, value: Any
 ) -> None:
     with conformance_cluster.orchestrator.client() as client, pytest.raises(openai.BadRequestError) as caught:
         client.responses.create(model="tiny", input="Hello", max_output_tokens=2,
-                                **({field: value} if field in RESPONSES_FIELDS else {"extra_body": {field: value}}))
+                                **_sdk_kwargs(field, value, RESPONSES_FIELDS))
     assert caught.value.param == field
 
 
@@ -115,7 +120,7 @@ def test_completions_refuse_values_they_cannot_honour_by_name(
 ) -> None:
     with conformance_cluster.orchestrator.client() as client, pytest.raises(openai.BadRequestError) as caught:
         client.completions.create(model="tiny", prompt="Hello", max_tokens=2,
-                                  **({field: value} if field in COMPLETION_FIELDS else {"extra_body": {field: value}}))
+                                  **_sdk_kwargs(field, value, COMPLETION_FIELDS))
     assert caught.value.param == field
 
 
