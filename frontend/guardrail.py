@@ -2,9 +2,9 @@
 
 One pure function (``metadata_only_decision``) over typed facts: the request's ``SamplingParams``, what its
 prompt is made of (``PromptFacts``), CTX's prompt_len and the GEN engine's facts. The GEN worker runs it on its own
-validated request; the orchestrator runs it through ``decide_for_body``, which reads only the few fields the
-decision needs from the raw client body (never the prompt text: the orchestrator relays 131k-token prompts), so
-both sides judge the same typed values.
+validated request; the orchestrator reads a client body once with ``read_body`` (only the few fields the
+decision needs, never the prompt text: the orchestrator relays 131k-token prompts) and judges that reading per GEN
+worker with ``decide_for_reading``, so both sides judge the same typed values.
 """
 
 from __future__ import annotations
@@ -68,17 +68,30 @@ def metadata_only_decision(
     return None
 
 
-def decide_for_body(body: Mapping[str, Any], prompt_len: int | None, gen: GenEngineFacts) -> FallbackReason | None:
-    """The orchestrator's entry: the guardrail over a raw client body.
+@dataclass(frozen=True, slots=True)
+class BodyReading:
+    """What the guardrail reads of a raw client body: read once per request, judged once per GEN worker."""
 
-    A value of the wrong type or out of range cannot be judged; relaying real tokens is always safe, so it falls
-    back under that field's name (CTX refuses such a body anyway).
-    """
+    sampling: SamplingParams | None  # None when a value could not be read: see ``unreadable``
+    prompt: PromptFacts
+    unreadable: FallbackReason | None = None
+
+
+def read_body(body: Mapping[str, Any]) -> BodyReading:
+    """A value of the wrong type or out of range cannot be judged; relaying real tokens is always safe, so the
+    reading falls back under that field's name (CTX refuses such a body anyway)."""
     try:
         sampling = sampling_from_body(body)
     except InvalidSamplingValue as exc:
-        return FallbackReason(exc.field)
-    return metadata_only_decision(sampling, prompt_facts_of_body(body), prompt_len, gen)
+        return BodyReading(None, PromptFacts(), FallbackReason(exc.field))
+    return BodyReading(sampling, prompt_facts_of_body(body))
+
+
+def decide_for_reading(reading: BodyReading, prompt_len: int | None, gen: GenEngineFacts) -> FallbackReason | None:
+    """The orchestrator's entry: the guardrail over what ``read_body`` read of a client body."""
+    if reading.sampling is None:
+        return reading.unreadable
+    return metadata_only_decision(reading.sampling, reading.prompt, prompt_len, gen)
 
 
 # The body fields the guardrail judges, each with the type it must have and its neutral value.

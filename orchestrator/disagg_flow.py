@@ -17,7 +17,7 @@ import orjson
 
 from frontend.config import OrchestratorConfig
 from frontend.errors import RelayedError, UpstreamError
-from frontend.guardrail import FallbackReason, decide_for_body
+from frontend.guardrail import FallbackReason, decide_for_reading
 from frontend.metrics import Metrics
 from frontend.openai_output import Endpoint, replay_as_stream
 from orchestrator.flow_request import Answer, FlowRequest, StreamedAnswer, WholeAnswer
@@ -87,7 +87,7 @@ class DisaggFlow:
         dropped)."""
         if not self.config.gen_tokids_metadata_only:
             return self.config.gen_tokids_ctxbytes
-        return any(decide_for_body(request.body, 1, w.engine_facts) is not None
+        return any(decide_for_reading(request.guardrail_reading, 1, w.engine_facts) is not None
                    for w in self.gen_pool.workers if w.healthy) or not self.gen_pool.has_healthy
 
     def answer_from_context(self, request: FlowRequest, ctx: ContextAnswer) -> Answer:
@@ -112,7 +112,7 @@ class DisaggFlow:
         fallback = None
         if self.config.gen_tokids_metadata_only:
             facts = gen.engine_facts
-            fallback = decide_for_body(request.body, ctx.prompt_len, facts)
+            fallback = decide_for_reading(request.guardrail_reading, ctx.prompt_len, facts)
             if fallback is None:
                 return (PromptCarriage.NOTHING if facts.prompt_tokens_in_handoff else PromptCarriage.LENGTH_ONLY), None
         relays_tokens = self.config.gen_tokids_ctxbytes or self.config.gen_tokids_metadata_only

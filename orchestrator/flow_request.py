@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from frontend.errors import InvalidRequestError
+from frontend.guardrail import BodyReading, read_body
 from frontend.openai_output import Endpoint
 from orchestrator.routers import RoutingKey
 from orchestrator.worker_protocol import ContextAnswer
@@ -31,6 +32,14 @@ class FlowRequest:
     gen_worker: str | None = None
     ctx: ContextAnswer | None = None  # the latest CTX answer: the hand-off to release if GEN never takes it
     ctx_redone: bool = False
+    _guardrail_reading: BodyReading | None = None
+
+    @property
+    def guardrail_reading(self) -> BodyReading:
+        """What the metadata-only guardrail reads of the body: read once, judged per GEN worker and attempt."""
+        if self._guardrail_reading is None:
+            self._guardrail_reading = read_body(self.body)
+        return self._guardrail_reading
 
     @property
     def path(self) -> str:

@@ -8,9 +8,10 @@ from frontend.guardrail import (
     FallbackReason,
     GenEngineFacts,
     PromptFacts,
-    decide_for_body,
+    decide_for_reading,
     metadata_only_decision,
     prompt_facts_of_body,
+    read_body,
     sampling_from_body,
 )
 from frontend.sampling import SamplingParams
@@ -108,11 +109,11 @@ BODY_TABLE: list[tuple[str, dict[str, Any], int | None, GenEngineFacts, Fallback
 
 @pytest.mark.parametrize(("changes", "prompt_len", "facts", "expected"), [row[1:] for row in BODY_TABLE],
                          ids=[row[0] for row in BODY_TABLE])
-def test_decide_for_body(
+def test_decide_for_reading_of_a_raw_body(
     changes: dict[str, Any], prompt_len: int | None, facts: GenEngineFacts, expected: FallbackReason | None
 ) -> None:
     body = {**PLAIN, **changes}
-    assert decide_for_body(body, prompt_len, facts) is expected
+    assert decide_for_reading(read_body(body), prompt_len, facts) is expected
 
 
 def test_the_body_is_read_into_the_typed_values() -> None:
@@ -131,13 +132,13 @@ def test_the_prompt_text_is_never_read() -> None:
             raise AssertionError(f"the guardrail read the prompt text ({name})")
 
     body = {**PLAIN, "messages": [{"role": "user", "content": Untouchable("x" * 1000)}]}
-    assert decide_for_body(body, 10, PLAIN_GEN) is None
+    assert decide_for_reading(read_body(body), 10, PLAIN_GEN) is None
 
 
 def test_the_decision_does_not_modify_the_body() -> None:
     body = {**PLAIN, "frequency_penalty": 0.5}
     snapshot = repr(body)
-    decide_for_body(body, 10, PLAIN_GEN)
+    decide_for_reading(read_body(body), 10, PLAIN_GEN)
     assert repr(body) == snapshot
 
 
