@@ -23,6 +23,7 @@ from frontend.openai_parameters import (
     drop_neutral_parameters,
     refuse_unsupported,
 )
+from frontend.responses_items import ResponsesInput, chat_turns
 
 __all__ = ["UNSUPPORTED_PARAMETERS", "refuse_unsupported_parameters"]
 
@@ -252,21 +253,10 @@ class CompletionRequest(SamplingFields):
         return self.max_tokens
 
 
-class ResponsesInputMessage(WireModel):
-    type: Literal["message"] | None = None
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[ContentPart]
-    id: str | None = None
-    status: str | None = None
-
-    def as_chat_message(self) -> ChatMessage:
-        return ChatMessage(role=self.role, content=self.content)
-
-
 class ResponsesRequest(SamplingFields):
     wire_endpoint = "responses"
 
-    input: str | Annotated[list[ResponsesInputMessage], Field(min_length=1)] | None = None
+    input: ResponsesInput | None = None
     instructions: str | None = None
     max_output_tokens: Annotated[int, Field(ge=1)] | None = None
     store: bool | None = None
@@ -277,8 +267,10 @@ class ResponsesRequest(SamplingFields):
     def _stateless(self) -> ResponsesRequest:
         self._require_prompt("input", self.input)
         if self.previous_response_id is not None:
+            # The orchestrator keeps stored responses and sends workers the whole conversation instead.
             raise UnsupportedParameterError(
-                "'previous_response_id' is not supported: this server stores no responses", param="previous_response_id"
+                "'previous_response_id' is not supported by a worker: the orchestrator stores responses and "
+                "continues conversations", param="previous_response_id"
             )
         return self
 
@@ -287,7 +279,7 @@ class ResponsesRequest(SamplingFields):
         if isinstance(self.input, str):
             messages.append(ChatMessage(role="user", content=self.input))
         elif self.input is not None:
-            messages.extend(m.as_chat_message() for m in self.input)
+            messages.extend(ChatMessage.model_validate(turn) for turn in chat_turns(self.input))
         return messages
 
     @property

@@ -152,7 +152,7 @@ def prompt_facts_of(wire: GenerationWireRequest) -> PromptFacts:
         multimodal = any(m.has_media for m in wire.messages or ())
         return PromptFacts(multimodal=multimodal, harmony=is_harmony(wire.chat_template_kwargs))
     if isinstance(wire, ResponsesRequest) and isinstance(wire.input, list):
-        return PromptFacts(multimodal=any(m.as_chat_message().has_media for m in wire.input))
+        return PromptFacts(multimodal=any(m.has_media for m in wire.chat_messages()))
     return PromptFacts()
 
 

@@ -22,7 +22,7 @@ DOC = pathlib.Path(__file__).parents[2] / "docs" / "conformance.md"
 # Rows proved by a test of their own rather than by the parameter lists, and the test that proves each.
 PROVED_ELSEWHERE = {
     "messages[].audio": "test_sdk_fields.test_a_message_with_audio_is_refused_naming_it",
-    "input": "test_sdk_fields.test_responses_input_as_output_items_is_refused",
+    "input": "test_sdk_fields.test_responses_input_items_this_server_cannot_render_are_refused",
     "messages[].name": "test_sdk_fields.test_multi_turn_with_the_sdks_own_message_dump",
     "messages[].tool_calls": "test_sdk_fields.test_tool_call_history_is_accepted_whole_and_streamed",
     "function_call": "test_sdk_fields.test_tool_call_history_is_accepted_whole_and_streamed",
