@@ -99,7 +99,7 @@ def run_worker(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
 
 def run_orchestrator(args: argparse.Namespace, argv: Sequence[str]) -> int:
-    from frontend.config import ConfigError, load_config
+    from frontend.config import ConfigError, for_one_of_several_front_ends, load_config
     from orchestrator.server import create_orchestrator_app
 
     try:
@@ -113,8 +113,13 @@ def run_orchestrator(args: argparse.Namespace, argv: Sequence[str]) -> int:
             print("disagg-serve orchestrator: 'registration: true' needs --api-workers 1; with several front-end "
                   "processes use static urls or DNS discovery", file=sys.stderr)
             return 2
+        if config.response_store.enabled:
+            print("disagg-serve orchestrator: with --api-workers > 1 no Responses API answers are stored (each "
+                  "process would hold its own); previous_response_id and store: true are refused", file=sys.stderr)
         args.port = config.port
         return _supervise(args, argv)
+    if args.reuse_port:
+        config = for_one_of_several_front_ends(config)
     # An empty key (DISAGG_API_KEY="") means no key, not "the empty string is the key".
     app = create_orchestrator_app(config, api_key=args.api_key or None, admin_key=args.admin_key or None)
     _serve(app, args, config.hostname, config.port)

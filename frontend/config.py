@@ -61,6 +61,25 @@ class ServerGroupConfig(_Frozen):
         return [url.rstrip("/") for url in urls]
 
 
+class ResponseStoreConfig(_Frozen):
+    """The orchestrator's in-memory store of Responses API answers, for ``previous_response_id``.
+
+    Bounded by entries and by bytes (the JSON of each stored conversation), least recently used first out; an entry
+    expires ``ttl_s`` after it was stored. ``max_entries: 0`` turns the store off.
+    """
+
+    max_entries: Annotated[int, Field(ge=0)] = 10_000
+    max_bytes: Annotated[int, Field(ge=1)] = 256 * 1024 * 1024
+    ttl_s: Annotated[float, Field(gt=0)] = 3600.0
+    # OpenAI's default: a request that does not say ``store`` is stored, so SDK code written against OpenAI
+    # (``previous_response_id=reply.id``) works unchanged.
+    store_by_default: bool = True
+
+    @property
+    def enabled(self) -> bool:
+        return self.max_entries > 0
+
+
 class OrchestratorConfig(_Frozen):
     hostname: str = "127.0.0.1"
     port: Annotated[int, Field(ge=0, le=65535)] = 8000
@@ -79,7 +98,15 @@ class OrchestratorConfig(_Frozen):
     health_recovery_threshold: Annotated[int, Field(ge=1)] = 1
     # Conditional disaggregation: prompts estimated under this many tokens go to GEN alone (0 = always split).
     max_local_prefill_length: Annotated[int, Field(ge=0)] = 0
+    response_store: ResponseStoreConfig = ResponseStoreConfig()
     # Secrets come from the environment (DISAGG_API_KEY, DISAGG_ADMIN_KEY) or the command line, not this file.
+
+
+def for_one_of_several_front_ends(config: OrchestratorConfig) -> OrchestratorConfig:
+    """``config`` for one of several processes sharing a port (``--api-workers N``): without the response store,
+    which is one process's memory, so a follow-up answered by another process would not find its turn."""
+    store = config.response_store.model_copy(update={"max_entries": 0})
+    return config.model_copy(update={"response_store": store})
 
 
 def parse_config(raw: Any, source: str = "config") -> OrchestratorConfig:

@@ -9,6 +9,7 @@
     ├── AuthenticationError           401
     ├── AdminDisabledError            403 code=admin_disabled (no admin key configured: the admin API is shut)
     ├── ModelNotFoundError            404 code=model_not_found
+    ├── ResponseNotFoundError         404 (no stored response of that id: unknown, evicted, expired or deleted)
     ├── PayloadTooLargeError          413
     ├── OverloadedError               429 with Retry-After
     ├── EngineError                   500 (the engine failed; foreign errors are wrapped at the adapter)
@@ -91,6 +92,12 @@ class ModelNotFoundError(ServingError):
     status_code = 404
     error_type = "invalid_request_error"
     default_code = "model_not_found"
+
+
+class ResponseNotFoundError(ServingError):
+    status_code = 404
+    error_type = "invalid_request_error"
+    default_code = "response_not_found"
 
 
 class PayloadTooLargeError(ServingError):

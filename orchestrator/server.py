@@ -38,6 +38,8 @@ from orchestrator.disagg_flow import DisaggFlow
 from orchestrator.flow_request import FlowRequest, StreamedAnswer, check_client_body
 from orchestrator.membership import DnsDiscovery
 from orchestrator.pool import HealthMonitor, WorkerPool
+from orchestrator.response_memory import ResponseMemory
+from orchestrator.response_store import ResponseStore
 from orchestrator.routers import RoutingKey, make_router
 from orchestrator.transport import WorkerTimeouts
 
@@ -69,12 +71,14 @@ def create_orchestrator_app(
     *,
     api_key: str | None = None,
     admin_key: str | None = None,
+    response_store: ResponseStore | None = None,
 ) -> FastAPI:
     metrics = metrics or Metrics()
     ctx_pool = _pool("ctx", config.context_servers, config)
     gen_pool = _pool("gen", config.generation_servers, config)
     pools = {"context": ctx_pool, "generation": gen_pool}
     flow = DisaggFlow(config, ctx_pool, gen_pool, metrics)
+    memory = ResponseMemory(config.response_store, response_store)  # previous_response_id: /v1/responses only
     monitor = HealthMonitor([ctx_pool, gen_pool], config.health_check_interval_s)
     discoveries = [DnsDiscovery(pool, group.discovery)
                    for pool, group in ((ctx_pool, config.context_servers), (gen_pool, config.generation_servers))
@@ -138,8 +142,11 @@ def create_orchestrator_app(
         try:
             body = parse_json_object(await read_body(request, config.max_body_bytes))
             check_client_body(body)
-            flow_request = flow.new_request(endpoint, body, started, headers)
+            turn = memory.begin(body) if endpoint == "responses" else None
+            flow_request = flow.new_request(endpoint, turn.body if turn else body, started, headers)
             answer = await cancel_on_disconnect(request, lambda: flow.run(flow_request))
+            if turn is not None:
+                answer = turn.remember(answer)
             if isinstance(answer, StreamedAnswer):
                 status, streaming = 200, True
                 frames = then_call(answer.frames, lambda: release(flow_request, 200))
@@ -164,6 +171,17 @@ def create_orchestrator_app(
     @app.post("/v1/responses", openapi_extra=json_body(ResponsesRequest))
     async def responses(request: Request) -> Response:
         return await handle(request, "responses")
+
+    @app.get("/v1/responses/{response_id}")
+    async def stored_response(request: Request, response_id: str) -> Response:
+        require_bearer(request, api_key)
+        return JSONBytesResponse(memory.stored(response_id).response)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(request: Request, response_id: str) -> Response:
+        require_bearer(request, api_key)
+        memory.delete(response_id)
+        return json_response({"id": response_id, "object": "response", "deleted": True})
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:

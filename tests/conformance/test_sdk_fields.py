@@ -88,7 +88,7 @@ def test_chat_refuses_values_it_cannot_honour_by_name(
 
 REFUSED_RESPONSES_VALUES: list[tuple[str, Any]] = [
     ("text", {"format": {"type": "json_object"}}), ("tools", [TOOL]), ("tool_choice", "required"),
-    ("previous_response_id", "resp_1"), ("background", True), ("truncation", "auto"), ("top_logprobs", 3),
+    ("background", True), ("truncation", "auto"), ("top_logprobs", 3),
     ("include", ["message.output_text.logprobs"]), ("reasoning", {"effort": "high"}),
     ("conversation", "conv_1"), ("prompt", {"id": "pmpt_1"}), ("max_tool_calls", 2), ("image", {"x": 1}),
     ("context_management", [{"type": "compaction"}]), ("background_options", {"x": 1}),

@@ -4,7 +4,7 @@ import pathlib
 
 import pytest
 
-from frontend.config import ConfigError, OrchestratorConfig, load_config, parse_config
+from frontend.config import ConfigError, OrchestratorConfig, for_one_of_several_front_ends, load_config, parse_config
 
 VALID = """\
 hostname: 0.0.0.0
@@ -95,3 +95,24 @@ def test_parse_config_from_a_dict() -> None:
     assert config.gen_tokids_metadata_only is False
     with pytest.raises(ConfigError, match="mapping"):
         parse_config(["not", "a", "mapping"])
+
+
+def test_the_response_store_has_bounded_defaults_and_takes_its_limits_from_yaml(tmp_path: pathlib.Path) -> None:
+    default = load_config(write(tmp_path, VALID)).response_store
+    assert default.enabled and default.store_by_default
+    assert default.max_entries > 0 and default.max_bytes > 0 and default.ttl_s > 0
+    text = VALID + "response_store: {max_entries: 5, max_bytes: 1000, ttl_s: 60, store_by_default: false}\n"
+    limits = load_config(write(tmp_path, text)).response_store
+    assert (limits.max_entries, limits.max_bytes, limits.ttl_s, limits.store_by_default) == (5, 1000, 60, False)
+
+
+def test_a_bad_response_store_limit_is_named(tmp_path: pathlib.Path) -> None:
+    with pytest.raises(ConfigError, match=r"response_store\.ttl_s"):
+        load_config(write(tmp_path, VALID + "response_store: {ttl_s: 0}\n"))
+
+
+def test_one_of_several_front_ends_keeps_no_response_store(tmp_path: pathlib.Path) -> None:
+    # Each process would hold its own: a follow-up reaching another process would 404 at random.
+    config = for_one_of_several_front_ends(load_config(write(tmp_path, VALID)))
+    assert not config.response_store.enabled
+    assert config.max_retries == 2

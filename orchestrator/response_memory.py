@@ -1,0 +1,142 @@
+"""The Responses API's memory at the orchestrator: continue a stored conversation, keep a new answer.
+
+Why here and not on a worker: the orchestrator is the one place that sees both the client's request and the
+client's whole answer, streamed or not, and it runs before CTX. A turn with ``previous_response_id`` is expanded
+here into the whole conversation (the stored turns' items, then this turn's input), so CTX renders and tokenizes
+all of it and GEN gets its tokens as usual; workers never see ``previous_response_id``. The answer is kept once it
+is complete: a whole answer as it is, a stream when its ``response.completed`` (or ``.incomplete``) event passes
+through, before that event reaches the client, so a follow-up sent as soon as the client has read it finds it.
+A failed or cut-off answer is not kept. Chat and completions never come here.
+
+As OpenAI does, a follow-up does not inherit the earlier turn's ``instructions``: only its input and output items.
+
+The store is this process's memory: with several front-end processes (``--api-workers N``) there is none (a
+follow-up could reach a process that never saw the first turn), and with several orchestrators a follow-up must
+reach the one that answered the turn it continues (else it is a 404, never a shortened conversation).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from frontend.config import ResponseStoreConfig
+from frontend.errors import InvalidRequestError, ResponseNotFoundError, UnsupportedParameterError
+from frontend.sse import FrameSplitter
+from orchestrator.flow_request import Answer, StreamedAnswer, WholeAnswer
+from orchestrator.response_store import ResponseStore, StoredResponse
+
+logger = logging.getLogger(__name__)
+
+_FINAL_EVENTS = (b"event: response.completed\n", b"event: response.incomplete\n")
+
+
+class ResponseMemory:
+    def __init__(self, config: ResponseStoreConfig, store: ResponseStore | None = None) -> None:
+        self.config = config
+        self.store = store if store is not None else ResponseStore(config)
+
+    def begin(self, body: dict[str, Any]) -> ResponsesTurn:
+        """The turn ``body`` asks for: the body the workers get (the whole conversation when it continues a
+        stored one), and whether its answer is kept."""
+        previous_id = body.get("previous_response_id")
+        store = body.get("store")
+        if previous_id is not None and not isinstance(previous_id, str):
+            raise InvalidRequestError("'previous_response_id' must be a string", param="previous_response_id")
+        if store is not None and not isinstance(store, bool):
+            raise InvalidRequestError("'store' must be a boolean", param="store")
+        if not self.config.enabled:
+            self._refuse_when_off(previous_id, store)
+        keep = self.config.enabled and (store if store is not None else self.config.store_by_default)
+        if previous_id is None:
+            return ResponsesTurn(body, _items_of(body.get("input")), self.store if keep else None)
+        new_items = [] if body.get("input") is None else _items_of(body["input"])
+        if new_items is None:
+            raise InvalidRequestError("'input' must be a string or a list of input items", param="input")
+        items = [*orjson.loads(self.stored(previous_id, param="previous_response_id").conversation), *new_items]
+        continued = {name: value for name, value in body.items() if name != "previous_response_id"}
+        continued["input"] = items
+        return ResponsesTurn(continued, items, self.store if keep else None)
+
+    def stored(self, response_id: str, param: str | None = None) -> StoredResponse:
+        entry = self.store.get(response_id) if self.config.enabled else None
+        if entry is None:
+            if param == "previous_response_id":
+                raise ResponseNotFoundError(f"Previous response with id '{response_id}' not found.", param=param,
+                                            code="previous_response_not_found")
+            raise ResponseNotFoundError(f"Response with id '{response_id}' not found.", param=param)
+        return entry
+
+    def delete(self, response_id: str) -> None:
+        if not self.store.delete(response_id):
+            raise ResponseNotFoundError(f"Response with id '{response_id}' not found.")
+
+    @staticmethod
+    def _refuse_when_off(previous_id: str | None, store: bool | None) -> None:
+        why = "this orchestrator stores no responses (response_store.max_entries is 0, or it runs several " \
+              "front-end processes: --api-workers > 1)"
+        if previous_id is not None:
+            raise UnsupportedParameterError(f"'previous_response_id' cannot be used: {why}",
+                                            param="previous_response_id")
+        if store:
+            raise UnsupportedParameterError(f"'store: true' cannot be honoured: {why}", param="store")
+
+
+def _items_of(value: Any) -> list[Any] | None:
+    """A request's input as a list of items (a string is one user message); None if it is neither."""
+    if isinstance(value, str):
+        return [{"role": "user", "content": value}]
+    return value if isinstance(value, list) else None
+
+
+@dataclass(frozen=True, slots=True)
+class ResponsesTurn:
+    body: dict[str, Any]  # what the workers get
+    input_items: list[Any] | None  # the conversation up to this turn's answer
+    store: ResponseStore | None  # where its answer is kept; None: not kept
+
+    def remember(self, answer: Answer) -> Answer:
+        """``answer``, kept in the store once complete (a stream: as its final event passes)."""
+        if self.store is None or self.input_items is None:
+            return answer
+        if isinstance(answer, WholeAnswer):
+            self._keep(answer.content)
+            return answer
+        return StreamedAnswer(self._kept_when_complete(answer.frames))
+
+    async def _kept_when_complete(self, frames: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+        splitter = FrameSplitter()
+        try:
+            async for chunk in frames:
+                for frame in splitter.feed(chunk):
+                    if frame.startswith(_FINAL_EVENTS):
+                        self._keep_event(frame)
+                yield chunk
+        finally:
+            aclose = getattr(frames, "aclose", None)
+            if aclose is not None:
+                await aclose()
+
+    def _keep_event(self, frame: bytes) -> None:
+        try:
+            event = orjson.loads(frame.split(b"\ndata: ", 1)[1])
+            response = event["response"]
+        except (IndexError, KeyError, TypeError, orjson.JSONDecodeError):
+            logger.warning("a Responses stream ended with an unreadable final event; the response is not stored")
+            return
+        self._keep(orjson.dumps(response), response)
+
+    def _keep(self, content: bytes, response: Any = None) -> None:
+        assert self.store is not None and self.input_items is not None
+        if response is None:
+            response = orjson.loads(content)
+        response_id, output = response.get("id"), response.get("output")
+        if not isinstance(response_id, str) or not isinstance(output, list):
+            logger.warning("a Responses answer without an id or output list; it is not stored")
+            return
+        if not self.store.put(response_id, content, orjson.dumps([*self.input_items, *output])):
+            logger.warning("response %s is larger than response_store.max_bytes; it is not stored", response_id)

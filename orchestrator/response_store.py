@@ -1,0 +1,89 @@
+"""A bounded in-memory store of Responses API answers, for ``previous_response_id`` and ``GET /v1/responses/{id}``.
+
+Each entry is self-contained: the response object as the client got it, and the whole conversation up to and
+including it (every earlier turn's items, this turn's input items, its output items), as JSON bytes. A follow-up
+never needs another entry, so evicting or expiring one response cannot silently shorten a later conversation:
+the id is simply gone (a 404). The price is that a long chain stores its early turns once per turn; the byte
+bound holds that in check.
+
+Bounds: entries and bytes (least recently used out first; an entry larger than the byte bound alone is not kept),
+and age (``ttl_s`` from when it was stored, whatever its use since). The clock is injectable, so expiry is tested
+without sleeping.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from frontend.config import ResponseStoreConfig
+
+Clock = Callable[[], float]
+
+
+@dataclass(frozen=True, slots=True)
+class StoredResponse:
+    response_id: str
+    response: bytes  # the response object's JSON, as GET /v1/responses/{id} answers it
+    conversation: bytes  # a JSON list of input items: what a follow-up's input continues
+    stored_at: float
+
+    @property
+    def size(self) -> int:
+        return len(self.response) + len(self.conversation)
+
+
+class ResponseStore:
+    def __init__(self, limits: ResponseStoreConfig, clock: Clock = time.monotonic) -> None:
+        self.limits = limits
+        self._clock = clock
+        self._entries: OrderedDict[str, StoredResponse] = OrderedDict()  # least recently used first
+        self._by_age: OrderedDict[str, float] = OrderedDict()  # oldest first: expiry pops from the front
+        self._bytes = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @property
+    def size_bytes(self) -> int:
+        return self._bytes
+
+    def put(self, response_id: str, response: bytes, conversation: bytes) -> bool:
+        """Keep the response (replacing one of the same id); False when it alone exceeds the byte bound."""
+        self.delete(response_id)
+        entry = StoredResponse(response_id, response, conversation, self._clock())
+        if entry.size > self.limits.max_bytes:
+            return False
+        self._expire()
+        self._entries[response_id] = entry
+        self._by_age[response_id] = entry.stored_at
+        self._bytes += entry.size
+        while len(self._entries) > self.limits.max_entries or self._bytes > self.limits.max_bytes:
+            self.delete(next(iter(self._entries)))
+        return True
+
+    def get(self, response_id: str) -> StoredResponse | None:
+        """The stored response, now the most recently used; None if unknown, evicted or expired."""
+        self._expire()
+        entry = self._entries.get(response_id)
+        if entry is not None:
+            self._entries.move_to_end(response_id)
+        return entry
+
+    def delete(self, response_id: str) -> bool:
+        entry = self._entries.pop(response_id, None)
+        if entry is None:
+            return False
+        del self._by_age[response_id]
+        self._bytes -= entry.size
+        return True
+
+    def _expire(self) -> None:
+        deadline = self._clock() - self.limits.ttl_s
+        while self._by_age:
+            oldest, stored_at = next(iter(self._by_age.items()))
+            if stored_at > deadline:
+                return
+            self.delete(oldest)

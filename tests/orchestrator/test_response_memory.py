@@ -1,0 +1,110 @@
+"""The orchestrator's Responses memory without servers: what a turn sends the workers, and when an answer is kept
+(a stream's, before its final event reaches the client; a broken stream's, never)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import orjson
+import pytest
+
+from frontend.config import ResponseStoreConfig
+from frontend.errors import InvalidRequestError, ResponseNotFoundError, UnsupportedParameterError
+from frontend.openai_output import ResponseIdentity, StreamRenderer, Usage, render_response
+from orchestrator.flow_request import StreamedAnswer, WholeAnswer
+from orchestrator.response_memory import ResponseMemory
+
+BODY: dict[str, Any] = {"model": "m", "input": "Hello"}
+
+
+def answer_to(response_id: str, text: str) -> dict[str, Any]:
+    return render_response(ResponseIdentity("responses", response_id, "m"), text, "stop", Usage(3, 1))
+
+
+def stream_of(response_id: str, text: str) -> list[bytes]:
+    renderer = StreamRenderer(ResponseIdentity("responses", response_id, "m"))
+    return [*renderer.begin(), *renderer.delta(text), *renderer.finish("stop", Usage(3, 1))]
+
+
+async def frames_of(chunks: list[bytes]) -> AsyncIterator[bytes]:
+    for chunk in chunks:
+        yield chunk
+
+
+def conversation(memory: ResponseMemory, response_id: str) -> Any:
+    return orjson.loads(memory.stored(response_id).conversation)
+
+
+def test_a_follow_up_carries_the_whole_conversation_and_no_previous_response_id() -> None:
+    memory = ResponseMemory(ResponseStoreConfig())
+    memory.begin(BODY).remember(WholeAnswer(orjson.dumps(answer_to("resp_1", "Hi."))))
+    turn = memory.begin({**BODY, "input": "And then?", "previous_response_id": "resp_1", "instructions": "x"})
+    assert "previous_response_id" not in turn.body and turn.body["instructions"] == "x"
+    assert [(i["role"], i.get("type")) for i in turn.body["input"]] == [("user", None), ("assistant", "message"),
+                                                                        ("user", None)]
+    assert turn.body["input"][1]["content"][0]["text"] == "Hi."
+
+
+async def test_a_streamed_answer_is_kept_before_its_final_event_reaches_the_client() -> None:
+    memory = ResponseMemory(ResponseStoreConfig())
+    answer = memory.begin(BODY).remember(StreamedAnswer(frames_of(stream_of("resp_s", "Yes."))))
+    assert isinstance(answer, StreamedAnswer)
+    kept_when_seen = []
+    async for chunk in answer.frames:
+        if chunk.startswith(b"event: response.completed"):
+            kept_when_seen.append(memory.store.get("resp_s") is not None)
+    assert kept_when_seen == [True]
+    assert conversation(memory, "resp_s")[-1]["content"][0]["text"] == "Yes."
+
+
+async def test_a_stream_cut_before_its_final_event_is_not_kept() -> None:
+    memory = ResponseMemory(ResponseStoreConfig())
+    cut = stream_of("resp_cut", "Yes.")[:-1]
+    answer = memory.begin(BODY).remember(StreamedAnswer(frames_of(cut)))
+    assert isinstance(answer, StreamedAnswer)
+    assert len([chunk async for chunk in answer.frames]) == len(cut)
+    assert memory.store.get("resp_cut") is None
+
+
+def test_store_false_or_a_store_by_default_of_false_keeps_nothing() -> None:
+    for config, body in ((ResponseStoreConfig(), {**BODY, "store": False}),
+                         (ResponseStoreConfig(store_by_default=False), BODY)):
+        memory = ResponseMemory(config)
+        memory.begin(body).remember(WholeAnswer(orjson.dumps(answer_to("resp_1", "Hi."))))
+        assert memory.store.get("resp_1") is None
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({**BODY, "store": "yes"}, "store"),
+    ({**BODY, "previous_response_id": 7}, "previous_response_id"),
+])
+def test_fields_of_the_wrong_type_are_a_400_naming_them(body: dict[str, Any], param: str) -> None:
+    with pytest.raises(InvalidRequestError) as caught:
+        ResponseMemory(ResponseStoreConfig()).begin(body)
+    assert caught.value.param == param
+
+
+def test_a_follow_up_whose_input_is_neither_text_nor_items_is_a_400() -> None:
+    memory = ResponseMemory(ResponseStoreConfig())
+    memory.begin(BODY).remember(WholeAnswer(orjson.dumps(answer_to("resp_1", "Hi."))))
+    with pytest.raises(InvalidRequestError) as caught:
+        memory.begin({**BODY, "input": 5, "previous_response_id": "resp_1"})
+    assert caught.value.param == "input"
+
+
+def test_an_unknown_id_is_a_404_naming_previous_response_id() -> None:
+    with pytest.raises(ResponseNotFoundError) as caught:
+        ResponseMemory(ResponseStoreConfig()).begin({**BODY, "previous_response_id": "resp_x"})
+    assert (caught.value.status_code, caught.value.code, caught.value.param) == (
+        404, "previous_response_not_found", "previous_response_id")
+
+
+def test_with_the_store_off_what_needs_it_is_refused_and_the_rest_served() -> None:
+    memory = ResponseMemory(ResponseStoreConfig(max_entries=0))
+    assert memory.begin(BODY).store is None
+    for body, param in (({**BODY, "store": True}, "store"), ({**BODY, "previous_response_id": "r"},
+                                                             "previous_response_id")):
+        with pytest.raises(UnsupportedParameterError) as caught:
+            memory.begin(body)
+        assert caught.value.param == param
