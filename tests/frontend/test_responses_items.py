@@ -52,8 +52,10 @@ def request(*items: Any) -> ResponsesRequest:
 
 
 def test_the_servers_own_output_items_with_every_optional_field_null_are_accepted() -> None:
-    output = {"id": "msg_1", "type": "message", "status": "completed", "role": "assistant", "phase": None,
-              "content": [{"type": "output_text", "text": "Hi.", "annotations": [], "logprobs": None}]}
+    output: dict[str, Any] = {
+        "id": "msg_1", "type": "message", "status": "completed", "role": "assistant", "phase": None,
+        "content": [{"type": "output_text", "text": "Hi.", "annotations": [], "logprobs": None}],
+    }
     call = {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}", "id": None, "status": None,
             "namespace": None, "caller": None, "async": None}
     answer = {"type": "function_call_output", "call_id": "c1", "output": "12 C", "id": None, "status": None,
