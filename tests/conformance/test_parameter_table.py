@@ -36,6 +36,8 @@ PROVED_ELSEWHERE = {
     "system_fingerprint": "test_response_details.test_whole_answers_carry_the_fingerprint_and_cached_tokens",
     "usage.prompt_tokens_details.cached_tokens": "test_response_details",
     "GET /v1/models/{id}": "test_status_codes.test_models_retrieve_works_everywhere",
+    "GET /v1/responses/{id}": "test_responses_multi_turn.test_a_stored_response_can_be_retrieved_and_deleted",
+    "DELETE /v1/responses/{id}": "test_responses_multi_turn.test_a_stored_response_can_be_retrieved_and_deleted",
 }
 
 
