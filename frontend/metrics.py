@@ -78,6 +78,11 @@ class Metrics:
                                       multiprocess_mode="max")
         self.kv_store_bytes = Gauge("disagg_kv_store_bytes", "Bytes of KV hand-offs held for GEN", registry=r,
                                     multiprocess_mode="max")
+        # The orchestrator's store of Responses API answers (read when scraped; one process's memory).
+        self.response_store_entries = Gauge("disagg_response_store_entries", "Responses API answers stored",
+                                            registry=r, multiprocess_mode="max")
+        self.response_store_bytes = Gauge("disagg_response_store_bytes", "Bytes of stored Responses API answers",
+                                          registry=r, multiprocess_mode="max")
         self.kv_handoffs = Counter(
             "disagg_kv_handoffs", "KV hand-offs this CTX worker parked (outcome=parked) and how each left the store: "
             "taken by a GEN, released (GEN refused it, client gone, orchestrator failure, aborted) or expired",

@@ -79,6 +79,8 @@ def create_orchestrator_app(
     pools = {"context": ctx_pool, "generation": gen_pool}
     flow = DisaggFlow(config, ctx_pool, gen_pool, metrics)
     memory = ResponseMemory(config.response_store, response_store)  # previous_response_id: /v1/responses only
+    metrics.response_store_entries.set_function(lambda: len(memory.store))
+    metrics.response_store_bytes.set_function(lambda: memory.store.size_bytes)
     monitor = HealthMonitor([ctx_pool, gen_pool], config.health_check_interval_s)
     discoveries = [DnsDiscovery(pool, group.discovery)
                    for pool, group in ((ctx_pool, config.context_servers), (gen_pool, config.generation_servers))

@@ -13,8 +13,10 @@ import pytest
 from openai.types.responses import Response
 
 from frontend.config import ResponseStoreConfig, parse_config
+from frontend.metrics import Metrics
 from orchestrator.response_store import ResponseStore
 from orchestrator.server import create_orchestrator_app
+from tests.cluster import sample
 from tests.orchestrator.test_response_store import FakeClock
 from tests.servers import running
 from tests.workers.engines.reference.cluster import RefCluster
@@ -39,11 +41,12 @@ def dumped(response: Response) -> list[dict[str, Any]]:
 
 
 @contextlib.contextmanager
-def orchestrator(cluster: RefCluster, store: ResponseStore | None = None, **limits: Any) -> Iterator[openai.OpenAI]:
+def orchestrator(cluster: RefCluster, store: ResponseStore | None = None, metrics: Metrics | None = None,
+                 **limits: Any) -> Iterator[openai.OpenAI]:
     """An orchestrator of its own in front of the suite's CTX and GEN workers, with these store limits."""
     config = parse_config({"context_servers": {"urls": [cluster.ctx.url]},
                            "generation_servers": {"urls": [cluster.gen.url]}, "response_store": limits})
-    with running(create_orchestrator_app(config, response_store=store)) as url:
+    with running(create_orchestrator_app(config, metrics, response_store=store)) as url:
         yield openai.OpenAI(base_url=url + "/v1", api_key="test", max_retries=0, timeout=120)
 
 
@@ -121,13 +124,16 @@ def test_a_response_with_store_false_is_not_kept(conformance_cluster: RefCluster
 
 
 def test_the_entry_bound_evicts_the_least_recently_used(conformance_cluster: RefCluster) -> None:
-    with orchestrator(conformance_cluster, max_entries=2) as client:
+    metrics = Metrics()
+    with orchestrator(conformance_cluster, metrics=metrics, max_entries=2) as client:
         first, second = ask(client, False, input="One"), ask(client, True, input="Two")
         client.responses.retrieve(first.id)  # first is now more recent than second
         third = ask(client, False, input="Three")
         with pytest.raises(openai.NotFoundError):
             ask(client, False, previous_response_id=second.id, input="Hi")
         assert {client.responses.retrieve(r.id).id for r in (first, third)} == {first.id, third.id}
+    assert sample(metrics, "disagg_response_store_entries") == 2
+    assert sample(metrics, "disagg_response_store_bytes") > 0
 
 
 def test_a_response_expires_on_the_stores_clock(conformance_cluster: RefCluster) -> None:
