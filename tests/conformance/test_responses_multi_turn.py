@@ -27,9 +27,9 @@ GREEDY: dict[str, Any] = {"model": "tiny", "temperature": 0, "max_output_tokens"
 def ask(client: openai.OpenAI, stream: bool, **request: Any) -> Response:
     """The whole response, read from the answer or from the stream's final event."""
     if not stream:
-        whole: Response = client.responses.create(**GREEDY, **request)
+        whole: Response = client.responses.create(**{**GREEDY, **request})
         return whole
-    events = list(client.responses.create(**GREEDY, **request, stream=True))
+    events = list(client.responses.create(**{**GREEDY, **request}, stream=True))
     final = events[-1]
     assert final.type in ("response.completed", "response.incomplete")
     streamed: Response = final.response
@@ -81,6 +81,17 @@ def test_previous_response_id_continues_the_stored_conversation(conformance_clus
     assert third.output_text == replayed.output_text
     assert third.usage is not None and replayed.usage is not None and second.usage is not None
     assert third.usage.input_tokens == replayed.usage.input_tokens > second.usage.input_tokens
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_answer_ctx_finished_by_itself_is_stored_too(conformance_cluster: RefCluster, stream: bool) -> None:
+    # max_output_tokens=1: CTX answers alone (a stream is CTX's answer replayed), GEN is never called.
+    with conformance_cluster.orchestrator.client() as client:
+        first = ask(client, stream, input="Hello there", max_output_tokens=1)
+        assert client.responses.retrieve(first.id).output_text == first.output_text
+        second = ask(client, stream, previous_response_id=first.id, input="And then?")
+    assert second.usage is not None and first.usage is not None
+    assert second.usage.input_tokens > first.usage.input_tokens
 
 
 @pytest.mark.parametrize("stream", [False, True])
