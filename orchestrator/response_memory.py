@@ -18,14 +18,15 @@ reach the one that answered the turn it continues (else it is a 404, never a sho
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
+import re
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
 import orjson
 
 from frontend.config import ResponseStoreConfig
-from frontend.errors import InvalidRequestError, ResponseNotFoundError, UnsupportedParameterError
+from frontend.errors import InvalidRequestError, RelayedError, ResponseNotFoundError, UnsupportedParameterError
 from frontend.sse import FrameSplitter
 from orchestrator.flow_request import Answer, StreamedAnswer, WholeAnswer
 from orchestrator.response_store import ResponseStore, StoredResponse
@@ -33,6 +34,7 @@ from orchestrator.response_store import ResponseStore, StoredResponse
 logger = logging.getLogger(__name__)
 
 _FINAL_EVENTS = (b"event: response.completed\n", b"event: response.incomplete\n")
+_ITEM_PARAM = re.compile(r"input\.(\d+)(.*)", re.DOTALL)  # a worker's error about one input item
 
 
 class ResponseMemory:
@@ -53,14 +55,14 @@ class ResponseMemory:
             self._refuse_when_off(previous_id, store)
         keep = self.config.enabled and (store if store is not None else self.config.store_by_default)
         if previous_id is None:
-            return ResponsesTurn(body, _items_of(body.get("input")), self.store if keep else None)
+            return ResponsesTurn(body, _items_of(body.get("input")), self.store if keep else None, 0)
         new_items = [] if body.get("input") is None else _items_of(body["input"])
         if new_items is None:
             raise InvalidRequestError("'input' must be a string or a list of input items", param="input")
-        items = [*orjson.loads(self.stored(previous_id, param="previous_response_id").conversation), *new_items]
+        stored = orjson.loads(self.stored(previous_id, param="previous_response_id").conversation)
         continued = {name: value for name, value in body.items() if name != "previous_response_id"}
-        continued["input"] = items
-        return ResponsesTurn(continued, items, self.store if keep else None)
+        continued["input"] = items = [*stored, *new_items]
+        return ResponsesTurn(continued, items, self.store if keep else None, len(stored))
 
     def stored(self, response_id: str, param: str | None = None) -> StoredResponse:
         entry = self.store.get(response_id) if self.config.enabled else None
@@ -98,6 +100,31 @@ class ResponsesTurn:
     body: dict[str, Any]  # what the workers get
     input_items: list[Any] | None  # the conversation up to this turn's answer
     store: ResponseStore | None  # where its answer is kept; None: not kept
+    stored_items: int  # how many of ``input_items`` came from the store, before the client's own
+
+    async def answer(self, run: Callable[[], Awaitable[Answer]]) -> Answer:
+        """``run``'s answer, kept once complete. A worker's error about an item names it as the client counted
+        it: the worker counted the stored items first."""
+        try:
+            answer = await run()
+        except RelayedError as exc:
+            raise self._counted_as_sent(exc) from exc
+        return self.remember(answer)
+
+    def _counted_as_sent(self, error: RelayedError) -> RelayedError:
+        try:
+            body = orjson.loads(error.content)
+            fields = body["error"]
+            param = fields["param"]
+        except (orjson.JSONDecodeError, KeyError, TypeError):
+            return error
+        item = _ITEM_PARAM.fullmatch(param) if self.stored_items and isinstance(param, str) else None
+        if item is None or int(item[1]) < self.stored_items:
+            return error
+        fields["param"] = renamed = f"input.{int(item[1]) - self.stored_items}{item[2]}"
+        if isinstance(fields.get("message"), str):
+            fields["message"] = fields["message"].replace(param, renamed)
+        return RelayedError(error.status_code, orjson.dumps(body))
 
     def remember(self, answer: Answer) -> Answer:
         """``answer``, kept in the store once complete (a stream: as its final event passes)."""

@@ -6,6 +6,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from functools import partial
 from typing import Any
 
 import orjson
@@ -78,9 +79,10 @@ def create_orchestrator_app(
     gen_pool = _pool("gen", config.generation_servers, config)
     pools = {"context": ctx_pool, "generation": gen_pool}
     flow = DisaggFlow(config, ctx_pool, gen_pool, metrics)
-    memory = ResponseMemory(config.response_store, response_store)  # previous_response_id: /v1/responses only
-    metrics.response_store_entries.set_function(lambda: len(memory.store))
-    metrics.response_store_bytes.set_function(lambda: memory.store.size_bytes)
+    # previous_response_id and store: only /v1/responses reaches it.
+    stored_responses = ResponseMemory(config.response_store, response_store)
+    metrics.response_store_entries.set_function(lambda: len(stored_responses.store))
+    metrics.response_store_bytes.set_function(lambda: stored_responses.store.size_bytes)
     monitor = HealthMonitor([ctx_pool, gen_pool], config.health_check_interval_s)
     discoveries = [DnsDiscovery(pool, group.discovery)
                    for pool, group in ((ctx_pool, config.context_servers), (gen_pool, config.generation_servers))
@@ -144,11 +146,10 @@ def create_orchestrator_app(
         try:
             body = parse_json_object(await read_body(request, config.max_body_bytes))
             check_client_body(body)
-            turn = memory.begin(body) if endpoint == "responses" else None
+            turn = stored_responses.begin(body) if endpoint == "responses" else None
             flow_request = flow.new_request(endpoint, turn.body if turn else body, started, headers)
-            answer = await cancel_on_disconnect(request, lambda: flow.run(flow_request))
-            if turn is not None:
-                answer = turn.remember(answer)
+            run = partial(flow.run, flow_request)
+            answer = await cancel_on_disconnect(request, partial(turn.answer, run) if turn else run)
             if isinstance(answer, StreamedAnswer):
                 status, streaming = 200, True
                 frames = then_call(answer.frames, lambda: release(flow_request, 200))
@@ -177,12 +178,12 @@ def create_orchestrator_app(
     @app.get("/v1/responses/{response_id}")
     async def stored_response(request: Request, response_id: str) -> Response:
         require_bearer(request, api_key)
-        return JSONBytesResponse(memory.stored(response_id).response)
+        return JSONBytesResponse(stored_responses.stored(response_id).response)
 
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(request: Request, response_id: str) -> Response:
         require_bearer(request, api_key)
-        memory.delete(response_id)
+        stored_responses.delete(response_id)
         return json_response({"id": response_id, "object": "response", "deleted": True})
 
     @app.get("/v1/models")

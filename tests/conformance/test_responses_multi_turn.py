@@ -94,6 +94,20 @@ def test_an_answer_ctx_finished_by_itself_is_stored_too(conformance_cluster: Ref
     assert second.usage.input_tokens > first.usage.input_tokens
 
 
+@pytest.mark.parametrize(("item", "param"), [
+    ({"role": "user", "content": "x", "bogus": 1}, "input.1.bogus"),
+    ({"type": "reasoning", "id": "rs_1", "summary": []}, "input.1"),
+])
+def test_a_bad_item_in_a_follow_up_is_named_as_the_client_counted_it(
+    conformance_cluster: RefCluster, item: dict[str, Any], param: str
+) -> None:
+    with conformance_cluster.orchestrator.client() as client:
+        first = ask(client, False, input="Hello there")
+        with pytest.raises(openai.BadRequestError) as caught:
+            ask(client, False, previous_response_id=first.id, input=[{"role": "user", "content": "Hi"}, item])
+    assert caught.value.param == param
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_an_unknown_previous_response_id_is_a_404_in_openais_shape(
     conformance_cluster: RefCluster, stream: bool

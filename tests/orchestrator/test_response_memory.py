@@ -10,9 +10,15 @@ import orjson
 import pytest
 
 from frontend.config import ResponseStoreConfig
-from frontend.errors import InvalidRequestError, ResponseNotFoundError, UnsupportedParameterError
+from frontend.errors import (
+    InvalidRequestError,
+    RelayedError,
+    ResponseNotFoundError,
+    UnsupportedParameterError,
+    error_body,
+)
 from frontend.openai_output import ResponseIdentity, StreamRenderer, Usage, render_response
-from orchestrator.flow_request import StreamedAnswer, WholeAnswer
+from orchestrator.flow_request import Answer, StreamedAnswer, WholeAnswer
 from orchestrator.response_memory import ResponseMemory
 
 BODY: dict[str, Any] = {"model": "m", "input": "Hello"}
@@ -108,3 +114,32 @@ def test_with_the_store_off_what_needs_it_is_refused_and_the_rest_served() -> No
         with pytest.raises(UnsupportedParameterError) as caught:
             memory.begin(body)
         assert caught.value.param == param
+
+
+def worker_refusal(param: str | None) -> RelayedError:
+    return RelayedError(400, error_body(InvalidRequestError(f"{param}: bad", param=param)))
+
+
+@pytest.mark.parametrize(("worker_param", "client_param"), [
+    ("input.3.content", "input.1.content"),  # the client's second item, after two stored ones
+    ("input.2", "input.0"),
+    ("input.1.content", "input.1.content"),  # a stored item: left as the worker said
+    ("max_output_tokens", "max_output_tokens"),
+    (None, None),
+])
+async def test_a_workers_error_about_an_item_names_it_as_the_client_counted_it(
+    worker_param: str | None, client_param: str | None
+) -> None:
+    memory = ResponseMemory(ResponseStoreConfig())
+    memory.begin(BODY).remember(WholeAnswer(orjson.dumps(answer_to("resp_1", "Hi."))))
+    turn = memory.begin({**BODY, "input": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}],
+                         "previous_response_id": "resp_1"})
+
+    async def refused() -> Answer:
+        raise worker_refusal(worker_param)
+
+    with pytest.raises(RelayedError) as caught:
+        await turn.answer(refused)
+    error = orjson.loads(caught.value.content)["error"]
+    assert (caught.value.status_code, error["param"]) == (400, client_param)
+    assert error["message"] == f"{client_param}: bad"
