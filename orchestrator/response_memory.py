@@ -59,19 +59,25 @@ class ResponseMemory:
         new_items = [] if body.get("input") is None else _items_of(body["input"])
         if new_items is None:
             raise InvalidRequestError("'input' must be a string or a list of input items", param="input")
-        stored = orjson.loads(self.stored(previous_id, param="previous_response_id").conversation)
+        stored = self._conversation_of(previous_id)
         continued = {name: value for name, value in body.items() if name != "previous_response_id"}
         continued["input"] = items = [*stored, *new_items]
         return ResponsesTurn(continued, items, self.store if keep else None, len(stored))
 
-    def stored(self, response_id: str, param: str | None = None) -> StoredResponse:
-        entry = self.store.get(response_id) if self.config.enabled else None
+    def stored(self, response_id: str) -> StoredResponse:
+        """A stored response (``GET /v1/responses/{id}``); a 404 if unknown, evicted, expired or deleted."""
+        entry = self.store.get(response_id)
         if entry is None:
-            if param == "previous_response_id":
-                raise ResponseNotFoundError(f"Previous response with id '{response_id}' not found.", param=param,
-                                            code="previous_response_not_found")
-            raise ResponseNotFoundError(f"Response with id '{response_id}' not found.", param=param)
+            raise ResponseNotFoundError(f"Response with id '{response_id}' not found.")
         return entry
+
+    def _conversation_of(self, previous_id: str) -> list[Any]:
+        entry = self.store.get(previous_id)
+        if entry is None:
+            raise ResponseNotFoundError(f"Previous response with id '{previous_id}' not found.",
+                                        param="previous_response_id", code="previous_response_not_found")
+        conversation: list[Any] = orjson.loads(entry.conversation)
+        return conversation
 
     def delete(self, response_id: str) -> None:
         if not self.store.delete(response_id):
