@@ -127,6 +127,10 @@ def test_an_orchestrator_with_two_front_ends_counts_every_request_once(tmp_path:
             assert reply.status_code == 200, reply.text
             assert reply.json()["choices"][0]["message"]["content"] == "The"
         assert _merged_requests(orch.url, "orchestrator") == 40  # any front end answers with the sum
+        # No front end keeps a response store (a follow-up could reach the other one): refused, never a random 404.
+        follow_up = {"model": "synthetic", "input": "hi", "previous_response_id": "resp_1"}
+        reply = httpx.post(orch.url + "/v1/responses", json=follow_up, timeout=30)
+        assert (reply.status_code, reply.json()["error"]["param"]) == (400, "previous_response_id")
         served = _served_by_pid(metrics_dir, "orchestrator")
         assert sum(served.values()) == 40
         assert set(served) == set(front_ends), served  # both front ends served some
