@@ -30,7 +30,7 @@ class Weather(BaseModel):
     degrees: int = Field(ge=-20, le=40)
 
 
-WEATHER_TOOL: dict[str, Any] = {
+WEATHER_TOOL: Any = {
     "type": "function",
     "function": {
         "name": "get_weather",
@@ -42,7 +42,7 @@ WEATHER_TOOL: dict[str, Any] = {
         },
     },
 }
-TIME_TOOL: dict[str, Any] = {
+TIME_TOOL: Any = {
     "type": "function",
     "function": {"name": "get_time", "parameters": {
         "type": "object", "properties": {"h": {"type": "integer", "minimum": 0, "maximum": 23}}, "required": ["h"],
@@ -122,8 +122,8 @@ def test_a_forced_tool_call_comes_in_openais_shape(conformance_cluster: RefClust
     assert choice.finish_reason == "tool_calls"
     assert choice.message.content is None
     (call,) = choice.message.tool_calls or []
-    assert call.type == "function" and call.id.startswith("call_")
     assert isinstance(call, openai.types.chat.ChatCompletionMessageFunctionToolCall)
+    assert call.type == "function" and call.id.startswith("call_")
     if isinstance(tool_choice, dict):
         assert call.function.name == "get_time"
     jsonschema.validate(orjson.loads(call.function.arguments), PARAMETERS[call.function.name])
@@ -142,7 +142,9 @@ def test_a_streamed_tool_call_assembles_in_the_sdk(conformance_cluster: RefClust
     # The streamed call is the whole call.
     whole = client.chat.completions.create(model="tiny", messages=MESSAGES, tools=[WEATHER_TOOL],
                                            tool_choice="required", max_tokens=64, temperature=0)
-    assert (whole.choices[0].message.tool_calls or [])[0].function.arguments == call.function.arguments
+    (whole_call,) = whole.choices[0].message.tool_calls or []
+    assert isinstance(whole_call, openai.types.chat.ChatCompletionMessageFunctionToolCall)
+    assert (whole_call.function.name, whole_call.function.arguments) == (call.function.name, call.function.arguments)
 
 
 @pytest.mark.parametrize("tool_choice", ["none", "auto"])
