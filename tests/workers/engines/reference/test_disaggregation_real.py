@@ -165,8 +165,7 @@ def test_structured_output_on_the_real_model_is_valid_and_disaggregated_equals_a
     capital = orjson.loads(answers[0].choices[0].message.content or "")
     jsonschema.validate(capital, CAPITAL_SCHEMA)
     assert "Paris" in capital["city"]
-    disagg_call, agg_call = [(c.choices[0].message.tool_calls or [None])[0] for c in calls]
-    assert disagg_call is not None and agg_call is not None
+    (disagg_call,), (agg_call,) = [c.choices[0].message.tool_calls or [] for c in calls]
     assert disagg_call.model_dump()["function"] == agg_call.model_dump()["function"]
     assert calls[0].choices[0].finish_reason == "tool_calls"
     arguments = orjson.loads(disagg_call.model_dump()["function"]["arguments"])
