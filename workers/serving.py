@@ -286,13 +286,11 @@ class WorkerService:
                     yield frame
                 prompt_logprobs = None
                 step = await anext(steps, None)
-            calls = None
+            finish_reason: str | None = finish
             if prepared.tool_call:
-                calls = self._tool_calls(prepared, "".join(held), finish)
-                frames = renderer.delta("".join(held)) if calls is None else renderer.tool_calls(calls)
+                frames, finish_reason = self._held_call_frames(prepared, renderer, "".join(held), finish)
                 for frame in frames:
                     yield frame
-            finish_reason = "tool_calls" if prepared.tool_call and calls is not None else finish
             for frame in renderer.finish(finish_reason, Usage(request.prompt_len, completion_tokens)):
                 yield frame
         except ServingError as exc:
@@ -311,6 +309,15 @@ class WorkerService:
         if not prepared.tool_call or finish != "stop":
             return None
         return tool_calls_from_text(text, "call_" + prepared.request.request_id)
+
+    def _held_call_frames(self, prepared: PreparedGeneration, renderer: StreamRenderer, text: str,
+                          finish: str | None) -> tuple[list[bytes], str | None]:
+        """A held-back tool call's frames and the finish reason to report: the whole call, or its text when cut
+        short (``max_tokens``)."""
+        calls = self._tool_calls(prepared, text, finish)
+        if calls is None:
+            return renderer.delta(text), finish
+        return renderer.tool_calls(calls), "tool_calls"
 
     def _prompt_text(self, request: GenerationRequest, real_prompt: TokenArray | None) -> str:
         """Echo reads prompt token values: the real prompt from the engine if this request had a placeholder."""

@@ -95,6 +95,7 @@ REFUSED_RESPONSES_VALUES: list[tuple[str, Any]] = [
 ]
 REFUSED_COMPLETIONS_VALUES: list[tuple[str, Any]] = [
     ("suffix", "z"), ("best_of", 2), ("n", 2), ("no_repeat_ngram_size", 3), ("service_tier", "flex"),
+    ("response_format", {"type": "json_object"}),  # structured output is on chat and the Responses API only
 ]
 
 

@@ -147,6 +147,23 @@ def test_a_streamed_tool_call_assembles_in_the_sdk(conformance_cluster: RefClust
     assert (whole_call.function.name, whole_call.function.arguments) == (call.function.name, call.function.arguments)
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_call_cut_short_by_max_tokens_is_text_with_finish_length(conformance_cluster: RefCluster,
+                                                                  stream: bool) -> None:
+    client = conformance_cluster.orchestrator.client()
+    body: Any = {"model": "tiny", "messages": MESSAGES, "tools": [WEATHER_TOOL], "tool_choice": "required",
+                 "max_tokens": 4, "temperature": 0}
+    if stream:
+        chunks = [c for c in client.chat.completions.create(**body, stream=True) if c.choices]
+        assert not any(c.choices[0].delta.tool_calls for c in chunks)
+        text, finish = "".join(c.choices[0].delta.content or "" for c in chunks), chunks[-1].choices[0].finish_reason
+    else:
+        choice = client.chat.completions.create(**body).choices[0]
+        assert choice.message.tool_calls is None
+        text, finish = choice.message.content or "", choice.finish_reason
+    assert finish == "length" and '{"name": "get_weather"'.startswith(text) and text
+
+
 @pytest.mark.parametrize("tool_choice", ["none", "auto"])
 def test_tools_without_a_forced_call_answer_in_text(conformance_cluster: RefCluster, tool_choice: Any) -> None:
     client = conformance_cluster.orchestrator.client()
