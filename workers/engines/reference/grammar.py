@@ -46,6 +46,9 @@ class TokenConstraint:
 
     def allowed(self) -> BoolArray:
         """A boolean mask over the vocabulary: True where the token keeps the output valid (EOS once complete)."""
+        if self._matcher.is_error():
+            # An empty mask would leave the sampler nothing but -inf: fail the request instead.
+            raise GrammarError(f"the grammar cannot continue: {self._matcher.get_error()}")
         llguidance.numpy.fill_next_token_bitmask(self._matcher, self._bitmask)
         bits = np.unpackbits(self._bitmask[0].view(np.uint8), bitorder="little")[: self._vocab_size]
         return bits.view(np.bool_)

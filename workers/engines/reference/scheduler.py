@@ -260,9 +260,14 @@ class Scheduler:
             for token, bias in spec.sampling.logit_bias:
                 logits[token] += np.float32(bias)
         constraint = seq.constraint
-        sampled = seq.sampler.sample(logits, constraint.allowed() if constraint is not None else None)
-        if constraint is not None and sampled.token_id not in self.config.eos_token_ids:
-            constraint.advance(sampled.token_id)
+        try:
+            sampled = seq.sampler.sample(logits, constraint.allowed() if constraint is not None else None)
+            if constraint is not None and sampled.token_id not in self.config.eos_token_ids:
+                constraint.advance(sampled.token_id)
+        except GrammarError as exc:  # a matcher that broke fails its request, never the core
+            logger.warning("grammar failure on %s: %s", spec.request_id, exc)
+            self._fail(spec.request_id, "request", str(exc))
+            return
         seq.produced += 1
         seq.last_token = sampled.token_id
         finish = self._finish_reason(seq, sampled.token_id)

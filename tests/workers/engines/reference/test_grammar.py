@@ -72,6 +72,8 @@ def test_a_token_the_grammar_forbids_is_an_error(compiler: GrammarCompiler, tiny
     constraint = compiler.constraint(SCHEMA)
     with pytest.raises(GrammarError, match="not allowed"):
         constraint.advance_all(tiny.tokenizer.encode("hello").tolist())
+    with pytest.raises(GrammarError, match="cannot continue"):  # never an empty mask for the sampler
+        constraint.allowed()
 
 
 def test_an_invalid_schema_is_a_grammar_error(compiler: GrammarCompiler) -> None:
