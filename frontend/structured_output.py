@@ -51,7 +51,8 @@ class OutputConstraint:
 
 def json_grammar(schema_text: str) -> str:
     """The llguidance grammar for a JSON schema, with this server's JSON formatting options."""
-    return llguidance.LLMatcher.grammar_from_json_schema(schema_text, defaults=_JSON_OPTIONS)  # type: ignore[arg-type]
+    # Overrides, not defaults: a client's "x-guidance" options must not turn free whitespace back on.
+    return llguidance.LLMatcher.grammar_from_json_schema(schema_text, overrides=_JSON_OPTIONS)  # type: ignore[arg-type]
 
 
 def check_json_schema(schema: dict[str, Any], param: str) -> str:
