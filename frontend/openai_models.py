@@ -137,6 +137,47 @@ class ChatMessage(WireModel):
         return [*calls, self.function_call] if self.function_call is not None else calls
 
 
+class JsonSchemaFormat(WireModel):
+    """``response_format.json_schema``: the schema the answer must satisfy (always enforced, strict or not)."""
+
+    # ``schema`` would shadow a BaseModel attribute; the wire name stays ``schema``.
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+    name: str
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(WireModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class FunctionDefinition(WireModel):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatTool(WireModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class ToolChoiceFunction(WireModel):
+    name: str
+
+
+class NamedToolChoice(WireModel):
+    type: Literal["function"]
+    function: ToolChoiceFunction
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
+
 class StreamOptions(WireModel):
     include_usage: bool | None = False
     include_obfuscation: bool | None = None  # OpenAI's padding against length side channels: nothing to pad here
@@ -210,6 +251,10 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     prompt_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    # Structured output (``frontend.structured_output`` reads them; engines without it refuse them).
+    response_format: ResponseFormat | None = None
+    tools: list[ChatTool] | None = None
+    tool_choice: ToolChoice | None = None
 
     @model_validator(mode="after")
     def _has_messages(self) -> ChatCompletionRequest:
@@ -253,6 +298,30 @@ class CompletionRequest(SamplingFields):
         return self.max_tokens
 
 
+class ResponsesTextFormat(WireModel):
+    """``text.format`` of the Responses API: ``response_format`` with the json_schema fields flattened."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+    def as_response_format(self) -> ResponseFormat:
+        if self.type != "json_schema":
+            return ResponseFormat(type=self.type)
+        return ResponseFormat(type="json_schema", json_schema=JsonSchemaFormat.model_validate(
+            {"name": self.name or "response", "description": self.description, "schema": self.json_schema,
+             "strict": self.strict}))
+
+
+class ResponsesText(WireModel):
+    format: ResponsesTextFormat | None = None
+    verbosity: None = None
+
+
 class ResponsesRequest(SamplingFields):
     wire_endpoint = "responses"
 
@@ -262,6 +331,7 @@ class ResponsesRequest(SamplingFields):
     store: bool | None = None
     metadata: dict[str, str] | None = None
     previous_response_id: str | None = None
+    text: ResponsesText | None = None
 
     @model_validator(mode="after")
     def _stateless(self) -> ResponsesRequest:

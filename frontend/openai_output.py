@@ -277,6 +277,12 @@ class StreamRenderer:
                             {"item_id": item_id, "output_index": 0, "content_index": 0, "delta": text,
                              "logprobs": []})]
 
+    def tool_calls(self, calls: Sequence[dict[str, Any]]) -> list[bytes]:
+        """A chat delta with whole tool calls (id, type, name, arguments), each with its ``index``."""
+        indexed = [{"index": index, **call} for index, call in enumerate(calls)]
+        choice = {"index": 0, "delta": {"tool_calls": indexed}, "logprobs": None, "finish_reason": None}
+        return [self._chunk(choice)]
+
     def finish(self, finish_reason: str | None, usage: Usage) -> list[bytes]:
         endpoint = self.ident.endpoint
         if endpoint in ("chat", "completions"):

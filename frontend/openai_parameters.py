@@ -54,20 +54,18 @@ _COMMON: dict[str, Neutral] = {
     "moderation": _null,
     "no_repeat_ngram_size": _one_of(0),  # vLLM's name; no engine here implements it
 }
-# Tools and reasoning, which chat and the Responses API share.
-_TOOLS: dict[str, Neutral] = {
-    "tools": _null_or_empty,
-    "tool_choice": _one_of("none", "auto"),  # 'auto' with no tools is 'none'
-    "parallel_tool_calls": _any_bool,  # meaningless without tools
+# Reasoning, and the one tools parameter neither endpoint reads: chat and the Responses API share them.
+_REASONING: dict[str, Neutral] = {
+    "parallel_tool_calls": _any_bool,  # at most one call is made, which any value allows
     "reasoning_effort": _null,
     "reasoning": _null_or_empty,
 }
 _CHAT: dict[str, Neutral] = {
     **_COMMON,
-    **_TOOLS,
+    **_REASONING,
+    # tools, tool_choice and response_format are chat wire fields (``frontend.structured_output``).
     "functions": _null_or_empty,
     "function_call": _one_of("none", "auto"),
-    "response_format": _one_of({"type": "text"}),
     "audio": _null,
     "modalities": _one_of(["text"]),
     "prediction": _null,
@@ -78,8 +76,9 @@ _CHAT: dict[str, Neutral] = {
 }
 _RESPONSES: dict[str, Neutral] = {
     **_COMMON,
-    **_TOOLS,
-    "text": _one_of({}, {"format": {"type": "text"}}),
+    **_REASONING,
+    "tools": _null_or_empty,  # Responses-style function tools are not implemented: use chat completions
+    "tool_choice": _one_of("none", "auto"),  # 'auto' with no tools is 'none'
     "include": _null_or_empty,
     "truncation": _one_of("disabled"),
     "background": _one_of(False),
@@ -97,9 +96,9 @@ UNSUPPORTED_BY_ENDPOINT: Mapping[WireEndpoint, Mapping[str, Neutral]] = {
     "completions": _COMMON,
     "responses": _RESPONSES,
 }
-# Names some wire model implements on another endpoint (the completions prompt, chat's top_logprobs, the
+# Names some wire model implements on another endpoint (the completions prompt, chat's top_logprobs and tools, the
 # Responses API's store and metadata): only the endpoint's own table can judge them.
-_IMPLEMENTED_ELSEWHERE = frozenset({"prompt", "top_logprobs", "store", "metadata"})
+_IMPLEMENTED_ELSEWHERE = frozenset({"prompt", "top_logprobs", "store", "metadata", "tools", "tool_choice"})
 # The rest, whichever endpoint: what a body-level check that knows no endpoint can judge (``refuse_unsupported``).
 UNSUPPORTED_PARAMETERS: frozenset[str] = frozenset(
     name for table in UNSUPPORTED_BY_ENDPOINT.values() for name in table if name not in _IMPLEMENTED_ELSEWHERE

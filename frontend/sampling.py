@@ -47,6 +47,9 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     logprobs: int | None = None  # None: none; 0: the chosen token only; k: plus the top k alternatives
     ignore_eos: bool = False
+    # Structured output: the output must be JSON valid against this schema (compact JSON text, the engine's cache
+    # key; ``frontend.structured_output``). It reads only output tokens, never prompt token values.
+    json_schema: str | None = None
 
     def __post_init__(self) -> None:
         _require(self.seed is None or SEED_MIN <= self.seed <= SEED_MAX, "seed",

@@ -33,7 +33,9 @@ from frontend.openai_models import (
 )
 from frontend.openai_output import Endpoint
 from frontend.sampling import SamplingParams, sampling_from_request
+from frontend.structured_output import OutputConstraint, tools_in_prompt
 from frontend.token_codec import TokenArray, decode_prompt_tokens, token_array_from_list
+from frontend.tool_calls import with_tools_prompt
 from workers.engines.base import Tokenizer
 from workers.engines.outputs import EngineInfo, TokenLogprob
 from workers.engines.request import Handoff, Phase, PromptPath, placeholder_prompt
@@ -49,11 +51,19 @@ class PreparedPrompt:
     token_list: list[int] | None = None  # the list path keeps the client's list
 
 
-def sampling_params_from(wire: GenerationWireRequest, info: EngineInfo) -> SamplingParams:
+def sampling_params_from(
+    wire: GenerationWireRequest, info: EngineInfo, constraint: OutputConstraint | None = None
+) -> SamplingParams:
     """The request's sampling, parsed once; ``max_tokens`` stays as asked until ``resolve_max_tokens``."""
     sampling = sampling_from_request(wire, info.vocab_size)
     if sampling.logprobs is not None and not info.supports_logprobs:
         raise UnsupportedParameterError(f"the {info.engine} engine does not return logprobs", param="logprobs")
+    if constraint is not None:
+        if not info.supports_structured_output:
+            raise UnsupportedParameterError(
+                f"the {info.engine} engine does not support structured output ('{constraint.param}')",
+                param=constraint.param)
+        sampling = dataclasses.replace(sampling, json_schema=constraint.json_schema)
     return sampling
 
 
@@ -185,7 +195,7 @@ def _prompt_text(wire: GenerationWireRequest, tokenizer: Tokenizer) -> str:
     if any(m.has_media for m in messages):
         raise UnsupportedParameterError("this model accepts text only (no images or audio)", param=field)
     try:
-        return tokenizer.render_chat([template_message(m) for m in messages])
+        return tokenizer.render_chat(with_tools_prompt([template_message(m) for m in messages], tools_in_prompt(wire)))
     except ValueError as exc:  # the model's chat template refused these messages
         raise InvalidRequestError(f"the chat template cannot render these messages: {exc}", param=field) from exc
 

@@ -36,7 +36,9 @@ from frontend.openai_output import (
     Usage,
     render_response,
 )
+from frontend.structured_output import output_constraint
 from frontend.token_codec import TokenArray, encode_prompt_tokens
+from frontend.tool_calls import as_tool_call_message, tool_calls_from_text
 from workers.engines.base import Engine, ProvidesTokenizer, Tokenizer
 from workers.engines.outputs import FinishReason, TokenLogprob
 from workers.engines.request import GenerationRequest, Phase
@@ -73,6 +75,7 @@ class PreparedGeneration:
     request: GenerationRequest
     ident: ResponseIdentity
     disagg: DisaggregatedParams | None
+    tool_call: bool = False  # the output is a forced tool call, answered as message.tool_calls
 
 
 @dataclass(slots=True)
@@ -109,7 +112,8 @@ class WorkerService:
         disagg = wire.disaggregated_params
         phase = phase_of(disagg)
         self._check_role(phase)
-        sampling = sampling_params_from(wire, info)
+        constraint = output_constraint(wire)
+        sampling = sampling_params_from(wire, info, constraint)
         prompt = await prepare_prompt(wire, sampling, info, self.tokenizer)
         sampling = resolve_max_tokens(wire, sampling, int(prompt.tokens.size), info)
         handoff = handoff_from(disagg, info.vocab_size)
@@ -126,7 +130,8 @@ class WorkerService:
             self.metrics.gen_prompt_path.labels(path=prompt.path.value).inc()
         endpoint = endpoint_of(wire)
         ident = ResponseIdentity(endpoint, _ID_PREFIX[endpoint] + request_id, info.model)
-        return PreparedGeneration(wire, request, ident, disagg)
+        tool_call = constraint is not None and constraint.tool_call
+        return PreparedGeneration(wire, request, ident, disagg, tool_call=tool_call)
 
     @property
     def tokenizer(self) -> Tokenizer:
@@ -190,6 +195,9 @@ class WorkerService:
         usage = Usage(request.prompt_len, len(out.token_ids))
         body = render_response(prepared.ident, text, out.finish_reason, usage, logprob_entries,
                                self._prompt_logprobs(prepared, out.prompt_logprobs))
+        calls = self._tool_calls(prepared, text, out.finish_reason)
+        if calls is not None:
+            as_tool_call_message(body, calls)
         if request.phase is Phase.CONTEXT_ONLY:
             self._add_context_fields(body, prepared, out)
         return body
@@ -264,16 +272,26 @@ class WorkerService:
                 for frame in renderer.delta(self._prompt_text(request, real_prompt), echoed, prompt_logprobs):
                     yield frame
                 prompt_logprobs = None
+            held: list[str] = []  # a tool call's text: sent whole once complete, as the call
             step = first
             while step is not None:
                 completion_tokens += len(step.token_ids)
                 finish = step.finish_reason or finish
                 logprobs = self._logprob_infos(step.logprobs) if request.sampling.logprobs is not None else None
-                for frame in renderer.delta(step.text, logprobs, prompt_logprobs):
+                text = step.text
+                if prepared.tool_call:
+                    held.append(text)
+                    text = ""
+                for frame in renderer.delta(text, logprobs, prompt_logprobs):
                     yield frame
                 prompt_logprobs = None
                 step = await anext(steps, None)
-            for frame in renderer.finish(finish, Usage(request.prompt_len, completion_tokens)):
+            finish_reason: str | None = finish
+            if prepared.tool_call:
+                frames, finish_reason = self._held_call_frames(prepared, renderer, "".join(held), finish)
+                for frame in frames:
+                    yield frame
+            for frame in renderer.finish(finish_reason, Usage(request.prompt_len, completion_tokens)):
                 yield frame
         except ServingError as exc:
             for frame in renderer.error(exc):
@@ -284,6 +302,22 @@ class WorkerService:
                 yield frame
         finally:
             await steps.aclose()
+
+    @staticmethod
+    def _tool_calls(prepared: PreparedGeneration, text: str, finish: str | None) -> list[dict[str, Any]] | None:
+        """The forced tool call a finished answer made; None for plain text or a call cut short."""
+        if not prepared.tool_call or finish != "stop":
+            return None
+        return tool_calls_from_text(text, "call_" + prepared.request.request_id)
+
+    def _held_call_frames(self, prepared: PreparedGeneration, renderer: StreamRenderer, text: str,
+                          finish: str | None) -> tuple[list[bytes], str | None]:
+        """A held-back tool call's frames and the finish reason to report: the whole call, or its text when cut
+        short (``max_tokens``)."""
+        calls = self._tool_calls(prepared, text, finish)
+        if calls is None:
+            return renderer.delta(text), finish
+        return renderer.tool_calls(calls), "tool_calls"
 
     def _prompt_text(self, request: GenerationRequest, real_prompt: TokenArray | None) -> str:
         """Echo reads prompt token values: the real prompt from the engine if this request had a placeholder."""

@@ -147,9 +147,11 @@ CASES: list[Case] = [
     ("/v1/completions", {**COMPLETION, "max_tokens": 2**31}, 400, "max_tokens", "context_length_exceeded"),
     ("/v1/responses", {"model": MODEL, "input": "hi", "max_output_tokens": CONTEXT}, 400, "max_output_tokens",
      "context_length_exceeded"),
-    # parameters OpenAI has and this server does not
-    ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools",
-     "unsupported_parameter"),
+    # parameters OpenAI has and this (synthetic) engine cannot honour: it has no logits to constrain
+    ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}],
+                              "tool_choice": "required"}, 400, "tool_choice", "unsupported_parameter"),
+    ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "s", "schema": {"type": "nope"}}}}, 400, "response_format", None),
     ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_object"}}, 400, "response_format",
      "unsupported_parameter"),
     ("/v1/chat/completions", {**CHAT, "n": 2}, 400, "n", "unsupported_parameter"),

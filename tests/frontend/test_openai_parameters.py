@@ -9,9 +9,9 @@ from frontend.openai_parameters import drop_neutral_parameters
 
 
 @pytest.mark.parametrize(("endpoint", "name", "value"), [
-    ("chat", "tools", None), ("chat", "tools", []), ("chat", "tool_choice", "none"),
-    ("chat", "response_format", {"type": "text"}), ("chat", "modalities", ["text"]), ("chat", "store", False),
-    ("responses", "text", {"format": {"type": "text"}}), ("responses", "truncation", "disabled"),
+    ("responses", "tools", None), ("responses", "tools", []), ("responses", "tool_choice", "none"),
+    ("chat", "functions", []), ("chat", "modalities", ["text"]), ("chat", "store", False),
+    ("responses", "truncation", "disabled"),
     ("responses", "prompt", None), ("completions", "service_tier", "auto"),
 ])
 def test_a_neutral_value_is_dropped(endpoint: Any, name: str, value: Any) -> None:
@@ -19,7 +19,7 @@ def test_a_neutral_value_is_dropped(endpoint: Any, name: str, value: Any) -> Non
 
 
 @pytest.mark.parametrize(("endpoint", "name", "value"), [
-    ("chat", "tools", [{"type": "function"}]), ("chat", "response_format", {"type": "json_object"}),
+    ("responses", "tools", [{"type": "function"}]), ("chat", "functions", [{"name": "f"}]),
     ("chat", "store", True), ("responses", "background", True), ("completions", "no_repeat_ngram_size", 2),
 ])
 def test_any_other_value_is_a_400_naming_it(endpoint: Any, name: str, value: Any) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+import orjson
 import pytest
 
 from tests.cluster import sample
@@ -79,6 +80,20 @@ def test_admitted_metadata_only_equals_the_real_token_output(without_tokens_in_h
     body = _gen_bodies(cluster)[-1]
     assert "prompt_token_ids_b64" not in body and "prompt_token_ids" not in body
     assert body["disaggregated_params"]["prompt_len"] > 0
+
+
+def test_structured_output_takes_the_metadata_only_path(without_tokens_in_handoff: RefCluster) -> None:
+    # The grammar reads output tokens only: GEN rebuilds it from the body and replays CTX's first token over it.
+    cluster = without_tokens_in_handoff
+    before = _gen_path_count(cluster, "metadata_only")
+    # Short enough for the 10 tokens _chat allows (the tiny vocab spends about a token per character).
+    schema = {"type": "object", "properties": {"n": {"enum": [1, 2, 3]}}, "required": ["n"],
+              "additionalProperties": False}
+    response_format = {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}
+    disagg = _chat(cluster, "orchestrator", temperature=0, response_format=response_format)
+    assert disagg == _chat(cluster, "aggregated", temperature=0, response_format=response_format)
+    assert orjson.loads(disagg[0])["n"] in (1, 2, 3)
+    assert _gen_path_count(cluster, "metadata_only") == before + 1
 
 
 @pytest.mark.parametrize(

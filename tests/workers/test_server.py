@@ -109,6 +109,25 @@ def test_chat_logprobs(worker_client: openai.OpenAI) -> None:
     assert all(t.logprob == 0.0 and len(t.top_logprobs) == 2 for t in logprobs.content)
 
 
+@pytest.mark.parametrize(("options", "param"), [
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": {"type": "object"}}}},
+     "response_format"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"}, "tool_choice"),
+])
+def test_the_synthetic_engine_refuses_structured_output(
+    worker_client: openai.OpenAI, options: dict[str, Any], param: str
+) -> None:
+    with pytest.raises(openai.BadRequestError) as caught:
+        worker_client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                              max_tokens=2, **options)
+    assert caught.value.param == param and "structured output" in caught.value.message
+    # Tools it need not constrain are served: auto answers in text.
+    reply = worker_client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                                  max_tokens=2, tools=options.get("tools", []))
+    assert reply.choices[0].message.content
+
+
 def test_top_logprobs_without_logprobs_is_400(worker_client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as caught:
         worker_client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4, top_logprobs=2)

@@ -22,6 +22,7 @@ class EngineInfo:
     kv_block_reuse: bool = False  # blocks keyed by token-value hashes: placeholders would collide
     prompt_tokens_in_handoff: bool = False  # the KV hand-off carries the prompt's real int32 ids
     supports_logprobs: bool = True
+    supports_structured_output: bool = False  # JSON schema constrained decoding (response_format, forced tools)
 
 
 @dataclass(frozen=True, slots=True)

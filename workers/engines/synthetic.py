@@ -45,6 +45,7 @@ class SyntheticEngine:
             vocab_size=self.config.vocab_size,
             max_context=self.config.max_context,
             model_hash="synthetic-v1",
+            supports_structured_output=False,  # it computes no logits to constrain: response_format / tools -> 400
         )
         self._tokenizer = ByteTokenizer(self.config.vocab_size)
         self._running: set[str] = set()

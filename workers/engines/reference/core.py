@@ -27,6 +27,7 @@ import numpy as np
 
 from frontend.sampling import SamplingParams
 from frontend.token_codec import TOKEN_DTYPE
+from workers.engines.reference.grammar import GrammarCompiler
 from workers.engines.reference.ipc import ChannelClosed, Header, read_frame_blocking, send_frame_blocking
 from workers.engines.reference.kv_store import KVStore, KVTransferServer
 from workers.engines.reference.model_file import load_model_file
@@ -169,7 +170,8 @@ class Core:
         )
         scheduler = Scheduler(model, config, store, self.emit,
                               wake=lambda: self.inbox.put((0, {"op": "wake"}, b"")),
-                              abort_pending=self.aborts_pending.__contains__)
+                              abort_pending=self.aborts_pending.__contains__,
+                              grammars=GrammarCompiler(tokenizer, loaded.config.vocab_size))
         meta = loaded.tokenizer
         logger.info("model %s loaded in %.1f s, RSS %.0f MB; KV transfer on %s", loaded.path.name, load_s, rss_mb,
                     config.kv_url_base)

@@ -118,6 +118,7 @@ class ReferenceEngine:
             model_hash=str(ready["model_hash"]),
             kv_block_reuse=self.options.kv_block_reuse,
             prompt_tokens_in_handoff=bool(ready["prompt_tokens_in_handoff"]),
+            supports_structured_output=True,  # llguidance masks the core's sampler (reference/grammar.py)
         )
         self._alive = True
         self._reader_task = asyncio.create_task(self._read_loop(reader), name="reference-core-reader")

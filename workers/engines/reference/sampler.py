@@ -20,6 +20,7 @@ from frontend.sampling import SamplingParams
 
 F32Array = npt.NDArray[np.float32]
 F64Array = npt.NDArray[np.float64]
+BoolArray = npt.NDArray[np.bool_]
 
 
 _SEED_SPACE = 2**64
@@ -67,7 +68,8 @@ class Sampler:
 
     Logprob convention (OpenAI's): logprobs are of the raw model distribution, i.e. log-softmax of
     the logits before penalties, temperature and truncation, so they describe the model, not the
-    sampling settings; they are identical under greedy and sampled decoding.
+    sampling settings; they are identical under greedy and sampled decoding. A grammar's mask
+    (``allowed``) is a truncation too: it limits the choice, not the reported distribution.
     """
 
     def __init__(
@@ -146,9 +148,11 @@ class Sampler:
         rng = np.random.Generator(np.random.PCG64([self.seed, self._position]))
         return float(rng.random())
 
-    def choose(self, logits: F32Array) -> int:
-        """The token for the current position, without recording it."""
+    def choose(self, logits: F32Array, allowed: BoolArray | None = None) -> int:
+        """The token for the current position, without recording it; only an ``allowed`` one when given."""
         penalised = self._penalised(logits)
+        if allowed is not None:
+            penalised[~allowed] = -np.inf  # before temperature and top-k/p, so they share out only what is allowed
         if self.config.temperature == 0.0:
             return int(np.argmax(penalised))
         ids, probs = self._probabilities(penalised)
@@ -156,11 +160,11 @@ class Sampler:
         index = int(np.searchsorted(cdf, self._draw() * cdf[-1], side="right"))
         return int(ids[min(index, ids.shape[0] - 1)])
 
-    def sample(self, logits: F32Array) -> SampledToken:
-        """Choose, record and report the next output token."""
+    def sample(self, logits: F32Array, allowed: BoolArray | None = None) -> SampledToken:
+        """Choose, record and report the next output token (one of the ``allowed`` ones, when given)."""
         if logits.shape != (self.vocab_size,):
             raise ValueError(f"logits shape {logits.shape} != ({self.vocab_size},)")
-        token = self.choose(logits)
+        token = self.choose(logits, allowed)
         lp = log_softmax(logits)
         n_top = self.config.logprobs or 0
         result = SampledToken(token, float(lp[token]), top_logprobs(lp, n_top))

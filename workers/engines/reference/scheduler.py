@@ -20,6 +20,7 @@ import orjson
 
 from frontend.sampling import SamplingParams
 from frontend.token_codec import TokenArray
+from workers.engines.reference.grammar import GrammarCompiler, GrammarError, TokenConstraint
 from workers.engines.reference.kv_fetch import FetchedHandoff, HandoffUnavailable, HandoffUnreachable, fetch_handoff
 from workers.engines.reference.kv_handoff import KVHandoff, encode_handoff
 from workers.engines.reference.kv_store import KVStore, KVStoreFull
@@ -54,6 +55,7 @@ class Sequence:
     last_token: int = -1
     prompt_logprobs: list[Any] = field(default_factory=list)
     handoff_prompt_logprobs: list[Any] | None = None
+    constraint: TokenConstraint | None = None  # structured output: the grammar's state over the output so far
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,7 +71,8 @@ class SchedulerConfig:
 class Scheduler:
     def __init__(self, model: Transformer, config: SchedulerConfig, store: KVStore, emit: Emit,
                  wake: Callable[[], None] = lambda: None,
-                 abort_pending: Callable[[str], bool] = lambda request_id: False) -> None:
+                 abort_pending: Callable[[str], bool] = lambda request_id: False,
+                 grammars: GrammarCompiler | None = None) -> None:
         self.model = model
         self.config = config
         self.store = store
@@ -85,6 +88,7 @@ class Scheduler:
         self._fetching: dict[str, tuple[SubmitSpec, Future[FetchedHandoff]]] = {}
         self._fetcher = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv-fetch")
         self.prefix_cache = PrefixCache(config.prefix_cache_bytes) if config.prefix_cache_bytes else None
+        self.grammars = grammars
 
     # -- requests in --------------------------------------------------------------------------------------
     def submit(self, spec: SubmitSpec) -> None:
@@ -95,7 +99,9 @@ class Scheduler:
             self._fetching[spec.request_id] = (spec, future)
             future.add_done_callback(lambda _: self.wake())
             return
-        seq = Sequence(spec, self.model.new_cache(int(spec.prompt.shape[0]) + 16))
+        # Compiled before prefill: a schema that does not compile fails the submit, not a step.
+        constraint = self._constraint(spec)
+        seq = Sequence(spec, self.model.new_cache(int(spec.prompt.shape[0]) + 16), constraint=constraint)
         if self.prefix_cache is not None and spec.sampling.prompt_logprobs is None:
             seq.prefilled = self.prefix_cache.load_prefix(spec.prompt, seq.cache)
         self._prefill_queue.append(seq)
@@ -166,6 +172,14 @@ class Scheduler:
             # Keyed by the token values this worker holds: real ones, or a placeholder's (hence the guardrail).
             self.prefix_cache.insert(prompt, seq.cache)
         seq.sampler = self._sampler(spec, prompt)
+        try:
+            # The grammar state is rebuilt from the request and replayed over CTX's tokens: nothing of it crosses.
+            seq.constraint = self._constraint(spec)
+            if seq.constraint is not None:
+                seq.constraint.advance_all(spec.first_gen_tokens)
+        except GrammarError as exc:
+            self._fail(spec.request_id, "request", str(exc))
+            return
         seq.produced = len(spec.first_gen_tokens)
         seq.handoff_prompt_logprobs = handoff.prompt_logprobs
         for token in spec.first_gen_tokens[:-1]:  # tokens CTX chose beyond the first enter the cache here
@@ -185,6 +199,13 @@ class Scheduler:
             self.emit({"op": "output", "id": spec.request_id, "tokens": [], "logprobs": None, "finish": finish})
             return
         self._running[spec.request_id] = seq
+
+    def _constraint(self, spec: SubmitSpec) -> TokenConstraint | None:
+        if spec.sampling.json_schema is None:
+            return None
+        if self.grammars is None:
+            raise GrammarError("this engine core has no grammar compiler")
+        return self.grammars.constraint(spec.sampling.json_schema)
 
     def _sampler(self, spec: SubmitSpec, prompt: TokenArray) -> Sampler:
         return Sampler(spec.sampling, prompt, self.vocab_size, output_so_far=spec.first_gen_tokens)
@@ -238,7 +259,15 @@ class Scheduler:
             logits = logits.copy()
             for token, bias in spec.sampling.logit_bias:
                 logits[token] += np.float32(bias)
-        sampled = seq.sampler.sample(logits)
+        constraint = seq.constraint
+        try:
+            sampled = seq.sampler.sample(logits, constraint.allowed() if constraint is not None else None)
+            if constraint is not None and sampled.token_id not in self.config.eos_token_ids:
+                constraint.advance(sampled.token_id)
+        except GrammarError as exc:  # a matcher that broke fails its request, never the core
+            logger.warning("grammar failure on %s: %s", spec.request_id, exc)
+            self._fail(spec.request_id, "request", str(exc))
+            return
         seq.produced += 1
         seq.last_token = sampled.token_id
         finish = self._finish_reason(seq, sampled.token_id)

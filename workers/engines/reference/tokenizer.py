@@ -96,6 +96,10 @@ class GGUFTokenizer:
     def special_token_ids(self) -> frozenset[int]:
         return self._special_ids
 
+    def hf_json(self) -> str:
+        """The tokenizer as Hugging Face tokenizers JSON (what grammar libraries build their token tables from)."""
+        return str(self._tokenizer.to_str())
+
     def encode(self, text: str) -> I32Array:
         """Token ids for text; control tokens written in the text become their single ids."""
         ids = self._tokenizer.encode(text, add_special_tokens=False).ids

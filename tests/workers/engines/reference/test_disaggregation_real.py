@@ -130,3 +130,86 @@ def test_the_guardrail_is_not_decorative(real: Engine) -> None:
     assert continue_on_gen(placeholder, greedy) == continue_on_gen(prompt, greedy)
     penalised = SamplingParams(temperature=0.0, repetition_penalty=1.3)
     assert continue_on_gen(placeholder, penalised) != continue_on_gen(prompt, penalised)
+
+
+CAPITAL_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 30}, "country": {"type": "string", "maxLength": 30}},
+    "required": ["city", "country"],
+    "additionalProperties": False,
+}
+WEATHER_TOOL: Any = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30}},
+                   "required": ["city"], "additionalProperties": False}}}
+
+
+def test_structured_output_on_the_real_model_is_valid_and_disaggregated_equals_aggregated(
+    real_cluster: RefCluster,
+) -> None:
+    """Greedy, so CTX's first token under the grammar and GEN's continuation must match one worker's answer."""
+    import jsonschema
+    import orjson
+
+    json_schema: Any = {"type": "json_schema", "json_schema": {"name": "capital", "schema": CAPITAL_SCHEMA,
+                                                               "strict": True}}
+    with real_cluster.orchestrator.client() as disagg, real_cluster.aggregated.client() as agg:
+        answers = [client.chat.completions.create(model=real_cluster.model, messages=FRANCE, max_tokens=40,
+                                                  temperature=0, response_format=json_schema)
+                   for client in (disagg, agg)]
+        calls = [client.chat.completions.create(model=real_cluster.model, messages=FRANCE, max_tokens=40,
+                                                temperature=0, tools=[WEATHER_TOOL], tool_choice="required")
+                 for client in (disagg, agg)]
+    assert answers[0].choices[0].message.content == answers[1].choices[0].message.content
+    assert answers[0].choices[0].finish_reason == "stop"
+    capital = orjson.loads(answers[0].choices[0].message.content or "")
+    jsonschema.validate(capital, CAPITAL_SCHEMA)
+    assert "Paris" in capital["city"]
+    (disagg_call,), (agg_call,) = [c.choices[0].message.tool_calls or [] for c in calls]
+    assert disagg_call.model_dump()["function"] == agg_call.model_dump()["function"]
+    assert calls[0].choices[0].finish_reason == "tool_calls"
+    arguments = orjson.loads(disagg_call.model_dump()["function"]["arguments"])
+    jsonschema.validate(arguments, WEATHER_TOOL["function"]["parameters"])
+
+
+def test_the_grammar_state_survives_the_kv_hand_off_on_the_real_model(real: Engine) -> None:
+    """In process, the hand-off as the workers do it: CTX picks the first token under the grammar and exports the
+    KV; GEN imports it, rebuilds the grammar from the schema and replays the first token. The answer equals one
+    engine's whole run, and is valid."""
+    import jsonschema
+    import orjson
+
+    from workers.engines.reference.grammar import GrammarCompiler
+
+    model, tokenizer = real.transformer, real.tokenizer
+    vocab = model.config.vocab_size
+    grammars = GrammarCompiler(tokenizer, vocab)
+    schema = orjson.dumps(CAPITAL_SCHEMA).decode()
+    prompt = tokenizer.encode(tokenizer.render_chat([{"role": "user", "content": "What is the capital of France? "
+                                                      "Answer in JSON with the city and its country."}]))
+    greedy = SamplingParams(temperature=0.0)
+
+    def run(split: bool) -> list[int]:
+        cache = model.new_cache()
+        constraint, sampler = grammars.constraint(schema), Sampler(greedy, prompt, vocab)
+        token = sampler.sample(model.prefill(prompt, cache), constraint.allowed()).token_id
+        constraint.advance(token)
+        if split:  # GEN: the KV crosses; the grammar is rebuilt from the request, never sent
+            cache = import_kv(*export_kv(cache), model.config)
+            constraint, sampler = grammars.constraint(schema), Sampler(greedy, prompt, vocab, output_so_far=[token])
+            constraint.advance_all([token])
+        out = [token]
+        while len(out) < 40:
+            token = sampler.sample(model.decode(token, cache), constraint.allowed()).token_id
+            if token in tokenizer.eos_token_ids:
+                return out
+            constraint.advance(token)
+            out.append(token)
+        raise AssertionError(f"no EOS within 40 tokens: {tokenizer.decode(out)!r}")
+
+    whole = run(split=False)
+    assert run(split=True) == whole
+    answer = orjson.loads(tokenizer.decode(whole))
+    jsonschema.validate(answer, CAPITAL_SCHEMA)
+    assert "Paris" in answer["city"]
+    assert grammars.compilations == 1

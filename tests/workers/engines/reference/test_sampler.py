@@ -198,3 +198,35 @@ def test_long_prompt_counts_built_once() -> None:
     sampler = Sampler(SamplingParams(repetition_penalty=1.2, seed=0), prompt, 49152)
     x = np.random.default_rng(1).standard_normal(49152).astype(np.float32)
     assert 0 <= sampler.sample(x).token_id < 49152
+
+
+@pytest.mark.parametrize("cfg", [
+    SamplingParams(temperature=0.0),
+    SamplingParams(temperature=0.9, seed=7),
+    SamplingParams(temperature=1.3, top_k=5, seed=1),
+    SamplingParams(temperature=0.8, top_p=0.5, seed=2, frequency_penalty=0.5),
+])
+def test_a_grammar_mask_limits_the_choice_whatever_the_sampling(cfg: SamplingParams) -> None:
+    steps = random_logits(3)
+    allowed = np.zeros(50, np.bool_)
+    allowed[[4, 17, 33]] = True
+    sampler = Sampler(cfg, NO_PROMPT, 50)
+    assert all(sampler.sample(x, allowed).token_id in (4, 17, 33) for x in steps)
+
+
+def test_logprobs_under_a_mask_are_those_of_the_raw_distribution() -> None:
+    x = logits_of(3.0, 1.0, 0.5, 0.0)
+    allowed = np.array([False, False, True, True])
+    masked = Sampler(SamplingParams(temperature=0.0, logprobs=2), NO_PROMPT, 4).sample(x, allowed)
+    free = Sampler(SamplingParams(temperature=0.0, logprobs=2), NO_PROMPT, 4).sample(x)
+    assert masked.token_id == 2 and free.token_id == 0
+    assert masked.logprob == pytest.approx(float(log_softmax(x)[2]))
+    assert masked.top_logprobs == free.top_logprobs
+
+
+def test_a_seeded_masked_draw_is_reproducible() -> None:
+    allowed = np.zeros(50, np.bool_)
+    allowed[::3] = True
+    cfg = SamplingParams(temperature=1.0, seed=11)
+    runs = [[Sampler(cfg, NO_PROMPT, 50).sample(x, allowed).token_id for x in random_logits(5)] for _ in range(2)]
+    assert runs[0] == runs[1]
