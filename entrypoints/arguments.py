@@ -37,6 +37,9 @@ def build_parser() -> argparse.ArgumentParser:
                         choices=["debug", "info", "warning", "error"])
     parser.add_argument("--log-format", default=os.environ.get("DISAGG_LOG_FORMAT", "text"), choices=["text", "json"],
                         help="json: one JSON object a line, with the request's X-Request-Id")
+    parser.add_argument("--otlp-endpoint", default=os.environ.get("DISAGG_OTLP_ENDPOINT"), metavar="URL",
+                        help="send OpenTelemetry traces to this OTLP/HTTP collector (http://HOST:4318); also "
+                             "OTEL_EXPORTER_OTLP_ENDPOINT. Off by default (docs/observability.md)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="{worker,orchestrator,up}")
 
     worker = sub.add_parser("worker", help="run a CTX, GEN or aggregated OpenAI worker in front of one engine")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -17,6 +18,7 @@ import uvicorn
 
 from entrypoints.arguments import build_parser
 from entrypoints.http_protocol import protocol_with_header_timeout
+from frontend import tracing
 from frontend.client_timeouts import SendTimeoutMiddleware
 from frontend.logging_setup import configure_logging
 
@@ -93,6 +95,7 @@ def run_worker(args: argparse.Namespace, argv: Sequence[str]) -> int:
     if args.register:
         advertise = args.advertise_url or f"http://{args.host}:{args.port}"
         registration = Registration(args.register, advertise, args.role, args.admin_key)
+    tracing.configure(f"disagg-serve-{args.role}", args.role)
     app = create_worker_app(engine, settings, registration=registration)
     _serve(app, args, args.host, args.port)
     return 0
@@ -116,6 +119,7 @@ def run_orchestrator(args: argparse.Namespace, argv: Sequence[str]) -> int:
         args.port = config.port
         return _supervise(args, argv)
     # An empty key (DISAGG_API_KEY="") means no key, not "the empty string is the key".
+    tracing.configure("disagg-serve-orchestrator", "orchestrator")
     app = create_orchestrator_app(config, api_key=args.api_key or None, admin_key=args.admin_key or None)
     _serve(app, args, config.hostname, config.port)
     return 0
@@ -125,6 +129,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     configure_logging(args.log_level, args.log_format)
+    if args.otlp_endpoint:
+        # As the standard variable, so that every process this one starts (engine core, `up`'s children, the
+        # --api-workers front ends) traces to the same collector.
+        os.environ[tracing.ENDPOINT_ENV] = args.otlp_endpoint
     if args.command == "worker":
         return run_worker(args, argv)
     if args.command == "orchestrator":
