@@ -3,6 +3,7 @@
     disagg-serve worker --role context|generation|both --engine reference|synthetic --host H --port P
     disagg-serve orchestrator --config FILE.yaml [--host H] [--port P]
     disagg-serve up [--engine ...] [--host 127.0.0.1] [--port 8000] [--metadata-only]
+    disagg-serve bench --url URL [--prompt-tokens N | --prompts FILE.jsonl] [--concurrency C | --request-rate R]
 """
 
 from __future__ import annotations
@@ -137,6 +138,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run_worker(args, argv)
     if args.command == "orchestrator":
         return run_orchestrator(args, argv)
+    if args.command == "bench":
+        from entrypoints.bench.command import run_bench
+
+        return run_bench(args)
     from entrypoints.launcher import run_up
 
     return run_up(args)
