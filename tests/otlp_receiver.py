@@ -30,6 +30,8 @@ class ReceivedSpan:
     trace_id: str  # hex, as in a traceparent header
     span_id: str
     parent_span_id: str  # "" for a root span
+    start_ns: int = 0
+    end_ns: int = 0
     attributes: dict[str, Any] = field(default_factory=dict)
 
 
@@ -81,7 +83,8 @@ class OtlpReceiver:
                     received.append(ReceivedSpan(
                         service=str(resource.get("service.name")), role=str(resource.get("disagg.role")),
                         name=span.name, trace_id=span.trace_id.hex(), span_id=span.span_id.hex(),
-                        parent_span_id=span.parent_span_id.hex(),
+                        parent_span_id=span.parent_span_id.hex(), start_ns=span.start_time_unix_nano,
+                        end_ns=span.end_time_unix_nano,
                         attributes={a.key: _value(a.value) for a in span.attributes},
                     ))
         with self._lock:
