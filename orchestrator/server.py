@@ -43,6 +43,8 @@ from orchestrator.routers import RoutingKey, make_router
 from orchestrator.transport import WorkerTimeouts
 
 ROLE = "orchestrator"
+SPAN_NAMES: dict[Endpoint, str] = {"chat": "orchestrator chat", "completions": "orchestrator completions",
+                                   "responses": "orchestrator responses"}  # built once, not per request
 logger = logging.getLogger("disagg_serve.orchestrator")
 
 
@@ -127,7 +129,7 @@ def create_orchestrator_app(
 
     async def handle(request: Request, endpoint: Endpoint) -> Response:
         # The request's trace: a child of the client's traceparent when it sent one (None when tracing is off).
-        span = tracing.start(f"orchestrator {endpoint}", request.headers, server=True)
+        span = tracing.start(SPAN_NAMES[endpoint], request.headers, server=True)
         admission = tracing.start("admission", span)
         try:
             require_bearer(request, api_key)

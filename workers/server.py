@@ -55,6 +55,7 @@ def create_worker_app(
     trimmer = IdleMemoryTrimmer(lambda: service.inflight == 0)
     ready = {"engine": False}
     counted = _LedgerCounts(metrics)
+    span_names = {e: f"{settings.role} {e}" for e in ("chat", "completions", "responses")}  # not per request
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -84,7 +85,7 @@ def create_worker_app(
     async def serve(request: Request, wire_model: type[GenerationWireRequest], endpoint: str) -> Response:
         status = 500
         # A child of the orchestrator's call when it sent a traceparent (None when tracing is off).
-        span = tracing.start(f"{settings.role} {endpoint}", request.headers, server=True)
+        span = tracing.start(span_names[endpoint], request.headers, server=True)
         try:
             service.admit()
         except ServingError as exc:
