@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -10,6 +11,16 @@ import pytest
 
 from entrypoints.cli import main
 from tests.cluster import MODEL, Cluster, cluster_running
+
+
+@pytest.fixture(autouse=True)
+def _logging_as_it_was() -> Iterator[None]:
+    """``main`` configures the root logger (a handler on this test's captured stderr): put it back after."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)
 
 
 @pytest.fixture(scope="module")
