@@ -23,6 +23,11 @@ from typing import Any
 
 import orjson
 
+# The statistics live with the packaged load generator (`disagg-serve bench`); re-exported for bench/'s modules.
+from entrypoints.bench.statistics import finite as finite
+from entrypoints.bench.statistics import percentile as percentile
+from entrypoints.bench.statistics import summarize as summarize
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
 LOOPBACK = "127.0.0.1"
@@ -75,30 +80,6 @@ def loadavg() -> list[float] | None:
 
 
 # -- statistics ----------------------------------------------------------------------------------------------
-def percentile(values: Sequence[float], q: float) -> float:
-    """Linear-interpolated percentile (q in [0, 100]); NaN for no values."""
-    if not values:
-        return math.nan
-    ordered = sorted(values)
-    if len(ordered) == 1:
-        return float(ordered[0])
-    rank = (len(ordered) - 1) * q / 100.0
-    low = math.floor(rank)
-    high = min(low + 1, len(ordered) - 1)
-    return float(ordered[low] + (ordered[high] - ordered[low]) * (rank - low))
-
-
-def summarize(values: Sequence[float]) -> dict[str, float]:
-    return {
-        "n": len(values),
-        "p50": percentile(values, 50),
-        "p90": percentile(values, 90),
-        "p99": percentile(values, 99),
-        "max": max(values) if values else math.nan,
-        "mean": sum(values) / len(values) if values else math.nan,
-    }
-
-
 def ratio(numerator: float, denominator: float) -> float:
     """numerator / denominator, NaN when the denominator is not positive (e.g. under one 10 ms CPU tick)."""
     return numerator / denominator if denominator > 0 else math.nan
@@ -106,17 +87,6 @@ def ratio(numerator: float, denominator: float) -> float:
 
 def median(values: Sequence[float]) -> float:
     return percentile(values, 50)
-
-
-def finite(value: Any) -> Any:
-    """JSON has no NaN: report a missing figure as null."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: finite(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [finite(v) for v in value]
-    return value
 
 
 def write_json(path: Path, payload: Any) -> None:

@@ -32,19 +32,9 @@ import orjson
 
 from bench.bodies import client_completion_body
 from bench.common import cpu_seconds, finite, machine_busy_seconds, summarize, tree_cpu_seconds
+from entrypoints.bench.load import JSON_HEADERS, Record, StreamError, consume_stream, post_streamed, run_client
 
-_JSON = {"Content-Type": "application/json"}
 _PATH = "/v1/completions"
-
-
-@dataclass
-class Record:
-    started: float
-    first: float | None = None
-    ended: float | None = None
-    ok: bool = False
-    error: str | None = None
-    in_window: bool = False
 
 
 @dataclass
@@ -56,28 +46,8 @@ class State:
     window_end: float = 0.0
 
 
-class StreamError(Exception):
-    pass
-
-
-async def _consume_stream(response: httpx.Response, record: Record) -> None:
-    if response.status_code != 200:
-        body = await response.aread()
-        raise StreamError(f"status {response.status_code}: {body[:200]!r}")
-    tail = b""
-    async for chunk in response.aiter_raw():
-        if not chunk:
-            continue
-        if record.first is None:
-            record.first = time.perf_counter()
-        tail = (tail + chunk)[-64:]
-    if b"[DONE]" not in tail:
-        raise StreamError("the stream ended without [DONE]")
-
-
 async def via_orchestrator(client: httpx.AsyncClient, config: dict[str, Any], body: bytes, record: Record) -> None:
-    async with client.stream("POST", config["url"] + _PATH, content=body, headers=_JSON) as response:
-        await _consume_stream(response, record)
+    await post_streamed(client, config["url"] + _PATH, body, record)
 
 
 async def direct(client: httpx.AsyncClient, config: dict[str, Any], body: dict[str, Any], record: Record) -> None:
@@ -87,39 +57,39 @@ async def direct(client: httpx.AsyncClient, config: dict[str, Any], body: dict[s
     ctx_body["disaggregated_params"] = {"request_type": "context_only",
                                         "disagg_request_id": random.getrandbits(63),
                                         "return_prompt_token_ids_b64": True}
-    reply = await client.post(config["ctx_url"] + _PATH, content=orjson.dumps(ctx_body), headers=_JSON)
+    reply = await client.post(config["ctx_url"] + _PATH, content=orjson.dumps(ctx_body), headers=JSON_HEADERS)
     if reply.status_code != 200:
-        raise StreamError(f"CTX status {reply.status_code}: {reply.content[:200]!r}")
+        raise StreamError(f"CTX status {reply.status_code}: {reply.content[:200]!r}", f"http_{reply.status_code}")
     answer = orjson.loads(reply.content)
     params = dict(answer["choices"][0]["disaggregated_params"])
     if params.get("encoded_opaque_state") is None:
-        raise StreamError("CTX finished the request by itself; use max_tokens > 1")
+        raise StreamError("CTX finished the request by itself; use max_tokens > 1", "ctx_finished")
     params["request_type"] = "generation_only"
     gen_body = dict(body)
     gen_body["disaggregated_params"] = params
     gen_body["prompt_token_ids_b64"] = answer["prompt_token_ids_b64"]
     async with client.stream("POST", config["gen_url"] + _PATH, content=orjson.dumps(gen_body),
-                             headers=_JSON) as response:
-        await _consume_stream(response, record)
+                             headers=JSON_HEADERS) as response:
+        await consume_stream(response, record)
 
 
 async def client_loop(client: httpx.AsyncClient, config: dict[str, Any], state: State, body: dict[str, Any],
                       body_bytes: bytes) -> None:
-    while state.phase != "stop":
+    def new_record() -> Record:
         record = Record(time.perf_counter(), in_window=state.phase == "measure")
         state.records.append(record)
-        try:
-            if config["mode"] == "direct":
-                await direct(client, config, body, record)
-            else:
-                await via_orchestrator(client, config, body_bytes, record)
-            record.ok = True
-        except (httpx.HTTPError, StreamError, KeyError, IndexError, orjson.JSONDecodeError) as exc:
-            record.error = f"{type(exc).__name__}: {exc}"[:300]
-            await asyncio.sleep(0.05)  # a failing system must not turn the loop into a busy spin
-        finally:
-            record.ended = time.perf_counter()
-            state.completed += 1
+        return record
+
+    async def request(record: Record) -> None:
+        if config["mode"] == "direct":
+            await direct(client, config, body, record)
+        else:
+            await via_orchestrator(client, config, body_bytes, record)
+
+    def finished(_: Record) -> None:
+        state.completed += 1
+
+    await run_client(lambda: state.phase != "stop", new_record, request, finished)
 
 
 def _cpu_snapshot(pids: dict[str, int]) -> dict[str, float]:

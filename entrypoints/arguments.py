@@ -10,6 +10,7 @@ import argparse
 import os
 from typing import Any
 
+from entrypoints.bench.command import add_arguments as add_bench_arguments
 from frontend.client_timeouts import DEFAULT_HEADER_TIMEOUT_S, DEFAULT_SEND_TIMEOUT_S
 from frontend.http import DEFAULT_MAX_BODY_BYTES
 from workers.engines.factory import ENGINE_NAMES
@@ -37,7 +38,10 @@ def build_parser() -> argparse.ArgumentParser:
                         choices=["debug", "info", "warning", "error"])
     parser.add_argument("--log-format", default=os.environ.get("DISAGG_LOG_FORMAT", "text"), choices=["text", "json"],
                         help="json: one JSON object a line, with the request's X-Request-Id")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{worker,orchestrator,up}")
+    parser.add_argument("--otlp-endpoint", default=os.environ.get("DISAGG_OTLP_ENDPOINT"), metavar="URL",
+                        help="send OpenTelemetry traces to this OTLP/HTTP collector (http://HOST:4318); also "
+                             "OTEL_EXPORTER_OTLP_ENDPOINT. Off by default (docs/observability.md)")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{worker,orchestrator,up,bench}")
 
     worker = sub.add_parser("worker", help="run a CTX, GEN or aggregated OpenAI worker in front of one engine")
     worker.add_argument("--role", choices=["context", "generation", "both"], default="both")
@@ -79,6 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--port", type=int, default=8000)
     up.add_argument("--metadata-only", action="store_true", help="send GEN only prompt_len (behind the guardrail)")
     up.add_argument("--startup-timeout", type=float, default=300.0, help="seconds to wait for health (default 300)")
+    bench = sub.add_parser("bench", help="put load on any OpenAI-compatible server and report TTFT, ITL, "
+                                         "latency and throughput")
+    add_bench_arguments(bench)
     for subparser in (worker, orch, up):
         apply_environment_defaults(subparser)
     return parser

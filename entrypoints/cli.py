@@ -3,12 +3,14 @@
     disagg-serve worker --role context|generation|both --engine reference|synthetic --host H --port P
     disagg-serve orchestrator --config FILE.yaml [--host H] [--port P]
     disagg-serve up [--engine ...] [--host 127.0.0.1] [--port 8000] [--metadata-only]
+    disagg-serve bench --url URL [--prompt-tokens N | --prompts FILE.jsonl] [--concurrency C | --request-rate R]
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -17,6 +19,7 @@ import uvicorn
 
 from entrypoints.arguments import build_parser
 from entrypoints.http_protocol import protocol_with_header_timeout
+from frontend import tracing
 from frontend.client_timeouts import SendTimeoutMiddleware
 from frontend.logging_setup import configure_logging
 
@@ -93,6 +96,7 @@ def run_worker(args: argparse.Namespace, argv: Sequence[str]) -> int:
     if args.register:
         advertise = args.advertise_url or f"http://{args.host}:{args.port}"
         registration = Registration(args.register, advertise, args.role, args.admin_key)
+    tracing.configure(f"disagg-serve-{args.role}", args.role)
     app = create_worker_app(engine, settings, registration=registration)
     _serve(app, args, args.host, args.port)
     return 0
@@ -121,6 +125,7 @@ def run_orchestrator(args: argparse.Namespace, argv: Sequence[str]) -> int:
     if args.reuse_port:
         config = for_one_of_several_front_ends(config)
     # An empty key (DISAGG_API_KEY="") means no key, not "the empty string is the key".
+    tracing.configure("disagg-serve-orchestrator", "orchestrator")
     app = create_orchestrator_app(config, api_key=args.api_key or None, admin_key=args.admin_key or None)
     _serve(app, args, config.hostname, config.port)
     return 0
@@ -130,10 +135,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     configure_logging(args.log_level, args.log_format)
+    if args.otlp_endpoint:
+        # As the standard variable, so that every process this one starts (engine core, `up`'s children, the
+        # --api-workers front ends) traces to the same collector.
+        os.environ[tracing.ENDPOINT_ENV] = args.otlp_endpoint
     if args.command == "worker":
         return run_worker(args, argv)
     if args.command == "orchestrator":
         return run_orchestrator(args, argv)
+    if args.command == "bench":
+        from entrypoints.bench.command import run_bench
+
+        return run_bench(args)
     from entrypoints.launcher import run_up
 
     return run_up(args)

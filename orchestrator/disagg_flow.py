@@ -15,11 +15,13 @@ from typing import Any
 
 import orjson
 
+from frontend import tracing
 from frontend.config import OrchestratorConfig
 from frontend.errors import RelayedError, UpstreamError
 from frontend.guardrail import FallbackReason, decide_for_reading
 from frontend.metrics import Metrics
 from frontend.openai_output import Endpoint, replay_as_stream
+from orchestrator import flow_tracing
 from orchestrator.flow_request import Answer, FlowRequest, StreamedAnswer, WholeAnswer
 from orchestrator.handoff_release import HandoffReleaser
 from orchestrator.member import PoolMember
@@ -72,8 +74,10 @@ class DisaggFlow:
     async def run_context_step(self, request: FlowRequest) -> ContextAnswer:
         body = self.protocol.context_request(request.body, return_prompt_tokens=self._ctx_returns_tokens(request))
         started = time.perf_counter()
-        done = await self.retry.run("ctx", self.ctx_pool, request.key,
-                                    lambda member: _post(member, request, body, request.key))
+        with tracing.span("ctx.call", request.span, headers=request.headers, client=True) as span:
+            done = await self.retry.run("ctx", self.ctx_pool, request.key,
+                                        lambda member: _post(member, request, body, request.key))
+            flow_tracing.called(span, done)
         request.ctx_worker = done.member.url
         self.metrics.ctx_latency.labels(worker=done.member.url).observe(time.perf_counter() - started)
         if done.answer.status_code != 200:
@@ -126,9 +130,12 @@ class DisaggFlow:
 
         def body_for(gen: PoolMember) -> bytes:
             nonlocal fallback
-            carriage, reason = self.prompt_carriage(request, ctx, gen)
-            fallback = fallback or reason
-            return self.protocol.generation_request(request.body, ctx, carriage)
+            with tracing.span("handoff", request.span) as span:
+                carriage, reason = self.prompt_carriage(request, ctx, gen)
+                fallback = fallback or reason
+                body = self.protocol.generation_request(request.body, ctx, carriage)
+                flow_tracing.handed_off(span, ctx, carriage, reason, body)
+            return body
 
         failed: tuple[PoolMember, ...] = ()  # GEN workers that failed this request: not the first choice again
         try:
@@ -172,7 +179,9 @@ class DisaggFlow:
             return Reply(stream.status_code, await stream.read())  # an error answer is whole: read, closed
 
         started = time.perf_counter()
-        done = await self.retry.run("gen", self.gen_pool, key, streamed if request.streaming else whole, avoid)
+        with tracing.span("gen.call", request.span, headers=request.headers, client=True) as span:
+            done = await self.retry.run("gen", self.gen_pool, key, streamed if request.streaming else whole, avoid)
+            flow_tracing.called(span, done)
         if not isinstance(done.answer, Reply):
             self.metrics.gen_first_byte.labels(worker=done.member.url).observe(time.perf_counter() - started)
         return done
@@ -189,8 +198,8 @@ class DisaggFlow:
             if answer.status_code != 200:
                 raise RelayedError(answer.status_code, answer.content)
             return WholeAnswer(answer.content)
-        return StreamedAnswer(relay_stream(answer, done.member, key.prompt_tokens, request.endpoint,
-                                           request.started, self.metrics))
+        return StreamedAnswer(tracing.traced_frames("stream", request.span, relay_stream(
+            answer, done.member, key.prompt_tokens, request.endpoint, request.started, self.metrics)))
 
 
 async def _post(member: PoolMember, request: FlowRequest, body: bytes, key: RoutingKey) -> Reply:

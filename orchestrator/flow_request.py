@@ -4,13 +4,16 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from frontend.errors import InvalidRequestError
 from frontend.guardrail import BodyReading, read_body
 from frontend.openai_output import Endpoint
 from orchestrator.routers import RoutingKey
 from orchestrator.worker_protocol import ContextAnswer
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import Span
 
 PATHS: dict[Endpoint, str] = {
     "chat": "/v1/chat/completions",
@@ -32,6 +35,7 @@ class FlowRequest:
     gen_worker: str | None = None
     ctx: ContextAnswer | None = None  # the latest CTX answer: the hand-off to release if GEN never takes it
     ctx_redone: bool = False
+    span: Span | None = None  # the request's trace span (frontend.tracing); None when tracing is off
     _guardrail_reading: BodyReading | None = None
 
     @property

@@ -13,6 +13,7 @@ import orjson
 from fastapi import FastAPI, Request
 from starlette.responses import Response, StreamingResponse
 
+from frontend import tracing
 from frontend.auth import require_bearer
 from frontend.config import OrchestratorConfig, ServerGroupConfig
 from frontend.errors import InvalidRequestError, ModelNotFoundError, OverloadedError
@@ -45,6 +46,8 @@ from orchestrator.routers import RoutingKey, make_router
 from orchestrator.transport import WorkerTimeouts
 
 ROLE = "orchestrator"
+SPAN_NAMES: dict[Endpoint, str] = {"chat": "orchestrator chat", "completions": "orchestrator completions",
+                                   "responses": "orchestrator responses"}  # built once, not per request
 logger = logging.getLogger("disagg_serve.orchestrator")
 
 
@@ -124,6 +127,7 @@ def create_orchestrator_app(
         metrics.engine_inflight.labels(role=ROLE).dec()
         endpoint = flow_request.endpoint
         elapsed = time.perf_counter() - flow_request.started
+        tracing.end(flow_request.span, {"http.status_code": status}, f"status {status}" if status >= 500 else None)
         metrics.requests.labels(role=ROLE, endpoint=endpoint, status=str(status)).inc()
         metrics.request_latency.labels(endpoint=endpoint).observe(elapsed)
         logger.info("request done", extra={"event": "request", "endpoint": endpoint, "status": status,
@@ -132,22 +136,35 @@ def create_orchestrator_app(
                                            "gen_worker": flow_request.gen_worker})
 
     async def handle(request: Request, endpoint: Endpoint) -> Response:
-        require_bearer(request, api_key)
+        # The request's trace: a child of the client's traceparent when it sent one (None when tracing is off).
+        span = tracing.start(SPAN_NAMES[endpoint], request.headers, server=True)
+        admission = tracing.start("admission", span)
+        try:
+            require_bearer(request, api_key)
+            if inflight["count"] >= config.max_concurrent_requests:
+                metrics.requests.labels(role=ROLE, endpoint=endpoint, status="429").inc()
+                raise OverloadedError(f"the orchestrator is at its limit of {config.max_concurrent_requests} "
+                                      "requests")
+        except BaseException as exc:
+            tracing.end(admission, error=exc)
+            tracing.end(span, {"http.status_code": answered_status(exc)})
+            raise
         started = time.perf_counter()
         request_id: str = request.state.request_id  # the client's, or a new one (frontend.http)
-        if inflight["count"] >= config.max_concurrent_requests:
-            metrics.requests.labels(role=ROLE, endpoint=endpoint, status="429").inc()
-            raise OverloadedError(f"the orchestrator is at its limit of {config.max_concurrent_requests} requests")
         inflight["count"] += 1
         metrics.engine_inflight.labels(role=ROLE).inc()
         headers = {REQUEST_ID_HEADER: request_id}
         flow_request = flow.new_request(endpoint, {}, started, headers)  # replaced once the body is parsed
+        flow_request.span = span
         status, streaming = 500, False
         try:
             body = parse_json_object(await read_body(request, config.max_body_bytes))
             check_client_body(body)
             turn = stored_responses.begin(body) if endpoint == "responses" else None
             flow_request = flow.new_request(endpoint, turn.body if turn else body, started, headers)
+            flow_request.span = span
+            tracing.end(admission, {"disagg.request_id": request_id, "disagg.streaming": flow_request.streaming})
+            admission = None
             run = partial(flow.run, flow_request)
             answer = await cancel_on_disconnect(request, partial(turn.answer, run) if turn else run)
             if isinstance(answer, StreamedAnswer):
@@ -158,6 +175,7 @@ def create_orchestrator_app(
             return JSONBytesResponse(answer.content)
         except BaseException as exc:  # a worker's own error answer too: it is a RelayedError
             status = answered_status(exc)
+            tracing.end(admission, error=exc)
             raise
         finally:
             if not streaming:

@@ -11,6 +11,7 @@ import pybase64
 from fastapi import FastAPI, Request
 from starlette.responses import Response, StreamingResponse
 
+from frontend import tracing
 from frontend.auth import require_bearer
 from frontend.errors import InvalidRequestError, ModelNotFoundError, ServingError
 from frontend.http import (
@@ -35,6 +36,7 @@ from frontend.openai_models import (
 )
 from frontend.openapi import install_body_schemas, json_body
 from frontend.sse import SSE_HEADERS, SSE_MEDIA_TYPE
+from workers import worker_tracing
 from workers.engines.base import Engine, HealthCheck, KVHandoffStore
 from workers.engines.request import Phase
 from workers.registration import Registration
@@ -53,6 +55,7 @@ def create_worker_app(
     trimmer = IdleMemoryTrimmer(lambda: service.inflight == 0)
     ready = {"engine": False}
     counted = _LedgerCounts(metrics)
+    span_names = {e: f"{settings.role} {e}" for e in ("chat", "completions", "responses")}  # not per request
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -81,23 +84,35 @@ def create_worker_app(
 
     async def serve(request: Request, wire_model: type[GenerationWireRequest], endpoint: str) -> Response:
         status = 500
+        # A child of the orchestrator's call when it sent a traceparent (None when tracing is off).
+        span = tracing.start(span_names[endpoint], request.headers, server=True)
         try:
             service.admit()
         except ServingError as exc:
             metrics.requests.labels(role=settings.role, endpoint=endpoint, status=str(exc.status_code)).inc()
+            tracing.end(span, {"http.status_code": exc.status_code}, exc)
             raise
         released = False
+
+        def release_stream() -> None:
+            service.release()
+            tracing.end(span, {"http.status_code": 200})
+
         try:
             body = parse_json_object(await read_body(request, settings.max_body_bytes))
             prepared = await service.prepare(body, wire_model)
+            worker_tracing.prepared(span, prepared)
             # CTX always answers whole: the orchestrator needs its hand-off fields, not a stream.
             if prepared.wire.stream and prepared.request.phase is not Phase.CONTEXT_ONLY:
                 # Up to the first token (a whole prefill, or a KV fetch) a gone client must stop the work too.
-                frames = await cancel_on_disconnect(request, lambda: service.open_stream(prepared))
+                with tracing.span("first_token", span) as first, tracing.use(first):
+                    frames = await cancel_on_disconnect(request, lambda: service.open_stream(prepared))
                 status, released = 200, True
-                return StreamingResponse(then_call(frames, service.release), media_type=SSE_MEDIA_TYPE,
-                                         headers=SSE_HEADERS)
-            result = await cancel_on_disconnect(request, lambda: service.complete(prepared))
+                return StreamingResponse(then_call(tracing.traced_frames("stream", span, frames), release_stream),
+                                         media_type=SSE_MEDIA_TYPE, headers=SSE_HEADERS)
+            with tracing.span(worker_tracing.engine_step(prepared), span) as step, tracing.use(step):
+                result = await cancel_on_disconnect(request, lambda: service.complete(prepared))
+                worker_tracing.completed(step, result)
             if prepared.request.phase is Phase.CONTEXT_ONLY and await request.is_disconnected():
                 # The orchestrator left while the KV was being parked: no GEN will ever ask for this hand-off.
                 await release_parked(result)
@@ -110,6 +125,7 @@ def create_worker_app(
         finally:
             if not released:
                 service.release()
+                tracing.end(span, {"http.status_code": status}, f"status {status}" if status >= 500 else None)
             metrics.requests.labels(role=settings.role, endpoint=endpoint, status=str(status)).inc()
 
     @app.post("/v1/chat/completions", openapi_extra=json_body(ChatCompletionRequest))

@@ -200,3 +200,24 @@ def test_compose_serves_metadata_only_on_the_synthetic_engine(tmp_path: Path) ->
         assert model == "synthetic"
         paths = gen_prompt_paths(worker_url(project, deployment, "gen"))
         assert paths == {"metadata_only": 1.0}, paths
+
+
+def test_the_monitoring_profile_scrapes_every_service_and_provisions_the_dashboard(tmp_path: Path) -> None:
+    """Off by default (the project above has no such services); with `--profile monitoring`, Prometheus scrapes
+    each disagg-serve service on the port it serves, and Grafana loads deploy/grafana's file from where its
+    dashboard provider reads."""
+    project = json.loads(compose(tmp_path, "-f", str(COMPOSE_FILE), "--profile", "monitoring", "config",
+                                 "--format", "json").stdout)
+    services = project["services"]
+    assert {"prometheus", "grafana"} <= set(services)
+    scrape = yaml.safe_load(project["configs"]["prometheus"]["content"])
+    [job] = scrape["scrape_configs"]
+    [static] = job["static_configs"]
+    ports = {name: services[name]["environment"]["DISAGG_PORT"] for name in ("orchestrator", *WORKERS)}
+    assert sorted(static["targets"]) == sorted(f"{name}:{port}" for name, port in ports.items())
+    [dashboard] = services["grafana"]["volumes"]
+    assert Path(dashboard["source"]) == REPO / "deploy" / "grafana" / "disagg-serve.json"
+    provider = yaml.safe_load(project["configs"]["grafana-dashboards"]["content"])
+    assert Path(dashboard["target"]).parent == Path(provider["providers"][0]["options"]["path"])
+    datasource = yaml.safe_load(project["configs"]["grafana-datasource"]["content"])["datasources"][0]
+    assert datasource["type"] == "prometheus" and datasource["url"].startswith("http://prometheus:")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import base64
 import copy
 import functools
+import json
 import re
 import shutil
 import socket
@@ -355,3 +356,12 @@ def test_default_values_serve(tmp_path: Path) -> None:
 def test_non_default_values_serve(tmp_path: Path) -> None:
     """Metadata-only, an existing Secret's API key, other routers, a served model name, extra env."""
     run_chart(NON_DEFAULT, tmp_path, engine="synthetic")
+
+
+def test_the_grafana_dashboard_is_an_opt_in_configmap_for_grafanas_sidecar() -> None:
+    assert not [m for m in render(None) if m["metadata"]["name"].endswith("grafana-dashboard")]
+    resources = by_kind(render({"grafanaDashboard": {"enabled": True}}))
+    configmap = resources[("ConfigMap", f"{PREFIX}-grafana-dashboard")]
+    assert configmap["metadata"]["labels"]["grafana_dashboard"] == "1"
+    shipped = json.loads((REPO / "deploy" / "grafana" / "disagg-serve.json").read_text())
+    assert json.loads(configmap["data"]["disagg-serve.json"]) == shipped  # the chart links to the one file

@@ -25,9 +25,11 @@ import time
 
 import numpy as np
 
+from frontend import tracing
 from frontend.sampling import SamplingParams
 from frontend.token_codec import TOKEN_DTYPE
 from workers.engines.reference.grammar import GrammarCompiler
+from workers.engines.reference.core_tracing import SERVICE_NAME, CoreSpans
 from workers.engines.reference.ipc import ChannelClosed, Header, read_frame_blocking, send_frame_blocking
 from workers.engines.reference.kv_store import KVStore, KVTransferServer
 from workers.engines.reference.model_file import load_model_file
@@ -89,6 +91,7 @@ class Core:
         self.aborts_pending: set[str] = set()
         self.ready_frame: Header | None = None
         self.stopping = threading.Event()
+        self.spans = CoreSpans()
 
     # -- channels -----------------------------------------------------------------------------------------
     def _accept_loop(self) -> None:
@@ -134,6 +137,7 @@ class Core:
         channel = self.channels.get(self.owner_of.get(request_id, -1))
         if channel is not None:
             channel.send(header, payload)
+        self.spans.answered(header)
         if header.get("op") == "error" or header.get("finish") is not None or header.get("handoff_state"):
             self.owner_of.pop(request_id, None)
 
@@ -153,6 +157,7 @@ class Core:
         load_s = time.perf_counter() - started
         rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         store = KVStore(self.args.kv_store_bytes, self.args.kv_ttl_s)
+        self.spans.store = store
         store.on_change = lambda entries, size: self.broadcast(
             {"op": "kv_stats", "entries": entries, "bytes": size, "totals": dict(store.totals)})
         transfer = KVTransferServer(store, self.args.kv_host, self.args.kv_port)
@@ -236,6 +241,7 @@ class Core:
         if op == "submit":
             request_id = str(header.get("id"))
             self.owner_of[request_id] = channel_id
+            self.spans.submitted(header)
             try:
                 scheduler.submit(_submit_spec(header, payload))
             except (KeyError, TypeError, ValueError) as exc:  # a malformed submit fails that request only
@@ -243,6 +249,7 @@ class Core:
                            "message": f"bad submit frame: {type(exc).__name__}: {exc}"})
         elif op == "abort":
             scheduler.abort(str(header["id"]))
+            self.spans.forget(str(header["id"]))
             self.owner_of.pop(str(header["id"]), None)
             self.aborts_pending.discard(str(header["id"]))
         elif op == "release":
@@ -302,6 +309,7 @@ def _submit_spec(header: Header, payload: bytes) -> SubmitSpec:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    tracing.configure(SERVICE_NAME, "engine-core")  # on only when the worker's environment names an endpoint
     with contextlib.suppress(FileNotFoundError):
         os.unlink(args.listen)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -327,6 +335,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         core.stopping.set()
         listener.close()
+        tracing.shutdown()  # export the last spans before the process goes
         with contextlib.suppress(FileNotFoundError):
             os.unlink(args.listen)
 

@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 
+from frontend import tracing
 from frontend.errors import (
     EngineError,
     EngineRequestError,
@@ -36,6 +37,9 @@ def submit_frame(request: GenerationRequest) -> tuple[Header, memoryview | bytes
     if request.handoff is not None:
         header["first_gen_tokens"] = list(request.handoff.first_gen_tokens)
         header["handoff_state"] = request.handoff.opaque_state.decode("utf-8", errors="replace")
+    traceparent = tracing.current_traceparent()  # the worker's engine span: the core's spans are its children
+    if traceparent is not None:
+        header["traceparent"] = traceparent
     if request.prompt_path is PromptPath.METADATA_ONLY:
         return header, b""
     return header, request.prompt_token_ids_i32.data  # the raw int32 buffer: no list, no copy

@@ -28,6 +28,7 @@ class HandoffUnreachable(HandoffUnavailable):
 class FetchedHandoff:
     handoff: KVHandoff
     cache: KVCache
+    nbytes: int = 0  # as fetched over the wire: reported in the core's traces
 
 
 def parse_state(state: bytes) -> dict[str, object]:
@@ -67,4 +68,4 @@ def fetch_handoff(state: bytes, config: ModelConfig, model_hash: str, prompt_len
         )
     except HandoffFormatError as exc:
         raise HandoffUnavailable(f"the KV hand-off was refused: {exc}") from exc
-    return FetchedHandoff(handoff, import_kv(handoff.k, handoff.v, config, capacity=prompt_len + 64))
+    return FetchedHandoff(handoff, import_kv(handoff.k, handoff.v, config, capacity=prompt_len + 64), len(data))

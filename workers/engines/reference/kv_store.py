@@ -69,6 +69,12 @@ class KVStore:
             self._notify()  # a refusal may have expired entries on its way
         return key
 
+    def entry_bytes(self, entry_id: str) -> int | None:
+        """The size of a parked hand-off (None if it is not held): reported in the core's traces."""
+        with self._lock:
+            entry = self._entries.get(entry_id)
+            return None if entry is None else len(entry.payload)
+
     def take(self, entry_id: str, key: str) -> bytes:
         try:
             with self._lock:

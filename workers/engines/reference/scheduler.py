@@ -190,7 +190,7 @@ class Scheduler:
         report_prompt = spec.placeholder and spec.sampling.echo and prompt is not spec.prompt
         # Always answered: the front end holds the first token back until the hand-off is accepted.
         opening: dict[str, Any] = {"op": "output", "id": spec.request_id, "tokens": [], "logprobs": None,
-                                   "finish": None, "prompt_tokens": report_prompt}
+                                   "finish": None, "prompt_tokens": report_prompt, "handoff_bytes": fetched.nbytes}
         if report_prompt_logprobs:
             opening["prompt_logprobs"] = seq.handoff_prompt_logprobs
         self.emit(opening, prompt.data if report_prompt else b"")

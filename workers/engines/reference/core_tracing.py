@@ -1,0 +1,79 @@
+"""The engine core's spans: children of the worker's engine span, whose ``traceparent`` came in the submit frame.
+
+The core sees a request only as frames, so its spans are cut from them: a span opens when a traced request's
+``submit`` frame arrives and closes at the request's first ``output`` (or ``error``) frame.
+
+- ``engine_core.prefill`` (CTX, aggregated): queueing, the chunked prefill and the first token;
+- ``kv_handoff.park`` (CTX): the hand-off parked for GEN, with its size (``kv.bytes``) and tokens; it is
+  recorded when the core answers with the parked state (the park itself is inside the prefill span);
+- ``engine_core.kv_fetch`` (GEN): queueing and the KV fetch from CTX's core, with the bytes fetched.
+
+Off (no endpoint configured in this process, or an untraced request) it costs one dict check per frame.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import orjson
+
+from frontend import tracing
+from workers.engines.reference.ipc import Header
+from workers.engines.reference.kv_store import KVStore
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import Span
+
+SERVICE_NAME = "disagg-serve-engine-core"
+
+
+class CoreSpans:
+    def __init__(self) -> None:
+        self._open: dict[str, Span] = {}  # request id -> its first span, until the first answer
+        self.store: KVStore | None = None  # where CTX's hand-offs are parked (for their size)
+
+    def submitted(self, header: Header) -> None:
+        traceparent = header.get("traceparent")
+        if traceparent is None or not tracing.enabled():
+            return
+        fetches = header.get("phase") == "generation_only"
+        span = tracing.start("engine_core.kv_fetch" if fetches else "engine_core.prefill", str(traceparent),
+                             {"disagg.engine_request_id": str(header.get("id")),
+                              "disagg.prompt_tokens": int(header.get("prompt_len") or 0)})
+        if span is not None:
+            self._open[str(header.get("id"))] = span
+
+    def answered(self, header: Header) -> None:
+        """Every frame the scheduler emits passes here (once per token): one dict check when nothing is open."""
+        if not self._open:
+            return
+        span = self._open.pop(str(header.get("id")), None)
+        if span is None:
+            return
+        if header.get("op") == "error":
+            tracing.end(span, {"disagg.error_kind": str(header.get("kind"))}, str(header.get("message")))
+            return
+        if header.get("handoff_bytes") is not None:
+            span.set_attribute("kv.bytes", int(header["handoff_bytes"]))
+        tracing.end(span)
+        state = header.get("handoff_state")
+        if isinstance(state, str) and header.get("op") == "output":
+            self._parked(span, str(header.get("id")), state)
+
+    def _parked(self, prefill: Span, request_id: str, state: str) -> None:
+        attributes: dict[str, int | str] = {}
+        size = self.store.entry_bytes(request_id) if self.store is not None else None
+        if size is not None:
+            attributes["kv.bytes"] = size
+        try:
+            parsed = orjson.loads(state)
+            attributes["kv.tokens"] = int(parsed["n_tokens"])
+        except (orjson.JSONDecodeError, KeyError, TypeError, ValueError):
+            pass  # the size is what matters; a state of another shape still gets its span
+        tracing.end(tracing.start("kv_handoff.park", prefill, attributes))
+
+    def forget(self, request_id: str) -> None:
+        """An aborted request: its span ends, marked as such."""
+        span = self._open.pop(request_id, None)
+        if span is not None:
+            tracing.end(span, {"disagg.aborted": True})
