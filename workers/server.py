@@ -38,6 +38,7 @@ from frontend.sse import SSE_HEADERS, SSE_MEDIA_TYPE
 from workers.engines.base import Engine, HealthCheck, KVHandoffStore
 from workers.engines.request import Phase
 from workers.registration import Registration
+from workers.request_body import parse_request_body
 from workers.serving import WorkerService, WorkerSettings
 
 _STARTED = int(time.time())
@@ -88,7 +89,7 @@ def create_worker_app(
             raise
         released = False
         try:
-            body = parse_json_object(await read_body(request, settings.max_body_bytes))
+            body = parse_request_body(await read_body(request, settings.max_body_bytes), request.headers)
             prepared = await service.prepare(body, wire_model)
             # CTX always answers whole: the orchestrator needs its hand-off fields, not a stream.
             if prepared.wire.stream and prepared.request.phase is not Phase.CONTEXT_ONLY:
@@ -175,6 +176,8 @@ def create_worker_app(
                 "kv_block_reuse": info.kv_block_reuse,
                 "prompt_tokens_in_handoff": info.prompt_tokens_in_handoff,
                 "model_hash": info.model_hash,
+                # The wires this worker answers (orchestrator.protocols.registry reads it): both orchestrators.
+                "disagg_protocols": ["native", "trtllm"],
             },
         }
         return card

@@ -8,7 +8,6 @@ included. A plain request (role ``both``) is ordinary aggregated serving.
 from __future__ import annotations
 
 import logging
-import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -50,6 +49,7 @@ from workers.request_builder import (
     sampling_params_from,
 )
 from workers.text_stream import TextStep, stream_text
+from workers.trtllm_answers import add_context_fields, answers_trtllm, new_request_id, strip_to_trtllm_fields
 
 logger = logging.getLogger(__name__)
 
@@ -113,7 +113,7 @@ class WorkerService:
         prompt = await prepare_prompt(wire, sampling, info, self.tokenizer)
         sampling = resolve_max_tokens(wire, sampling, int(prompt.tokens.size), info)
         handoff = handoff_from(disagg, info.vocab_size)
-        request_id = uuid.uuid4().hex
+        request_id = new_request_id(disagg)
         if prompt.token_list is not None:
             request = GenerationRequest.from_token_list(
                 request_id, prompt.token_list, prompt.tokens, sampling, phase=phase, handoff=handoff
@@ -192,21 +192,28 @@ class WorkerService:
                                self._prompt_logprobs(prepared, out.prompt_logprobs))
         if request.phase is Phase.CONTEXT_ONLY:
             self._add_context_fields(body, prepared, out)
+        if answers_trtllm(prepared.disagg):
+            strip_to_trtllm_fields(body)
         return body
 
     def _add_context_fields(self, body: dict[str, Any], prepared: PreparedGeneration, out: CollectedOutput) -> None:
         request = prepared.request
         disagg = prepared.disagg
         assert disagg is not None
+        state = pybase64.b64encode(out.handoff_state).decode("ascii") \
+            if out.handoff_state is not None and out.finish_reason is None else None
+        if answers_trtllm(disagg) and "choices" in body:
+            logprobs = out.logprobs if request.sampling.logprobs is not None else None
+            add_context_fields(body, request, disagg, out.token_ids, logprobs, state, prepared.ident.endpoint)
+            return
         params: dict[str, Any] = {
             "request_type": "context_only",
             "ctx_request_id": request.request_id,
             "disagg_request_id": disagg.disagg_request_id,
             "first_gen_tokens": out.token_ids,
-            "encoded_opaque_state": pybase64.b64encode(out.handoff_state).decode("ascii")
-            if out.handoff_state is not None and out.finish_reason is None
-            else None,
+            "encoded_opaque_state": state,
             "prompt_len": request.prompt_len,
+            "native_extensions": True,  # GEN gets these params back: it answers our orchestrator in our shape
         }
         if request.sampling.logprobs is not None:
             params["first_gen_logprobs"] = [
