@@ -32,9 +32,10 @@ def answers_trtllm(disagg: DisaggregatedParams | None) -> bool:
 
 
 def new_request_id(disagg: DisaggregatedParams | None) -> str:
-    """A CTX request's id doubles as the hand-off's ``ctx_request_id``. TensorRT-LLM's is an int: the id is then
-    its decimal form, so that GEN's ``str(ctx_request_id)`` names the same hand-off."""
-    if answers_trtllm(disagg) and disagg is not None and disagg.request_type == "context_only":
+    """A CTX request's id doubles as the hand-off's ``ctx_request_id``. TensorRT-LLM's is an int, so it is always
+    the decimal form of one: sent as an int to TensorRT-LLM's orchestrator, and convertible to one by ours when a
+    mixed fleet hands it to a trtllm-serve GEN; GEN's ``str(ctx_request_id)`` names the same hand-off either way."""
+    if disagg is not None and disagg.request_type == "context_only":
         return str(random.getrandbits(63))
     return uuid.uuid4().hex
 

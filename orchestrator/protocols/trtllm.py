@@ -94,6 +94,9 @@ class TrtllmProtocol:
         params["schedule_style"] = CONTEXT_FIRST
         params["conversation_id"] = _conversation_id(body)
         params["ctx_usage"] = ctx.response.get("usage")
+        ctx_id = params.get("ctx_request_id")
+        if isinstance(ctx_id, str) and ctx_id.isdigit():  # a disagg-serve CTX in a mixed fleet: ids are decimal
+            params["ctx_request_id"] = int(ctx_id)
         gen_body["disaggregated_params"] = params
         if "messages" in body:
             if carriage is PromptCarriage.CTX_TOKENS and ctx.prompt_b64 is not None:
