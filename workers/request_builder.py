@@ -37,7 +37,7 @@ from frontend.token_codec import TokenArray, decode_prompt_tokens, token_array_f
 from workers.engines.base import Tokenizer
 from workers.engines.outputs import EngineInfo, TokenLogprob
 from workers.engines.request import Handoff, Phase, PromptPath, placeholder_prompt
-from workers.trtllm_answers import first_gen_logprobs_from
+from workers.trtllm_answers import finished_at_context, first_gen_logprobs_from
 
 # Tokenizing a few KB on the loop is cheaper than a thread hop; past this, the loop must stay free.
 _TOKENIZE_IN_THREAD_CHARS = 16_384
@@ -218,7 +218,7 @@ def _tool_call_text(call: FunctionCall) -> str:
 
 
 def handoff_from(disagg: DisaggregatedParams | None, vocab_size: int) -> Handoff | None:
-    if disagg is None or disagg.request_type != "generation_only":
+    if disagg is None or disagg.request_type != "generation_only" or finished_at_context(disagg):
         return None
     if not disagg.first_gen_tokens:
         raise HandoffError("a generation_only request needs disaggregated_params.first_gen_tokens",

@@ -49,7 +49,14 @@ from workers.request_builder import (
     sampling_params_from,
 )
 from workers.text_stream import TextStep, stream_text
-from workers.trtllm_answers import add_context_fields, answers_trtllm, new_request_id, strip_to_trtllm_fields
+from workers.trtllm_answers import (
+    add_context_fields,
+    answers_trtllm,
+    finished_at_context,
+    first_tokens_only,
+    new_request_id,
+    strip_to_trtllm_fields,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -109,6 +116,8 @@ class WorkerService:
         disagg = wire.disaggregated_params
         phase = phase_of(disagg)
         self._check_role(phase)
+        if finished_at_context(disagg):
+            phase = Phase.AGGREGATED  # nothing to continue from: answered from CTX's first tokens (_text_steps)
         sampling = sampling_params_from(wire, info)
         prompt = await prepare_prompt(wire, sampling, info, self.tokenizer)
         sampling = resolve_max_tokens(wire, sampling, int(prompt.tokens.size), info)
@@ -159,7 +168,7 @@ class WorkerService:
         """Run to the end and return the whole response body (CTX adds its hand-off fields)."""
         collected = CollectedOutput()
         try:
-            async for step in stream_text(self.engine, self.tokenizer.detokenizer(), prepared.request):
+            async for step in self._text_steps(prepared):
                 collected.text_parts.append(step.text)
                 collected.token_ids.extend(step.token_ids)
                 collected.logprobs.extend(step.logprobs)
@@ -175,6 +184,12 @@ class WorkerService:
             logger.exception("engine failure on %s", prepared.request.request_id)
             raise EngineError(f"the engine failed: {type(exc).__name__}") from exc
         return self._render_whole(prepared, collected)
+
+    def _text_steps(self, prepared: PreparedGeneration) -> AsyncGenerator[TextStep, None]:
+        if finished_at_context(prepared.disagg):
+            assert prepared.disagg is not None
+            return first_tokens_only(prepared.disagg, self.tokenizer, self.engine.info.vocab_size)
+        return stream_text(self.engine, self.tokenizer.detokenizer(), prepared.request)
 
     def _render_whole(self, prepared: PreparedGeneration, out: CollectedOutput) -> dict[str, Any]:
         request = prepared.request
@@ -232,7 +247,7 @@ class WorkerService:
         """Start the stream and return its frames. Fails as an HTTP error if it fails before the first token."""
         include_usage = bool(prepared.wire.stream_options and prepared.wire.stream_options.include_usage)
         renderer = StreamRenderer(prepared.ident, include_usage)
-        steps = stream_text(self.engine, self.tokenizer.detokenizer(), prepared.request)
+        steps = self._text_steps(prepared)
         try:
             first = await anext(steps)
         except StopAsyncIteration:

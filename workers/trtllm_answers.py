@@ -16,12 +16,16 @@ from __future__ import annotations
 
 import random
 import uuid
+from collections.abc import AsyncGenerator
 from typing import Any
 
+from frontend.errors import HandoffError
 from frontend.openai_models import DisaggregatedParams
 from frontend.token_codec import encode_prompt_tokens
+from workers.engines.base import Tokenizer
 from workers.engines.outputs import TokenLogprob
 from workers.engines.request import GenerationRequest
+from workers.text_stream import TextStep
 
 NOT_FINISHED = "not_finished"
 
@@ -55,9 +59,9 @@ def add_context_fields(body: dict[str, Any], request: GenerationRequest, disagg:
     if logprobs is not None:
         params["first_gen_log_probs"] = [[lp.token_id, lp.logprob, [list(t) for t in lp.top]] for lp in logprobs]
     choice["disaggregated_params"] = params
-    if handoff_state is None:
-        return  # CTX finished the request: its own finish_reason stands and no GEN needs the prompt
-    choice["finish_reason"] = NOT_FINISHED
+    if handoff_state is not None:
+        choice["finish_reason"] = NOT_FINISHED
+    # Also when CTX finished: on "length" TensorRT-LLM's orchestrator still calls GEN, with this prompt.
     if disagg.return_prompt_token_ids_b64 and endpoint == "chat":
         body["prompt_token_ids_b64"] = encode_prompt_tokens(request.prompt_token_ids_i32)
     else:
@@ -83,3 +87,22 @@ def first_gen_logprobs_from(log_probs: list[Any] | None) -> tuple[TokenLogprob, 
         except (TypeError, ValueError):
             return ()
     return tuple(out)
+
+
+def finished_at_context(disagg: DisaggregatedParams | None) -> bool:
+    """TensorRT-LLM's orchestrator calls GEN whenever CTX says ``"length"``, also when the first token already used
+    up ``max_tokens`` and our CTX freed the KV: that GEN request has first tokens but no hand-off state. Its whole
+    answer is those first tokens; no engine is asked."""
+    return (answers_trtllm(disagg) and disagg is not None and disagg.request_type == "generation_only"
+            and disagg.encoded_opaque_state is None and bool(disagg.first_gen_tokens))
+
+
+async def first_tokens_only(disagg: DisaggregatedParams, tokenizer: Tokenizer,
+                            vocab_size: int) -> AsyncGenerator[TextStep, None]:
+    """The answer of a request CTX finished by its length (``finished_at_context``), as one text step."""
+    tokens = tuple(disagg.first_gen_tokens or ())
+    if any(not 0 <= t < vocab_size for t in tokens):
+        raise HandoffError(f"first_gen_tokens must be token ids in [0, {vocab_size})",
+                           param="disaggregated_params.first_gen_tokens")
+    yield TextStep(tokenizer.decode(tokens), tokens, first_gen_logprobs_from(disagg.first_gen_log_probs),
+                   finish_reason="length")

@@ -151,3 +151,26 @@ def test_generation_first_is_refused_by_name(cluster: RefCluster) -> None:
     error = reply.json()["error"]
     assert error["param"] == "disaggregated_params.schedule_style" and "context first" in error["message"]
     assert post(cluster.ctx.url + CHAT, body).status_code == 200  # and the worker keeps serving
+
+
+@pytest.mark.parametrize("path", [CHAT, COMPLETIONS], ids=["chat", "completions"])
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_a_request_ctx_finished_by_length_is_answered_by_gen_from_the_first_token(
+        cluster: RefCluster, path: str, stream: bool) -> None:
+    """TensorRT-LLM calls GEN on a CTX "length" even when the first token used up max_tokens (the KV is freed)."""
+    body = client_body(path, cluster.model, max_tokens=1, stream=stream)
+    ctx_reply = post(cluster.ctx.url + path, trtllm_context_body(path, body, 21, True))
+    ctx = response_model(path).model_validate(ctx_reply.json())
+    assert ctx.choices[0].finish_reason == "length" and needs_generation(ctx)
+    params = ctx.choices[0].disaggregated_params
+    assert params is not None and params.encoded_opaque_state is None
+    gen_reply = post(cluster.gen.url + path, trtllm_generation_body(path, body, ctx, 21))
+    assert gen_reply.status_code == 200, gen_reply.text
+    expected = aggregated_text(cluster, path, client_body(path, cluster.model, max_tokens=1))
+    if stream:
+        assert streamed_text(gen_reply, path) == expected
+    else:
+        gen = response_model(path).model_validate(gen_reply.json())
+        choice = gen.choices[0]
+        assert choice.finish_reason == "length" and gen.usage.completion_tokens == 1
+        assert (choice.message.content if isinstance(gen, ChatCompletionResponse) else choice.text) == expected  # type: ignore[union-attr]
