@@ -126,6 +126,7 @@ class WorkerPool:
         except (orjson.JSONDecodeError, KeyError, IndexError, TypeError):
             card = {}
         protocol = detect_protocol(card, worker.url) if isinstance(card, dict) else DEFAULT_PROTOCOL
+        logger.info("%s worker %s speaks %s", self.name, worker.url, protocol)
         try:
             info = card["engine_info"]
             return GenEngineFacts(bool(info["kv_block_reuse"]), bool(info["prompt_tokens_in_handoff"])), protocol
