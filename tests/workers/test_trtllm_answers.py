@@ -174,3 +174,16 @@ def test_a_request_ctx_finished_by_length_is_answered_by_gen_from_the_first_toke
         choice = gen.choices[0]
         assert choice.finish_reason == "length" and gen.usage.completion_tokens == 1
         assert (choice.message.content if isinstance(gen, ChatCompletionResponse) else choice.text) == expected  # type: ignore[union-attr]
+
+
+def test_the_first_token_logprob_travels_in_first_gen_log_probs(cluster: RefCluster) -> None:
+    body = client_body(CHAT, cluster.model, logprobs=True, top_logprobs=2)
+    ctx = ChatCompletionResponse.model_validate(post(cluster.ctx.url + CHAT,
+                                                     trtllm_context_body(CHAT, body, 31, True)).json())
+    params = ctx.choices[0].disaggregated_params
+    assert params is not None and params.first_gen_log_probs is not None and len(params.first_gen_log_probs) == 1
+    gen_reply = post(cluster.gen.url + CHAT, trtllm_generation_body(CHAT, body, ctx, 31))
+    gen = ChatCompletionResponse.model_validate(gen_reply.json())
+    aggregated = post(cluster.aggregated.url + CHAT, body).json()["choices"][0]["logprobs"]["content"]
+    assert gen.choices[0].logprobs is not None
+    assert gen.choices[0].logprobs["content"] == aggregated  # the first token's logprob included
