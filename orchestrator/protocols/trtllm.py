@@ -98,16 +98,19 @@ class TrtllmProtocol:
         if isinstance(ctx_id, str) and ctx_id.isdigit():  # a disagg-serve CTX in a mixed fleet: ids are decimal
             params["ctx_request_id"] = int(ctx_id)
         gen_body["disaggregated_params"] = params
+        # A trtllm-serve CTX always sends its token list; a disagg-serve CTX in a mixed fleet sends one only when
+        # asked (else GEN tokenizes the client's prompt, which then stays).
+        tokens = ctx.response.get("prompt_token_ids")
         if "messages" in body:
             if carriage is PromptCarriage.CTX_TOKENS and ctx.prompt_b64 is not None:
                 gen_body["prompt_token_ids_b64"] = ctx.prompt_b64  # the same str object CTX's answer held
-            else:
-                gen_body["prompt_token_ids"] = ctx.response.get("prompt_token_ids")
+            elif tokens is not None:
+                gen_body["prompt_token_ids"] = tokens
             messages = body["messages"]
             if self.strip_message_history and isinstance(messages, list) and len(messages) > 1:
                 gen_body["messages"] = messages[-1:]
-        elif "prompt" in body:
-            gen_body["prompt"] = ctx.response.get("prompt_token_ids")
+        elif tokens is not None:
+            gen_body["prompt"] = tokens
         return orjson.dumps(gen_body)
 
     def handoff_lost(self, reply: Reply) -> bool:
