@@ -68,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--engine-core-socket", default=None, help=argparse.SUPPRESS)  # set by the supervisor
 
     orch = sub.add_parser("orchestrator", help="run the orchestrator in front of CTX and GEN workers")
-    orch.add_argument("--config", required=True, help="YAML file (see docs/cli.md)")
+    orch.add_argument("-c", "--config", required=True, help="YAML file (see docs/cli.md)")
     orch.add_argument("--host", default=None, help="overrides the config's hostname")
     orch.add_argument("--port", type=int, default=None, help="overrides the config's port")
     orch.add_argument("--api-key", default=None,

@@ -12,6 +12,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from frontend.http import DEFAULT_MAX_BODY_BYTES
+from frontend.trtllm_config import from_trtllm
 
 
 class ConfigError(Exception):
@@ -87,6 +88,8 @@ class OrchestratorConfig(_Frozen):
     generation_servers: ServerGroupConfig
     gen_tokids_ctxbytes: bool = True  # relay CTX's prompt_token_ids_b64 to GEN (the array path)
     gen_tokids_metadata_only: bool = False  # send GEN only prompt_len, behind the guardrail
+    # TensorRT-LLM GEN workers: keep only the last chat message (the relayed token ids carry the whole prompt).
+    gen_strip_message_history: bool = False
     request_timeout_s: Annotated[float, Field(gt=0)] = 600.0
     connect_timeout_s: Annotated[float, Field(gt=0)] = 5.0
     max_retries: Annotated[int, Field(ge=0, le=10)] = 1
@@ -112,6 +115,10 @@ def for_one_of_several_front_ends(config: OrchestratorConfig) -> OrchestratorCon
 def parse_config(raw: Any, source: str = "config") -> OrchestratorConfig:
     if not isinstance(raw, dict):
         raise ConfigError(f"{source}: the configuration must be a mapping of keys to values")
+    try:
+        raw = from_trtllm(raw)  # a trtllm-serve disaggregated config is accepted as written
+    except ValueError as exc:
+        raise ConfigError(f"{source}: {exc}") from exc
     try:
         return OrchestratorConfig.model_validate(raw)
     except ValidationError as exc:

@@ -35,7 +35,8 @@ class WireModel(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-RequestType = Literal["context_only", "generation_only"]
+# context_and_generation is TensorRT-LLM's name for an ordinary aggregated request.
+RequestType = Literal["context_only", "generation_only", "context_and_generation"]
 
 
 class FirstTokenLogprob(WireModel):
@@ -47,7 +48,9 @@ class FirstTokenLogprob(WireModel):
 
 
 class DisaggregatedParams(WireModel):
-    """TensorRT-LLM-compatible hand-off fields between the orchestrator, CTX and GEN."""
+    """The hand-off fields between the orchestrator, CTX and GEN: every field of TensorRT-LLM's
+    ``DisaggregatedParams`` (docs/interop.md), plus this project's own, which a disagg-serve orchestrator
+    announces with ``native_extensions`` (a CTX answers with them only then, and echoes the flag to GEN)."""
 
     request_type: RequestType
     disagg_request_id: int | None = None
@@ -57,6 +60,25 @@ class DisaggregatedParams(WireModel):
     encoded_opaque_state: str | None = None
     prompt_len: Annotated[int, Field(ge=1)] | None = None
     return_prompt_token_ids_b64: bool = False
+    native_extensions: bool = False
+    # TensorRT-LLM's fields that mean nothing to this engine are accepted and left unread: draft tokens are a
+    # speculative hint, the rank / endpoint / usage / thinking fields describe TensorRT-LLM's own engines.
+    first_gen_log_probs: list[Any] | None = None  # written and read as [[token_id, logprob, [[id, logprob]..]]..]
+    first_gen_logits: list[Any] | None = None
+    draft_tokens: list[StrictInt] | None = None
+    ctx_dp_rank: int | None = None
+    ctx_info_endpoint: str | list[str] | None = None
+    schedule_style: int | None = None
+    conversation_id: str | None = None
+    ctx_usage: dict[str, Any] | None = None
+    resolved_thinking: bool | None = None
+
+    @model_validator(mode="after")
+    def _context_first_only(self) -> DisaggregatedParams:
+        if self.schedule_style not in (None, 0):
+            raise UnsupportedParameterError("only schedule_style 0 (context first) is supported",
+                                            param="disaggregated_params.schedule_style")
+        return self
 
 
 class TextContentPart(WireModel):

@@ -26,7 +26,7 @@ from orchestrator.flow_request import Answer, FlowRequest, StreamedAnswer, Whole
 from orchestrator.handoff_release import HandoffReleaser
 from orchestrator.member import PoolMember
 from orchestrator.pool import WorkerPool
-from orchestrator.protocols.native import NativeProtocol
+from orchestrator.protocols.registry import DEFAULT_PROTOCOL, build_protocols
 from orchestrator.relay import relay_stream
 from orchestrator.retry import Attempted, RetryPolicy
 from orchestrator.routers import RoutingKey, routing_key
@@ -45,9 +45,16 @@ class DisaggFlow:
         self.ctx_pool = ctx_pool
         self.gen_pool = gen_pool
         self.metrics = metrics
-        self.protocol: WorkerProtocol = protocol or NativeProtocol()
+        self.fixed_protocol = protocol  # one protocol for every worker (tests); else each worker's own
+        self.protocols = build_protocols(config)
         self.retry = RetryPolicy(config.max_retries, metrics)
-        self.releaser = HandoffReleaser(ctx_pool, self.protocol)
+        self.releaser = HandoffReleaser(ctx_pool, self.protocol_of)
+
+    def protocol_of(self, member: PoolMember | None) -> WorkerProtocol:
+        """The wire ``member`` speaks, as its pool detected it (``orchestrator.protocols.registry``)."""
+        if self.fixed_protocol is not None:
+            return self.fixed_protocol
+        return self.protocols[member.protocol if member is not None else DEFAULT_PROTOCOL]
 
     def new_request(self, endpoint: Endpoint, body: dict[str, Any], started: float,
                     headers: dict[str, str] | None = None) -> FlowRequest:
@@ -72,17 +79,21 @@ class DisaggFlow:
 
     # -- step 1: CTX --------------------------------------------------------------------------------------
     async def run_context_step(self, request: FlowRequest) -> ContextAnswer:
-        body = self.protocol.context_request(request.body, return_prompt_tokens=self._ctx_returns_tokens(request))
+        return_tokens = self._ctx_returns_tokens(request)
+
+        def body_for(ctx: PoolMember) -> bytes:
+            return self.protocol_of(ctx).context_request(request.body, return_prompt_tokens=return_tokens)
+
         started = time.perf_counter()
         with tracing.span("ctx.call", request.span, headers=request.headers, client=True) as span:
             done = await self.retry.run("ctx", self.ctx_pool, request.key,
-                                        lambda member: _post(member, request, body, request.key))
+                                        lambda member: _post(member, request, body_for(member), request.key))
             flow_tracing.called(span, done)
         request.ctx_worker = done.member.url
         self.metrics.ctx_latency.labels(worker=done.member.url).observe(time.perf_counter() - started)
         if done.answer.status_code != 200:
             raise RelayedError(done.answer.status_code, done.answer.content)
-        request.ctx = self.protocol.read_context_answer(done.answer.content)
+        request.ctx = self.protocol_of(done.member).read_context_answer(done.answer.content)
         return request.ctx
 
     def _ctx_returns_tokens(self, request: FlowRequest) -> bool:
@@ -96,7 +107,8 @@ class DisaggFlow:
 
     def answer_from_context(self, request: FlowRequest, ctx: ContextAnswer) -> Answer:
         """CTX finished the request by itself (EOS, a stop string, or max_tokens at the first token)."""
-        response = self.protocol.finished_response(ctx)
+        ctx_worker = next((w for w in self.ctx_pool.workers if w.url == request.ctx_worker), None)
+        response = self.protocol_of(ctx_worker).finished_response(ctx)
         if not request.streaming:
             return WholeAnswer(orjson.dumps(response))
         options = request.body.get("stream_options")
@@ -133,7 +145,7 @@ class DisaggFlow:
             with tracing.span("handoff", request.span) as span:
                 carriage, reason = self.prompt_carriage(request, ctx, gen)
                 fallback = fallback or reason
-                body = self.protocol.generation_request(request.body, ctx, carriage)
+                body = self.protocol_of(gen).generation_request(request.body, ctx, carriage)
                 flow_tracing.handed_off(span, ctx, carriage, reason, body)
             return body
 
@@ -190,7 +202,7 @@ class DisaggFlow:
         """A retried GEN found the hand-off gone (an earlier GEN took it before failing): CTX must run again.
         After a CTX rerun any such answer counts, first attempt included: the hand-off was fresh."""
         return (isinstance(done.answer, Reply) and (done.attempts >= 2 or request.ctx_redone)
-                and self.protocol.handoff_lost(done.answer))
+                and self.protocol_of(done.member).handoff_lost(done.answer))
 
     def _gen_answer(self, request: FlowRequest, done: Attempted[GenAnswer], key: RoutingKey) -> Answer:
         answer = done.answer

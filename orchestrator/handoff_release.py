@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 
 from frontend.errors import UpstreamError
+from orchestrator.member import PoolMember
 from orchestrator.pool import WorkerPool
 from orchestrator.worker_protocol import ContextAnswer, WorkerProtocol
 
@@ -17,17 +19,20 @@ logger = logging.getLogger(__name__)
 
 
 class HandoffReleaser:
-    def __init__(self, ctx_pool: WorkerPool, protocol: WorkerProtocol, timeout_s: float = 10.0) -> None:
+    def __init__(self, ctx_pool: WorkerPool, protocol_of: Callable[[PoolMember], WorkerProtocol],
+                 timeout_s: float = 10.0) -> None:
         self.ctx_pool = ctx_pool
-        self.protocol = protocol
+        self.protocol_of = protocol_of  # each CTX worker's own wire: a mixed pool releases each its own way
         self.timeout_s = timeout_s
         self._tasks: set[asyncio.Task[None]] = set()  # held so that a running release is not collected
 
     def release(self, ctx: ContextAnswer | None, ctx_worker: str | None, headers: dict[str, str]) -> None:
         """Release ``ctx``'s hand-off on the CTX worker at URL ``ctx_worker``, if it is still in the pool."""
         member = next((w for w in self.ctx_pool.workers if w.url == ctx_worker), None)
-        request = self.protocol.release_request(ctx) if ctx is not None else None
-        if member is None or request is None:
+        if member is None or ctx is None:
+            return
+        request = self.protocol_of(member).release_request(ctx)
+        if request is None:
             return
         path, body = request
         transport = member.transport

@@ -21,6 +21,7 @@ class PoolMember:
         self.url = transport.url
         self.healthy = False
         self.facts: GenEngineFacts | None = None  # from the worker's /v1/models, once it is healthy
+        self.protocol = "native"  # the wire it speaks (orchestrator.protocols.registry), read with the facts
         self.inflight = 0
         self.inflight_prompt_tokens = 0
         self._failures = 0  # health checks failed in a row

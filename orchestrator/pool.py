@@ -15,6 +15,7 @@ from frontend.background import BackgroundLoop
 from frontend.errors import UpstreamError, UpstreamUnavailableError
 from frontend.guardrail import GenEngineFacts
 from orchestrator.member import UNKNOWN_ENGINE_FACTS, PoolMember
+from orchestrator.protocols.registry import DEFAULT_PROTOCOL, detect_protocol
 from orchestrator.routers import Router, RoutingKey
 from orchestrator.transport import Transport, WorkerTimeouts, make_transport
 
@@ -106,7 +107,7 @@ class WorkerPool:
             reply = await worker.transport.get("/health", self.timeouts.health_s)
             ok = reply.status_code == 200
             if ok and worker.facts is None:
-                worker.facts = await self._engine_facts(worker)
+                worker.facts, worker.protocol = await self._describe(worker)
         except UpstreamError:
             ok = False
         was_healthy = worker.healthy
@@ -116,15 +117,22 @@ class WorkerPool:
             if not worker.healthy:
                 worker.facts = None  # a worker that comes back may come back with another engine
 
-    async def _engine_facts(self, worker: PoolMember) -> GenEngineFacts:
+    async def _describe(self, worker: PoolMember) -> tuple[GenEngineFacts, str]:
+        """The worker's engine facts and the protocol it speaks, from its own model card."""
         # The guardrail needs GEN's real engine facts: ask the worker, never trust our own config.
         reply = await worker.transport.get("/v1/models", self.timeouts.health_s)
         try:
-            info = orjson.loads(reply.content)["data"][0]["engine_info"]
-            return GenEngineFacts(bool(info["kv_block_reuse"]), bool(info["prompt_tokens_in_handoff"]))
+            card = orjson.loads(reply.content)["data"][0]
         except (orjson.JSONDecodeError, KeyError, IndexError, TypeError):
+            card = {}
+        protocol = detect_protocol(card, worker.url) if isinstance(card, dict) else DEFAULT_PROTOCOL
+        logger.info("%s worker %s speaks %s", self.name, worker.url, protocol)
+        try:
+            info = card["engine_info"]
+            return GenEngineFacts(bool(info["kv_block_reuse"]), bool(info["prompt_tokens_in_handoff"])), protocol
+        except (KeyError, TypeError):
             logger.warning("worker %s reports no engine_info; assuming the most restrictive facts", worker.url)
-            return UNKNOWN_ENGINE_FACTS
+            return UNKNOWN_ENGINE_FACTS, protocol
 
     async def aclose(self) -> None:
         for task in list(self._closing):

@@ -39,6 +39,7 @@ from frontend.tool_calls import with_tools_prompt
 from workers.engines.base import Tokenizer
 from workers.engines.outputs import EngineInfo, TokenLogprob
 from workers.engines.request import Handoff, Phase, PromptPath, placeholder_prompt
+from workers.trtllm_answers import finished_at_context, first_gen_logprobs_from
 
 # Tokenizing a few KB on the loop is cheaper than a thread hop; past this, the loop must stay free.
 _TOKENIZE_IN_THREAD_CHARS = 16_384
@@ -227,7 +228,7 @@ def _tool_call_text(call: FunctionCall) -> str:
 
 
 def handoff_from(disagg: DisaggregatedParams | None, vocab_size: int) -> Handoff | None:
-    if disagg is None or disagg.request_type != "generation_only":
+    if disagg is None or disagg.request_type != "generation_only" or finished_at_context(disagg):
         return None
     if not disagg.first_gen_tokens:
         raise HandoffError("a generation_only request needs disaggregated_params.first_gen_tokens",
@@ -245,13 +246,13 @@ def handoff_from(disagg: DisaggregatedParams | None, vocab_size: int) -> Handoff
                            param="disaggregated_params.encoded_opaque_state") from exc
     ctx_id = None if disagg.ctx_request_id is None else str(disagg.ctx_request_id)
     logprobs = tuple(
-        TokenLogprob(lp.token_id, lp.logprob, tuple(lp.top)) for lp in disagg.first_gen_logprobs or ()
-    )
+        TokenLogprob(lp.token_id, lp.logprob, tuple(lp.top)) for lp in disagg.first_gen_logprobs
+    ) if disagg.first_gen_logprobs is not None else first_gen_logprobs_from(disagg.first_gen_log_probs)
     return Handoff(tuple(disagg.first_gen_tokens), state, ctx_id, logprobs)
 
 
 def phase_of(disagg: DisaggregatedParams | None) -> Phase:
-    if disagg is None:
+    if disagg is None or disagg.request_type == "context_and_generation":
         return Phase.AGGREGATED
     return Phase.CONTEXT_ONLY if disagg.request_type == "context_only" else Phase.GENERATION_ONLY
 

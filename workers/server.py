@@ -40,6 +40,7 @@ from workers import worker_tracing
 from workers.engines.base import Engine, HealthCheck, KVHandoffStore
 from workers.engines.request import Phase
 from workers.registration import Registration
+from workers.request_body import parse_request_body
 from workers.serving import WorkerService, WorkerSettings
 
 _STARTED = int(time.time())
@@ -99,7 +100,7 @@ def create_worker_app(
             tracing.end(span, {"http.status_code": 200})
 
         try:
-            body = parse_json_object(await read_body(request, settings.max_body_bytes))
+            body = parse_request_body(await read_body(request, settings.max_body_bytes), request.headers)
             prepared = await service.prepare(body, wire_model)
             worker_tracing.prepared(span, prepared)
             # CTX always answers whole: the orchestrator needs its hand-off fields, not a stream.
@@ -191,6 +192,8 @@ def create_worker_app(
                 "kv_block_reuse": info.kv_block_reuse,
                 "prompt_tokens_in_handoff": info.prompt_tokens_in_handoff,
                 "model_hash": info.model_hash,
+                # The wires this worker answers (orchestrator.protocols.registry reads it): both orchestrators.
+                "disagg_protocols": ["native", "trtllm"],
             },
         }
         return card

@@ -8,7 +8,6 @@ included. A plain request (role ``both``) is ordinary aggregated serving.
 from __future__ import annotations
 
 import logging
-import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -52,6 +51,14 @@ from workers.request_builder import (
     sampling_params_from,
 )
 from workers.text_stream import TextStep, stream_text
+from workers.trtllm_answers import (
+    add_context_fields,
+    answers_trtllm,
+    finished_at_context,
+    first_tokens_only,
+    new_request_id,
+    strip_to_trtllm_fields,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -112,12 +119,14 @@ class WorkerService:
         disagg = wire.disaggregated_params
         phase = phase_of(disagg)
         self._check_role(phase)
+        if finished_at_context(disagg):
+            phase = Phase.AGGREGATED  # nothing to continue from: answered from CTX's first tokens (_text_steps)
         constraint = output_constraint(wire)
         sampling = sampling_params_from(wire, info, constraint)
         prompt = await prepare_prompt(wire, sampling, info, self.tokenizer)
         sampling = resolve_max_tokens(wire, sampling, int(prompt.tokens.size), info)
         handoff = handoff_from(disagg, info.vocab_size)
-        request_id = uuid.uuid4().hex
+        request_id = new_request_id(disagg)
         if prompt.token_list is not None:
             request = GenerationRequest.from_token_list(
                 request_id, prompt.token_list, prompt.tokens, sampling, phase=phase, handoff=handoff
@@ -164,7 +173,7 @@ class WorkerService:
         """Run to the end and return the whole response body (CTX adds its hand-off fields)."""
         collected = CollectedOutput()
         try:
-            async for step in stream_text(self.engine, self.tokenizer.detokenizer(), prepared.request):
+            async for step in self._text_steps(prepared):
                 collected.text_parts.append(step.text)
                 collected.token_ids.extend(step.token_ids)
                 collected.logprobs.extend(step.logprobs)
@@ -180,6 +189,12 @@ class WorkerService:
             logger.exception("engine failure on %s", prepared.request.request_id)
             raise EngineError(f"the engine failed: {type(exc).__name__}") from exc
         return self._render_whole(prepared, collected)
+
+    def _text_steps(self, prepared: PreparedGeneration) -> AsyncGenerator[TextStep, None]:
+        if finished_at_context(prepared.disagg):
+            assert prepared.disagg is not None
+            return first_tokens_only(prepared.disagg, self.tokenizer, self.engine.info.vocab_size)
+        return stream_text(self.engine, self.tokenizer.detokenizer(), prepared.request)
 
     def _render_whole(self, prepared: PreparedGeneration, out: CollectedOutput) -> dict[str, Any]:
         request = prepared.request
@@ -200,21 +215,28 @@ class WorkerService:
             as_tool_call_message(body, calls)
         if request.phase is Phase.CONTEXT_ONLY:
             self._add_context_fields(body, prepared, out)
+        if answers_trtllm(prepared.disagg):
+            strip_to_trtllm_fields(body)
         return body
 
     def _add_context_fields(self, body: dict[str, Any], prepared: PreparedGeneration, out: CollectedOutput) -> None:
         request = prepared.request
         disagg = prepared.disagg
         assert disagg is not None
+        state = pybase64.b64encode(out.handoff_state).decode("ascii") \
+            if out.handoff_state is not None and out.finish_reason is None else None
+        if answers_trtllm(disagg) and "choices" in body:
+            logprobs = out.logprobs if request.sampling.logprobs is not None else None
+            add_context_fields(body, request, disagg, out.token_ids, logprobs, state, prepared.ident.endpoint)
+            return
         params: dict[str, Any] = {
             "request_type": "context_only",
             "ctx_request_id": request.request_id,
             "disagg_request_id": disagg.disagg_request_id,
             "first_gen_tokens": out.token_ids,
-            "encoded_opaque_state": pybase64.b64encode(out.handoff_state).decode("ascii")
-            if out.handoff_state is not None and out.finish_reason is None
-            else None,
+            "encoded_opaque_state": state,
             "prompt_len": request.prompt_len,
+            "native_extensions": True,  # GEN gets these params back: it answers our orchestrator in our shape
         }
         if request.sampling.logprobs is not None:
             params["first_gen_logprobs"] = [
@@ -233,7 +255,7 @@ class WorkerService:
         """Start the stream and return its frames. Fails as an HTTP error if it fails before the first token."""
         include_usage = bool(prepared.wire.stream_options and prepared.wire.stream_options.include_usage)
         renderer = StreamRenderer(prepared.ident, include_usage)
-        steps = stream_text(self.engine, self.tokenizer.detokenizer(), prepared.request)
+        steps = self._text_steps(prepared)
         try:
             first = await anext(steps)
         except StopAsyncIteration:

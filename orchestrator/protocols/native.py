@@ -38,6 +38,7 @@ class NativeProtocol:
             "request_type": "context_only",
             "disagg_request_id": random.getrandbits(63),
             "return_prompt_token_ids_b64": return_prompt_tokens,
+            "native_extensions": True,  # our workers then answer with our own fields (prompt_len, ...)
         }
         return orjson.dumps(ctx_body)
 

@@ -188,7 +188,7 @@ def synthetic_state(prompt_len: int, engine: str = "synthetic") -> str:
 
 def generation_body(encoded: Any, prompt_len: int | None, **params: Any) -> dict[str, Any]:
     disagg: dict[str, Any] = {"request_type": "generation_only", "first_gen_tokens": [84],
-                              "encoded_opaque_state": synthetic_state(prompt_len or 3)}
+                              "encoded_opaque_state": synthetic_state(prompt_len or 3), "native_extensions": True}
     if prompt_len is not None:
         disagg["prompt_len"] = prompt_len
     disagg.update(params)

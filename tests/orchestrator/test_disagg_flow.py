@@ -89,7 +89,7 @@ def test_gen_receives_exactly_the_b64_string_ctx_returned(
 
     # CTX was asked for a context_only step, whole, with the prompt back as b64.
     assert ctx_body["disaggregated_params"] == {"request_type": "context_only", "disagg_request_id": request_id,
-                                                "return_prompt_token_ids_b64": True}
+                                                "return_prompt_token_ids_b64": True, "native_extensions": True}
     assert ctx_body["stream"] is False
     encoded = ctx_answer["prompt_token_ids_b64"]
     assert ctx_answer["prompt_token_ids"] is None

@@ -27,7 +27,7 @@ def releaser(script: list[Step]) -> tuple[HandoffReleaser, ScriptedTransports]:
     transports = ScriptedTransports({CTX_URL: script})
     pool = WorkerPool("ctx", RoundRobinRouter(), WorkerTimeouts(), transport_factory=transports)
     pool.add(CTX_URL)
-    return HandoffReleaser(pool, NativeProtocol(), timeout_s=5), transports
+    return HandoffReleaser(pool, lambda _: NativeProtocol(), timeout_s=5), transports
 
 
 async def test_the_hand_off_is_released_on_the_ctx_worker_that_made_it() -> None:

@@ -145,7 +145,8 @@ def test_gen_refuses_a_placeholder_that_a_penalty_would_read(without_tokens_in_h
 
     cluster = without_tokens_in_handoff
     ctx_body = {"model": cluster.model, "messages": MESSAGES, "max_tokens": 8, "temperature": 0,
-                "disaggregated_params": {"request_type": "context_only", "return_prompt_token_ids_b64": True}}
+                "disaggregated_params": {"request_type": "context_only", "return_prompt_token_ids_b64": True,
+                                         "native_extensions": True}}
     ctx = httpx.post(cluster.ctx.url + "/v1/chat/completions", json=ctx_body, timeout=60).json()
     params = {**ctx["choices"][0]["disaggregated_params"], "request_type": "generation_only"}
     gen_body = {"model": cluster.model, "messages": MESSAGES, "max_tokens": 8, "temperature": 0,

@@ -36,7 +36,7 @@ ENGINE = SyntheticEngine(SyntheticConfig(max_context=64))
 INFO = ENGINE.info
 CHAT: dict[str, Any] = {"model": "synthetic", "messages": [{"role": "user", "content": "hi"}]}
 GEN_PARAMS = {"request_type": "generation_only", "prompt_len": 3, "first_gen_tokens": [84],
-              "encoded_opaque_state": pybase64.b64encode(b"{}").decode()}
+              "encoded_opaque_state": pybase64.b64encode(b"{}").decode(), "native_extensions": True}
 
 
 def wire_of(model: type[GenerationWireRequest], body: dict[str, Any]) -> GenerationWireRequest:

@@ -87,7 +87,7 @@ def test_models_card_carries_the_engine_facts(cluster: Cluster, worker_client: o
     assert card["max_model_len"] == 1_048_576
     assert card["engine_info"] == {"engine": "synthetic", "role": "generation", "vocab_size": 50_000,
                                    "kv_block_reuse": False, "prompt_tokens_in_handoff": False,
-                                   "model_hash": "synthetic-v1"}
+                                   "model_hash": "synthetic-v1", "disagg_protocols": ["native", "trtllm"]}
 
 
 @pytest.mark.parametrize("node", ["ctx", "gen", "aggregated"])

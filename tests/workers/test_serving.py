@@ -31,7 +31,8 @@ def post(node: Node, path: str, body: dict[str, Any]) -> httpx.Response:
 
 def context_step(cluster: Cluster, body: dict[str, Any], path: str = CHAT_PATH) -> dict[str, Any]:
     reply = post(cluster.ctx, path, {**body, "disaggregated_params": {
-        "request_type": "context_only", "disagg_request_id": 7, "return_prompt_token_ids_b64": True}})
+        "request_type": "context_only", "disagg_request_id": 7, "return_prompt_token_ids_b64": True,
+        "native_extensions": True}})
     assert reply.status_code == 200, reply.text
     answer: dict[str, Any] = reply.json()
     return answer

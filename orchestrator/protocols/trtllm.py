@@ -1,0 +1,127 @@
+"""TensorRT-LLM's context-first disaggregated wire (lifecycle protocol v0), as ``trtllm-serve`` workers expect it.
+
+What TensorRT-LLM's own orchestrator sends and reads, field for field (docs/interop.md names the version):
+
+- CTX gets the client's body with ``stream: false``, ``stream_options: null`` and ``disaggregated_params:
+  {request_type: context_only, disagg_request_id, schedule_style: 0, conversation_id,
+  return_prompt_token_ids_b64}``.
+- CTX answers an ordinary response; GEN is called only when ``choices[0].finish_reason`` is ``"length"`` or
+  ``"not_finished"``. Any other value means CTX finished the request.
+- GEN gets the client's body and CTX's ``disaggregated_params`` with ``request_type: generation_only``,
+  ``schedule_style``, ``conversation_id`` and ``ctx_usage`` (CTX's usage). Chat keeps ``messages`` (the last one
+  only when ``gen_strip_message_history`` is set) and adds ``prompt_token_ids_b64`` - the very string CTX sent -
+  or else CTX's ``prompt_token_ids`` list; completions replace ``prompt`` with CTX's ``prompt_token_ids``
+  (TensorRT-LLM's completion answer has no b64 form).
+
+TensorRT-LLM's models forbid unknown fields, so nothing of this project's own (``prompt_len``, release calls) is
+sent; its workers have no early hand-off release and no "hand-off lost" answer.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import orjson
+
+from frontend.errors import UnsupportedParameterError, UpstreamError
+from orchestrator.transport import Reply
+from orchestrator.worker_protocol import ContextAnswer, PromptCarriage
+
+CONTEXT_FIRST = 0  # TensorRT-LLM's DisaggScheduleStyle.CONTEXT_FIRST, an int on the wire
+GEN_PENDING_FINISH_REASONS = ("length", "not_finished")
+
+# TensorRT-LLM's DisaggregatedParams fields: all a GEN may get, whoever's CTX wrote the hand-off.
+DISAGGREGATED_PARAMS_FIELDS = frozenset({
+    "request_type", "first_gen_tokens", "first_gen_log_probs", "first_gen_logits", "ctx_request_id",
+    "encoded_opaque_state", "draft_tokens", "disagg_request_id", "ctx_dp_rank", "ctx_info_endpoint",
+    "schedule_style", "conversation_id", "ctx_usage", "return_prompt_token_ids_b64", "resolved_thinking",
+})
+
+
+class TrtllmProtocol:
+    def __init__(self, *, strip_message_history: bool = False) -> None:
+        self.strip_message_history = strip_message_history
+
+    def context_request(self, body: dict[str, Any], *, return_prompt_tokens: bool) -> bytes:
+        if "messages" not in body and "prompt" not in body:
+            raise UnsupportedParameterError("TensorRT-LLM workers serve only chat and completions "
+                                            "disaggregated, not /v1/responses", param="input")
+        ctx_body = dict(body)  # shallow: the prompt itself is not copied
+        ctx_body["disaggregated_params"] = {
+            "request_type": "context_only",
+            "disagg_request_id": random.getrandbits(63),
+            "schedule_style": CONTEXT_FIRST,
+            "conversation_id": _conversation_id(body),
+            "return_prompt_token_ids_b64": return_prompt_tokens,
+        }
+        ctx_body["stream"] = False
+        ctx_body["stream_options"] = None
+        return orjson.dumps(ctx_body)
+
+    def read_context_answer(self, content: bytes) -> ContextAnswer:
+        try:
+            response = orjson.loads(content)
+            choice = response["choices"][0]
+            params = choice["disaggregated_params"]
+        except (orjson.JSONDecodeError, KeyError, IndexError, TypeError) as exc:
+            raise UpstreamError("the CTX step failed: its answer has no choices[0].disaggregated_params") from exc
+        if not isinstance(params, dict):
+            raise UpstreamError("the CTX step failed: its disaggregated_params is not an object")
+        encoded = response.get("prompt_token_ids_b64")
+        return ContextAnswer(
+            response=response,
+            handoff=params,
+            finished=choice.get("finish_reason") not in GEN_PENDING_FINISH_REASONS,
+            # TensorRT-LLM reports no prompt_len, and without it the guardrail never takes metadata-only: right,
+            # since a trtllm-serve GEN cannot continue from a length alone.
+            prompt_len=None,
+            prompt_b64=encoded if isinstance(encoded, str) else None,
+        )
+
+    def finished_response(self, ctx: ContextAnswer) -> dict[str, Any]:
+        response = ctx.response
+        for name in ("prompt_token_ids_b64", "prompt_token_ids"):
+            response.pop(name, None)
+        for choice in response.get("choices", ()):
+            choice.pop("disaggregated_params", None)
+        return response
+
+    def generation_request(self, body: dict[str, Any], ctx: ContextAnswer, carriage: PromptCarriage) -> bytes:
+        gen_body = dict(body)  # shallow: the prompt itself is not copied
+        params = {k: v for k, v in ctx.handoff.items() if k in DISAGGREGATED_PARAMS_FIELDS}
+        params["request_type"] = "generation_only"
+        params["schedule_style"] = CONTEXT_FIRST
+        params["conversation_id"] = _conversation_id(body)
+        params["ctx_usage"] = ctx.response.get("usage")
+        ctx_id = params.get("ctx_request_id")
+        if isinstance(ctx_id, str) and ctx_id.isdigit():  # a disagg-serve CTX in a mixed fleet: ids are decimal
+            params["ctx_request_id"] = int(ctx_id)
+        gen_body["disaggregated_params"] = params
+        # A trtllm-serve CTX always sends its token list; a disagg-serve CTX in a mixed fleet sends one only when
+        # asked (else GEN tokenizes the client's prompt, which then stays).
+        tokens = ctx.response.get("prompt_token_ids")
+        if "messages" in body:
+            if carriage is PromptCarriage.CTX_TOKENS and ctx.prompt_b64 is not None:
+                gen_body["prompt_token_ids_b64"] = ctx.prompt_b64  # the same str object CTX's answer held
+            elif tokens is not None:
+                gen_body["prompt_token_ids"] = tokens
+            messages = body["messages"]
+            if self.strip_message_history and isinstance(messages, list) and len(messages) > 1:
+                gen_body["messages"] = messages[-1:]
+        elif tokens is not None:
+            gen_body["prompt"] = tokens
+        return orjson.dumps(gen_body)
+
+    def handoff_lost(self, reply: Reply) -> bool:
+        return False  # a trtllm-serve GEN has no answer that says so: its failure is an ordinary error
+
+    def release_request(self, ctx: ContextAnswer) -> tuple[str, bytes] | None:
+        return None  # no early release in protocol v0: the CTX worker frees the KV on its own timeout
+
+
+def _conversation_id(body: dict[str, Any]) -> str | None:
+    conversation = body.get("conversation_params")
+    if isinstance(conversation, dict) and isinstance(conversation.get("conversation_id"), str):
+        return str(conversation["conversation_id"])
+    return None

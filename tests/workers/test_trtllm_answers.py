@@ -1,0 +1,189 @@
+"""Direction B: TensorRT-LLM's orchestrator in front of our workers, on the reference engine (tiny model).
+
+The test plays TensorRT-LLM's v0 context-first orchestrator (``tests.trtllm_wire``): it writes both legs as that
+orchestrator does, sends them over real HTTP to our real CTX and GEN workers, and reads every whole answer with
+TensorRT-LLM's strict models, so a field TensorRT-LLM would refuse fails here. The disaggregated output must equal
+what the aggregated worker answers to the plain request.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import msgspec
+import orjson
+import pytest
+
+from tests.trtllm_wire import (
+    ChatCompletionResponse,
+    needs_generation,
+    response_model,
+    trtllm_context_body,
+    trtllm_generation_body,
+)
+from tests.workers.engines.reference.cluster import RefCluster, reference_cluster
+from tests.workers.engines.reference.tiny_model import write_tiny_model
+from workers.engines.reference.options import ReferenceOptions
+
+CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
+MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RefCluster]:
+    path = str(write_tiny_model(tmp_path_factory.mktemp("tiny") / "tiny.gguf", seed=0))
+    with reference_cluster(ReferenceOptions(model_path=path, served_model_name="tiny", blas_threads=1)) as running:
+        yield running
+
+
+def client_body(path: str, model: str, **extra: Any) -> dict[str, Any]:
+    prompt = {"messages": MESSAGES} if path == CHAT else {"prompt": "The capital of France is"}
+    return {"model": model, **prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True, **extra}
+
+
+def post(url: str, body: dict[str, Any], *, msgpack: bool = False) -> httpx.Response:
+    if msgpack:  # as TensorRT-LLM sends it with TRTLLM_SERVE_ENABLE_MSGSPEC=1
+        return httpx.post(url, content=msgspec.msgpack.encode(body), timeout=60,
+                          headers={"Content-Type": "application/json", "X-TRTLLM-Msgpack": "1"})
+    return httpx.post(url, json=body, timeout=60)
+
+
+def streamed_text(reply: httpx.Response, path: str) -> str:
+    text = []
+    for line in reply.text.splitlines():
+        if line.startswith("data: ") and line != "data: [DONE]":
+            for choice in orjson.loads(line[6:])["choices"]:
+                text.append((choice.get("delta") or {}).get("content") or "" if path == CHAT else choice["text"])
+    return "".join(text)
+
+
+def aggregated_text(cluster: RefCluster, path: str, body: dict[str, Any]) -> str:
+    reply = post(cluster.aggregated.url + path, body)
+    assert reply.status_code == 200, reply.text
+    choice = reply.json()["choices"][0]
+    return str(choice["message"]["content"] if path == CHAT else choice["text"])
+
+
+@pytest.mark.parametrize("path", [CHAT, COMPLETIONS], ids=["chat", "completions"])
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+@pytest.mark.parametrize("tokids_ctxbytes", [False, True], ids=["token-list", "ctxbytes"])
+def test_trtllm_orchestrator_legs_against_our_workers(cluster: RefCluster, path: str, stream: bool,
+                                                     tokids_ctxbytes: bool) -> None:
+    body = client_body(path, cluster.model, stream=stream)
+    disagg_request_id = random.getrandbits(63)
+
+    ctx_reply = post(cluster.ctx.url + path, trtllm_context_body(path, body, disagg_request_id, tokids_ctxbytes))
+    assert ctx_reply.status_code == 200, ctx_reply.text
+    ctx = response_model(path).model_validate(ctx_reply.json())  # strict: TensorRT-LLM's field set only
+    assert needs_generation(ctx)
+    params = ctx.choices[0].disaggregated_params
+    assert params is not None and isinstance(params.ctx_request_id, int) and params.encoded_opaque_state
+    assert params.disagg_request_id == disagg_request_id and params.first_gen_tokens
+    if tokids_ctxbytes and isinstance(ctx, ChatCompletionResponse):
+        assert ctx.prompt_token_ids_b64 and ctx.prompt_token_ids is None
+    else:  # TensorRT-LLM's list path (and its only path for completions)
+        assert ctx.prompt_token_ids and ctx.usage.prompt_tokens == len(ctx.prompt_token_ids)
+
+    gen_body = trtllm_generation_body(path, body, ctx, disagg_request_id)
+    assert ("messages" in gen_body) is (path == CHAT)
+    gen_reply = post(cluster.gen.url + path, gen_body)
+    assert gen_reply.status_code == 200, gen_reply.text
+    if stream:  # TensorRT-LLM relays GEN's stream line by line
+        text = streamed_text(gen_reply, path)
+    else:
+        gen = response_model(path).model_validate(gen_reply.json())
+        assert gen.usage.completion_tokens == 8
+        choice = gen.choices[0]
+        text = str(choice.message.content if isinstance(gen, ChatCompletionResponse) else choice.text)  # type: ignore[union-attr]
+    assert text == aggregated_text(cluster, path, client_body(path, cluster.model))
+
+
+def test_msgpack_bodies_with_the_header_are_served(cluster: RefCluster) -> None:
+    body = client_body(CHAT, cluster.model)
+    ctx_reply = post(cluster.ctx.url + CHAT, trtllm_context_body(CHAT, body, 11, True), msgpack=True)
+    assert ctx_reply.status_code == 200, ctx_reply.text
+    ctx = ChatCompletionResponse.model_validate(ctx_reply.json())
+    gen_reply = post(cluster.gen.url + CHAT, trtllm_generation_body(CHAT, body, ctx, 11, strip_message_history=True),
+                     msgpack=True)
+    assert gen_reply.status_code == 200, gen_reply.text
+    gen = ChatCompletionResponse.model_validate(gen_reply.json())
+    assert gen.choices[0].message.content == aggregated_text(cluster, CHAT, body)
+
+
+def test_a_bad_msgpack_body_is_a_clear_400(cluster: RefCluster) -> None:
+    reply = httpx.post(cluster.ctx.url + CHAT, content=b"\xc1not msgpack", timeout=30,
+                       headers={"Content-Type": "application/json", "X-TRTLLM-Msgpack": "1"})
+    assert reply.status_code == 400
+    assert "msgpack" in reply.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("path", [CHAT, COMPLETIONS], ids=["chat", "completions"])
+def test_context_and_generation_is_served_aggregated(cluster: RefCluster, path: str) -> None:
+    body = client_body(path, cluster.model)
+    reply = post(cluster.aggregated.url + path,
+                 {**body, "disaggregated_params": {"request_type": "context_and_generation", "schedule_style": 0}})
+    assert reply.status_code == 200, reply.text
+    answer = response_model(path).model_validate(reply.json())
+    choice = answer.choices[0]
+    text = choice.message.content if isinstance(answer, ChatCompletionResponse) else choice.text  # type: ignore[union-attr]
+    assert text == aggregated_text(cluster, path, body)
+
+
+def test_every_trtllm_field_is_accepted(cluster: RefCluster) -> None:
+    body = client_body(CHAT, cluster.model)
+    params = {"request_type": "context_only", "disagg_request_id": 3, "schedule_style": 0, "conversation_id": "c-1",
+              "draft_tokens": [], "ctx_dp_rank": 0, "ctx_info_endpoint": "host:1", "first_gen_logits": None,
+              "ctx_usage": {"prompt_tokens": 1, "total_tokens": 1, "completion_tokens": 0},
+              "return_prompt_token_ids_b64": False, "resolved_thinking": None}
+    reply = post(cluster.ctx.url + CHAT, {**body, "disaggregated_params": params})
+    assert reply.status_code == 200, reply.text
+    ChatCompletionResponse.model_validate(reply.json())
+
+
+def test_generation_first_is_refused_by_name(cluster: RefCluster) -> None:
+    body = client_body(CHAT, cluster.model)
+    reply = post(cluster.ctx.url + CHAT, {**body, "disaggregated_params": {"request_type": "context_only",
+                                                                            "schedule_style": 1}})
+    assert reply.status_code == 400
+    error = reply.json()["error"]
+    assert error["param"] == "disaggregated_params.schedule_style" and "context first" in error["message"]
+    assert post(cluster.ctx.url + CHAT, body).status_code == 200  # and the worker keeps serving
+
+
+@pytest.mark.parametrize("path", [CHAT, COMPLETIONS], ids=["chat", "completions"])
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_a_request_ctx_finished_by_length_is_answered_by_gen_from_the_first_token(
+        cluster: RefCluster, path: str, stream: bool) -> None:
+    """TensorRT-LLM calls GEN on a CTX "length" even when the first token used up max_tokens (the KV is freed)."""
+    body = client_body(path, cluster.model, max_tokens=1, stream=stream)
+    ctx_reply = post(cluster.ctx.url + path, trtllm_context_body(path, body, 21, True))
+    ctx = response_model(path).model_validate(ctx_reply.json())
+    assert ctx.choices[0].finish_reason == "length" and needs_generation(ctx)
+    params = ctx.choices[0].disaggregated_params
+    assert params is not None and params.encoded_opaque_state is None
+    gen_reply = post(cluster.gen.url + path, trtllm_generation_body(path, body, ctx, 21))
+    assert gen_reply.status_code == 200, gen_reply.text
+    expected = aggregated_text(cluster, path, client_body(path, cluster.model, max_tokens=1))
+    if stream:
+        assert streamed_text(gen_reply, path) == expected
+    else:
+        gen = response_model(path).model_validate(gen_reply.json())
+        choice = gen.choices[0]
+        assert choice.finish_reason == "length" and gen.usage.completion_tokens == 1
+        assert (choice.message.content if isinstance(gen, ChatCompletionResponse) else choice.text) == expected  # type: ignore[union-attr]
+
+
+def test_the_first_token_logprob_travels_in_first_gen_log_probs(cluster: RefCluster) -> None:
+    body = client_body(CHAT, cluster.model, logprobs=True, top_logprobs=2)
+    ctx = ChatCompletionResponse.model_validate(post(cluster.ctx.url + CHAT,
+                                                     trtllm_context_body(CHAT, body, 31, True)).json())
+    params = ctx.choices[0].disaggregated_params
+    assert params is not None and params.first_gen_log_probs is not None and len(params.first_gen_log_probs) == 1
+    gen_reply = post(cluster.gen.url + CHAT, trtllm_generation_body(CHAT, body, ctx, 31))
+    gen = ChatCompletionResponse.model_validate(gen_reply.json())
+    aggregated = post(cluster.aggregated.url + CHAT, body).json()["choices"][0]["logprobs"]["content"]
+    assert gen.choices[0].logprobs is not None
+    assert gen.choices[0].logprobs["content"] == aggregated  # the first token's logprob included

@@ -1,0 +1,108 @@
+"""Answering TensorRT-LLM's orchestrator: the CTX answer and whole answers in TensorRT-LLM's field set only.
+
+TensorRT-LLM's orchestrator parses every whole answer with models that forbid unknown fields, so a request whose
+``disaggregated_params`` lacks ``native_extensions`` (our own orchestrator always sets it) is answered in its
+shape (docs/interop.md):
+
+- CTX: ``ctx_request_id`` an int, ``first_gen_log_probs`` instead of our ``first_gen_logprobs``, no
+  ``prompt_len``, and ``finish_reason: "not_finished"`` when GEN must continue (TensorRT-LLM calls GEN only on
+  ``"length"`` or ``"not_finished"``); the prompt as ``prompt_token_ids_b64`` when asked (chat only: TensorRT-LLM's
+  completion answer has no such field) and as a ``prompt_token_ids`` list otherwise.
+- every whole answer: no ``system_fingerprint`` and no ``prompt_logprobs``, which its response models lack.
+  Streams are relayed line by line by TensorRT-LLM, unparsed, and keep our chunk shape.
+"""
+
+from __future__ import annotations
+
+import random
+import uuid
+from collections.abc import AsyncGenerator
+from typing import Any
+
+from frontend.errors import HandoffError
+from frontend.openai_models import DisaggregatedParams
+from frontend.token_codec import encode_prompt_tokens
+from workers.engines.base import Tokenizer
+from workers.engines.outputs import TokenLogprob
+from workers.engines.request import GenerationRequest
+from workers.text_stream import TextStep
+
+NOT_FINISHED = "not_finished"
+
+
+def answers_trtllm(disagg: DisaggregatedParams | None) -> bool:
+    """Whether this request came from TensorRT-LLM's orchestrator (or one that speaks only its wire)."""
+    return disagg is not None and not disagg.native_extensions
+
+
+def new_request_id(disagg: DisaggregatedParams | None) -> str:
+    """A CTX request's id doubles as the hand-off's ``ctx_request_id``. TensorRT-LLM's is an int, so it is always
+    the decimal form of one: sent as an int to TensorRT-LLM's orchestrator, and convertible to one by ours when a
+    mixed fleet hands it to a trtllm-serve GEN; GEN's ``str(ctx_request_id)`` names the same hand-off either way."""
+    if disagg is not None and disagg.request_type == "context_only":
+        return str(random.getrandbits(63))
+    return uuid.uuid4().hex
+
+
+def add_context_fields(body: dict[str, Any], request: GenerationRequest, disagg: DisaggregatedParams,
+                       first_tokens: list[int], logprobs: list[TokenLogprob] | None, handoff_state: str | None,
+                       endpoint: str) -> None:
+    """Put the CTX hand-off into ``body`` as TensorRT-LLM's CTX worker writes it."""
+    choice = body["choices"][0]
+    params: dict[str, Any] = {
+        "request_type": "context_only",
+        "first_gen_tokens": first_tokens,
+        "ctx_request_id": int(request.request_id),
+        "encoded_opaque_state": handoff_state,
+        "disagg_request_id": disagg.disagg_request_id,
+    }
+    if logprobs is not None:
+        params["first_gen_log_probs"] = [[lp.token_id, lp.logprob, [list(t) for t in lp.top]] for lp in logprobs]
+    choice["disaggregated_params"] = params
+    if handoff_state is not None:
+        choice["finish_reason"] = NOT_FINISHED
+    # Also when CTX finished: on "length" TensorRT-LLM's orchestrator still calls GEN, with this prompt.
+    if disagg.return_prompt_token_ids_b64 and endpoint == "chat":
+        body["prompt_token_ids_b64"] = encode_prompt_tokens(request.prompt_token_ids_i32)
+    else:
+        body["prompt_token_ids"] = request.prompt_token_ids  # TensorRT-LLM's list path: a list it reads back
+
+
+def strip_to_trtllm_fields(body: dict[str, Any]) -> None:
+    """Drop what TensorRT-LLM's response models do not have (they refuse unknown fields)."""
+    body.pop("system_fingerprint", None)
+    body.pop("prompt_logprobs", None)
+    for choice in body.get("choices", ()):
+        choice.pop("prompt_logprobs", None)
+
+
+def first_gen_logprobs_from(log_probs: list[Any] | None) -> tuple[TokenLogprob, ...]:
+    """``first_gen_log_probs`` as ``add_context_fields`` writes it, read back on GEN; () if it is not that shape
+    (a TensorRT-LLM CTX writes its own): the first token's logprob is then simply not reported."""
+    out = []
+    for entry in log_probs or ():
+        try:
+            token_id, logprob, top = entry
+            out.append(TokenLogprob(int(token_id), float(logprob), tuple((int(t), float(v)) for t, v in top)))
+        except (TypeError, ValueError):
+            return ()
+    return tuple(out)
+
+
+def finished_at_context(disagg: DisaggregatedParams | None) -> bool:
+    """TensorRT-LLM's orchestrator calls GEN whenever CTX says ``"length"``, also when the first token already used
+    up ``max_tokens`` and our CTX freed the KV: that GEN request has first tokens but no hand-off state. Its whole
+    answer is those first tokens; no engine is asked."""
+    return (answers_trtllm(disagg) and disagg is not None and disagg.request_type == "generation_only"
+            and disagg.encoded_opaque_state is None and bool(disagg.first_gen_tokens))
+
+
+async def first_tokens_only(disagg: DisaggregatedParams, tokenizer: Tokenizer,
+                            vocab_size: int) -> AsyncGenerator[TextStep, None]:
+    """The answer of a request CTX finished by its length (``finished_at_context``), as one text step."""
+    tokens = tuple(disagg.first_gen_tokens or ())
+    if any(not 0 <= t < vocab_size for t in tokens):
+        raise HandoffError(f"first_gen_tokens must be token ids in [0, {vocab_size})",
+                           param="disaggregated_params.first_gen_tokens")
+    yield TextStep(tokenizer.decode(tokens), tokens, first_gen_logprobs_from(disagg.first_gen_log_probs),
+                   finish_reason="length")
