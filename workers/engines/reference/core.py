@@ -28,8 +28,8 @@ import numpy as np
 from frontend import tracing
 from frontend.sampling import SamplingParams
 from frontend.token_codec import TOKEN_DTYPE
-from workers.engines.reference.grammar import GrammarCompiler
 from workers.engines.reference.core_tracing import SERVICE_NAME, CoreSpans
+from workers.engines.reference.grammar import GrammarCompiler
 from workers.engines.reference.ipc import ChannelClosed, Header, read_frame_blocking, send_frame_blocking
 from workers.engines.reference.kv_store import KVStore, KVTransferServer
 from workers.engines.reference.model_file import load_model_file
