@@ -293,8 +293,10 @@ ERRORS: list[ErrorCase] = [
     ("/v1/chat/completions", {**BASE_CHAT, "temperature": "hot"}, 400, "temperature", None),
     ("/v1/chat/completions", {**BASE_CHAT, "max_tokens": 0}, 400, "max_tokens", None),
     ("/v1/chat/completions", {**BASE_CHAT, "messages": [{"role": "user"}], "bogus": 1}, 400, "bogus", None),
-    ("/v1/chat/completions", {**BASE_CHAT, "tools": [{"type": "function"}]}, 400, "tools",
-     "unsupported_parameter"),
+    ("/v1/chat/completions", {**BASE_CHAT, "tools": [{"type": "function"}]}, 400, "tools.0.function", None),
+    # The synthetic engine computes no logits to constrain, so a forced tool call is refused by name.
+    ("/v1/chat/completions", {**BASE_CHAT, "tools": [{"type": "function", "function": {"name": "f"}}],
+                              "tool_choice": "required"}, 400, "tool_choice", "unsupported_parameter"),
     ("/v1/chat/completions", {**BASE_CHAT, "n": 2}, 400, "n", "unsupported_parameter"),
     ("/v1/chat/completions", {**BASE_CHAT, "stream": "yes"}, 400, "stream", None),
     ("/v1/chat/completions", {**BASE_CHAT, "model": 7}, 400, "model", None),
@@ -350,8 +352,9 @@ def test_the_openai_client_sees_typed_errors(client: openai.OpenAI) -> None:
     assert bad.value.param == "frobnicate"
     with pytest.raises(openai.BadRequestError) as tools:
         client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2,
-                                       tools=[{"type": "function", "function": {"name": "f"}}])
-    assert tools.value.param == "tools"
+                                       tools=[{"type": "function", "function": {"name": "f"}}],
+                                       tool_choice="required")
+    assert tools.value.param == "tool_choice"
     assert tools.value.code == "unsupported_parameter"
 
 
