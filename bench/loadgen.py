@@ -7,6 +7,10 @@ Run as ``python -m bench.loadgen --config CONFIG.json --out RESULT.json`` (bench
   ``prompt_token_ids_b64``), then GEN's stream with the body the orchestrator would send (CTX's hand-off with
   request_type generation_only and the very b64 string relayed), so the difference is the orchestrator's hop.
 
+``"client": "aiohttp"`` in the config drives both modes with aiohttp instead of httpx: a cheaper client, so that
+the direct client's own cost (one orjson parse and dump of CTX's ~700 KB answer at 131k tokens) does not hide the
+proxy's hop (bench.orchestrator_cost uses it).
+
 Phases, all bounded in time: warm-up (not recorded) until ``warmup_s`` have passed and every client finished about
 one request; the measurement window until ``measure_s`` have passed and ``min_requests`` finished; then a tail that
 keeps the same load on until every request started in the window has finished (so the last ones do not run on an
@@ -81,16 +85,17 @@ async def via_orchestrator(client: httpx.AsyncClient, config: dict[str, Any], bo
 
 
 async def direct(client: httpx.AsyncClient, config: dict[str, Any], body: dict[str, Any], record: Record) -> None:
-    ctx_body = dict(body)
-    ctx_body["stream"] = False
-    ctx_body.pop("stream_options", None)
-    ctx_body["disaggregated_params"] = {"request_type": "context_only",
-                                        "disagg_request_id": random.getrandbits(63),
-                                        "return_prompt_token_ids_b64": True}
-    reply = await client.post(config["ctx_url"] + _PATH, content=orjson.dumps(ctx_body), headers=_JSON)
+    reply = await client.post(config["ctx_url"] + _PATH, content=context_body(body), headers=_JSON)
     if reply.status_code != 200:
         raise StreamError(f"CTX status {reply.status_code}: {reply.content[:200]!r}")
-    answer = orjson.loads(reply.content)
+    async with client.stream("POST", config["gen_url"] + _PATH, content=gen_body_after(body, reply.content),
+                             headers=_JSON) as response:
+        await _consume_stream(response, record)
+
+
+def gen_body_after(body: dict[str, Any], ctx_answer: bytes) -> bytes:
+    """The GEN body the orchestrator would send after CTX's ``ctx_answer``, built by the direct client."""
+    answer = orjson.loads(ctx_answer)
     params = dict(answer["choices"][0]["disaggregated_params"])
     if params.get("encoded_opaque_state") is None:
         raise StreamError("CTX finished the request by itself; use max_tokens > 1")
@@ -98,23 +103,74 @@ async def direct(client: httpx.AsyncClient, config: dict[str, Any], body: dict[s
     gen_body = dict(body)
     gen_body["disaggregated_params"] = params
     gen_body["prompt_token_ids_b64"] = answer["prompt_token_ids_b64"]
-    async with client.stream("POST", config["gen_url"] + _PATH, content=orjson.dumps(gen_body),
-                             headers=_JSON) as response:
-        await _consume_stream(response, record)
+    return orjson.dumps(gen_body)
 
 
-async def client_loop(client: httpx.AsyncClient, config: dict[str, Any], state: State, body: dict[str, Any],
-                      body_bytes: bytes) -> None:
+def context_body(body: dict[str, Any]) -> bytes:
+    ctx_body = dict(body)
+    ctx_body["stream"] = False
+    ctx_body.pop("stream_options", None)
+    ctx_body["disaggregated_params"] = {"request_type": "context_only",
+                                        "disagg_request_id": random.getrandbits(63),
+                                        "return_prompt_token_ids_b64": True}
+    return orjson.dumps(ctx_body)
+
+
+class AiohttpClient:
+    """Both modes over aiohttp (C parser, no anyio layer)."""
+
+    def __init__(self, concurrency: int, timeout_s: float) -> None:
+        import aiohttp
+
+        self.session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=2 * concurrency + 8),
+            timeout=aiohttp.ClientTimeout(total=timeout_s, connect=10.0))
+
+    async def consume(self, response: Any, record: Record) -> None:
+        if response.status != 200:
+            raise StreamError(f"status {response.status}: {(await response.read())[:200]!r}")
+        tail = b""
+        async for chunk in response.content.iter_any():
+            if record.first is None:
+                record.first = time.perf_counter()
+            tail = (tail + chunk)[-64:]
+        if b"[DONE]" not in tail:
+            raise StreamError("the stream ended without [DONE]")
+
+    async def via_orchestrator(self, config: dict[str, Any], body: bytes, record: Record) -> None:
+        async with self.session.post(config["url"] + _PATH, data=body, headers=_JSON) as response:
+            await self.consume(response, record)
+
+    async def direct(self, config: dict[str, Any], body: dict[str, Any], record: Record) -> None:
+        async with self.session.post(config["ctx_url"] + _PATH, data=context_body(body), headers=_JSON) as reply:
+            content = await reply.read()
+            if reply.status != 200:
+                raise StreamError(f"CTX status {reply.status}: {content[:200]!r}")
+        async with self.session.post(config["gen_url"] + _PATH, data=gen_body_after(body, content),
+                                     headers=_JSON) as response:
+            await self.consume(response, record)
+
+
+async def client_loop(client: httpx.AsyncClient | AiohttpClient, config: dict[str, Any], state: State,
+                      body: dict[str, Any], body_bytes: bytes) -> None:
+    import aiohttp
+
     while state.phase != "stop":
         record = Record(time.perf_counter(), in_window=state.phase == "measure")
         state.records.append(record)
         try:
-            if config["mode"] == "direct":
+            if isinstance(client, AiohttpClient):
+                if config["mode"] == "direct":
+                    await client.direct(config, body, record)
+                else:
+                    await client.via_orchestrator(config, body_bytes, record)
+            elif config["mode"] == "direct":
                 await direct(client, config, body, record)
             else:
                 await via_orchestrator(client, config, body_bytes, record)
             record.ok = True
-        except (httpx.HTTPError, StreamError, KeyError, IndexError, orjson.JSONDecodeError) as exc:
+        except (httpx.HTTPError, aiohttp.ClientError, StreamError, KeyError, IndexError,
+                orjson.JSONDecodeError) as exc:
             record.error = f"{type(exc).__name__}: {exc}"[:300]
             await asyncio.sleep(0.05)  # a failing system must not turn the loop into a busy spin
         finally:
@@ -177,7 +233,13 @@ async def run(config: dict[str, Any]) -> dict[str, Any]:
     limits = httpx.Limits(max_connections=2 * concurrency + 8, max_keepalive_connections=2 * concurrency + 8)
     timeout = httpx.Timeout(config.get("request_timeout_s", 120.0), connect=10.0)
     state = State()
-    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
+    async with contextlib.AsyncExitStack() as stack:
+        client: httpx.AsyncClient | AiohttpClient
+        if config.get("client") == "aiohttp":
+            client = AiohttpClient(concurrency, config.get("request_timeout_s", 120.0))
+            stack.push_async_callback(client.session.close)
+        else:
+            client = await stack.enter_async_context(httpx.AsyncClient(limits=limits, timeout=timeout))
         clients = [asyncio.create_task(client_loop(client, config, state, body, body_bytes))
                    for _ in range(concurrency)]
         try:
