@@ -28,7 +28,7 @@ from orchestrator.protocols.native import NativeProtocol
 from orchestrator.relay import relay_stream
 from orchestrator.retry import Attempted, RetryPolicy
 from orchestrator.routers import RoutingKey, routing_key
-from orchestrator.transport import OpenStream, Reply
+from orchestrator.transport import Body, OpenStream, Reply
 from orchestrator.worker_protocol import ContextAnswer, PromptCarriage, WorkerProtocol
 
 logger = logging.getLogger(__name__)
@@ -124,7 +124,7 @@ class DisaggFlow:
     async def run_generation_step(self, request: FlowRequest, ctx: ContextAnswer) -> Answer:
         fallback: FallbackReason | None = None  # counted once per request, however many GEN attempts
 
-        def body_for(gen: PoolMember) -> bytes:
+        def body_for(gen: PoolMember) -> Body:
             nonlocal fallback
             carriage, reason = self.prompt_carriage(request, ctx, gen)
             fallback = fallback or reason
@@ -157,7 +157,7 @@ class DisaggFlow:
         done = await self._call_gen(request, request.key, lambda _: body)
         return self._gen_answer(request, done, request.key)
 
-    async def _call_gen(self, request: FlowRequest, key: RoutingKey, body_for: Callable[[PoolMember], bytes],
+    async def _call_gen(self, request: FlowRequest, key: RoutingKey, body_for: Callable[[PoolMember], Body],
                         avoid: tuple[PoolMember, ...] = ()) -> Attempted[GenAnswer]:
         """GEN's answer: whole, or (streaming) opened, moving to another GEN on a failure before the first byte."""
         async def whole(gen: PoolMember) -> GenAnswer:
@@ -193,7 +193,7 @@ class DisaggFlow:
                                            request.started, self.metrics))
 
 
-async def _post(member: PoolMember, request: FlowRequest, body: bytes, key: RoutingKey) -> Reply:
+async def _post(member: PoolMember, request: FlowRequest, body: Body, key: RoutingKey) -> Reply:
     with member.carrying(key.prompt_tokens):
         return await member.transport.post(request.path, body, request.headers)
 

@@ -6,6 +6,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from functools import partial
 from typing import Any
 
 import orjson
@@ -39,7 +40,7 @@ from orchestrator.flow_request import FlowRequest, StreamedAnswer, check_client_
 from orchestrator.membership import DnsDiscovery
 from orchestrator.pool import HealthMonitor, WorkerPool
 from orchestrator.routers import RoutingKey, make_router
-from orchestrator.transport import WorkerTimeouts
+from orchestrator.transport import WorkerTimeouts, make_transport
 
 ROLE = "orchestrator"
 logger = logging.getLogger("disagg_serve.orchestrator")
@@ -49,7 +50,8 @@ def _pool(name: str, group: ServerGroupConfig, config: OrchestratorConfig) -> Wo
     timeouts = WorkerTimeouts(config.request_timeout_s, config.connect_timeout_s, min(config.connect_timeout_s, 5.0))
     pool = WorkerPool(name, make_router(group.router), timeouts,
                       failure_threshold=config.health_failure_threshold,
-                      recovery_threshold=config.health_recovery_threshold)
+                      recovery_threshold=config.health_recovery_threshold,
+                      transport_factory=partial(make_transport, client=config.upstream_client))
     for url in group.urls:
         pool.add(url, "static")
     return pool
