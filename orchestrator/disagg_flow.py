@@ -18,7 +18,7 @@ import orjson
 from frontend.config import OrchestratorConfig
 from frontend.errors import RelayedError, UpstreamError
 from frontend.guardrail import FallbackReason, decide_for_reading
-from frontend.metrics import Metrics
+from frontend.metrics import LabelledChildren, Metrics
 from frontend.openai_output import Endpoint, replay_as_stream
 from orchestrator.flow_request import Answer, FlowRequest, StreamedAnswer, WholeAnswer
 from orchestrator.handoff_release import HandoffReleaser
@@ -46,6 +46,8 @@ class DisaggFlow:
         self.protocol: WorkerProtocol = protocol or NativeProtocol()
         self.retry = RetryPolicy(config.max_retries, metrics)
         self.releaser = HandoffReleaser(ctx_pool, self.protocol)
+        self.ctx_latency = LabelledChildren(metrics.ctx_latency)  # by worker, looked up once per worker
+        self.gen_first_byte = LabelledChildren(metrics.gen_first_byte)
 
     def new_request(self, endpoint: Endpoint, body: dict[str, Any], started: float,
                     headers: dict[str, str] | None = None) -> FlowRequest:
@@ -75,7 +77,7 @@ class DisaggFlow:
         done = await self.retry.run("ctx", self.ctx_pool, request.key,
                                     lambda member: _post(member, request, body, request.key))
         request.ctx_worker = done.member.url
-        self.metrics.ctx_latency.labels(worker=done.member.url).observe(time.perf_counter() - started)
+        self.ctx_latency(done.member.url).observe(time.perf_counter() - started)
         if done.answer.status_code != 200:
             raise RelayedError(done.answer.status_code, done.answer.content)
         request.ctx = self.protocol.read_context_answer(done.answer.content)
@@ -174,7 +176,7 @@ class DisaggFlow:
         started = time.perf_counter()
         done = await self.retry.run("gen", self.gen_pool, key, streamed if request.streaming else whole, avoid)
         if not isinstance(done.answer, Reply):
-            self.metrics.gen_first_byte.labels(worker=done.member.url).observe(time.perf_counter() - started)
+            self.gen_first_byte(done.member.url).observe(time.perf_counter() - started)
         return done
 
     def _handoff_lost(self, request: FlowRequest, done: Attempted[GenAnswer]) -> bool:

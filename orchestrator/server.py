@@ -30,7 +30,7 @@ from frontend.http import (
 )
 from frontend.loop_monitor import LoopLagMonitor
 from frontend.memory import IdleMemoryTrimmer
-from frontend.metrics import METRICS_CONTENT_TYPE, Metrics
+from frontend.metrics import METRICS_CONTENT_TYPE, LabelledChildren, Metrics
 from frontend.openai_models import ChatCompletionRequest, CompletionRequest, ResponsesRequest
 from frontend.openai_output import Endpoint
 from frontend.openapi import install_body_schemas, json_body
@@ -82,7 +82,7 @@ def create_orchestrator_app(
                    for pool, group in ((ctx_pool, config.context_servers), (gen_pool, config.generation_servers))
                    if group.discovery is not None]
     inflight = {"count": 0}
-    lag_monitor = LoopLagMonitor(metrics.event_loop_lag)
+    lag_monitor = LoopLagMonitor(metrics.event_loop_lag, is_idle=lambda: inflight["count"] == 0)
     trimmer = IdleMemoryTrimmer(lambda: inflight["count"] == 0)
 
     @asynccontextmanager
@@ -113,13 +113,17 @@ def create_orchestrator_app(
     install_request_ids(app)
     install_body_schemas(app, [ChatCompletionRequest, CompletionRequest, ResponsesRequest])
 
+    # Label lookups made once, not per request (frontend.metrics.LabelledChildren says what they cost).
+    inflight_gauge = metrics.engine_inflight.labels(role=ROLE)
+    requests_count, request_latency = LabelledChildren(metrics.requests), LabelledChildren(metrics.request_latency)
+
     def release(flow_request: FlowRequest, status: int) -> None:
         inflight["count"] -= 1
-        metrics.engine_inflight.labels(role=ROLE).dec()
+        inflight_gauge.dec()
         endpoint = flow_request.endpoint
         elapsed = time.perf_counter() - flow_request.started
-        metrics.requests.labels(role=ROLE, endpoint=endpoint, status=str(status)).inc()
-        metrics.request_latency.labels(endpoint=endpoint).observe(elapsed)
+        requests_count(ROLE, endpoint, str(status)).inc()
+        request_latency(endpoint).observe(elapsed)
         logger.info("request done", extra={"event": "request", "endpoint": endpoint, "status": status,
                                            "latency_ms": round(elapsed * 1000, 2),
                                            "ctx_worker": flow_request.ctx_worker,
@@ -130,10 +134,10 @@ def create_orchestrator_app(
         started = time.perf_counter()
         request_id: str = request.state.request_id  # the client's, or a new one (frontend.http)
         if inflight["count"] >= config.max_concurrent_requests:
-            metrics.requests.labels(role=ROLE, endpoint=endpoint, status="429").inc()
+            requests_count(ROLE, endpoint, "429").inc()
             raise OverloadedError(f"the orchestrator is at its limit of {config.max_concurrent_requests} requests")
         inflight["count"] += 1
-        metrics.engine_inflight.labels(role=ROLE).inc()
+        inflight_gauge.inc()
         headers = {REQUEST_ID_HEADER: request_id}
         flow_request = flow.new_request(endpoint, {}, started, headers)  # replaced once the body is parsed
         status, streaming = 500, False
