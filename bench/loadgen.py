@@ -124,7 +124,8 @@ class AiohttpClient:
 
         self.session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=2 * concurrency + 8),
-            timeout=aiohttp.ClientTimeout(total=timeout_s, connect=10.0))
+            timeout=aiohttp.ClientTimeout(total=timeout_s, connect=10.0),
+            read_bufsize=2**21)  # as the orchestrator's: CTX's 700 KB answer is read whole, not in 64 KiB rounds
 
     async def consume(self, response: Any, record: Record) -> None:
         if response.status != 200:

@@ -53,7 +53,8 @@ class PassThroughProxy:
         while True:
             message = await receive()
             if message["type"] == "lifespan.startup":
-                self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+                # The orchestrator's own read buffer (orchestrator/aiohttp_transport.py): CTX's answer read whole.
+                self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), read_bufsize=2**21)
                 await send({"type": "lifespan.startup.complete"})
             elif message["type"] == "lifespan.shutdown":
                 if self.session is not None:

@@ -27,6 +27,11 @@ _JSON_HEADERS = {"Content-Type": "application/json"}
 # Neither is of use between the orchestrator and its workers, and each costs a header per request.
 _SKIPPED_HEADERS = ("User-Agent", "Accept-Encoding")
 
+# aiohttp pauses reading a connection once 2 x read_bufsize bytes wait unread (64 KiB by default): CTX's 700 KB
+# answer then arrives in ~10 pause/resume rounds, each an extra turn of the event loop. A CTX answer is read whole
+# anyway, so the buffer may hold it whole.
+_READ_BUFSIZE = 2**21
+
 # A pooled keep-alive connection the worker closed just as it was reused (a race with its idle timeout): worth one
 # more try on a fresh connection before anyone calls the worker broken. A refused connection is not one of these.
 _STALE_CONNECTION = (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)
@@ -50,7 +55,7 @@ class AiohttpTransport:
                 # orchestrator is the side that closes them, not a race it loses.
                 connector=aiohttp.TCPConnector(limit=1024, keepalive_timeout=30.0),
                 timeout=self._timeout, auto_decompress=False, cookie_jar=aiohttp.DummyCookieJar(),
-                skip_auto_headers=_SKIPPED_HEADERS)
+                skip_auto_headers=_SKIPPED_HEADERS, read_bufsize=_READ_BUFSIZE)
         return self._session
 
     async def post(self, path: str, body: Body, headers: dict[str, str] | None = None) -> Reply:
