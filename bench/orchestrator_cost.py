@@ -122,7 +122,7 @@ def measure(processes: Processes, setup: str, url: str, pid: int | None, ctx: Se
 
 # -- the benchmark -------------------------------------------------------------------------------------------------
 def run(prompts: tuple[int, ...] = PROMPTS, concurrency: tuple[int, ...] = CONCURRENCY, phases: Phases = FULL,
-        idle_s: float = 5.0, metadata_only: bool = True, profile: bool = False,
+        idle_s: float = 10.0, metadata_only: bool = True, profile: bool = False,
         setups: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
     setups = dict(setups or ORCHESTRATORS)
     largest = max(prompts)

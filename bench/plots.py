@@ -169,6 +169,6 @@ def orchestrator_cost_plot(result: dict[str, Any], setups: list[str], path: Path
         axis.set_title(f"{prompt:,} prompt tokens", fontsize=10)
         axis.grid(alpha=0.3)
     axes[0][0].set_ylabel("proxy process CPU ms per request")
-    axes[0][0].legend(fontsize=8)
+    axes[0][-1].legend(fontsize=8)  # the largest prompt has every set-up
     figure.suptitle("Orchestrator vs a pass-through proxy, mock workers" + machine_note, fontsize=10)
     return _save(figure, path)
