@@ -1,9 +1,9 @@
 """The two-step flow, top to bottom: admit -> CTX -> hand-off -> GEN -> relay.
 
 The orchestrator never decodes the prompt. It parses CTX's answer once, without its ``prompt_token_ids_b64``,
-and sends those very bytes to GEN as a chunk of GEN's body (``b64_splice``). Short prompts (``max_local_prefill_length``) skip the
-split and go to a GEN worker alone. How each step is written on the wire is the ``WorkerProtocol``'s business;
-which worker, and what happens when one fails, is the ``RetryPolicy``'s.
+and sends those very bytes to GEN as a chunk of GEN's body (``b64_splice``). Short prompts
+(``max_local_prefill_length``) skip the split and go to a GEN worker alone. How each step is written on the wire
+is the ``WorkerProtocol``'s business; which worker, and what happens when one fails, is the ``RetryPolicy``'s.
 """
 
 from __future__ import annotations
