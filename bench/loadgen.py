@@ -7,6 +7,10 @@ Run as ``python -m bench.loadgen --config CONFIG.json --out RESULT.json`` (bench
   ``prompt_token_ids_b64``), then GEN's stream with the body the orchestrator would send (CTX's hand-off with
   request_type generation_only and the very b64 string relayed), so the difference is the orchestrator's hop.
 
+``"client": "aiohttp"`` in the config drives both modes with aiohttp instead of httpx: a cheaper client, so that
+the direct client's own cost (one orjson parse and dump of CTX's ~700 KB answer at 131k tokens) does not hide the
+proxy's hop (bench.orchestrator_cost uses it).
+
 Phases, all bounded in time: warm-up (not recorded) until ``warmup_s`` have passed and every client finished about
 one request; the measurement window until ``measure_s`` have passed and ``min_requests`` finished; then a tail that
 keeps the same load on until every request started in the window has finished (so the last ones do not run on an
@@ -51,16 +55,27 @@ async def via_orchestrator(client: httpx.AsyncClient, config: dict[str, Any], bo
 
 
 async def direct(client: httpx.AsyncClient, config: dict[str, Any], body: dict[str, Any], record: Record) -> None:
+    reply = await client.post(config["ctx_url"] + _PATH, content=context_body(body), headers=JSON_HEADERS)
+    if reply.status_code != 200:
+        raise StreamError(f"CTX status {reply.status_code}: {reply.content[:200]!r}", f"http_{reply.status_code}")
+    async with client.stream("POST", config["gen_url"] + _PATH, content=gen_body_after(body, reply.content),
+                             headers=JSON_HEADERS) as response:
+        await consume_stream(response, record)
+
+
+def context_body(body: dict[str, Any]) -> bytes:
     ctx_body = dict(body)
     ctx_body["stream"] = False
     ctx_body.pop("stream_options", None)
     ctx_body["disaggregated_params"] = {"request_type": "context_only",
                                         "disagg_request_id": random.getrandbits(63),
                                         "return_prompt_token_ids_b64": True}
-    reply = await client.post(config["ctx_url"] + _PATH, content=orjson.dumps(ctx_body), headers=JSON_HEADERS)
-    if reply.status_code != 200:
-        raise StreamError(f"CTX status {reply.status_code}: {reply.content[:200]!r}", f"http_{reply.status_code}")
-    answer = orjson.loads(reply.content)
+    return orjson.dumps(ctx_body)
+
+
+def gen_body_after(body: dict[str, Any], ctx_answer: bytes) -> bytes:
+    """The GEN body the orchestrator would send after CTX's ``ctx_answer``, built by the direct client."""
+    answer = orjson.loads(ctx_answer)
     params = dict(answer["choices"][0]["disaggregated_params"])
     if params.get("encoded_opaque_state") is None:
         raise StreamError("CTX finished the request by itself; use max_tokens > 1", "ctx_finished")
@@ -68,20 +83,69 @@ async def direct(client: httpx.AsyncClient, config: dict[str, Any], body: dict[s
     gen_body = dict(body)
     gen_body["disaggregated_params"] = params
     gen_body["prompt_token_ids_b64"] = answer["prompt_token_ids_b64"]
-    async with client.stream("POST", config["gen_url"] + _PATH, content=orjson.dumps(gen_body),
-                             headers=JSON_HEADERS) as response:
-        await consume_stream(response, record)
+    return orjson.dumps(gen_body)
 
 
-async def client_loop(client: httpx.AsyncClient, config: dict[str, Any], state: State, body: dict[str, Any],
-                      body_bytes: bytes) -> None:
+class AiohttpClient:
+    """Both modes over aiohttp (C parser, no anyio layer); its errors become ``StreamError``s of the same kinds."""
+
+    def __init__(self, concurrency: int, timeout_s: float) -> None:
+        import aiohttp
+
+        self.session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=2 * concurrency + 8),
+            timeout=aiohttp.ClientTimeout(total=timeout_s, connect=10.0),
+            read_bufsize=2**21)  # as the orchestrator's: CTX's 700 KB answer is read whole, not in 64 KiB rounds
+
+    async def consume(self, response: Any, record: Record) -> None:
+        if response.status != 200:
+            raise StreamError(f"status {response.status}: {(await response.read())[:200]!r}",
+                              f"http_{response.status}")
+        tail = b""
+        async for chunk in response.content.iter_any():
+            if record.first is None:
+                record.first = time.perf_counter()
+            tail = (tail + chunk)[-64:]
+        if b"[DONE]" not in tail:
+            raise StreamError("the stream ended without [DONE]", "incomplete_stream")
+
+    async def request(self, config: dict[str, Any], body: dict[str, Any], body_bytes: bytes,
+                      record: Record) -> None:
+        import aiohttp
+
+        try:
+            if config["mode"] == "direct":
+                await self._direct(config, body, record)
+            else:
+                async with self.session.post(config["url"] + _PATH, data=body_bytes, headers=JSON_HEADERS) as reply:
+                    await self.consume(reply, record)
+        except TimeoutError as exc:
+            raise StreamError(str(exc) or "timed out", "timeout") from exc
+        except aiohttp.ClientError as exc:
+            raise StreamError(f"{type(exc).__name__}: {exc}", "connection") from exc
+
+    async def _direct(self, config: dict[str, Any], body: dict[str, Any], record: Record) -> None:
+        async with self.session.post(config["ctx_url"] + _PATH, data=context_body(body),
+                                     headers=JSON_HEADERS) as reply:
+            content = await reply.read()
+            if reply.status != 200:
+                raise StreamError(f"CTX status {reply.status}: {content[:200]!r}", f"http_{reply.status}")
+        async with self.session.post(config["gen_url"] + _PATH, data=gen_body_after(body, content),
+                                     headers=JSON_HEADERS) as response:
+            await self.consume(response, record)
+
+
+async def client_loop(client: httpx.AsyncClient | AiohttpClient, config: dict[str, Any], state: State,
+                      body: dict[str, Any], body_bytes: bytes) -> None:
     def new_record() -> Record:
         record = Record(time.perf_counter(), in_window=state.phase == "measure")
         state.records.append(record)
         return record
 
     async def request(record: Record) -> None:
-        if config["mode"] == "direct":
+        if isinstance(client, AiohttpClient):
+            await client.request(config, body, body_bytes, record)
+        elif config["mode"] == "direct":
             await direct(client, config, body, record)
         else:
             await via_orchestrator(client, config, body_bytes, record)
@@ -147,7 +211,13 @@ async def run(config: dict[str, Any]) -> dict[str, Any]:
     limits = httpx.Limits(max_connections=2 * concurrency + 8, max_keepalive_connections=2 * concurrency + 8)
     timeout = httpx.Timeout(config.get("request_timeout_s", 120.0), connect=10.0)
     state = State()
-    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
+    async with contextlib.AsyncExitStack() as stack:
+        client: httpx.AsyncClient | AiohttpClient
+        if config.get("client") == "aiohttp":
+            client = AiohttpClient(concurrency, config.get("request_timeout_s", 120.0))
+            stack.push_async_callback(client.session.close)
+        else:
+            client = await stack.enter_async_context(httpx.AsyncClient(limits=limits, timeout=timeout))
         clients = [asyncio.create_task(client_loop(client, config, state, body, body_bytes))
                    for _ in range(concurrency)]
         try:

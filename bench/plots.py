@@ -145,3 +145,30 @@ def reference_plot(result: dict[str, Any], path: Path, machine_note: str = "") -
         axis.grid(alpha=0.3)
         axis.legend(fontsize=8)
     return _save(figure, path)
+
+
+def orchestrator_cost_plot(result: dict[str, Any], setups: list[str], path: Path, machine_note: str = "") -> Path:
+    """CPU per request of each proxy set-up against concurrency, one panel per prompt size (bench.orchestrator_cost)."""
+    cells = result["cells"]
+    prompts = sorted({c["prompt_tokens"] for c in cells})
+    figure, axes = plt.subplots(1, len(prompts), figsize=(4 * len(prompts), 4.2), sharey=True, squeeze=False)
+    palette = plt.get_cmap("tab10")
+    for axis, prompt in zip(axes[0], prompts, strict=True):
+        for index, setup in enumerate(setups):
+            points = sorted((c for c in cells if c["setup"] == setup and c["prompt_tokens"] == prompt),
+                            key=lambda c: c["concurrency"])
+            if points:
+                axis.plot([c["concurrency"] for c in points],
+                          [c["cpu_ms_per_request"].get("proxy") or 0.0 for c in points], marker="o",
+                          linestyle=":" if setup == "pass-through" else "-", color=palette(index), label=setup)
+        axis.set_xscale("log", base=2)
+        levels = sorted({c["concurrency"] for c in cells})
+        axis.set_xticks(levels)
+        axis.set_xticklabels([str(level) for level in levels])
+        axis.set_xlabel("concurrency (streaming clients)")
+        axis.set_title(f"{prompt:,} prompt tokens", fontsize=10)
+        axis.grid(alpha=0.3)
+    axes[0][0].set_ylabel("proxy process CPU ms per request")
+    axes[0][-1].legend(fontsize=8)  # the largest prompt has every set-up
+    figure.suptitle("Orchestrator vs a pass-through proxy, mock workers" + machine_note, fontsize=10)
+    return _save(figure, path)

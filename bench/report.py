@@ -70,12 +70,13 @@ def generated_block(results: dict[str, dict[str, Any]], machine: dict[str, Any],
     return "\n".join(parts)
 
 
-def update_docs(doc: Path, block: str) -> None:
-    """Replace the generated block of ``doc`` (or append one if the page has none yet)."""
+def update_docs(doc: Path, block: str, begin: str = BEGIN, end: str = END) -> None:
+    """Replace the generated block of ``doc`` between ``begin`` and ``end`` (or append one if the page has none
+    yet); a benchmark that runs on its own (``bench.orchestrator_cost``) has markers of its own."""
     text = doc.read_text() if doc.exists() else "# Benchmarks\n\n"
-    if BEGIN in text and END in text:
-        head, rest = text.split(BEGIN, 1)
-        _, tail = rest.split(END, 1)
+    if begin in text and end in text:
+        head, rest = text.split(begin, 1)
+        _, tail = rest.split(end, 1)
         text = head + block + tail
     else:
         text = text.rstrip("\n") + "\n\n" + block + "\n"

@@ -10,12 +10,14 @@ is then run once more under py-spy (sampling the orchestrator) to say where its 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import shutil
 import subprocess
 import sys
 import time
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -198,20 +200,8 @@ def profile_cell(processes: Processes, cluster: Cluster, prompt: int, concurrenc
     if tool is None:
         return {"available": False, "note": "py-spy is not installed (pip install '.[bench]')"}
     raw = processes.log_dir / f"py-spy-{prompt}-{concurrency}.txt"
-    duration = int(phases.max_total_s)
-    spy = processes.spawn("py-spy", [tool, "record", "--pid", str(cluster.orchestrator.pid), "--rate", "250",
-                                     "--nonblocking", "--format", "raw", "--output", str(raw),
-                                     "--duration", str(duration)])
-    time.sleep(1.0)  # let py-spy attach before the load starts
-    try:
+    with py_spy_recording(processes, tool, cluster.orchestrator.pid, raw, int(phases.max_total_s)) as spy:
         result = run_cell(processes, cluster, "orchestrator", prompt, concurrency, phases)
-    finally:
-        if spy.process.poll() is None:
-            spy.process.send_signal(2)  # SIGINT: py-spy writes what it has and exits
-            try:
-                spy.process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                processes.stop([spy])
     if not raw.exists():
         return {"available": False, "note": f"py-spy wrote nothing: {spy.log_tail()}"}
     summary = summarize_profile(raw.read_text())
@@ -219,6 +209,23 @@ def profile_cell(processes: Processes, cluster: Cluster, prompt: int, concurrenc
                     "requests_per_s": result["requests_per_s"], "ttft_ms": result["ttft_ms"],
                     "cpu_ms_per_request": result["cpu_ms_per_request"]})
     return summary
+
+
+@contextlib.contextmanager
+def py_spy_recording(processes: Processes, tool: str, pid: int, raw: Path, duration_s: int) -> Iterator[Server]:
+    """py-spy samples ``pid`` at 250 Hz into ``raw`` (collapsed stacks) while the block runs."""
+    spy = processes.spawn("py-spy", [tool, "record", "--pid", str(pid), "--rate", "250", "--nonblocking",
+                                     "--format", "raw", "--output", str(raw), "--duration", str(duration_s)])
+    time.sleep(1.0)  # let py-spy attach before the load starts
+    try:
+        yield spy
+    finally:
+        if spy.process.poll() is None:
+            spy.process.send_signal(2)  # SIGINT: py-spy writes what it has and exits
+            try:
+                spy.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                processes.stop([spy])
 
 
 _CATEGORIES = (

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from typing import Generic, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
@@ -96,3 +97,27 @@ class Metrics:
             MultiProcessCollector(merged)  # type: ignore[no-untyped-call]
             return generate_latest(merged)
         return generate_latest(self.registry)
+
+
+MetricT = TypeVar("MetricT", Counter, Gauge, Histogram)
+
+
+class LabelledChildren(Generic[MetricT]):
+    """``metric.labels(*values)``, made once per set of label values and then looked up in a dict.
+
+    prometheus_client's ``labels()`` checks the values and takes a lock on every call: measured 21 µs for one label
+    against 2 µs for the child's own ``inc()`` on the busy 2-core machine (docs/benchmarks.md, orchestrator cost),
+    and the orchestrator's hot path calls it six times per request. Values are positional, in the order of the
+    metric's label names.
+    """
+
+    def __init__(self, metric: MetricT) -> None:
+        self.metric: MetricT = metric
+        self._children: dict[tuple[str, ...], MetricT] = {}
+
+    def __call__(self, *values: str) -> MetricT:
+        child = self._children.get(values)
+        if child is None:
+            child = self.metric.labels(*values)
+            self._children[values] = child
+        return child

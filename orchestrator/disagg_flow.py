@@ -1,9 +1,9 @@
 """The two-step flow, top to bottom: admit -> CTX -> hand-off -> GEN -> relay.
 
-The orchestrator never decodes the prompt. It parses CTX's answer once and puts the very ``prompt_token_ids_b64``
-string object it got into GEN's body, which it encodes once. Short prompts (``max_local_prefill_length``) skip the
-split and go to a GEN worker alone. How each step is written on the wire is the ``WorkerProtocol``'s business;
-which worker, and what happens when one fails, is the ``RetryPolicy``'s.
+The orchestrator never decodes the prompt. It parses CTX's answer once, without its ``prompt_token_ids_b64``,
+and sends those very bytes to GEN as a chunk of GEN's body (``b64_splice``). Short prompts
+(``max_local_prefill_length``) skip the split and go to a GEN worker alone. How each step is written on the wire
+is the ``WorkerProtocol``'s business; which worker, and what happens when one fails, is the ``RetryPolicy``'s.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from frontend import tracing
 from frontend.config import OrchestratorConfig
 from frontend.errors import RelayedError, UpstreamError
 from frontend.guardrail import FallbackReason, decide_for_reading
-from frontend.metrics import Metrics
+from frontend.metrics import LabelledChildren, Metrics
 from frontend.openai_output import Endpoint, replay_as_stream
 from orchestrator import flow_tracing
 from orchestrator.flow_request import Answer, FlowRequest, StreamedAnswer, WholeAnswer
@@ -30,7 +30,7 @@ from orchestrator.protocols.registry import DEFAULT_PROTOCOL, build_protocols
 from orchestrator.relay import relay_stream
 from orchestrator.retry import Attempted, RetryPolicy
 from orchestrator.routers import RoutingKey, routing_key
-from orchestrator.transport import OpenStream, Reply
+from orchestrator.transport import Body, OpenStream, Reply
 from orchestrator.worker_protocol import ContextAnswer, PromptCarriage, WorkerProtocol
 
 logger = logging.getLogger(__name__)
@@ -49,6 +49,8 @@ class DisaggFlow:
         self.protocols = build_protocols(config)
         self.retry = RetryPolicy(config.max_retries, metrics)
         self.releaser = HandoffReleaser(ctx_pool, self.protocol_of)
+        self.ctx_latency = LabelledChildren(metrics.ctx_latency)  # by worker, looked up once per worker
+        self.gen_first_byte = LabelledChildren(metrics.gen_first_byte)
 
     def protocol_of(self, member: PoolMember | None) -> WorkerProtocol:
         """The wire ``member`` speaks, as its pool detected it (``orchestrator.protocols.registry``)."""
@@ -90,7 +92,7 @@ class DisaggFlow:
                                         lambda member: _post(member, request, body_for(member), request.key))
             flow_tracing.called(span, done)
         request.ctx_worker = done.member.url
-        self.metrics.ctx_latency.labels(worker=done.member.url).observe(time.perf_counter() - started)
+        self.ctx_latency(done.member.url).observe(time.perf_counter() - started)
         if done.answer.status_code != 200:
             raise RelayedError(done.answer.status_code, done.answer.content)
         request.ctx = self.protocol_of(done.member).read_context_answer(done.answer.content)
@@ -140,7 +142,7 @@ class DisaggFlow:
     async def run_generation_step(self, request: FlowRequest, ctx: ContextAnswer) -> Answer:
         fallback: FallbackReason | None = None  # counted once per request, however many GEN attempts
 
-        def body_for(gen: PoolMember) -> bytes:
+        def body_for(gen: PoolMember) -> Body:
             nonlocal fallback
             with tracing.span("handoff", request.span) as span:
                 carriage, reason = self.prompt_carriage(request, ctx, gen)
@@ -176,7 +178,7 @@ class DisaggFlow:
         done = await self._call_gen(request, request.key, lambda _: body)
         return self._gen_answer(request, done, request.key)
 
-    async def _call_gen(self, request: FlowRequest, key: RoutingKey, body_for: Callable[[PoolMember], bytes],
+    async def _call_gen(self, request: FlowRequest, key: RoutingKey, body_for: Callable[[PoolMember], Body],
                         avoid: tuple[PoolMember, ...] = ()) -> Attempted[GenAnswer]:
         """GEN's answer: whole, or (streaming) opened, moving to another GEN on a failure before the first byte."""
         async def whole(gen: PoolMember) -> GenAnswer:
@@ -195,7 +197,7 @@ class DisaggFlow:
             done = await self.retry.run("gen", self.gen_pool, key, streamed if request.streaming else whole, avoid)
             flow_tracing.called(span, done)
         if not isinstance(done.answer, Reply):
-            self.metrics.gen_first_byte.labels(worker=done.member.url).observe(time.perf_counter() - started)
+            self.gen_first_byte(done.member.url).observe(time.perf_counter() - started)
         return done
 
     def _handoff_lost(self, request: FlowRequest, done: Attempted[GenAnswer]) -> bool:
@@ -214,7 +216,7 @@ class DisaggFlow:
             answer, done.member, key.prompt_tokens, request.endpoint, request.started, self.metrics)))
 
 
-async def _post(member: PoolMember, request: FlowRequest, body: bytes, key: RoutingKey) -> Reply:
+async def _post(member: PoolMember, request: FlowRequest, body: Body, key: RoutingKey) -> Reply:
     with member.carrying(key.prompt_tokens):
         return await member.transport.post(request.path, body, request.headers)
 

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 from frontend import tracing
 from frontend.guardrail import FallbackReason
 from orchestrator.retry import Attempted
-from orchestrator.transport import Reply
+from orchestrator.transport import Body, Reply, body_length
 from orchestrator.worker_protocol import ContextAnswer, PromptCarriage
 
 if TYPE_CHECKING:
@@ -32,14 +32,14 @@ def called(span: Span | None, done: Attempted[Any]) -> None:
 
 
 def handed_off(span: Span | None, ctx: ContextAnswer, carriage: PromptCarriage, fallback: FallbackReason | None,
-               gen_body: bytes) -> None:
+               gen_body: Body) -> None:
     """The hand-off as the orchestrator relays it: what of the prompt travels, and how many bytes."""
     if span is None:
         return
     state = ctx.handoff.get("encoded_opaque_state")
     attributes: dict[str, Any] = {
         "disagg.carriage": carriage.value,
-        "disagg.gen_body_bytes": len(gen_body),
+        "disagg.gen_body_bytes": body_length(gen_body),
         "disagg.prompt_b64_bytes": len(ctx.prompt_b64) if carriage is PromptCarriage.CTX_TOKENS and ctx.prompt_b64
         else 0,
         "disagg.handoff_state_bytes": len(state) if isinstance(state, str) else 0,

@@ -13,7 +13,7 @@ from contextlib import contextmanager
 import httpx
 
 from frontend.errors import UpstreamError, UpstreamTimeoutError, UpstreamUnavailableError
-from orchestrator.transport import Reply, WorkerTimeouts
+from orchestrator.transport import Body, Reply, WorkerTimeouts, body_bytes
 
 _JSON_HEADERS = {"Content-Type": "application/json"}
 
@@ -33,12 +33,12 @@ class HttpxTransport:
             limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256, keepalive_expiry=30.0),
         )
 
-    async def post(self, path: str, body: bytes, headers: dict[str, str] | None = None) -> Reply:
+    async def post(self, path: str, body: Body, headers: dict[str, str] | None = None) -> Reply:
         with _translated(self.url):
             response = await self._send(path, body, headers, stream=False)
         return Reply(response.status_code, response.content)
 
-    async def open_stream(self, path: str, body: bytes, headers: dict[str, str] | None = None) -> HttpxStream:
+    async def open_stream(self, path: str, body: Body, headers: dict[str, str] | None = None) -> HttpxStream:
         with _translated(self.url):
             response = await self._send(path, body, headers, stream=True)
         return HttpxStream(response, self.url)
@@ -51,9 +51,9 @@ class HttpxTransport:
     async def aclose(self) -> None:
         await self._client.aclose()
 
-    async def _send(self, path: str, body: bytes, headers: dict[str, str] | None, *, stream: bool
+    async def _send(self, path: str, body: Body, headers: dict[str, str] | None, *, stream: bool
                     ) -> httpx.Response:
-        request = self._client.build_request("POST", path, content=body,
+        request = self._client.build_request("POST", path, content=body_bytes(body),
                                              headers={**_JSON_HEADERS, **headers} if headers else _JSON_HEADERS)
         try:
             return await self._client.send(request, stream=stream)

@@ -31,7 +31,7 @@ from frontend.http import (
 )
 from frontend.loop_monitor import LoopLagMonitor
 from frontend.memory import IdleMemoryTrimmer
-from frontend.metrics import METRICS_CONTENT_TYPE, Metrics
+from frontend.metrics import METRICS_CONTENT_TYPE, LabelledChildren, Metrics
 from frontend.openai_models import ChatCompletionRequest, CompletionRequest, ResponsesRequest
 from frontend.openai_output import Endpoint
 from frontend.openapi import install_body_schemas, json_body
@@ -43,7 +43,7 @@ from orchestrator.pool import HealthMonitor, WorkerPool
 from orchestrator.response_memory import ResponseMemory
 from orchestrator.response_store import ResponseStore
 from orchestrator.routers import RoutingKey, make_router
-from orchestrator.transport import WorkerTimeouts
+from orchestrator.transport import WorkerTimeouts, make_transport
 
 ROLE = "orchestrator"
 SPAN_NAMES: dict[Endpoint, str] = {"chat": "orchestrator chat", "completions": "orchestrator completions",
@@ -55,7 +55,8 @@ def _pool(name: str, group: ServerGroupConfig, config: OrchestratorConfig) -> Wo
     timeouts = WorkerTimeouts(config.request_timeout_s, config.connect_timeout_s, min(config.connect_timeout_s, 5.0))
     pool = WorkerPool(name, make_router(group.router), timeouts,
                       failure_threshold=config.health_failure_threshold,
-                      recovery_threshold=config.health_recovery_threshold)
+                      recovery_threshold=config.health_recovery_threshold,
+                      transport_factory=partial(make_transport, client=config.upstream_client))
     for url in group.urls:
         pool.add(url, "static")
     return pool
@@ -91,7 +92,7 @@ def create_orchestrator_app(
                    for pool, group in ((ctx_pool, config.context_servers), (gen_pool, config.generation_servers))
                    if group.discovery is not None]
     inflight = {"count": 0}
-    lag_monitor = LoopLagMonitor(metrics.event_loop_lag)
+    lag_monitor = LoopLagMonitor(metrics.event_loop_lag, is_idle=lambda: inflight["count"] == 0)
     trimmer = IdleMemoryTrimmer(lambda: inflight["count"] == 0)
 
     @asynccontextmanager
@@ -122,14 +123,18 @@ def create_orchestrator_app(
     install_request_ids(app)
     install_body_schemas(app, [ChatCompletionRequest, CompletionRequest, ResponsesRequest])
 
+    # Label lookups made once, not per request (frontend.metrics.LabelledChildren says what they cost).
+    inflight_gauge = metrics.engine_inflight.labels(role=ROLE)
+    requests_count, request_latency = LabelledChildren(metrics.requests), LabelledChildren(metrics.request_latency)
+
     def release(flow_request: FlowRequest, status: int) -> None:
         inflight["count"] -= 1
-        metrics.engine_inflight.labels(role=ROLE).dec()
+        inflight_gauge.dec()
         endpoint = flow_request.endpoint
         elapsed = time.perf_counter() - flow_request.started
         tracing.end(flow_request.span, {"http.status_code": status}, f"status {status}" if status >= 500 else None)
-        metrics.requests.labels(role=ROLE, endpoint=endpoint, status=str(status)).inc()
-        metrics.request_latency.labels(endpoint=endpoint).observe(elapsed)
+        requests_count(ROLE, endpoint, str(status)).inc()
+        request_latency(endpoint).observe(elapsed)
         logger.info("request done", extra={"event": "request", "endpoint": endpoint, "status": status,
                                            "latency_ms": round(elapsed * 1000, 2),
                                            "ctx_worker": flow_request.ctx_worker,
@@ -142,7 +147,7 @@ def create_orchestrator_app(
         try:
             require_bearer(request, api_key)
             if inflight["count"] >= config.max_concurrent_requests:
-                metrics.requests.labels(role=ROLE, endpoint=endpoint, status="429").inc()
+                requests_count(ROLE, endpoint, "429").inc()
                 raise OverloadedError(f"the orchestrator is at its limit of {config.max_concurrent_requests} "
                                       "requests")
         except BaseException as exc:
@@ -152,7 +157,7 @@ def create_orchestrator_app(
         started = time.perf_counter()
         request_id: str = request.state.request_id  # the client's, or a new one (frontend.http)
         inflight["count"] += 1
-        metrics.engine_inflight.labels(role=ROLE).inc()
+        inflight_gauge.inc()
         headers = {REQUEST_ID_HEADER: request_id}
         flow_request = flow.new_request(endpoint, {}, started, headers)  # replaced once the body is parsed
         flow_request.span = span

@@ -6,7 +6,9 @@ client library gets through, so another client is one new module implementing ``
 ``make_transport``.
 
 Contract of every implementation:
-- bodies are JSON bytes already encoded by the caller; the transport adds ``Content-Type: application/json``;
+- bodies are JSON bytes already encoded by the caller (``Body``: one bytes object, or chunks sent one after the
+  other, never joined where the client can write them as they are); the transport adds ``Content-Type:
+  application/json``;
 - a failure to connect, send or read raises ``UpstreamUnavailableError`` (the worker refused the connection: it is
   gone), ``UpstreamTimeoutError`` or ``UpstreamError``, naming the worker's URL; an HTTP error status is not a
   failure: it comes back as a status like any other;
@@ -19,7 +21,11 @@ from __future__ import annotations
 
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Literal, Protocol
+
+# A request body: bytes, or chunks (GEN's body around CTX's b64 prompt, a view of CTX's answer: b64_splice.py).
+Body = bytes | tuple[bytes | memoryview, ...]
+Client = Literal["aiohttp", "httpx"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,11 +69,11 @@ class Transport(Protocol):
 
     url: str
 
-    async def post(self, path: str, body: bytes, headers: dict[str, str] | None = None) -> Reply:
+    async def post(self, path: str, body: Body, headers: dict[str, str] | None = None) -> Reply:
         """POST ``body`` and read the whole answer."""
         ...
 
-    async def open_stream(self, path: str, body: bytes, headers: dict[str, str] | None = None) -> OpenStream:
+    async def open_stream(self, path: str, body: Body, headers: dict[str, str] | None = None) -> OpenStream:
         """POST ``body`` and return as soon as the answer's status has arrived."""
         ...
 
@@ -80,8 +86,25 @@ class Transport(Protocol):
         ...
 
 
-def make_transport(url: str, timeouts: WorkerTimeouts) -> Transport:
-    """The one place that chooses the HTTP client."""
-    from orchestrator.httpx_transport import HttpxTransport  # here, not at the top: it imports this module
+def body_length(body: Body) -> int:
+    """How many bytes ``body`` sends, without joining its chunks."""
+    return len(body) if isinstance(body, bytes) else sum(len(chunk) for chunk in body)
 
-    return HttpxTransport(url, timeouts)
+
+def body_bytes(body: Body) -> bytes:
+    """``body`` as one bytes object (for a client that takes nothing else)."""
+    return body if isinstance(body, bytes) else b"".join(body)
+
+
+def make_transport(url: str, timeouts: WorkerTimeouts, client: Client = "aiohttp") -> Transport:
+    """The one place that chooses the HTTP client: aiohttp by default (its C parser and no anyio layer make the
+    orchestrator's CPU per request about half of httpx's: docs/benchmarks.md, orchestrator cost), httpx on request
+    (``upstream_client: httpx``)."""
+    # Imported here, not at the top: both modules import this one.
+    if client == "httpx":
+        from orchestrator.httpx_transport import HttpxTransport
+
+        return HttpxTransport(url, timeouts)
+    from orchestrator.aiohttp_transport import AiohttpTransport
+
+    return AiohttpTransport(url, timeouts)

@@ -12,7 +12,7 @@ import enum
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from orchestrator.transport import Reply
+from orchestrator.transport import Body, Reply
 
 
 class PromptCarriage(enum.Enum):
@@ -32,7 +32,9 @@ class ContextAnswer:
     handoff: dict[str, Any]  # what GEN needs to continue (the KV hand-off and the first token), as CTX wrote it
     finished: bool  # CTX finished the request by itself: GEN is never called
     prompt_len: int | None  # the prompt's length in tokens, when CTX reported it
-    prompt_b64: str | None  # the prompt's token ids as CTX encoded them: relayed, never decoded
+    # The prompt's token ids as CTX encoded them: relayed, never decoded; a view of CTX's answer bytes when the
+    # protocol cut it out unparsed (b64_splice.py), else the str the parser made.
+    prompt_b64: str | memoryview | None
 
 
 class WorkerProtocol(Protocol):
@@ -48,9 +50,10 @@ class WorkerProtocol(Protocol):
         """CTX's answer as the client gets it when CTX finished the request: the hand-off fields removed."""
         ...
 
-    def generation_request(self, body: dict[str, Any], ctx: ContextAnswer, carriage: PromptCarriage) -> bytes:
+    def generation_request(self, body: dict[str, Any], ctx: ContextAnswer, carriage: PromptCarriage) -> Body:
         """The GEN step's body: the client's ``body``, the hand-off from ``ctx``, and the prompt as ``carriage``
-        says. ``CTX_TOKENS`` must put ``ctx.prompt_b64`` itself in the body, never a decoded or re-encoded copy."""
+        says. ``CTX_TOKENS`` must put ``ctx.prompt_b64`` itself in the body, never a decoded or re-encoded copy
+        (a view is sent as a chunk of its own)."""
         ...
 
     def handoff_lost(self, reply: Reply) -> bool:

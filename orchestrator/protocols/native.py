@@ -15,7 +15,9 @@ from typing import Any
 import orjson
 
 from frontend.errors import UpstreamError
-from orchestrator.transport import Reply
+from orchestrator.b64_splice import FIELD as B64_FIELD
+from orchestrator.b64_splice import parse_with_b64_span, splice_b64_span
+from orchestrator.transport import Body, Reply
 from orchestrator.worker_protocol import ContextAnswer, PromptCarriage
 
 # Metadata-only GEN bodies carry no token ids; and no prompt text when GEN reads the prompt from the hand-off.
@@ -44,20 +46,20 @@ class NativeProtocol:
 
     def read_context_answer(self, content: bytes) -> ContextAnswer:
         try:
-            response = orjson.loads(content)
+            response, span = parse_with_b64_span(content)  # the b64 prompt, if any, is cut out unparsed
             params = response["choices"][0]["disaggregated_params"] if "choices" in response \
                 else response["disaggregated_params"]
         except (orjson.JSONDecodeError, KeyError, IndexError, TypeError) as exc:
             raise UpstreamError("the CTX step failed: its answer has no disaggregated_params") from exc
         if not isinstance(params, dict):
             raise UpstreamError("the CTX step failed: its disaggregated_params is not an object")
-        prompt_len, encoded = params.get("prompt_len"), response.get("prompt_token_ids_b64")
+        prompt_len, encoded = params.get("prompt_len"), span or response.get(B64_FIELD)
         return ContextAnswer(
             response=response,
             handoff=params,
             finished=params.get("encoded_opaque_state") is None,
             prompt_len=prompt_len if isinstance(prompt_len, int) else None,
-            prompt_b64=encoded if isinstance(encoded, str) else None,
+            prompt_b64=encoded if isinstance(encoded, str | memoryview) else None,
         )
 
     def finished_response(self, ctx: ContextAnswer) -> dict[str, Any]:
@@ -68,15 +70,19 @@ class NativeProtocol:
             choice.pop("disaggregated_params", None)
         return response
 
-    def generation_request(self, body: dict[str, Any], ctx: ContextAnswer, carriage: PromptCarriage) -> bytes:
+    def generation_request(self, body: dict[str, Any], ctx: ContextAnswer, carriage: PromptCarriage) -> Body:
         gen_body = dict(body)  # shallow: the prompt itself is not copied
         params = dict(ctx.handoff)
         params["request_type"] = "generation_only"
         gen_body["disaggregated_params"] = params
         if carriage is PromptCarriage.CTX_TOKENS:
-            gen_body["prompt_token_ids_b64"] = ctx.prompt_b64  # the same str object CTX's answer held
             for name in PROMPT_TEXT_FIELDS:  # GEN takes the array path and never reads the text
                 gen_body.pop(name, None)
+            gen_body.pop(B64_FIELD, None)  # so that it is the last member, where a splice puts the span
+            if isinstance(ctx.prompt_b64, memoryview):  # CTX's very bytes, spliced in as a chunk of their own
+                gen_body[B64_FIELD] = ""
+                return splice_b64_span(orjson.dumps(gen_body), ctx.prompt_b64)
+            gen_body[B64_FIELD] = ctx.prompt_b64  # the same str object CTX's answer held
         elif carriage is PromptCarriage.LENGTH_ONLY or carriage is PromptCarriage.NOTHING:
             # Only prompt_len travels. If GEN's hand-off carries the real tokens, the prompt text need not travel
             # either: the body stops growing with the prompt.

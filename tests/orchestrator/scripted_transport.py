@@ -11,7 +11,7 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 
 from frontend.errors import UpstreamError
-from orchestrator.transport import Reply, WorkerTimeouts
+from orchestrator.transport import Body, Reply, WorkerTimeouts, body_bytes
 
 
 @dataclass
@@ -68,13 +68,13 @@ class ScriptedTransport:
             raise step
         return step
 
-    async def post(self, path: str, body: bytes, headers: dict[str, str] | None = None) -> Reply:
-        step = self._next(Call("POST", path, body, headers))
+    async def post(self, path: str, body: Body, headers: dict[str, str] | None = None) -> Reply:
+        step = self._next(Call("POST", path, body_bytes(body), headers))
         assert isinstance(step, Reply)
         return step
 
-    async def open_stream(self, path: str, body: bytes, headers: dict[str, str] | None = None) -> ScriptedStream:
-        step = self._next(Call("STREAM", path, body, headers))
+    async def open_stream(self, path: str, body: Body, headers: dict[str, str] | None = None) -> ScriptedStream:
+        step = self._next(Call("STREAM", path, body_bytes(body), headers))
         stream = step if isinstance(step, ScriptedStream) else ScriptedStream(step.status_code, [step.content])
         self.opened.append(stream)
         return stream

@@ -1,5 +1,5 @@
-"""The httpx transport against real workers on loopback: whole and streamed answers, and every failure arriving
-as the project's own error, stream iteration included."""
+"""Every transport (httpx, aiohttp) against real workers on loopback: whole and streamed answers, bodies sent as
+chunks, and every failure arriving as the project's own error, stream iteration included."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from starlette.routing import Route
 
 import orchestrator
 from frontend.errors import UpstreamError, UpstreamTimeoutError, UpstreamUnavailableError
+from orchestrator.aiohttp_transport import AiohttpTransport
 from orchestrator.httpx_transport import HttpxTransport, translate_http_error
 from orchestrator.transport import Transport, WorkerTimeouts, make_transport
 from tests.cluster import MODEL, Cluster, start_worker
@@ -59,17 +60,30 @@ def test_httpx_errors_are_translated(error: httpx.HTTPError, expected: type[Upst
     assert "http://w:1" in translated.message
 
 
+TransportClass = type[HttpxTransport] | type[AiohttpTransport]
+
+
+@pytest.fixture(params=[HttpxTransport, AiohttpTransport], ids=["httpx", "aiohttp"])
+def transport_class(request: pytest.FixtureRequest) -> TransportClass:
+    cls: TransportClass = request.param
+    return cls
+
+
 async def test_the_transport_is_chosen_in_one_place() -> None:
-    transport: Transport = make_transport("http://w:1", WorkerTimeouts())
-    try:
-        assert isinstance(transport, HttpxTransport)
-        assert transport.url == "http://w:1"
-    finally:
-        await transport.aclose()
+    for client, cls in (("aiohttp", AiohttpTransport), ("httpx", HttpxTransport)):
+        transport: Transport = make_transport("http://w:1", WorkerTimeouts(), client)  # type: ignore[arg-type]
+        try:
+            assert isinstance(transport, cls)
+            assert transport.url == "http://w:1"
+        finally:
+            await transport.aclose()
+    default = make_transport("http://w:1", WorkerTimeouts())
+    assert isinstance(default, AiohttpTransport)
+    await default.aclose()
 
 
-async def test_post_stream_and_get_against_a_real_worker(cluster: Cluster) -> None:
-    transport = HttpxTransport(cluster.aggregated.url, WorkerTimeouts())
+async def test_post_stream_and_get_against_a_real_worker(cluster: Cluster, transport_class: TransportClass) -> None:
+    transport = transport_class(cluster.aggregated.url, WorkerTimeouts())
     try:
         body = orjson.dumps({"model": MODEL, "prompt": "x", "max_tokens": 3})
         reply = await transport.post("/v1/completions", body)
@@ -87,8 +101,8 @@ async def test_post_stream_and_get_against_a_real_worker(cluster: Cluster) -> No
         await transport.aclose()
 
 
-async def test_an_error_status_is_an_answer_not_an_exception(cluster: Cluster) -> None:
-    transport = HttpxTransport(cluster.aggregated.url, WorkerTimeouts())
+async def test_an_error_status_is_an_answer_not_an_exception(cluster: Cluster, transport_class: TransportClass) -> None:
+    transport = transport_class(cluster.aggregated.url, WorkerTimeouts())
     try:
         reply = await transport.post("/v1/completions", b"{}")
         assert reply.status_code == 400
@@ -99,8 +113,8 @@ async def test_an_error_status_is_an_answer_not_an_exception(cluster: Cluster) -
         await transport.aclose()
 
 
-async def test_a_closed_port_is_unavailable() -> None:
-    transport = HttpxTransport(closed_port_url(), WorkerTimeouts(connect_s=2))
+async def test_a_closed_port_is_unavailable(transport_class: TransportClass) -> None:
+    transport = transport_class(closed_port_url(), WorkerTimeouts(connect_s=2))
     try:
         with pytest.raises(UpstreamUnavailableError):
             await transport.post("/v1/completions", b"{}")
@@ -112,8 +126,9 @@ async def test_a_closed_port_is_unavailable() -> None:
         await transport.aclose()
 
 
-async def test_a_worker_slower_than_the_request_timeout_times_out(slow_worker_url: str) -> None:
-    transport = HttpxTransport(slow_worker_url, WorkerTimeouts(request_s=0.2))
+async def test_a_worker_slower_than_the_request_timeout_times_out(slow_worker_url: str,
+                                                                 transport_class: TransportClass) -> None:
+    transport = transport_class(slow_worker_url, WorkerTimeouts(request_s=0.2))
     try:
         with pytest.raises(UpstreamTimeoutError):
             await transport.post("/v1/completions", orjson.dumps({"model": MODEL, "prompt": "x", "max_tokens": 2}))
@@ -133,9 +148,9 @@ def stalling_stream() -> Starlette:
     return Starlette(routes=[Route("/v1/completions", stream, methods=["POST"])])
 
 
-async def test_a_stream_that_stalls_mid_way_fails_with_the_projects_error() -> None:
+async def test_a_stream_that_stalls_mid_way_fails_with_the_projects_error(transport_class: TransportClass) -> None:
     with running(stalling_stream()) as url:
-        transport = HttpxTransport(url, WorkerTimeouts(request_s=0.3))
+        transport = transport_class(url, WorkerTimeouts(request_s=0.3))
         try:
             stream = await transport.open_stream("/v1/completions", b"{}")
             assert stream.status_code == 200
@@ -148,7 +163,7 @@ async def test_a_stream_that_stalls_mid_way_fails_with_the_projects_error() -> N
             await transport.aclose()
 
 
-def test_httpx_stays_inside_its_module() -> None:
+def test_each_http_client_stays_inside_its_module() -> None:
     root = pathlib.Path(orchestrator.__file__).parent
     for source in root.rglob("*.py"):
         tree = ast.parse(source.read_text())
@@ -157,7 +172,40 @@ def test_httpx_stays_inside_its_module() -> None:
         imported |= {(node.module or "").split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
         if source.name != "httpx_transport.py":
             assert not {"httpx", "httpcore", "h11"} & imported, f"{source.relative_to(root)} imports the HTTP client"
+        if source.name != "aiohttp_transport.py":
+            assert "aiohttp" not in imported, f"{source.relative_to(root)} imports the HTTP client"
         called = {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)}
         assert not {"__aenter__", "__aexit__"} & called, f"{source.relative_to(root)} drives a context by hand"
         if source.name != "httpx_transport.py":
             assert "translate_http_error" not in source.read_text()
+        if source.name != "aiohttp_transport.py":
+            assert "translate_aiohttp_error" not in source.read_text()
+
+
+def echo_body() -> Starlette:
+    """Answers every POST with the very bytes it received, whole or streamed back."""
+    async def echo(request: Request) -> Response:
+        body = await request.body()
+        if request.headers.get("x-stream") == "1":
+            async def frames() -> AsyncIterator[bytes]:
+                yield body
+
+            return StreamingResponse(frames(), media_type="text/event-stream")
+        return Response(body, media_type=request.headers.get("content-type", ""))
+
+    return Starlette(routes=[Route("/echo", echo, methods=["POST"])])
+
+
+async def test_a_body_of_chunks_arrives_as_their_concatenation(transport_class: TransportClass) -> None:
+    span = memoryview(b'{"prompt_token_ids_b64":"' + b"QUJD" * 50_000 + b'"}')[25:-2]
+    chunks = (b'{"model":"m","prompt_token_ids_b64":"', span, b'"}')
+    expected = b"".join(chunks)
+    with running(echo_body()) as url:
+        transport = transport_class(url, WorkerTimeouts())
+        try:
+            reply = await transport.post("/echo", chunks)
+            assert reply.status_code == 200 and reply.content == expected
+            stream = await transport.open_stream("/echo", chunks, {"x-stream": "1"})
+            assert b"".join([chunk async for chunk in stream.chunks()]) == expected
+        finally:
+            await transport.aclose()

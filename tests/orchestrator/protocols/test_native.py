@@ -10,7 +10,7 @@ import pytest
 
 from frontend.errors import UpstreamError
 from orchestrator.protocols.native import NativeProtocol
-from orchestrator.transport import Reply
+from orchestrator.transport import Reply, body_bytes
 from orchestrator.worker_protocol import ContextAnswer, PromptCarriage, WorkerProtocol
 
 PROTOCOL: WorkerProtocol = NativeProtocol()
@@ -53,7 +53,8 @@ def test_reading_a_ctx_answer(top_level: bool) -> None:
     assert ctx.handoff == HANDOFF
     assert ctx.finished is False
     assert ctx.prompt_len == 4
-    assert ctx.prompt_b64 == B64
+    assert isinstance(ctx.prompt_b64, memoryview)  # cut out of CTX's bytes, never made a str
+    assert ctx.prompt_b64.tobytes() == B64.encode()
 
 
 def test_a_ctx_answer_without_a_hand_off_state_is_finished() -> None:
@@ -80,7 +81,7 @@ def test_a_finished_answer_loses_every_hand_off_field() -> None:
 # -- GEN --------------------------------------------------------------------------------------------------------
 def gen_request(body: dict[str, Any], carriage: PromptCarriage) -> tuple[bytes, dict[str, Any], ContextAnswer]:
     ctx = PROTOCOL.read_context_answer(ctx_answer(prompt_token_ids_b64=B64))
-    raw = PROTOCOL.generation_request(body, ctx, carriage)
+    raw = body_bytes(PROTOCOL.generation_request(body, ctx, carriage))
     return raw, orjson.loads(raw), ctx
 
 

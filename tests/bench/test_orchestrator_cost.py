@@ -1,0 +1,59 @@
+"""Smoke run of ``bench.orchestrator_cost`` at a tiny size: real subprocesses (mock workers, the orchestrator, the
+pass-through proxy, the load generator) on loopback. It asserts only that the benchmark runs end to end and returns
+well-formed results; the figures come from ``python -m bench.orchestrator_cost``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pybase64
+import pytest
+
+from bench import mock_workers, orchestrator_cost, report
+from bench.system_load import Phases
+
+TINY = Phases(warmup_s=0.1, max_warmup_s=5.0, measure_s=0.3, max_measure_s=3.0, tail_s=5.0, max_total_s=20.0,
+              quiet_wait_s=0.0)
+
+
+@pytest.fixture(scope="module")
+def result() -> dict[str, Any]:
+    return orchestrator_cost.run((256,), (1, 2), TINY, idle_s=0.3)
+
+
+def test_every_setup_is_measured_beside_the_baseline(result: dict[str, Any]) -> None:
+    setups = {(c["setup"], c["concurrency"]) for c in result["cells"]}
+    assert setups == {("orchestrator", 1), ("orchestrator", 2), ("metadata-only", 1), ("metadata-only", 2),
+                      ("pass-through", 1), ("pass-through", 2), ("direct", 1)}
+    for cell in result["cells"]:
+        assert cell["errors"] == 0, cell["error_samples"]
+        assert cell["ok_requests"] >= 1 and cell["ttft_ms"]["p50"] > 0
+        if cell["setup"] != "direct":
+            assert cell["cpu_ms_per_request"]["proxy"] >= 0
+    assert set(result["idle_cpu_ms_per_s"]) == {"orchestrator", "metadata-only", "pass-through"}
+
+
+def test_tables_targets_block_and_plot(result: dict[str, Any], tmp_path: Path) -> None:
+    table = orchestrator_cost.tables(result)
+    assert "| 256 | 1 | orchestrator |" in table and "| 256 | 2 | pass-through |" in table
+    assert len(orchestrator_cost.targets(result)) == 7
+    block = orchestrator_cost.generated_block(result, "plot.png")
+    doc = tmp_path / "benchmarks.md"
+    doc.write_text("intro\n" + report.BEGIN + "\nother benchmarks\n" + report.END + "\n")
+    report.update_docs(doc, block, orchestrator_cost.BEGIN, orchestrator_cost.END)
+    report.update_docs(doc, block, orchestrator_cost.BEGIN, orchestrator_cost.END)  # replaced, not appended
+    text = doc.read_text()
+    assert text.count(orchestrator_cost.BEGIN) == 1 and "other benchmarks" in text
+    png = orchestrator_cost.plot(result, tmp_path / "cost.png")
+    assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_the_mock_ctx_answer_is_one_gen_can_continue_from() -> None:
+    answer = orjson.loads(mock_workers.context_answer(1_000, with_b64=True))
+    params = answer["choices"][0]["disaggregated_params"]
+    assert answer["choices"][0]["finish_reason"] == "length" and params["encoded_opaque_state"]
+    assert len(pybase64.b64decode(answer["prompt_token_ids_b64"], validate=True)) == 4 * 1_000
+    assert "prompt_token_ids_b64" not in orjson.loads(mock_workers.context_answer(1_000, with_b64=False))
+    assert len(mock_workers.generation_frames(8)) == 10  # 8 tokens, [DONE], the last chunk
