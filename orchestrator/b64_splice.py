@@ -48,6 +48,17 @@ def splice_b64_span(encoded: bytes, span: memoryview) -> GenBody:
     return encoded[:-2], span, encoded[-2:]
 
 
+def encode_with_b64(gen_body: dict[str, Any], b64: str | memoryview) -> bytes | GenBody:
+    """``gen_body`` encoded with ``prompt_token_ids_b64`` as its last member: a span of CTX's bytes goes in as a
+    chunk of its own (never joined), a ``str`` (an answer parsed whole) as the same object CTX's answer held."""
+    gen_body.pop(FIELD, None)  # so that it is the last member, where a splice puts the span
+    if isinstance(b64, memoryview):
+        gen_body[FIELD] = ""
+        return splice_b64_span(orjson.dumps(gen_body), b64)
+    gen_body[FIELD] = b64
+    return orjson.dumps(gen_body)
+
+
 def parse_with_b64_span(content: bytes) -> tuple[Any, memoryview | None]:
     """CTX's answer parsed, and the b64 span cut out of it (the parsed value then ``""``), or None when the answer
     has none at its top level (then it was parsed whole). Raises ``orjson.JSONDecodeError``."""

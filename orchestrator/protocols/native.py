@@ -16,7 +16,7 @@ import orjson
 
 from frontend.errors import UpstreamError
 from orchestrator.b64_splice import FIELD as B64_FIELD
-from orchestrator.b64_splice import parse_with_b64_span, splice_b64_span
+from orchestrator.b64_splice import encode_with_b64, parse_with_b64_span
 from orchestrator.transport import Body, Reply
 from orchestrator.worker_protocol import ContextAnswer, PromptCarriage
 
@@ -78,11 +78,8 @@ class NativeProtocol:
         if carriage is PromptCarriage.CTX_TOKENS:
             for name in PROMPT_TEXT_FIELDS:  # GEN takes the array path and never reads the text
                 gen_body.pop(name, None)
-            gen_body.pop(B64_FIELD, None)  # so that it is the last member, where a splice puts the span
-            if isinstance(ctx.prompt_b64, memoryview):  # CTX's very bytes, spliced in as a chunk of their own
-                gen_body[B64_FIELD] = ""
-                return splice_b64_span(orjson.dumps(gen_body), ctx.prompt_b64)
-            gen_body[B64_FIELD] = ctx.prompt_b64  # the same str object CTX's answer held
+            if ctx.prompt_b64 is not None:
+                return encode_with_b64(gen_body, ctx.prompt_b64)  # CTX's very bytes (or str), never decoded
         elif carriage is PromptCarriage.LENGTH_ONLY or carriage is PromptCarriage.NOTHING:
             # Only prompt_len travels. If GEN's hand-off carries the real tokens, the prompt text need not travel
             # either: the body stops growing with the prompt.

@@ -25,7 +25,8 @@ from typing import Any
 import orjson
 
 from frontend.errors import UnsupportedParameterError, UpstreamError
-from orchestrator.transport import Reply
+from orchestrator.b64_splice import encode_with_b64, parse_with_b64_span
+from orchestrator.transport import Body, Reply
 from orchestrator.worker_protocol import ContextAnswer, PromptCarriage
 
 CONTEXT_FIRST = 0  # TensorRT-LLM's DisaggScheduleStyle.CONTEXT_FIRST, an int on the wire
@@ -61,14 +62,14 @@ class TrtllmProtocol:
 
     def read_context_answer(self, content: bytes) -> ContextAnswer:
         try:
-            response = orjson.loads(content)
+            response, span = parse_with_b64_span(content)  # a ctxbytes b64 prompt is cut out unparsed
             choice = response["choices"][0]
             params = choice["disaggregated_params"]
         except (orjson.JSONDecodeError, KeyError, IndexError, TypeError) as exc:
             raise UpstreamError("the CTX step failed: its answer has no choices[0].disaggregated_params") from exc
         if not isinstance(params, dict):
             raise UpstreamError("the CTX step failed: its disaggregated_params is not an object")
-        encoded = response.get("prompt_token_ids_b64")
+        encoded = span or response.get("prompt_token_ids_b64")
         return ContextAnswer(
             response=response,
             handoff=params,
@@ -76,7 +77,7 @@ class TrtllmProtocol:
             # TensorRT-LLM reports no prompt_len, and without it the guardrail never takes metadata-only: right,
             # since a trtllm-serve GEN cannot continue from a length alone.
             prompt_len=None,
-            prompt_b64=encoded if isinstance(encoded, str) else None,
+            prompt_b64=encoded if isinstance(encoded, str | memoryview) else None,
         )
 
     def finished_response(self, ctx: ContextAnswer) -> dict[str, Any]:
@@ -87,7 +88,7 @@ class TrtllmProtocol:
             choice.pop("disaggregated_params", None)
         return response
 
-    def generation_request(self, body: dict[str, Any], ctx: ContextAnswer, carriage: PromptCarriage) -> bytes:
+    def generation_request(self, body: dict[str, Any], ctx: ContextAnswer, carriage: PromptCarriage) -> Body:
         gen_body = dict(body)  # shallow: the prompt itself is not copied
         params = {k: v for k, v in ctx.handoff.items() if k in DISAGGREGATED_PARAMS_FIELDS}
         params["request_type"] = "generation_only"
@@ -102,13 +103,13 @@ class TrtllmProtocol:
         # asked (else GEN tokenizes the client's prompt, which then stays).
         tokens = ctx.response.get("prompt_token_ids")
         if "messages" in body:
-            if carriage is PromptCarriage.CTX_TOKENS and ctx.prompt_b64 is not None:
-                gen_body["prompt_token_ids_b64"] = ctx.prompt_b64  # the same str object CTX's answer held
-            elif tokens is not None:
-                gen_body["prompt_token_ids"] = tokens
             messages = body["messages"]
             if self.strip_message_history and isinstance(messages, list) and len(messages) > 1:
                 gen_body["messages"] = messages[-1:]
+            if carriage is PromptCarriage.CTX_TOKENS and ctx.prompt_b64 is not None:
+                return encode_with_b64(gen_body, ctx.prompt_b64)  # CTX's very bytes (or str), never decoded
+            if tokens is not None:
+                gen_body["prompt_token_ids"] = tokens
         elif tokens is not None:
             gen_body["prompt"] = tokens
         return orjson.dumps(gen_body)

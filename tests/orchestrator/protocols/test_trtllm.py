@@ -20,6 +20,7 @@ import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
 from orchestrator.protocols.trtllm import TrtllmProtocol
+from orchestrator.transport import body_bytes
 from orchestrator.worker_protocol import PromptCarriage
 from tests.cluster import start_orchestrator, start_worker
 from tests.orchestrator.protocols.trtllm_worker import FIRST, MODEL, REST, TrtllmWorker
@@ -75,9 +76,12 @@ def test_the_gen_body_relays_the_b64_string_itself_and_keeps_the_messages(strip:
     encoded = "".join(["SGVsbG8sIHdvcmxk", "IQAAAA=="])  # a str object of its own, as orjson makes one
     ctx = protocol.read_context_answer(ctx_answer(prompt_token_ids_b64=encoded))
     body = chat_body(stream=True)
-    sent = orjson.loads(protocol.generation_request(body, ctx, PromptCarriage.CTX_TOKENS))
+    sent_body = protocol.generation_request(body, ctx, PromptCarriage.CTX_TOKENS)
+    sent = orjson.loads(body_bytes(sent_body))
     request = ChatCompletionRequest.model_validate(sent)
-    assert ctx.prompt_b64 == encoded and sent["prompt_token_ids_b64"] == encoded
+    # The b64 string is cut out of CTX's bytes unparsed and goes to GEN as a chunk of its own.
+    assert isinstance(ctx.prompt_b64, memoryview) and any(chunk is ctx.prompt_b64 for chunk in sent_body)
+    assert bytes(ctx.prompt_b64) == encoded.encode() and sent["prompt_token_ids_b64"] == encoded
     assert request.messages == (HISTORY[-1:] if strip else HISTORY)
     assert sent["disaggregated_params"] == {
         "request_type": "generation_only", "first_gen_tokens": [7], "ctx_request_id": 12,
@@ -89,10 +93,10 @@ def test_the_gen_body_relays_the_b64_string_itself_and_keeps_the_messages(strip:
 def test_the_list_path_and_completions_take_ctx_token_list() -> None:
     protocol = TrtllmProtocol()
     ctx = protocol.read_context_answer(ctx_answer(prompt_token_ids=[1, 2, 3]))
-    chat = orjson.loads(protocol.generation_request(chat_body(), ctx, PromptCarriage.CLIENT_PROMPT))
+    chat = orjson.loads(body_bytes(protocol.generation_request(chat_body(), ctx, PromptCarriage.CLIENT_PROMPT)))
     assert chat["prompt_token_ids"] == [1, 2, 3] and chat["messages"] == HISTORY
-    completion = orjson.loads(protocol.generation_request({"model": "m", "prompt": "hi"}, ctx,
-                                                          PromptCarriage.CTX_TOKENS))
+    completion = orjson.loads(body_bytes(protocol.generation_request({"model": "m", "prompt": "hi"}, ctx,
+                                                                     PromptCarriage.CTX_TOKENS)))
     CompletionRequest.model_validate(completion)
     assert completion["prompt"] == [1, 2, 3]
 
@@ -104,8 +108,8 @@ def test_our_own_hand_off_fields_never_reach_a_trtllm_gen() -> None:
             "encoded_opaque_state": "c3Q=", "native_extensions": True, "first_gen_logprobs": []}
     answer = orjson.dumps({"choices": [{"finish_reason": "not_finished", "disaggregated_params": ours}],
                            "usage": {"prompt_tokens": 4, "completion_tokens": 1, "total_tokens": 5}})
-    sent = orjson.loads(protocol.generation_request(chat_body(), protocol.read_context_answer(answer),
-                                                    PromptCarriage.CLIENT_PROMPT))
+    sent = orjson.loads(body_bytes(protocol.generation_request(chat_body(), protocol.read_context_answer(answer),
+                                                               PromptCarriage.CLIENT_PROMPT)))
     params = DisaggregatedParams.model_validate(sent["disaggregated_params"])
     assert params.ctx_request_id == 123
 
