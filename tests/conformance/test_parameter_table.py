@@ -36,6 +36,7 @@ PROVED_ELSEWHERE = {
     "system_fingerprint": "test_response_details.test_whole_answers_carry_the_fingerprint_and_cached_tokens",
     "usage.prompt_tokens_details.cached_tokens": "test_response_details",
     "GET /v1/models/{id}": "test_status_codes.test_models_retrieve_works_everywhere",
+    "n": "test_n_conformance.test_n_choices_disaggregated_equal_aggregated",
 }
 
 

@@ -92,10 +92,10 @@ REFUSED_RESPONSES_VALUES: list[tuple[str, Any]] = [
     ("include", ["message.output_text.logprobs"]), ("reasoning", {"effort": "high"}),
     ("conversation", "conv_1"), ("prompt", {"id": "pmpt_1"}), ("max_tool_calls", 2), ("image", {"x": 1}),
     ("context_management", [{"type": "compaction"}]), ("background_options", {"x": 1}),
-    ("access_programs", ["p"]),
+    ("access_programs", ["p"]), ("n", 2),
 ]
 REFUSED_COMPLETIONS_VALUES: list[tuple[str, Any]] = [
-    ("suffix", "z"), ("best_of", 2), ("n", 2), ("no_repeat_ngram_size", 3), ("service_tier", "flex"),
+    ("suffix", "z"), ("best_of", 2), ("no_repeat_ngram_size", 3), ("service_tier", "flex"),
 ]
 
 

@@ -28,7 +28,8 @@ HARMONY = PromptFacts(harmony=True)
 TABLE: list[tuple[str, dict[str, Any], PromptFacts, int | None, GenEngineFacts, FallbackReason | None]] = [
     ("admit", {}, TEXT, 128, PLAIN_GEN, None),
     ("admit-sampling-that-reads-no-prompt-values", {"temperature": 0.7, "top_p": 0.9, "top_k": 5, "seed": 1,
-                                                     "stop": ("x",), "logprobs": 2, "ignore_eos": True},
+                                                     "stop": ("x",), "logprobs": 2, "ignore_eos": True,
+                                                     "n": 3},
      TEXT, 128, PLAIN_GEN, None),
     ("no_prompt_len", {}, TEXT, None, PLAIN_GEN, FallbackReason.NO_PROMPT_LEN),
     ("no_prompt_len-even-with-handoff", {}, TEXT, None, HANDOFF, FallbackReason.NO_PROMPT_LEN),

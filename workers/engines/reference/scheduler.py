@@ -152,6 +152,7 @@ class Scheduler:
         cache = self.prefix_cache
         return {
             "active": self.active_requests,
+            "sequences": len(self._running),  # decoding now: n per request asking for n
             "prefix_cache_blocks": cache.blocks if cache else 0,
             "prefix_cache_hit_tokens": cache.hit_tokens if cache else 0,
         }
