@@ -66,7 +66,7 @@ TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "ob
 REFUSED_CHAT_VALUES: list[tuple[str, Any]] = [
     ("tools", [TOOL]), ("tool_choice", "required"), ("response_format", {"type": "json_object"}),
     ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}),
-    ("audio", {"voice": "alloy", "format": "wav"}), ("modalities", ["text", "audio"]), ("n", 2),
+    ("audio", {"voice": "alloy", "format": "wav"}), ("modalities", ["text", "audio"]),
     ("reasoning_effort", "high"), ("store", True), ("prediction", {"type": "content", "content": "x"}),
     ("web_search_options", {}), ("service_tier", "flex"), ("verbosity", "low"),
     ("functions", [{"name": "f", "parameters": {}}]), ("function_call", {"name": "f"}),
