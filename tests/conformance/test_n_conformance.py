@@ -122,6 +122,15 @@ def test_each_choice_has_its_own_logprobs(conformance_cluster: RefCluster, strea
 
 
 @pytest.mark.parametrize("streamed", [False, True], ids=["whole", "streamed"])
+def test_echo_opens_every_choice_with_the_prompt(conformance_cluster: RefCluster, streamed: bool) -> None:
+    disaggregated = ask(conformance_cluster.orchestrator, "completions", streamed, n=2, echo=True, logprobs=1)
+    aggregated = ask(conformance_cluster.aggregated, "completions", streamed, n=2, echo=True, logprobs=1)
+    assert disaggregated == aggregated
+    assert all(c.text.startswith(PROMPT) for c in disaggregated.choices.values())
+    assert disaggregated.choices[0].text != disaggregated.choices[1].text
+
+
+@pytest.mark.parametrize("streamed", [False, True], ids=["whole", "streamed"])
 def test_a_stop_string_ends_only_the_choices_that_meet_it(conformance_cluster: RefCluster, streamed: bool) -> None:
     free = ask(conformance_cluster.aggregated, "completions", False, n=3, max_tokens=12)
     text = free.choices[1].text
