@@ -29,6 +29,7 @@ __all__ = ["UNSUPPORTED_PARAMETERS", "refuse_unsupported_parameters"]
 
 # A 64-bit signed integer, as OpenAI and vLLM take it.
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+MAX_N = 128  # OpenAI's own limit on n
 
 
 class WireModel(BaseModel):
@@ -47,10 +48,19 @@ class FirstTokenLogprob(WireModel):
     top: list[tuple[StrictInt, float]] = []
 
 
+class MoreSequenceStart(WireModel):
+    """The first token(s) CTX chose for one more sequence of an n > 1 request (``first_gen_tokens`` is sequence
+    0's): an extension, absent when n is 1."""
+
+    first_gen_tokens: Annotated[list[StrictInt], Field(min_length=1)]
+    first_gen_logprobs: list[FirstTokenLogprob] | None = None
+
+
 class DisaggregatedParams(WireModel):
     """The hand-off fields between the orchestrator, CTX and GEN: every field of TensorRT-LLM's
-    ``DisaggregatedParams`` (docs/interop.md), plus this project's own, which a disagg-serve orchestrator
-    announces with ``native_extensions`` (a CTX answers with them only then, and echoes the flag to GEN)."""
+    ``DisaggregatedParams`` (docs/interop.md), plus this project's own (``first_gen_logprobs``, ``prompt_len``,
+    ``more_sequences``, ``cached_tokens``), which a disagg-serve orchestrator announces with ``native_extensions``
+    (a CTX answers with them only then, and echoes the flag to GEN)."""
 
     request_type: RequestType
     disagg_request_id: int | None = None
@@ -60,6 +70,8 @@ class DisaggregatedParams(WireModel):
     encoded_opaque_state: str | None = None
     prompt_len: Annotated[int, Field(ge=1)] | None = None
     return_prompt_token_ids_b64: bool = False
+    more_sequences: list[MoreSequenceStart] | None = None  # sequences 1..n-1, by index
+    cached_tokens: Annotated[int, Field(ge=0)] | None = None  # prompt tokens CTX reused from its KV blocks
     native_extensions: bool = False
     # TensorRT-LLM's fields that mean nothing to this engine are accepted and left unread: draft tokens are a
     # speculative hint, the rank / endpoint / usage / thinking fields describe TensorRT-LLM's own engines.
@@ -227,7 +239,8 @@ class SamplingFields(WireModel):
     logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
     ignore_eos: bool = False
     user: str | None = None
-    n: Annotated[int, Field(ge=1)] | None = None
+    # Sequences per request (OpenAI's limit). The Responses API has no n: only 1 there.
+    n: Annotated[int, Field(ge=1, le=MAX_N)] | None = None
     # Disaggregation extensions (TensorRT-LLM field names).
     disaggregated_params: DisaggregatedParams | None = None
     prompt_token_ids: list[StrictInt] | None = None
@@ -242,8 +255,8 @@ class SamplingFields(WireModel):
 
     @model_validator(mode="after")
     def _refuse_unsupported(self) -> SamplingFields:
-        if self.n is not None and self.n != 1:
-            raise UnsupportedParameterError("only n=1 is supported", param="n")
+        if self.n not in (None, 1) and self.wire_endpoint == "responses":
+            raise UnsupportedParameterError("the Responses API has no 'n': only n=1", param="n")
         if self.stream_options is not None and not self.stream:
             raise InvalidRequestError("'stream_options' is only allowed when 'stream' is true", param="stream_options")
         return self
@@ -312,7 +325,9 @@ class CompletionRequest(SamplingFields):
         if self.suffix:
             raise UnsupportedParameterError("'suffix' is not supported", param="suffix")
         if self.best_of not in (None, 1):
-            raise UnsupportedParameterError("only best_of=1 is supported", param="best_of")
+            # Like vLLM V1: best_of ranks candidates by cumulative logprob, which no client we know relies on.
+            raise UnsupportedParameterError("only best_of=1 is supported; use n to get several choices",
+                                            param="best_of")
         return self
 
     @property

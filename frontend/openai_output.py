@@ -113,6 +113,15 @@ def completion_logprobs(entries: Sequence[TokenLogprobInfo | None], text_offset:
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs, "text_offset": offsets}
 
 
+@dataclass(frozen=True, slots=True)
+class ChoiceOutput:
+    """One choice of a whole answer: its text, why it ended, and its logprobs (None: not asked for)."""
+
+    text: str
+    finish_reason: str | None
+    logprobs: Sequence[TokenLogprobInfo | None] | None = None
+
+
 def render_response(
     ident: ResponseIdentity,
     text: str,
@@ -121,8 +130,16 @@ def render_response(
     logprobs: Sequence[TokenLogprobInfo | None] | None = None,
     prompt_logprobs: list[Any] | None = None,
 ) -> dict[str, Any]:
-    """The whole (non-streaming) response body for ``ident.endpoint``; ``prompt_logprobs`` (vLLM's shape) goes
-    where vLLM puts it: at the top of a chat answer, in the choice of a completion."""
+    """The whole (non-streaming) response body of one choice for ``ident.endpoint``."""
+    return render_choices(ident, [ChoiceOutput(text, finish_reason, logprobs)], usage, prompt_logprobs)
+
+
+def render_choices(
+    ident: ResponseIdentity, choices: Sequence[ChoiceOutput], usage: Usage, prompt_logprobs: list[Any] | None = None
+) -> dict[str, Any]:
+    """The whole response body, one choice per sequence (``index`` in order; the Responses API has one);
+    ``prompt_logprobs`` (vLLM's shape) goes where vLLM puts it: at the top of a chat answer, in each choice of a
+    completion."""
     if ident.endpoint == "chat":
         body: dict[str, Any] = {
             "id": ident.response_id,
@@ -132,11 +149,12 @@ def render_response(
             "system_fingerprint": ident.system_fingerprint,
             "choices": [
                 {
-                    "index": 0,
-                    "message": {"role": "assistant", "content": text},
-                    "logprobs": chat_logprobs([e for e in logprobs if e]) if logprobs is not None else None,
-                    "finish_reason": finish_reason,
+                    "index": index,
+                    "message": {"role": "assistant", "content": c.text},
+                    "logprobs": chat_logprobs([e for e in c.logprobs if e]) if c.logprobs is not None else None,
+                    "finish_reason": c.finish_reason,
                 }
+                for index, c in enumerate(choices)
             ],
             "usage": usage.as_openai("chat"),
         }
@@ -144,24 +162,29 @@ def render_response(
             body["prompt_logprobs"] = prompt_logprobs
         return body
     if ident.endpoint == "completions":
-        choice: dict[str, Any] = {
-            "index": 0,
-            "text": text,
-            "logprobs": completion_logprobs(logprobs) if logprobs is not None else None,
-            "finish_reason": finish_reason,
-        }
-        if prompt_logprobs is not None:
-            choice["prompt_logprobs"] = prompt_logprobs
+        rendered = []
+        for index, c in enumerate(choices):
+            choice: dict[str, Any] = {
+                "index": index,
+                "text": c.text,
+                "logprobs": completion_logprobs(c.logprobs) if c.logprobs is not None else None,
+                "finish_reason": c.finish_reason,
+            }
+            if prompt_logprobs is not None:
+                choice["prompt_logprobs"] = prompt_logprobs
+            rendered.append(choice)
         return {
             "id": ident.response_id,
             "object": "text_completion",
             "created": ident.created,
             "model": ident.model,
             "system_fingerprint": ident.system_fingerprint,
-            "choices": [choice],
+            "choices": rendered,
             "usage": usage.as_openai("completions"),
         }
-    return _responses_object(ident, text, finish_reason, usage, status=_responses_status(finish_reason))
+    (only,) = choices
+    return _responses_object(ident, only.text, only.finish_reason, usage,
+                             status=_responses_status(only.finish_reason))
 
 
 def _responses_status(finish_reason: str | None) -> str:
@@ -202,7 +225,8 @@ class StreamRenderer:
         self.include_usage = include_usage
         self._text_parts: list[str] = []
         self._sequence = 0
-        self._text_offset = 0  # completions: where the next logprob token starts in the whole streamed text
+        # Completions, per choice: where the next logprob token starts in that choice's whole streamed text.
+        self._text_offsets: dict[int, int] = {}
 
     def _chunk(
         self, choice: dict[str, Any], usage: dict[str, Any] | None = None, top: dict[str, Any] | None = None
@@ -227,10 +251,11 @@ class StreamRenderer:
         self._sequence += 1
         return frame
 
-    def begin(self) -> list[bytes]:
+    def begin(self, choices: int = 1) -> list[bytes]:
         if self.ident.endpoint == "chat":
             delta = {"role": "assistant", "content": ""}
-            return [self._chunk({"index": 0, "delta": delta, "logprobs": None, "finish_reason": None})]
+            return [self._chunk({"index": index, "delta": delta, "logprobs": None, "finish_reason": None})
+                    for index in range(choices)]
         if self.ident.endpoint == "completions":
             return []
         in_progress = _responses_object(self.ident, None, None, None, status="in_progress")
@@ -246,7 +271,8 @@ class StreamRenderer:
         ]
 
     def delta(
-        self, text: str, logprobs: Sequence[TokenLogprobInfo] | None = None, prompt_logprobs: list[Any] | None = None
+        self, text: str, logprobs: Sequence[TokenLogprobInfo] | None = None, prompt_logprobs: list[Any] | None = None,
+        index: int = 0,
     ) -> list[bytes]:
         if not text and not logprobs and prompt_logprobs is None:
             return []
@@ -254,21 +280,22 @@ class StreamRenderer:
         if logprobs and self.ident.endpoint == "chat":
             lp = chat_logprobs(logprobs)
         elif logprobs and self.ident.endpoint == "completions":
-            lp = completion_logprobs(logprobs, self._text_offset)
-            self._text_offset += sum(len(e.token) for e in logprobs)
-        return self.delta_rendered(text, lp, prompt_logprobs)
+            offset = self._text_offsets.get(index, 0)
+            lp = completion_logprobs(logprobs, offset)
+            self._text_offsets[index] = offset + sum(len(e.token) for e in logprobs)
+        return self.delta_rendered(text, lp, prompt_logprobs, index)
 
     def delta_rendered(
-        self, text: str, logprobs: dict[str, Any] | None, prompt_logprobs: list[Any] | None = None
+        self, text: str, logprobs: dict[str, Any] | None, prompt_logprobs: list[Any] | None = None, index: int = 0
     ) -> list[bytes]:
-        """A delta whose logprobs are already in the endpoint's shape (a replayed whole answer's)."""
+        """A delta of choice ``index`` whose logprobs are already in the endpoint's shape (a replayed answer's)."""
         self._text_parts.append(text)
         if self.ident.endpoint == "chat":
-            choice = {"index": 0, "delta": {"content": text}, "logprobs": logprobs, "finish_reason": None}
+            choice = {"index": index, "delta": {"content": text}, "logprobs": logprobs, "finish_reason": None}
             top = {"prompt_logprobs": prompt_logprobs} if prompt_logprobs is not None else None
             return [self._chunk(choice, top=top)]
         if self.ident.endpoint == "completions":
-            choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": None}
+            choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": None}
             if prompt_logprobs is not None:
                 choice["prompt_logprobs"] = prompt_logprobs
             return [self._chunk(choice)]
@@ -277,25 +304,31 @@ class StreamRenderer:
                             {"item_id": item_id, "output_index": 0, "content_index": 0, "delta": text,
                              "logprobs": []})]
 
-    def tool_calls(self, calls: Sequence[dict[str, Any]]) -> list[bytes]:
-        """A chat delta with whole tool calls (id, type, name, arguments), each with its ``index``."""
+    def tool_calls(self, calls: Sequence[dict[str, Any]], choice: int = 0) -> list[bytes]:
+        """A chat delta for choice ``choice`` with whole tool calls (id, type, name, arguments), each with its
+        ``index`` among that choice's calls."""
         indexed = [{"index": index, **call} for index, call in enumerate(calls)]
-        choice = {"index": 0, "delta": {"tool_calls": indexed}, "logprobs": None, "finish_reason": None}
+        body = {"index": choice, "delta": {"tool_calls": indexed}, "logprobs": None, "finish_reason": None}
+        return [self._chunk(body)]
+
+    def finish_choice(self, finish_reason: str | None, index: int = 0) -> list[bytes]:
+        """Chat and completions: the chunk that ends choice ``index``."""
+        choice: dict[str, Any] = {"index": index, "logprobs": None, "finish_reason": finish_reason}
+        if self.ident.endpoint == "chat":
+            choice["delta"] = {}
+        else:
+            choice["text"] = ""
         return [self._chunk(choice)]
+
+    def end(self, usage: Usage) -> list[bytes]:
+        """Chat and completions: after every choice has finished, the usage chunk (if asked for) and the end."""
+        usage_frames = [self._chunk({}, usage=usage.as_openai(self.ident.endpoint))] if self.include_usage else []
+        return [*usage_frames, DONE_FRAME]
 
     def finish(self, finish_reason: str | None, usage: Usage) -> list[bytes]:
         endpoint = self.ident.endpoint
         if endpoint in ("chat", "completions"):
-            choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish_reason}
-            if endpoint == "chat":
-                choice["delta"] = {}
-            else:
-                choice["text"] = ""
-            frames = [self._chunk(choice)]
-            if self.include_usage:
-                frames.append(self._chunk({}, usage=usage.as_openai(endpoint)))
-            frames.append(DONE_FRAME)
-            return frames
+            return [*self.finish_choice(finish_reason), *self.end(usage)]
         text = "".join(self._text_parts)
         item = _message_item(self.ident, text, "completed")
         final = _responses_object(self.ident, text, finish_reason, usage, status=_responses_status(finish_reason))
@@ -326,24 +359,31 @@ def stream_error_frames(endpoint: Endpoint, error: ServingError, sequence_number
 
 def replay_as_stream(endpoint: Endpoint, response: dict[str, Any], include_usage: bool) -> list[bytes]:
     """Re-render a whole response (from a CTX that finished the request itself) as the client's stream: the same
-    text, logprobs, prompt logprobs, fingerprint and usage the whole answer has."""
-    logprobs: dict[str, Any] | None = None
-    prompt_logprobs: list[Any] | None = None
+    choices, text, logprobs, prompt logprobs, fingerprint and usage the whole answer has."""
+    usage = Usage.from_openai(response.get("usage"))
     if endpoint == "responses":
         ident = ResponseIdentity(endpoint, response["id"], response["model"], response["created_at"])
         output = response.get("output") or []
         text = output[0]["content"][0]["text"] if output else ""
+        renderer = StreamRenderer(ident, include_usage)
+        delta = renderer.delta_rendered(text, None) if text else []
         finish = "length" if response.get("status") == "incomplete" else "stop"
-    else:
-        ident = ResponseIdentity(endpoint, response["id"], response["model"], response["created"],
-                                 response.get("system_fingerprint") or SYSTEM_FINGERPRINT)
-        choice = response["choices"][0]
-        text = choice["message"]["content"] if endpoint == "chat" else choice["text"]
-        finish = choice["finish_reason"]
-        logprobs = choice.get("logprobs")
-        prompt_logprobs = response.get("prompt_logprobs") if endpoint == "chat" else choice.get("prompt_logprobs")
-    usage = Usage.from_openai(response.get("usage"))
+        return [*renderer.begin(), *delta, *renderer.finish(finish, usage)]
+    ident = ResponseIdentity(endpoint, response["id"], response["model"], response["created"],
+                             response.get("system_fingerprint") or SYSTEM_FINGERPRINT)
+    choices = response["choices"]
     renderer = StreamRenderer(ident, include_usage)
-    delta = renderer.delta_rendered(text or "", logprobs, prompt_logprobs) \
-        if text or logprobs is not None or prompt_logprobs is not None else []
-    return [*renderer.begin(), *delta, *renderer.finish(finish, usage)]
+    frames = renderer.begin(len(choices))
+    for choice in choices:
+        text = (choice["message"]["content"] if endpoint == "chat" else choice["text"]) or ""
+        logprobs = choice.get("logprobs")
+        prompt_logprobs = choice.get("prompt_logprobs") if endpoint == "completions" \
+            else response.get("prompt_logprobs") if choice["index"] == 0 else None
+        if text or logprobs is not None or prompt_logprobs is not None:
+            frames += renderer.delta_rendered(text, logprobs, prompt_logprobs, choice["index"])
+        calls = choice["message"].get("tool_calls") if endpoint == "chat" else None
+        if calls:
+            frames += renderer.tool_calls(calls, choice["index"])
+    for choice in choices:
+        frames += renderer.finish_choice(choice["finish_reason"], choice["index"])
+    return [*frames, *renderer.end(usage)]

@@ -50,6 +50,8 @@ class SamplingParams:
     # Structured output: the output must be JSON valid against this schema (compact JSON text, the engine's cache
     # key; ``frontend.structured_output``). It reads only output tokens, never prompt token values.
     json_schema: str | None = None
+    # Sequences sampled from one prompt: it is prefilled once and its KV forked (sequence i seeds with seed + i).
+    n: int = 1
 
     def __post_init__(self) -> None:
         _require(self.seed is None or SEED_MIN <= self.seed <= SEED_MAX, "seed",
@@ -63,6 +65,7 @@ class SamplingParams:
         _require(self.logprobs is None or self.logprobs >= 0, "logprobs", "logprobs must be >= 0")
         _require(self.prompt_logprobs is None or self.prompt_logprobs >= 0, "prompt_logprobs",
                  "prompt_logprobs must be >= 0")
+        _require(self.n >= 1, "n", "n must be >= 1")
 
     @property
     def reads_prompt_token_values(self) -> tuple[str, ...]:
@@ -145,6 +148,7 @@ def _sampling(
         logit_bias=_logit_bias(wire.logit_bias, vocab_size),
         logprobs=logprobs,
         ignore_eos=bool(wire.ignore_eos),
+        n=wire.n or 1,
     )
 
 

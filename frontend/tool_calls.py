@@ -55,8 +55,8 @@ def tool_calls_from_text(text: str, call_id: str) -> list[dict[str, Any]] | None
     return [{"id": call_id, "type": "function", "function": {"name": call["name"], "arguments": arguments}}]
 
 
-def as_tool_call_message(body: dict[str, Any], calls: list[dict[str, Any]]) -> None:
-    """Turn a whole chat answer's text into its tool calls, as OpenAI answers a call."""
-    choice = body["choices"][0]
+def as_tool_call_message(body: dict[str, Any], calls: list[dict[str, Any]], index: int = 0) -> None:
+    """Turn the text of a whole chat answer's choice ``index`` into its tool calls, as OpenAI answers a call."""
+    choice = body["choices"][index]
     choice["message"] = {"role": "assistant", "content": None, "tool_calls": calls}
     choice["finish_reason"] = "tool_calls"

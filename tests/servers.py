@@ -27,7 +27,7 @@ class ServerThread:
         self.loop.run_until_complete(self.server.serve())
         self.loop.close()
 
-    def start(self, timeout_s: float = 30.0) -> str:
+    def start(self, timeout_s: float = 180.0) -> str:
         self.thread.start()
         deadline = time.monotonic() + timeout_s
         while not self.server.started:

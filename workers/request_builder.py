@@ -27,6 +27,7 @@ from frontend.openai_models import (
     ChatMessage,
     CompletionRequest,
     DisaggregatedParams,
+    FirstTokenLogprob,
     FunctionCall,
     GenerationWireRequest,
     ResponsesRequest,
@@ -38,7 +39,7 @@ from frontend.token_codec import TokenArray, decode_prompt_tokens, token_array_f
 from frontend.tool_calls import with_tools_prompt
 from workers.engines.base import Tokenizer
 from workers.engines.outputs import EngineInfo, TokenLogprob
-from workers.engines.request import Handoff, Phase, PromptPath, placeholder_prompt
+from workers.engines.request import Handoff, Phase, PromptPath, SequenceStart, placeholder_prompt
 from workers.trtllm_answers import finished_at_context, first_gen_logprobs_from
 
 # Tokenizing a few KB on the loop is cheaper than a thread hop; past this, the loop must stay free.
@@ -65,6 +66,9 @@ def sampling_params_from(
                 f"the {info.engine} engine does not support structured output ('{constraint.param}')",
                 param=constraint.param)
         sampling = dataclasses.replace(sampling, json_schema=constraint.json_schema)
+    if sampling.n > 1 and not info.supports_n:
+        raise UnsupportedParameterError(f"the {info.engine} engine samples one sequence per request: only n=1",
+                                        param="n")
     return sampling
 
 
@@ -227,15 +231,21 @@ def _tool_call_text(call: FunctionCall) -> str:
     return "<tool_call>\n" + orjson.dumps({"name": call.name, "arguments": arguments}).decode() + "\n</tool_call>"
 
 
-def handoff_from(disagg: DisaggregatedParams | None, vocab_size: int) -> Handoff | None:
+def handoff_from(disagg: DisaggregatedParams | None, vocab_size: int, n: int = 1) -> Handoff | None:
     if disagg is None or disagg.request_type != "generation_only" or finished_at_context(disagg):
         return None
     if not disagg.first_gen_tokens:
         raise HandoffError("a generation_only request needs disaggregated_params.first_gen_tokens",
                            param="disaggregated_params.first_gen_tokens")
-    if any(not 0 <= t < vocab_size for t in disagg.first_gen_tokens):
-        raise HandoffError(f"first_gen_tokens must be token ids in [0, {vocab_size})",
-                           param="disaggregated_params.first_gen_tokens")
+    more = disagg.more_sequences or []
+    if len(more) != n - 1:
+        raise HandoffError(f"the request asks for n={n} but the hand-off starts {len(more) + 1} sequence(s)",
+                           param="disaggregated_params.more_sequences")
+    for field, tokens in [("first_gen_tokens", disagg.first_gen_tokens),
+                          *((f"more_sequences.{i}.first_gen_tokens", s.first_gen_tokens) for i, s in enumerate(more))]:
+        if any(not 0 <= t < vocab_size for t in tokens):
+            raise HandoffError(f"{field} must be token ids in [0, {vocab_size})",
+                               param=f"disaggregated_params.{field}")
     if disagg.encoded_opaque_state is None:
         raise HandoffError("a generation_only request needs disaggregated_params.encoded_opaque_state",
                            param="disaggregated_params.encoded_opaque_state")
@@ -245,10 +255,14 @@ def handoff_from(disagg: DisaggregatedParams | None, vocab_size: int) -> Handoff
         raise HandoffError("encoded_opaque_state is not valid base64",
                            param="disaggregated_params.encoded_opaque_state") from exc
     ctx_id = None if disagg.ctx_request_id is None else str(disagg.ctx_request_id)
-    logprobs = tuple(
-        TokenLogprob(lp.token_id, lp.logprob, tuple(lp.top)) for lp in disagg.first_gen_logprobs
-    ) if disagg.first_gen_logprobs is not None else first_gen_logprobs_from(disagg.first_gen_log_probs)
-    return Handoff(tuple(disagg.first_gen_tokens), state, ctx_id, logprobs)
+    starts = tuple(SequenceStart(tuple(s.first_gen_tokens), _token_logprobs(s.first_gen_logprobs)) for s in more)
+    logprobs = _token_logprobs(disagg.first_gen_logprobs) if disagg.first_gen_logprobs is not None \
+        else first_gen_logprobs_from(disagg.first_gen_log_probs)  # TensorRT-LLM's field, from its orchestrator
+    return Handoff(tuple(disagg.first_gen_tokens), state, ctx_id, logprobs, starts, disagg.cached_tokens or 0)
+
+
+def _token_logprobs(wire: list[FirstTokenLogprob] | None) -> tuple[TokenLogprob, ...]:
+    return tuple(TokenLogprob(lp.token_id, lp.logprob, tuple(lp.top)) for lp in wire or ())
 
 
 def phase_of(disagg: DisaggregatedParams | None) -> Phase:

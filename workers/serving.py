@@ -20,6 +20,7 @@ from frontend.errors import (
     ModelNotFoundError,
     OverloadedError,
     ServingError,
+    UnsupportedParameterError,
 )
 from frontend.http import validate_wire
 from frontend.metrics import Metrics
@@ -29,11 +30,12 @@ from frontend.openai_models import (
     refuse_unsupported_parameters,
 )
 from frontend.openai_output import (
+    ChoiceOutput,
     ResponseIdentity,
     StreamRenderer,
     TokenLogprobInfo,
     Usage,
-    render_response,
+    render_choices,
 )
 from frontend.structured_output import output_constraint
 from frontend.token_codec import TokenArray, encode_prompt_tokens
@@ -86,14 +88,39 @@ class PreparedGeneration:
 
 
 @dataclass(slots=True)
-class CollectedOutput:
+class CollectedChoice:
+    """One sequence's whole output."""
+
     text_parts: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: FinishReason | None = None
+
+
+@dataclass(slots=True)
+class CollectedOutput:
+    choices: list[CollectedChoice]  # one per sequence, by index
     handoff_state: bytes | None = None
     prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
     real_prompt: TokenArray | None = None  # from the engine, when this request had a placeholder prompt
+    cached_tokens: int = 0
+
+    def add(self, step: TextStep) -> None:
+        choice = self.choices[step.index]
+        choice.text_parts.append(step.text)
+        choice.token_ids.extend(step.token_ids)
+        choice.logprobs.extend(step.logprobs)
+        choice.finish_reason = step.finish_reason or choice.finish_reason
+        self.handoff_state = step.handoff_state or self.handoff_state
+        self.cached_tokens = step.cached_tokens or self.cached_tokens
+        if step.prompt_logprobs is not None:
+            self.prompt_logprobs = step.prompt_logprobs
+        if step.prompt_token_ids is not None:
+            self.real_prompt = step.prompt_token_ids
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(len(choice.token_ids) for choice in self.choices)
 
 
 class WorkerService:
@@ -123,9 +150,13 @@ class WorkerService:
             phase = Phase.AGGREGATED  # nothing to continue from: answered from CTX's first tokens (_text_steps)
         constraint = output_constraint(wire)
         sampling = sampling_params_from(wire, info, constraint)
+        if sampling.n > 1 and phase is not Phase.AGGREGATED and answers_trtllm(disagg):
+            # TensorRT-LLM's hand-off fields start one sequence; the others' first tokens have no field there.
+            raise UnsupportedParameterError("n > 1 is not served in TensorRT-LLM's disaggregated wire; send it to an "
+                                            "aggregated worker or through disagg-serve's orchestrator", param="n")
         prompt = await prepare_prompt(wire, sampling, info, self.tokenizer)
         sampling = resolve_max_tokens(wire, sampling, int(prompt.tokens.size), info)
-        handoff = handoff_from(disagg, info.vocab_size)
+        handoff = handoff_from(disagg, info.vocab_size, sampling.n)
         request_id = new_request_id(disagg)
         if prompt.token_list is not None:
             request = GenerationRequest.from_token_list(
@@ -171,18 +202,10 @@ class WorkerService:
     # -- running ----------------------------------------------------------------------------------------
     async def complete(self, prepared: PreparedGeneration) -> dict[str, Any]:
         """Run to the end and return the whole response body (CTX adds its hand-off fields)."""
-        collected = CollectedOutput()
+        collected = CollectedOutput([CollectedChoice() for _ in range(prepared.request.sampling.n)])
         try:
             async for step in self._text_steps(prepared):
-                collected.text_parts.append(step.text)
-                collected.token_ids.extend(step.token_ids)
-                collected.logprobs.extend(step.logprobs)
-                collected.finish_reason = step.finish_reason or collected.finish_reason
-                collected.handoff_state = step.handoff_state or collected.handoff_state
-                if step.prompt_logprobs is not None:
-                    collected.prompt_logprobs = step.prompt_logprobs
-                if step.prompt_token_ids is not None:
-                    collected.real_prompt = step.prompt_token_ids
+                collected.add(step)
         except ServingError:
             raise
         except Exception as exc:  # an adapter bug must still answer in OpenAI's shape
@@ -194,25 +217,29 @@ class WorkerService:
         if finished_at_context(prepared.disagg):
             assert prepared.disagg is not None
             return first_tokens_only(prepared.disagg, self.tokenizer, self.engine.info.vocab_size)
-        return stream_text(self.engine, self.tokenizer.detokenizer(), prepared.request)
+        return stream_text(self.engine, self.tokenizer.detokenizer, prepared.request)
 
     def _render_whole(self, prepared: PreparedGeneration, out: CollectedOutput) -> dict[str, Any]:
         request = prepared.request
         sampling = request.sampling
-        text = "".join(out.text_parts)
-        logprob_entries: list[TokenLogprobInfo | None] | None = None
-        if sampling.logprobs is not None:
-            logprob_entries = list(self._logprob_infos(out.logprobs))
-        if sampling.echo:
-            text = self._prompt_text(request, out.real_prompt) + text
-            if logprob_entries is not None:
-                logprob_entries = [*self._echo_infos(request, out.real_prompt, out.prompt_logprobs), *logprob_entries]
-        usage = Usage(request.prompt_len, len(out.token_ids))
-        body = render_response(prepared.ident, text, out.finish_reason, usage, logprob_entries,
-                               self._prompt_logprobs(prepared, out.prompt_logprobs))
-        calls = self._tool_calls(prepared, text, out.finish_reason)
-        if calls is not None:
-            as_tool_call_message(body, calls)
+        echoed_text, echoed_logprobs = "", []
+        if sampling.echo:  # every choice opens with the prompt
+            echoed_text = self._prompt_text(request, out.real_prompt)
+            if sampling.logprobs is not None:
+                echoed_logprobs = self._echo_infos(request, out.real_prompt, out.prompt_logprobs)
+        choices = []
+        for choice in out.choices:
+            logprob_entries: list[TokenLogprobInfo | None] | None = None
+            if sampling.logprobs is not None:
+                logprob_entries = [*echoed_logprobs, *self._logprob_infos(choice.logprobs)]
+            choices.append(ChoiceOutput(echoed_text + "".join(choice.text_parts), choice.finish_reason,
+                                        logprob_entries))
+        usage = Usage(request.prompt_len, out.completion_tokens, out.cached_tokens)
+        body = render_choices(prepared.ident, choices, usage, self._prompt_logprobs(prepared, out.prompt_logprobs))
+        for index, choice in enumerate(out.choices):
+            calls = self._tool_calls(prepared, choices[index].text, choice.finish_reason, index)
+            if calls is not None:
+                as_tool_call_message(body, calls, index)
         if request.phase is Phase.CONTEXT_ONLY:
             self._add_context_fields(body, prepared, out)
         if answers_trtllm(prepared.disagg):
@@ -223,33 +250,46 @@ class WorkerService:
         request = prepared.request
         disagg = prepared.disagg
         assert disagg is not None
+        finished = all(choice.finish_reason is not None for choice in out.choices)
         state = pybase64.b64encode(out.handoff_state).decode("ascii") \
-            if out.handoff_state is not None and out.finish_reason is None else None
-        if answers_trtllm(disagg) and "choices" in body:
-            logprobs = out.logprobs if request.sampling.logprobs is not None else None
-            add_context_fields(body, request, disagg, out.token_ids, logprobs, state, prepared.ident.endpoint)
+            if out.handoff_state is not None and not finished else None
+        with_logprobs = request.sampling.logprobs is not None
+        first, *more = out.choices
+        if answers_trtllm(disagg) and "choices" in body:  # n is 1 here: prepare refuses more for this wire
+            add_context_fields(body, request, disagg, first.token_ids, first.logprobs if with_logprobs else None,
+                               state, prepared.ident.endpoint)
             return
         params: dict[str, Any] = {
             "request_type": "context_only",
             "ctx_request_id": request.request_id,
             "disagg_request_id": disagg.disagg_request_id,
-            "first_gen_tokens": out.token_ids,
+            **self._sequence_start(first, with_logprobs),
             "encoded_opaque_state": state,
             "prompt_len": request.prompt_len,
             "native_extensions": True,  # GEN gets these params back: it answers our orchestrator in our shape
         }
-        if request.sampling.logprobs is not None:
-            params["first_gen_logprobs"] = [
-                {"token_id": lp.token_id, "logprob": lp.logprob, "top": [list(t) for t in lp.top]}
-                for lp in out.logprobs
-            ]
+        if more:  # n > 1: one hand-off (the prompt's KV) starts every sequence
+            params["more_sequences"] = [self._sequence_start(choice, with_logprobs) for choice in more]
+        if out.cached_tokens:
+            params["cached_tokens"] = out.cached_tokens
         if "choices" in body:
             body["choices"][0]["disaggregated_params"] = params
         else:
             body["disaggregated_params"] = params
-        if disagg.return_prompt_token_ids_b64 and out.finish_reason is None:  # finished: no GEN will need it
+        if disagg.return_prompt_token_ids_b64 and not finished:  # finished: no GEN will need it
             body["prompt_token_ids"] = None
             body["prompt_token_ids_b64"] = encode_prompt_tokens(request.prompt_token_ids_i32)
+
+    @staticmethod
+    def _sequence_start(choice: CollectedChoice, with_logprobs: bool) -> dict[str, Any]:
+        """What GEN needs to continue one sequence CTX started: its first token(s) (and their logprobs)."""
+        start: dict[str, Any] = {"first_gen_tokens": choice.token_ids}
+        if with_logprobs:
+            start["first_gen_logprobs"] = [
+                {"token_id": lp.token_id, "logprob": lp.logprob, "top": [list(t) for t in lp.top]}
+                for lp in choice.logprobs
+            ]
+        return start
 
     async def open_stream(self, prepared: PreparedGeneration) -> AsyncIterator[bytes]:
         """Start the stream and return its frames. Fails as an HTTP error if it fails before the first token."""
@@ -280,40 +320,48 @@ class WorkerService:
         first: TextStep | None,
     ) -> AsyncIterator[bytes]:
         request = prepared.request
-        completion_tokens = 0
-        finish: FinishReason | None = None
+        n = request.sampling.n
+        per_choice = prepared.ident.endpoint != "responses"  # chat and completions end each choice apart
+        completion_tokens = cached_tokens = 0
+        finishes: dict[int, FinishReason | None] = {}
         try:
-            for frame in renderer.begin():
+            for frame in renderer.begin(n):
                 yield frame
             scores = first.prompt_logprobs if first is not None else None
             prompt_logprobs = self._prompt_logprobs(prepared, scores)  # sent once, with the first delta
             if request.sampling.echo:
-                real_prompt = first.prompt_token_ids if first is not None else None
-                echoed = self._echo_infos(request, real_prompt, scores) if request.sampling.logprobs is not None \
-                    else None
-                for frame in renderer.delta(self._prompt_text(request, real_prompt), echoed, prompt_logprobs):
+                for frame in self._echo_frames(request, renderer, first, prompt_logprobs):
                     yield frame
                 prompt_logprobs = None
-            held: list[str] = []  # a tool call's text: sent whole once complete, as the call
+            held: list[list[str]] = [[] for _ in range(n)]  # each choice's tool call: sent whole once complete
             step = first
             while step is not None:
                 completion_tokens += len(step.token_ids)
-                finish = step.finish_reason or finish
+                cached_tokens = step.cached_tokens or cached_tokens
                 logprobs = self._logprob_infos(step.logprobs) if request.sampling.logprobs is not None else None
                 text = step.text
                 if prepared.tool_call:
-                    held.append(text)
+                    held[step.index].append(text)
                     text = ""
-                for frame in renderer.delta(text, logprobs, prompt_logprobs):
+                for frame in renderer.delta(text, logprobs, prompt_logprobs, step.index):
                     yield frame
                 prompt_logprobs = None
+                if step.finish_reason is not None:
+                    finishes[step.index] = step.finish_reason
+                    if per_choice:
+                        for frame in self._choice_end_frames(prepared, renderer, held[step.index],
+                                                             step.finish_reason, step.index):
+                            yield frame
                 step = await anext(steps, None)
-            finish_reason: str | None = finish
-            if prepared.tool_call:
-                frames, finish_reason = self._held_call_frames(prepared, renderer, "".join(held), finish)
-                for frame in frames:
-                    yield frame
-            for frame in renderer.finish(finish_reason, Usage(request.prompt_len, completion_tokens)):
+            usage = Usage(request.prompt_len, completion_tokens, cached_tokens)
+            if per_choice:
+                unfinished = [index for index in range(n) if index not in finishes]
+                ends = [frame for index in unfinished
+                        for frame in self._choice_end_frames(prepared, renderer, held[index], None, index)]
+                ends += renderer.end(usage)
+            else:
+                ends = renderer.finish(finishes.get(0), usage)
+            for frame in ends:
                 yield frame
         except ServingError as exc:
             for frame in renderer.error(exc):
@@ -326,20 +374,36 @@ class WorkerService:
             await steps.aclose()
 
     @staticmethod
-    def _tool_calls(prepared: PreparedGeneration, text: str, finish: str | None) -> list[dict[str, Any]] | None:
-        """The forced tool call a finished answer made; None for plain text or a call cut short."""
+    def _tool_calls(prepared: PreparedGeneration, text: str, finish: str | None,
+                    index: int = 0) -> list[dict[str, Any]] | None:
+        """The forced tool call a finished choice made; None for plain text or a call cut short."""
         if not prepared.tool_call or finish != "stop":
             return None
-        return tool_calls_from_text(text, "call_" + prepared.request.request_id)
+        call_id = "call_" + prepared.request.request_id + (f"_{index}" if index else "")
+        return tool_calls_from_text(text, call_id)
 
-    def _held_call_frames(self, prepared: PreparedGeneration, renderer: StreamRenderer, text: str,
-                          finish: str | None) -> tuple[list[bytes], str | None]:
-        """A held-back tool call's frames and the finish reason to report: the whole call, or its text when cut
-        short (``max_tokens``)."""
-        calls = self._tool_calls(prepared, text, finish)
+    def _choice_end_frames(self, prepared: PreparedGeneration, renderer: StreamRenderer, held: list[str],
+                           finish: str | None, index: int) -> list[bytes]:
+        """The frames that end choice ``index``: a held-back tool call first (the whole call, or its text when
+        cut short by ``max_tokens``), then the finish chunk."""
+        if not prepared.tool_call:
+            return renderer.finish_choice(finish, index)
+        text = "".join(held)
+        calls = self._tool_calls(prepared, text, finish, index)
         if calls is None:
-            return renderer.delta(text), finish
-        return renderer.tool_calls(calls), "tool_calls"
+            frames = renderer.delta(text, None, None, index) if text else []
+            return [*frames, *renderer.finish_choice(finish, index)]
+        return [*renderer.tool_calls(calls, index), *renderer.finish_choice("tool_calls", index)]
+
+    def _echo_frames(self, request: GenerationRequest, renderer: StreamRenderer, first: TextStep | None,
+                     prompt_logprobs: list[Any] | None) -> list[bytes]:
+        """Echo: every choice's stream opens with the prompt (and its logprobs, when asked for)."""
+        real_prompt = first.prompt_token_ids if first is not None else None
+        scores = first.prompt_logprobs if first is not None else None
+        echoed = self._echo_infos(request, real_prompt, scores) if request.sampling.logprobs is not None else None
+        text = self._prompt_text(request, real_prompt)
+        return [frame for index in range(request.sampling.n)
+                for frame in renderer.delta(text, echoed, prompt_logprobs if index == 0 else None, index)]
 
     def _prompt_text(self, request: GenerationRequest, real_prompt: TokenArray | None) -> str:
         """Echo reads prompt token values: the real prompt from the engine if this request had a placeholder."""

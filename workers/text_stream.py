@@ -1,19 +1,20 @@
 """From engine outputs to text: incremental detokenization, stop strings, and early abort.
 
 ``stream_text`` owns the engine iterator: whatever ends the stream (a stop string, the client going away, an
-error), the iterator is closed, which aborts the request inside the engine.
+error), the iterator is closed, which aborts the request inside the engine. A request for n > 1 sequences has one
+detokenizer and stop-string matcher per sequence; a stop string ends its own sequence only.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass
 
 from frontend.token_codec import TokenArray
-from workers.engines.base import Detokenizer, Engine
+from workers.engines.base import Detokenizer, Engine, StopsSequences
 from workers.engines.outputs import EngineOutput, FinishReason, TokenLogprob
-from workers.engines.request import GenerationRequest
+from workers.engines.request import GenerationRequest, Phase
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,6 +26,8 @@ class TextStep:
     handoff_state: bytes | None = None
     prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
     prompt_token_ids: TokenArray | None = None
+    index: int = 0  # which of the request's n sequences
+    cached_tokens: int = 0
 
 
 class StopStringMatcher:
@@ -61,48 +64,77 @@ class StopStringMatcher:
         return longest
 
 
+class SequenceText:
+    """One sequence's text: its own detokenizer and stop-string matcher, and whether it has finished."""
+
+    def __init__(self, detokenizer: Detokenizer, stops: Sequence[str]) -> None:
+        self.detokenizer = detokenizer
+        self.matcher = StopStringMatcher(stops)
+        self.finished = False
+
+    def step(self, output: EngineOutput) -> tuple[TextStep, bool]:
+        """``output`` as text; and whether a stop string ended the sequence here."""
+        text, stopped = self.matcher.push(self.detokenizer.add(output.token_ids))
+        finish = output.finish_reason
+        if stopped:
+            finish = "stop"
+        elif finish is not None:
+            text += self.matcher.flush()
+        self.finished = finish is not None
+        step = TextStep(text, output.token_ids, output.logprobs, finish, output.handoff_state, output.prompt_logprobs,
+                        output.prompt_token_ids, output.index, output.cached_tokens)
+        return step, stopped
+
+
 async def stream_text(
-    engine: Engine, detokenizer: Detokenizer, request: GenerationRequest
+    engine: Engine, new_detokenizer: Callable[[], Detokenizer], request: GenerationRequest
 ) -> AsyncGenerator[TextStep, None]:
-    matcher = StopStringMatcher(request.sampling.stop)
+    """The request's text, step by step, each step naming its sequence; it ends when every sequence has."""
+    sequences = [SequenceText(new_detokenizer(), request.sampling.stop) for _ in range(request.sampling.n)]
     outputs = engine.generate(request)
     try:
-        if request.handoff is not None and request.handoff.first_gen_tokens:
+        handoff = request.handoff
+        if handoff is not None and handoff.first_gen_tokens:
             # GEN: the engine's first output confirms it accepted the hand-off, so a bad one fails the request
             # before any byte is sent (a 400 the orchestrator can act on, not an error in the middle of a 200).
             accepted = await anext(outputs)
-            # The first token(s) were chosen by CTX; they open this response's text.
-            first = request.handoff.first_gen_tokens
-            text, stopped = matcher.push(detokenizer.add(first))
-            yield TextStep(text, first, request.handoff.first_gen_logprobs, "stop" if stopped else None,
-                           prompt_logprobs=accepted.prompt_logprobs, prompt_token_ids=accepted.prompt_token_ids)
-            if stopped:
+            # The first token(s) of each sequence were chosen by CTX; they open that sequence's text.
+            for index, start in enumerate(handoff.sequences):
+                opening = EngineOutput(start.first_gen_tokens, start.first_gen_logprobs, index=index)
+                if index == 0:
+                    opening = dataclasses.replace(opening, prompt_logprobs=accepted.prompt_logprobs,
+                                                  prompt_token_ids=accepted.prompt_token_ids,
+                                                  cached_tokens=handoff.cached_tokens)
+                step, stopped = sequences[index].step(opening)
+                yield step
+                if stopped:
+                    await _stop_sequence(engine, request, index)
+            if all(s.finished for s in sequences):
                 return
             if accepted.token_ids or accepted.finish_reason is not None:
-                step, stopped = _to_text_step(accepted, detokenizer.add(accepted.token_ids), matcher)
+                step, _ = sequences[accepted.index].step(dataclasses.replace(accepted, prompt_logprobs=None,
+                                                                             prompt_token_ids=None))
                 yield step
-                if step.finish_reason is not None:
-                    return
         async for output in outputs:
-            step, stopped = _to_text_step(output, detokenizer.add(output.token_ids), matcher)
-            if stopped and output.handoff_state is not None:
+            sequence = sequences[output.index]
+            if sequence.finished:
+                continue  # stopped here by a stop string; an engine that cannot stop one sequence decodes on
+            step, stopped = sequence.step(output)
+            done = all(s.finished for s in sequences)
+            if stopped and output.handoff_state is not None and done:
                 # CTX parked a KV hand-off that no GEN will fetch now: free it at once.
                 await engine.abort(request.request_id)
-                step = dataclasses.replace(step, finish_reason="stop", handoff_state=None)
+                step = dataclasses.replace(step, handoff_state=None)
             yield step
-            if step.finish_reason is not None:
+            if done:
                 return
+            if stopped and request.phase is not Phase.CONTEXT_ONLY:  # CTX decodes nothing after the first token
+                await _stop_sequence(engine, request, output.index)
     finally:
         await outputs.aclose()
 
 
-def _to_text_step(output: EngineOutput, new_text: str, matcher: StopStringMatcher) -> tuple[TextStep, bool]:
-    text, stopped = matcher.push(new_text)
-    finish = output.finish_reason
-    if stopped:
-        finish = "stop"
-    elif finish is not None:
-        text += matcher.flush()
-    step = TextStep(text, output.token_ids, output.logprobs, finish, output.handoff_state, output.prompt_logprobs,
-                    output.prompt_token_ids)
-    return step, stopped
+async def _stop_sequence(engine: Engine, request: GenerationRequest, index: int) -> None:
+    """A stop string finished one sequence of several: the engine need not decode it further."""
+    if request.sampling.n > 1 and isinstance(engine, StopsSequences):
+        await engine.stop_sequence(request.request_id, index)

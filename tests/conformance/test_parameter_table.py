@@ -34,10 +34,11 @@ PROVED_ELSEWHERE = {
     "echo": "test_logprob_conformance.test_echo_gives_every_prompt_token_its_text_and_logprob",
     "prompt_logprobs": "test_logprob_conformance.test_prompt_logprobs_are_returned_and_disaggregated_equals_aggregated",
     "system_fingerprint": "test_response_details.test_whole_answers_carry_the_fingerprint_and_cached_tokens",
-    "usage.prompt_tokens_details.cached_tokens": "test_response_details",
+    "usage.prompt_tokens_details.cached_tokens": "test_cached_tokens.test_a_repeated_long_prompt_reports_its_reused",
     "GET /v1/models/{id}": "test_status_codes.test_models_retrieve_works_everywhere",
     "GET /v1/responses/{id}": "test_responses_multi_turn.test_a_stored_response_can_be_retrieved_and_deleted",
     "DELETE /v1/responses/{id}": "test_responses_multi_turn.test_a_stored_response_can_be_retrieved_and_deleted",
+    "n": "test_n_conformance.test_n_choices_disaggregated_equal_aggregated",
 }
 
 

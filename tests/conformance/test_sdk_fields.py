@@ -65,7 +65,7 @@ def test_chat_accepts_neutral_values(conformance_cluster: RefCluster, field: str
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
 REFUSED_CHAT_VALUES: list[tuple[str, Any]] = [
     ("tool_choice", "required"),  # a call forced with no tools to call (structured output: item 5)
-    ("audio", {"voice": "alloy", "format": "wav"}), ("modalities", ["text", "audio"]), ("n", 2),
+    ("audio", {"voice": "alloy", "format": "wav"}), ("modalities", ["text", "audio"]),
     ("reasoning_effort", "high"), ("store", True), ("prediction", {"type": "content", "content": "x"}),
     ("web_search_options", {}), ("service_tier", "flex"), ("verbosity", "low"),
     ("functions", [{"name": "f", "parameters": {}}]), ("function_call", {"name": "f"}),
@@ -91,10 +91,10 @@ REFUSED_RESPONSES_VALUES: list[tuple[str, Any]] = [
     ("include", ["message.output_text.logprobs"]), ("reasoning", {"effort": "high"}),
     ("conversation", "conv_1"), ("prompt", {"id": "pmpt_1"}), ("max_tool_calls", 2), ("image", {"x": 1}),
     ("context_management", [{"type": "compaction"}]), ("background_options", {"x": 1}),
-    ("access_programs", ["p"]),
+    ("access_programs", ["p"]), ("n", 2),
 ]
 REFUSED_COMPLETIONS_VALUES: list[tuple[str, Any]] = [
-    ("suffix", "z"), ("best_of", 2), ("n", 2), ("no_repeat_ngram_size", 3), ("service_tier", "flex"),
+    ("suffix", "z"), ("best_of", 2), ("no_repeat_ngram_size", 3), ("service_tier", "flex"),
     ("response_format", {"type": "json_object"}),  # structured output is on chat and the Responses API only
 ]
 

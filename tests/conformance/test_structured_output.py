@@ -195,3 +195,68 @@ def test_bad_structured_output_requests_are_400s_naming_the_field(
     assert isinstance(error, dict) and error["param"] == param and error["type"] == "invalid_request_error"
     # The server keeps serving.
     assert client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=1).choices
+
+
+def _n_answers(node: Any, body: dict[str, Any], stream: bool) -> list[tuple[str, str | None]]:
+    """Each choice's (text, finish_reason), by index, whole or streamed."""
+    client = node.client()
+    if not stream:
+        return [(c.message.content or "", c.finish_reason) for c in client.chat.completions.create(**body).choices]
+    texts: dict[int, str] = {}
+    finishes: dict[int, str | None] = {}
+    for chunk in client.chat.completions.create(**body, stream=True):
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + (c.delta.content or "")
+            finishes[c.index] = c.finish_reason or finishes.get(c.index)
+    return [(texts[index], finishes[index]) for index in sorted(texts)]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_n_choices_each_follow_the_schema_and_disaggregated_equals_aggregated(conformance_cluster: RefCluster,
+                                                                              stream: bool) -> None:
+    # Each sequence has its own grammar state: CTX chooses every sequence's first token under it, GEN rebuilds
+    # every sequence's state and replays its first token. Sampled (seed + i per choice), so the choices can differ.
+    body: dict[str, Any] = {"model": "tiny", "messages": MESSAGES, "max_tokens": 64, "temperature": 0.8, "seed": 5,
+                            "n": 2, "response_format": {"type": "json_schema",
+                                                        "json_schema": {"name": "b", "schema": BOUNDED_SCHEMA}}}
+    disaggregated = _n_answers(conformance_cluster.orchestrator, body, stream)
+    assert disaggregated == _n_answers(conformance_cluster.aggregated, body, stream)
+    assert len(disaggregated) == 2
+    for text, finish in disaggregated:
+        assert finish == "stop"
+        jsonschema.validate(orjson.loads(text), BOUNDED_SCHEMA)
+    # Choice i is the lone request seeded seed + i: its grammar state was not disturbed by its sibling's.
+    lone = _n_answers(conformance_cluster.aggregated, {**body, "n": 1, "seed": 6}, stream)
+    assert lone == disaggregated[1:]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_n_forced_tool_calls_come_one_per_choice(conformance_cluster: RefCluster, stream: bool) -> None:
+    client = conformance_cluster.orchestrator.client()
+    body: Any = {"model": "tiny", "messages": MESSAGES, "tools": [WEATHER_TOOL, TIME_TOOL], "tool_choice": "required",
+                 "max_tokens": 64, "temperature": 0.8, "seed": 9, "n": 2}
+    if stream:
+        calls: dict[int, list[Any]] = {}
+        finishes: dict[int, str | None] = {}
+        for chunk in client.chat.completions.create(**body, stream=True):
+            for c in chunk.choices:
+                assert not c.delta.content
+                calls.setdefault(c.index, []).extend(c.delta.tool_calls or ())
+                finishes[c.index] = c.finish_reason or finishes.get(c.index)
+        got = [(finishes[i], [(d.index, d.id, d.function.name, d.function.arguments) for d in calls[i] if d.function])
+               for i in sorted(calls)]
+    else:
+        reply = client.chat.completions.create(**body)
+        got = [(c.finish_reason, [(i, t.id, t.function.name, t.function.arguments)
+                                  for i, t in enumerate(c.message.tool_calls or ())
+                                  if isinstance(t, openai.types.chat.ChatCompletionMessageFunctionToolCall)])
+               for c in reply.choices]
+    assert len(got) == 2
+    ids = set()
+    for finish, choice_calls in got:
+        assert finish == "tool_calls"
+        ((index, call_id, name, arguments),) = choice_calls
+        assert index == 0 and call_id and call_id.startswith("call_") and name in PARAMETERS
+        ids.add(call_id)
+        jsonschema.validate(orjson.loads(arguments or ""), PARAMETERS[name])
+    assert len(ids) == 2  # every call has its own id

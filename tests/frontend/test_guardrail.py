@@ -28,7 +28,8 @@ HARMONY = PromptFacts(harmony=True)
 TABLE: list[tuple[str, dict[str, Any], PromptFacts, int | None, GenEngineFacts, FallbackReason | None]] = [
     ("admit", {}, TEXT, 128, PLAIN_GEN, None),
     ("admit-sampling-that-reads-no-prompt-values", {"temperature": 0.7, "top_p": 0.9, "top_k": 5, "seed": 1,
-                                                     "stop": ("x",), "logprobs": 2, "ignore_eos": True},
+                                                     "stop": ("x",), "logprobs": 2, "ignore_eos": True,
+                                                     "n": 3},
      TEXT, 128, PLAIN_GEN, None),
     # A grammar reads only output tokens: GEN rebuilds it from the request and CTX's first token.
     ("admit-structured-output", {"json_schema": '{"type": "object"}'}, TEXT, 128, PLAIN_GEN, None),

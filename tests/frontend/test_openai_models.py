@@ -35,7 +35,7 @@ def test_unsupported_parameters_set_to_null_are_ignored() -> None:
 @pytest.mark.parametrize(
     ("model", "body", "param"),
     [
-        (ChatCompletionRequest, {**CHAT, "n": 3}, "n"),
+        (ResponsesRequest, {"model": "m", "input": "a", "n": 3}, "n"),
         (CompletionRequest, {"model": "m", "prompt": "a", "suffix": "z"}, "suffix"),
         (CompletionRequest, {"model": "m", "prompt": "a", "best_of": 2}, "best_of"),
         (CompletionRequest, {"model": "m", "prompt": ["a", "b"]}, "prompt"),

@@ -96,6 +96,22 @@ def test_structured_output_takes_the_metadata_only_path(without_tokens_in_handof
     assert _gen_path_count(cluster, "metadata_only") == before + 1
 
 
+def test_n_sequences_on_a_length_only_prompt_equal_the_aggregated_ones(without_tokens_in_handoff: RefCluster) -> None:
+    """n reads no prompt token values: the forked sequences decode on the placeholder like one sequence does."""
+    cluster = without_tokens_in_handoff
+    before = _gen_path_count(cluster, "metadata_only")
+    answers = []
+    for node in ("orchestrator", "aggregated"):
+        with getattr(cluster, node).client() as client:
+            reply = client.chat.completions.create(model=cluster.model, messages=MESSAGES, max_tokens=6, n=3,
+                                                   temperature=1.0, seed=11, logprobs=True)
+        answers.append([(c.index, c.finish_reason, [t.logprob for t in c.logprobs.content or ()] if c.logprobs
+                         else None) for c in reply.choices])
+    assert answers[0] == answers[1]
+    assert [index for index, _, _ in answers[0]] == [0, 1, 2]
+    assert _gen_path_count(cluster, "metadata_only") == before + 1
+
+
 @pytest.mark.parametrize(
     ("reason", "options"),
     [

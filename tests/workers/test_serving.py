@@ -235,3 +235,15 @@ def test_each_role_refuses_the_other_step(cluster: Cluster, node: str, request_t
     reply = post(worker, CHAT_PATH, body)
     assert reply.status_code == 400
     assert reply.json()["error"]["param"] == "disaggregated_params.request_type"
+
+
+@pytest.mark.parametrize("node", ["ctx", "gen", "aggregated"])
+@pytest.mark.parametrize("path", [CHAT_PATH, "/v1/completions"])
+def test_the_synthetic_engine_refuses_n_above_1_by_name(cluster: Cluster, node: str, path: str) -> None:
+    """It samples nothing, so n identical choices would be a silent wrong answer: a 400 naming ``n`` instead."""
+    body: dict[str, Any] = {"model": MODEL, "max_tokens": 4, "n": 2}
+    body.update({"messages": MESSAGES} if path == CHAT_PATH else {"prompt": "Hello"})
+    reply = post(getattr(cluster, node), path, body)
+    assert reply.status_code == 400
+    assert reply.json()["error"]["param"] == "n"
+    assert reply.json()["error"]["code"] == "unsupported_parameter"

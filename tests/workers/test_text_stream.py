@@ -64,7 +64,7 @@ def test_no_stops_passes_everything_through() -> None:
 
 
 async def collect(engine: SyntheticEngine, request: GenerationRequest) -> list[TextStep]:
-    return [step async for step in stream_text(engine, engine.get_tokenizer().detokenizer(), request)]
+    return [step async for step in stream_text(engine, engine.get_tokenizer().detokenizer, request)]
 
 
 def prompt() -> TokenArray:
@@ -111,7 +111,7 @@ async def test_a_stop_string_inside_the_first_gen_token_ends_at_once() -> None:
 
 async def test_closing_the_stream_early_aborts_the_engine_request() -> None:
     engine = SyntheticEngine()
-    steps = stream_text(engine, engine.get_tokenizer().detokenizer(),
+    steps = stream_text(engine, engine.get_tokenizer().detokenizer,
                         GenerationRequest("a", prompt(), SamplingParams(max_tokens=1000)))
     await anext(steps)
     await anext(steps)

@@ -3,7 +3,8 @@
 In the style of httpx's transports: ``Engine`` has one method that matters (``generate``) and four for its life,
 with typed values in and out (``workers.engines.request``, ``workers.engines.outputs``). Every engine implements
 all five. What only some engines can do is a separate small protocol that an engine may also implement and the
-worker discovers with ``isinstance``: ``ProvidesTokenizer``, ``KVHandoffStore``, ``HealthCheck``. An adapter
+worker discovers with ``isinstance``: ``ProvidesTokenizer``, ``KVHandoffStore``, ``HealthCheck``,
+``StopsSequences``. An adapter
 translates its runtime's errors into ``frontend.errors`` types at this boundary (``raise EngineError(...) from
 exc``); no foreign exception type leaks into the server.
 """
@@ -124,6 +125,16 @@ class KVHandoffStore(Protocol):
     async def handoff_ledger(self) -> HandoffLedger:
         """The whole ledger, asked of the engine now: what is parked (with ages and sizes) and the totals."""
         ...
+
+
+@runtime_checkable
+class StopsSequences(Protocol):
+    """An engine that can stop one of a request's n sequences and keep decoding the others.
+
+    The worker finishes a sequence itself when it meets a stop string; without this, the engine decodes that
+    sequence on (its output is dropped) until the request ends."""
+
+    async def stop_sequence(self, request_id: str, index: int) -> None: ...
 
 
 @runtime_checkable

@@ -23,6 +23,7 @@ class EngineInfo:
     prompt_tokens_in_handoff: bool = False  # the KV hand-off carries the prompt's real int32 ids
     supports_logprobs: bool = True
     supports_structured_output: bool = False  # JSON schema constrained decoding (response_format, forced tools)
+    supports_n: bool = False  # n > 1 sequences per request, from one prefill
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,12 +35,13 @@ class TokenLogprob:
 
 @dataclass(frozen=True, slots=True)
 class EngineOutput:
-    """New tokens of one step. The last output of a request carries ``finish_reason``.
+    """New tokens of one step of sequence ``index`` (0 unless the request asked for n > 1). Each sequence's
+    last output carries its ``finish_reason``; the request ends when every sequence has finished.
 
-    A CONTEXT_ONLY request yields exactly one output: the first token, with ``handoff_state`` (the opaque bytes
-    GEN needs to continue) unless the request already finished, in which case the engine has freed its KV.
-    A GENERATION_ONLY request's first output confirms that the hand-off was accepted (it may hold no tokens);
-    a hand-off the engine cannot use raises before it.
+    A CONTEXT_ONLY request yields one output per sequence: its first token; the last one carries
+    ``handoff_state`` (the opaque bytes GEN needs to continue every unfinished sequence) unless all finished, in
+    which case the engine has freed its KV. A GENERATION_ONLY request's first output confirms that the hand-off
+    was accepted (it may hold no tokens); a hand-off the engine cannot use raises before it.
     """
 
     token_ids: tuple[int, ...]
@@ -48,3 +50,5 @@ class EngineOutput:
     handoff_state: bytes | None = None
     prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None  # first output only, when asked for
     prompt_token_ids: TokenArray | None = None  # the real prompt, when the request had a placeholder (echo)
+    index: int = 0  # which of the request's n sequences
+    cached_tokens: int = 0  # first output only: prompt tokens whose KV was reused (block reuse), not computed

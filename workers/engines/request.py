@@ -35,13 +35,31 @@ class PromptPath(enum.Enum):
 
 
 @dataclass(frozen=True, slots=True)
+class SequenceStart:
+    """What CTX chose for one sequence: its first token(s) and their logprobs."""
+
+    first_gen_tokens: tuple[int, ...]
+    first_gen_logprobs: tuple[TokenLogprob, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
 class Handoff:
-    """What GEN needs from CTX: the first token(s) and the engine's opaque KV hand-off state."""
+    """What GEN needs from CTX: the first token(s) and the engine's opaque KV hand-off state.
+
+    ``first_gen_tokens`` are sequence 0's; with n > 1 the other sequences' starts are in ``more_sequences``. One
+    KV hand-off serves them all: it holds the prompt alone, which every sequence shares."""
 
     first_gen_tokens: tuple[int, ...]
     opaque_state: bytes
     ctx_request_id: str | None = None
     first_gen_logprobs: tuple[TokenLogprob, ...] = ()
+    more_sequences: tuple[SequenceStart, ...] = ()
+    cached_tokens: int = 0  # prompt tokens CTX reused from its KV blocks: GEN reports CTX's figure
+
+    @property
+    def sequences(self) -> tuple[SequenceStart, ...]:
+        """Every sequence's start, by index."""
+        return (SequenceStart(self.first_gen_tokens, self.first_gen_logprobs), *self.more_sequences)
 
 
 def placeholder_prompt(prompt_len: int) -> TokenArray:

@@ -138,7 +138,7 @@ class Core:
         if channel is not None:
             channel.send(header, payload)
         self.spans.answered(header)
-        if header.get("op") == "error" or header.get("finish") is not None or header.get("handoff_state"):
+        if header.get("op") == "error" or header.get("done"):  # the request's last frame
             self.owner_of.pop(request_id, None)
 
     def broadcast(self, header: Header) -> None:
@@ -252,6 +252,8 @@ class Core:
             self.spans.forget(str(header["id"]))
             self.owner_of.pop(str(header["id"]), None)
             self.aborts_pending.discard(str(header["id"]))
+        elif op == "stop_sequence":
+            scheduler.stop_sequence(str(header["id"]), int(header["index"]))
         elif op == "release":
             released = scheduler.store.discard_with_key(str(header["id"]), str(header.get("key", "")))
             if channel is not None:
@@ -294,6 +296,9 @@ def _submit_spec(header: Header, payload: bytes) -> SubmitSpec:
     if sampling.max_tokens is None:
         raise ValueError("max_tokens must be resolved before the core sees a request")
     state = header.get("handoff_state")
+    more_starts = tuple(tuple(int(t) for t in start) for start in header.get("more_first_gen_tokens") or ())
+    if state is not None and (len(more_starts) + 1 != sampling.n or not all(more_starts)):
+        raise ValueError(f"a hand-off for n={sampling.n} needs a non-empty start for every sequence")
     return SubmitSpec(
         request_id=str(header["id"]),
         phase=str(header["phase"]),
@@ -303,6 +308,7 @@ def _submit_spec(header: Header, payload: bytes) -> SubmitSpec:
         sampling=sampling,
         first_gen_tokens=tuple(int(t) for t in header.get("first_gen_tokens") or ()),
         handoff_state=state.encode() if isinstance(state, str) else None,
+        more_first_gen_tokens=more_starts,
     )
 
 

@@ -36,7 +36,7 @@ from workers.engines.reference.kv_fetch import HandoffUnavailable, parse_state
 from workers.engines.reference.model_file import TokenizerMetadata
 from workers.engines.reference.options import ReferenceOptions, core_command, core_env, reference_options
 from workers.engines.reference.tokenizer import GGUFTokenizer
-from workers.engines.request import GenerationRequest, Phase
+from workers.engines.request import GenerationRequest
 
 logger = logging.getLogger(__name__)
 
@@ -47,8 +47,8 @@ _MAX_RESTARTS = 3
 
 
 class ReferenceEngine:
-    """The typed adapter over the engine core; also a ``ProvidesTokenizer``, ``KVHandoffStore`` and
-    ``HealthCheck``."""
+    """The typed adapter over the engine core; also a ``ProvidesTokenizer``, ``KVHandoffStore``, ``HealthCheck``
+    and ``StopsSequences``."""
 
     def __init__(self, options: ReferenceOptions | None = None) -> None:
         self.options = options or ReferenceOptions()
@@ -119,6 +119,7 @@ class ReferenceEngine:
             kv_block_reuse=self.options.kv_block_reuse,
             prompt_tokens_in_handoff=bool(ready["prompt_tokens_in_handoff"]),
             supports_structured_output=True,  # llguidance masks the core's sampler (reference/grammar.py)
+            supports_n=True,
         )
         self._alive = True
         self._reader_task = asyncio.create_task(self._read_loop(reader), name="reference-core-reader")
@@ -317,12 +318,9 @@ class ReferenceEngine:
                 if message["op"] == "error":
                     finished = True
                     raise core_error(message)
-                output = engine_output(message, payload)
-                if output.finish_reason is not None or output.handoff_state is not None:
-                    finished = True
-                yield output
-                if finished or (request.phase is Phase.CONTEXT_ONLY and output.token_ids):
-                    finished = True
+                finished = bool(message.get("done"))  # the request's last frame: every sequence has finished
+                yield engine_output(message, payload)
+                if finished:
                     return
         finally:
             del self._queues[request_id]
@@ -334,6 +332,10 @@ class ReferenceEngine:
     async def abort(self, request_id: str) -> None:
         if self._alive:
             self._send({"op": "abort", "id": request_id})
+
+    async def stop_sequence(self, request_id: str, index: int) -> None:
+        if self._alive:
+            self._send({"op": "stop_sequence", "id": request_id, "index": index})
 
 
 

@@ -36,6 +36,7 @@ def submit_frame(request: GenerationRequest) -> tuple[Header, memoryview | bytes
     }
     if request.handoff is not None:
         header["first_gen_tokens"] = list(request.handoff.first_gen_tokens)
+        header["more_first_gen_tokens"] = [list(s.first_gen_tokens) for s in request.handoff.more_sequences]
         header["handoff_state"] = request.handoff.opaque_state.decode("utf-8", errors="replace")
     traceparent = tracing.current_traceparent()  # the worker's engine span: the core's spans are its children
     if traceparent is not None:
@@ -65,6 +66,8 @@ def engine_output(message: Header, payload: bytes) -> EngineOutput:
         handoff_state=state.encode() if isinstance(state, str) else None,
         prompt_logprobs=prompt_logprobs,
         prompt_token_ids=np.frombuffer(payload, TOKEN_DTYPE) if message.get("prompt_tokens") else None,
+        index=int(message.get("index", 0)),
+        cached_tokens=int(message.get("cached_tokens", 0)),
     )
 
 

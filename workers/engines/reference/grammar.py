@@ -62,6 +62,10 @@ class TokenConstraint:
         for token_id in token_ids:
             self.advance(token_id)
 
+    def fork(self) -> TokenConstraint:
+        """An independent copy of this state: one per sequence of a request for n > 1."""
+        return TokenConstraint(self._matcher.deep_copy(), self._vocab_size)
+
     @property
     def complete(self) -> bool:
         """The output so far is a whole valid document."""

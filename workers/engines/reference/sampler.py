@@ -4,6 +4,9 @@ Reproducibility across workers: the random draw for output position i comes from
 PCG64 generator seeded with (seed, i), never from a generator threaded through the request.
 A GEN worker that continues a request after the CTX worker chose the first token(s) therefore
 draws exactly what a single worker would have, given the same logits.
+
+With ``n`` > 1, sequence i draws as a request with seed ``seed + i`` would (vLLM's rule, wrapping in 64 bits):
+sequence 0 keeps the request's own stream, every worker derives the same seeds, and no two sequences share one.
 """
 
 from __future__ import annotations
@@ -32,10 +35,11 @@ def check_sampling(params: SamplingParams) -> None:
         raise ValueError("seed must be a 64-bit integer")
 
 
-def seed_key(seed: int) -> int:
+def seed_key(seed: int, sequence_index: int = 0) -> int:
     """PCG64 takes non-negative seeds: a negative one is read as its 64-bit two's complement, so every signed
-    64-bit seed names its own stream, and non-negative seeds keep the streams they always had."""
-    return seed % _SEED_SPACE
+    64-bit seed names its own stream, and non-negative seeds keep the streams they always had. Sequence i of an
+    ``n`` > 1 request uses ``seed + i``, wrapped the same way."""
+    return (seed + sequence_index) % _SEED_SPACE
 
 
 @dataclass(frozen=True)
@@ -78,11 +82,12 @@ class Sampler:
         prompt_ids: npt.NDArray[np.integer[Any]] | Sequence[int],
         vocab_size: int,
         output_so_far: Sequence[int] = (),
+        sequence_index: int = 0,
     ) -> None:
         check_sampling(config)
         self.config = config
         self.vocab_size = vocab_size
-        self.seed = seed_key(config.seed) if config.seed is not None else secrets.randbits(63)
+        self.seed = seed_key(config.seed, sequence_index) if config.seed is not None else secrets.randbits(63)
         prompt = np.asarray(prompt_ids, dtype=np.int64).reshape(-1)
         self._check_ids(prompt)
         # Counts over token values, built once: per-step cost is O(vocab), not O(prompt + output).

@@ -1,9 +1,14 @@
 """The engine core's scheduler: chunked prefill and per-sequence decode, interleaved step by step.
 
 Each ``step`` runs one prefill chunk of the oldest waiting request, then one decode step of every running
-request, so a long prompt never starves the streams already running. Decoding stays per sequence (not
+sequence, so a long prompt never starves the streams already running. Decoding stays per sequence (not
 batched) on purpose: batched BLAS changes bits with the batch's composition, and this engine exists to show
 disaggregated output equal to aggregated output, token for token, whatever the load.
+
+A request for n > 1 sequences is prefilled once and forked after the prefill: every sequence chooses its first
+token from the same logits with its own sampler (seed + index), then decodes on its own copy of the prompt's KV
+(``fork_kv`` says why a copy). A CTX worker parks the prompt's KV once with all n first tokens; GEN forks it.
+Every output names its sequence (``index``); the request's last output carries ``done``.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from workers.engines.reference.kv_handoff import KVHandoff, encode_handoff
 from workers.engines.reference.kv_store import KVStore, KVStoreFull
 from workers.engines.reference.prefix_cache import PrefixCache
 from workers.engines.reference.sampler import Sampler, log_softmax, top_logprobs
-from workers.engines.reference.transformer import Interrupted, KVCache, Transformer, export_kv
+from workers.engines.reference.transformer import Interrupted, KVCache, Transformer, export_kv, fork_kv
 
 logger = logging.getLogger(__name__)
 
@@ -43,19 +48,26 @@ class SubmitSpec:
     sampling: SamplingParams
     first_gen_tokens: tuple[int, ...] = ()
     handoff_state: bytes | None = None
+    more_first_gen_tokens: tuple[tuple[int, ...], ...] = ()  # sequences 1..n-1 of a hand-off
+
+    @property
+    def starts(self) -> tuple[tuple[int, ...], ...]:
+        """Each sequence's first token(s) from the hand-off, by index."""
+        return (self.first_gen_tokens, *self.more_first_gen_tokens)
 
 
 @dataclass(slots=True)
 class Sequence:
     spec: SubmitSpec
     cache: KVCache
+    index: int = 0  # which of the request's n sequences
+    cached_tokens: int = 0  # prompt tokens loaded from the prefix cache instead of prefilled
     sampler: Sampler | None = None
     prefilled: int = 0
     produced: int = 0
     last_token: int = -1
     prompt_logprobs: list[Any] = field(default_factory=list)
-    handoff_prompt_logprobs: list[Any] | None = None
-    constraint: TokenConstraint | None = None  # structured output: the grammar's state over the output so far
+    constraint: TokenConstraint | None = None  # structured output: the grammar's state over this sequence's output
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,7 +96,8 @@ class Scheduler:
         self.vocab_size = model.config.vocab_size
         self.context = model.config.context_length
         self._prefill_queue: collections.deque[Sequence] = collections.deque()
-        self._running: dict[str, Sequence] = {}
+        self._running: dict[tuple[str, int], Sequence] = {}  # by (request id, sequence index)
+        self._live: dict[str, int] = {}  # request id -> its sequences still decoding
         self._fetching: dict[str, tuple[SubmitSpec, Future[FetchedHandoff]]] = {}
         self._fetcher = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv-fetch")
         self.prefix_cache = PrefixCache(config.prefix_cache_bytes) if config.prefix_cache_bytes else None
@@ -103,14 +116,34 @@ class Scheduler:
         constraint = self._constraint(spec)
         seq = Sequence(spec, self.model.new_cache(int(spec.prompt.shape[0]) + 16), constraint=constraint)
         if self.prefix_cache is not None and spec.sampling.prompt_logprobs is None:
-            seq.prefilled = self.prefix_cache.load_prefix(spec.prompt, seq.cache)
+            seq.prefilled = seq.cached_tokens = self.prefix_cache.load_prefix(spec.prompt, seq.cache)
         self._prefill_queue.append(seq)
 
     def abort(self, request_id: str) -> None:
-        self._running.pop(request_id, None)
+        self._drop_sequences(request_id)
         self._fetching.pop(request_id, None)  # a fetch in flight finishes in its thread; its result is dropped
         self._prefill_queue = collections.deque(s for s in self._prefill_queue if s.spec.request_id != request_id)
         self.store.discard(request_id)
+
+    def _drop_sequences(self, request_id: str) -> None:
+        for key in [key for key in self._running if key[0] == request_id]:
+            del self._running[key]
+        self._live.pop(request_id, None)
+
+    def stop_sequence(self, request_id: str, index: int) -> None:
+        """The front end finished one sequence itself (a stop string): stop decoding it, keep its siblings.
+        Nothing is emitted; the front end has already counted it finished."""
+        if self._running.pop((request_id, index), None) is not None:
+            self._sequence_left(request_id)
+
+    def _sequence_left(self, request_id: str) -> bool:
+        """One of the request's sequences stopped decoding; True when it was the last."""
+        left = self._live.get(request_id, 1) - 1
+        if left > 0:
+            self._live[request_id] = left
+            return False
+        self._live.pop(request_id, None)
+        return True
 
     @property
     def busy(self) -> bool:
@@ -119,12 +152,13 @@ class Scheduler:
 
     @property
     def active_requests(self) -> int:
-        return len(self._prefill_queue) + len(self._running) + len(self._fetching)
+        return len(self._prefill_queue) + len(self._live) + len(self._fetching)
 
     def stats(self) -> dict[str, int]:
         cache = self.prefix_cache
         return {
             "active": self.active_requests,
+            "sequences": len(self._running),  # decoding now: n per request asking for n
             "prefix_cache_blocks": cache.blocks if cache else 0,
             "prefix_cache_hit_tokens": cache.hit_tokens if cache else 0,
         }
@@ -134,8 +168,8 @@ class Scheduler:
         self._admit_fetched()
         if self._prefill_queue:
             self._prefill_chunk(self._prefill_queue[0])
-        for seq in list(self._running.values()):
-            if seq.spec.request_id in self._running:
+        for key, seq in list(self._running.items()):
+            if key in self._running:
                 self._decode_one(seq)
 
     def _admit_fetched(self) -> None:
@@ -167,38 +201,53 @@ class Scheduler:
                 self._fail(spec.request_id, "handoff", "this request reads prompt token values, but neither the "
                            "request nor the KV hand-off carries the prompt's tokens")
                 return
-        seq = Sequence(spec, fetched.cache)
         if self.prefix_cache is not None:
             # Keyed by the token values this worker holds: real ones, or a placeholder's (hence the guardrail).
-            self.prefix_cache.insert(prompt, seq.cache)
-        seq.sampler = self._sampler(spec, prompt)
+            self.prefix_cache.insert(prompt, fetched.cache)
+        starts = spec.starts
         try:
-            # The grammar state is rebuilt from the request and replayed over CTX's tokens: nothing of it crosses.
-            seq.constraint = self._constraint(spec)
-            if seq.constraint is not None:
-                seq.constraint.advance_all(spec.first_gen_tokens)
+            # Each sequence's grammar state is rebuilt from the request and replayed over the first token(s) CTX
+            # chose for it: nothing of the matcher crosses the hand-off.
+            constraints = [self._constraint(spec) for _ in starts]
+            eos = self.config.eos_token_ids
+            for constraint, first in zip(constraints, starts, strict=True):
+                if constraint is not None:  # EOS ends a sequence; as when sampled, it is not fed to the matcher
+                    constraint.advance_all(t for t in first if t not in eos)
         except GrammarError as exc:
             self._fail(spec.request_id, "request", str(exc))
             return
-        seq.produced = len(spec.first_gen_tokens)
-        seq.handoff_prompt_logprobs = handoff.prompt_logprobs
-        for token in spec.first_gen_tokens[:-1]:  # tokens CTX chose beyond the first enter the cache here
-            self.model.decode(token, seq.cache)
-        seq.last_token = spec.first_gen_tokens[-1]
-        report_prompt_logprobs = seq.handoff_prompt_logprobs is not None and spec.sampling.prompt_logprobs is not None
+        report_prompt_logprobs = handoff.prompt_logprobs is not None and spec.sampling.prompt_logprobs is not None
         # Echo on a placeholder: the front end needs the real prompt, which came with the KV.
         report_prompt = spec.placeholder and spec.sampling.echo and prompt is not spec.prompt
         # Always answered: the front end holds the first token back until the hand-off is accepted.
         opening: dict[str, Any] = {"op": "output", "id": spec.request_id, "tokens": [], "logprobs": None,
                                    "finish": None, "prompt_tokens": report_prompt, "handoff_bytes": fetched.nbytes}
         if report_prompt_logprobs:
-            opening["prompt_logprobs"] = seq.handoff_prompt_logprobs
+            opening["prompt_logprobs"] = handoff.prompt_logprobs
+        # Fork before any sequence decodes its first tokens into the cache it was given.
+        caches = [fetched.cache, *(fork_kv(fetched.cache) for _ in starts[1:])]
+        finished: list[dict[str, Any]] = []
+        for index, (first, cache) in enumerate(zip(starts, caches, strict=True)):
+            seq = Sequence(spec, cache, index=index, constraint=constraints[index])
+            seq.sampler = self._sampler(spec, prompt, index, first)
+            seq.produced = len(first)
+            for token in first[:-1]:  # tokens CTX chose beyond the first enter the cache here
+                self.model.decode(token, seq.cache)
+            seq.last_token = first[-1]
+            finish = self._finish_reason(seq, seq.last_token)
+            if finish is None:
+                self._running[(spec.request_id, index)] = seq
+            else:
+                finished.append({"op": "output", "id": spec.request_id, "index": index, "tokens": [],
+                                 "logprobs": None, "finish": finish})
+        live = len(starts) - len(finished)
+        if live:
+            self._live[spec.request_id] = live
+        else:
+            finished[-1]["done"] = True
         self.emit(opening, prompt.data if report_prompt else b"")
-        finish = self._finish_reason(seq, seq.last_token)
-        if finish is not None:
-            self.emit({"op": "output", "id": spec.request_id, "tokens": [], "logprobs": None, "finish": finish})
-            return
-        self._running[spec.request_id] = seq
+        for message in finished:
+            self.emit(message)
 
     def _constraint(self, spec: SubmitSpec) -> TokenConstraint | None:
         if spec.sampling.json_schema is None:
@@ -207,8 +256,8 @@ class Scheduler:
             raise GrammarError("this engine core has no grammar compiler")
         return self.grammars.constraint(spec.sampling.json_schema)
 
-    def _sampler(self, spec: SubmitSpec, prompt: TokenArray) -> Sampler:
-        return Sampler(spec.sampling, prompt, self.vocab_size, output_so_far=spec.first_gen_tokens)
+    def _sampler(self, spec: SubmitSpec, prompt: TokenArray, index: int, so_far: tuple[int, ...] = ()) -> Sampler:
+        return Sampler(spec.sampling, prompt, self.vocab_size, output_so_far=so_far, sequence_index=index)
 
     def _prefill_chunk(self, seq: Sequence) -> None:
         spec = seq.spec
@@ -232,8 +281,49 @@ class Scheduler:
         self._prefill_queue.popleft()
         if self.prefix_cache is not None:
             self.prefix_cache.insert(spec.prompt, seq.cache)
-        seq.sampler = self._sampler(spec, spec.prompt)
-        self._emit_token(seq, logits, first=True)
+        self._fork_after_prefill(seq, logits)
+
+    def _fork_after_prefill(self, seq: Sequence, logits: np.ndarray) -> None:
+        """Every sequence chooses its first token from the prompt's last logits. The request's first outputs go
+        out together: the last one carries the hand-off (CTX), or ``done`` when no sequence is left to decode."""
+        spec = seq.spec
+        context_only = spec.phase == "context_only"
+        messages: list[dict[str, Any]] = []
+        decoding: list[Sequence] = []
+        # Every sequence's grammar state starts from the prompt's: forked before any of them chooses a token.
+        constraints = [seq.constraint, *(seq.constraint.fork() if seq.constraint is not None else None
+                                         for _ in range(1, spec.sampling.n))]
+        for index in range(spec.sampling.n):
+            forked = seq
+            if index:
+                # CTX decodes nothing: its sequences share the prompt's KV, which is parked once for GEN.
+                forked = Sequence(spec, seq.cache if context_only else fork_kv(seq.cache), index=index,
+                                  constraint=constraints[index])
+            forked.sampler = self._sampler(spec, spec.prompt, index)
+            message = self._sample_message(forked, logits)
+            if message is None:
+                return  # its grammar broke: the request has failed
+            messages.append(message)
+            if message["finish"] is None:
+                decoding.append(forked)
+        if spec.sampling.prompt_logprobs is not None:
+            messages[0]["prompt_logprobs"] = seq.prompt_logprobs
+        messages[0]["cached_tokens"] = seq.cached_tokens
+        if context_only:
+            if decoding:
+                try:
+                    messages[-1]["handoff_state"] = self._park_kv(seq)
+                except KVStoreFull as exc:
+                    self._fail(spec.request_id, "overloaded", str(exc))
+                    return
+            messages[-1]["done"] = True
+        elif decoding:
+            self._running.update(((spec.request_id, s.index), s) for s in decoding)
+            self._live[spec.request_id] = len(decoding)
+        else:
+            messages[-1]["done"] = True
+        for message in messages:
+            self.emit(message)
 
     def _record_prompt_logprobs(self, seq: Sequence, logits: np.ndarray, start: int) -> None:
         prompt = seq.spec.prompt
@@ -250,9 +340,19 @@ class Scheduler:
 
     def _decode_one(self, seq: Sequence) -> None:
         logits = self.model.decode(seq.last_token, seq.cache)
-        self._emit_token(seq, logits, first=False)
+        message = self._sample_message(seq, logits)
+        if message is None:
+            return
+        if message["finish"] is not None:
+            request_id = seq.spec.request_id
+            del self._running[(request_id, seq.index)]
+            if self._sequence_left(request_id):
+                message["done"] = True
+        self.emit(message)
 
-    def _emit_token(self, seq: Sequence, logits: np.ndarray, first: bool) -> None:
+    def _sample_message(self, seq: Sequence, logits: np.ndarray) -> dict[str, Any] | None:
+        """Choose ``seq``'s next token; the output frame that reports it, or None when its grammar broke (the
+        request has failed)."""
         spec = seq.spec
         assert seq.sampler is not None
         if spec.sampling.logit_bias:
@@ -267,34 +367,18 @@ class Scheduler:
         except GrammarError as exc:  # a matcher that broke fails its request, never the core
             logger.warning("grammar failure on %s: %s", spec.request_id, exc)
             self._fail(spec.request_id, "request", str(exc))
-            return
+            return None
         seq.produced += 1
         seq.last_token = sampled.token_id
-        finish = self._finish_reason(seq, sampled.token_id)
-        message: dict[str, Any] = {
+        return {
             "op": "output",
             "id": spec.request_id,
+            "index": seq.index,
             "tokens": [sampled.token_id],
             "logprobs": None if spec.sampling.logprobs is None
             else [[sampled.token_id, sampled.logprob, [list(t) for t in sampled.top_logprobs]]],
-            "finish": finish,
+            "finish": self._finish_reason(seq, sampled.token_id),
         }
-        if first and spec.sampling.prompt_logprobs is not None:
-            message["prompt_logprobs"] = seq.prompt_logprobs
-        if first and spec.phase == "context_only":
-            if finish is None:
-                try:
-                    message["handoff_state"] = self._park_kv(seq)
-                except KVStoreFull as exc:
-                    self._fail(spec.request_id, "overloaded", str(exc))
-                    return
-            self.emit(message)
-            return
-        self.emit(message)
-        if finish is None:
-            self._running[spec.request_id] = seq
-        else:
-            self._running.pop(spec.request_id, None)
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
         if token in self.config.eos_token_ids and not seq.spec.sampling.ignore_eos:
@@ -315,7 +399,7 @@ class Scheduler:
         return json_state(self.config.kv_url_base, spec.request_id, key, self.config.model_hash, handoff.n_tokens)
 
     def _fail(self, request_id: str, kind: str, message: str) -> None:
-        self._running.pop(request_id, None)
+        self._drop_sequences(request_id)
         self.emit({"op": "error", "id": request_id, "kind": kind, "message": message})
 
     def close(self) -> None:

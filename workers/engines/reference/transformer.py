@@ -60,6 +60,21 @@ class KVCache:
                 store[layer] = grown
 
 
+def fork_kv(cache: KVCache) -> KVCache:
+    """A copy of ``cache`` that decodes on independently of it: bitwise the same positions, its own storage.
+
+    Sequences forked from one prefill (n > 1) copy the prompt's KV rather than share it: attention here reads one
+    contiguous [:length] view per layer, and sharing would need a block table whose gathers change the order of
+    operations, so a forked sequence would no longer match the same sequence decoded alone, bit for bit."""
+    forked = KVCache(cache.config, capacity=cache.capacity)
+    n = cache.length
+    for layer in range(cache.config.n_layers):
+        forked.k[layer][:, :n] = cache.k[layer][:, :n]
+        forked.v[layer][:, :n] = cache.v[layer][:, :n]
+    forked.length = n
+    return forked
+
+
 def export_kv(cache: KVCache) -> tuple[F32Array, F32Array]:
     """K and V as contiguous [layers, kv_heads, n, head_dim] float32 (post-RoPE keys)."""
     n = cache.length

@@ -137,6 +137,22 @@ def test_a_client_leaving_while_gen_streams_frees_gen_and_the_handoff(cluster: C
     _serves_normally(cluster)
 
 
+def test_a_client_leaving_while_gen_streams_n_sequences_frees_them_all(cluster: Cluster) -> None:
+    assert _idle(cluster)
+    body = {"model": cluster.model, "prompt": "Once upon a time", "max_tokens": CONTEXT - 200, "ignore_eos": True,
+            "temperature": 1.0, "seed": 3, "n": 3, "stream": True}
+    with httpx.Client(timeout=30) as http, http.stream("POST", cluster.url + "/v1/completions", json=body) as response:
+        assert response.status_code == 200
+        chunks = response.iter_raw()
+        for _ in range(3):
+            next(chunks)
+        assert cluster.gen.core()["sequences"] == 3  # one request, three sequences decoding
+        assert cluster.ctx.kv_entries() == 0  # GEN took the one hand-off for all three
+    assert eventually(lambda: cluster.gen.core()["sequences"] == 0 and cluster.gen.core()["active"] == 0
+                      and cluster.gen.inflight() == 0, every_s=0.05)
+    _serves_normally(cluster)
+
+
 def test_a_client_leaving_during_the_handoff_releases_the_parked_kv(cluster: Cluster) -> None:
     """CTX has answered and parked the KV; the GEN call is accepted but not answered yet (a proxy holds it)."""
     assert _idle(cluster)

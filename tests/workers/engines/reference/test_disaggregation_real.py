@@ -67,6 +67,19 @@ def test_disaggregated_equals_aggregated(real_cluster: RefCluster, options: dict
             assert a.usage == b.usage
 
 
+def test_n_seeded_choices_disaggregated_equal_aggregated(real_cluster: RefCluster) -> None:
+    """One prefill, three sequences (seed + i each): the same three answers through CTX + GEN as aggregated."""
+    answers = []
+    for node in (real_cluster.orchestrator, real_cluster.aggregated):
+        with node.client() as client:
+            reply = client.chat.completions.create(model=real_cluster.model, messages=PROMPTS[2], max_tokens=10,
+                                                   temperature=0.9, seed=77, n=3)
+        answers.append([(c.index, c.message.content, c.finish_reason) for c in reply.choices])
+        assert reply.usage is not None and reply.usage.completion_tokens > 10
+    assert answers[0] == answers[1]
+    assert len({text for _, text, _ in answers[0]}) > 1
+
+
 def test_streamed_disaggregated_completion_equals_aggregated(real_cluster: RefCluster) -> None:
     with real_cluster.orchestrator.client() as disagg, real_cluster.aggregated.client() as agg:
         stream = disagg.completions.create(model=real_cluster.model, prompt="The three primary colours are",

@@ -100,3 +100,15 @@ def test_states_from_one_compiled_schema_are_independent(compiler: GrammarCompil
     a, b = compiler.constraint(SCHEMA), compiler.constraint(SCHEMA)
     a.advance_all(tiny.tokenizer.encode('{"ok": ').tolist())
     assert not np.array_equal(a.allowed(), b.allowed())
+
+
+def test_a_fork_is_an_independent_state_at_the_same_place(compiler: GrammarCompiler, tiny: Engine) -> None:
+    # n > 1: every sequence continues its own fork of the state the prompt left.
+    original = compiler.constraint(SCHEMA)
+    original.advance_all(tiny.tokenizer.encode('{"ok": ').tolist())
+    fork = original.fork()
+    assert np.array_equal(original.allowed(), fork.allowed())
+    original.advance_all(tiny.tokenizer.encode("true}").tolist())
+    assert original.complete and not fork.complete
+    fork.advance_all(tiny.tokenizer.encode("false}").tolist())
+    assert fork.complete
