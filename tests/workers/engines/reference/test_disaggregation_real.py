@@ -226,3 +226,23 @@ def test_the_grammar_state_survives_the_kv_hand_off_on_the_real_model(real: Engi
     jsonschema.validate(answer, CAPITAL_SCHEMA)
     assert "Paris" in answer["city"]
     assert grammars.compilations == 1
+
+
+def test_n_structured_choices_on_the_real_model_disaggregated_equal_aggregated(real_cluster: RefCluster) -> None:
+    """n = 2 sampled under one schema: every sequence has its own grammar state, on CTX (first tokens) and GEN."""
+    import jsonschema
+    import orjson
+
+    json_schema: Any = {"type": "json_schema", "json_schema": {"name": "capital", "schema": CAPITAL_SCHEMA}}
+    answers = []
+    for node in (real_cluster.orchestrator, real_cluster.aggregated):
+        with node.client() as client:
+            reply = client.chat.completions.create(model=real_cluster.model, messages=FRANCE, max_tokens=40,
+                                                   temperature=0.9, seed=77, n=2, response_format=json_schema)
+        answers.append([(c.index, c.message.content, c.finish_reason) for c in reply.choices])
+    assert answers[0] == answers[1]
+    assert [index for index, _, _ in answers[0]] == [0, 1]
+    for _, content, finish in answers[0]:
+        assert (content or "").startswith("{")
+        if finish == "stop":  # sampled: a choice may still run out of max_tokens
+            jsonschema.validate(orjson.loads(content or ""), CAPITAL_SCHEMA)
