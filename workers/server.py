@@ -166,8 +166,10 @@ def create_worker_app(
         """Free a parked KV hand-off no GEN will take. The one-time key inside the state proves ownership."""
         body = parse_json_object(await read_body(request, 64 * 1024))
         ctx_id, state = body.get("ctx_request_id"), body.get("encoded_opaque_state")
+        if isinstance(ctx_id, int) and not isinstance(ctx_id, bool):
+            ctx_id = str(ctx_id)  # CTX ids are decimal; TensorRT-LLM's wire writes them as ints
         if not isinstance(ctx_id, str) or not isinstance(state, str):
-            raise InvalidRequestError("'ctx_request_id' and 'encoded_opaque_state' must be strings")
+            raise InvalidRequestError("'ctx_request_id' must be a string or an int, 'encoded_opaque_state' a string")
         try:
             raw_state = pybase64.b64decode(state, validate=True)
         except ValueError as exc:

@@ -42,7 +42,9 @@ def tiny_cluster(tiny_options: ReferenceOptions) -> Iterator[RefCluster]:
 def _context_step(cluster: RefCluster, **extra: Any) -> dict[str, Any]:
     body = {"model": cluster.model, "messages": MESSAGES, "max_tokens": 8, "temperature": 0,
             "disaggregated_params": {"request_type": "context_only", "disagg_request_id": 1,
-                                     "return_prompt_token_ids_b64": True}, **extra}
+                                     "return_prompt_token_ids_b64": True,
+                                     "native_extensions": True},  # as our orchestrator asks
+            **extra}
     reply = httpx.post(cluster.ctx.url + "/v1/chat/completions", json=body, timeout=60)
     assert reply.status_code == 200, reply.text
     result: dict[str, Any] = reply.json()
