@@ -69,7 +69,8 @@ def context_body(body: dict[str, Any]) -> bytes:
     ctx_body.pop("stream_options", None)
     ctx_body["disaggregated_params"] = {"request_type": "context_only",
                                         "disagg_request_id": random.getrandbits(63),
-                                        "return_prompt_token_ids_b64": True}
+                                        "return_prompt_token_ids_b64": True,
+                                        "native_extensions": True}  # as the orchestrator asks: our answer shape
     return orjson.dumps(ctx_body)
 
 

@@ -328,7 +328,8 @@ def ctx_reply_cost(ctx: Server, prompt: int, with_b64: bool, seconds: float = 1.
 
     body = client_completion_body(prompt, MAX_TOKENS, stream=False)
     body["disaggregated_params"] = {"request_type": "context_only", "disagg_request_id": 1,
-                                    "return_prompt_token_ids_b64": with_b64}
+                                    "return_prompt_token_ids_b64": with_b64,
+                                    "native_extensions": True}  # the answer our orchestrator reads
     payload = json.dumps(body).encode()
     host, _, port = ctx.url.removeprefix("http://").partition(":")
     connection = http.client.HTTPConnection(host, int(port), timeout=60)
