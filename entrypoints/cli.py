@@ -61,6 +61,7 @@ def _supervise(args: argparse.Namespace, argv: Sequence[str], engine_options: An
 
 def run_worker(args: argparse.Namespace, argv: Sequence[str]) -> int:
     from workers.engines.factory import EngineOptions, create_engine
+    from workers.engines.options import VllmConfig
     from workers.engines.synthetic import SyntheticConfig
     from workers.registration import Registration
     from workers.server import create_worker_app
@@ -82,6 +83,8 @@ def run_worker(args: argparse.Namespace, argv: Sequence[str]) -> int:
             inter_token_latency_s=args.synthetic_itl_ms / 1000,
             output_tokens=args.synthetic_output_tokens,
         ),
+        vllm=VllmConfig(kv_transfer_config=args.kv_transfer_config, max_model_len=args.max_model_len,
+                        max_num_seqs=args.max_num_seqs, dtype=args.dtype),
     )
     if args.api_workers > 1:
         return _supervise(args, argv, options if args.engine == "reference" else None)
