@@ -45,6 +45,9 @@ class ServerGroupConfig(_Frozen):
     discovery: DiscoveryConfig | None = None
     registration: bool = False  # the pool may start empty: workers join with `disagg-serve worker --register`
     router: RouterConfig = RouterConfig()
+    # The wire the group's workers speak: "native" (our workers, TensorRT-LLM's field names) or "vllm" (plain vLLM
+    # OpenAI servers started with --kv-transfer-config; orchestrator/protocols/vllm.py).
+    protocol: Literal["native", "vllm"] = "native"
 
     @model_validator(mode="after")
     def _has_members(self) -> ServerGroupConfig:
@@ -80,6 +83,15 @@ class OrchestratorConfig(_Frozen):
     # Conditional disaggregation: prompts estimated under this many tokens go to GEN alone (0 = always split).
     max_local_prefill_length: Annotated[int, Field(ge=0)] = 0
     # Secrets come from the environment (DISAGG_API_KEY, DISAGG_ADMIN_KEY) or the command line, not this file.
+
+    @model_validator(mode="after")
+    def _one_protocol(self) -> OrchestratorConfig:
+        # One flow drives both groups, so both speak one wire; vLLM servers take no length-only prompt.
+        if self.context_servers.protocol != self.generation_servers.protocol:
+            raise ValueError("context_servers.protocol and generation_servers.protocol must be the same")
+        if self.context_servers.protocol == "vllm" and self.gen_tokids_metadata_only:
+            raise ValueError("gen_tokids_metadata_only needs the native protocol: vLLM servers need the prompt")
+        return self
 
 
 def parse_config(raw: Any, source: str = "config") -> OrchestratorConfig:

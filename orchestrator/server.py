@@ -38,6 +38,7 @@ from orchestrator.disagg_flow import DisaggFlow
 from orchestrator.flow_request import FlowRequest, StreamedAnswer, check_client_body
 from orchestrator.membership import DnsDiscovery
 from orchestrator.pool import HealthMonitor, WorkerPool
+from orchestrator.protocols import protocol_named
 from orchestrator.routers import RoutingKey, make_router
 from orchestrator.transport import WorkerTimeouts
 
@@ -74,7 +75,7 @@ def create_orchestrator_app(
     ctx_pool = _pool("ctx", config.context_servers, config)
     gen_pool = _pool("gen", config.generation_servers, config)
     pools = {"context": ctx_pool, "generation": gen_pool}
-    flow = DisaggFlow(config, ctx_pool, gen_pool, metrics)
+    flow = DisaggFlow(config, ctx_pool, gen_pool, metrics, protocol=protocol_named(config.context_servers.protocol))
     monitor = HealthMonitor([ctx_pool, gen_pool], config.health_check_interval_s)
     discoveries = [DnsDiscovery(pool, group.discovery)
                    for pool, group in ((ctx_pool, config.context_servers), (gen_pool, config.generation_servers))
