@@ -86,6 +86,10 @@ def run_worker(args: argparse.Namespace, argv: Sequence[str]) -> int:
         vllm=VllmConfig(kv_transfer_config=args.kv_transfer_config, max_model_len=args.max_model_len,
                         max_num_seqs=args.max_num_seqs, dtype=args.dtype),
     )
+    if args.api_workers > 1 and args.engine == "vllm":
+        # Each front-end process would start its own AsyncLLM, i.e. a whole vLLM instance with its own KV cache.
+        print("disagg-serve: --engine vllm serves one front end per vLLM instance (--api-workers 1)", file=sys.stderr)
+        return 2
     if args.api_workers > 1:
         return _supervise(args, argv, options if args.engine == "reference" else None)
     engine = create_engine(args.engine, options)

@@ -214,7 +214,7 @@ class VllmEngine:
                 completion = out.outputs[0]
                 finish = _finish_reason(completion.finish_reason)
                 finished = out.finished
-                yield EngineOutput(tuple(completion.token_ids), _logprobs(completion),
+                yield EngineOutput(tuple(completion.token_ids), _logprobs(completion, request.sampling.logprobs),
                                    finish), out.kv_transfer_params
         except ServingError:
             raise
@@ -263,12 +263,14 @@ def _finish_reason(reason: str | None) -> FinishReason | None:
     return "stop"
 
 
-def _logprobs(completion: Any) -> tuple[TokenLogprob, ...]:
-    if not completion.logprobs:
+def _logprobs(completion: Any, top_k: int | None) -> tuple[TokenLogprob, ...]:
+    """vLLM gives, per token, the sampled token plus the top ``k`` by rank; ours is the chosen token and the top
+    ``k`` alternatives (the chosen one among them only when it ranks there)."""
+    if not completion.logprobs or top_k is None:
         return ()
     entries = []
     for token_id, alternatives in zip(completion.token_ids, completion.logprobs, strict=True):
-        chosen = alternatives[token_id].logprob
-        top = tuple(sorted(((t, lp.logprob) for t, lp in alternatives.items()), key=lambda p: -p[1]))
-        entries.append(TokenLogprob(int(token_id), float(chosen), top))
+        ranked = sorted(((lp.rank, t, lp.logprob) for t, lp in alternatives.items() if lp.rank <= top_k))
+        top = tuple((int(t), float(logprob)) for _, t, logprob in ranked) if top_k else ()
+        entries.append(TokenLogprob(int(token_id), float(alternatives[token_id].logprob), top))
     return tuple(entries)
