@@ -7,7 +7,7 @@ from typing import Any
 
 import openai
 
-from tests.vllm.prompts import LONG_CHAT, LONG_PROMPT, MODEL
+from tests.vllm.prompts import MODEL, long_chat, long_prompt
 
 MAX_TOKENS = 12
 
@@ -27,9 +27,9 @@ def _client(url: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=url + "/v1", api_key="test", max_retries=0, timeout=600)
 
 
-def chat(client: openai.OpenAI, stream: bool) -> Answer:
-    kwargs: dict[str, Any] = {"model": MODEL, "messages": LONG_CHAT, "max_tokens": MAX_TOKENS, "temperature": 0,
-                              "logprobs": True}
+def chat(client: openai.OpenAI, stream: bool, variant: str) -> Answer:
+    kwargs: dict[str, Any] = {"model": MODEL, "messages": long_chat(variant), "max_tokens": MAX_TOKENS,
+                              "temperature": 0, "logprobs": True}
     if not stream:
         reply = client.chat.completions.create(**kwargs)
         assert reply.choices[0].logprobs is not None and reply.choices[0].logprobs.content is not None
@@ -47,9 +47,9 @@ def chat(client: openai.OpenAI, stream: bool) -> Answer:
     return Answer(text, tuple(tokens), used)
 
 
-def complete(client: openai.OpenAI, stream: bool) -> Answer:
-    kwargs: dict[str, Any] = {"model": MODEL, "prompt": LONG_PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0,
-                              "logprobs": 0}
+def complete(client: openai.OpenAI, stream: bool, variant: str) -> Answer:
+    kwargs: dict[str, Any] = {"model": MODEL, "prompt": long_prompt(variant), "max_tokens": MAX_TOKENS,
+                              "temperature": 0, "logprobs": 0}
     if not stream:
         reply = client.completions.create(**kwargs)
         assert reply.choices[0].logprobs is not None and reply.choices[0].logprobs.tokens is not None
@@ -67,3 +67,15 @@ def complete(client: openai.OpenAI, stream: bool) -> Answer:
 
 
 ASK = {"chat": chat, "completions": complete}
+# (endpoint, streamed): one prompt variant each, asked whole of the reference and as given of the system under test.
+CASES = [(endpoint, stream) for stream in (False, True) for endpoint in ASK]
+
+
+def case_variant(endpoint: str, stream: bool) -> str:
+    return f"{endpoint}, {'streamed' if stream else 'whole'}"
+
+
+def reference_answers(client: openai.OpenAI) -> dict[tuple[str, bool], Answer]:
+    """Every case's answer, asked whole (the reference a streamed answer must equal too)."""
+    return {(endpoint, stream): ASK[endpoint](client, False, case_variant(endpoint, stream))
+            for endpoint, stream in CASES}

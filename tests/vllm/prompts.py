@@ -12,8 +12,16 @@ _STORY = (
     "south, fog coming in over the rocks by midnight. Ships passed far out, their lights small and steady. "
 )
 FRANCE: list[ChatCompletionMessageParam] = [{"role": "user", "content": "What is the capital of France?"}]
-LONG_CHAT: list[ChatCompletionMessageParam] = [
-    {"role": "system", "content": "You are a helpful assistant. Here is a story. " + _STORY * 4},
-    {"role": "user", "content": "In one sentence, what does the keeper do every evening?"},
-]
-LONG_PROMPT = "Story: " + _STORY * 5 + "\nQuestion: What does the keeper write in his logbook?\nAnswer:"
+
+
+# Each test asks its own variant: a prompt a vLLM instance has seen before is found in its own prefix cache, and
+# then says nothing about the KV hand-off.
+def long_chat(variant: str) -> list[ChatCompletionMessageParam]:
+    return [
+        {"role": "system", "content": f"You are a helpful assistant ({variant}). Here is a story. " + _STORY * 4},
+        {"role": "user", "content": "In one sentence, what does the keeper do every evening?"},
+    ]
+
+
+def long_prompt(variant: str) -> str:
+    return f"Story ({variant}): " + _STORY * 5 + "\nQuestion: What does the keeper write in his logbook?\nAnswer:"

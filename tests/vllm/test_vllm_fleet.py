@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.cluster import Node, start_orchestrator
-from tests.vllm.answers import ASK, Answer, sdk_client
+from tests.vllm.answers import ASK, Answer, case_variant, reference_answers, sdk_client
 from tests.vllm.processes import VllmProcess, example_connector, metric_value, vllm_api_server, vllm_process
 from tests.vllm.prompts import MODEL
 
@@ -22,7 +22,7 @@ class Fleet:
     prefill: VllmProcess
     decode: VllmProcess
     orchestrator: Node
-    single: dict[str, Answer]  # what one vLLM instance answers by itself
+    single: dict[tuple[str, bool], Answer]  # what one vLLM instance answers by itself
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +33,7 @@ def fleet(hf_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
         prefill = stack.enter_context(vllm_process(vllm_api_server(hf_checkpoint, MODEL, connector), logs / "p.log"))
         decode = stack.enter_context(vllm_process(vllm_api_server(hf_checkpoint, MODEL, connector), logs / "d.log"))
         with sdk_client(prefill.url) as client:  # P alone is an ordinary vLLM server: the aggregated answer
-            single = {name: ask(client, False) for name, ask in ASK.items()}
+            single = reference_answers(client)
         group = {"urls": [prefill.url], "protocol": "vllm"}
         orchestrator = start_orchestrator(stack, [prefill.url], [decode.url], request_timeout_s=600,
                                           context_servers=group,
@@ -46,8 +46,8 @@ def fleet(hf_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
 def test_orchestrated_pd_equals_one_vllm_server(fleet: Fleet, endpoint: str, stream: bool) -> None:
     hits_before = metric_value(fleet.decode.metrics(), "vllm:external_prefix_cache_hits_total")
     with sdk_client(fleet.orchestrator.url) as client:
-        answer = ASK[endpoint](client, stream)
-    expected = fleet.single[endpoint]
+        answer = ASK[endpoint](client, stream, case_variant(endpoint, stream))
+    expected = fleet.single[endpoint, stream]
     assert answer.tokens == expected.tokens
     assert answer.text == expected.text
     assert answer.completion_tokens == expected.completion_tokens

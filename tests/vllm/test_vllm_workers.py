@@ -16,15 +16,15 @@ import httpx
 import pytest
 
 from tests.cluster import Node, start_orchestrator
-from tests.vllm.answers import ASK, Answer, sdk_client
+from tests.vllm.answers import ASK, Answer, case_variant, reference_answers, sdk_client
 from tests.vllm.processes import VllmProcess, example_connector, metric_value, our_worker, vllm_process
-from tests.vllm.prompts import FRANCE, LONG_PROMPT, MODEL
+from tests.vllm.prompts import FRANCE, MODEL, long_prompt
 from tests.waiting import eventually
 
 
 @dataclass(frozen=True)
 class Aggregated:
-    answers: dict[str, Answer]
+    answers: dict[tuple[str, bool], Answer]
     france: str
     errors: dict[str, httpx.Response]
 
@@ -34,7 +34,7 @@ def aggregated(tmp_path_factory: pytest.TempPathFactory, hf_checkpoint: Path) ->
     """An aggregated (--role both) vllm worker's answers, taken and the worker stopped before CTX and GEN start."""
     log = tmp_path_factory.mktemp("vllm-agg") / "worker.log"
     with vllm_process(our_worker("both", log, None), log) as worker, sdk_client(worker.url) as client:
-        answers = {name: ask(client, False) for name, ask in ASK.items()}
+        answers = reference_answers(client)
         reply = client.chat.completions.create(model=MODEL, messages=FRANCE, max_tokens=16, temperature=0)
         errors = {
             "prompt_logprobs": httpx.post(worker.url + "/v1/completions", timeout=60, json={
@@ -75,8 +75,8 @@ def test_disaggregated_equals_aggregated(aggregated: Aggregated, disaggregated: 
                                          stream: bool) -> None:
     hits_before = metric_value(disaggregated.gen.metrics(), "vllm:external_prefix_cache_hits_total")
     with sdk_client(disaggregated.orchestrator.url) as client:
-        answer = ASK[endpoint](client, stream)
-    expected = aggregated.answers[endpoint]
+        answer = ASK[endpoint](client, stream, case_variant(endpoint, stream))
+    expected = aggregated.answers[endpoint, stream]
     assert answer.tokens == expected.tokens
     assert answer.text == expected.text
     assert answer.completion_tokens == expected.completion_tokens == len(expected.tokens)
@@ -92,7 +92,7 @@ def test_disaggregated_france(disaggregated: Disaggregated) -> None:
 
 
 def test_client_disconnect_aborts_in_vllm(disaggregated: Disaggregated) -> None:
-    body = {"model": MODEL, "prompt": LONG_PROMPT, "max_tokens": 1500, "ignore_eos": True, "stream": True}
+    body = {"model": MODEL, "prompt": long_prompt("disconnect"), "max_tokens": 1500, "ignore_eos": True, "stream": True}
     generated_before = metric_value(disaggregated.gen.metrics(), "vllm:generation_tokens_total")
     with httpx.Client(timeout=600) as http, \
             http.stream("POST", disaggregated.orchestrator.url + "/v1/completions", json=body) as reply:
