@@ -48,8 +48,10 @@ def chat(client: openai.OpenAI, stream: bool, variant: str) -> Answer:
 
 
 def complete(client: openai.OpenAI, stream: bool, variant: str) -> Answer:
+    # ignore_eos: a raw prompt may well be answered by EOS at once, and then CTX (or P) finishes the request alone
+    # and the hand-off is never exercised.
     kwargs: dict[str, Any] = {"model": MODEL, "prompt": long_prompt(variant), "max_tokens": MAX_TOKENS,
-                              "temperature": 0, "logprobs": 0}
+                              "temperature": 0, "logprobs": 0, "extra_body": {"ignore_eos": True}}
     if not stream:
         reply = client.completions.create(**kwargs)
         assert reply.choices[0].logprobs is not None and reply.choices[0].logprobs.tokens is not None

