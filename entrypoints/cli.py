@@ -64,6 +64,7 @@ def _supervise(args: argparse.Namespace, argv: Sequence[str], engine_options: An
 
 def run_worker(args: argparse.Namespace, argv: Sequence[str]) -> int:
     from workers.engines.factory import EngineOptions, create_engine
+    from workers.engines.options import VllmConfig
     from workers.engines.synthetic import SyntheticConfig
     from workers.registration import Registration
     from workers.server import create_worker_app
@@ -85,7 +86,13 @@ def run_worker(args: argparse.Namespace, argv: Sequence[str]) -> int:
             inter_token_latency_s=args.synthetic_itl_ms / 1000,
             output_tokens=args.synthetic_output_tokens,
         ),
+        vllm=VllmConfig(kv_transfer_config=args.kv_transfer_config, max_model_len=args.max_model_len,
+                        max_num_seqs=args.max_num_seqs, dtype=args.dtype),
     )
+    if args.api_workers > 1 and args.engine == "vllm":
+        # Each front-end process would start its own AsyncLLM, i.e. a whole vLLM instance with its own KV cache.
+        print("disagg-serve: --engine vllm serves one front end per vLLM instance (--api-workers 1)", file=sys.stderr)
+        return 2
     if args.api_workers > 1:
         return _supervise(args, argv, options if args.engine == "reference" else None)
     engine = create_engine(args.engine, options)

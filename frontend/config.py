@@ -46,6 +46,11 @@ class ServerGroupConfig(_Frozen):
     discovery: DiscoveryConfig | None = None
     registration: bool = False  # the pool may start empty: workers join with `disagg-serve worker --register`
     router: RouterConfig = RouterConfig()
+    # The wire the group's workers speak: "detect" reads it from each worker's /v1/models card (our workers announce
+    # theirs; trtllm-serve and vLLM servers are known by owned_by: orchestrator/protocols/registry.py), or name it:
+    # "native" (our workers), "trtllm" (trtllm-serve), "vllm" (plain vLLM OpenAI servers started with
+    # --kv-transfer-config; orchestrator/protocols/vllm.py).
+    protocol: Literal["detect", "native", "trtllm", "vllm"] = "detect"
 
     @model_validator(mode="after")
     def _has_members(self) -> ServerGroupConfig:
@@ -105,6 +110,17 @@ class OrchestratorConfig(_Frozen):
     max_local_prefill_length: Annotated[int, Field(ge=0)] = 0
     response_store: ResponseStoreConfig = ResponseStoreConfig()
     # Secrets come from the environment (DISAGG_API_KEY, DISAGG_ADMIN_KEY) or the command line, not this file.
+
+    @model_validator(mode="after")
+    def _one_protocol(self) -> OrchestratorConfig:
+        # vLLM's P/D wire pairs a vLLM prefill server with a vLLM decode server (D reads P's kv_transfer_params);
+        # vLLM servers take no length-only prompt.
+        vllm = [group.protocol == "vllm" for group in (self.context_servers, self.generation_servers)]
+        if any(vllm) and not all(vllm):
+            raise ValueError("protocol: vllm must be set on both context_servers and generation_servers")
+        if all(vllm) and self.gen_tokids_metadata_only:
+            raise ValueError("gen_tokids_metadata_only needs the native protocol: vLLM servers need the prompt")
+        return self
 
 
 def for_one_of_several_front_ends(config: OrchestratorConfig) -> OrchestratorConfig:

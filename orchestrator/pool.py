@@ -32,11 +32,13 @@ class WorkerPool:
         failure_threshold: int = 2,
         recovery_threshold: int = 1,
         transport_factory: Callable[[str, WorkerTimeouts], Transport] = make_transport,
+        protocol: str | None = None,
     ) -> None:
         self.name = name
         self.router = router
         self.timeouts = timeouts
         self.transport_factory = transport_factory
+        self.protocol = protocol  # set in the config for the whole group; None: each worker's, from its card
         self.failure_threshold = failure_threshold
         self.recovery_threshold = recovery_threshold
         self.workers: list[PoolMember] = []
@@ -50,6 +52,8 @@ class WorkerPool:
             if worker.url == url:
                 return worker
         worker = PoolMember(self.transport_factory(url, self.timeouts))
+        if self.protocol is not None:
+            worker.protocol = self.protocol
         self.workers.append(worker)
         self._sources[url] = source
         logger.info("%s pool: added %s (%s)", self.name, url, source)
@@ -125,7 +129,10 @@ class WorkerPool:
             card = orjson.loads(reply.content)["data"][0]
         except (orjson.JSONDecodeError, KeyError, IndexError, TypeError):
             card = {}
-        protocol = detect_protocol(card, worker.url) if isinstance(card, dict) else DEFAULT_PROTOCOL
+        if self.protocol is not None:
+            protocol = self.protocol
+        else:
+            protocol = detect_protocol(card, worker.url) if isinstance(card, dict) else DEFAULT_PROTOCOL
         logger.info("%s worker %s speaks %s", self.name, worker.url, protocol)
         try:
             info = card["engine_info"]

@@ -56,7 +56,8 @@ def _pool(name: str, group: ServerGroupConfig, config: OrchestratorConfig) -> Wo
     pool = WorkerPool(name, make_router(group.router), timeouts,
                       failure_threshold=config.health_failure_threshold,
                       recovery_threshold=config.health_recovery_threshold,
-                      transport_factory=partial(make_transport, client=config.upstream_client))
+                      transport_factory=partial(make_transport, client=config.upstream_client),
+                      protocol=None if group.protocol == "detect" else group.protocol)
     for url in group.urls:
         pool.add(url, "static")
     return pool

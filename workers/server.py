@@ -37,7 +37,7 @@ from frontend.openai_models import (
 from frontend.openapi import install_body_schemas, json_body
 from frontend.sse import SSE_HEADERS, SSE_MEDIA_TYPE
 from workers import worker_tracing
-from workers.engines.base import Engine, HealthCheck, KVHandoffStore
+from workers.engines.base import Engine, ExposesMetrics, HealthCheck, KVHandoffStore
 from workers.engines.request import Phase
 from workers.registration import Registration
 from workers.request_body import parse_request_body
@@ -224,7 +224,10 @@ def create_worker_app(
             metrics.kv_store_entries.set(entries)
             metrics.kv_store_bytes.set(size)
             counted.bring_up_to(engine.kv_handoff_totals())
-        return Response(metrics.render(), media_type=METRICS_CONTENT_TYPE)
+        body = metrics.render()
+        if isinstance(engine, ExposesMetrics):  # the engine's own metrics (vLLM's vllm:*), after ours
+            body += engine.metrics_text()
+        return Response(body, media_type=METRICS_CONTENT_TYPE)
 
     return app
 

@@ -19,6 +19,7 @@ from typing import Any
 from frontend.config import OrchestratorConfig
 from orchestrator.protocols.native import NativeProtocol
 from orchestrator.protocols.trtllm import TrtllmProtocol
+from orchestrator.protocols.vllm import VllmProtocol
 from orchestrator.worker_protocol import WorkerProtocol
 
 logger = logging.getLogger(__name__)
@@ -37,6 +38,7 @@ PROTOCOLS: dict[str, ProtocolSpec] = {spec.name: spec for spec in (
     ProtocolSpec("native", lambda config: NativeProtocol(), frozenset({"disagg-serve"})),
     ProtocolSpec("trtllm", lambda config: TrtllmProtocol(strip_message_history=config.gen_strip_message_history),
                  frozenset({"tensorrt_llm"})),
+    ProtocolSpec("vllm", lambda config: VllmProtocol(), frozenset({"vllm"})),
 )}
 
 

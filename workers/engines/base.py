@@ -142,3 +142,12 @@ class HealthCheck(Protocol):
     """An engine that can fail while its process lives on (a separate core that died or hangs)."""
 
     async def health(self) -> bool: ...
+
+
+@runtime_checkable
+class ExposesMetrics(Protocol):
+    """An engine with Prometheus metrics of its own (vLLM's ``vllm:*``): the worker's ``/metrics`` appends them."""
+
+    def metrics_text(self) -> bytes:
+        """Prometheus text exposition of the engine's metrics, with no name the worker's own metrics use."""
+        ...

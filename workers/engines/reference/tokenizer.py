@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import pathlib
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import jinja2
 import numpy as np
@@ -34,6 +35,38 @@ class ChatTemplateError(ValueError):
 def _raise_exception(message: str) -> None:
     # HF chat templates call raise_exception() to reject malformed conversations.
     raise ChatTemplateError(message)
+
+
+def compile_chat_template(source: str | None) -> jinja2.Template | None:
+    if source is None:
+        return None
+    # Same environment settings as HF transformers, so templates written for it render identically;
+    # the sandbox keeps a hostile template (it ships inside a model file) away from Python internals.
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = _raise_exception
+    try:
+        return env.from_string(source)
+    except jinja2.TemplateError as exc:
+        raise ChatTemplateError(f"chat template does not compile: {exc}") from exc
+
+
+def render_chat_template(template: jinja2.Template | None, messages: list[dict[str, str]],
+                         add_generation_prompt: bool, bos_token: str, eos_token: str) -> str:
+    if template is None:
+        raise ChatTemplateError("this model has no chat template")
+    try:
+        return template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                               bos_token=bos_token, eos_token=eos_token)
+    except ChatTemplateError:
+        raise
+    except Exception as exc:  # a template can fail in many ways (undefined, type errors, sandbox)
+        raise ChatTemplateError(f"chat template failed to render: {exc}") from exc
+
+
+class TokenDecoder(Protocol):
+    """What ``IncrementalDetokenizer`` needs of a tokenizer (this module's and the vllm engine's alike)."""
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
 
 
 class GGUFTokenizer:
@@ -73,16 +106,7 @@ class GGUFTokenizer:
 
     @staticmethod
     def _compile_template(source: str | None) -> jinja2.Template | None:
-        if source is None:
-            return None
-        # Same environment settings as HF transformers, so templates written for it render identically;
-        # the sandbox keeps a hostile template (it ships inside a model file) away from Python internals.
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.globals["raise_exception"] = _raise_exception
-        try:
-            return env.from_string(source)
-        except jinja2.TemplateError as exc:
-            raise ChatTemplateError(f"chat template does not compile: {exc}") from exc
+        return compile_chat_template(source)
 
     @property
     def vocab_size(self) -> int:
@@ -117,6 +141,10 @@ class GGUFTokenizer:
     def detokenizer(self) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self)
 
+    def save(self, path: pathlib.Path) -> None:
+        """Write the tokenizer as a Hugging Face ``tokenizer.json`` (the vllm engine's converted checkpoint)."""
+        self._tokenizer.save(str(path))
+
     def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
         if self._template is None:
             raise ChatTemplateError("this model file has no tokenizer.chat_template")
@@ -144,7 +172,7 @@ class IncrementalDetokenizer:
 
     _CONTEXT_TOKENS = 4
 
-    def __init__(self, tokenizer: GGUFTokenizer, skip_special_tokens: bool = True) -> None:
+    def __init__(self, tokenizer: TokenDecoder, skip_special_tokens: bool = True) -> None:
         self._tokenizer = tokenizer
         self._skip = skip_special_tokens
         self._ids: list[int] = []

@@ -1,0 +1,121 @@
+"""Our orchestrator and our CTX/GEN workers on ``--engine vllm`` (real vLLM, ExampleConnector): disaggregated
+output equals aggregated output token for token, GEN's vLLM loads the KV instead of computing it, a client that
+goes away aborts the request inside vLLM, and what vLLM cannot do is a 400.
+
+At most two vLLM instances run at once: the aggregated worker answers first and is stopped, then CTX and GEN start.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.cluster import Node, start_orchestrator
+from tests.vllm.answers import ASK, Answer, case_variant, reference_answers, sdk_client
+from tests.vllm.availability import needs_vllm
+from tests.vllm.processes import VllmProcess, example_connector, metric_value, our_worker, vllm_process
+from tests.vllm.prompts import FRANCE, MODEL, long_prompt
+from tests.waiting import eventually
+
+pytestmark = needs_vllm
+
+
+@dataclass(frozen=True)
+class Aggregated:
+    answers: dict[tuple[str, bool], Answer]
+    france: str
+    errors: dict[str, httpx.Response]
+
+
+@pytest.fixture(scope="module")
+def aggregated(tmp_path_factory: pytest.TempPathFactory, hf_checkpoint: Path) -> Aggregated:
+    """An aggregated (--role both) vllm worker's answers, taken and the worker stopped before CTX and GEN start."""
+    log = tmp_path_factory.mktemp("vllm-agg") / "worker.log"
+    with vllm_process(our_worker("both", log, None), log) as worker, sdk_client(worker.url) as client:
+        answers = reference_answers(client)
+        reply = client.chat.completions.create(model=MODEL, messages=FRANCE, max_tokens=16, temperature=0)
+        errors = {
+            "prompt_logprobs": httpx.post(worker.url + "/v1/completions", timeout=60, json={
+                "model": MODEL, "prompt": "Hi", "max_tokens": 2, "prompt_logprobs": 1}),
+            "too_long": httpx.post(worker.url + "/v1/completions", timeout=60, json={
+                "model": MODEL, "prompt": "hello " * 2100, "max_tokens": 2}),
+        }
+    return Aggregated(answers, reply.choices[0].message.content or "", errors)
+
+
+@dataclass
+class Disaggregated:
+    ctx: VllmProcess
+    gen: VllmProcess
+    orchestrator: Node
+
+
+@pytest.fixture(scope="module")
+def disaggregated(aggregated: Aggregated, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Disaggregated]:
+    folder = tmp_path_factory.mktemp("vllm-kv")
+    connector = example_connector(folder)
+    logs = tmp_path_factory.mktemp("vllm-disagg")
+    with contextlib.ExitStack() as stack:
+        ctx = stack.enter_context(vllm_process(our_worker("context", logs / "ctx.log", connector), logs / "ctx.log"))
+        gen = stack.enter_context(vllm_process(our_worker("generation", logs / "gen.log", connector),
+                                               logs / "gen.log"))
+        orchestrator = start_orchestrator(stack, [ctx.url], [gen.url], request_timeout_s=600)
+        yield Disaggregated(ctx, gen, orchestrator)
+
+
+def test_aggregated_vllm_worker_answers_paris(aggregated: Aggregated) -> None:
+    assert aggregated.france == "The capital of France is Paris."
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+def test_disaggregated_equals_aggregated(aggregated: Aggregated, disaggregated: Disaggregated, endpoint: str,
+                                         stream: bool) -> None:
+    hits_before = metric_value(disaggregated.gen.metrics(), "vllm:external_prefix_cache_hits_total")
+    with sdk_client(disaggregated.orchestrator.url) as client:
+        answer = ASK[endpoint](client, stream, case_variant(endpoint, stream))
+    expected = aggregated.answers[endpoint, stream]
+    assert expected.completion_tokens > 1  # the first token did not end it: the decode side had work to do
+    assert answer.tokens == expected.tokens
+    assert answer.text == expected.text
+    assert answer.completion_tokens == expected.completion_tokens == len(expected.tokens)
+    # GEN's vLLM loaded the prompt's KV through the connector (at least one 128-token block) instead of computing it.
+    hits = metric_value(disaggregated.gen.metrics(), "vllm:external_prefix_cache_hits_total") - hits_before
+    assert hits >= 128
+
+
+def test_disaggregated_france(disaggregated: Disaggregated) -> None:
+    with sdk_client(disaggregated.orchestrator.url) as client:
+        reply = client.chat.completions.create(model=MODEL, messages=FRANCE, max_tokens=16, temperature=0)
+    assert reply.choices[0].message.content == "The capital of France is Paris."
+
+
+def test_client_disconnect_aborts_in_vllm(disaggregated: Disaggregated) -> None:
+    body = {"model": MODEL, "prompt": long_prompt("disconnect"), "max_tokens": 1500, "ignore_eos": True, "stream": True}
+    generated_before = metric_value(disaggregated.gen.metrics(), "vllm:generation_tokens_total")
+    with httpx.Client(timeout=600) as http, \
+            http.stream("POST", disaggregated.orchestrator.url + "/v1/completions", json=body) as reply:
+        assert reply.status_code == 200
+        chunks = reply.iter_bytes()
+        while b"data: {" not in next(chunks):
+            pass
+        # GEN's vLLM is decoding this request now (its gauge follows the engine core's next step).
+        assert eventually(lambda: metric_value(disaggregated.gen.metrics(), "vllm:num_requests_running") == 1,
+                          timeout_s=120, every_s=0.2)
+    # The client is gone: the orchestrator drops GEN's stream, the worker aborts the request in vLLM.
+    assert eventually(lambda: metric_value(disaggregated.gen.metrics(), "vllm:num_requests_running") == 0,
+                      timeout_s=120, every_s=0.2)
+    generated = metric_value(disaggregated.gen.metrics(), "vllm:generation_tokens_total") - generated_before
+    assert generated < 1499  # stopped by the abort, not by running out of tokens
+
+
+def test_what_vllm_cannot_do_is_a_400(aggregated: Aggregated) -> None:
+    for name, reply in aggregated.errors.items():
+        assert reply.status_code == 400, (name, reply.text)
+        assert reply.json()["error"]["type"] == "invalid_request_error"
+    assert aggregated.errors["prompt_logprobs"].json()["error"]["param"] == "prompt_logprobs"

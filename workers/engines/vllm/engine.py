@@ -1,0 +1,276 @@
+"""The vllm engine's adapter: vLLM's ``AsyncLLM`` in this process, its engine core in vLLM's own process.
+
+- ``CONTEXT_ONLY``: the prompt with ``max_tokens`` 1 and ``kv_transfer_params`` ``{"do_remote_decode": true}``;
+  vLLM's KV connector saves (ExampleConnector) or exposes (NixlConnector) the prompt's KV, and what vLLM answers
+  in ``kv_transfer_params`` goes into our opaque hand-off state (``handoff.py``).
+- ``GENERATION_ONLY``: the prompt plus CTX's first token, with CTX's ``kv_transfer_params`` and
+  ``do_remote_prefill``; vLLM loads the prompt's KV through the connector and decodes on from the first token,
+  which the front end already puts at the head of the answer (``workers.text_stream``).
+- ``AGGREGATED``: plain generation.
+
+The prompt stays our int32 array until ``_vllm_prompt``, the one place it becomes the ``list[int]`` vLLM's
+``TokensPrompt`` takes (vLLM's scheduler appends to and slices Python lists of token ids; no array gets through).
+vLLM's exceptions are translated here; closing ``generate``'s iterator early aborts the request in vLLM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import os
+import pathlib
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from frontend.errors import ContextLengthError, EngineError, InvalidRequestError, ServingError
+from workers.engines.base import Tokenizer
+from workers.engines.options import EngineOptions, VllmConfig
+from workers.engines.outputs import EngineInfo, EngineOutput, FinishReason, TokenLogprob
+from workers.engines.request import GenerationRequest, Phase
+from workers.engines.vllm.handoff import VllmHandoff, parse_handoff
+from workers.engines.vllm.sampling import vllm_sampling_fields
+from workers.engines.vllm.tokenizer import CheckpointError, HFTokenizer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class ServedModel:
+    folder: pathlib.Path
+    name: str
+
+
+def create(options: EngineOptions) -> VllmEngine:
+    """The factory ``workers.engines.factory`` calls for ``--engine vllm``."""
+    return VllmEngine(options.vllm, options.model_path, options.served_model_name)
+
+
+def resolve_model(model_path: str | None, served_model_name: str | None) -> ServedModel:
+    """``--model`` is a Hugging Face checkpoint folder; none means the packaged SmolLM2, converted once."""
+    if model_path is None:
+        from workers.engines.reference.model_file import MODEL_FILENAME
+        from workers.engines.vllm.checkpoint import ensure_hf_checkpoint
+
+        return ServedModel(ensure_hf_checkpoint(), served_model_name or pathlib.Path(MODEL_FILENAME).stem)
+    folder = pathlib.Path(model_path)
+    if not (folder / "config.json").is_file():
+        raise CheckpointError(f"--model {model_path}: not a Hugging Face checkpoint folder (no config.json)")
+    return ServedModel(folder, served_model_name or folder.name)
+
+
+def checkpoint_hash(folder: pathlib.Path) -> str:
+    """Tells two checkpoints apart cheaply: config.json, and each weight file's name, size and header."""
+    digest = hashlib.sha256((folder / "config.json").read_bytes())
+    for weights in sorted(folder.glob("*.safetensors")):
+        digest.update(f"{weights.name}:{weights.stat().st_size}".encode())
+        with weights.open("rb") as f:
+            digest.update(f.read(65536))
+    return digest.hexdigest()
+
+
+class VllmEngine:
+    """The typed adapter over vLLM's ``AsyncLLM``; also a ``ProvidesTokenizer``."""
+
+    def __init__(self, config: VllmConfig, model_path: str | None = None, served_model_name: str | None = None):
+        self.config = config
+        self._model_path = model_path
+        self._served_model_name = served_model_name
+        self._info: EngineInfo | None = None
+        self._tokenizer: HFTokenizer | None = None
+        self._llm: Any = None  # vllm.v1.engine.async_llm.AsyncLLM, imported only in start()
+        self._vllm: Any = None
+
+    @property
+    def info(self) -> EngineInfo:
+        if self._info is None:
+            raise EngineError("the vllm engine has not started")
+        return self._info
+
+    def get_tokenizer(self) -> Tokenizer:
+        if self._tokenizer is None:
+            raise EngineError("the vllm engine has not started")
+        return self._tokenizer
+
+    async def start(self) -> None:
+        model = await asyncio.to_thread(resolve_model, self._model_path, self._served_model_name)
+        self._tokenizer = await asyncio.to_thread(HFTokenizer, model.folder)
+        model_hash = await asyncio.to_thread(checkpoint_hash, model.folder)
+        self._vllm = await asyncio.to_thread(_import_vllm)  # ~9 s of imports, off the event loop
+        args = self._vllm.AsyncEngineArgs(**self._engine_args(model))
+        try:
+            self._llm = self._vllm.AsyncLLM.from_engine_args(args)
+        except Exception as exc:
+            raise EngineError(f"vLLM failed to start: {exc}") from exc
+        max_context = int(self._llm.model_config.max_model_len)
+        self._info = EngineInfo(
+            engine="vllm", model=model.name, vocab_size=self._tokenizer.vocab_size, max_context=max_context,
+            model_hash=model_hash,
+            # vLLM's prefix cache keys blocks by token values, and GEN needs the real prompt: never placeholders.
+            kv_block_reuse=True, prompt_tokens_in_handoff=False, supports_logprobs=True,
+        )
+
+    def _engine_args(self, model: ServedModel) -> dict[str, Any]:
+        c = self.config
+        args: dict[str, Any] = {
+            "model": str(model.folder), "served_model_name": [model.name], "dtype": c.dtype,
+            "enforce_eager": c.enforce_eager, "max_num_seqs": c.max_num_seqs, "skip_tokenizer_init": True,
+            "disable_log_stats": False,
+        }
+        if c.max_model_len is not None:
+            args["max_model_len"] = c.max_model_len
+        if c.kv_transfer_config is not None:
+            args["kv_transfer_config"] = self._vllm.KVTransferConfig(**json.loads(c.kv_transfer_config))
+        return args
+
+    def metrics_text(self) -> bytes:
+        """vLLM's own metrics (``vllm:*``: running requests, prefix-cache and connector hits, ...), which its
+        ``AsyncLLM`` records in this process's default Prometheus registry."""
+        from prometheus_client import REGISTRY, generate_latest
+
+        lines = generate_latest(REGISTRY).split(b"\n")
+        kept = [line for line in lines if line.startswith((b"vllm:", b"# HELP vllm:", b"# TYPE vllm:"))]
+        return b"\n".join(kept) + b"\n" if kept else b""
+
+    async def aclose(self) -> None:
+        if self._llm is not None:
+            llm, self._llm = self._llm, None
+            await asyncio.to_thread(llm.shutdown)
+
+    async def abort(self, request_id: str) -> None:
+        if self._llm is not None:
+            await self._llm.abort(request_id)
+
+    # -- generation -------------------------------------------------------------------------------------------
+    def generate(self, request: GenerationRequest) -> AsyncGenerator[EngineOutput, None]:
+        return self._generate(request)
+
+    async def _generate(self, request: GenerationRequest) -> AsyncGenerator[EngineOutput, None]:
+        if self._llm is None:
+            raise EngineError("the vllm engine has not started")
+        if request.prompt_is_placeholder:
+            raise InvalidRequestError("the vllm engine needs the real prompt tokens (no metadata-only hand-off)",
+                                      param="prompt_token_ids_b64")
+        if request.phase is Phase.CONTEXT_ONLY:
+            async for output in self._context(request):
+                yield output
+        elif request.phase is Phase.GENERATION_ONLY:
+            async for output in self._continue(request):
+                yield output
+        else:
+            async for output in self._run(request, request.prompt_token_ids_i32, request.max_tokens, None):
+                yield output
+
+    async def _context(self, request: GenerationRequest) -> AsyncGenerator[EngineOutput, None]:
+        """Prefill and the first token; the KV stays with vLLM's connector for GEN to fetch."""
+        wants_more = request.max_tokens > 1
+        params = {"do_remote_decode": True} if wants_more else None
+        async for output, kv_params in self._outputs(request, request.prompt_token_ids_i32, 1, params):
+            finish = output.finish_reason
+            handoff = None
+            if finish == "length" and wants_more:  # our cap of one token, not the client's: GEN goes on
+                finish = None
+                handoff = VllmHandoff(self.info.model_hash, request.prompt_len, kv_params).encode()
+            yield EngineOutput(output.token_ids, output.logprobs, finish, handoff)
+
+    async def _continue(self, request: GenerationRequest) -> AsyncGenerator[EngineOutput, None]:
+        assert request.handoff is not None
+        state = parse_handoff(request.handoff.opaque_state, self.info.model_hash, request.prompt_len)
+        first = request.handoff.first_gen_tokens
+        remaining = request.max_tokens - len(first)
+        if remaining <= 0:  # CTX's token(s) used the whole budget
+            yield EngineOutput((), finish_reason="length")
+            return
+        prompt = np.concatenate([request.prompt_token_ids_i32, np.asarray(first, dtype=np.int32)])
+        accepted = False
+        async for output in self._run(request, prompt, remaining, state.for_decode()):
+            accepted = True
+            yield output
+        if not accepted:
+            yield EngineOutput((), finish_reason="abort")
+
+    async def _run(self, request: GenerationRequest, prompt: np.ndarray[Any, Any], max_tokens: int,
+                   kv_params: dict[str, Any] | None) -> AsyncGenerator[EngineOutput, None]:
+        async for output, _ in self._outputs(request, prompt, max_tokens, kv_params):
+            yield output
+
+    async def _outputs(self, request: GenerationRequest, prompt: np.ndarray[Any, Any], max_tokens: int,
+                       kv_params: dict[str, Any] | None) -> AsyncGenerator[tuple[EngineOutput, Any], None]:
+        vllm = self._vllm
+        assert self._tokenizer is not None
+        fields = vllm_sampling_fields(request.sampling, max_tokens, self._tokenizer.eos_token_ids, kv_params)
+        try:
+            sampling = vllm.SamplingParams(output_kind=vllm.RequestOutputKind.DELTA, **fields)
+        except ValueError as exc:
+            raise InvalidRequestError(f"vLLM refused the sampling parameters: {exc}") from exc
+        finished = False
+        stream = self._llm.generate(_vllm_prompt(vllm, prompt), sampling, request.request_id)
+        try:
+            async for out in stream:
+                completion = out.outputs[0]
+                finish = _finish_reason(completion.finish_reason)
+                finished = out.finished
+                yield EngineOutput(tuple(completion.token_ids), _logprobs(completion, request.sampling.logprobs),
+                                   finish), out.kv_transfer_params
+        except ServingError:
+            raise
+        except ValueError as exc:  # vLLM's input checks: a prompt over the context, a bad token id, ...
+            message = str(exc)
+            if "longer than the maximum model length" in message or "max_model_len" in message:
+                raise ContextLengthError(message, param="messages") from exc
+            raise InvalidRequestError(f"vLLM refused the request: {message}") from exc
+        except Exception as exc:
+            raise EngineError(f"vLLM failed: {type(exc).__name__}: {exc}") from exc
+        finally:
+            await stream.aclose()
+            if not finished:  # the caller went away (a stop string, a client disconnect) or vLLM failed
+                await self._llm.abort(request.request_id)
+
+
+def _import_vllm() -> Any:
+    # vLLM logs every request at INFO; the worker's own log line per request is enough.
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    import vllm
+    from vllm.config import KVTransferConfig
+    from vllm.sampling_params import RequestOutputKind
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    class Namespace:
+        pass
+
+    ns: Any = Namespace()
+    ns.AsyncEngineArgs, ns.AsyncLLM, ns.KVTransferConfig = vllm.AsyncEngineArgs, AsyncLLM, KVTransferConfig
+    ns.SamplingParams, ns.RequestOutputKind, ns.TokensPrompt = vllm.SamplingParams, RequestOutputKind, \
+        vllm.TokensPrompt
+    return ns
+
+
+def _vllm_prompt(vllm: Any, prompt: np.ndarray[Any, Any]) -> Any:
+    """The one place the prompt becomes Python ints: vLLM's ``TokensPrompt`` holds ``list[int]`` (its scheduler
+    appends to it and slices it), so this ``tolist()`` is unavoidable; everything before it stays on the array."""
+    return vllm.TokensPrompt(prompt_token_ids=prompt.tolist())
+
+
+def _finish_reason(reason: str | None) -> FinishReason | None:
+    if reason is None:
+        return None
+    if reason in ("stop", "length", "abort"):
+        return reason  # type: ignore[return-value]
+    return "stop"
+
+
+def _logprobs(completion: Any, top_k: int | None) -> tuple[TokenLogprob, ...]:
+    """vLLM gives, per token, the sampled token plus the top ``k`` by rank; ours is the chosen token and the top
+    ``k`` alternatives (the chosen one among them only when it ranks there)."""
+    if not completion.logprobs or top_k is None:
+        return ()
+    entries = []
+    for token_id, alternatives in zip(completion.token_ids, completion.logprobs, strict=True):
+        ranked = sorted(((lp.rank, t, lp.logprob) for t, lp in alternatives.items() if lp.rank <= top_k))
+        top = tuple((int(t), float(logprob)) for _, t, logprob in ranked) if top_k else ()
+        entries.append(TokenLogprob(int(token_id), float(alternatives[token_id].logprob), top))
+    return tuple(entries)

@@ -1,0 +1,53 @@
+"""The vllm engine's KV hand-off state: what CTX's answer carries in ``encoded_opaque_state`` for GEN.
+
+The KV itself travels through vLLM's KV connector (NixlConnector on GPUs, ExampleConnector's shared folder on the
+CPU); this state only says which KV and from what. ``kv_transfer_params`` is what CTX's vLLM answered (Nixl's
+``remote_engine_id``, ``remote_block_ids``, ``remote_host``, ``remote_port``; nothing for ExampleConnector), handed
+to GEN's vLLM with ``do_remote_prefill``. The model hash and prompt length let GEN refuse a hand-off that cannot be
+its own before vLLM silently recomputes or, worse, reads the wrong KV.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from frontend.errors import HandoffError
+
+_PARAM = "disaggregated_params.encoded_opaque_state"
+
+
+@dataclass(frozen=True, slots=True)
+class VllmHandoff:
+    model_hash: str
+    prompt_len: int
+    kv_transfer_params: dict[str, Any] | None
+
+    def encode(self) -> bytes:
+        return orjson.dumps({"engine": "vllm", "model_hash": self.model_hash, "prompt_len": self.prompt_len,
+                             "kv_transfer_params": self.kv_transfer_params})
+
+    def for_decode(self) -> dict[str, Any]:
+        """GEN's ``kv_transfer_params``: CTX's answer, told to fetch (``do_remote_prefill``) and not to send on."""
+        return {**(self.kv_transfer_params or {}), "do_remote_prefill": True, "do_remote_decode": False}
+
+
+def parse_handoff(opaque_state: bytes, model_hash: str, prompt_len: int) -> VllmHandoff:
+    try:
+        state = orjson.loads(opaque_state)
+        engine, theirs, length = state["engine"], state["model_hash"], state["prompt_len"]
+        params = state.get("kv_transfer_params")
+    except (orjson.JSONDecodeError, KeyError, TypeError) as exc:
+        raise HandoffError("encoded_opaque_state is not a vllm-engine hand-off", param=_PARAM) from exc
+    if engine != "vllm":
+        raise HandoffError(f"hand-off from engine {engine!r}, this is 'vllm'", param=_PARAM)
+    if theirs != model_hash:
+        raise HandoffError("hand-off from a different model (model hash differs)", param=_PARAM)
+    if length != prompt_len:
+        raise HandoffError(f"hand-off is for a {length}-token prompt, the request has {prompt_len}",
+                           param="disaggregated_params.prompt_len")
+    if params is not None and not isinstance(params, dict):
+        raise HandoffError("kv_transfer_params in the hand-off must be an object", param=_PARAM)
+    return VllmHandoff(theirs, length, params)
