@@ -9,8 +9,9 @@ import pytest
 
 from frontend.config import ConfigError, parse_config
 from frontend.errors import UpstreamError
+from orchestrator.protocols.registry import detect_protocol
 from orchestrator.protocols.vllm import PREFILL_KV_TRANSFER_PARAMS, VllmProtocol
-from orchestrator.transport import Reply
+from orchestrator.transport import Reply, body_bytes
 from orchestrator.worker_protocol import PromptCarriage, WorkerProtocol
 
 PROTOCOL: WorkerProtocol = VllmProtocol()
@@ -60,14 +61,14 @@ def test_a_p_answer_that_is_not_a_completion_is_an_upstream_error(content: bytes
 
 def test_the_decode_request_is_the_client_body_with_what_p_answered() -> None:
     body = chat_body(stream=True)
-    sent = orjson.loads(PROTOCOL.generation_request(body, PROTOCOL.read_context_answer(p_answer()),
-                                                    PromptCarriage.CLIENT_PROMPT))
+    sent = orjson.loads(body_bytes(PROTOCOL.generation_request(body, PROTOCOL.read_context_answer(p_answer()),
+                                                    PromptCarriage.CLIENT_PROMPT)))
     assert sent == {**body, "kv_transfer_params": NIXL_ANSWER}
 
 
 def test_a_connector_that_answers_nothing_still_tells_d_the_prefill_was_remote() -> None:
-    sent = orjson.loads(PROTOCOL.generation_request(chat_body(), PROTOCOL.read_context_answer(p_answer(kv=None)),
-                                                    PromptCarriage.CLIENT_PROMPT))
+    ctx = PROTOCOL.read_context_answer(p_answer(kv=None))
+    sent = orjson.loads(body_bytes(PROTOCOL.generation_request(chat_body(), ctx, PromptCarriage.CLIENT_PROMPT)))
     assert sent["kv_transfer_params"]["do_remote_prefill"] is True
     assert sent["kv_transfer_params"]["do_remote_decode"] is False
 
