@@ -64,3 +64,12 @@ class WorkerProtocol(Protocol):
         """(path, body) that frees a hand-off no GEN will take, on the CTX worker that made it; None if it
         cannot be released early (it then expires on its own)."""
         ...
+
+
+def without_handoff_fields(response: dict[str, Any]) -> dict[str, Any]:
+    """CTX's answer as the client's (CTX finished the request): the prompt tokens and hand-off fields removed."""
+    for name in ("prompt_token_ids_b64", "prompt_token_ids", "disaggregated_params"):
+        response.pop(name, None)
+    for choice in response.get("choices", ()):
+        choice.pop("disaggregated_params", None)
+    return response

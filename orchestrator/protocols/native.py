@@ -18,7 +18,7 @@ from frontend.errors import UpstreamError
 from orchestrator.b64_splice import FIELD as B64_FIELD
 from orchestrator.b64_splice import encode_with_b64, parse_with_b64_span
 from orchestrator.transport import Body, Reply
-from orchestrator.worker_protocol import ContextAnswer, PromptCarriage
+from orchestrator.worker_protocol import ContextAnswer, PromptCarriage, without_handoff_fields
 
 # Metadata-only GEN bodies carry no token ids; and no prompt text when GEN reads the prompt from the hand-off.
 TOKEN_FIELDS = ("prompt_token_ids", "prompt_token_ids_b64")
@@ -63,12 +63,7 @@ class NativeProtocol:
         )
 
     def finished_response(self, ctx: ContextAnswer) -> dict[str, Any]:
-        response = ctx.response
-        for name in ("prompt_token_ids_b64", "prompt_token_ids", "disaggregated_params"):
-            response.pop(name, None)
-        for choice in response.get("choices", ()):
-            choice.pop("disaggregated_params", None)
-        return response
+        return without_handoff_fields(ctx.response)
 
     def generation_request(self, body: dict[str, Any], ctx: ContextAnswer, carriage: PromptCarriage) -> Body:
         gen_body = dict(body)  # shallow: the prompt itself is not copied

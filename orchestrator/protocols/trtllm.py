@@ -27,7 +27,7 @@ import orjson
 from frontend.errors import UnsupportedParameterError, UpstreamError
 from orchestrator.b64_splice import encode_with_b64, parse_with_b64_span
 from orchestrator.transport import Body, Reply
-from orchestrator.worker_protocol import ContextAnswer, PromptCarriage
+from orchestrator.worker_protocol import ContextAnswer, PromptCarriage, without_handoff_fields
 
 CONTEXT_FIRST = 0  # TensorRT-LLM's DisaggScheduleStyle.CONTEXT_FIRST, an int on the wire
 GEN_PENDING_FINISH_REASONS = ("length", "not_finished")
@@ -81,12 +81,7 @@ class TrtllmProtocol:
         )
 
     def finished_response(self, ctx: ContextAnswer) -> dict[str, Any]:
-        response = ctx.response
-        for name in ("prompt_token_ids_b64", "prompt_token_ids"):
-            response.pop(name, None)
-        for choice in response.get("choices", ()):
-            choice.pop("disaggregated_params", None)
-        return response
+        return without_handoff_fields(ctx.response)
 
     def generation_request(self, body: dict[str, Any], ctx: ContextAnswer, carriage: PromptCarriage) -> Body:
         gen_body = dict(body)  # shallow: the prompt itself is not copied

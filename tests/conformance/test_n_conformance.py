@@ -176,7 +176,8 @@ def test_best_of_stays_refused_and_responses_take_no_n(conformance_cluster: RefC
 
 def test_gen_refuses_a_handoff_that_starts_fewer_sequences_than_n(conformance_cluster: RefCluster) -> None:
     ctx_body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 4, "n": 2, "seed": SEED,
-                "disaggregated_params": {"request_type": "context_only", "return_prompt_token_ids_b64": True}}
+                "disaggregated_params": {"request_type": "context_only", "return_prompt_token_ids_b64": True,
+                                         "native_extensions": True}}  # as our orchestrator asks: n rides on them
     ctx = httpx.post(conformance_cluster.ctx.url + "/v1/completions", json=ctx_body, timeout=120).json()
     params = ctx["choices"][0]["disaggregated_params"]
     assert len(params["more_sequences"]) == 1
