@@ -14,6 +14,7 @@ One exception: ``use`` makes a span current for the engine adapter below it, whi
 
 from __future__ import annotations
 
+import asyncio
 import atexit
 import contextlib
 import os
@@ -140,17 +141,21 @@ def traced_frames(name: str, parent: Span | None, frames: AsyncIterator[bytes]) 
 
 async def _traced_frames(name: str, parent: Span, frames: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
     stream = start(name, parent)
-    count, size, failure = 0, 0, None
+    count, size, failure, left = 0, 0, None, False
     try:
         async for frame in frames:
             count += 1
             size += len(frame)
             yield frame
+    except (GeneratorExit, asyncio.CancelledError):
+        left = True  # the client went away: the stream ended early, but nothing failed
+        raise
     except BaseException as exc:
         failure = exc
         raise
     finally:
-        end(stream, {"disagg.stream.chunks": count, "disagg.stream.bytes": size}, failure)
+        end(stream, {"disagg.stream.chunks": count, "disagg.stream.bytes": size, "disagg.client_left": left},
+            failure)
         aclose = getattr(frames, "aclose", None)
         if aclose is not None:
             await aclose()

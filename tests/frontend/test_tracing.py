@@ -11,7 +11,7 @@ import os
 import secrets
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator
 from pathlib import Path
 
 import openai
@@ -20,6 +20,7 @@ import pytest
 from bench.common import Processes, child_env, free_port, orchestrator_config, wait_healthy, worker_args
 from frontend import tracing
 from tests.otlp_receiver import OtlpReceiver, ReceivedSpan, otlp_receiver
+from tests.span_capture import captured_spans
 from tests.waiting import eventually
 from tests.workers.engines.reference.tiny_model import write_tiny_model
 
@@ -128,3 +129,19 @@ def test_one_streamed_request_is_one_trace_across_orchestrator_ctx_gen_and_engin
     assert fetch.attributes["kv.bytes"] == park.attributes["kv.bytes"]  # what CTX parked is what GEN fetched
     gen_stream = _by_name(spans, "generation", "stream")
     assert gen_stream.parent_span_id == gen_server.span_id and gen_stream.attributes["disagg.stream.chunks"] > 0
+
+
+async def test_a_stream_the_client_leaves_is_marked_left_not_failed(monkeypatch: pytest.MonkeyPatch) -> None:
+    async def frames() -> AsyncIterator[bytes]:
+        for _ in range(3):
+            yield b"data: {}\n\n"
+
+    with captured_spans(monkeypatch) as exported:
+        request = tracing.start("request", None)
+        stream = tracing.traced_frames("stream", request, frames())
+        assert isinstance(stream, AsyncGenerator)
+        assert await anext(stream) == b"data: {}\n\n"
+        await stream.aclose()  # what the server does when the client disconnects
+        (span,) = [span for span in exported.get_finished_spans() if span.name == "stream"]
+        assert span.attributes is not None and span.attributes["disagg.client_left"] is True
+        assert span.status.is_ok  # unset, not ERROR
