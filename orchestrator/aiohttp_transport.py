@@ -21,7 +21,7 @@ from aiohttp.abc import AbstractStreamWriter
 from aiohttp.payload import Payload
 
 from frontend.errors import UpstreamError, UpstreamTimeoutError, UpstreamUnavailableError
-from orchestrator.transport import Body, Reply, WorkerTimeouts
+from orchestrator.transport import Body, Reply, WorkerTimeouts, body_length
 
 _JSON_HEADERS = {"Content-Type": "application/json"}
 # Neither is of use between the orchestrator and its workers, and each costs a header per request.
@@ -134,7 +134,7 @@ class _Chunks(Payload):
     def __init__(self, chunks: tuple[bytes | memoryview, ...]) -> None:
         super().__init__(chunks, content_type="application/json")
         self._chunks = chunks
-        self._size = sum(len(chunk) for chunk in chunks)
+        self._size = body_length(chunks)
 
     def decode(self, encoding: str = "utf-8", errors: str = "strict") -> str:
         return b"".join(self._chunks).decode(encoding, errors)
