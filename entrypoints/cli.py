@@ -20,7 +20,7 @@ import uvicorn
 from entrypoints.arguments import build_parser
 from entrypoints.http_protocol import protocol_with_header_timeout
 from frontend import tracing
-from frontend.client_timeouts import SendTimeoutMiddleware
+from frontend.client_timeouts import with_send_timeout
 from frontend.logging_setup import configure_logging
 
 logger = logging.getLogger("disagg_serve")
@@ -30,7 +30,7 @@ def _serve(app: Any, args: argparse.Namespace, host: str, port: int) -> None:
     """Serve ``app`` with the limits every front end gets against slow and hostile clients (docs/reliability.md):
     headers within ``--header-timeout-s``, each piece of an answer taken within ``--client-send-timeout-s``
     (uvicorn's flow control already caps what a non-reading client makes us buffer), idle keep-alive 75 s."""
-    config = uvicorn.Config(SendTimeoutMiddleware(app, args.client_send_timeout_s), host=host, port=port,
+    config = uvicorn.Config(with_send_timeout(app, args.client_send_timeout_s), host=host, port=port,
                             log_level=args.log_level, loop="uvloop",
                             http=protocol_with_header_timeout(args.header_timeout_s),
                             timeout_graceful_shutdown=30, timeout_keep_alive=75, access_log=False, log_config=None)

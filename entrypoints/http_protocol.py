@@ -5,7 +5,8 @@ nothing, or its headers a byte at a time, holds the connection (and a file descr
 connection the first byte of the next request even cancels the idle timer. Here each request's headers must be
 complete within ``header_timeout_s`` of the connection opening or of its first byte, or the connection is closed.
 A request whose headers arrived is no longer timed here (its body and answer have their own limits); its scope
-gets the ``ABORT_CONNECTION`` extension that ``frontend/client_timeouts.py`` uses.
+gets the ``ABORT_CONNECTION`` extension that ``frontend/client_timeouts.py`` uses, and the ``CLIENT_GONE`` one
+through which ``frontend/asgi_fast_path.py`` learns that the client left without a task waiting on ``receive``.
 """
 
 from __future__ import annotations
@@ -15,10 +16,12 @@ import contextlib
 import logging
 import socket
 import struct
+from collections.abc import Callable
 from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from frontend.asgi_fast_path import CLIENT_GONE
 from frontend.client_timeouts import ABORT_CONNECTION, DEFAULT_HEADER_TIMEOUT_S
 
 logger = logging.getLogger(__name__)
@@ -39,6 +42,9 @@ class _HeaderTimeoutProtocol(HttpToolsProtocol):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._header_timer: asyncio.TimerHandle | None = None
+        # Called once when the connection is lost: a set, so that a pipelined request's callback is not the
+        # running one's; each request takes its own out when it is done.
+        self._client_gone: set[Callable[[], None]] = set()
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -57,11 +63,16 @@ class _HeaderTimeoutProtocol(HttpToolsProtocol):
         # to read what is still buffered, which it will not.
         extensions = self.scope.setdefault("extensions", {})
         extensions[ABORT_CONNECTION] = {"abort": self._reset_connection}
+        extensions[CLIENT_GONE] = {"callbacks": self._client_gone}
         super().on_headers_complete()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._stop_header_timer()
         super().connection_lost(exc)
+        callbacks = list(self._client_gone)
+        self._client_gone.clear()
+        for callback in callbacks:
+            callback()
 
     def _reset_connection(self) -> None:
         """Close with a reset (SO_LINGER 0): a plain close leaves the unsent answer with the kernel, which keeps

@@ -25,6 +25,16 @@ ABORT_CONNECTION = "disagg.abort_connection"
 DEFAULT_HEADER_TIMEOUT_S = 30.0
 
 
+def with_send_timeout(app: ASGIApp, send_timeout_s: float) -> ASGIApp:
+    """``app`` with every answer's sends timed: by the app itself where it times its own (a ``FastPathApp``,
+    ``frontend.asgi_fast_path``: it must not pay this middleware's task per send), else by the middleware."""
+    limit = getattr(app, "limit_send_time", None)
+    if limit is None:
+        return SendTimeoutMiddleware(app, send_timeout_s)
+    limit(send_timeout_s)
+    return app
+
+
 class ClientStalled(Exception):
     """The client read nothing of the answer for ``send_timeout_s``."""
 
@@ -49,7 +59,7 @@ class SendTimeoutMiddleware:
                 await asyncio.wait_for(send(message), self.send_timeout_s)
             except TimeoutError:
                 stalled = True
-                _abort_connection(scope)
+                abort_connection(scope)
                 raise ClientStalled(f"the client read nothing for {self.send_timeout_s} s") from None
 
         try:
@@ -64,7 +74,7 @@ class SendTimeoutMiddleware:
                            scope.get("path", "?"), self.send_timeout_s)
 
 
-def _abort_connection(scope: Scope) -> None:
+def abort_connection(scope: Scope) -> None:
     """Drop the connection now if the server offers it: a plain close would first wait for the client to read what
     is still buffered for it, which is what it stopped doing. Otherwise the server closes when the app returns."""
     extension = scope.get("extensions", {}).get(ABORT_CONNECTION)

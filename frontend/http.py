@@ -50,18 +50,25 @@ def error_response(error: ServingError) -> Response:
 async def read_body(request: Request, max_bytes: int) -> bytes:
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > max_bytes:
-        raise PayloadTooLargeError(f"request body of {declared} bytes exceeds the limit of {max_bytes} bytes")
+        raise too_large(max_bytes, declared)
     chunks: list[bytes] = []
     size = 0
     try:
         async for chunk in request.stream():
             size += len(chunk)
             if size > max_bytes:
-                raise PayloadTooLargeError(f"request body exceeds the limit of {max_bytes} bytes")
+                raise too_large(max_bytes)
             chunks.append(chunk)
     except ClientDisconnect as exc:  # gone before the body was read: nothing to answer, nothing to log
         raise ClientDisconnected() from exc
     return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+def too_large(max_bytes: int, declared: str | None = None) -> PayloadTooLargeError:
+    """The 413 of a body over ``max_bytes`` (``declared``: its Content-Length, when that already says so)."""
+    if declared is not None:
+        return PayloadTooLargeError(f"request body of {declared} bytes exceeds the limit of {max_bytes} bytes")
+    return PayloadTooLargeError(f"request body exceeds the limit of {max_bytes} bytes")
 
 
 def parse_json_object(body: bytes) -> dict[str, Any]:
@@ -99,9 +106,8 @@ _TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none", "
 def install_error_handlers(app: FastAPI) -> None:
     async def serving_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, ServingError)
-        if exc.status_code >= 500:  # every 5xx is logged with its request id and its cause
-            logger.error("request %s answered %d on %s %s: %s", getattr(request.state, "request_id", "-"),
-                         exc.status_code, request.method, request.url.path, _cause(exc))
+        if exc.status_code >= 500:
+            log_server_error(getattr(request.state, "request_id", "-"), exc, request.method, request.url.path)
         return error_response(exc)
 
     async def http_error(request: Request, exc: Exception) -> Response:
@@ -129,6 +135,11 @@ def install_error_handlers(app: FastAPI) -> None:
     # Not an ``Exception`` handler: Starlette re-raises those after answering, and uvicorn then closes the
     # keep-alive connection, so the next request a pooled client sends on it fails with a connection reset.
     app.add_middleware(_AnswerUnexpectedErrors)
+
+
+def log_server_error(request_id: str, error: ServingError, method: str, path: str) -> None:
+    """Every 5xx is logged with its request id and its cause."""
+    logger.error("request %s answered %d on %s %s: %s", request_id, error.status_code, method, path, _cause(error))
 
 
 def _cause(error: ServingError) -> str:
@@ -205,8 +216,7 @@ class _RequestIds:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        presented = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"x-request-id"), "")
-        request_id = presented if _REQUEST_ID_OK.fullmatch(presented) else uuid.uuid4().hex
+        request_id = request_id_of(scope["headers"])
         scope.setdefault("state", {})["request_id"] = request_id
         token = request_id_var.set(request_id)
 
@@ -221,6 +231,17 @@ class _RequestIds:
             await self.app(scope, receive, send_with_id)
         finally:
             request_id_var.reset(token)
+
+
+def request_id_of(headers: list[tuple[bytes, bytes]]) -> str:
+    """The request's id: the client's ``X-Request-Id`` if sane, else a new one (``headers``: the ASGI scope's)."""
+    for name, value in headers:
+        if name == b"x-request-id":
+            presented = value.decode("latin-1")
+            if _REQUEST_ID_OK.fullmatch(presented):
+                return presented
+            break
+    return uuid.uuid4().hex
 
 
 async def cancel_on_disconnect(request: Request, work: Callable[[], Awaitable[T]]) -> T:

@@ -9,6 +9,10 @@ import orjson
 DONE_FRAME: Final = b"data: [DONE]\n\n"
 SSE_MEDIA_TYPE: Final = "text/event-stream"
 SSE_HEADERS: Final = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+# The same headers as starlette's StreamingResponse writes them for SSE_MEDIA_TYPE (ASGI's raw form), for a
+# stream served without it (frontend.asgi_fast_path).
+SSE_RAW_HEADERS: Final = [(b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no"),
+                          (b"content-type", b"text/event-stream; charset=utf-8")]
 
 
 def data_frame(payload: dict[str, Any]) -> bytes:

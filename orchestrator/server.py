@@ -11,23 +11,22 @@ from typing import Any
 
 import orjson
 from fastapi import FastAPI, Request
-from starlette.responses import Response, StreamingResponse
+from pydantic import BaseModel
+from starlette.responses import Response
 
 from frontend import tracing
-from frontend.auth import require_bearer
+from frontend.asgi_fast_path import Exchange, FastPathApp
+from frontend.auth import check_bearer, require_bearer
 from frontend.config import OrchestratorConfig, ServerGroupConfig
 from frontend.errors import InvalidRequestError, ModelNotFoundError, OverloadedError
 from frontend.http import (
     REQUEST_ID_HEADER,
     JSONBytesResponse,
-    answered_status,
-    cancel_on_disconnect,
     install_error_handlers,
     install_request_ids,
     json_response,
     parse_json_object,
     read_body,
-    then_call,
 )
 from frontend.loop_monitor import LoopLagMonitor
 from frontend.memory import IdleMemoryTrimmer
@@ -35,9 +34,9 @@ from frontend.metrics import METRICS_CONTENT_TYPE, LabelledChildren, Metrics
 from frontend.openai_models import ChatCompletionRequest, CompletionRequest, ResponsesRequest
 from frontend.openai_output import Endpoint
 from frontend.openapi import install_body_schemas, json_body
-from frontend.sse import SSE_HEADERS, SSE_MEDIA_TYPE
+from frontend.sse import SSE_RAW_HEADERS
 from orchestrator.disagg_flow import DisaggFlow
-from orchestrator.flow_request import FlowRequest, StreamedAnswer, check_client_body
+from orchestrator.flow_request import PATHS, FlowRequest, StreamedAnswer, check_client_body
 from orchestrator.membership import DnsDiscovery
 from orchestrator.pool import HealthMonitor, WorkerPool
 from orchestrator.response_memory import ResponseMemory
@@ -48,6 +47,8 @@ from orchestrator.transport import WorkerTimeouts, make_transport
 ROLE = "orchestrator"
 SPAN_NAMES: dict[Endpoint, str] = {"chat": "orchestrator chat", "completions": "orchestrator completions",
                                    "responses": "orchestrator responses"}  # built once, not per request
+WIRE_MODELS: dict[Endpoint, type[BaseModel]] = {"chat": ChatCompletionRequest, "completions": CompletionRequest,
+                                                "responses": ResponsesRequest}  # for the OpenAPI schema
 logger = logging.getLogger("disagg_serve.orchestrator")
 
 
@@ -78,7 +79,7 @@ def create_orchestrator_app(
     api_key: str | None = None,
     admin_key: str | None = None,
     response_store: ResponseStore | None = None,
-) -> FastAPI:
+) -> FastPathApp:
     metrics = metrics or Metrics()
     ctx_pool = _pool("ctx", config.context_servers, config)
     gen_pool = _pool("gen", config.generation_servers, config)
@@ -116,7 +117,7 @@ def create_orchestrator_app(
             await ctx_pool.aclose()
             await gen_pool.aclose()
 
-    app = FastAPI(title="disagg-serve orchestrator", lifespan=lifespan)
+    app = FastPathApp(title="disagg-serve orchestrator", lifespan=lifespan)
     app.state.flow = flow
     app.state.metrics = metrics
     app.state.pools = pools
@@ -141,63 +142,55 @@ def create_orchestrator_app(
                                            "ctx_worker": flow_request.ctx_worker,
                                            "gen_worker": flow_request.gen_worker})
 
-    async def handle(request: Request, endpoint: Endpoint) -> Response:
+    async def handle(exchange: Exchange, endpoint: Endpoint) -> None:
+        """The hot path, served bare (``frontend.asgi_fast_path``): admit -> read -> flow -> answer or stream.
+        The exchange turns what this raises into the answer; a client that leaves cancels this coroutine."""
         # The request's trace: a child of the client's traceparent when it sent one (None when tracing is off).
-        span = tracing.start(SPAN_NAMES[endpoint], request.headers, server=True)
+        span = tracing.start(SPAN_NAMES[endpoint], exchange.headers, server=True) if tracing.enabled() else None
         admission = tracing.start("admission", span)
         try:
-            require_bearer(request, api_key)
+            check_bearer(exchange.header(b"authorization"), api_key)
             if inflight["count"] >= config.max_concurrent_requests:
                 requests_count(ROLE, endpoint, "429").inc()
                 raise OverloadedError(f"the orchestrator is at its limit of {config.max_concurrent_requests} "
                                       "requests")
         except BaseException as exc:
             tracing.end(admission, error=exc)
-            tracing.end(span, {"http.status_code": answered_status(exc)})
+            tracing.end(span, {"http.status_code": exchange.status_of(exc)})
             raise
         started = time.perf_counter()
-        request_id: str = request.state.request_id  # the client's, or a new one (frontend.http)
+        request_id = exchange.request_id  # the client's, or a new one (frontend.http.request_id_of)
         inflight["count"] += 1
         inflight_gauge.inc()
         headers = {REQUEST_ID_HEADER: request_id}
         flow_request = flow.new_request(endpoint, {}, started, headers)  # replaced once the body is parsed
         flow_request.span = span
-        status, streaming = 500, False
+        status = 500
         try:
-            body = parse_json_object(await read_body(request, config.max_body_bytes))
+            body = parse_json_object(await exchange.read_body(config.max_body_bytes))
             check_client_body(body)
             turn = stored_responses.begin(body) if endpoint == "responses" else None
             flow_request = flow.new_request(endpoint, turn.body if turn else body, started, headers)
             flow_request.span = span
             tracing.end(admission, {"disagg.request_id": request_id, "disagg.streaming": flow_request.streaming})
             admission = None
-            run = partial(flow.run, flow_request)
-            answer = await cancel_on_disconnect(request, partial(turn.answer, run) if turn else run)
+            answer = await (turn.answer(partial(flow.run, flow_request)) if turn else flow.run(flow_request))
+            status = 200  # from here on the request counts as answered, whether or not the client reads it all
             if isinstance(answer, StreamedAnswer):
-                status, streaming = 200, True
-                frames = then_call(answer.frames, lambda: release(flow_request, 200))
-                return StreamingResponse(frames, media_type=SSE_MEDIA_TYPE, headers=SSE_HEADERS)
-            status = 200
-            return JSONBytesResponse(answer.content)
+                await exchange.stream(answer.frames, SSE_RAW_HEADERS)
+            else:
+                await exchange.answer(answer.content)
         except BaseException as exc:  # a worker's own error answer too: it is a RelayedError
-            status = answered_status(exc)
-            tracing.end(admission, error=exc)
+            if status != 200:
+                status = exchange.status_of(exc)
+                tracing.end(admission, error=exc)
             raise
         finally:
-            if not streaming:
-                release(flow_request, status)
+            release(flow_request, status)
 
-    @app.post("/v1/chat/completions", openapi_extra=json_body(ChatCompletionRequest))
-    async def chat_completions(request: Request) -> Response:
-        return await handle(request, "chat")
-
-    @app.post("/v1/completions", openapi_extra=json_body(CompletionRequest))
-    async def completions(request: Request) -> Response:
-        return await handle(request, "completions")
-
-    @app.post("/v1/responses", openapi_extra=json_body(ResponsesRequest))
-    async def responses(request: Request) -> Response:
-        return await handle(request, "responses")
+    for endpoint, path in PATHS.items():
+        app.fast_post(path, partial(handle, endpoint=endpoint), name=path.removeprefix("/v1/").replace("/", "_"),
+                      openapi_extra=json_body(WIRE_MODELS[endpoint]))
 
     @app.get("/v1/responses/{response_id}")
     async def stored_response(request: Request, response_id: str) -> Response:

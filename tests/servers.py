@@ -13,10 +13,12 @@ import uvicorn
 
 
 class ServerThread:
-    def __init__(self, app: Any, port: int = 0) -> None:
+    def __init__(self, app: Any, port: int = 0, **options: Any) -> None:
         # port 0: any free port; a fixed port lets a test bring a "restarted" worker back at the same address.
-        config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on",
-                                loop="uvloop", http="httptools", timeout_graceful_shutdown=5)
+        # ``options``: more of uvicorn's settings, or other values for these (e.g. ``http``: a protocol class).
+        config = uvicorn.Config(app, **{"host": "127.0.0.1", "port": port, "log_level": "warning", "lifespan": "on",
+                                        "loop": "uvloop", "http": "httptools", "timeout_graceful_shutdown": 5,
+                                        **options})
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.loop: asyncio.AbstractEventLoop | None = None

@@ -14,6 +14,7 @@ import orjson
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from bench.common import open_raw_post
 from frontend.openai_output import Endpoint
 from tests.cluster import MODEL, Cluster, Node, sample, start_orchestrator, start_worker
 from tests.waiting import eventually
@@ -434,3 +435,65 @@ def test_a_client_that_gives_up_on_a_whole_answer_is_counted_499_and_gen_stops(l
                   status="500") == errors_before
     assert eventually(lambda: sample(slow_gen.metrics, "disagg_engine_inflight_requests",
                                      role="generation") == 0, timeout_s=5)
+
+
+# -- a client leaving before the first token: both steps are stopped -------------------------------------------------
+@pytest.fixture(scope="module")
+def slow_steps(cluster: Cluster) -> Iterator[tuple[Node, Node, Node, Node]]:
+    """(orchestrator, its CTX that takes a minute to prefill, orchestrator, its GEN that takes a minute to its first
+    token); the other step of each is the shared cluster's."""
+    with contextlib.ExitStack() as stack:
+        from workers.engines.synthetic import SyntheticConfig
+
+        slow_ctx = start_worker(stack, "context", SyntheticConfig(time_to_first_token_s=60))
+        slow_gen = start_worker(stack, "generation", SyntheticConfig(inter_token_latency_s=60))
+        before_ctx = start_orchestrator(stack, [slow_ctx.url], [cluster.gen.url])
+        before_gen = start_orchestrator(stack, [cluster.ctx.url], [slow_gen.url])
+        yield before_ctx, slow_ctx, before_gen, slow_gen
+
+
+def _inflight(node: Node, role: str) -> float:
+    return sample(node.metrics, "disagg_engine_inflight_requests", role=role)
+
+
+def _client_requests(worker: Node) -> int:
+    return len([e for e in worker.recorder.exchanges if e.path != "/health"])
+
+
+def test_a_client_leaving_during_ctx_stops_ctx_and_never_reaches_gen(
+    cluster: Cluster, slow_steps: tuple[Node, Node, Node, Node]
+) -> None:
+    orchestrator, slow_ctx, _, _ = slow_steps
+    labels = {"role": "orchestrator", "endpoint": "completions", "status": "499"}
+    left_before, gen_before = sample(orchestrator.metrics, "disagg_requests_total", **labels), \
+        _client_requests(cluster.gen)
+    sock = open_raw_post(orchestrator.url, "/v1/completions",
+                         {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "stream": True})
+    try:
+        assert eventually(lambda: _inflight(slow_ctx, "context") == 1), "CTX never got the request"
+    finally:
+        sock.close()
+    assert eventually(lambda: _inflight(slow_ctx, "context") == 0 and _inflight(orchestrator, "orchestrator") == 0)
+    assert eventually(lambda: sample(orchestrator.metrics, "disagg_requests_total", **labels) == left_before + 1)
+    assert _client_requests(cluster.gen) == gen_before
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_a_client_leaving_before_gens_first_token_stops_gen(
+    cluster: Cluster, slow_steps: tuple[Node, Node, Node, Node], path: str
+) -> None:
+    _, _, orchestrator, slow_gen = slow_steps
+    body: dict[str, Any] = {"model": MODEL, "max_tokens": 4, "stream": True}
+    body.update({"messages": MESSAGES} if "chat" in path else {"prompt": PROMPT})
+    sock = open_raw_post(orchestrator.url, path, body)
+    try:
+        # GEN accepted the hand-off and answered 200: the orchestrator's stream has started, the first token is a
+        # minute away.
+        assert sock.recv(4096).startswith(b"HTTP/1.1 200 OK\r\n")
+        assert _inflight(slow_gen, "generation") == 1
+        assert _inflight(cluster.ctx, "context") == 0  # CTX is done: the request waits on GEN alone
+    finally:
+        sock.close()
+    assert eventually(lambda: _inflight(slow_gen, "generation") == 0
+                      and _inflight(orchestrator, "orchestrator") == 0)
+    assert _inflight(cluster.ctx, "context") == 0

@@ -1,0 +1,280 @@
+"""A bare-ASGI path for a server's few hot routes, in front of its FastAPI app, with what that stack gives a route.
+
+Why: at 1k tokens most of the orchestrator's CPU per request was per-request machinery, not its work
+(docs/benchmarks.md, orchestrator cost): FastAPI's routing, three ASGI middlewares each wrapping ``send``,
+``cancel_on_disconnect``'s two tasks, ``asyncio.wait_for``'s task per ``send`` (Python 3.11), and starlette's
+``StreamingResponse`` with its anyio task group and disconnect listener. Here one ``Exchange`` per request does all
+of it from the handler's own coroutine: no task, no wrapper around ``send``, the stream written to ``send`` as it
+comes.
+
+What it keeps, each with the code that does the same for the routes FastAPI serves:
+
+- ``X-Request-Id`` on every answer, errors included, and in the log context (``frontend.http._RequestIds``);
+- errors answered in OpenAI's shape, every 5xx logged with its request id and cause, an unexpected exception a 500
+  that keeps the keep-alive connection (``frontend.http.install_error_handlers``);
+- a client that reads nothing for ``send_timeout_s`` is cut off (``frontend.client_timeouts``): one timer per
+  request, re-armed only while a ``send`` is blocked;
+- a client that goes away cancels the handler wherever it waits (``cancel_on_disconnect``, ``StreamingResponse``):
+  told by the server when it offers the ``CLIENT_GONE`` scope extension (``entrypoints/http_protocol.py``),
+  otherwise by one task waiting on ``receive``.
+
+Any other path, or another method on these paths, goes to the FastAPI app, which also lists the fast routes in its
+OpenAPI schema and answers their 405s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from contextlib import aclosing
+from functools import partial
+from typing import Any
+
+from fastapi import FastAPI
+from starlette.datastructures import Headers
+from starlette.responses import Response
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from frontend.client_timeouts import SendTimeoutMiddleware, abort_connection
+from frontend.errors import ServingError, error_body
+from frontend.http import (
+    CLIENT_CLOSED_REQUEST,
+    ClientDisconnected,
+    answered_status,
+    log_server_error,
+    request_id_of,
+    too_large,
+)
+from frontend.logging_setup import request_id_var
+
+logger = logging.getLogger(__name__)
+
+# A scope extension a server may offer: ``{"callbacks": set}``, a set the app adds a callback to, each called (and
+# the set emptied) when the client's connection is lost. Without it, the exchange learns of a disconnect by waiting
+# on ``receive`` in a task.
+CLIENT_GONE = "disagg.client_gone"
+
+Handler = Callable[["Exchange"], Awaitable[None]]
+RawHeaders = list[tuple[bytes, bytes]]
+
+_JSON_TYPE = (b"content-type", b"application/json")
+_LATE = 0.001  # a timer that fires this early counts as on time (event-loop timers round to the millisecond)
+
+
+class FastPathApp(FastAPI):
+    """A FastAPI app whose ``fast_post`` routes never enter FastAPI's stack."""
+
+    def __init__(self, **options: Any) -> None:
+        super().__init__(**options)
+        self._fast: dict[str, Handler] = {}
+        self._send_timeout_s: float | None = None
+        self._rest: ASGIApp = partial(FastAPI.__call__, self)
+
+    def fast_post(self, path: str, handler: Handler, **route_options: Any) -> None:
+        """Serve POST ``path`` with ``handler``; ``route_options`` go to the FastAPI route kept for the schema."""
+        self._fast[path] = handler
+        self.add_api_route(path, _served_by_the_fast_path, methods=["POST"], **route_options)
+
+    def limit_send_time(self, send_timeout_s: float) -> None:
+        """Cut off a client that reads nothing for ``send_timeout_s``: the fast routes time their own sends, the
+        rest go through ``SendTimeoutMiddleware`` (``frontend.client_timeouts.with_send_timeout`` calls this)."""
+        self._send_timeout_s = send_timeout_s
+        self._rest = SendTimeoutMiddleware(partial(FastAPI.__call__, self), send_timeout_s)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST":
+            handler = self._fast.get(scope["path"])
+            if handler is not None:
+                await Exchange(scope, receive, send, self._send_timeout_s).serve(handler)
+                return
+        await self._rest(scope, receive, send)
+
+
+async def _served_by_the_fast_path() -> Response:
+    # The FastAPI route of a fast path is in the schema and answers other methods' 405s; it never serves the POST
+    # (``FastPathApp.__call__`` does). No docstring: FastAPI would publish it as the route's description.
+    raise RuntimeError("a fast-path route reached FastAPI")
+
+
+class Exchange:
+    """One request and its answer, served from the handler's coroutine."""
+
+    __slots__ = ("_blocked_since", "_complete", "_cut", "_gone", "_loop", "_receive", "_send", "_send_timeout_s",
+                 "_started", "_task", "_timer", "_watcher", "request_id", "scope")
+
+    def __init__(self, scope: Scope, receive: Receive, send: Send, send_timeout_s: float | None) -> None:
+        self.scope = scope
+        self.request_id = request_id_of(scope["headers"])
+        self._receive = receive
+        self._send = send
+        self._send_timeout_s = send_timeout_s
+        self._task: asyncio.Task[Any] | None = None
+        self._cut: str | None = None  # "left" or "stalled" once the handler was cancelled for the client
+        self._started = False  # the answer's status line is sent: an error can no longer be answered
+        self._complete = False  # the answer's last piece is being sent
+        self._blocked_since: float | None = None  # loop time of the send in progress, for the send timeout
+        self._loop: asyncio.AbstractEventLoop | None = None  # set with the send timer
+        self._timer: asyncio.TimerHandle | None = None
+        self._watcher: asyncio.Future[None] | None = None
+        self._gone: set[Callable[[], None]] | None = None
+
+    # -- the request ---------------------------------------------------------------------------------------------
+    def header(self, name: bytes) -> str | None:
+        """The first value of the (lower-case) header ``name``."""
+        for key, value in self.scope["headers"]:
+            if key == name:
+                return str(value.decode("latin-1"))
+        return None
+
+    @property
+    def headers(self) -> Headers:
+        return Headers(raw=self.scope["headers"])
+
+    async def read_body(self, max_bytes: int) -> bytes:
+        """The whole body, or ``PayloadTooLargeError`` as soon as it is known to exceed ``max_bytes``."""
+        declared = self.header(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+            raise too_large(max_bytes, declared)
+        chunks: list[bytes] = []
+        size = 0
+        more = True
+        while more:
+            message = await self._receive()
+            if message["type"] == "http.disconnect":
+                raise ClientDisconnected()
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > max_bytes:
+                raise too_large(max_bytes)
+            if chunk:
+                chunks.append(chunk)
+            more = message.get("more_body", False)
+        if self._gone is None:  # nothing more to receive but the disconnect: wait for it
+            self._watcher = asyncio.ensure_future(self._wait_for_disconnect())
+        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+    # -- the answer ----------------------------------------------------------------------------------------------
+    async def answer(self, body: bytes, status: int = 200, headers: Iterable[tuple[bytes, bytes]] = ()) -> None:
+        """A whole JSON answer (the headers as starlette's ``Response`` writes them, request id last)."""
+        await self._start(status, [*headers, (b"content-length", b"%d" % len(body)), _JSON_TYPE])
+        await self._body(body, False)
+
+    async def stream(self, frames: AsyncIterator[bytes], headers: RawHeaders) -> None:
+        """A 200 streamed chunk by chunk as ``frames`` yields them; ``frames`` is closed however the stream ends."""
+        async with aclosing(frames) as chunks:  # type: ignore[type-var]  # any iterator with aclose
+            await self._start(200, headers)
+            async for chunk in chunks:
+                await self._body(chunk, True)
+        await self._body(b"", False)
+
+    def status_of(self, exc: BaseException) -> int:
+        """The status a request ending in ``exc`` is counted with: ``answered_status``, and 499 for the
+        cancellation of a client that left or stalled."""
+        if self._cut is not None and isinstance(exc, asyncio.CancelledError):
+            return CLIENT_CLOSED_REQUEST
+        return answered_status(exc)
+
+    async def _start(self, status: int, headers: RawHeaders) -> None:
+        self._started = True
+        if self._send_timeout_s is not None:
+            self._loop = asyncio.get_running_loop()
+            self._timer = self._loop.call_later(self._send_timeout_s, self._check_stalled, self._send_timeout_s)
+        await self._send({"type": "http.response.start", "status": status,
+                          "headers": [*headers, (b"x-request-id", self.request_id.encode())]})
+
+    async def _body(self, body: bytes, more: bool) -> None:
+        if not more:
+            self._complete = True
+        if self._loop is None:
+            await self._send({"type": "http.response.body", "body": body, "more_body": more})
+            return
+        self._blocked_since = self._loop.time()
+        await self._send({"type": "http.response.body", "body": body, "more_body": more})
+        self._blocked_since = None
+
+    # -- serving -------------------------------------------------------------------------------------------------
+    async def serve(self, handler: Handler) -> None:
+        """Run ``handler`` and answer what it raises, as ``frontend.http``'s handlers and middlewares do."""
+        token = request_id_var.set(self.request_id)
+        self._task = asyncio.current_task()
+        gone = self.scope.get("extensions", {}).get(CLIENT_GONE)
+        if gone is not None:
+            self._gone = gone["callbacks"]
+            self._gone.add(self._client_left)
+        try:
+            await self._answer_errors(handler)
+        except asyncio.CancelledError:
+            if self._cut is None:
+                raise  # not ours: the server is shutting down
+            await self._after_cut()
+        finally:
+            self._stop_watching()
+            request_id_var.reset(token)
+
+    async def _answer_errors(self, handler: Handler) -> None:
+        try:
+            await handler(self)
+        except ClientDisconnected:
+            pass  # gone before the body was read: nothing to answer, nothing to log
+        except ServingError as exc:
+            if self._started:
+                raise  # too late to answer: the server drops the connection
+            if exc.status_code >= 500:
+                log_server_error(self.request_id, exc, "POST", self.scope["path"])
+            await self.answer(error_body(exc), exc.status_code, _raw(exc.headers))
+        except Exception as exc:
+            if self._started:
+                raise
+            logger.exception("unhandled error", exc_info=exc)
+            await self.answer(error_body(ServingError("internal server error")), 500)
+
+    def _client_left(self) -> None:
+        self._cut_off("left")
+
+    def _cut_off(self, why: str) -> None:
+        if self._cut is None and self._task is not None and not self._task.done():
+            self._cut = why
+            self._task.cancel()
+
+    async def _wait_for_disconnect(self) -> None:
+        while True:
+            message = await self._receive()
+            if message["type"] == "http.disconnect":  # also what uvicorn says once the answer is complete
+                if not self._complete:
+                    self._client_left()
+                return
+
+    def _check_stalled(self, timeout_s: float) -> None:
+        """The send timer: fires ``timeout_s`` after the answer started, then after each send that was blocked
+        when it last fired; cuts the client off once one send has been blocked for ``timeout_s``."""
+        assert self._loop is not None
+        now, since = self._loop.time(), self._blocked_since
+        if since is not None and now - since >= timeout_s - _LATE:
+            self._timer = None
+            abort_connection(self.scope)
+            self._cut_off("stalled")
+            return
+        self._timer = self._loop.call_at((now if since is None else since) + timeout_s, self._check_stalled,
+                                         timeout_s)
+
+    async def _after_cut(self) -> None:
+        assert self._task is not None
+        self._task.uncancel()  # ours, taken: what the request does after this is not cancelled
+        if self._cut == "stalled":
+            await asyncio.sleep(0)  # let the server see the aborted connection before the app's end is reported
+            logger.warning("cut off a client that stopped reading %s after %s s", self.scope["path"],
+                           self._send_timeout_s)
+
+    def _stop_watching(self) -> None:
+        if self._gone is not None:
+            self._gone.discard(self._client_left)
+        if self._watcher is not None:
+            self._watcher.cancel()
+        if self._timer is not None:
+            self._timer.cancel()
+
+
+def _raw(headers: dict[str, str]) -> RawHeaders:
+    return [(name.lower().encode("latin-1"), value.encode("latin-1")) for name, value in headers.items()]
+

@@ -1,0 +1,308 @@
+"""The bare-ASGI fast path (``frontend.asgi_fast_path``) on real uvicorn servers, raw sockets where bytes matter.
+
+Every behaviour is checked under both ways the exchange learns that a client left: uvicorn's own protocol (a task
+waiting on ``receive``) and the project's protocol (``entrypoints/http_protocol.py``, the ``CLIENT_GONE``
+extension, no task), which also drops a stalled client at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import http.client
+import logging
+import socket
+import threading
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+from fastapi import Request
+from starlette.responses import Response, StreamingResponse
+
+from entrypoints.http_protocol import protocol_with_header_timeout
+from frontend.asgi_fast_path import Exchange, FastPathApp
+from frontend.client_timeouts import with_send_timeout
+from frontend.errors import OverloadedError, UpstreamError
+from frontend.http import error_response, install_error_handlers, install_request_ids, json_response, read_body
+from frontend.sse import SSE_HEADERS, SSE_MEDIA_TYPE, SSE_RAW_HEADERS
+from tests.servers import ServerThread
+from tests.waiting import eventually
+
+LIMIT = 1024
+SEND_TIMEOUT_S = 1.0
+FRAMES = [b'data: {"n": 1}\n\n', b'data: {"n": 2}\n\n', b"data: [DONE]\n\n"]
+BIG_FRAME = b"data: " + b"x" * 65_536 + b"\n\n"
+
+
+class Probe:
+    """What the handlers saw, written on the server's thread and read on the test's."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.waiting: set[str] = set()
+        self.cancelled: set[str] = set()
+        self.streamed: dict[str, int] = {}
+
+    def add(self, kind: set[str], request_id: str) -> None:
+        with self.lock:
+            kind.add(request_id)
+
+
+def make_app(probe: Probe) -> FastPathApp:
+    app = FastPathApp()
+    install_error_handlers(app)
+    install_request_ids(app)
+
+    async def echo(exchange: Exchange) -> None:
+        await exchange.answer(await exchange.read_body(LIMIT))
+
+    async def fail(exchange: Exchange) -> None:
+        raise RuntimeError("secret internals")
+
+    async def busy(exchange: Exchange) -> None:
+        raise OverloadedError("busy", retry_after_s=3)
+
+    async def upstream(exchange: Exchange) -> None:
+        raise UpstreamError("the GEN step failed: no luck")
+
+    async def hang(exchange: Exchange) -> None:
+        await exchange.read_body(LIMIT)
+        probe.add(probe.waiting, exchange.request_id)
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            probe.add(probe.cancelled, exchange.request_id)
+            raise
+
+    async def stream(exchange: Exchange) -> None:
+        await exchange.read_body(LIMIT)
+        await exchange.stream(_frames(), SSE_RAW_HEADERS)
+
+    async def stream_then_hang(exchange: Exchange) -> None:
+        await exchange.read_body(LIMIT)
+        await exchange.stream(_first_then_hang(probe, exchange.request_id), SSE_RAW_HEADERS)
+
+    async def stream_forever(exchange: Exchange) -> None:
+        await exchange.read_body(LIMIT)
+        await exchange.stream(_forever(probe, exchange.request_id), SSE_RAW_HEADERS)
+
+    for path, handler in (("/echo", echo), ("/fail", fail), ("/busy", busy), ("/upstream", upstream),
+                          ("/hang", hang), ("/stream", stream), ("/stream-then-hang", stream_then_hang),
+                          ("/stream-forever", stream_forever)):
+        app.fast_post(path, handler)
+
+    # The same answers served by FastAPI's own stack, to compare with byte for byte.
+    @app.post("/slow/echo")
+    async def slow_echo(request: Request) -> Response:
+        return Response(await read_body(request, LIMIT), media_type="application/json")
+
+    @app.post("/slow/busy")
+    async def slow_busy() -> Response:
+        return error_response(OverloadedError("busy", retry_after_s=3))
+
+    @app.post("/slow/stream")
+    async def slow_stream() -> Response:
+        return StreamingResponse(_frames(), media_type=SSE_MEDIA_TYPE, headers=SSE_HEADERS)
+
+    @app.get("/plain")
+    async def plain() -> Response:
+        return json_response({"served": "by FastAPI"})
+
+    return app
+
+
+async def _frames() -> AsyncIterator[bytes]:
+    for frame in FRAMES:
+        yield frame
+
+
+async def _first_then_hang(probe: Probe, request_id: str) -> AsyncIterator[bytes]:
+    yield FRAMES[0]
+    probe.add(probe.waiting, request_id)
+    try:
+        await asyncio.Event().wait()
+    finally:
+        probe.add(probe.cancelled, request_id)  # closed by the exchange: the upstream would be aborted here
+    yield FRAMES[1]
+
+
+async def _forever(probe: Probe, request_id: str) -> AsyncIterator[bytes]:
+    try:
+        while True:
+            with probe.lock:
+                probe.streamed[request_id] = probe.streamed.get(request_id, 0) + 1
+            yield BIG_FRAME
+    finally:
+        probe.add(probe.cancelled, request_id)
+
+
+@dataclass
+class Served:
+    address: tuple[str, int]
+    url: str
+    probe: Probe
+
+
+@pytest.fixture(scope="module", params=["uvicorn", "project"])
+def served(request: pytest.FixtureRequest) -> Iterator[Served]:
+    """The app on uvicorn's own httptools protocol, or on the project's (``disagg-serve``'s)."""
+    probe = Probe()
+    options: dict[str, Any] = {}
+    if request.param == "project":
+        options["http"] = protocol_with_header_timeout(30.0)
+    server = ServerThread(with_send_timeout(make_app(probe), SEND_TIMEOUT_S), **options)
+    url = server.start()
+    try:
+        host, _, port = url.removeprefix("http://").partition(":")
+        yield Served((host, int(port)), url, probe)
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def server(served: Served) -> tuple[str, int]:
+    return served.address
+
+
+@pytest.fixture
+def url(served: Served) -> str:
+    return served.url
+
+
+@pytest.fixture
+def probe(served: Served) -> Probe:
+    return served.probe
+
+
+def _raw_request(path: str, body: bytes = b"{}", request_id: str | None = None, method: str = "POST") -> bytes:
+    head = f"{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    if request_id is not None:
+        head += f"X-Request-Id: {request_id}\r\n"
+    return head.encode() + b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+
+
+def _exchange(server: tuple[str, int], path: str, body: bytes = b"{}") -> tuple[list[tuple[str, str]], bytes]:
+    """One request on a fresh connection: the answer's headers (date aside) and its raw bytes after them."""
+    with socket.create_connection(server, timeout=30) as sock:
+        sock.sendall(_raw_request(path, body, request_id="same-id"))
+        received = b""
+        while not (received.endswith(b"0\r\n\r\n") or _whole(received)):
+            chunk = sock.recv(65536)
+            assert chunk, f"connection closed after {received!r}"
+            received += chunk
+    head, _, rest = received.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")[1:]
+    headers = [(k.lower(), v) for k, _, v in (line.partition(": ") for line in lines) if k.lower() != "date"]
+    return [(f"status {head.split()[1].decode()}", ""), *headers], rest
+
+
+def _whole(received: bytes) -> bool:
+    head, found, rest = received.partition(b"\r\n\r\n")
+    if not found or b"content-length:" not in head.lower():
+        return False
+    lines = head.lower().split(b"\r\n")
+    return len(rest) >= int(next(line.split(b":")[1] for line in lines if line.startswith(b"content-length")))
+
+
+# -- answers identical to FastAPI's ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["echo", "busy", "stream"])
+def test_answers_are_byte_identical_to_the_fastapi_stacks(server: tuple[str, int], name: str) -> None:
+    body = b'{"a": [1, 2, {"b": null}]}'
+    assert _exchange(server, f"/{name}", body) == _exchange(server, f"/slow/{name}", body)
+
+
+def test_a_stream_is_framed_as_it_was_yielded(url: str) -> None:
+    with httpx.Client(timeout=30) as http, http.stream("POST", url + "/stream", content=b"{}") as reply:
+        assert reply.headers["content-type"] == "text/event-stream; charset=utf-8"
+        assert b"".join(reply.iter_raw()) == b"".join(FRAMES)
+
+
+# -- request ids ----------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(("path", "status"), [("/echo", 200), ("/busy", 429), ("/fail", 500), ("/upstream", 502)])
+def test_every_answer_carries_the_clients_request_id(url: str, path: str, status: int) -> None:
+    reply = httpx.post(url + path, content=b"{}", headers={"X-Request-Id": "client-7"}, timeout=30)
+    assert reply.status_code == status
+    assert reply.headers["x-request-id"] == "client-7"
+
+
+def test_a_413_carries_a_new_request_id_when_the_clients_is_not_sane(url: str) -> None:
+    reply = httpx.post(url + "/echo", content=b"x" * (LIMIT + 1), headers={"X-Request-Id": "bad id\twith tab"},
+                       timeout=30)
+    assert reply.status_code == 413
+    assert reply.json()["error"]["code"] == "payload_too_large"
+    assert len(reply.headers["x-request-id"]) == 32 and reply.headers["x-request-id"] != "bad id\twith tab"
+
+
+# -- errors ---------------------------------------------------------------------------------------------------------
+def test_an_unexpected_error_is_a_500_in_openai_shape_and_the_connection_stays_open(server: tuple[str, int]) -> None:
+    connection = http.client.HTTPConnection(*server, timeout=30)
+    try:
+        for _ in range(3):
+            connection.request("POST", "/fail", body=b"{}")
+            failed = connection.getresponse()
+            assert failed.status == 500
+            assert orjson.loads(failed.read())["error"] == {"message": "internal server error", "type": "server_error",
+                                                            "param": None, "code": None}
+            sock = connection.sock
+            connection.request("POST", "/echo", body=b'{"still": "serving"}')
+            served = connection.getresponse()
+            assert served.status == 200 and served.read() == b'{"still": "serving"}'
+            assert connection.sock is sock  # the same keep-alive connection
+    finally:
+        connection.close()
+
+
+def test_a_5xx_is_logged_with_its_request_id_and_cause(url: str, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.ERROR, logger="frontend.http")
+    httpx.post(url + "/upstream", content=b"{}", headers={"X-Request-Id": "req-502"}, timeout=30)
+    assert any("req-502" in r.getMessage() and "no luck" in r.getMessage() and "POST /upstream" in r.getMessage()
+               for r in caplog.records)
+
+
+def test_other_methods_and_paths_are_fastapis(url: str) -> None:
+    for method in ("GET", "HEAD", "OPTIONS", "PUT"):
+        reply = httpx.request(method, url + "/echo", timeout=30)
+        assert reply.status_code == 405, method
+        assert reply.headers["allow"] == "POST"
+        assert "x-request-id" in reply.headers
+        if method != "HEAD":
+            assert reply.json()["error"]["code"] == "method_not_allowed"
+    assert httpx.get(url + "/plain", timeout=30).json() == {"served": "by FastAPI"}
+    assert httpx.post(url + "/nowhere", timeout=30).json()["error"]["code"] == "not_found"
+
+
+# -- a client that leaves or stalls ---------------------------------------------------------------------------------
+def test_a_client_leaving_while_the_handler_waits_cancels_it(server: tuple[str, int], url: str, probe: Probe) -> None:
+    with socket.create_connection(server, timeout=30) as sock:
+        sock.sendall(_raw_request("/hang", request_id="leaves-waiting"))
+        assert eventually(lambda: "leaves-waiting" in probe.waiting)
+    assert eventually(lambda: "leaves-waiting" in probe.cancelled)
+    assert httpx.post(url + "/echo", content=b"{}", timeout=30).status_code == 200
+
+
+def test_a_client_leaving_mid_stream_closes_the_stream(server: tuple[str, int], probe: Probe) -> None:
+    with socket.create_connection(server, timeout=30) as sock:
+        sock.sendall(_raw_request("/stream-then-hang", request_id="leaves-streaming"))
+        assert eventually(lambda: "leaves-streaming" in probe.waiting)
+    assert eventually(lambda: "leaves-streaming" in probe.cancelled)
+
+
+def test_a_client_that_stops_reading_is_cut_off(server: tuple[str, int], url: str, probe: Probe) -> None:
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connecting: no autotuning
+        sock.settimeout(30)
+        sock.connect(server)
+        sock.sendall(_raw_request("/stream-forever", request_id="stalls"))
+        # It reads nothing: the server fills what buffers there are, then its send waits; after SEND_TIMEOUT_S
+        # the stream is closed (the upstream would be aborted) and the connection dropped.
+        assert eventually(lambda: "stalls" in probe.cancelled)
+        sent = probe.streamed["stalls"]
+        with contextlib.suppress(ConnectionResetError):
+            while sock.recv(1 << 20):
+                pass
+    assert probe.streamed["stalls"] == sent  # nothing more was produced for it
+    assert httpx.post(url + "/echo", content=b"{}", timeout=30).status_code == 200
