@@ -137,10 +137,11 @@ def create_orchestrator_app(
         tracing.end(flow_request.span, {"http.status_code": status}, f"status {status}" if status >= 500 else None)
         requests_count(ROLE, endpoint, str(status)).inc()
         request_latency(endpoint).observe(elapsed)
-        logger.info("request done", extra={"event": "request", "endpoint": endpoint, "status": status,
-                                           "latency_ms": round(elapsed * 1000, 2),
-                                           "ctx_worker": flow_request.ctx_worker,
-                                           "gen_worker": flow_request.gen_worker})
+        if logger.isEnabledFor(logging.INFO):  # the line's fields are not built for a level that drops it
+            logger.info("request done", extra={"event": "request", "endpoint": endpoint, "status": status,
+                                               "latency_ms": round(elapsed * 1000, 2),
+                                               "ctx_worker": flow_request.ctx_worker,
+                                               "gen_worker": flow_request.gen_worker})
 
     async def handle(exchange: Exchange, endpoint: Endpoint) -> None:
         """The hot path, served bare (``frontend.asgi_fast_path``): admit -> read -> flow -> answer or stream.
