@@ -2,9 +2,10 @@
 
 Each instance gets one core's worth of threads (``OMP_NUM_THREADS=1``, no pinning: the machine is shared) and
 2 GiB of KV cache; float32, eager mode, a 2,048-token context. A vLLM instance holds ~5 GB, so the modules that use
-these start at most two at a time and stop them when the module ends (module fixtures, each started once per
-session). Every process is started in its own process group and the whole group is killed on the way out, so
-vLLM's engine-core children never outlive the test run.
+these start at most two at a time, side by side (``vllm_processes``: their start-ups overlap on two cores), and stop
+them when the module ends (module fixtures, each started once per session). Every process is started in its own
+process group and the whole group is killed on the way out, so vLLM's engine-core children never outlive the test
+run.
 """
 
 from __future__ import annotations
@@ -37,10 +38,14 @@ def example_connector(folder: Path) -> str:
                        "kv_connector_extra_config": {"shared_storage_path": str(folder)}})
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+def free_ports(count: int) -> list[int]:
+    """``count`` distinct free ports: every socket is held until all are bound, so two processes started together
+    never get the same one."""
+    with contextlib.ExitStack() as stack:
+        sockets = [stack.enter_context(socket.socket()) for _ in range(count)]
+        for sock in sockets:
+            sock.bind(("127.0.0.1", 0))
+        return [int(sock.getsockname()[1]) for sock in sockets]
 
 
 @dataclass
@@ -63,28 +68,44 @@ def metric_value(text: str, name: str) -> float:
 
 
 @contextlib.contextmanager
-def vllm_process(command: list[str], log: Path, health_path: str = "/health") -> Iterator[VllmProcess]:
-    port = free_port()
+def vllm_processes(*launches: tuple[list[str], Path], health_path: str = "/health") -> Iterator[list[VllmProcess]]:
+    """Starts every ``(command, log)`` at once and waits until all answer ``health_path``: two vLLM instances load
+    side by side on two cores in about the time of one (at most two per call; see the module's docstring)."""
+    assert len(launches) <= 2, "at most two vLLM instances at once"
     env = {**os.environ, **VLLM_ENV}
-    with log.open("wb") as out:
-        process = subprocess.Popen([*command, "--port", str(port)], stdout=out, stderr=subprocess.STDOUT, env=env,
-                                   start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        def healthy() -> bool:
-            if process.poll() is not None:
-                return True  # died: stop waiting, and fail below with its log
-            try:
-                return httpx.get(url + health_path, timeout=5).status_code == 200
-            except httpx.HTTPError:
-                return False
+    with contextlib.ExitStack() as stack:
+        started = []
+        for (command, log), port in zip(launches, free_ports(len(launches)), strict=True):
+            with log.open("wb") as out:
+                process = subprocess.Popen([*command, "--port", str(port)], stdout=out, stderr=subprocess.STDOUT,
+                                           env=env, start_new_session=True)
+            stack.callback(_stop_group, process)
+            started.append((command, VllmProcess(f"http://127.0.0.1:{port}", process, log)))
+        for command, instance in started:
+            _wait_healthy(command, instance, health_path)
+        yield [instance for _, instance in started]
 
-        started = eventually(healthy, timeout_s=START_TIMEOUT_S, every_s=0.5)
-        if process.poll() is not None or not started:
-            raise RuntimeError(f"{command[:6]} did not start; its log ends:\n{log.read_text()[-4000:]}")
-        yield VllmProcess(url, process, log)
-    finally:
-        _stop_group(process)
+
+@contextlib.contextmanager
+def vllm_process(command: list[str], log: Path, health_path: str = "/health") -> Iterator[VllmProcess]:
+    with vllm_processes((command, log), health_path=health_path) as (instance,):
+        yield instance
+
+
+def _wait_healthy(command: list[str], instance: VllmProcess, health_path: str) -> None:
+    process = instance.process
+
+    def healthy() -> bool:
+        if process.poll() is not None:
+            return True  # died: stop waiting, and fail below with its log
+        try:
+            return httpx.get(instance.url + health_path, timeout=5).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    started = eventually(healthy, timeout_s=START_TIMEOUT_S, every_s=0.5)
+    if process.poll() is not None or not started:
+        raise RuntimeError(f"{command[:6]} did not start; its log ends:\n{instance.log.read_text()[-4000:]}")
 
 
 def _stop_group(process: subprocess.Popen[bytes]) -> None:

@@ -14,7 +14,7 @@ import pytest
 from tests.cluster import Node, start_orchestrator
 from tests.vllm.answers import ASK, Answer, case_variant, reference_answers, sdk_client
 from tests.vllm.availability import needs_vllm
-from tests.vllm.processes import VllmProcess, example_connector, metric_value, vllm_api_server, vllm_process
+from tests.vllm.processes import VllmProcess, example_connector, metric_value, vllm_api_server, vllm_processes
 from tests.vllm.prompts import MODEL
 
 pytestmark = needs_vllm
@@ -33,8 +33,9 @@ def fleet(hf_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
     connector = example_connector(tmp_path_factory.mktemp("vllm-fleet-kv"))
     logs = tmp_path_factory.mktemp("vllm-fleet")
     with contextlib.ExitStack() as stack:
-        prefill = stack.enter_context(vllm_process(vllm_api_server(hf_checkpoint, MODEL, connector), logs / "p.log"))
-        decode = stack.enter_context(vllm_process(vllm_api_server(hf_checkpoint, MODEL, connector), logs / "d.log"))
+        prefill, decode = stack.enter_context(vllm_processes(
+            (vllm_api_server(hf_checkpoint, MODEL, connector), logs / "p.log"),
+            (vllm_api_server(hf_checkpoint, MODEL, connector), logs / "d.log")))
         with sdk_client(prefill.url) as client:  # P alone is an ordinary vLLM server: the aggregated answer
             single = reference_answers(client)
         group = {"urls": [prefill.url], "protocol": "vllm"}
