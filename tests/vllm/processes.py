@@ -25,8 +25,13 @@ import httpx
 
 from tests.waiting import eventually
 
-# Starting vLLM on a busy 2-core machine: ~30 s alone, minutes when other suites run beside it. Only a bound.
-START_TIMEOUT_S = 600.0
+# Starting vLLM: ~50 s of CPU in three processes (ours, vLLM's engine core, its worker), about a minute on an idle
+# 2-core machine, several when other suites run beside a pair of starts. Only a bound.
+START_TIMEOUT_S = 900.0
+# vLLM's API process pushes a step's outputs to the requests before it records the step's stats, so a metric can
+# trail the answer that moved it: checks wait for the value (``eventually``) rather than read it once.
+METRIC_TIMEOUT_S = 120.0
+EXTERNAL_HITS = "vllm:external_prefix_cache_hits_total"
 MAX_MODEL_LEN = 2048
 VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1",
             "VLLM_LOGGING_LEVEL": "WARNING", "TOKENIZERS_PARALLELISM": "false"}
@@ -56,6 +61,15 @@ class VllmProcess:
 
     def metrics(self) -> str:
         return httpx.get(self.url + "/metrics", timeout=30).text
+
+    def metric(self, name: str) -> float:
+        return metric_value(self.metrics(), name)
+
+    def loaded_external_kv(self, hits_before: float, tokens: int = 128) -> bool:
+        """Whether this instance's external prefix-cache hits (KV loaded through its connector instead of computed)
+        reach ``hits_before + tokens``: at least one 128-token block by default."""
+        return eventually(lambda: self.metric(EXTERNAL_HITS) - hits_before >= tokens, timeout_s=METRIC_TIMEOUT_S,
+                          every_s=0.2)
 
 
 def metric_value(text: str, name: str) -> float:

@@ -22,7 +22,14 @@ import pytest
 from tests.cluster import Node, start_orchestrator
 from tests.vllm.answers import ASK, Answer, case_variant, reference_answers, sdk_client
 from tests.vllm.availability import needs_vllm
-from tests.vllm.processes import VllmProcess, example_connector, metric_value, our_worker, vllm_processes
+from tests.vllm.processes import (
+    EXTERNAL_HITS,
+    METRIC_TIMEOUT_S,
+    VllmProcess,
+    example_connector,
+    our_worker,
+    vllm_processes,
+)
 from tests.vllm.prompts import FRANCE, MODEL, long_prompt
 from tests.waiting import eventually
 
@@ -91,7 +98,7 @@ def test_aggregated_vllm_worker_answers_paris(aggregated: Aggregated) -> None:
 @pytest.mark.parametrize("endpoint", ["chat", "completions"])
 def test_disaggregated_equals_aggregated(aggregated: Aggregated, disaggregated: Disaggregated, endpoint: str,
                                          stream: bool) -> None:
-    hits_before = metric_value(disaggregated.gen.metrics(), "vllm:external_prefix_cache_hits_total")
+    hits_before = disaggregated.gen.metric(EXTERNAL_HITS)
     with sdk_client(disaggregated.orchestrator.url) as client:
         answer = ASK[endpoint](client, stream, case_variant(endpoint, stream))
     expected = aggregated.answers[endpoint, stream]
@@ -100,8 +107,7 @@ def test_disaggregated_equals_aggregated(aggregated: Aggregated, disaggregated: 
     assert answer.text == expected.text
     assert answer.completion_tokens == expected.completion_tokens == len(expected.tokens)
     # GEN's vLLM loaded the prompt's KV through the connector (at least one 128-token block) instead of computing it.
-    hits = metric_value(disaggregated.gen.metrics(), "vllm:external_prefix_cache_hits_total") - hits_before
-    assert hits >= 128
+    assert disaggregated.gen.loaded_external_kv(hits_before), disaggregated.gen.metric(EXTERNAL_HITS) - hits_before
 
 
 def test_disaggregated_france(disaggregated: Disaggregated) -> None:
@@ -112,7 +118,8 @@ def test_disaggregated_france(disaggregated: Disaggregated) -> None:
 
 def test_client_disconnect_aborts_in_vllm(disaggregated: Disaggregated) -> None:
     body = {"model": MODEL, "prompt": long_prompt("disconnect"), "max_tokens": 1500, "ignore_eos": True, "stream": True}
-    generated_before = metric_value(disaggregated.gen.metrics(), "vllm:generation_tokens_total")
+    gen = disaggregated.gen
+    generated_before = gen.metric("vllm:generation_tokens_total")
     with httpx.Client(timeout=600) as http, \
             http.stream("POST", disaggregated.orchestrator.url + "/v1/completions", json=body) as reply:
         assert reply.status_code == 200
@@ -120,12 +127,11 @@ def test_client_disconnect_aborts_in_vllm(disaggregated: Disaggregated) -> None:
         while b"data: {" not in next(chunks):
             pass
         # GEN's vLLM is decoding this request now (its gauge follows the engine core's next step).
-        assert eventually(lambda: metric_value(disaggregated.gen.metrics(), "vllm:num_requests_running") == 1,
-                          timeout_s=120, every_s=0.2)
+        assert eventually(lambda: gen.metric("vllm:num_requests_running") == 1, timeout_s=METRIC_TIMEOUT_S,
+                          every_s=0.2)
     # The client is gone: the orchestrator drops GEN's stream, the worker aborts the request in vLLM.
-    assert eventually(lambda: metric_value(disaggregated.gen.metrics(), "vllm:num_requests_running") == 0,
-                      timeout_s=120, every_s=0.2)
-    generated = metric_value(disaggregated.gen.metrics(), "vllm:generation_tokens_total") - generated_before
+    assert eventually(lambda: gen.metric("vllm:num_requests_running") == 0, timeout_s=METRIC_TIMEOUT_S, every_s=0.2)
+    generated = gen.metric("vllm:generation_tokens_total") - generated_before
     assert generated < 1499  # stopped by the abort, not by running out of tokens
 
 
