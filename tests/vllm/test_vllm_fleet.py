@@ -14,7 +14,7 @@ import pytest
 from tests.cluster import Node, start_orchestrator
 from tests.vllm.answers import ASK, Answer, case_variant, reference_answers, sdk_client
 from tests.vllm.availability import needs_vllm
-from tests.vllm.processes import VllmProcess, example_connector, metric_value, vllm_api_server, vllm_process
+from tests.vllm.processes import EXTERNAL_HITS, VllmProcess, example_connector, vllm_api_server, vllm_processes
 from tests.vllm.prompts import MODEL
 
 pytestmark = needs_vllm
@@ -33,8 +33,9 @@ def fleet(hf_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
     connector = example_connector(tmp_path_factory.mktemp("vllm-fleet-kv"))
     logs = tmp_path_factory.mktemp("vllm-fleet")
     with contextlib.ExitStack() as stack:
-        prefill = stack.enter_context(vllm_process(vllm_api_server(hf_checkpoint, MODEL, connector), logs / "p.log"))
-        decode = stack.enter_context(vllm_process(vllm_api_server(hf_checkpoint, MODEL, connector), logs / "d.log"))
+        prefill, decode = stack.enter_context(vllm_processes(
+            (vllm_api_server(hf_checkpoint, MODEL, connector), logs / "p.log"),
+            (vllm_api_server(hf_checkpoint, MODEL, connector), logs / "d.log")))
         with sdk_client(prefill.url) as client:  # P alone is an ordinary vLLM server: the aggregated answer
             single = reference_answers(client)
         group = {"urls": [prefill.url], "protocol": "vllm"}
@@ -47,7 +48,7 @@ def fleet(hf_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 @pytest.mark.parametrize("endpoint", ["chat", "completions"])
 def test_orchestrated_pd_equals_one_vllm_server(fleet: Fleet, endpoint: str, stream: bool) -> None:
-    hits_before = metric_value(fleet.decode.metrics(), "vllm:external_prefix_cache_hits_total")
+    hits_before = fleet.decode.metric(EXTERNAL_HITS)
     with sdk_client(fleet.orchestrator.url) as client:
         answer = ASK[endpoint](client, stream, case_variant(endpoint, stream))
     expected = fleet.single[endpoint, stream]
@@ -55,4 +56,5 @@ def test_orchestrated_pd_equals_one_vllm_server(fleet: Fleet, endpoint: str, str
     assert answer.tokens == expected.tokens
     assert answer.text == expected.text
     assert answer.completion_tokens == expected.completion_tokens
-    assert metric_value(fleet.decode.metrics(), "vllm:external_prefix_cache_hits_total") - hits_before >= 128
+    # D's vLLM loaded the prompt's KV through the connector (at least one 128-token block) instead of computing it.
+    assert fleet.decode.loaded_external_kv(hits_before), fleet.decode.metric(EXTERNAL_HITS) - hits_before

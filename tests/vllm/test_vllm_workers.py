@@ -2,7 +2,11 @@
 output equals aggregated output token for token, GEN's vLLM loads the KV instead of computing it, a client that
 goes away aborts the request inside vLLM, and what vLLM cannot do is a 400.
 
-At most two vLLM instances run at once: the aggregated worker answers first and is stopped, then CTX and GEN start.
+Two vLLM instances, started together: CTX runs ``--role both``, so before the orchestrator sends it any hand-off it
+is also the aggregated worker whose answers are the reference (as P is in ``test_vllm_fleet``). GEN never sees a
+prompt before its hand-off, so a prompt's KV can only reach it through the connector: its external cache hits
+count nothing else. (An aggregated run on a ``kv_both`` ExampleConnector worker saves the prompt's KV and keeps it
+in its own prefix cache, which is why the reference is asked of CTX and not of GEN.)
 """
 
 from __future__ import annotations
@@ -18,11 +22,34 @@ import pytest
 from tests.cluster import Node, start_orchestrator
 from tests.vllm.answers import ASK, Answer, case_variant, reference_answers, sdk_client
 from tests.vllm.availability import needs_vllm
-from tests.vllm.processes import VllmProcess, example_connector, metric_value, our_worker, vllm_process
+from tests.vllm.processes import (
+    EXTERNAL_HITS,
+    METRIC_TIMEOUT_S,
+    VllmProcess,
+    example_connector,
+    our_worker,
+    vllm_processes,
+)
 from tests.vllm.prompts import FRANCE, MODEL, long_prompt
 from tests.waiting import eventually
 
 pytestmark = needs_vllm
+
+
+@dataclass
+class Workers:
+    ctx: VllmProcess  # --role both: the aggregated reference first, then CTX behind the orchestrator
+    gen: VllmProcess
+
+
+@pytest.fixture(scope="module")
+def workers(tmp_path_factory: pytest.TempPathFactory, hf_checkpoint: Path) -> Iterator[Workers]:
+    """Our CTX and GEN workers on --engine vllm sharing ExampleConnector's folder, started side by side."""
+    connector = example_connector(tmp_path_factory.mktemp("vllm-kv"))
+    logs = tmp_path_factory.mktemp("vllm-workers")
+    with vllm_processes((our_worker("both", logs / "ctx.log", connector), logs / "ctx.log"),
+                        (our_worker("generation", logs / "gen.log", connector), logs / "gen.log")) as (ctx, gen):
+        yield Workers(ctx, gen)
 
 
 @dataclass(frozen=True)
@@ -33,16 +60,16 @@ class Aggregated:
 
 
 @pytest.fixture(scope="module")
-def aggregated(tmp_path_factory: pytest.TempPathFactory, hf_checkpoint: Path) -> Aggregated:
-    """An aggregated (--role both) vllm worker's answers, taken and the worker stopped before CTX and GEN start."""
-    log = tmp_path_factory.mktemp("vllm-agg") / "worker.log"
-    with vllm_process(our_worker("both", log, None), log) as worker, sdk_client(worker.url) as client:
+def aggregated(workers: Workers) -> Aggregated:
+    """The aggregated (--role both) worker's answers, taken before the orchestrator sends it anything."""
+    url = workers.ctx.url
+    with sdk_client(url) as client:
         answers = reference_answers(client)
         reply = client.chat.completions.create(model=MODEL, messages=FRANCE, max_tokens=16, temperature=0)
         errors = {
-            "prompt_logprobs": httpx.post(worker.url + "/v1/completions", timeout=60, json={
+            "prompt_logprobs": httpx.post(url + "/v1/completions", timeout=60, json={
                 "model": MODEL, "prompt": "Hi", "max_tokens": 2, "prompt_logprobs": 1}),
-            "too_long": httpx.post(worker.url + "/v1/completions", timeout=60, json={
+            "too_long": httpx.post(url + "/v1/completions", timeout=60, json={
                 "model": MODEL, "prompt": "hello " * 2100, "max_tokens": 2}),
         }
     return Aggregated(answers, reply.choices[0].message.content or "", errors)
@@ -56,16 +83,11 @@ class Disaggregated:
 
 
 @pytest.fixture(scope="module")
-def disaggregated(aggregated: Aggregated, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Disaggregated]:
-    folder = tmp_path_factory.mktemp("vllm-kv")
-    connector = example_connector(folder)
-    logs = tmp_path_factory.mktemp("vllm-disagg")
+def disaggregated(workers: Workers, aggregated: Aggregated) -> Iterator[Disaggregated]:
+    """The orchestrator in front of CTX and GEN; after ``aggregated``, so every reference is taken first."""
     with contextlib.ExitStack() as stack:
-        ctx = stack.enter_context(vllm_process(our_worker("context", logs / "ctx.log", connector), logs / "ctx.log"))
-        gen = stack.enter_context(vllm_process(our_worker("generation", logs / "gen.log", connector),
-                                               logs / "gen.log"))
-        orchestrator = start_orchestrator(stack, [ctx.url], [gen.url], request_timeout_s=600)
-        yield Disaggregated(ctx, gen, orchestrator)
+        orchestrator = start_orchestrator(stack, [workers.ctx.url], [workers.gen.url], request_timeout_s=600)
+        yield Disaggregated(workers.ctx, workers.gen, orchestrator)
 
 
 def test_aggregated_vllm_worker_answers_paris(aggregated: Aggregated) -> None:
@@ -76,7 +98,7 @@ def test_aggregated_vllm_worker_answers_paris(aggregated: Aggregated) -> None:
 @pytest.mark.parametrize("endpoint", ["chat", "completions"])
 def test_disaggregated_equals_aggregated(aggregated: Aggregated, disaggregated: Disaggregated, endpoint: str,
                                          stream: bool) -> None:
-    hits_before = metric_value(disaggregated.gen.metrics(), "vllm:external_prefix_cache_hits_total")
+    hits_before = disaggregated.gen.metric(EXTERNAL_HITS)
     with sdk_client(disaggregated.orchestrator.url) as client:
         answer = ASK[endpoint](client, stream, case_variant(endpoint, stream))
     expected = aggregated.answers[endpoint, stream]
@@ -85,8 +107,7 @@ def test_disaggregated_equals_aggregated(aggregated: Aggregated, disaggregated: 
     assert answer.text == expected.text
     assert answer.completion_tokens == expected.completion_tokens == len(expected.tokens)
     # GEN's vLLM loaded the prompt's KV through the connector (at least one 128-token block) instead of computing it.
-    hits = metric_value(disaggregated.gen.metrics(), "vllm:external_prefix_cache_hits_total") - hits_before
-    assert hits >= 128
+    assert disaggregated.gen.loaded_external_kv(hits_before), disaggregated.gen.metric(EXTERNAL_HITS) - hits_before
 
 
 def test_disaggregated_france(disaggregated: Disaggregated) -> None:
@@ -97,7 +118,8 @@ def test_disaggregated_france(disaggregated: Disaggregated) -> None:
 
 def test_client_disconnect_aborts_in_vllm(disaggregated: Disaggregated) -> None:
     body = {"model": MODEL, "prompt": long_prompt("disconnect"), "max_tokens": 1500, "ignore_eos": True, "stream": True}
-    generated_before = metric_value(disaggregated.gen.metrics(), "vllm:generation_tokens_total")
+    gen = disaggregated.gen
+    generated_before = gen.metric("vllm:generation_tokens_total")
     with httpx.Client(timeout=600) as http, \
             http.stream("POST", disaggregated.orchestrator.url + "/v1/completions", json=body) as reply:
         assert reply.status_code == 200
@@ -105,12 +127,11 @@ def test_client_disconnect_aborts_in_vllm(disaggregated: Disaggregated) -> None:
         while b"data: {" not in next(chunks):
             pass
         # GEN's vLLM is decoding this request now (its gauge follows the engine core's next step).
-        assert eventually(lambda: metric_value(disaggregated.gen.metrics(), "vllm:num_requests_running") == 1,
-                          timeout_s=120, every_s=0.2)
+        assert eventually(lambda: gen.metric("vllm:num_requests_running") == 1, timeout_s=METRIC_TIMEOUT_S,
+                          every_s=0.2)
     # The client is gone: the orchestrator drops GEN's stream, the worker aborts the request in vLLM.
-    assert eventually(lambda: metric_value(disaggregated.gen.metrics(), "vllm:num_requests_running") == 0,
-                      timeout_s=120, every_s=0.2)
-    generated = metric_value(disaggregated.gen.metrics(), "vllm:generation_tokens_total") - generated_before
+    assert eventually(lambda: gen.metric("vllm:num_requests_running") == 0, timeout_s=METRIC_TIMEOUT_S, every_s=0.2)
+    generated = gen.metric("vllm:generation_tokens_total") - generated_before
     assert generated < 1499  # stopped by the abort, not by running out of tokens
 
 
