@@ -8,8 +8,9 @@ At most two vLLM instances run at once: the aggregated worker answers first and 
 from __future__ import annotations
 
 import contextlib
+import json
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
@@ -18,8 +19,16 @@ import pytest
 from tests.cluster import Node, start_orchestrator
 from tests.vllm.answers import ASK, Answer, case_variant, reference_answers, sdk_client
 from tests.vllm.availability import needs_vllm
+from tests.vllm.feature_answers import (
+    FEATURES,
+    PERSON,
+    FeatureAnswer,
+    ask_feature,
+    feature_reference_answers,
+    feature_variant,
+)
 from tests.vllm.processes import VllmProcess, example_connector, metric_value, our_worker, vllm_process
-from tests.vllm.prompts import FRANCE, MODEL, long_prompt
+from tests.vllm.prompts import FRANCE, MODEL, long_chat, long_prompt
 from tests.waiting import eventually
 
 pytestmark = needs_vllm
@@ -30,6 +39,7 @@ class Aggregated:
     answers: dict[tuple[str, bool], Answer]
     france: str
     errors: dict[str, httpx.Response]
+    features: dict[tuple[str, bool], FeatureAnswer] = field(default_factory=dict)  # n and structured output
 
 
 @pytest.fixture(scope="module")
@@ -38,6 +48,7 @@ def aggregated(tmp_path_factory: pytest.TempPathFactory, hf_checkpoint: Path) ->
     log = tmp_path_factory.mktemp("vllm-agg") / "worker.log"
     with vllm_process(our_worker("both", log, None), log) as worker, sdk_client(worker.url) as client:
         answers = reference_answers(client)
+        features = feature_reference_answers(client)
         reply = client.chat.completions.create(model=MODEL, messages=FRANCE, max_tokens=16, temperature=0)
         errors = {
             "prompt_logprobs": httpx.post(worker.url + "/v1/completions", timeout=60, json={
@@ -45,7 +56,7 @@ def aggregated(tmp_path_factory: pytest.TempPathFactory, hf_checkpoint: Path) ->
             "too_long": httpx.post(worker.url + "/v1/completions", timeout=60, json={
                 "model": MODEL, "prompt": "hello " * 2100, "max_tokens": 2}),
         }
-    return Aggregated(answers, reply.choices[0].message.content or "", errors)
+    return Aggregated(answers, reply.choices[0].message.content or "", errors, features)
 
 
 @dataclass
@@ -119,3 +130,35 @@ def test_what_vllm_cannot_do_is_a_400(aggregated: Aggregated) -> None:
         assert reply.status_code == 400, (name, reply.text)
         assert reply.json()["error"]["type"] == "invalid_request_error"
     assert aggregated.errors["prompt_logprobs"].json()["error"]["param"] == "prompt_logprobs"
+
+
+# -- n and structured output: vLLM's n and guidance backend, GEN choosing the first tokens again (feature_answers) --
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("name", list(FEATURES))
+def test_disaggregated_n_and_structured_output_equal_aggregated(aggregated: Aggregated, disaggregated: Disaggregated,
+                                                                name: str, stream: bool) -> None:
+    hits_before = metric_value(disaggregated.gen.metrics(), "vllm:external_prefix_cache_hits_total")
+    with sdk_client(disaggregated.orchestrator.url) as client:
+        answer = ask_feature(client, name, stream, feature_variant(name, stream))
+    expected = aggregated.features[name, stream]
+    assert len(expected.choices) == FEATURES[name].get("n", 1)
+    assert all(len(choice.tokens) > 1 for choice in expected.choices)  # GEN had work to do for every sequence
+    assert answer == expected
+    if name == "n2_greedy":
+        assert expected.choices[0] == expected.choices[1]
+    if name == "json_schema":
+        person = json.loads(expected.choices[0].text)
+        assert list(person) == list(PERSON["properties"])
+        assert isinstance(person["name"], str) and isinstance(person["age"], int)
+    hits = metric_value(disaggregated.gen.metrics(), "vllm:external_prefix_cache_hits_total") - hits_before
+    assert hits >= 128
+
+
+def test_disaggregated_unseeded_n_continues_the_draws_ctx_made(disaggregated: Disaggregated) -> None:
+    # No seed: CTX draws one and hands it on, so GEN, choosing each first token again, chooses CTX's (a different
+    # draw would fail the request with engine_request_failed rather than answer inconsistently).
+    with sdk_client(disaggregated.orchestrator.url) as client:
+        reply = client.chat.completions.create(model=MODEL, messages=long_chat("unseeded n"), n=3, temperature=1.0,
+                                               max_tokens=8)
+    assert sorted(choice.index for choice in reply.choices) == [0, 1, 2]
+    assert reply.usage is not None and reply.usage.completion_tokens > 3
