@@ -37,7 +37,6 @@ from frontend.errors import (
     EngineRequestError,
     InvalidRequestError,
     ServingError,
-    UnsupportedParameterError,
 )
 from frontend.sampling import SamplingParams
 from workers.engines.base import Tokenizer
@@ -45,7 +44,7 @@ from workers.engines.options import EngineOptions, VllmConfig
 from workers.engines.outputs import EngineInfo, EngineOutput, FinishReason, TokenLogprob
 from workers.engines.request import GenerationRequest, Phase
 from workers.engines.vllm.handoff import VllmHandoff, parse_handoff
-from workers.engines.vllm.sampling import repeated_sequences, vllm_sampling_fields
+from workers.engines.vllm.sampling import refuse_n_across_handoff, repeated_sequences, vllm_sampling_fields
 from workers.engines.vllm.tokenizer import CheckpointError, HFTokenizer
 
 logger = logging.getLogger(__name__)
@@ -96,7 +95,7 @@ class VllmEngine:
         self._tokenizer: HFTokenizer | None = None
         self._llm: Any = None  # vllm.v1.engine.async_llm.AsyncLLM, imported only in start()
         self._vllm: Any = None
-        self._connector_rereadable = True
+        self._connector: str | None = None  # the KV connector's name, from --kv-transfer-config
 
     @property
     def info(self) -> EngineInfo:
@@ -127,9 +126,7 @@ class VllmEngine:
             kv_block_reuse=True, prompt_tokens_in_handoff=False, supports_logprobs=True,
             supports_structured_output=True, supports_n=True,
         )
-        connector = json.loads(self.config.kv_transfer_config or "{}").get("kv_connector")
-        # Without a connector this worker hands nothing off (aggregated), and n needs no second read.
-        self._connector_rereadable = connector is None or connector in _REREADABLE_CONNECTORS
+        self._connector = json.loads(self.config.kv_transfer_config or "{}").get("kv_connector")
 
     def _engine_args(self, model: ServedModel) -> dict[str, Any]:
         c = self.config
@@ -187,13 +184,7 @@ class VllmEngine:
 
     async def _context(self, request: GenerationRequest) -> AsyncGenerator[EngineOutput, None]:
         """Prefill and every sequence's first token; the KV stays with vLLM's connector for GEN to fetch."""
-        n = request.sampling.n
-        if n > 1 and repeated_sequences(request.sampling) == 1 and not self._connector_rereadable:
-            # Each of GEN's n child requests fetches the prompt's KV; a connector that frees it after the first
-            # fetch (NixlConnector) would hand the others freed blocks. (Greedy n is one vLLM request.)
-            raise UnsupportedParameterError(
-                f"n > 1 across a KV hand-off needs a connector whose KV can be read more than once "
-                f"({', '.join(sorted(_REREADABLE_CONNECTORS))}); this worker's is not", param="n")
+        refuse_n_across_handoff(request.sampling, self._connector)
         seed = _handoff_seed(request.sampling)
         wants_more = request.max_tokens > 1
         params = {"do_remote_decode": True} if wants_more else None
@@ -287,10 +278,6 @@ class VllmEngine:
             await stream.aclose()
             if not finished:  # the caller went away (a stop string, a client disconnect) or vLLM failed
                 await self._llm.abort(request.request_id)
-
-
-# Connectors whose saved KV any number of requests may load (ExampleConnector's files stay until deleted).
-_REREADABLE_CONNECTORS = frozenset({"ExampleConnector"})
 
 
 def _handoff_seed(sampling: SamplingParams) -> int | None:

@@ -27,6 +27,8 @@ from frontend.structured_output import JSON_OPTIONS
 # need them carried from CTX. A clear refusal beats a silently empty field.
 _REFUSED_FIELDS = ("prompt_logprobs",)
 _GREEDY_BELOW = 1e-5  # vllm.sampling_params._SAMPLING_EPS
+# Connectors whose saved KV any number of requests may load (ExampleConnector's files stay until deleted).
+REREADABLE_CONNECTORS = frozenset({"ExampleConnector"})
 
 
 def refuse_unmapped(sampling: SamplingParams) -> None:
@@ -66,6 +68,18 @@ def vllm_sampling_fields(
     if kv_transfer_params is not None:
         fields["extra_args"] = {"kv_transfer_params": kv_transfer_params}
     return fields
+
+
+def refuse_n_across_handoff(sampling: SamplingParams, connector: str | None) -> None:
+    """CTX's check: GEN runs a sampled ``n`` > 1 as vLLM's ``n`` child requests, each fetching the prompt's KV
+    through the connector; one that frees the KV after the first fetch (NixlConnector) would hand the others freed
+    blocks. Greedy ``n`` is one vLLM request; no connector means nothing is handed off."""
+    if sampling.n > 1 and repeated_sequences(sampling) == 1 and connector is not None \
+            and connector not in REREADABLE_CONNECTORS:
+        raise UnsupportedParameterError(
+            f"n > 1 with sampling is not supported across a {connector} KV hand-off (GEN's sequences would each "
+            f"fetch the prompt's KV, which {connector} hands over once); use n=1, temperature 0, or a connector "
+            f"whose KV can be read more than once ({', '.join(sorted(REREADABLE_CONNECTORS))})", param="n")
 
 
 def repeated_sequences(sampling: SamplingParams) -> int:

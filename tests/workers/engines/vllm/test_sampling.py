@@ -9,7 +9,12 @@ import pytest
 from frontend.errors import UnsupportedParameterError
 from frontend.sampling import SamplingParams
 from frontend.structured_output import check_json_schema, json_grammar
-from workers.engines.vllm.sampling import guidance_schema, repeated_sequences, vllm_sampling_fields
+from workers.engines.vllm.sampling import (
+    guidance_schema,
+    refuse_n_across_handoff,
+    repeated_sequences,
+    vllm_sampling_fields,
+)
 
 
 def test_every_mapped_field_reaches_vllm() -> None:
@@ -65,3 +70,13 @@ def test_a_json_schema_reaches_vllm_as_the_grammar_our_front_end_compiles() -> N
 
 def test_a_boolean_schema_passes_as_it_is() -> None:
     assert guidance_schema("true") == "true"
+
+
+def test_sampled_n_across_a_connector_that_hands_kv_over_once_is_refused_by_name() -> None:
+    sampled = SamplingParams(temperature=0.8, n=2)
+    with pytest.raises(UnsupportedParameterError, match="NixlConnector") as caught:
+        refuse_n_across_handoff(sampled, "NixlConnector")
+    assert caught.value.param == "n"
+    refuse_n_across_handoff(sampled, "ExampleConnector")  # files: every sequence reads them
+    refuse_n_across_handoff(sampled, None)  # nothing handed off
+    refuse_n_across_handoff(SamplingParams(temperature=0, n=2), "NixlConnector")  # greedy: one vLLM request
