@@ -33,7 +33,7 @@ from frontend.openai_models import (
 
 # Compact separators and no free whitespace: a small model offered free whitespace may spend its whole budget on
 # it. ", " and ": " are what json.dumps writes, so the output reads like the JSON models saw in training.
-_JSON_OPTIONS: dict[str, Any] = {
+JSON_OPTIONS: dict[str, Any] = {
     "whitespace_flexible": False,
     "item_separator": ", ",
     "key_separator": ": ",
@@ -52,7 +52,7 @@ class OutputConstraint:
 def json_grammar(schema_text: str) -> str:
     """The llguidance grammar for a JSON schema, with this server's JSON formatting options."""
     # Overrides, not defaults: a client's "x-guidance" options must not turn free whitespace back on.
-    return llguidance.LLMatcher.grammar_from_json_schema(schema_text, overrides=_JSON_OPTIONS)  # type: ignore[arg-type]
+    return llguidance.LLMatcher.grammar_from_json_schema(schema_text, overrides=JSON_OPTIONS)  # type: ignore[arg-type]
 
 
 def check_json_schema(schema: dict[str, Any], param: str) -> str:

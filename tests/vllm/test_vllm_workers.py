@@ -12,8 +12,9 @@ in its own prefix cache, which is why the reference is asked of CTX and not of G
 from __future__ import annotations
 
 import contextlib
+import json
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
@@ -22,6 +23,13 @@ import pytest
 from tests.cluster import Node, start_orchestrator
 from tests.vllm.answers import ASK, Answer, case_variant, reference_answers, sdk_client
 from tests.vllm.availability import needs_vllm
+from tests.vllm.feature_answers import (
+    FEATURES,
+    FeatureAnswer,
+    ask_feature,
+    feature_reference_answers,
+    feature_variant,
+)
 from tests.vllm.processes import (
     EXTERNAL_HITS,
     METRIC_TIMEOUT_S,
@@ -30,7 +38,7 @@ from tests.vllm.processes import (
     our_worker,
     vllm_processes,
 )
-from tests.vllm.prompts import FRANCE, MODEL, long_prompt
+from tests.vllm.prompts import FRANCE, MODEL, long_chat, long_prompt
 from tests.waiting import eventually
 
 pytestmark = needs_vllm
@@ -57,6 +65,7 @@ class Aggregated:
     answers: dict[tuple[str, bool], Answer]
     france: str
     errors: dict[str, httpx.Response]
+    features: dict[tuple[str, bool], FeatureAnswer] = field(default_factory=dict)  # n and structured output
 
 
 @pytest.fixture(scope="module")
@@ -65,6 +74,7 @@ def aggregated(workers: Workers) -> Aggregated:
     url = workers.ctx.url
     with sdk_client(url) as client:
         answers = reference_answers(client)
+        features = feature_reference_answers(client)
         reply = client.chat.completions.create(model=MODEL, messages=FRANCE, max_tokens=16, temperature=0)
         errors = {
             "prompt_logprobs": httpx.post(url + "/v1/completions", timeout=60, json={
@@ -72,7 +82,7 @@ def aggregated(workers: Workers) -> Aggregated:
             "too_long": httpx.post(url + "/v1/completions", timeout=60, json={
                 "model": MODEL, "prompt": "hello " * 2100, "max_tokens": 2}),
         }
-    return Aggregated(answers, reply.choices[0].message.content or "", errors)
+    return Aggregated(answers, reply.choices[0].message.content or "", errors, features)
 
 
 @dataclass
@@ -140,3 +150,34 @@ def test_what_vllm_cannot_do_is_a_400(aggregated: Aggregated) -> None:
         assert reply.status_code == 400, (name, reply.text)
         assert reply.json()["error"]["type"] == "invalid_request_error"
     assert aggregated.errors["prompt_logprobs"].json()["error"]["param"] == "prompt_logprobs"
+
+
+# -- n and structured output: vLLM's n and guidance backend, GEN choosing the first tokens again (feature_answers) --
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("name", list(FEATURES))
+def test_disaggregated_n_and_structured_output_equal_aggregated(aggregated: Aggregated, disaggregated: Disaggregated,
+                                                                name: str, stream: bool) -> None:
+    hits_before = disaggregated.gen.metric(EXTERNAL_HITS)
+    with sdk_client(disaggregated.orchestrator.url) as client:
+        answer = ask_feature(client, name, stream, feature_variant(name, stream))
+    expected = aggregated.features[name, stream]
+    assert len(expected.choices) == FEATURES[name].get("n", 1)
+    assert all(len(choice.tokens) > 1 for choice in expected.choices)  # GEN had work to do for every sequence
+    assert answer == expected
+    if name == "n2_greedy":
+        assert expected.choices[0] == expected.choices[1]
+    if name == "json_schema":
+        person = json.loads(expected.choices[0].text)
+        assert list(person) == ["name", "age"]  # PERSON's properties, in its order
+        assert isinstance(person["name"], str) and isinstance(person["age"], int)
+    assert disaggregated.gen.loaded_external_kv(hits_before), disaggregated.gen.metric(EXTERNAL_HITS) - hits_before
+
+
+def test_disaggregated_unseeded_n_continues_the_draws_ctx_made(disaggregated: Disaggregated) -> None:
+    # No seed: CTX draws one and hands it on, so GEN, choosing each first token again, chooses CTX's (a different
+    # draw would fail the request with engine_request_failed rather than answer inconsistently).
+    with sdk_client(disaggregated.orchestrator.url) as client:
+        reply = client.chat.completions.create(model=MODEL, messages=long_chat("unseeded n"), n=3, temperature=1.0,
+                                               max_tokens=8)
+    assert sorted(choice.index for choice in reply.choices) == [0, 1, 2]
+    assert reply.usage is not None and reply.usage.completion_tokens > 3

@@ -2,10 +2,12 @@
 
 - ``CONTEXT_ONLY``: the prompt with ``max_tokens`` 1 and ``kv_transfer_params`` ``{"do_remote_decode": true}``;
   vLLM's KV connector saves (ExampleConnector) or exposes (NixlConnector) the prompt's KV, and what vLLM answers
-  in ``kv_transfer_params`` goes into our opaque hand-off state (``handoff.py``).
-- ``GENERATION_ONLY``: the prompt plus CTX's first token, with CTX's ``kv_transfer_params`` and
-  ``do_remote_prefill``; vLLM loads the prompt's KV through the connector and decodes on from the first token,
-  which the front end already puts at the head of the answer (``workers.text_stream``).
+  in ``kv_transfer_params`` goes into our opaque hand-off state (``handoff.py``), with the seed CTX sampled with.
+- ``GENERATION_ONLY``: the prompt alone, with CTX's ``kv_transfer_params`` and ``do_remote_prefill`` (vLLM's own
+  P/D protocol); vLLM loads the prompt's KV through the connector and chooses the first token of every sequence
+  again under the same seed and grammar, which must be CTX's (the front end already put CTX's at the head of the
+  answer, ``workers.text_stream``) and are dropped. vLLM's sampler and structured-output state then stand where an
+  aggregated run's stand after its first token, so ``n``, seeded sampling and structured output continue alike.
 - ``AGGREGATED``: plain generation.
 
 The prompt stays our int32 array until ``_vllm_prompt``, the one place it becomes the ``list[int]`` vLLM's
@@ -16,24 +18,33 @@ vLLM's exceptions are translated here; closing ``generate``'s iterator early abo
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import json
 import logging
 import os
 import pathlib
+import secrets
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from frontend.errors import ContextLengthError, EngineError, InvalidRequestError, ServingError
+from frontend.errors import (
+    ContextLengthError,
+    EngineError,
+    EngineRequestError,
+    InvalidRequestError,
+    ServingError,
+)
+from frontend.sampling import SamplingParams
 from workers.engines.base import Tokenizer
 from workers.engines.options import EngineOptions, VllmConfig
 from workers.engines.outputs import EngineInfo, EngineOutput, FinishReason, TokenLogprob
 from workers.engines.request import GenerationRequest, Phase
 from workers.engines.vllm.handoff import VllmHandoff, parse_handoff
-from workers.engines.vllm.sampling import vllm_sampling_fields
+from workers.engines.vllm.sampling import refuse_n_across_handoff, repeated_sequences, vllm_sampling_fields
 from workers.engines.vllm.tokenizer import CheckpointError, HFTokenizer
 
 logger = logging.getLogger(__name__)
@@ -84,6 +95,7 @@ class VllmEngine:
         self._tokenizer: HFTokenizer | None = None
         self._llm: Any = None  # vllm.v1.engine.async_llm.AsyncLLM, imported only in start()
         self._vllm: Any = None
+        self._connector: str | None = None  # the KV connector's name, from --kv-transfer-config
 
     @property
     def info(self) -> EngineInfo:
@@ -112,14 +124,19 @@ class VllmEngine:
             model_hash=model_hash,
             # vLLM's prefix cache keys blocks by token values, and GEN needs the real prompt: never placeholders.
             kv_block_reuse=True, prompt_tokens_in_handoff=False, supports_logprobs=True,
+            supports_structured_output=True, supports_n=True,
         )
+        self._connector = json.loads(self.config.kv_transfer_config or "{}").get("kv_connector")
 
     def _engine_args(self, model: ServedModel) -> dict[str, Any]:
         c = self.config
         args: dict[str, Any] = {
             "model": str(model.folder), "served_model_name": [model.name], "dtype": c.dtype,
-            "enforce_eager": c.enforce_eager, "max_num_seqs": c.max_num_seqs, "skip_tokenizer_init": True,
-            "disable_log_stats": False,
+            "enforce_eager": c.enforce_eager, "max_num_seqs": c.max_num_seqs, "disable_log_stats": False,
+            # vLLM's structured output needs its tokenizer (llguidance builds its token trie from it); vLLM still
+            # never detokenizes (``detokenize`` off in every request).
+            "tokenizer": str(model.folder), "skip_tokenizer_init": False,
+            "structured_outputs_config": self._vllm.StructuredOutputsConfig(backend="guidance"),
         }
         if c.max_model_len is not None:
             args["max_model_len"] = c.max_model_len
@@ -166,32 +183,57 @@ class VllmEngine:
                 yield output
 
     async def _context(self, request: GenerationRequest) -> AsyncGenerator[EngineOutput, None]:
-        """Prefill and the first token; the KV stays with vLLM's connector for GEN to fetch."""
+        """Prefill and every sequence's first token; the KV stays with vLLM's connector for GEN to fetch."""
+        refuse_n_across_handoff(request.sampling, self._connector)
+        seed = _handoff_seed(request.sampling)
         wants_more = request.max_tokens > 1
         params = {"do_remote_decode": True} if wants_more else None
-        async for output, kv_params in self._outputs(request, request.prompt_token_ids_i32, 1, params):
+        firsts: dict[int, EngineOutput] = {}
+        kv_params = None
+        async for output, answered in self._outputs(request, request.prompt_token_ids_i32, 1, params, seed):
+            kv_params = answered if answered is not None else kv_params
             finish = output.finish_reason
-            handoff = None
             if finish == "length" and wants_more:  # our cap of one token, not the client's: GEN goes on
                 finish = None
-                handoff = VllmHandoff(self.info.model_hash, request.prompt_len, kv_params).encode()
-            yield EngineOutput(output.token_ids, output.logprobs, finish, handoff)
+            firsts[output.index] = dataclasses.replace(output, finish_reason=finish)
+        # One output per sequence; the last carries the hand-off that every unfinished sequence continues from.
+        ordered = [firsts[index] for index in sorted(firsts)]
+        for position, output in enumerate(ordered):
+            if position == len(ordered) - 1 and any(o.finish_reason is None for o in ordered):
+                output = dataclasses.replace(output, handoff_state=VllmHandoff(
+                    self.info.model_hash, request.prompt_len, kv_params, seed).encode())
+            yield output
 
     async def _continue(self, request: GenerationRequest) -> AsyncGenerator[EngineOutput, None]:
+        """vLLM gets the prompt alone with ``do_remote_prefill``, as in its own P/D protocol: it loads the prompt's
+        KV through the connector and chooses each sequence's first token again, under the same seed and grammar,
+        so seeded sampling, ``n`` and structured output continue exactly as an aggregated run would. Those first
+        tokens must be CTX's (the front end already sent CTX's); they are checked and dropped here."""
         assert request.handoff is not None
         state = parse_handoff(request.handoff.opaque_state, self.info.model_hash, request.prompt_len)
-        first = request.handoff.first_gen_tokens
-        remaining = request.max_tokens - len(first)
-        if remaining <= 0:  # CTX's token(s) used the whole budget
-            yield EngineOutput((), finish_reason="length")
+        starts = [start.first_gen_tokens for start in request.handoff.sequences]
+        if request.max_tokens <= len(starts[0]):  # CTX's token(s) used the whole budget
+            for index in range(len(starts)):
+                yield EngineOutput((), finish_reason="length", index=index)
             return
-        prompt = np.concatenate([request.prompt_token_ids_i32, np.asarray(first, dtype=np.int32)])
-        accepted = False
-        async for output in self._run(request, prompt, remaining, state.for_decode()):
-            accepted = True
-            yield output
-        if not accepted:
-            yield EngineOutput((), finish_reason="abort")
+        seed = state.seed if state.seed is not None else request.sampling.seed
+        checks = _FirstTokenCheck(starts)
+        held: list[EngineOutput] | None = []  # until every sequence's first token is checked: an error, if any,
+        # comes before the first byte of the answer
+        async for output, _ in self._outputs(request, request.prompt_token_ids_i32, request.max_tokens,
+                                             state.for_decode(), seed):
+            output = checks.strip(output)
+            if held is None:
+                if output.token_ids or output.finish_reason is not None:
+                    yield output
+                continue
+            held.append(output)
+            if checks.done:
+                for kept in _without_empty_tail(held):
+                    yield kept
+                held = None
+        if held is not None:  # vLLM ended before every sequence began (an abort): the request did not complete
+            raise EngineError("vLLM ended the request before it continued every sequence")
 
     async def _run(self, request: GenerationRequest, prompt: np.ndarray[Any, Any], max_tokens: int,
                    kv_params: dict[str, Any] | None) -> AsyncGenerator[EngineOutput, None]:
@@ -199,26 +241,33 @@ class VllmEngine:
             yield output
 
     async def _outputs(self, request: GenerationRequest, prompt: np.ndarray[Any, Any], max_tokens: int,
-                       kv_params: dict[str, Any] | None) -> AsyncGenerator[tuple[EngineOutput, Any], None]:
+                       kv_params: dict[str, Any] | None, seed: int | None = None,
+                       ) -> AsyncGenerator[tuple[EngineOutput, Any], None]:
         vllm = self._vllm
         assert self._tokenizer is not None
-        fields = vllm_sampling_fields(request.sampling, max_tokens, self._tokenizer.eos_token_ids, kv_params)
+        fields = vllm_sampling_fields(request.sampling, max_tokens, self._tokenizer.eos_token_ids, kv_params, seed)
         try:
+            if "structured_outputs" in fields:
+                fields["structured_outputs"] = vllm.StructuredOutputsParams(**fields["structured_outputs"])
             sampling = vllm.SamplingParams(output_kind=vllm.RequestOutputKind.DELTA, **fields)
-        except ValueError as exc:
+        except (ValueError, vllm.ClientError) as exc:
             raise InvalidRequestError(f"vLLM refused the sampling parameters: {exc}") from exc
+        copies = repeated_sequences(request.sampling)
         finished = False
         stream = self._llm.generate(_vllm_prompt(vllm, prompt), sampling, request.request_id)
         try:
             async for out in stream:
-                completion = out.outputs[0]
-                finish = _finish_reason(completion.finish_reason)
                 finished = out.finished
-                yield EngineOutput(tuple(completion.token_ids), _logprobs(completion, request.sampling.logprobs),
-                                   finish), out.kv_transfer_params
+                for completion in out.outputs:  # n > 1: one child's new tokens per output
+                    output = EngineOutput(tuple(completion.token_ids),
+                                          _logprobs(completion, request.sampling.logprobs),
+                                          _finish_reason(completion.finish_reason), index=completion.index)
+                    for index in range(copies):  # greedy n > 1: the one sequence, as each of the n
+                        yield (output if copies == 1 else dataclasses.replace(output, index=index)), \
+                            out.kv_transfer_params
         except ServingError:
             raise
-        except ValueError as exc:  # vLLM's input checks: a prompt over the context, a bad token id, ...
+        except (ValueError, vllm.ClientError) as exc:  # vLLM's input checks: a prompt over the context, a schema, ...
             message = str(exc)
             if "longer than the maximum model length" in message or "max_model_len" in message:
                 raise ContextLengthError(message, param="messages") from exc
@@ -231,12 +280,56 @@ class VllmEngine:
                 await self._llm.abort(request.request_id)
 
 
+def _handoff_seed(sampling: SamplingParams) -> int | None:
+    """The seed CTX samples with and hands to GEN: the client's, or one drawn here when sampling is random, so
+    that GEN, choosing the first token(s) again, draws what CTX drew. Greedy needs none. 62 bits: vLLM seeds
+    sequence i with ``seed + i``."""
+    if sampling.seed is not None or sampling.temperature == 0:
+        return sampling.seed
+    return secrets.randbits(62)
+
+
+class _FirstTokenCheck:
+    """GEN's vLLM chooses each sequence's first token(s) again; they must be CTX's, and are dropped."""
+
+    def __init__(self, starts: list[tuple[int, ...]]) -> None:
+        self._starts = starts
+        self._left = [len(start) for start in starts]  # of each sequence's first tokens, how many are still to come
+
+    @property
+    def done(self) -> bool:
+        return not any(self._left)
+
+    def strip(self, output: EngineOutput) -> EngineOutput:
+        left = self._left[output.index]
+        if not left:
+            return output
+        start = self._starts[output.index]
+        seen = len(start) - left
+        count = min(left, len(output.token_ids))
+        mine = output.token_ids[:count]
+        if mine != start[seen:seen + count]:
+            raise EngineRequestError(
+                f"GEN's vLLM chose {list(mine)} where CTX chose {list(start[seen:seen + count])} as sequence "
+                f"{output.index}'s first token(s): continuing would not give the answer an aggregated run gives")
+        self._left[output.index] = left - count
+        if output.finish_reason is not None and self._left[output.index]:
+            raise EngineRequestError(f"GEN's vLLM finished sequence {output.index} before CTX's first token(s)")
+        return dataclasses.replace(output, token_ids=output.token_ids[count:], logprobs=output.logprobs[count:])
+
+
+def _without_empty_tail(held: list[EngineOutput]) -> list[EngineOutput]:
+    """The first held output always (it confirms the hand-off), then only those with tokens or a finish."""
+    return held[:1] + [o for o in held[1:] if o.token_ids or o.finish_reason is not None]
+
+
 def _import_vllm() -> Any:
     # vLLM logs every request at INFO; the worker's own log line per request is enough.
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     import vllm
-    from vllm.config import KVTransferConfig
-    from vllm.sampling_params import RequestOutputKind
+    from vllm.config import KVTransferConfig, StructuredOutputsConfig
+    from vllm.exceptions import VLLMClientError
+    from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
     from vllm.v1.engine.async_llm import AsyncLLM
 
     class Namespace:
@@ -246,6 +339,8 @@ def _import_vllm() -> Any:
     ns.AsyncEngineArgs, ns.AsyncLLM, ns.KVTransferConfig = vllm.AsyncEngineArgs, AsyncLLM, KVTransferConfig
     ns.SamplingParams, ns.RequestOutputKind, ns.TokensPrompt = vllm.SamplingParams, RequestOutputKind, \
         vllm.TokensPrompt
+    ns.StructuredOutputsParams, ns.StructuredOutputsConfig = StructuredOutputsParams, StructuredOutputsConfig
+    ns.ClientError = VLLMClientError  # vLLM's request validation (a 4xx in its own server)
     return ns
 
 

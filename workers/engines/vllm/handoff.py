@@ -4,7 +4,8 @@ The KV itself travels through vLLM's KV connector (NixlConnector on GPUs, Exampl
 CPU); this state only says which KV and from what. ``kv_transfer_params`` is what CTX's vLLM answered (Nixl's
 ``remote_engine_id``, ``remote_block_ids``, ``remote_host``, ``remote_port``; nothing for ExampleConnector), handed
 to GEN's vLLM with ``do_remote_prefill``. The model hash and prompt length let GEN refuse a hand-off that cannot be
-its own before vLLM silently recomputes or, worse, reads the wrong KV.
+its own before vLLM silently recomputes or, worse, reads the wrong KV. ``seed`` is the one CTX sampled with: GEN
+chooses the first token(s) again and must draw what CTX drew, also when the client sent no seed.
 """
 
 from __future__ import annotations
@@ -24,10 +25,11 @@ class VllmHandoff:
     model_hash: str
     prompt_len: int
     kv_transfer_params: dict[str, Any] | None
+    seed: int | None = None
 
     def encode(self) -> bytes:
         return orjson.dumps({"engine": "vllm", "model_hash": self.model_hash, "prompt_len": self.prompt_len,
-                             "kv_transfer_params": self.kv_transfer_params})
+                             "kv_transfer_params": self.kv_transfer_params, "seed": self.seed})
 
     def for_decode(self) -> dict[str, Any]:
         """GEN's ``kv_transfer_params``: CTX's answer, told to fetch (``do_remote_prefill``) and not to send on."""
@@ -38,7 +40,7 @@ def parse_handoff(opaque_state: bytes, model_hash: str, prompt_len: int) -> Vllm
     try:
         state = orjson.loads(opaque_state)
         engine, theirs, length = state["engine"], state["model_hash"], state["prompt_len"]
-        params = state.get("kv_transfer_params")
+        params, seed = state.get("kv_transfer_params"), state.get("seed")
     except (orjson.JSONDecodeError, KeyError, TypeError) as exc:
         raise HandoffError("encoded_opaque_state is not a vllm-engine hand-off", param=_PARAM) from exc
     if engine != "vllm":
@@ -50,4 +52,6 @@ def parse_handoff(opaque_state: bytes, model_hash: str, prompt_len: int) -> Vllm
                            param="disaggregated_params.prompt_len")
     if params is not None and not isinstance(params, dict):
         raise HandoffError("kv_transfer_params in the hand-off must be an object", param=_PARAM)
-    return VllmHandoff(theirs, length, params)
+    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
+        raise HandoffError("seed in the hand-off must be an integer", param=_PARAM)
+    return VllmHandoff(theirs, length, params, seed)

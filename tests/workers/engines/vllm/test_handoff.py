@@ -18,6 +18,11 @@ def test_the_state_round_trips_and_gen_fetches_without_sending_on() -> None:
     assert handoff.kv_transfer_params == NIXL
     assert handoff.for_decode() == {**NIXL, "do_remote_prefill": True, "do_remote_decode": False}
     assert VllmHandoff("hash", 300, None).for_decode() == {"do_remote_prefill": True, "do_remote_decode": False}
+    assert handoff.seed is None
+
+
+def test_the_seed_ctx_sampled_with_reaches_gen() -> None:
+    assert parse_handoff(VllmHandoff("hash", 300, None, -12).encode(), "hash", 300).seed == -12
 
 
 @pytest.mark.parametrize(
@@ -30,6 +35,8 @@ def test_the_state_round_trips_and_gen_fetches_without_sending_on() -> None:
         (orjson.dumps({"engine": "vllm", "model_hash": "hash", "prompt_len": 299}), "299-token prompt"),
         (orjson.dumps({"engine": "vllm", "model_hash": "hash", "prompt_len": 300, "kv_transfer_params": [1]}),
          "must be an object"),
+        (orjson.dumps({"engine": "vllm", "model_hash": "hash", "prompt_len": 300, "seed": "7"}),
+         "seed in the hand-off must be an integer"),
     ],
 )
 def test_a_hand_off_gen_cannot_use_is_refused(state: bytes, message: str) -> None:
