@@ -216,7 +216,7 @@ def gen_worker_cpu(gen: Server, bodies: dict[str, bytes], settings: Settings) ->
 
         def post(body: bytes) -> None:
             reply = client.post(gen.url + "/v1/completions", content=body, headers=headers)
-            if reply.status_code != 200 or orjson.loads(reply.content)["usage"]["completion_tokens"] != 2:
+            if reply.status_code != 200 or orjson.loads(reply.content)["usage"]["completion_tokens"] < 1:
                 raise RuntimeError(f"GEN answered {reply.status_code}: {reply.text[:300]}")
 
         for body in bodies.values():
