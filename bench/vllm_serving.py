@@ -89,7 +89,10 @@ QUOTED = {"vLLM toy P/D proxy (httpx, text only)": {1_024: "5.0-5.2", 40_000: "6
 
 @dataclass(frozen=True)
 class Settings:
-    prompts: tuple[int, ...] = (512, 2_048)
+    # One under 512 and 2,048: with ExampleConnector a CTX prompt of a multiple of 128 tokens kills GEN's engine
+    # core (GEN's prompt is CTX's plus one token; the connector finds KV by the prompt less its last token cut to
+    # whole blocks, then loads it under the whole prompt cut to whole blocks: another folder, FileNotFoundError).
+    prompts: tuple[int, ...] = (511, 2_047)
     runs: int = 3
     max_tokens: int = 32
     cost_prompt: int = 1_024  # the orchestrator's CPU: issue 14's smallest prompt
@@ -103,7 +106,7 @@ class Settings:
 
 
 FULL = Settings()
-QUICK = Settings(prompts=(512,), runs=1, max_tokens=16, cost_requests=8, gen_cpu_rounds=1, gen_cpu_batch=4,
+QUICK = Settings(prompts=(511,), runs=1, max_tokens=16, cost_requests=8, gen_cpu_rounds=1, gen_cpu_batch=4,
                  inprocess_runs=3, inprocess_ops=10)
 
 
@@ -332,7 +335,8 @@ def run_phase(setup: str, processes: Processes, checkpoint: Path, model: str, se
     return phase
 
 
-def run(settings: Settings = FULL) -> dict[str, Any]:
+def run(settings: Settings = FULL, partial: Path | None = None) -> dict[str, Any]:
+    """Every phase in turn; with ``partial``, the result so far is written there after each phase."""
     from workers.engines.vllm.engine import resolve_model
 
     served = resolve_model(None, None)  # the packaged SmolLM2, converted once into a checkpoint folder
@@ -343,6 +347,8 @@ def run(settings: Settings = FULL) -> dict[str, Any]:
     with Processes() as processes, tempfile.TemporaryDirectory(prefix="vllm-bench-kv-") as kv_root:
         for setup in settings.setups:
             result["phases"][setup] = run_phase(setup, processes, checkpoint, model, settings, Path(kv_root))
+            if partial is not None:
+                write_json(partial, result)
     result["duration_s"] = time.perf_counter() - started
     result["loadavg_at_end"] = loadavg()
     return result
@@ -431,7 +437,7 @@ def plot(result: dict[str, Any], path: Path) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
-    parser.add_argument("--quick", action="store_true", help="512 tokens only, one run each (a check, ~6 min)")
+    parser.add_argument("--quick", action="store_true", help="511 tokens only, one run each (a check, ~6 min)")
     parser.add_argument("--docs", action="store_true",
                         help="write docs/benchmarks/vllm_serving.{json,png} and the section of docs/benchmarks.md")
     parser.add_argument("--json", type=Path, default=None, help="also write the result here")
@@ -447,7 +453,7 @@ def main(argv: list[str] | None = None) -> int:
         if missing:
             print(f"[vllm_serving] {missing}", file=sys.stderr)
             return 2
-        result = run(QUICK if args.quick else FULL)
+        result = run(QUICK if args.quick else FULL, args.json)
         result["mode"] = "quick" if args.quick else "full"
     print(tables(result))
     if args.json:
