@@ -42,7 +42,7 @@ import tempfile
 import time
 import types
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -440,7 +440,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="511 tokens only, one run each (a check, ~6 min)")
     parser.add_argument("--docs", action="store_true",
                         help="write docs/benchmarks/vllm_serving.{json,png} and the section of docs/benchmarks.md")
-    parser.add_argument("--json", type=Path, default=None, help="also write the result here")
+    parser.add_argument("--runs", type=int, default=None, help="requests per set-up and size (default 3)")
+    parser.add_argument("--json", type=Path, default=None, help="also write the result here (and after each phase)")
     parser.add_argument("--from-json", type=Path, default=None,
                         help="run nothing: print (and with --docs, write) the tables and plot of an earlier result")
     args = parser.parse_args(argv)
@@ -453,7 +454,10 @@ def main(argv: list[str] | None = None) -> int:
         if missing:
             print(f"[vllm_serving] {missing}", file=sys.stderr)
             return 2
-        result = run(QUICK if args.quick else FULL, args.json)
+        settings = QUICK if args.quick else FULL
+        if args.runs is not None:
+            settings = replace(settings, runs=args.runs)
+        result = run(settings, args.json)
         result["mode"] = "quick" if args.quick else "full"
     print(tables(result))
     if args.json:
