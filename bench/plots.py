@@ -201,18 +201,24 @@ def vllm_serving_plot(result: dict[str, Any], path: Path) -> Path:
     names: list[str] = []
     values: list[float] = []
     colours: list[Any] = []
+    nets: list[float] = []
     for index, setup in enumerate(setups):
         cell = phases[setup].get("orchestrator_cpu")
         if cell:
-            names.append(f"{setup}\n(this run)")
+            names.append("ours → " + ("CTX + GEN" if "CTX" in setup else "vLLM P/D") + "\n(this run)")
             values.append(cell["cpu_ms_per_request"])
+            nets.append(cell["cpu_ms_per_request"] - cell["idle_cpu_ms_per_s"] * cell["wall_ms_per_request"] / 1e3)
             colours.append(palette(index))
-    quoted = {"vLLM toy proxy\n(issue 14, quoted)": 5.1, "SGLang mini_lb\n(issue 14, quoted)": 3.0}
+    quoted = {"vLLM toy proxy\n(issue 14, quoted,\nmock workers)": 5.1,
+              "SGLang mini_lb\n(issue 14, quoted,\nmock workers)": 3.0}
     for name, value in quoted.items():
         names.append(name)
         values.append(value)
         colours.append("#bbbbbb")
     bars = axes[2].bar(range(len(names)), values, color=colours)
+    axes[2].bar(range(len(nets)), nets, color="none", edgecolor="black", hatch="//",
+                label="net of idle CPU x request time")
+    axes[2].legend(fontsize=7)
     for bar, value in zip(bars, values, strict=True):
         axes[2].annotate(f"{value:.1f}", (bar.get_x() + bar.get_width() / 2, value), ha="center", va="bottom",
                          fontsize=7)
