@@ -172,3 +172,61 @@ def orchestrator_cost_plot(result: dict[str, Any], setups: list[str], path: Path
     axes[0][-1].legend(fontsize=8)  # the largest prompt has every set-up
     figure.suptitle("Orchestrator vs a pass-through proxy, mock workers" + machine_note, fontsize=10)
     return _save(figure, path)
+
+
+def vllm_serving_plot(result: dict[str, Any], path: Path) -> Path:
+    """TTFT p50 and decode tokens/s of each set-up at each prompt size; the orchestrator's CPU per request beside
+    the quoted toy-proxy figures (bench.vllm_serving)."""
+    phases = result["phases"]
+    setups = list(phases)
+    sizes = result["method"]["prompts"]
+    figure, axes = plt.subplots(1, 3, figsize=(14, 4.4))
+    palette = plt.get_cmap("tab10")
+    width = 0.8 / max(len(setups), 1)
+    for axis, key, label in ((axes[0], "ttft_ms", "TTFT p50 ms"),
+                             (axes[1], "decode_tokens_per_s", "decode tok/s after token 1 (p50)")):
+        for index, setup in enumerate(setups):
+            points = {p["prompt_words"]: p for p in phases[setup]["points"]}
+            xs = [i + (index - (len(setups) - 1) / 2) * width for i in range(len(sizes))]
+            ys = [points[s][key] or 0.0 if s in points else 0.0 for s in sizes]
+            bars = axis.bar(xs, ys, width, color=palette(index), label=setup)
+            for bar, value in zip(bars, ys, strict=True):
+                axis.annotate(f"{value:.0f}" if key == "ttft_ms" else f"{value:.1f}",
+                              (bar.get_x() + bar.get_width() / 2, value), ha="center", va="bottom", fontsize=7)
+        axis.set_xticks(range(len(sizes)))
+        axis.set_xticklabels([f"{s:,} prompt tokens" for s in sizes])
+        axis.set_title(label, fontsize=10)
+        axis.grid(axis="y", alpha=0.3)
+    axes[0].legend(fontsize=7)
+    names: list[str] = []
+    values: list[float] = []
+    colours: list[Any] = []
+    nets: list[float] = []
+    for index, setup in enumerate(setups):
+        cell = phases[setup].get("orchestrator_cpu")
+        if cell:
+            names.append("ours → " + ("CTX + GEN" if "CTX" in setup else "vLLM P/D") + "\n(this run)")
+            values.append(cell["cpu_ms_per_request"])
+            nets.append(cell["cpu_ms_per_request"] - cell["idle_cpu_ms_per_s"] * cell["wall_ms_per_request"] / 1e3)
+            colours.append(palette(index))
+    quoted = {"vLLM toy proxy\n(issue 14, quoted,\nmock workers)": 5.1,
+              "SGLang mini_lb\n(issue 14, quoted,\nmock workers)": 3.0}
+    for name, value in quoted.items():
+        names.append(name)
+        values.append(value)
+        colours.append("#bbbbbb")
+    bars = axes[2].bar(range(len(names)), values, color=colours)
+    axes[2].bar(range(len(nets)), nets, color="none", edgecolor="black", hatch="//",
+                label="net of idle CPU x request time")
+    axes[2].legend(fontsize=7)
+    for bar, value in zip(bars, values, strict=True):
+        axes[2].annotate(f"{value:.1f}", (bar.get_x() + bar.get_width() / 2, value), ha="center", va="bottom",
+                         fontsize=7)
+    axes[2].set_xticks(range(len(names)))
+    axes[2].set_xticklabels(names, fontsize=7)
+    axes[2].set_title("proxy CPU ms per request, ~1k-token chat, 8 tokens", fontsize=10)
+    axes[2].grid(axis="y", alpha=0.3)
+    machine = result.get("machine", {})
+    figure.suptitle(f"vLLM (float32, 1 OMP thread per instance), concurrency 1 ({machine.get('cpu_model')}, "
+                    f"{machine.get('nproc')} cores, load average {machine.get('loadavg_at_start')})", fontsize=10)
+    return _save(figure, path)
