@@ -68,6 +68,20 @@ def complete(client: openai.OpenAI, stream: bool, variant: str) -> Answer:
     return Answer(text, tuple(tokens), used)
 
 
+# A prompt of exactly two 128-token KV blocks, as token ids. ExampleConnector once killed GEN's engine core on a
+# prompt of a whole number of blocks, when GEN's prompt was CTX's plus its first token (docs/engines.md); distinct
+# ids from the middle of the vocabulary, so no other test's prompt shares a block with it.
+WHOLE_BLOCKS_PROMPT = [1000 + (7 * i) % 4000 for i in range(256)]
+
+
+def complete_ids(client: openai.OpenAI, prompt: list[int]) -> Answer:
+    reply = client.completions.create(model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, logprobs=0,
+                                      extra_body={"ignore_eos": True})
+    assert reply.choices[0].logprobs is not None and reply.choices[0].logprobs.tokens is not None
+    assert reply.usage is not None and reply.usage.prompt_tokens == len(prompt)
+    return Answer(reply.choices[0].text, tuple(reply.choices[0].logprobs.tokens), reply.usage.completion_tokens)
+
+
 ASK = {"chat": chat, "completions": complete}
 # (endpoint, streamed): one prompt variant each, asked whole of the reference and as given of the system under test.
 CASES = [(endpoint, stream) for stream in (False, True) for endpoint in ASK]

@@ -21,7 +21,15 @@ import httpx
 import pytest
 
 from tests.cluster import Node, start_orchestrator
-from tests.vllm.answers import ASK, Answer, case_variant, reference_answers, sdk_client
+from tests.vllm.answers import (
+    ASK,
+    WHOLE_BLOCKS_PROMPT,
+    Answer,
+    case_variant,
+    complete_ids,
+    reference_answers,
+    sdk_client,
+)
 from tests.vllm.availability import needs_vllm
 from tests.vllm.feature_answers import (
     FEATURES,
@@ -66,6 +74,7 @@ class Aggregated:
     france: str
     errors: dict[str, httpx.Response]
     features: dict[tuple[str, bool], FeatureAnswer] = field(default_factory=dict)  # n and structured output
+    whole_blocks: Answer | None = None  # WHOLE_BLOCKS_PROMPT's answer
 
 
 @pytest.fixture(scope="module")
@@ -75,6 +84,7 @@ def aggregated(workers: Workers) -> Aggregated:
     with sdk_client(url) as client:
         answers = reference_answers(client)
         features = feature_reference_answers(client)
+        whole_blocks = complete_ids(client, WHOLE_BLOCKS_PROMPT)
         reply = client.chat.completions.create(model=MODEL, messages=FRANCE, max_tokens=16, temperature=0)
         errors = {
             "prompt_logprobs": httpx.post(url + "/v1/completions", timeout=60, json={
@@ -82,7 +92,7 @@ def aggregated(workers: Workers) -> Aggregated:
             "too_long": httpx.post(url + "/v1/completions", timeout=60, json={
                 "model": MODEL, "prompt": "hello " * 2100, "max_tokens": 2}),
         }
-    return Aggregated(answers, reply.choices[0].message.content or "", errors, features)
+    return Aggregated(answers, reply.choices[0].message.content or "", errors, features, whole_blocks)
 
 
 @dataclass
@@ -118,6 +128,17 @@ def test_disaggregated_equals_aggregated(aggregated: Aggregated, disaggregated: 
     assert answer.completion_tokens == expected.completion_tokens == len(expected.tokens)
     # GEN's vLLM loaded the prompt's KV through the connector (at least one 128-token block) instead of computing it.
     assert disaggregated.gen.loaded_external_kv(hits_before), disaggregated.gen.metric(EXTERNAL_HITS) - hits_before
+
+
+def test_a_prompt_of_whole_kv_blocks_crosses_the_hand_off(aggregated: Aggregated,
+                                                          disaggregated: Disaggregated) -> None:
+    hits_before = disaggregated.gen.metric(EXTERNAL_HITS)
+    with sdk_client(disaggregated.orchestrator.url) as client:
+        answer = complete_ids(client, WHOLE_BLOCKS_PROMPT)
+        assert answer == aggregated.whole_blocks
+        assert disaggregated.gen.loaded_external_kv(hits_before), disaggregated.gen.metric(EXTERNAL_HITS) - hits_before
+        # GEN's engine core lives on: the next request is served too.
+        assert complete_ids(client, [*WHOLE_BLOCKS_PROMPT[:-1], 42]).completion_tokens > 1
 
 
 def test_disaggregated_france(disaggregated: Disaggregated) -> None:
