@@ -4,6 +4,7 @@ end and returns well-formed results is asserted; the figures come from ``python 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 from typing import Any
@@ -72,18 +73,19 @@ def test_tables_block_and_plot_from_a_made_up_result(tmp_path: Path) -> None:
 
 
 @pytest.mark.skipif(vllm_missing_reason() is not None, reason=vllm_missing_reason() or "")
-def test_every_setup_runs_on_real_vllm() -> None:
-    result = vllm_serving.run(TINY)
-    assert list(result["phases"]) == list(vllm_serving.SETUPS)
-    for phase in result["phases"].values():
-        (found,) = phase["points"]
-        assert found["prompt_tokens"] >= 128 and found["completion_tokens"] == TINY.max_tokens
-        assert _positive(found["ttft_ms"]) and _positive(found["decode_tokens_per_s"])
-    for setup in (vllm_serving.DISAGGREGATED, vllm_serving.PD):
-        cost = result["phases"][setup]["orchestrator_cpu"]
-        assert cost["requests"] == TINY.cost_requests and cost["cpu_ms_per_request"] >= 0
+def test_the_disaggregated_phase_runs_on_real_vllm() -> None:
+    # One phase, not four: each vLLM start costs ~50 s of CPU, and all four phases took 5.5 min here, past the
+    # suite's budget. This one runs every measurement the benchmark has (latency, the orchestrator's CPU, GEN's CPU
+    # on both paths); the other phases differ only in the command lines they start (tests/vllm runs those servers).
+    result = vllm_serving.run(dataclasses.replace(TINY, setups=(vllm_serving.DISAGGREGATED,)))
+    assert list(result["phases"]) == [vllm_serving.DISAGGREGATED]
+    (found,) = result["phases"][vllm_serving.DISAGGREGATED]["points"]
+    assert found["prompt_tokens"] >= 128 and found["completion_tokens"] == TINY.max_tokens
+    assert _positive(found["ttft_ms"]) and _positive(found["decode_tokens_per_s"])
+    cost = result["phases"][vllm_serving.DISAGGREGATED]["orchestrator_cpu"]
+    assert cost["requests"] == TINY.cost_requests and cost["cpu_ms_per_request"] >= 0
     (gen,) = result["phases"][vllm_serving.DISAGGREGATED]["gen_cpu"]
     assert all(gen["process"][kind]["requests"] == 1 and gen["process"][kind]["body_bytes"] > 0
                for kind in ("list", "array"))
     assert all(_positive(gen["in_process"][kind]["us"]) for kind in ("list", "array", "tolist"))
-    assert f"| {vllm_serving.PD} |" in vllm_serving.tables(result)
+    assert f"| {vllm_serving.DISAGGREGATED} |" in vllm_serving.tables(result)
