@@ -101,14 +101,14 @@ def stream_once(client: httpx.Client, url: str, model: str, prompt: str, max_tok
     }
 
 
-def kv_bytes_per_token() -> int | None:
+def kv_bytes_per_token(model_path: str | None = None) -> int | None:
     """Bytes of float32 K and V per prompt token in the reference hand-off, from the GGUF file's header."""
     try:
         from gguf import GGUFReader
 
         from workers.engines.reference.model_file import default_model_path
 
-        reader = GGUFReader(default_model_path())
+        reader = GGUFReader(model_path or default_model_path())
 
         def field(key: str) -> int:
             found = reader.get_field(key)
@@ -161,11 +161,14 @@ def start_reference_system(processes: Processes, worker_extra: list[str], startu
 
 
 def run(prompt_tokens: tuple[int, ...] = PROMPT_TOKENS, runs: int = 2, max_tokens: int = MAX_TOKENS,
-        startup_timeout_s: float = 300.0) -> dict[str, Any]:
+        startup_timeout_s: float = 300.0, model_path: str | None = None) -> dict[str, Any]:
+    """``model_path`` None serves SmolLM2 (the figures); the smoke test passes a tiny random GGUF, which exercises
+    the same processes, streams and bookkeeping without three real-model loads."""
     points: list[dict[str, Any]] = []
     with Processes() as processes:
         started = time.perf_counter()
-        system = start_reference_system(processes, ["--blas-threads", "1"], startup_timeout_s)
+        extra = ["--blas-threads", "1", *(["--model", model_path] if model_path else [])]
+        system = start_reference_system(processes, extra, startup_timeout_s)
         load_s = time.perf_counter() - started
         model = system.model
         targets = {"disaggregated": system.orchestrator.url, "aggregated": system.both.url}
@@ -194,7 +197,7 @@ def run(prompt_tokens: tuple[int, ...] = PROMPT_TOKENS, runs: int = 2, max_token
                     }
                 texts = {r["text"] for mode_runs in samples.values() for r in mode_runs}
                 point["identical_output"] = len(texts) == 1
-                kv_per_token = kv_bytes_per_token()
+                kv_per_token = kv_bytes_per_token(model_path)
                 if kv_per_token is not None:
                     point["kv_handoff_mb"] = kv_per_token * point["aggregated"]["prompt_tokens"] / 1e6
                 points.append(point)
