@@ -10,17 +10,15 @@ instance holds ~5 GB, so callers keep at most two alive at once.
 from __future__ import annotations
 
 import contextlib
-import http.client
 import importlib.util
 import json
 import os
 import signal
 import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from bench.common import LOOPBACK, PYTHON, REPO_ROOT, Server, StartupError, child_env, http_get
+from bench.common import LOOPBACK, PYTHON, REPO_ROOT, Server, child_env, wait_healthy
 
 # Starting vLLM on a busy 2-core machine: ~30 s alone, minutes beside other users. Only a bound.
 START_TIMEOUT_S = 600.0
@@ -71,25 +69,6 @@ def start_group(name: str, argv: list[str], port: int, log_dir: Path) -> Server:
     return Server(name, f"http://{LOOPBACK}:{port}", process, log_path)
 
 
-def wait_started(servers: list[Server], timeout_s: float = START_TIMEOUT_S) -> None:
-    """Until every server answers /health 200; a server that exits fails at once, with its log's tail."""
-    deadline = time.monotonic() + timeout_s
-    pending = list(servers)
-    while pending:
-        for server in list(pending):
-            if server.process.poll() is not None:
-                raise StartupError(f"{server.name} exited with status {server.process.returncode}:\n"
-                                   f"{server.log_tail(40)}")
-            with contextlib.suppress(OSError, http.client.HTTPException):
-                if http_get(server.url, "/health", timeout_s=5)[0] == 200:
-                    pending.remove(server)
-        if pending and time.monotonic() > deadline:
-            raise StartupError(f"{', '.join(s.name for s in pending)} not healthy after {timeout_s:.0f} s:\n"
-                               + "\n".join(s.log_tail(40) for s in pending))
-        if pending:
-            time.sleep(0.5)
-
-
 def stop_group(server: Server) -> None:
     """SIGTERM to the whole group, a grace period, then SIGKILL to whatever is left in it (the engine core)."""
     with contextlib.suppress(ProcessLookupError):
@@ -111,7 +90,7 @@ def vllm_instances(specs: dict[str, list[str]], ports: dict[str, int], log_dir: 
     try:
         for name, argv in specs.items():
             started.append(start_group(name, argv, ports[name], log_dir))
-        wait_started(started)
+        wait_healthy(started, START_TIMEOUT_S)
         yield {server.name: server for server in started}
     finally:
         for server in reversed(started):
