@@ -180,8 +180,15 @@ class Exchange:
         if self._send_timeout_s is not None:
             self._loop = asyncio.get_running_loop()
             self._timer = self._loop.call_later(self._send_timeout_s, self._check_stalled, self._send_timeout_s)
-        await self._send({"type": "http.response.start", "status": status,
-                          "headers": [*headers, (b"x-request-id", self.request_id.encode())]})
+        message = {"type": "http.response.start", "status": status,
+                   "headers": [*headers, (b"x-request-id", self.request_id.encode())]}
+        if self._loop is None:
+            await self._send(message)
+            return
+        # Timed like a body send: uvicorn's send waits for the client to drain whatever message it is given.
+        self._blocked_since = self._loop.time()
+        await self._send(message)
+        self._blocked_since = None
 
     async def _body(self, body: bytes, more: bool) -> None:
         if not more:
@@ -233,7 +240,8 @@ class Exchange:
         self._cut_off("left")
 
     def _cut_off(self, why: str) -> None:
-        if self._cut is None and self._task is not None and not self._task.done():
+        # A task the server is already cancelling (its shutdown) keeps that cancellation: it is not a client's.
+        if self._cut is None and self._task is not None and not self._task.done() and not self._task.cancelling():
             self._cut = why
             self._task.cancel()
 

@@ -18,6 +18,7 @@ vLLM's exceptions are translated here; closing ``generate``'s iterator early abo
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -184,9 +185,10 @@ class VllmEngine:
 
     async def _context(self, request: GenerationRequest) -> AsyncGenerator[EngineOutput, None]:
         """Prefill and every sequence's first token; the KV stays with vLLM's connector for GEN to fetch."""
-        refuse_n_across_handoff(request.sampling, self._connector)
-        seed = _handoff_seed(request.sampling)
         wants_more = request.max_tokens > 1
+        if wants_more:  # with one token CTX answers alone: nothing is handed off
+            refuse_n_across_handoff(request.sampling, self._connector)
+        seed = _handoff_seed(request.sampling)
         params = {"do_remote_decode": True} if wants_more else None
         firsts: dict[int, EngineOutput] = {}
         kv_params = None
@@ -220,18 +222,21 @@ class VllmEngine:
         checks = _FirstTokenCheck(starts)
         held: list[EngineOutput] | None = []  # until every sequence's first token is checked: an error, if any,
         # comes before the first byte of the answer
-        async for output, _ in self._outputs(request, request.prompt_token_ids_i32, request.max_tokens,
-                                             state.for_decode(), seed):
-            output = checks.strip(output)
-            if held is None:
-                if output.token_ids or output.finish_reason is not None:
-                    yield output
-                continue
-            held.append(output)
-            if checks.done:
-                for kept in _without_empty_tail(held):
-                    yield kept
-                held = None
+        # aclosing: a first token that is not CTX's raises in this loop, and vLLM's request is aborted now, by
+        # ``_outputs``' own clean-up, not later by the event loop's finalizer of an abandoned generator.
+        async with contextlib.aclosing(self._outputs(request, request.prompt_token_ids_i32, request.max_tokens,
+                                                     state.for_decode(), seed)) as outputs:
+            async for output, _ in outputs:
+                output = checks.strip(output)
+                if held is None:
+                    if output.token_ids or output.finish_reason is not None:
+                        yield output
+                    continue
+                held.append(output)
+                if checks.done:
+                    for kept in _without_empty_tail(held):
+                        yield kept
+                    held = None
         if held is not None:  # vLLM ended before every sequence began (an abort): the request did not complete
             raise EngineError("vLLM ended the request before it continued every sequence")
 

@@ -95,5 +95,6 @@ def guidance_schema(schema_text: str) -> str:
     schema = orjson.loads(schema_text)
     if not isinstance(schema, dict):  # a boolean schema: no options to carry, and nothing to format
         return schema_text
-    schema["x-guidance"] = {**(schema.get("x-guidance") or {}), **JSON_OPTIONS}
+    theirs = schema.get("x-guidance")
+    schema["x-guidance"] = {**(theirs if isinstance(theirs, dict) else {}), **JSON_OPTIONS}
     return orjson.dumps(schema).decode()

@@ -8,7 +8,7 @@ import pytest
 
 from frontend.errors import UnsupportedParameterError
 from frontend.sampling import SamplingParams
-from frontend.structured_output import check_json_schema, json_grammar
+from frontend.structured_output import JSON_OPTIONS, check_json_schema, json_grammar
 from workers.engines.vllm.sampling import (
     guidance_schema,
     refuse_n_across_handoff,
@@ -80,3 +80,9 @@ def test_sampled_n_across_a_connector_that_hands_kv_over_once_is_refused_by_name
     refuse_n_across_handoff(sampled, "ExampleConnector")  # files: every sequence reads them
     refuse_n_across_handoff(sampled, None)  # nothing handed off
     refuse_n_across_handoff(SamplingParams(temperature=0, n=2), "NixlConnector")  # greedy: one vLLM request
+
+
+def test_a_client_x_guidance_that_is_not_an_object_is_replaced_by_our_options() -> None:
+    # A list there must not become a TypeError (a 500) in the adapter; our options are what counts anyway.
+    schema = orjson.loads(guidance_schema(orjson.dumps({"type": "object", "x-guidance": [1, 2]}).decode()))
+    assert schema["x-guidance"] == JSON_OPTIONS
