@@ -99,7 +99,7 @@ class OrchestratorConfig(_Frozen):
     connect_timeout_s: Annotated[float, Field(gt=0)] = 5.0
     max_retries: Annotated[int, Field(ge=0, le=10)] = 1
     # The HTTP client of the calls to workers (orchestrator/transport.py: make_transport).
-    upstream_client: Literal["aiohttp", "httpx"] = "aiohttp"
+    upstream_client: Literal["httptools", "aiohttp", "httpx"] = "httptools"
     health_check_interval_s: Annotated[float, Field(gt=0)] = 2.0
     max_body_bytes: Annotated[int, Field(ge=1024)] = DEFAULT_MAX_BODY_BYTES
     max_concurrent_requests: Annotated[int, Field(ge=1)] = 1024

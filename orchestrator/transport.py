@@ -25,7 +25,7 @@ from typing import Literal, Protocol
 
 # A request body: bytes, or chunks (GEN's body around CTX's b64 prompt, a view of CTX's answer: b64_splice.py).
 Body = bytes | tuple[bytes | memoryview, ...]
-Client = Literal["aiohttp", "httpx"]
+Client = Literal["httptools", "aiohttp", "httpx"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,15 +96,19 @@ def body_bytes(body: Body) -> bytes:
     return body if isinstance(body, bytes) else b"".join(body)
 
 
-def make_transport(url: str, timeouts: WorkerTimeouts, client: Client = "aiohttp") -> Transport:
-    """The one place that chooses the HTTP client: aiohttp by default (its C parser and no anyio layer make the
-    orchestrator's CPU per request about half of httpx's: docs/benchmarks.md, orchestrator cost), httpx on request
-    (``upstream_client: httpx``)."""
-    # Imported here, not at the top: both modules import this one.
+def make_transport(url: str, timeouts: WorkerTimeouts, client: Client = "httptools") -> Transport:
+    """The one place that chooses the HTTP client: our own on httptools by default (a pooled keep-alive POST and
+    nothing else: about half aiohttp's CPU per request at 1k tokens, docs/benchmarks.md, orchestrator cost), aiohttp
+    or httpx on request (``upstream_client``)."""
+    # Imported here, not at the top: these modules import this one.
     if client == "httpx":
         from orchestrator.httpx_transport import HttpxTransport
 
         return HttpxTransport(url, timeouts)
-    from orchestrator.aiohttp_transport import AiohttpTransport
+    if client == "aiohttp":
+        from orchestrator.aiohttp_transport import AiohttpTransport
 
-    return AiohttpTransport(url, timeouts)
+        return AiohttpTransport(url, timeouts)
+    from orchestrator.httptools_transport import HttptoolsTransport
+
+    return HttptoolsTransport(url, timeouts)

@@ -1,5 +1,5 @@
-"""Every transport (httpx, aiohttp) against real workers on loopback: whole and streamed answers, bodies sent as
-chunks, and every failure arriving as the project's own error, stream iteration included."""
+"""Every transport (httpx, aiohttp, httptools) against real workers on loopback: whole and streamed answers,
+bodies sent as chunks, and every failure arriving as the project's own error, stream iteration included."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from starlette.routing import Route
 import orchestrator
 from frontend.errors import UpstreamError, UpstreamTimeoutError, UpstreamUnavailableError
 from orchestrator.aiohttp_transport import AiohttpTransport
+from orchestrator.httptools_transport import HttptoolsTransport
 from orchestrator.httpx_transport import HttpxTransport, translate_http_error
 from orchestrator.transport import Transport, WorkerTimeouts, make_transport
 from tests.cluster import MODEL, Cluster, start_worker
@@ -60,17 +61,17 @@ def test_httpx_errors_are_translated(error: httpx.HTTPError, expected: type[Upst
     assert "http://w:1" in translated.message
 
 
-TransportClass = type[HttpxTransport] | type[AiohttpTransport]
+TransportClass = type[HttpxTransport] | type[AiohttpTransport] | type[HttptoolsTransport]
 
 
-@pytest.fixture(params=[HttpxTransport, AiohttpTransport], ids=["httpx", "aiohttp"])
+@pytest.fixture(params=[HttpxTransport, AiohttpTransport, HttptoolsTransport], ids=["httpx", "aiohttp", "httptools"])
 def transport_class(request: pytest.FixtureRequest) -> TransportClass:
     cls: TransportClass = request.param
     return cls
 
 
 async def test_the_transport_is_chosen_in_one_place() -> None:
-    for client, cls in (("aiohttp", AiohttpTransport), ("httpx", HttpxTransport)):
+    for client, cls in (("aiohttp", AiohttpTransport), ("httpx", HttpxTransport), ("httptools", HttptoolsTransport)):
         transport: Transport = make_transport("http://w:1", WorkerTimeouts(), client)  # type: ignore[arg-type]
         try:
             assert isinstance(transport, cls)
@@ -78,7 +79,7 @@ async def test_the_transport_is_chosen_in_one_place() -> None:
         finally:
             await transport.aclose()
     default = make_transport("http://w:1", WorkerTimeouts())
-    assert isinstance(default, AiohttpTransport)
+    assert isinstance(default, HttptoolsTransport)
     await default.aclose()
 
 
@@ -174,6 +175,8 @@ def test_each_http_client_stays_inside_its_module() -> None:
             assert not {"httpx", "httpcore", "h11"} & imported, f"{source.relative_to(root)} imports the HTTP client"
         if source.name != "aiohttp_transport.py":
             assert "aiohttp" not in imported, f"{source.relative_to(root)} imports the HTTP client"
+        if source.name != "httptools_transport.py":
+            assert "httptools" not in imported, f"{source.relative_to(root)} imports the HTTP parser"
         called = {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)}
         assert not {"__aenter__", "__aexit__"} & called, f"{source.relative_to(root)} drives a context by hand"
         if source.name != "httpx_transport.py":

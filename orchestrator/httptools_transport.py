@@ -1,0 +1,470 @@
+"""``Transport`` on asyncio protocols and httptools: the orchestrator's default client for its two hot calls.
+
+Why a client of our own: the orchestrator makes exactly one kind of request (a POST of JSON bytes to a worker it
+knows, over a keep-alive connection), and every general client pays per request for what it does not need here.
+Against mock workers (docs/benchmarks.md, orchestrator cost) aiohttp's Python was ~20 % of the orchestrator's
+samples after its own hot path was bare ASGI: a ``ClientRequest`` and a ``ClientResponse`` with their URL, header
+multidicts, cookie jar, tracing hooks and timer handles per call, a ``StreamReader`` whose ``read`` joins the
+chunks it was fed, and one ``send()`` per chunk of a body. Here a request is one ``writelines`` of the head and
+the body's chunks (CTX's b64 span goes out as the view it is, never joined), and the answer is parsed by
+httptools' C parser (llhttp, the one uvicorn and aiohttp use) straight from ``data_received``.
+
+What it keeps of a general client, because production needs it: a pool of keep-alive connections per worker
+(LIFO, so the warm ones are reused; idle ones closed after ``_IDLE_S``, before the worker's own timeout, so the
+orchestrator is the side that closes them), at most ``_MAX_CONNECTIONS`` at once (the rest wait their turn), one
+retry on a fresh connection when a reused one turns out to have been closed by the worker before it answered a
+byte (the idle-timeout race), connect and between-reads timeouts, TLS for ``https://`` workers, flow control on a
+stream the consumer reads slower than the worker writes, and the connection closed, never pooled, when an answer
+is abandoned half read (that is what tells GEN to stop). Anything that goes wrong is the project's own error
+(``frontend.errors``), naming the worker: a refused or failed connect is ``UpstreamUnavailableError``, a timeout
+``UpstreamTimeoutError``, anything else ``UpstreamError``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+import time
+from collections import deque
+from collections.abc import AsyncGenerator
+from typing import cast
+from urllib.parse import urlsplit
+
+import httptools
+
+from frontend.errors import UpstreamError, UpstreamTimeoutError, UpstreamUnavailableError
+from orchestrator.transport import Body, Reply, WorkerTimeouts, body_length
+
+_MAX_CONNECTIONS = 1024  # per worker, as the aiohttp and httpx transports
+_IDLE_S = 30.0  # a worker (uvicorn) closes an idle keep-alive connection after 75 s; we close ours first
+# A stream the consumer has not read yet: past this many bytes the socket is paused until it catches up.
+_PAUSE_AT = 4 * 1024 * 1024
+_BODY_FRAMING = (b"content-length", b"transfer-encoding")
+
+
+class HttptoolsTransport:
+    def __init__(self, url: str, timeouts: WorkerTimeouts) -> None:
+        self.url = url
+        self._timeouts = timeouts
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"worker URL {url!r} must be http:// or https:// with a host")
+        self._host = parts.hostname
+        self._port = parts.port or (443 if parts.scheme == "https" else 80)
+        self._ssl: ssl.SSLContext | None = ssl.create_default_context() if parts.scheme == "https" else None
+        self._prefix = parts.path.rstrip("/")  # a worker URL with a path: requests go under it
+        default_port = self._port == (443 if parts.scheme == "https" else 80)
+        host_header = self._host if default_port else f"{self._host}:{self._port}"
+        if ":" in self._host:  # an IPv6 literal goes in brackets in the Host header
+            host_header = f"[{self._host}]" + ("" if default_port else f":{self._port}")
+        self._host_line = f"Host: {host_header}\r\n"
+        self._idle: list[_Connection] = []  # LIFO: the last one given back is the warmest
+        self._open: set[_Connection] = set()
+        self._connecting = 0  # connections being opened: they count against the limit already
+        self._waiters: deque[asyncio.Future[None]] = deque()
+        self._closed = False
+
+    # -- Transport --------------------------------------------------------------------------------------------
+    async def post(self, path: str, body: Body, headers: dict[str, str] | None = None) -> Reply:
+        connection = await self._send(self._head("POST", path, body_length(body), headers), body, None)
+        try:
+            status = connection.status
+            return Reply(status, await connection.whole_body())
+        finally:
+            self._give_back(connection)
+
+    async def open_stream(self, path: str, body: Body, headers: dict[str, str] | None = None) -> HttptoolsStream:
+        connection = await self._send(self._head("POST", path, body_length(body), headers), body, None)
+        connection.flow_controlled = True  # read as it comes: the socket pauses if the reader falls behind
+        return HttptoolsStream(self, connection)
+
+    async def get(self, path: str, timeout_s: float) -> Reply:
+        try:
+            async with asyncio.timeout(timeout_s):
+                connection = await self._send(self._head("GET", path, None, None), b"", timeout_s)
+                try:
+                    return Reply(connection.status, await connection.whole_body())
+                finally:
+                    self._give_back(connection)
+        except TimeoutError:
+            raise UpstreamTimeoutError(f"worker {self.url} timed out (GET {path} took over {timeout_s} s)") from None
+
+    async def aclose(self) -> None:
+        self._closed = True
+        for connection in list(self._open):
+            connection.close()
+        self._idle.clear()
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+
+    def __repr__(self) -> str:
+        return f"HttptoolsTransport({self.url!r})"
+
+    # -- one exchange -----------------------------------------------------------------------------------------
+    def _head(self, method: str, path: str, length: int | None, headers: dict[str, str] | None) -> bytes:
+        lines = [f"{method} {self._prefix}{path} HTTP/1.1\r\n", self._host_line]
+        if length is not None:
+            lines.append(f"Content-Type: application/json\r\nContent-Length: {length}\r\n")
+        if headers:
+            for name, value in headers.items():
+                if "\r" in value or "\n" in value or "\r" in name or "\n" in name or ":" in name:
+                    raise UpstreamError(f"a header for worker {self.url} is not a valid HTTP header: {name!r}")
+                lines.append(f"{name}: {value}\r\n")
+        lines.append("\r\n")
+        return "".join(lines).encode("latin-1")
+
+    async def _send(self, head: bytes, body: Body, read_timeout_s: float | None) -> _Connection:
+        """A connection on which the answer's status and headers have arrived."""
+        connection = await self._acquire()
+        try:
+            connection.send(head, body, read_timeout_s or self._timeouts.request_s)
+            await connection.headers_arrived()
+            return connection
+        except _StaleConnection:
+            # A pooled connection the worker closed as it was reused (a race with its idle timeout), before a byte
+            # of the answer: once more, on a fresh one. A fresh connection never raises this.
+            self._forget(connection)
+        except BaseException:
+            self._forget(connection)
+            raise
+        connection = await self._acquire(fresh=True)
+        try:
+            connection.send(head, body, read_timeout_s or self._timeouts.request_s)
+            await connection.headers_arrived()
+            return connection
+        except BaseException:
+            self._forget(connection)
+            raise
+
+    # -- the pool ---------------------------------------------------------------------------------------------
+    async def _acquire(self, fresh: bool = False) -> _Connection:
+        if self._closed:
+            raise UpstreamError(f"the transport to worker {self.url} is closed")
+        now = time.monotonic()
+        while self._idle and not fresh:
+            connection = self._idle.pop()
+            if connection.reusable and now - connection.idle_since < _IDLE_S:
+                return connection
+            self._forget(connection)
+        while len(self._open) + self._connecting >= _MAX_CONNECTIONS:
+            waiter = asyncio.get_running_loop().create_future()
+            self._waiters.append(waiter)
+            try:
+                await waiter
+            except BaseException:
+                if waiter.done() and not waiter.cancelled():
+                    self._wake_a_waiter()  # it was this one's turn: pass it on
+                else:
+                    waiter.cancel()
+                raise
+            if self._closed:
+                raise UpstreamError(f"the transport to worker {self.url} is closed")
+            if self._idle and not fresh:
+                connection = self._idle.pop()
+                if connection.reusable:
+                    return connection
+                self._forget(connection)
+        return await self._connect()
+
+    async def _connect(self) -> _Connection:
+        loop = asyncio.get_running_loop()
+        self._connecting += 1
+        connection: _Connection | None = None
+        try:
+            async with asyncio.timeout(self._timeouts.connect_s):
+                _, connection = await loop.create_connection(
+                    lambda: _Connection(self.url), self._host, self._port, ssl=self._ssl,
+                    server_hostname=self._host if self._ssl is not None else None)
+        except TimeoutError:
+            raise UpstreamTimeoutError(f"worker {self.url} timed out (connect took over "
+                                       f"{self._timeouts.connect_s} s)") from None
+        except OSError as exc:  # refused, unreachable, a name that does not resolve, a failed TLS handshake
+            raise UpstreamUnavailableError(f"worker {self.url} is unreachable ({type(exc).__name__}: {exc})") from exc
+        finally:
+            self._connecting -= 1
+            if connection is None:
+                self._wake_a_waiter()  # the slot it held is free again
+        self._open.add(connection)
+        if self._closed:  # closed while it connected
+            self._forget(connection)
+            raise UpstreamError(f"the transport to worker {self.url} is closed")
+        return connection
+
+    def _give_back(self, connection: _Connection) -> None:
+        """After an answer read to its end: back to the pool if the worker keeps it alive, else closed."""
+        if connection.reusable and not self._closed:
+            connection.idle_since = time.monotonic()
+            self._idle.append(connection)
+        else:
+            self._forget(connection)
+            return
+        self._wake_a_waiter()
+
+    def _forget(self, connection: _Connection) -> None:
+        connection.close()
+        if connection in self._open:
+            self._open.discard(connection)
+            self._wake_a_waiter()
+
+    def _wake_a_waiter(self) -> None:
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                return
+
+
+class HttptoolsStream:
+    """``OpenStream`` over a connection whose answer's headers have arrived."""
+
+    def __init__(self, transport: HttptoolsTransport, connection: _Connection) -> None:
+        self._transport = transport
+        self._connection: _Connection | None = connection
+        self._status = connection.status
+
+    @property
+    def status_code(self) -> int:
+        return self._status
+
+    async def chunks(self) -> AsyncGenerator[bytes, None]:
+        try:
+            connection = self._connection
+            if connection is None:
+                return
+            while True:
+                chunk = await connection.next_chunk()
+                if chunk is None:
+                    return
+                yield chunk
+        finally:
+            await self.aclose()
+
+    async def read(self) -> bytes:
+        try:
+            if self._connection is None:
+                return b""
+            return await self._connection.whole_body()
+        finally:
+            await self.aclose()
+
+    async def aclose(self) -> None:
+        connection, self._connection = self._connection, None
+        if connection is None:
+            return
+        if connection.complete:
+            self._transport._give_back(connection)
+        else:
+            # Cut short (the client left, or a failure): closing the connection is what tells the worker to stop.
+            self._transport._forget(connection)
+
+
+class _StaleConnection(Exception):
+    """A reused connection was closed by the worker before a byte of the answer came back."""
+
+
+class _Connection(asyncio.Protocol):
+    """One HTTP/1.1 connection to a worker: one request at a time, its answer parsed as it arrives."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.idle_since = 0.0
+        self.status = 0
+        self.complete = False  # the current answer has arrived whole
+        self.flow_controlled = False  # a stream: pause the socket while the reader is far behind
+        self._transport: asyncio.Transport | None = None
+        self._parser = httptools.HttpResponseParser(self)
+        self._loop = asyncio.get_running_loop()
+        self._used = False  # a request has gone out on it
+        self._reused = False  # the current request is not the connection's first
+        self._received_any = False
+        self._keep_alive = False
+        self._headers_done = False
+        self._delimited = False  # the answer says where its body ends (Content-Length or chunked)
+        self._failure: Exception | None = None  # an UpstreamError, or _StaleConnection
+        self._body: list[bytes] = []
+        self._buffered = 0
+        self._paused = False
+        self._waiter: asyncio.Future[None] | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._read_timeout_s = 0.0
+        self._last_read = 0.0
+
+    @property
+    def reusable(self) -> bool:
+        return self._transport is not None and self.complete and self._keep_alive and self._failure is None
+
+    # -- the request ------------------------------------------------------------------------------------------
+    def send(self, head: bytes, body: Body, read_timeout_s: float) -> None:
+        if self._transport is None or self._transport.is_closing():
+            if self._used:
+                raise _StaleConnection()
+            raise UpstreamError(f"worker {self.url} failed: it closed the connection before the request")
+        if self._used:
+            self._parser = httptools.HttpResponseParser(self)
+        self._reused = self._used
+        self._used = True
+        self.status = 0
+        self.complete = self._headers_done = self._received_any = self._keep_alive = False
+        self.flow_controlled = self._delimited = False
+        self._body = []
+        self._buffered = 0
+        self._read_timeout_s = read_timeout_s
+        self._last_read = self._loop.time()
+        self._timer = self._loop.call_at(self._last_read + read_timeout_s, self._check_read_timeout)
+        if isinstance(body, bytes):
+            if len(body) <= 65536:
+                self._transport.write(head + body if body else head)  # one send for a small request
+            else:
+                self._transport.writelines((head, body))
+        else:
+            self._transport.writelines((head, *body))
+
+    async def headers_arrived(self) -> None:
+        while not self._headers_done:
+            await self._wait()
+
+    async def whole_body(self) -> bytes:
+        self.flow_controlled = False
+        if self._paused and self._transport is not None:
+            self._paused = False
+            self._transport.resume_reading()
+        while not self.complete:
+            await self._wait()
+        body = self._body
+        self._body = []
+        return body[0] if len(body) == 1 else b"".join(body)
+
+    async def next_chunk(self) -> bytes | None:
+        """The next piece of the body as it arrived (pieces that arrived together come joined), or None at its
+        end."""
+        while not self._body:
+            if self.complete:
+                return None
+            await self._wait()
+        body = self._body
+        self._body = []
+        self._buffered = 0
+        if self._paused and self._transport is not None:
+            self._paused = False
+            self._transport.resume_reading()
+        return body[0] if len(body) == 1 else b"".join(body)
+
+    async def _wait(self) -> None:
+        if self._failure is not None:
+            raise self._failure
+        waiter = self._waiter = self._loop.create_future()
+        try:
+            await waiter
+        finally:
+            self._waiter = None
+        if self._failure is not None:
+            raise self._failure
+
+    def close(self) -> None:
+        self._stop_timer()
+        if self._transport is not None:
+            self._transport.close()
+            self._transport = None
+
+    # -- what the worker sends --------------------------------------------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = cast(asyncio.Transport, transport)  # uvloop's transports do not subclass asyncio's
+
+    def data_received(self, data: bytes) -> None:
+        self._received_any = True
+        self._last_read = self._loop.time()
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            self._fail(UpstreamError(f"worker {self.url} sent an answer that is not valid HTTP: {exc}"))
+            self.close()
+
+    def eof_received(self) -> bool | None:
+        return None  # the transport closes itself; connection_lost says what it means
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._transport = None
+        self._stop_timer()
+        if self.complete or self._failure is not None:
+            return
+        if not self._used:
+            return  # an idle connection the worker closed: the pool finds it unusable
+        if self._reused and not self._received_any:
+            self._fail(_StaleConnection())
+            return
+        if self._headers_done and not self._delimited and exc is None:
+            self.complete = True  # a body that ends where the connection does (no length, not chunked)
+            self._wake()
+            return
+        cause = f"{type(exc).__name__}: {exc}" if exc is not None else "the worker closed the connection"
+        self._fail(UpstreamError(f"worker {self.url} failed: the connection was lost before the answer ended "
+                                 f"({cause})"))
+
+    def pause_writing(self) -> None:
+        pass  # a request body is in memory already: the transport buffers it whatever the kernel takes
+
+    def resume_writing(self) -> None:
+        pass
+
+    # -- httptools' callbacks ---------------------------------------------------------------------------------
+    def on_header(self, name: bytes, _: bytes) -> None:
+        if name.lower() in _BODY_FRAMING:
+            self._delimited = True
+
+    def on_headers_complete(self) -> None:
+        self.status = self._parser.get_status_code()
+        self._keep_alive = self._parser.should_keep_alive()
+        self._headers_done = True
+        self._wake()
+
+    def on_body(self, body: bytes) -> None:
+        self._body.append(body)
+        self._buffered += len(body)
+        if self._buffered > _PAUSE_AT and self.flow_controlled and not self._paused and self._transport is not None:
+            self._paused = True
+            self._transport.pause_reading()
+        self._wake()
+
+    def on_message_complete(self) -> None:
+        self._keep_alive = self._parser.should_keep_alive()
+        self.complete = True
+        self._stop_timer()
+        self._wake()
+
+    # -- helpers ----------------------------------------------------------------------------------------------
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def _fail(self, failure: Exception) -> None:
+        if self._failure is None:
+            self._failure = failure
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_exception(failure)
+
+    def _check_read_timeout(self) -> None:
+        """Between two reads at most ``read_timeout_s`` (a stream may run long; a stalled one fails). One timer per
+        request, moved on only when it fires, not on every read."""
+        self._timer = None
+        if self.complete or self._failure is not None:
+            return
+        if self._paused:  # waiting on our own consumer, not on the worker
+            self._timer = self._loop.call_at(self._loop.time() + self._read_timeout_s, self._check_read_timeout)
+            return
+        due = self._last_read + self._read_timeout_s
+        if self._loop.time() < due:
+            self._timer = self._loop.call_at(due, self._check_read_timeout)
+            return
+        self._fail(UpstreamTimeoutError(f"worker {self.url} timed out (nothing read for {self._read_timeout_s} s)"))
+        self.close()
+
+    def _stop_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+

@@ -1,0 +1,327 @@
+"""The httptools transport's own machinery, against raw asyncio servers that misbehave on purpose: the keep-alive
+pool, the stale-connection retry, the connection limit, an abandoned stream closing its connection, flow control,
+answers framed every way HTTP allows, and the same under uvloop (the orchestrator's loop). What every transport
+does against real workers is in test_httpx_transport.py."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import pytest
+import uvloop
+
+from frontend.errors import UpstreamError
+from orchestrator import httptools_transport
+from orchestrator.httptools_transport import HttptoolsTransport
+from orchestrator.transport import WorkerTimeouts
+from tests.waiting import eventually_async
+
+Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+
+
+class RawWorker:
+    """A TCP server answering each request with ``handler``; counts connections and requests."""
+
+    def __init__(self, handler: Callable[[RawWorker, asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+                 ) -> None:
+        self.handler = handler
+        self.connections = 0
+        self.requests: list[bytes] = []
+        self.open_now = 0
+        self.most_open = 0
+        self.closed = asyncio.Event()  # set whenever a client connection ends
+        self.url = ""
+
+    async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        self.open_now += 1
+        self.most_open = max(self.most_open, self.open_now)
+        try:
+            await self.handler(self, reader, writer)
+        except (ConnectionError, asyncio.IncompleteReadError, asyncio.CancelledError):
+            pass  # the client went, or the test is over
+        finally:
+            self.open_now -= 1
+            writer.close()
+            self.closed.set()
+
+    async def read_request(self, reader: asyncio.StreamReader) -> bytes | None:
+        """One request, head and body (Content-Length), or None at the end of the connection."""
+        try:
+            head = await reader.readuntil(b"\r\n\r\n")
+        except asyncio.IncompleteReadError:
+            return None
+        length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                       if line.lower().startswith(b"content-length:")), 0)
+        body = await reader.readexactly(length)
+        self.requests.append(head + body)
+        return body
+
+
+@contextlib.asynccontextmanager
+async def raw_worker(handler: Callable[[RawWorker, asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+                     ) -> AsyncIterator[RawWorker]:
+    worker = RawWorker(handler)
+    server = await asyncio.start_server(worker.serve, "127.0.0.1", 0)
+    worker.url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    try:
+        yield worker
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
+def answer(body: bytes, *, close: bool = False) -> bytes:
+    connection = b"Connection: close\r\n" if close else b""
+    return (b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n" + connection
+            + b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+
+
+async def echo_keep_alive(worker: RawWorker, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    while (body := await worker.read_request(reader)) is not None:
+        writer.write(answer(body))
+        await writer.drain()
+
+
+async def test_connections_are_kept_alive_and_reused() -> None:
+    async with raw_worker(echo_keep_alive) as worker:
+        transport = HttptoolsTransport(worker.url, WorkerTimeouts())
+        try:
+            for i in range(3):
+                reply = await transport.post("/v1/x", b'{"i":%d}' % i, {"X-Request-Id": f"r{i}"})
+                assert (reply.status_code, reply.content) == (200, b'{"i":%d}' % i)
+            assert worker.connections == 1
+            head = worker.requests[0].split(b"\r\n\r\n")[0].split(b"\r\n")
+            assert head[0] == b"POST /v1/x HTTP/1.1"
+            assert b"Host: 127.0.0.1:" + worker.url.rsplit(":", 1)[1].encode() in head
+            assert {b"Content-Type: application/json", b"Content-Length: 7", b"X-Request-Id: r0"} <= set(head)
+        finally:
+            await transport.aclose()
+
+
+async def test_a_worker_that_closes_after_each_answer_gets_a_fresh_connection_each_time() -> None:
+    async def once(worker: RawWorker, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        body = await worker.read_request(reader)
+        writer.write(answer(body or b"", close=True))
+        await writer.drain()
+
+    async with raw_worker(once) as worker:
+        transport = HttptoolsTransport(worker.url, WorkerTimeouts())
+        try:
+            for _ in range(3):
+                assert (await transport.post("/x", b"{}")).content == b"{}"
+            assert worker.connections == 3
+        finally:
+            await transport.aclose()
+
+
+async def test_a_pooled_connection_the_worker_closed_is_retried_once_on_a_fresh_one() -> None:
+    """The idle-timeout race: the worker closes a keep-alive connection (without saying so) just as it is reused;
+    the request goes again on a new connection instead of failing."""
+    async def answer_then_drop(worker: RawWorker, reader: asyncio.StreamReader,
+                               writer: asyncio.StreamWriter) -> None:
+        body = await worker.read_request(reader)
+        writer.write(answer(body or b""))
+        await writer.drain()
+        await worker.read_request(reader)  # the next request arrives ... and the worker hangs up unanswered
+
+    async with raw_worker(answer_then_drop) as worker:
+        transport = HttptoolsTransport(worker.url, WorkerTimeouts())
+        try:
+            assert (await transport.post("/x", b"1")).content == b"1"
+            assert (await transport.post("/x", b"2")).content == b"2"
+            assert worker.connections == 2
+            assert [r.rsplit(b"\r\n", 1)[1] for r in worker.requests] == [b"1", b"2", b"2"]
+        finally:
+            await transport.aclose()
+
+
+async def test_a_fresh_connection_lost_before_the_answer_is_an_upstream_error_not_a_retry() -> None:
+    async def drop(worker: RawWorker, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await worker.read_request(reader)
+
+    async with raw_worker(drop) as worker:
+        transport = HttptoolsTransport(worker.url, WorkerTimeouts())
+        try:
+            with pytest.raises(UpstreamError, match="connection was lost"):
+                await transport.post("/x", b"{}")
+            assert worker.connections == 1
+        finally:
+            await transport.aclose()
+
+
+async def test_an_answer_that_is_not_http_is_an_upstream_error() -> None:
+    async def garbage(worker: RawWorker, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await worker.read_request(reader)
+        writer.write(b"SPDY/9 what\r\n\r\n")
+        await writer.drain()
+        await reader.read()
+
+    async with raw_worker(garbage) as worker:
+        transport = HttptoolsTransport(worker.url, WorkerTimeouts())
+        try:
+            with pytest.raises(UpstreamError, match="not valid HTTP"):
+                await transport.post("/x", b"{}")
+        finally:
+            await transport.aclose()
+
+
+async def test_an_answer_framed_by_chunks_or_by_the_connection_end_arrives_whole() -> None:
+    async def framed(worker: RawWorker, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await worker.read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n2\r\nde\r\n0\r\n\r\n")
+        await worker.read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\nuntil the end")
+        await writer.drain()
+
+    async with raw_worker(framed) as worker:
+        transport = HttptoolsTransport(worker.url, WorkerTimeouts())
+        try:
+            assert (await transport.post("/x", b"{}")).content == b"abcde"
+            assert (await transport.post("/x", b"{}")).content == b"until the end"
+            assert worker.connections == 1
+        finally:
+            await transport.aclose()
+
+
+async def test_an_abandoned_stream_closes_its_connection_so_the_worker_stops() -> None:
+    async def endless(worker: RawWorker, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await worker.read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+        while True:
+            writer.write(b"5\r\nframe\r\n")
+            await writer.drain()
+            await asyncio.sleep(0.01)
+
+    async with raw_worker(endless) as worker:
+        transport = HttptoolsTransport(worker.url, WorkerTimeouts())
+        try:
+            stream = await transport.open_stream("/x", b"{}")
+            chunks = stream.chunks()
+            assert (await anext(chunks)).startswith(b"frame")
+            await chunks.aclose()
+            await asyncio.wait_for(worker.closed.wait(), 10)
+            assert worker.open_now == 0
+            assert not transport._idle  # never pooled half read
+        finally:
+            await transport.aclose()
+
+
+async def test_a_stream_read_slower_than_it_arrives_pauses_the_socket_and_loses_nothing(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(httptools_transport, "_PAUSE_AT", 64)
+    frames = [b"%04d" % i * 8 for i in range(200)]
+    all_written = asyncio.Event()
+
+    async def burst(worker: RawWorker, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await worker.read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+        await writer.drain()
+        for frame in frames:
+            writer.write(b"%x\r\n%s\r\n" % (len(frame), frame))
+        writer.write(b"0\r\n\r\n")
+        await writer.drain()  # 6 KB: the kernel's buffers take it all, paused reader or not
+        all_written.set()
+        await worker.read_request(reader)
+
+    async with raw_worker(burst) as worker:
+        transport = HttptoolsTransport(worker.url, WorkerTimeouts())
+        try:
+            stream = await transport.open_stream("/x", b"{}")
+            await asyncio.wait_for(all_written.wait(), 10)
+            # Nobody read yet: past _PAUSE_AT the socket was paused.
+            assert await eventually_async(lambda: any(c._paused for c in transport._open))
+            received = [chunk async for chunk in stream.chunks()]
+            assert b"".join(received) == b"".join(frames)
+            assert len(transport._idle) == 1  # read to its end: back in the pool
+        finally:
+            await transport.aclose()
+
+
+async def test_no_more_connections_than_the_limit_the_rest_wait_their_turn(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(httptools_transport, "_MAX_CONNECTIONS", 2)
+    release = asyncio.Event()
+
+    async def slow(worker: RawWorker, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while (body := await worker.read_request(reader)) is not None:
+            await release.wait()
+            writer.write(answer(body))
+            await writer.drain()
+
+    async with raw_worker(slow) as worker:
+        transport = HttptoolsTransport(worker.url, WorkerTimeouts())
+        try:
+            calls = [asyncio.ensure_future(transport.post("/x", b"%d" % i)) for i in range(6)]
+            assert await eventually_async(lambda: len(worker.requests) == 2 and len(transport._waiters) == 4)
+            assert worker.connections == 2 and len(transport._waiters) == 4
+            release.set()
+            replies = await asyncio.gather(*calls)
+            assert sorted(r.content for r in replies) == [b"%d" % i for i in range(6)]
+            assert worker.most_open == 2
+        finally:
+            await transport.aclose()
+
+
+async def test_a_caller_cancelled_while_waiting_for_a_connection_passes_its_turn_on(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(httptools_transport, "_MAX_CONNECTIONS", 1)
+    release = asyncio.Event()
+
+    async def slow(worker: RawWorker, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while (body := await worker.read_request(reader)) is not None:
+            await release.wait()
+            writer.write(answer(body))
+            await writer.drain()
+
+    async with raw_worker(slow) as worker:
+        transport = HttptoolsTransport(worker.url, WorkerTimeouts())
+        try:
+            first = asyncio.ensure_future(transport.post("/x", b"1"))
+            cancelled = asyncio.ensure_future(transport.post("/x", b"2"))
+            last = asyncio.ensure_future(transport.post("/x", b"3"))
+            assert await eventually_async(lambda: len(transport._waiters) == 2)
+            cancelled.cancel()
+            release.set()
+            assert (await first).content == b"1"
+            assert (await asyncio.wait_for(last, 10)).content == b"3"
+            assert cancelled.cancelled()
+        finally:
+            await transport.aclose()
+
+
+async def test_a_header_that_would_split_the_request_is_refused() -> None:
+    transport = HttptoolsTransport("http://127.0.0.1:9", WorkerTimeouts())
+    try:
+        with pytest.raises(UpstreamError, match="not a valid HTTP header"):
+            await transport.post("/x", b"{}", {"X-Request-Id": "a\r\nX-Evil: 1"})
+    finally:
+        await transport.aclose()
+
+
+def test_a_worker_url_with_a_path_prefixes_every_request() -> None:
+    transport = HttptoolsTransport("http://w:81/base/", WorkerTimeouts())
+    head = transport._head("POST", "/v1/x", 2, None)
+    assert head.startswith(b"POST /base/v1/x HTTP/1.1\r\nHost: w:81\r\n")
+    assert HttptoolsTransport("https://w", WorkerTimeouts())._head("GET", "/h", None, None) == \
+        b"GET /h HTTP/1.1\r\nHost: w\r\n\r\n"
+
+
+def test_the_same_under_uvloop() -> None:
+    """The orchestrator runs on uvloop, whose transports are not asyncio's classes."""
+    async def main() -> None:
+        async with raw_worker(echo_keep_alive) as worker:
+            transport = HttptoolsTransport(worker.url, WorkerTimeouts())
+            try:
+                big = b"x" * 3_000_000  # more than the kernel takes in one send
+                chunks = (b'{"a":"', memoryview(big), b'"}')
+                reply = await transport.post("/x", chunks)
+                assert reply.content == b"".join(chunks)
+                assert (await transport.post("/x", b"{}")).content == b"{}"
+                assert worker.connections == 1
+            finally:
+                await transport.aclose()
+
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        runner.run(main())
