@@ -19,6 +19,7 @@ import uvicorn
 
 from entrypoints.arguments import build_parser
 from entrypoints.http_protocol import protocol_with_header_timeout
+from entrypoints.quiet_server import QuietServer
 from frontend import tracing
 from frontend.client_timeouts import with_send_timeout
 from frontend.logging_setup import configure_logging
@@ -34,7 +35,7 @@ def _serve(app: Any, args: argparse.Namespace, host: str, port: int) -> None:
                             log_level=args.log_level, loop="uvloop",
                             http=protocol_with_header_timeout(args.header_timeout_s),
                             timeout_graceful_shutdown=30, timeout_keep_alive=75, access_log=False, log_config=None)
-    server = uvicorn.Server(config)
+    server = QuietServer(config)
     if args.reuse_port:
         from entrypoints.front_ends import reuse_port_socket
 
