@@ -20,25 +20,30 @@ TINY = Phases(warmup_s=0.1, max_warmup_s=5.0, measure_s=0.3, max_measure_s=3.0, 
 
 @pytest.fixture(scope="module")
 def result() -> dict[str, Any]:
-    return orchestrator_cost.run((256,), (1, 2), TINY, idle_s=0.3)
+    name, options = orchestrator_cost.api_workers_setup(2)
+    return orchestrator_cost.run((256,), (1, 2), TINY, idle_s=0.3,
+                                 setups={**orchestrator_cost.ORCHESTRATORS, name: options})
 
 
 def test_every_setup_is_measured_beside_the_baseline(result: dict[str, Any]) -> None:
     setups = {(c["setup"], c["concurrency"]) for c in result["cells"]}
     assert setups == {("orchestrator", 1), ("orchestrator", 2), ("metadata-only", 1), ("metadata-only", 2),
-                      ("pass-through", 1), ("pass-through", 2), ("direct", 1)}
+                      ("pass-through", 1), ("pass-through", 2), ("direct", 1),
+                      ("orchestrator x2", 2)}  # two front ends: at the highest concurrency only
     for cell in result["cells"]:
         assert cell["errors"] == 0, cell["error_samples"]
         assert cell["ok_requests"] >= 1 and cell["ttft_ms"]["p50"] > 0
         if cell["setup"] != "direct":
             assert cell["cpu_ms_per_request"]["proxy"] >= 0
-    assert set(result["idle_cpu_ms_per_s"]) == {"orchestrator", "metadata-only", "pass-through"}
+    assert set(result["idle_cpu_ms_per_s"]) == {"orchestrator", "metadata-only", "pass-through", "orchestrator x2"}
 
 
 def test_tables_targets_block_and_plot(result: dict[str, Any], tmp_path: Path) -> None:
     table = orchestrator_cost.tables(result)
     assert "| 256 | 1 | orchestrator |" in table and "| 256 | 2 | pass-through |" in table
-    assert len(orchestrator_cost.targets(result)) == 7
+    targets = orchestrator_cost.targets(result)
+    assert len(targets) == 8 and targets[-1]["target"].startswith("req/s of `orchestrator x2` >= 1.7x")
+    assert targets[-1]["met"] is not None
     block = orchestrator_cost.generated_block(result, "plot.png")
     doc = tmp_path / "benchmarks.md"
     doc.write_text("intro\n" + report.BEGIN + "\nother benchmarks\n" + report.END + "\n")
