@@ -104,8 +104,11 @@ def start_proxies(processes: Processes, ctx: Server, gen: Server, setups: dict[s
     return proxies
 
 
-def idle_cpu_ms_per_s(servers: dict[str, Server], seconds: float) -> dict[str, float]:
-    """CPU each process burns per second with no request at all (health checks, background loops)."""
+def idle_cpu_ms_per_s(servers: dict[str, Server], seconds: float, settle_s: float = 3.0) -> dict[str, float]:
+    """CPU each process burns per second with no request at all (health checks, background loops), measured from
+    ``settle_s`` after they answer their health checks: a set-up of several front ends answers as soon as one of
+    them does, while the others may still be importing."""
+    time.sleep(settle_s)
     start = {name: tree_cpu_seconds(s.pid) for name, s in servers.items()}
     started = time.monotonic()
     time.sleep(seconds)
@@ -150,7 +153,7 @@ def run(prompts: tuple[int, ...] = PROMPTS, concurrency: tuple[int, ...] = CONCU
                 chosen[METADATA_ONLY] = {"gen_tokids_metadata_only": True}
             proxies = start_proxies(processes, ctx, gen, chosen)
             if not result["idle_cpu_ms_per_s"]:
-                result["idle_cpu_ms_per_s"] = idle_cpu_ms_per_s(proxies, idle_s)
+                result["idle_cpu_ms_per_s"] = idle_cpu_ms_per_s(proxies, idle_s, settle_s=min(3.0, idle_s))
             for level in concurrency:
                 for name, proxy in proxies.items():
                     if name == METADATA_ONLY and level not in (min(concurrency), max(concurrency)):

@@ -1,4 +1,5 @@
-"""uvicorn's httptools protocol with a header-read timeout: a slowloris client is cut off.
+"""uvicorn's httptools protocol with a header-read timeout (a slowloris client is cut off), and a request body of
+declared length handed to the app whole.
 
 uvicorn (0.54) starts no timer while a request's headers arrive: a client that opens a connection and sends
 nothing, or its headers a byte at a time, holds the connection (and a file descriptor) for ever; on a keep-alive
@@ -19,12 +20,16 @@ import struct
 from collections.abc import Callable
 from typing import Any
 
+from uvicorn.protocols.http.flow_control import HIGH_WATER_LIMIT
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from frontend.asgi_fast_path import CLIENT_GONE
 from frontend.client_timeouts import ABORT_CONNECTION, DEFAULT_HEADER_TIMEOUT_S
 
 logger = logging.getLogger(__name__)
+
+# A request body of a declared length up to this is read whole before the app is woken (below).
+WHOLE_BODY_UP_TO = 16 * 1024 * 1024
 
 
 def protocol_with_header_timeout(header_timeout_s: float) -> type[HttpToolsProtocol]:
@@ -45,6 +50,8 @@ class _HeaderTimeoutProtocol(HttpToolsProtocol):
         # Called once when the connection is lost: a set, so that a pipelined request's callback is not the
         # running one's; each request takes its own out when it is done.
         self._client_gone: set[Callable[[], None]] = set()
+        # The pieces of a body being read whole, or None (uvicorn's own way: the app woken for every piece).
+        self._body_pieces: list[bytes] | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -65,6 +72,30 @@ class _HeaderTimeoutProtocol(HttpToolsProtocol):
         extensions[ABORT_CONNECTION] = {"abort": self._reset_connection}
         extensions[CLIENT_GONE] = {"callbacks": self._client_gone}
         super().on_headers_complete()
+        declared = next((value for name, value in self.headers if name == b"content-length"), b"")
+        whole = declared.isdigit() and HIGH_WATER_LIMIT < int(declared) <= WHOLE_BODY_UP_TO
+        self._body_pieces = [] if whole and not self.parser.should_upgrade() else None
+
+    def on_body(self, body: bytes) -> None:
+        """A body of declared length is read whole, then handed over as one piece.
+
+        uvicorn appends every piece to a bytearray, pauses the socket past 64 KiB and wakes the app for each piece;
+        the app copies the bytearray out each time and joins the copies. For a 524 KB prompt that is ten
+        pause/resume rounds, as many wake-ups of the request's task and three copies of the body. Read whole, it is
+        one wake-up and one join. The app reads every body whole anyway (``frontend/asgi_fast_path.py``), and what
+        it may hold is capped twice: a declared length above ``max_body_bytes`` is refused before a byte is read,
+        and this applies only up to ``WHOLE_BODY_UP_TO``."""
+        pieces = self._body_pieces
+        if pieces is None or self.cycle.response_complete:
+            super().on_body(body)
+            return
+        pieces.append(body)
+
+    def on_message_complete(self) -> None:
+        pieces, self._body_pieces = self._body_pieces, None
+        if pieces and not self.cycle.response_complete:
+            self.cycle.body = pieces[0] if len(pieces) == 1 else b"".join(pieces)  # type: ignore[assignment]
+        super().on_message_complete()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._stop_header_timer()

@@ -1,0 +1,128 @@
+"""The front ends' HTTP protocol (``entrypoints/http_protocol.py``) hands the app a request body of declared length
+whole, in one message, however many pieces it arrived in; other bodies arrive uvicorn's way. Real uvicorn server,
+raw client sockets (so the pieces and their timing are the test's)."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from entrypoints import http_protocol
+from entrypoints.http_protocol import protocol_with_header_timeout
+from tests.servers import ServerThread
+from tests.waiting import eventually
+
+
+class Recorder:
+    """An ASGI app that reads the whole body, keeps every message it received, and answers the body's length."""
+
+    def __init__(self) -> None:
+        self.messages: list[list[dict[str, Any]]] = []
+        self.lock = threading.Lock()
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        got: list[dict[str, Any]] = []
+        with self.lock:
+            self.messages.append(got)
+        while True:
+            message = await receive()
+            got.append(message)
+            if message["type"] == "http.disconnect" or not message.get("more_body", False):
+                break
+        if got[-1]["type"] == "http.disconnect":
+            return
+        answer = b"%d" % sum(len(m.get("body", b"")) for m in got)
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"text/plain"), (b"content-length", b"%d" % len(answer))]})
+        await send({"type": "http.response.body", "body": answer})
+
+
+@pytest.fixture
+def server() -> Iterator[tuple[Recorder, int]]:
+    app = Recorder()
+    thread = ServerThread(app, http=protocol_with_header_timeout(30.0), lifespan="off")
+    url = thread.start()
+    try:
+        yield app, int(url.rsplit(":", 1)[1])
+    finally:
+        thread.stop()
+
+
+def head(length: int | None) -> bytes:
+    framing = b"Transfer-Encoding: chunked\r\n" if length is None else b"Content-Length: %d\r\n" % length
+    return b"POST /x HTTP/1.1\r\nHost: t\r\n" + framing + b"\r\n"
+
+
+def read_answer(sock: socket.socket) -> bytes:
+    received = b""
+    while b"\r\n\r\n" not in received:
+        received += sock.recv(65536)
+    head_part, _, body = received.partition(b"\r\n\r\n")
+    length = next(int(line.split(b":")[1]) for line in head_part.split(b"\r\n")
+                  if line.lower().startswith(b"content-length"))
+    while len(body) < length:
+        body += sock.recv(65536)
+    return body
+
+
+@contextlib.contextmanager
+def connected(port: int) -> Iterator[socket.socket]:
+    with socket.create_connection(("127.0.0.1", port), timeout=60) as sock:
+        yield sock
+
+
+def body_of(size: int) -> bytes:
+    return bytes(i % 251 for i in range(size))
+
+
+def test_a_long_body_sent_in_pieces_reaches_the_app_whole_in_one_message(server: tuple[Recorder, int]) -> None:
+    app, port = server
+    body = body_of(1_000_000)
+    with connected(port) as sock:
+        sock.sendall(head(len(body)))
+        for start in range(0, len(body), 100_000):  # ten pieces, each its own send
+            sock.sendall(body[start:start + 100_000])
+        assert read_answer(sock) == b"1000000"
+        # The same connection, kept alive: the next request is read whole as well.
+        sock.sendall(head(len(body)) + body)
+        assert read_answer(sock) == b"1000000"
+    assert [[(m["type"], len(m["body"]), m["more_body"]) for m in got] for got in app.messages] == \
+        [[("http.request", 1_000_000, False)]] * 2
+    assert all(got[0]["body"] == body for got in app.messages)
+
+
+def test_a_body_over_the_limit_or_without_a_length_arrives_in_pieces_intact(
+        server: tuple[Recorder, int], monkeypatch: pytest.MonkeyPatch) -> None:
+    app, port = server
+    monkeypatch.setattr(http_protocol, "WHOLE_BODY_UP_TO", 200_000)
+    body = body_of(1_000_000)
+    with connected(port) as sock:
+        sock.sendall(head(len(body)))
+        for start in range(0, len(body), 100_000):
+            sock.sendall(body[start:start + 100_000])
+        assert read_answer(sock) == b"1000000"
+        sock.sendall(head(None))
+        for start in range(0, len(body), 100_000):
+            piece = body[start:start + 100_000]
+            sock.sendall(b"%x\r\n%s\r\n" % (len(piece), piece))
+        sock.sendall(b"0\r\n\r\n")
+        assert read_answer(sock) == b"1000000"
+    for got in app.messages:
+        assert b"".join(m["body"] for m in got) == body
+        assert [m["more_body"] for m in got][-1] is False
+
+
+def test_a_client_gone_mid_body_is_a_disconnect_not_a_body(server: tuple[Recorder, int]) -> None:
+    app, port = server
+    with connected(port) as sock:
+        sock.sendall(head(1_000_000) + body_of(300_000))
+        assert eventually(lambda: len(app.messages) == 1)
+    assert eventually(lambda: bool(app.messages[0]))
+    assert [m["type"] for m in app.messages[0]] == ["http.disconnect"]
