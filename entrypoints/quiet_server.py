@@ -34,8 +34,10 @@ class QuietServer(uvicorn.Server):
     def should_exit(self, value: bool) -> None:
         self._should_exit = value
         loop, wake = self._loop, self._wake
-        if value and loop is not None and wake is not None and not loop.is_closed():
-            loop.call_soon_threadsafe(wake.set)  # from a signal handler, or a thread that is not the loop's
+        if value and loop is not None and wake is not None:
+            # From a signal handler, or a thread that is not the loop's; a loop closed meanwhile has stopped anyway.
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(wake.set)
 
     async def main_loop(self) -> None:
         self._wake = asyncio.Event()
@@ -46,4 +48,5 @@ class QuietServer(uvicorn.Server):
             counter = (counter + _DATE_EVERY) % 864_000
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), TICK_S)
+            self._wake.clear()  # a should_exit set back to False waits for the next tick again
             should_exit = await self.on_tick(counter)

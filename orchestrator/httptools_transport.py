@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import ssl
 import time
+import weakref
 from collections import deque
 from collections.abc import AsyncGenerator
 from typing import cast
@@ -113,7 +114,10 @@ class HttptoolsTransport:
                     raise UpstreamError(f"a header for worker {self.url} is not a valid HTTP header: {name!r}")
                 lines.append(f"{name}: {value}\r\n")
         lines.append("\r\n")
-        return "".join(lines).encode("latin-1")
+        try:
+            return "".join(lines).encode("latin-1")
+        except UnicodeEncodeError as exc:
+            raise UpstreamError(f"a header for worker {self.url} is not latin-1: {exc}") from None
 
     async def _send(self, head: bytes, body: Body, read_timeout_s: float | None) -> _Connection:
         """A connection on which the answer's status and headers have arrived."""
@@ -142,31 +146,41 @@ class HttptoolsTransport:
     async def _acquire(self, fresh: bool = False) -> _Connection:
         if self._closed:
             raise UpstreamError(f"the transport to worker {self.url} is closed")
+        while (connection := self._pooled(fresh)) is None:
+            if len(self._open) + self._connecting < _MAX_CONNECTIONS:
+                return await self._connect()
+            await self._wait_for_a_slot()
+        return connection
+
+    def _pooled(self, fresh: bool) -> _Connection | None:
+        """The warmest idle connection still fit for a request, or None; the others found on the way are closed."""
         now = time.monotonic()
         while self._idle and not fresh:
             connection = self._idle.pop()
             if connection.reusable and now - connection.idle_since < _IDLE_S:
                 return connection
             self._forget(connection)
-        while len(self._open) + self._connecting >= _MAX_CONNECTIONS:
-            waiter = asyncio.get_running_loop().create_future()
-            self._waiters.append(waiter)
-            try:
+        return None
+
+    async def _wait_for_a_slot(self) -> None:
+        """Until a connection is given back or closed, at most ``connect_s`` (as a connect, then the caller's retry
+        policy moves on), so a pool full of long streams is a timeout, not a hang."""
+        waiter = asyncio.get_running_loop().create_future()
+        self._waiters.append(waiter)
+        try:
+            async with asyncio.timeout(self._timeouts.connect_s):
                 await waiter
-            except BaseException:
-                if waiter.done() and not waiter.cancelled():
-                    self._wake_a_waiter()  # it was this one's turn: pass it on
-                else:
-                    waiter.cancel()
-                raise
-            if self._closed:
-                raise UpstreamError(f"the transport to worker {self.url} is closed")
-            if self._idle and not fresh:
-                connection = self._idle.pop()
-                if connection.reusable:
-                    return connection
-                self._forget(connection)
-        return await self._connect()
+        except TimeoutError:
+            raise UpstreamTimeoutError(f"worker {self.url} timed out (all {_MAX_CONNECTIONS} connections busy for "
+                                       f"{self._timeouts.connect_s} s)") from None
+        except BaseException:
+            if waiter.done() and not waiter.cancelled():
+                self._wake_a_waiter()  # it was this one's turn: pass it on
+            else:
+                waiter.cancel()
+            raise
+        if self._closed:
+            raise UpstreamError(f"the transport to worker {self.url} is closed")
 
     async def _connect(self) -> _Connection:
         loop = asyncio.get_running_loop()
@@ -223,6 +237,11 @@ class HttptoolsStream:
         self._transport = transport
         self._connection: _Connection | None = connection
         self._status = connection.status
+        # A stream dropped without ``aclose`` (its relay generator never started, say, because the client left
+        # while the answer's first line was being sent) closes its connection when it is collected, as aiohttp's
+        # responses do: the worker then stops, and the pool slot is free again.
+        self._finalizer = weakref.finalize(self, transport._forget, connection)
+        self._finalizer.atexit = False
 
     @property
     def status_code(self) -> int:
@@ -253,6 +272,7 @@ class HttptoolsStream:
         connection, self._connection = self._connection, None
         if connection is None:
             return
+        self._finalizer.detach()
         if connection.complete:
             self._transport._give_back(connection)
         else:
@@ -303,6 +323,7 @@ class _Connection(asyncio.Protocol):
             raise UpstreamError(f"worker {self.url} failed: it closed the connection before the request")
         if self._used:
             self._parser = httptools.HttpResponseParser(self)
+        self._resume()
         self._reused = self._used
         self._used = True
         self.status = 0
@@ -327,9 +348,7 @@ class _Connection(asyncio.Protocol):
 
     async def whole_body(self) -> bytes:
         self.flow_controlled = False
-        if self._paused and self._transport is not None:
-            self._paused = False
-            self._transport.resume_reading()
+        self._resume()
         while not self.complete:
             await self._wait()
         body = self._body
@@ -346,9 +365,7 @@ class _Connection(asyncio.Protocol):
         body = self._body
         self._body = []
         self._buffered = 0
-        if self._paused and self._transport is not None:
-            self._paused = False
-            self._transport.resume_reading()
+        self._resume()
         return body[0] if len(body) == 1 else b"".join(body)
 
     async def _wait(self) -> None:
@@ -364,15 +381,32 @@ class _Connection(asyncio.Protocol):
 
     def close(self) -> None:
         self._stop_timer()
-        if self._transport is not None:
-            self._transport.close()
-            self._transport = None
+        transport, self._transport = self._transport, None
+        if transport is None:
+            return
+        if self.complete or not self._used:
+            transport.close()
+        else:
+            # Cut mid-request: a close would first wait for the kernel to take the rest of our request, which a
+            # worker that stopped reading never does; an abort tells it at once.
+            transport.abort()
+
+    def _resume(self) -> None:
+        if self._paused and self._transport is not None:
+            self._paused = False
+            self._last_read = self._loop.time()  # the wait was ours, not the worker's
+            self._transport.resume_reading()
 
     # -- what the worker sends --------------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = cast(asyncio.Transport, transport)  # uvloop's transports do not subclass asyncio's
 
     def data_received(self, data: bytes) -> None:
+        if self.complete or not self._used:
+            # Bytes with no request in flight (an unasked answer, a 408 before an idle close): whatever they are,
+            # they would be taken for the next request's answer.
+            self.close()
+            return
         self._received_any = True
         self._last_read = self._loop.time()
         try:
@@ -409,17 +443,28 @@ class _Connection(asyncio.Protocol):
         pass
 
     # -- httptools' callbacks ---------------------------------------------------------------------------------
+    # After the answer's end, bytes in the same read are a second, unasked answer: ignored, and the connection is
+    # not kept (``_keep_alive`` off), so they are never taken for the next request's.
     def on_header(self, name: bytes, _: bytes) -> None:
+        if self.complete:
+            self._keep_alive = False
+            return
         if name.lower() in _BODY_FRAMING:
             self._delimited = True
 
     def on_headers_complete(self) -> None:
+        if self.complete:
+            self._keep_alive = False
+            return
         self.status = self._parser.get_status_code()
         self._keep_alive = self._parser.should_keep_alive()
         self._headers_done = True
         self._wake()
 
     def on_body(self, body: bytes) -> None:
+        if self.complete:
+            self._keep_alive = False
+            return
         self._body.append(body)
         self._buffered += len(body)
         if self._buffered > _PAUSE_AT and self.flow_controlled and not self._paused and self._transport is not None:
@@ -428,9 +473,13 @@ class _Connection(asyncio.Protocol):
         self._wake()
 
     def on_message_complete(self) -> None:
+        if self.complete:
+            self._keep_alive = False
+            return
         self._keep_alive = self._parser.should_keep_alive()
         self.complete = True
         self._stop_timer()
+        self._resume()  # nothing more is coming for this answer; a paused socket would not even see the worker close
         self._wake()
 
     # -- helpers ----------------------------------------------------------------------------------------------

@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 import uvloop
 
-from frontend.errors import UpstreamError
+from frontend.errors import UpstreamError, UpstreamTimeoutError
 from orchestrator import httptools_transport
 from orchestrator.httptools_transport import HttptoolsTransport
 from orchestrator.transport import WorkerTimeouts
@@ -213,7 +214,7 @@ async def test_a_stream_read_slower_than_it_arrives_pauses_the_socket_and_loses_
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(httptools_transport, "_PAUSE_AT", 64)
     frames = [b"%04d" % i * 8 for i in range(200)]
-    all_written = asyncio.Event()
+    all_written, finish = asyncio.Event(), asyncio.Event()
 
     async def burst(worker: RawWorker, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await worker.read_request(reader)
@@ -221,10 +222,14 @@ async def test_a_stream_read_slower_than_it_arrives_pauses_the_socket_and_loses_
         await writer.drain()
         for frame in frames:
             writer.write(b"%x\r\n%s\r\n" % (len(frame), frame))
-        writer.write(b"0\r\n\r\n")
         await writer.drain()  # 6 KB: the kernel's buffers take it all, paused reader or not
         all_written.set()
-        await worker.read_request(reader)
+        await finish.wait()
+        writer.write(b"0\r\n\r\n")
+        await writer.drain()
+        while (body := await worker.read_request(reader)) is not None:
+            writer.write(answer(body))
+            await writer.drain()
 
     async with raw_worker(burst) as worker:
         transport = HttptoolsTransport(worker.url, WorkerTimeouts())
@@ -233,9 +238,114 @@ async def test_a_stream_read_slower_than_it_arrives_pauses_the_socket_and_loses_
             await asyncio.wait_for(all_written.wait(), 10)
             # Nobody read yet: past _PAUSE_AT the socket was paused.
             assert await eventually_async(lambda: any(c._paused for c in transport._open))
+            finish.set()
             received = [chunk async for chunk in stream.chunks()]
             assert b"".join(received) == b"".join(frames)
-            assert len(transport._idle) == 1  # read to its end: back in the pool
+            assert len(transport._idle) == 1 and not transport._idle[0]._paused  # back in the pool, reading
+            assert (await transport.post("/x", b"next")).content == b"next"  # and it serves the next request
+            assert worker.connections == 1
+        finally:
+            await transport.aclose()
+
+
+async def test_a_stream_that_ends_while_paused_is_pooled_reading_and_serves_the_next_request(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The read that passes _PAUSE_AT also carries the answer's end: the connection is complete while paused. Given
+    back like that, the next request's answer would never be read."""
+    monkeypatch.setattr(httptools_transport, "_PAUSE_AT", 64)
+    everything = b"".join(b"%x\r\n%s\r\n" % (len(f), f) for f in [b"x" * 100] * 5) + b"0\r\n\r\n"
+
+    async def at_once(worker: RawWorker, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await worker.read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + everything)
+        await writer.drain()
+        while (body := await worker.read_request(reader)) is not None:
+            writer.write(answer(body))
+            await writer.drain()
+
+    async with raw_worker(at_once) as worker:
+        transport = HttptoolsTransport(worker.url, WorkerTimeouts(request_s=60))
+        try:
+            stream = await transport.open_stream("/x", b"{}")
+            assert await eventually_async(lambda: all(c.complete for c in transport._open))
+            await stream.aclose()  # the client left without reading: the answer is whole, so it is pooled
+            assert len(transport._idle) == 1
+            assert (await asyncio.wait_for(transport.post("/x", b"next"), 30)).content == b"next"
+        finally:
+            await transport.aclose()
+
+
+async def test_a_stream_dropped_without_aclose_closes_its_connection() -> None:
+    """A relay generator that never started never closes its stream: the stream, collected, closes it."""
+    async def endless(worker: RawWorker, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await worker.read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nframe\r\n")
+        await writer.drain()
+        await reader.read()  # until the client hangs up
+
+    async with raw_worker(endless) as worker:
+        transport = HttptoolsTransport(worker.url, WorkerTimeouts())
+        try:
+            stream = await transport.open_stream("/x", b"{}")
+            assert len(transport._open) == 1
+            del stream
+            gc.collect()
+            assert not transport._open  # the slot is free
+            await asyncio.wait_for(worker.closed.wait(), 10)  # and the worker saw the hang-up
+        finally:
+            await transport.aclose()
+
+
+async def test_a_caller_waits_for_a_busy_pool_no_longer_than_the_connect_timeout(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(httptools_transport, "_MAX_CONNECTIONS", 1)
+    release = asyncio.Event()
+
+    async def slow(worker: RawWorker, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while (body := await worker.read_request(reader)) is not None:
+            await release.wait()
+            writer.write(answer(body))
+            await writer.drain()
+
+    async with raw_worker(slow) as worker:
+        transport = HttptoolsTransport(worker.url, WorkerTimeouts(connect_s=0.2))
+        try:
+            first = asyncio.ensure_future(transport.post("/x", b"1"))
+            assert await eventually_async(lambda: len(worker.requests) == 1)
+            with pytest.raises(UpstreamTimeoutError, match="connections busy"):
+                await transport.post("/x", b"2")
+            release.set()
+            assert (await first).content == b"1"
+        finally:
+            await transport.aclose()
+
+
+@pytest.mark.parametrize("when", ["with the answer", "later"])
+async def test_an_unasked_answer_never_becomes_the_next_requests(when: str) -> None:
+    answered = asyncio.Event()
+
+    async def extra(worker: RawWorker, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        body = await worker.read_request(reader)
+        if when == "later":
+            writer.write(answer(body or b""))
+            await writer.drain()
+            await answered.wait()
+            writer.write(answer(b"unasked"))
+        else:
+            writer.write(answer(body or b"") + answer(b"unasked"))  # one write: likely one read on the other side
+        await writer.drain()
+        while (body := await worker.read_request(reader)) is not None:
+            writer.write(answer(body))
+            await writer.drain()
+
+    async with raw_worker(extra) as worker:
+        transport = HttptoolsTransport(worker.url, WorkerTimeouts())
+        try:
+            assert (await transport.post("/x", b"1")).content == b"1"
+            answered.set()
+            assert await eventually_async(lambda: not any(c.reusable for c in transport._idle))
+            assert (await transport.post("/x", b"2")).content == b"2"
+            assert worker.connections == 2
         finally:
             await transport.aclose()
 
