@@ -121,21 +121,17 @@ class HttptoolsTransport:
 
     async def _send(self, head: bytes, body: Body, read_timeout_s: float | None) -> _Connection:
         """A connection on which the answer's status and headers have arrived."""
-        connection = await self._acquire()
+        timeout_s = read_timeout_s or self._timeouts.request_s
         try:
-            connection.send(head, body, read_timeout_s or self._timeouts.request_s)
-            await connection.headers_arrived()
-            return connection
+            return await self._attempt(await self._acquire(), head, body, timeout_s)
         except _StaleConnection:
             # A pooled connection the worker closed as it was reused (a race with its idle timeout), before a byte
             # of the answer: once more, on a fresh one. A fresh connection never raises this.
-            self._forget(connection)
-        except BaseException:
-            self._forget(connection)
-            raise
-        connection = await self._acquire(fresh=True)
+            return await self._attempt(await self._acquire(fresh=True), head, body, timeout_s)
+
+    async def _attempt(self, connection: _Connection, head: bytes, body: Body, timeout_s: float) -> _Connection:
         try:
-            connection.send(head, body, read_timeout_s or self._timeouts.request_s)
+            connection.send(head, body, timeout_s)
             await connection.headers_arrived()
             return connection
         except BaseException:

@@ -27,14 +27,9 @@ def start(server: QuietServer) -> threading.Thread:
     return thread
 
 
-def new_server() -> QuietServer:
-    return QuietServer(uvicorn.Config(hello, host="127.0.0.1", port=0, log_level="warning", lifespan="off"))
-
-
-@pytest.mark.parametrize("stop", ["should_exit", "signal"])
-def test_a_stop_does_not_wait_for_the_tick(monkeypatch: pytest.MonkeyPatch, stop: str) -> None:
-    monkeypatch.setattr(quiet_server, "TICK_S", 3600.0)  # a stop that waited for the tick would hang here
-    server = new_server()
+def counted_server() -> tuple[QuietServer, list[int]]:
+    """A server, and the counters its ticks were called with, in order."""
+    server = QuietServer(uvicorn.Config(hello, host="127.0.0.1", port=0, log_level="warning", lifespan="off"))
     ticks: list[int] = []
     on_tick = server.on_tick
 
@@ -43,6 +38,13 @@ def test_a_stop_does_not_wait_for_the_tick(monkeypatch: pytest.MonkeyPatch, stop
         return await on_tick(counter)
 
     server.on_tick = counted  # type: ignore[method-assign]
+    return server, ticks
+
+
+@pytest.mark.parametrize("stop", ["should_exit", "signal"])
+def test_a_stop_does_not_wait_for_the_tick(monkeypatch: pytest.MonkeyPatch, stop: str) -> None:
+    monkeypatch.setattr(quiet_server, "TICK_S", 3600.0)  # a stop that waited for the tick would hang here
+    server, ticks = counted_server()
     thread = start(server)
     assert eventually(lambda: ticks == [0])  # the main loop runs: a stop now must wake it
     if stop == "signal":
@@ -56,15 +58,7 @@ def test_a_stop_does_not_wait_for_the_tick(monkeypatch: pytest.MonkeyPatch, stop
 
 def test_every_tick_renews_the_date_header(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(quiet_server, "TICK_S", 0.001)
-    server = new_server()
-    ticks: list[int] = []
-    on_tick = server.on_tick
-
-    async def counted(counter: int) -> bool:
-        ticks.append(counter)
-        return await on_tick(counter)
-
-    server.on_tick = counted  # type: ignore[method-assign]
+    server, ticks = counted_server()
     thread = start(server)
     assert eventually(lambda: len(ticks) >= 5)
     server.should_exit = True

@@ -80,6 +80,18 @@ def answer(body: bytes, *, close: bool = False) -> bytes:
             + b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
 
 
+def answer_after(release: asyncio.Event) -> Callable[[RawWorker, asyncio.StreamReader, asyncio.StreamWriter],
+                                                     Awaitable[None]]:
+    """A keep-alive echo that holds every answer until ``release`` is set."""
+    async def slow(worker: RawWorker, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while (body := await worker.read_request(reader)) is not None:
+            await release.wait()
+            writer.write(answer(body))
+            await writer.drain()
+
+    return slow
+
+
 async def echo_keep_alive(worker: RawWorker, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
     while (body := await worker.read_request(reader)) is not None:
         writer.write(answer(body))
@@ -300,14 +312,7 @@ async def test_a_caller_waits_for_a_busy_pool_no_longer_than_the_connect_timeout
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(httptools_transport, "_MAX_CONNECTIONS", 1)
     release = asyncio.Event()
-
-    async def slow(worker: RawWorker, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        while (body := await worker.read_request(reader)) is not None:
-            await release.wait()
-            writer.write(answer(body))
-            await writer.drain()
-
-    async with raw_worker(slow) as worker:
+    async with raw_worker(answer_after(release)) as worker:
         transport = HttptoolsTransport(worker.url, WorkerTimeouts(connect_s=0.2))
         try:
             first = asyncio.ensure_future(transport.post("/x", b"1"))
@@ -353,14 +358,7 @@ async def test_an_unasked_answer_never_becomes_the_next_requests(when: str) -> N
 async def test_no_more_connections_than_the_limit_the_rest_wait_their_turn(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(httptools_transport, "_MAX_CONNECTIONS", 2)
     release = asyncio.Event()
-
-    async def slow(worker: RawWorker, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        while (body := await worker.read_request(reader)) is not None:
-            await release.wait()
-            writer.write(answer(body))
-            await writer.drain()
-
-    async with raw_worker(slow) as worker:
+    async with raw_worker(answer_after(release)) as worker:
         transport = HttptoolsTransport(worker.url, WorkerTimeouts())
         try:
             calls = [asyncio.ensure_future(transport.post("/x", b"%d" % i)) for i in range(6)]
@@ -378,14 +376,7 @@ async def test_a_caller_cancelled_while_waiting_for_a_connection_passes_its_turn
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(httptools_transport, "_MAX_CONNECTIONS", 1)
     release = asyncio.Event()
-
-    async def slow(worker: RawWorker, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        while (body := await worker.read_request(reader)) is not None:
-            await release.wait()
-            writer.write(answer(body))
-            await writer.drain()
-
-    async with raw_worker(slow) as worker:
+    async with raw_worker(answer_after(release)) as worker:
         transport = HttptoolsTransport(worker.url, WorkerTimeouts())
         try:
             first = asyncio.ensure_future(transport.post("/x", b"1"))
