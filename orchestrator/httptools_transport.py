@@ -23,6 +23,7 @@ is abandoned half read (that is what tells GEN to stop). Anything that goes wron
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ssl
 import time
 import weakref
@@ -166,14 +167,14 @@ class HttptoolsTransport:
         try:
             async with asyncio.timeout(self._timeouts.connect_s):
                 await waiter
-        except TimeoutError:
-            raise UpstreamTimeoutError(f"worker {self.url} timed out (all {_MAX_CONNECTIONS} connections busy for "
-                                       f"{self._timeouts.connect_s} s)") from None
-        except BaseException:
+        except BaseException as exc:
             if waiter.done() and not waiter.cancelled():
-                self._wake_a_waiter()  # it was this one's turn: pass it on
+                self._wake_a_waiter()  # it was this one's turn (woken as it timed out or was cancelled): pass it on
             else:
                 waiter.cancel()
+            if isinstance(exc, TimeoutError):
+                raise UpstreamTimeoutError(f"worker {self.url} timed out (all {_MAX_CONNECTIONS} connections busy "
+                                           f"for {self._timeouts.connect_s} s)") from None
             raise
         if self._closed:
             raise UpstreamError(f"the transport to worker {self.url} is closed")
@@ -236,7 +237,7 @@ class HttptoolsStream:
         # A stream dropped without ``aclose`` (its relay generator never started, say, because the client left
         # while the answer's first line was being sent) closes its connection when it is collected, as aiohttp's
         # responses do: the worker then stops, and the pool slot is free again.
-        self._finalizer = weakref.finalize(self, transport._forget, connection)
+        self._finalizer = weakref.finalize(self, _forget_dropped, transport, connection)
         self._finalizer.atexit = False
 
     @property
@@ -274,6 +275,11 @@ class HttptoolsStream:
         else:
             # Cut short (the client left, or a failure): closing the connection is what tells the worker to stop.
             self._transport._forget(connection)
+
+
+def _forget_dropped(transport: HttptoolsTransport, connection: _Connection) -> None:
+    with contextlib.suppress(RuntimeError):  # collected after its event loop closed: nothing left to tell
+        transport._forget(connection)
 
 
 class _StaleConnection(Exception):
