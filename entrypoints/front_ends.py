@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import select
 import shutil
 import signal
 import socket
@@ -25,6 +26,7 @@ from frontend.process_lifetime import die_with_parent
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 _DRAIN_S = 35.0  # a little over uvicorn's graceful shutdown, so streams in flight can finish
+_WATCH_S = 5.0  # the watch loop's longest sleep: it is woken at once by any signal, a child's exit included
 
 
 def reuse_port_socket(host: str, port: int) -> socket.socket:
@@ -60,6 +62,10 @@ class FrontEndSupervisor:
     def _on_signal(self, signum: int, _frame: object) -> None:
         self._stop = signum
 
+    @staticmethod
+    def _on_child(_signum: int, _frame: object) -> None:
+        """SIGCHLD: nothing to do here; the signal's byte on the wake-up pipe wakes the watch loop."""
+
     def run(self) -> int:
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
@@ -82,14 +88,30 @@ class FrontEndSupervisor:
             shutil.rmtree(self.workdir, ignore_errors=True)
 
     def _watch(self) -> int:
-        while not self._stop:
-            for process in [*self.children, *([self.core] if self.core else [])]:
-                if process.poll() is not None:
-                    print(f"disagg-serve: process {process.pid} exited with status {process.returncode}; stopping",
-                          file=sys.stderr, flush=True)
-                    return 1
-            time.sleep(0.2)
-        return 0
+        """Until a signal says stop (0) or a child exits (1). Idle, it sleeps: every signal, SIGCHLD included, writes
+        a byte to a pipe (``signal.set_wakeup_fd``) that wakes it, so it reacts at once without polling five times a
+        second as it did."""
+        wake_read, wake_write = os.pipe()
+        os.set_blocking(wake_read, False)
+        os.set_blocking(wake_write, False)
+        previous_fd = signal.set_wakeup_fd(wake_write)
+        previous_child = signal.signal(signal.SIGCHLD, self._on_child)
+        try:
+            while not self._stop:
+                for process in [*self.children, *([self.core] if self.core else [])]:
+                    if process.poll() is not None:
+                        print(f"disagg-serve: process {process.pid} exited with status {process.returncode}; "
+                              "stopping", file=sys.stderr, flush=True)
+                        return 1
+                select.select([wake_read], [], [], _WATCH_S)
+                with contextlib.suppress(BlockingIOError):
+                    os.read(wake_read, 4096)
+            return 0
+        finally:
+            signal.signal(signal.SIGCHLD, previous_child)
+            signal.set_wakeup_fd(previous_fd)
+            os.close(wake_read)
+            os.close(wake_write)
 
     def _shutdown(self) -> None:
         for process in self.children:

@@ -10,10 +10,17 @@ from __future__ import annotations
 import glob
 import json
 import os
+import select
+import shutil
 import signal
+import subprocess
+import sys
+import threading
 import time
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -29,6 +36,8 @@ from bench.common import (
     wait_healthy,
     worker_args,
 )
+from entrypoints import front_ends
+from entrypoints.front_ends import FrontEndSupervisor
 from tests.waiting import eventually
 from tests.workers.engines.reference.tiny_model import write_tiny_model
 
@@ -172,3 +181,53 @@ def _no_stray_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in list(os.environ):
         if name.startswith("DISAGG_") or name == "PROMETHEUS_MULTIPROC_DIR":
             monkeypatch.delenv(name)
+
+
+@pytest.fixture
+def supervisor(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[FrontEndSupervisor, list[list[int]]]]:
+    """A supervisor, and what each of its watch loop's waits returned: a wait that ended by its timeout (60 s here)
+    rather than by a wake-up returns an empty list."""
+    monkeypatch.setattr(front_ends, "_WATCH_S", 60.0)
+    woken_by: list[list[int]] = []
+    real_select = select.select
+
+    def recorded(*args: Any) -> Any:
+        ready = real_select(*args)
+        woken_by.append(list(ready[0]))
+        return ready
+
+    monkeypatch.setattr(select, "select", recorded)  # the module the supervisor calls it from
+    previous = signal.getsignal(signal.SIGTERM)
+    watcher = FrontEndSupervisor([], 0)
+    try:
+        yield watcher, woken_by
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        for child in watcher.children:
+            child.kill()
+            child.wait()
+        shutil.rmtree(watcher.workdir, ignore_errors=True)
+
+
+def waiting_child() -> subprocess.Popen[bytes]:
+    return subprocess.Popen([sys.executable, "-c", "import os; os.read(0, 1)"], stdin=subprocess.PIPE)
+
+
+def test_the_supervisor_wakes_at_once_when_a_front_end_exits(
+        supervisor: tuple[FrontEndSupervisor, list[list[int]]]) -> None:
+    watcher, woken_by = supervisor
+    child = waiting_child()
+    watcher.children.append(child)
+    assert child.stdin is not None
+    threading.Thread(target=child.stdin.close).start()  # the child exits, whenever the watch loop has begun
+    assert watcher._watch() == 1
+    assert all(woken_by), woken_by  # every wait ended by the wake-up pipe (SIGCHLD), none by its timeout
+
+
+def test_the_supervisor_wakes_at_once_on_sigterm(supervisor: tuple[FrontEndSupervisor, list[list[int]]]) -> None:
+    watcher, woken_by = supervisor
+    watcher.children.append(waiting_child())
+    signal.signal(signal.SIGTERM, watcher._on_signal)
+    threading.Thread(target=os.kill, args=(os.getpid(), signal.SIGTERM)).start()
+    assert watcher._watch() == 0
+    assert all(woken_by), woken_by
