@@ -19,14 +19,14 @@ from orchestrator.httptools_transport import HttptoolsTransport
 from orchestrator.transport import WorkerTimeouts
 from tests.waiting import eventually_async
 
-Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+# How a raw worker answers: given the worker (its counters, ``read_request``) and one client connection.
+Handler = Callable[["RawWorker", asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 
 
 class RawWorker:
     """A TCP server answering each request with ``handler``; counts connections and requests."""
 
-    def __init__(self, handler: Callable[[RawWorker, asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
-                 ) -> None:
+    def __init__(self, handler: Handler) -> None:
         self.handler = handler
         self.connections = 0
         self.requests: list[bytes] = []
@@ -62,14 +62,17 @@ class RawWorker:
 
 
 @contextlib.asynccontextmanager
-async def raw_worker(handler: Callable[[RawWorker, asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
-                     ) -> AsyncIterator[RawWorker]:
+async def client_of(handler: Handler, timeouts: WorkerTimeouts | None = None
+                    ) -> AsyncIterator[tuple[RawWorker, HttptoolsTransport]]:
+    """A raw worker answering with ``handler`` on loopback, and a transport to it; both closed after."""
     worker = RawWorker(handler)
     server = await asyncio.start_server(worker.serve, "127.0.0.1", 0)
     worker.url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    transport = HttptoolsTransport(worker.url, timeouts or WorkerTimeouts())
     try:
-        yield worker
+        yield worker, transport
     finally:
+        await transport.aclose()
         server.close()
         await server.wait_closed()
 
@@ -80,8 +83,7 @@ def answer(body: bytes, *, close: bool = False) -> bytes:
             + b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
 
 
-def answer_after(release: asyncio.Event) -> Callable[[RawWorker, asyncio.StreamReader, asyncio.StreamWriter],
-                                                     Awaitable[None]]:
+def answer_after(release: asyncio.Event) -> Handler:
     """A keep-alive echo that holds every answer until ``release`` is set."""
     async def slow(worker: RawWorker, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         while (body := await worker.read_request(reader)) is not None:
@@ -99,19 +101,15 @@ async def echo_keep_alive(worker: RawWorker, reader: asyncio.StreamReader, write
 
 
 async def test_connections_are_kept_alive_and_reused() -> None:
-    async with raw_worker(echo_keep_alive) as worker:
-        transport = HttptoolsTransport(worker.url, WorkerTimeouts())
-        try:
-            for i in range(3):
-                reply = await transport.post("/v1/x", b'{"i":%d}' % i, {"X-Request-Id": f"r{i}"})
-                assert (reply.status_code, reply.content) == (200, b'{"i":%d}' % i)
-            assert worker.connections == 1
-            head = worker.requests[0].split(b"\r\n\r\n")[0].split(b"\r\n")
-            assert head[0] == b"POST /v1/x HTTP/1.1"
-            assert b"Host: 127.0.0.1:" + worker.url.rsplit(":", 1)[1].encode() in head
-            assert {b"Content-Type: application/json", b"Content-Length: 7", b"X-Request-Id: r0"} <= set(head)
-        finally:
-            await transport.aclose()
+    async with client_of(echo_keep_alive) as (worker, transport):
+        for i in range(3):
+            reply = await transport.post("/v1/x", b'{"i":%d}' % i, {"X-Request-Id": f"r{i}"})
+            assert (reply.status_code, reply.content) == (200, b'{"i":%d}' % i)
+        assert worker.connections == 1
+        head = worker.requests[0].split(b"\r\n\r\n")[0].split(b"\r\n")
+        assert head[0] == b"POST /v1/x HTTP/1.1"
+        assert b"Host: 127.0.0.1:" + worker.url.rsplit(":", 1)[1].encode() in head
+        assert {b"Content-Type: application/json", b"Content-Length: 7", b"X-Request-Id: r0"} <= set(head)
 
 
 async def test_a_worker_that_closes_after_each_answer_gets_a_fresh_connection_each_time() -> None:
@@ -120,14 +118,10 @@ async def test_a_worker_that_closes_after_each_answer_gets_a_fresh_connection_ea
         writer.write(answer(body or b"", close=True))
         await writer.drain()
 
-    async with raw_worker(once) as worker:
-        transport = HttptoolsTransport(worker.url, WorkerTimeouts())
-        try:
-            for _ in range(3):
-                assert (await transport.post("/x", b"{}")).content == b"{}"
-            assert worker.connections == 3
-        finally:
-            await transport.aclose()
+    async with client_of(once) as (worker, transport):
+        for _ in range(3):
+            assert (await transport.post("/x", b"{}")).content == b"{}"
+        assert worker.connections == 3
 
 
 async def test_a_pooled_connection_the_worker_closed_is_retried_once_on_a_fresh_one() -> None:
@@ -140,29 +134,21 @@ async def test_a_pooled_connection_the_worker_closed_is_retried_once_on_a_fresh_
         await writer.drain()
         await worker.read_request(reader)  # the next request arrives ... and the worker hangs up unanswered
 
-    async with raw_worker(answer_then_drop) as worker:
-        transport = HttptoolsTransport(worker.url, WorkerTimeouts())
-        try:
-            assert (await transport.post("/x", b"1")).content == b"1"
-            assert (await transport.post("/x", b"2")).content == b"2"
-            assert worker.connections == 2
-            assert [r.rsplit(b"\r\n", 1)[1] for r in worker.requests] == [b"1", b"2", b"2"]
-        finally:
-            await transport.aclose()
+    async with client_of(answer_then_drop) as (worker, transport):
+        assert (await transport.post("/x", b"1")).content == b"1"
+        assert (await transport.post("/x", b"2")).content == b"2"
+        assert worker.connections == 2
+        assert [r.rsplit(b"\r\n", 1)[1] for r in worker.requests] == [b"1", b"2", b"2"]
 
 
 async def test_a_fresh_connection_lost_before_the_answer_is_an_upstream_error_not_a_retry() -> None:
     async def drop(worker: RawWorker, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await worker.read_request(reader)
 
-    async with raw_worker(drop) as worker:
-        transport = HttptoolsTransport(worker.url, WorkerTimeouts())
-        try:
-            with pytest.raises(UpstreamError, match="connection was lost"):
-                await transport.post("/x", b"{}")
-            assert worker.connections == 1
-        finally:
-            await transport.aclose()
+    async with client_of(drop) as (worker, transport):
+        with pytest.raises(UpstreamError, match="connection was lost"):
+            await transport.post("/x", b"{}")
+        assert worker.connections == 1
 
 
 async def test_an_answer_that_is_not_http_is_an_upstream_error() -> None:
@@ -172,13 +158,9 @@ async def test_an_answer_that_is_not_http_is_an_upstream_error() -> None:
         await writer.drain()
         await reader.read()
 
-    async with raw_worker(garbage) as worker:
-        transport = HttptoolsTransport(worker.url, WorkerTimeouts())
-        try:
-            with pytest.raises(UpstreamError, match="not valid HTTP"):
-                await transport.post("/x", b"{}")
-        finally:
-            await transport.aclose()
+    async with client_of(garbage) as (_worker, transport):
+        with pytest.raises(UpstreamError, match="not valid HTTP"):
+            await transport.post("/x", b"{}")
 
 
 async def test_an_answer_framed_by_chunks_or_by_the_connection_end_arrives_whole() -> None:
@@ -189,14 +171,10 @@ async def test_an_answer_framed_by_chunks_or_by_the_connection_end_arrives_whole
         writer.write(b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\nuntil the end")
         await writer.drain()
 
-    async with raw_worker(framed) as worker:
-        transport = HttptoolsTransport(worker.url, WorkerTimeouts())
-        try:
-            assert (await transport.post("/x", b"{}")).content == b"abcde"
-            assert (await transport.post("/x", b"{}")).content == b"until the end"
-            assert worker.connections == 1
-        finally:
-            await transport.aclose()
+    async with client_of(framed) as (worker, transport):
+        assert (await transport.post("/x", b"{}")).content == b"abcde"
+        assert (await transport.post("/x", b"{}")).content == b"until the end"
+        assert worker.connections == 1
 
 
 async def test_an_abandoned_stream_closes_its_connection_so_the_worker_stops() -> None:
@@ -208,18 +186,14 @@ async def test_an_abandoned_stream_closes_its_connection_so_the_worker_stops() -
             await writer.drain()
             await asyncio.sleep(0.01)
 
-    async with raw_worker(endless) as worker:
-        transport = HttptoolsTransport(worker.url, WorkerTimeouts())
-        try:
-            stream = await transport.open_stream("/x", b"{}")
-            chunks = stream.chunks()
-            assert (await anext(chunks)).startswith(b"frame")
-            await chunks.aclose()
-            await asyncio.wait_for(worker.closed.wait(), 10)
-            assert worker.open_now == 0
-            assert not transport._idle  # never pooled half read
-        finally:
-            await transport.aclose()
+    async with client_of(endless) as (worker, transport):
+        stream = await transport.open_stream("/x", b"{}")
+        chunks = stream.chunks()
+        assert (await anext(chunks)).startswith(b"frame")
+        await chunks.aclose()
+        await asyncio.wait_for(worker.closed.wait(), 10)
+        assert worker.open_now == 0
+        assert not transport._idle  # never pooled half read
 
 
 async def test_a_stream_read_slower_than_it_arrives_pauses_the_socket_and_loses_nothing(
@@ -243,21 +217,17 @@ async def test_a_stream_read_slower_than_it_arrives_pauses_the_socket_and_loses_
             writer.write(answer(body))
             await writer.drain()
 
-    async with raw_worker(burst) as worker:
-        transport = HttptoolsTransport(worker.url, WorkerTimeouts())
-        try:
-            stream = await transport.open_stream("/x", b"{}")
-            await asyncio.wait_for(all_written.wait(), 10)
-            # Nobody read yet: past _PAUSE_AT the socket was paused.
-            assert await eventually_async(lambda: any(c._paused for c in transport._open))
-            finish.set()
-            received = [chunk async for chunk in stream.chunks()]
-            assert b"".join(received) == b"".join(frames)
-            assert len(transport._idle) == 1 and not transport._idle[0]._paused  # back in the pool, reading
-            assert (await transport.post("/x", b"next")).content == b"next"  # and it serves the next request
-            assert worker.connections == 1
-        finally:
-            await transport.aclose()
+    async with client_of(burst) as (worker, transport):
+        stream = await transport.open_stream("/x", b"{}")
+        await asyncio.wait_for(all_written.wait(), 10)
+        # Nobody read yet: past _PAUSE_AT the socket was paused.
+        assert await eventually_async(lambda: any(c._paused for c in transport._open))
+        finish.set()
+        received = [chunk async for chunk in stream.chunks()]
+        assert b"".join(received) == b"".join(frames)
+        assert len(transport._idle) == 1 and not transport._idle[0]._paused  # back in the pool, reading
+        assert (await transport.post("/x", b"next")).content == b"next"  # and it serves the next request
+        assert worker.connections == 1
 
 
 async def test_a_stream_that_ends_while_paused_is_pooled_reading_and_serves_the_next_request(
@@ -275,16 +245,12 @@ async def test_a_stream_that_ends_while_paused_is_pooled_reading_and_serves_the_
             writer.write(answer(body))
             await writer.drain()
 
-    async with raw_worker(at_once) as worker:
-        transport = HttptoolsTransport(worker.url, WorkerTimeouts(request_s=60))
-        try:
-            stream = await transport.open_stream("/x", b"{}")
-            assert await eventually_async(lambda: all(c.complete for c in transport._open))
-            await stream.aclose()  # the client left without reading: the answer is whole, so it is pooled
-            assert len(transport._idle) == 1
-            assert (await asyncio.wait_for(transport.post("/x", b"next"), 30)).content == b"next"
-        finally:
-            await transport.aclose()
+    async with client_of(at_once, WorkerTimeouts(request_s=60)) as (_worker, transport):
+        stream = await transport.open_stream("/x", b"{}")
+        assert await eventually_async(lambda: all(c.complete for c in transport._open))
+        await stream.aclose()  # the client left without reading: the answer is whole, so it is pooled
+        assert len(transport._idle) == 1
+        assert (await asyncio.wait_for(transport.post("/x", b"next"), 30)).content == b"next"
 
 
 async def test_a_stream_dropped_without_aclose_closes_its_connection() -> None:
@@ -295,34 +261,26 @@ async def test_a_stream_dropped_without_aclose_closes_its_connection() -> None:
         await writer.drain()
         await reader.read()  # until the client hangs up
 
-    async with raw_worker(endless) as worker:
-        transport = HttptoolsTransport(worker.url, WorkerTimeouts())
-        try:
-            stream = await transport.open_stream("/x", b"{}")
-            assert len(transport._open) == 1
-            del stream
-            gc.collect()
-            assert not transport._open  # the slot is free
-            await asyncio.wait_for(worker.closed.wait(), 10)  # and the worker saw the hang-up
-        finally:
-            await transport.aclose()
+    async with client_of(endless) as (worker, transport):
+        stream = await transport.open_stream("/x", b"{}")
+        assert len(transport._open) == 1
+        del stream
+        gc.collect()
+        assert not transport._open  # the slot is free
+        await asyncio.wait_for(worker.closed.wait(), 10)  # and the worker saw the hang-up
 
 
 async def test_a_caller_waits_for_a_busy_pool_no_longer_than_the_connect_timeout(
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(httptools_transport, "_MAX_CONNECTIONS", 1)
     release = asyncio.Event()
-    async with raw_worker(answer_after(release)) as worker:
-        transport = HttptoolsTransport(worker.url, WorkerTimeouts(connect_s=0.2))
-        try:
-            first = asyncio.ensure_future(transport.post("/x", b"1"))
-            assert await eventually_async(lambda: len(worker.requests) == 1)
-            with pytest.raises(UpstreamTimeoutError, match="connections busy"):
-                await transport.post("/x", b"2")
-            release.set()
-            assert (await first).content == b"1"
-        finally:
-            await transport.aclose()
+    async with client_of(answer_after(release), WorkerTimeouts(connect_s=0.2)) as (worker, transport):
+        first = asyncio.ensure_future(transport.post("/x", b"1"))
+        assert await eventually_async(lambda: len(worker.requests) == 1)
+        with pytest.raises(UpstreamTimeoutError, match="connections busy"):
+            await transport.post("/x", b"2")
+        release.set()
+        assert (await first).content == b"1"
 
 
 @pytest.mark.parametrize("when", ["with the answer", "later"])
@@ -343,53 +301,41 @@ async def test_an_unasked_answer_never_becomes_the_next_requests(when: str) -> N
             writer.write(answer(body))
             await writer.drain()
 
-    async with raw_worker(extra) as worker:
-        transport = HttptoolsTransport(worker.url, WorkerTimeouts())
-        try:
-            assert (await transport.post("/x", b"1")).content == b"1"
-            answered.set()
-            assert await eventually_async(lambda: not any(c.reusable for c in transport._idle))
-            assert (await transport.post("/x", b"2")).content == b"2"
-            assert worker.connections == 2
-        finally:
-            await transport.aclose()
+    async with client_of(extra) as (worker, transport):
+        assert (await transport.post("/x", b"1")).content == b"1"
+        answered.set()
+        assert await eventually_async(lambda: not any(c.reusable for c in transport._idle))
+        assert (await transport.post("/x", b"2")).content == b"2"
+        assert worker.connections == 2
 
 
 async def test_no_more_connections_than_the_limit_the_rest_wait_their_turn(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(httptools_transport, "_MAX_CONNECTIONS", 2)
     release = asyncio.Event()
-    async with raw_worker(answer_after(release)) as worker:
-        transport = HttptoolsTransport(worker.url, WorkerTimeouts())
-        try:
-            calls = [asyncio.ensure_future(transport.post("/x", b"%d" % i)) for i in range(6)]
-            assert await eventually_async(lambda: len(worker.requests) == 2 and len(transport._waiters) == 4)
-            assert worker.connections == 2 and len(transport._waiters) == 4
-            release.set()
-            replies = await asyncio.gather(*calls)
-            assert sorted(r.content for r in replies) == [b"%d" % i for i in range(6)]
-            assert worker.most_open == 2
-        finally:
-            await transport.aclose()
+    async with client_of(answer_after(release)) as (worker, transport):
+        calls = [asyncio.ensure_future(transport.post("/x", b"%d" % i)) for i in range(6)]
+        assert await eventually_async(lambda: len(worker.requests) == 2 and len(transport._waiters) == 4)
+        assert worker.connections == 2 and len(transport._waiters) == 4
+        release.set()
+        replies = await asyncio.gather(*calls)
+        assert sorted(r.content for r in replies) == [b"%d" % i for i in range(6)]
+        assert worker.most_open == 2
 
 
 async def test_a_caller_cancelled_while_waiting_for_a_connection_passes_its_turn_on(
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(httptools_transport, "_MAX_CONNECTIONS", 1)
     release = asyncio.Event()
-    async with raw_worker(answer_after(release)) as worker:
-        transport = HttptoolsTransport(worker.url, WorkerTimeouts())
-        try:
-            first = asyncio.ensure_future(transport.post("/x", b"1"))
-            cancelled = asyncio.ensure_future(transport.post("/x", b"2"))
-            last = asyncio.ensure_future(transport.post("/x", b"3"))
-            assert await eventually_async(lambda: len(transport._waiters) == 2)
-            cancelled.cancel()
-            release.set()
-            assert (await first).content == b"1"
-            assert (await asyncio.wait_for(last, 10)).content == b"3"
-            assert cancelled.cancelled()
-        finally:
-            await transport.aclose()
+    async with client_of(answer_after(release)) as (_worker, transport):
+        first = asyncio.ensure_future(transport.post("/x", b"1"))
+        cancelled = asyncio.ensure_future(transport.post("/x", b"2"))
+        last = asyncio.ensure_future(transport.post("/x", b"3"))
+        assert await eventually_async(lambda: len(transport._waiters) == 2)
+        cancelled.cancel()
+        release.set()
+        assert (await first).content == b"1"
+        assert (await asyncio.wait_for(last, 10)).content == b"3"
+        assert cancelled.cancelled()
 
 
 async def test_a_header_that_would_split_the_request_is_refused() -> None:
@@ -412,17 +358,13 @@ def test_a_worker_url_with_a_path_prefixes_every_request() -> None:
 def test_the_same_under_uvloop() -> None:
     """The orchestrator runs on uvloop, whose transports are not asyncio's classes."""
     async def main() -> None:
-        async with raw_worker(echo_keep_alive) as worker:
-            transport = HttptoolsTransport(worker.url, WorkerTimeouts())
-            try:
-                big = b"x" * 3_000_000  # more than the kernel takes in one send
-                chunks = (b'{"a":"', memoryview(big), b'"}')
-                reply = await transport.post("/x", chunks)
-                assert reply.content == b"".join(chunks)
-                assert (await transport.post("/x", b"{}")).content == b"{}"
-                assert worker.connections == 1
-            finally:
-                await transport.aclose()
+        async with client_of(echo_keep_alive) as (worker, transport):
+            big = b"x" * 3_000_000  # more than the kernel takes in one send
+            chunks = (b'{"a":"', memoryview(big), b'"}')
+            reply = await transport.post("/x", chunks)
+            assert reply.content == b"".join(chunks)
+            assert (await transport.post("/x", b"{}")).content == b"{}"
+            assert worker.connections == 1
 
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         runner.run(main())
