@@ -52,10 +52,11 @@ class HttptoolsTransport:
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError(f"worker URL {url!r} must be http:// or https:// with a host")
         self._host = parts.hostname
-        self._port = parts.port or (443 if parts.scheme == "https" else 80)
+        scheme_port = 443 if parts.scheme == "https" else 80
+        self._port = parts.port or scheme_port
         self._ssl: ssl.SSLContext | None = ssl.create_default_context() if parts.scheme == "https" else None
         self._prefix = parts.path.rstrip("/")  # a worker URL with a path: requests go under it
-        default_port = self._port == (443 if parts.scheme == "https" else 80)
+        default_port = self._port == scheme_port
         host_header = self._host if default_port else f"{self._host}:{self._port}"
         if ":" in self._host:  # an IPv6 literal goes in brackets in the Host header
             host_header = f"[{self._host}]" + ("" if default_port else f":{self._port}")
@@ -68,12 +69,7 @@ class HttptoolsTransport:
 
     # -- Transport --------------------------------------------------------------------------------------------
     async def post(self, path: str, body: Body, headers: dict[str, str] | None = None) -> Reply:
-        connection = await self._send(self._head("POST", path, body_length(body), headers), body, None)
-        try:
-            status = connection.status
-            return Reply(status, await connection.whole_body())
-        finally:
-            self._give_back(connection)
+        return await self._reply(await self._send(self._head("POST", path, body_length(body), headers), body, None))
 
     async def open_stream(self, path: str, body: Body, headers: dict[str, str] | None = None) -> HttptoolsStream:
         connection = await self._send(self._head("POST", path, body_length(body), headers), body, None)
@@ -83,11 +79,7 @@ class HttptoolsTransport:
     async def get(self, path: str, timeout_s: float) -> Reply:
         try:
             async with asyncio.timeout(timeout_s):
-                connection = await self._send(self._head("GET", path, None, None), b"", timeout_s)
-                try:
-                    return Reply(connection.status, await connection.whole_body())
-                finally:
-                    self._give_back(connection)
+                return await self._reply(await self._send(self._head("GET", path, None, None), b"", timeout_s))
         except TimeoutError:
             raise UpstreamTimeoutError(f"worker {self.url} timed out (GET {path} took over {timeout_s} s)") from None
 
@@ -129,6 +121,13 @@ class HttptoolsTransport:
             # A pooled connection the worker closed as it was reused (a race with its idle timeout), before a byte
             # of the answer: once more, on a fresh one. A fresh connection never raises this.
             return await self._attempt(await self._acquire(fresh=True), head, body, timeout_s)
+
+    async def _reply(self, connection: _Connection) -> Reply:
+        """The whole answer; the connection back to the pool, or closed if it was not read to its end."""
+        try:
+            return Reply(connection.status, await connection.whole_body())
+        finally:
+            self._give_back(connection)
 
     async def _attempt(self, connection: _Connection, head: bytes, body: Body, timeout_s: float) -> _Connection:
         try:
@@ -417,9 +416,6 @@ class _Connection(asyncio.Protocol):
             self._fail(UpstreamError(f"worker {self.url} sent an answer that is not valid HTTP: {exc}"))
             self.close()
 
-    def eof_received(self) -> bool | None:
-        return None  # the transport closes itself; connection_lost says what it means
-
     def connection_lost(self, exc: Exception | None) -> None:
         self._transport = None
         self._stop_timer()
@@ -437,12 +433,6 @@ class _Connection(asyncio.Protocol):
         cause = f"{type(exc).__name__}: {exc}" if exc is not None else "the worker closed the connection"
         self._fail(UpstreamError(f"worker {self.url} failed: the connection was lost before the answer ended "
                                  f"({cause})"))
-
-    def pause_writing(self) -> None:
-        pass  # a request body is in memory already: the transport buffers it whatever the kernel takes
-
-    def resume_writing(self) -> None:
-        pass
 
     # -- httptools' callbacks ---------------------------------------------------------------------------------
     # After the answer's end, bytes in the same read are a second, unasked answer: ignored, and the connection is
