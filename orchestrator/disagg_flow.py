@@ -213,7 +213,7 @@ class DisaggFlow:
                 raise RelayedError(answer.status_code, answer.content)
             return WholeAnswer(answer.content)
         return StreamedAnswer(tracing.traced_frames("stream", request.span, relay_stream(
-            answer, done.member, key.prompt_tokens, request.endpoint, request.started, self.metrics)))
+            answer, done.member, key.prompt_tokens, request.endpoint, request.started, self.metrics)), answer.aclose)
 
 
 async def _post(member: PoolMember, request: FlowRequest, body: Body, key: RoutingKey) -> Reply:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -61,9 +61,17 @@ class WholeAnswer:
     content: bytes
 
 
+async def _nothing_to_close() -> None:
+    pass
+
+
 @dataclass(frozen=True, slots=True)
 class StreamedAnswer:
     frames: AsyncIterator[bytes]
+    # Closes the upstream stream behind ``frames`` (idempotent; a no-op once ``frames`` closed it). Whoever serves
+    # the answer calls it however serving ended: ``frames`` is a chain of async generators, and one that was never
+    # started (the client left while the status line was being sent) runs no ``finally`` when it is closed.
+    close_upstream: Callable[[], Awaitable[None]] = _nothing_to_close
 
 
 Answer = WholeAnswer | StreamedAnswer

@@ -139,7 +139,7 @@ class ResponsesTurn:
         if isinstance(answer, WholeAnswer):
             self._keep(answer.content)
             return answer
-        return StreamedAnswer(self._kept_when_complete(answer.frames))
+        return StreamedAnswer(self._kept_when_complete(answer.frames), answer.close_upstream)
 
     async def _kept_when_complete(self, frames: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
         splitter = FrameSplitter()

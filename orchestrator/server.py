@@ -178,7 +178,10 @@ def create_orchestrator_app(
             answer = await (turn.answer(partial(flow.run, flow_request)) if turn else flow.run(flow_request))
             status = 200  # from here on the request counts as answered, whether or not the client reads it all
             if isinstance(answer, StreamedAnswer):
-                await exchange.stream(answer.frames, SSE_RAW_HEADERS)
+                try:
+                    await exchange.stream(answer.frames, SSE_RAW_HEADERS)
+                finally:
+                    await answer.close_upstream()  # GEN stops even if the relay never started
             else:
                 await exchange.answer(answer.content)
         except BaseException as exc:  # a worker's own error answer too: it is a RelayedError

@@ -3,6 +3,7 @@ another failed, a 503 before the first byte), watched at the transport boundary.
 
 from __future__ import annotations
 
+from contextlib import aclosing
 from typing import Any
 
 import orjson
@@ -90,3 +91,18 @@ async def test_a_stream_refused_before_its_first_byte_moves_to_another_gen_and_c
     assert request.gen_worker == GEN_B
     assert sample(flow.metrics, "disagg_upstream_retries_total", step="gen", reason="status_5xx") == 1
     assert all(w.inflight == 0 for w in flow.gen_pool.workers)
+
+
+async def test_a_stream_whose_relay_never_started_is_closed_by_close_upstream() -> None:
+    """The client left while the answer's status line was being sent: the relay's generators were closed before
+    they started, which runs none of their cleanup. The server then calls close_upstream, and GEN is told."""
+    stream = ScriptedStream(200, STREAM)
+    flow, _ = flow_over({CTX: [CTX_ANSWER], GEN_A: [stream]})
+    answer = await flow.run(flow.new_request("chat", chat(stream=True), 0.0))
+    assert isinstance(answer, StreamedAnswer)
+    async with aclosing(answer.frames):  # type: ignore[type-var]  # what the server's exchange does
+        pass
+    assert not stream.closed  # a generator closed before it started runs no finally
+    await answer.close_upstream()
+    assert stream.closed and stream.iterated == []
+    await answer.close_upstream()  # and again, as after a relay that closed it itself: harmless
