@@ -20,6 +20,8 @@ from typing import Any
 
 import orjson
 
+from orchestrator.client_body import encode
+
 FIELD = "prompt_token_ids_b64"
 _KEY = b'"' + FIELD.encode() + b'":"'
 _EMPTY_LAST = b'"' + FIELD.encode() + b'":""}'
@@ -54,9 +56,9 @@ def encode_with_b64(gen_body: dict[str, Any], b64: str | memoryview) -> bytes | 
     gen_body.pop(FIELD, None)  # so that it is the last member, where a splice puts the span
     if isinstance(b64, memoryview):
         gen_body[FIELD] = ""
-        return splice_b64_span(orjson.dumps(gen_body), b64)
+        return splice_b64_span(encode(gen_body), b64)
     gen_body[FIELD] = b64
-    return orjson.dumps(gen_body)
+    return encode(gen_body)
 
 
 def parse_with_b64_span(content: bytes) -> tuple[Any, memoryview | None]:

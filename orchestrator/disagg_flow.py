@@ -22,6 +22,7 @@ from frontend.guardrail import FallbackReason, decide_for_reading
 from frontend.metrics import LabelledChildren, Metrics
 from frontend.openai_output import Endpoint, replay_as_stream
 from orchestrator import flow_tracing
+from orchestrator.client_body import encode
 from orchestrator.flow_request import Answer, FlowRequest, StreamedAnswer, WholeAnswer
 from orchestrator.handoff_release import HandoffReleaser
 from orchestrator.member import PoolMember
@@ -174,7 +175,7 @@ class DisaggFlow:
 
     async def run_on_gen_alone(self, request: FlowRequest) -> Answer:
         """Conditional disaggregation: a short prompt is cheaper to prefill where it is decoded."""
-        body = orjson.dumps(request.body)
+        body = encode(request.body)
         done = await self._call_gen(request, request.key, lambda _: body)
         return self._gen_answer(request, done, request.key)
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from frontend.config import RouterConfig
+from orchestrator.client_body import RawText
 from orchestrator.member import PoolMember
 
 _VIRTUAL_NODES = 64
@@ -117,22 +118,25 @@ def make_router(config: RouterConfig) -> Router:
 
 
 def routing_key(body: dict[str, object], prefix_chars: int) -> RoutingKey:
-    """The prompt's first characters and a token estimate (~4 characters a token), read from the raw body."""
+    """The prompt's first characters and a token estimate (~4 characters a token), read from the raw body. A
+    long text the orchestrator kept as its JSON literal (``RawText``) counts its bytes, and only its first
+    characters are decoded."""
     pieces: list[str] = []
     chars = 0
     for text in _prompt_texts(body):
         if chars < prefix_chars:
-            pieces.append(text[: prefix_chars - chars])
-        chars += len(text)
+            wanted = prefix_chars - chars
+            pieces.append(text[:wanted] if isinstance(text, str) else text.prefix(wanted))
+        chars += len(text) if isinstance(text, str) else text.size
     explicit = body.get("prompt_token_ids")
     estimate = len(explicit) if isinstance(explicit, list) else chars // 4 + 1
     return RoutingKey("".join(pieces), estimate)
 
 
-def _prompt_texts(body: dict[str, object]) -> Iterable[str]:
+def _prompt_texts(body: dict[str, object]) -> Iterable[str | RawText]:
     for name in ("instructions", "prompt", "input", "messages"):
         value = body.get(name)
-        if isinstance(value, str):
+        if isinstance(value, str | RawText):
             yield value
         elif isinstance(value, list):
             for item in value:
@@ -140,8 +144,8 @@ def _prompt_texts(body: dict[str, object]) -> Iterable[str]:
                     yield item
                 elif isinstance(item, dict):
                     content = item.get("content")
-                    if isinstance(content, str):
+                    if isinstance(content, str | RawText):
                         yield content
                     elif isinstance(content, list):
                         yield from (p["text"] for p in content
-                                    if isinstance(p, dict) and isinstance(p.get("text"), str))
+                                    if isinstance(p, dict) and isinstance(p.get("text"), str | RawText))

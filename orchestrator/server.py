@@ -35,6 +35,7 @@ from frontend.openai_models import ChatCompletionRequest, CompletionRequest, Res
 from frontend.openai_output import Endpoint
 from frontend.openapi import install_body_schemas, json_body
 from frontend.sse import SSE_RAW_HEADERS
+from orchestrator.client_body import parse_client_body
 from orchestrator.disagg_flow import DisaggFlow
 from orchestrator.flow_request import PATHS, FlowRequest, StreamedAnswer, check_client_body
 from orchestrator.membership import DnsDiscovery
@@ -168,7 +169,10 @@ def create_orchestrator_app(
         flow_request.span = span
         status = 500
         try:
-            body = parse_json_object(await exchange.read_body(config.max_body_bytes))
+            raw = await exchange.read_body(config.max_body_bytes)
+            # /v1/responses keeps its input as values (a stored response's history); elsewhere a long prompt
+            # string stays the bytes the client sent (orchestrator.client_body).
+            body = parse_json_object(raw) if endpoint == "responses" else parse_client_body(raw)
             check_client_body(body)
             turn = stored_responses.begin(body) if endpoint == "responses" else None
             flow_request = flow.new_request(endpoint, turn.body if turn else body, started, headers)

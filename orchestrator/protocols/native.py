@@ -17,6 +17,7 @@ import orjson
 from frontend.errors import UpstreamError
 from orchestrator.b64_splice import FIELD as B64_FIELD
 from orchestrator.b64_splice import encode_with_b64, parse_with_b64_span
+from orchestrator.client_body import encode
 from orchestrator.transport import Body, Reply
 from orchestrator.worker_protocol import ContextAnswer, PromptCarriage, without_handoff_fields
 
@@ -42,7 +43,7 @@ class NativeProtocol:
             "return_prompt_token_ids_b64": return_prompt_tokens,
             "native_extensions": True,  # our workers then answer with our own fields (prompt_len, ...)
         }
-        return orjson.dumps(ctx_body)
+        return encode(ctx_body)
 
     def read_context_answer(self, content: bytes) -> ContextAnswer:
         try:
@@ -82,7 +83,7 @@ class NativeProtocol:
                 gen_body.pop(name, None)
         elif "prompt_token_ids" not in body:
             params.pop("prompt_len", None)  # no tokens travel: GEN tokenizes the text itself (the baseline)
-        return orjson.dumps(gen_body)
+        return encode(gen_body)
 
     def handoff_lost(self, reply: Reply) -> bool:
         if reply.status_code != 400:

@@ -26,6 +26,7 @@ import orjson
 
 from frontend.errors import UnsupportedParameterError, UpstreamError
 from orchestrator.b64_splice import encode_with_b64, parse_with_b64_span
+from orchestrator.client_body import encode
 from orchestrator.transport import Body, Reply
 from orchestrator.worker_protocol import ContextAnswer, PromptCarriage, without_handoff_fields
 
@@ -58,7 +59,7 @@ class TrtllmProtocol:
         }
         ctx_body["stream"] = False
         ctx_body["stream_options"] = None
-        return orjson.dumps(ctx_body)
+        return encode(ctx_body)
 
     def read_context_answer(self, content: bytes) -> ContextAnswer:
         try:
@@ -107,7 +108,7 @@ class TrtllmProtocol:
                 gen_body["prompt_token_ids"] = tokens
         elif tokens is not None:
             gen_body["prompt"] = tokens
-        return orjson.dumps(gen_body)
+        return encode(gen_body)
 
     def handoff_lost(self, reply: Reply) -> bool:
         return False  # a trtllm-serve GEN has no answer that says so: its failure is an ordinary error

@@ -18,6 +18,7 @@ from typing import Any
 import orjson
 
 from frontend.errors import UpstreamError
+from orchestrator.client_body import encode
 from orchestrator.transport import Reply
 from orchestrator.worker_protocol import ContextAnswer, PromptCarriage
 
@@ -46,7 +47,7 @@ class VllmProtocol:
         if "max_completion_tokens" in p_body:
             p_body["max_completion_tokens"] = 1
         p_body["kv_transfer_params"] = dict(PREFILL_KV_TRANSFER_PARAMS)
-        return orjson.dumps(p_body)
+        return encode(p_body)
 
     def read_context_answer(self, content: bytes) -> ContextAnswer:
         try:
@@ -82,7 +83,7 @@ class VllmProtocol:
         # prefill happened elsewhere.
         d_body["kv_transfer_params"] = ctx.handoff or {**PREFILL_KV_TRANSFER_PARAMS, "do_remote_decode": False,
                                                        "do_remote_prefill": True}
-        return orjson.dumps(d_body)
+        return encode(d_body)
 
     def handoff_lost(self, reply: Reply) -> bool:
         return False  # a D that cannot load the KV recomputes it (or fails the request): P is never asked again

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import pathlib
 import subprocess
 import sys
@@ -126,6 +127,50 @@ def test_gen_engine_got_a_zero_copy_array_and_never_built_a_list(client: openai.
     assert request.prompt_len == reply.usage.prompt_tokens
 
 
+@pytest.fixture(scope="module")
+def roomy(cluster: Cluster) -> Iterator[Node]:
+    """An orchestrator with the default body limit (the session's takes 64 KiB) in front of the same workers."""
+    with contextlib.ExitStack() as stack:
+        yield start_orchestrator(stack, [cluster.ctx.url], [cluster.gen.url])
+
+
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+def test_a_long_prompt_reaches_ctx_as_the_very_bytes_the_client_sent(
+    cluster: Cluster, roomy: Node, endpoint: str
+) -> None:
+    text = 'He said "stop".\n\tA tab, a \\ backslash, ünïcödé. ' * 2000  # ~100 KB: kept as its literal
+    body: dict[str, Any] = {"model": MODEL, "max_tokens": 4}
+    if endpoint == "chat":
+        body["messages"] = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": text}]
+    else:
+        body["prompt"] = text
+    # The stdlib's habits (spaces after separators, non-ASCII as \u escapes), which the orchestrator keeps.
+    raw = json.dumps(body, separators=(", ", ": ")).encode()
+    with watching(cluster) as before:
+        reply = httpx.post(roomy.url + ("/v1/chat/completions" if endpoint == "chat" else "/v1/completions"),
+                           content=raw, headers={"content-type": "application/json"}, timeout=60)
+    assert reply.status_code == 200, reply.text
+    ctx = last_ctx_exchange(cluster, before["ctx"])
+    assert json.dumps(text).encode() in ctx.request_body
+    ctx_body = ctx.request_json()
+    assert (ctx_body["messages"][1]["content"] if endpoint == "chat" else ctx_body["prompt"]) == text
+    assert reply.json()["usage"]["prompt_tokens"] >= len(text.encode())  # the byte tokenizer read all of it
+
+
+def test_a_long_prompt_the_worker_cannot_read_is_its_400_and_serving_goes_on(
+    cluster: Cluster, roomy: Node, client: openai.OpenAI
+) -> None:
+    # The orchestrator does not read a long prompt's text (orchestrator.client_body): the CTX worker does.
+    raw = b'{"model": "' + MODEL.encode() + b'", "max_tokens": 2, "prompt": "\xff' + b"a" * 70_000 + b'"}'
+    reply = httpx.post(roomy.url + "/v1/completions", content=raw, headers={"content-type": "application/json"},
+                       timeout=60)
+    assert reply.status_code == 400
+    error = reply.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and "not valid JSON" in error["message"]
+    assert openai.OpenAI(base_url=roomy.url + "/v1", api_key="k", max_retries=0).completions.create(
+        model=MODEL, prompt="Once", max_tokens=2).choices[0].text == synthetic_text(2)
+
+
 def test_streamed_gen_answer_is_relayed_byte_for_byte(cluster: Cluster) -> None:
     body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 30, "stream": True,
             "stream_options": {"include_usage": True}}
@@ -162,7 +207,8 @@ def test_the_orchestrator_never_loads_the_codec() -> None:
     assert result.stdout.strip() == "[]"
     for source in sources:
         text = source.read_text()
-        for forbidden in ("token_codec", "b64decode", "b64encode", "frombuffer", "pybase64"):
+        # Bytes may be viewed as bytes (client_body finds quotes with numpy), never as token ids.
+        for forbidden in ("token_codec", "b64decode", "b64encode", "int32", "TOKEN_DTYPE", "pybase64"):
             assert forbidden not in text, f"{source.name} mentions {forbidden}"
 
 

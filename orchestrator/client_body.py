@@ -1,0 +1,254 @@
+"""The client's body as the orchestrator holds it: parsed, except its long prompt strings, which stay the JSON bytes
+they came in as.
+
+At 131k tokens a completion's prompt is ~524 KB of a ~524.4 KB body. Parsed whole, orjson builds a 524 KB ``str``
+(0.22-0.27 ms in-process, the largest single piece of a metadata-only request) and every worker body encodes it
+again (0.03-0.09 ms, more with newlines and quotes to escape). The orchestrator never reads that text beyond its
+first ``prefix_chars`` characters (``prefix_affinity``) and its size (a token estimate). So a long string literal in
+a prompt position is taken out of the body's bytes whole, quotes and escapes as the client wrote them
+(``RawText``), the rest (~300 bytes) is parsed as usual, and ``encode`` writes the literal back verbatim as an
+``orjson.Fragment``: each worker receives the very characters the client sent.
+
+**Finding the literals without parsing.** Outside a string JSON has no ``"``, so after a literal the next ``"``
+opens the next literal, and a literal ends at the first ``"`` after an even run of backslashes. The walk goes from
+literal to literal with ``bytes.find`` (memchr: ~6 us over 524 KB); a literal with many escaped quotes is ended
+with numpy instead of one ``find`` per quote. A literal is taken when it is at least ``MIN_LITERAL`` bytes long, is
+an object member's value and its key is one of ``prompt``, ``content`` or ``text``; the rest goes to orjson with a
+marker string in its place, and the markers must come back at a prompt position (the top-level ``prompt``, a
+message's ``content``, a content part's ``text``), each exactly once. Anything else - invalid JSON, a literal
+somewhere else, a repeated key, a body of many short strings - and the body is parsed whole, as before; so an
+error says what the full parse says.
+
+**What is not checked.** The text inside a literal taken is not validated here (UTF-8, escapes, control
+characters): the worker that parses it does, and its 400 reaches the client as for every field the orchestrator
+does not read (``flow_request.check_client_body``).
+
+``/v1/responses`` bodies are parsed whole: a stored response keeps its input items as values.
+"""
+
+from __future__ import annotations
+
+import secrets
+from typing import Any
+
+import numpy as np
+import orjson
+
+from frontend.http import parse_json_object
+
+MIN_BODY = 64 * 1024  # smaller bodies parse in a few tens of microseconds: nothing to win
+MIN_LITERAL = 16 * 1024
+_PROMPT_KEYS = (b"prompt", b"content", b"text")
+_QUOTE, _BACKSLASH = 0x22, 0x5C
+_FINDS_PER_LITERAL = 16  # escaped quotes ended by bytes.find before numpy takes over
+_LONGEST_RUN_BY_HAND = 8  # a longer run of backslashes is counted by numpy too
+# A marker a client cannot write by chance: unique to this process.
+_MARK = f"\x00disagg-raw-text:{secrets.token_hex(8)}:"
+_MARK_LITERAL = orjson.dumps(_MARK)[:-1]  # '"\u0000disagg-raw-text:...:' without the closing quote
+
+
+class RawText:
+    """A long prompt string of the client's body, kept as its JSON literal: never decoded, written back verbatim."""
+
+    __slots__ = ("fragment", "literal")
+
+    def __init__(self, literal: bytes) -> None:
+        self.literal = literal  # quotes included, escapes and UTF-8 exactly as the client wrote them
+        self.fragment = orjson.Fragment(literal)
+
+    @property
+    def size(self) -> int:
+        """Bytes between the quotes: the text's characters for ASCII (an escape counts its bytes), its UTF-8 size
+        otherwise; the routers' token estimate reads it like a length."""
+        return len(self.literal) - 2
+
+    def prefix(self, chars: int) -> str:
+        """The text's first ``chars`` characters, decoded from the literal's first bytes only."""
+        if chars <= 0:
+            return ""
+        last = len(self.literal) - 1  # the closing quote
+        # ASCII first; then room for the widest character: 12 bytes of literal (a surrogate pair of \u escapes).
+        for budget in (chars + 16, 12 * chars + 12):
+            end = min(last, 1 + budget)
+            text = self._decoded_before(end)
+            if len(text) >= chars or end == last:
+                break
+        return text[:chars]
+
+    def _decoded_before(self, end: int) -> str:
+        for cut in range(end, max(1, end - 12), -1):  # back off a cut inside an escape or a UTF-8 sequence
+            try:
+                return str(orjson.loads(self.literal[:cut] + b'"'))
+            except orjson.JSONDecodeError:
+                continue
+        # Not a valid string (the worker will refuse it): a best-effort key, so that routing still works.
+        return self.literal[1:end].decode("utf-8", "replace")
+
+    def __repr__(self) -> str:
+        return f"RawText({self.size} bytes)"
+
+
+def parse_client_body(raw: bytes) -> dict[str, Any]:
+    """The client's JSON object, its long prompt strings as ``RawText``; ``InvalidRequestError`` as
+    ``frontend.http.parse_json_object`` says."""
+    if len(raw) >= MIN_BODY:
+        parsed = _parse_keeping_literals(raw)
+        if parsed is not None:
+            return parsed
+    return parse_json_object(raw)
+
+
+def _fragment_of(value: object) -> orjson.Fragment:
+    if isinstance(value, RawText):
+        return value.fragment
+    raise TypeError(f"{type(value).__name__} is not JSON serializable")
+
+
+def encode(body: Any) -> bytes:
+    """``body`` as JSON bytes, each ``RawText`` written as the literal the client sent."""
+    return orjson.dumps(body, default=_fragment_of)
+
+
+def _parse_keeping_literals(raw: bytes) -> dict[str, Any] | None:
+    spans = _long_prompt_literals(raw)
+    if not spans:
+        return None
+    pieces: list[bytes] = []
+    at = 0
+    for index, (start, end) in enumerate(spans):
+        pieces += [raw[at:start], _MARK_LITERAL, str(index).encode(), b'"']
+        at = end + 1
+    pieces.append(raw[at:])
+    try:
+        parsed = orjson.loads(b"".join(pieces))
+    except orjson.JSONDecodeError:
+        return None  # the full parse says what is wrong
+    if not isinstance(parsed, dict):
+        return None
+    texts = [RawText(raw[start:end + 1]) for start, end in spans]
+    return parsed if _put_back(parsed, texts) else None
+
+
+def _put_back(body: dict[str, Any], texts: list[RawText]) -> bool:
+    """Each marker replaced by its text, at a prompt position; False unless every text went back exactly once."""
+    placed: set[int] = set()
+
+    def text_for(value: object) -> RawText | None:
+        if not (isinstance(value, str) and value.startswith(_MARK)):
+            return None
+        index = int(value[len(_MARK):])
+        if index in placed:
+            raise ValueError("a marker twice")
+        placed.add(index)
+        return texts[index]
+
+    try:
+        found = text_for(body.get("prompt"))
+        if found is not None:
+            body["prompt"] = found
+        messages = body.get("messages")
+        for message in messages if isinstance(messages, list) else ():
+            if not isinstance(message, dict):
+                continue
+            content = message.get("content")
+            found = text_for(content)
+            if found is not None:
+                message["content"] = found
+            elif isinstance(content, list):
+                for part in content:
+                    if isinstance(part, dict) and (found := text_for(part.get("text"))) is not None:
+                        part["text"] = found
+    except (ValueError, IndexError):
+        return False
+    return len(placed) == len(texts)
+
+
+def _long_prompt_literals(raw: bytes) -> list[tuple[int, int]] | None:
+    """(opening quote, closing quote) of each long literal that is the value of a prompt-ish key, in order; None
+    if the walk cannot end it (an unterminated string) or the body is many short strings (parsing whole is
+    cheaper than walking them)."""
+    spans: list[tuple[int, int]] = []
+    find = raw.find
+    previous_start = previous_end = -1  # the literal before: the key, when this one is a member's value
+    at = 0
+    for _ in range(max(64, len(raw) >> 9)):  # on average at least 512 bytes a literal, or parse whole
+        start = find(b'"', at)
+        if start < 0:
+            return spans
+        end = _closing_quote(raw, start + 1)
+        if end < 0:
+            return None
+        if (end - start > MIN_LITERAL and raw[previous_end + 1:start].strip() == b":"
+                and raw[previous_start + 1:previous_end] in _PROMPT_KEYS):
+            spans.append((start, end))
+        previous_start, previous_end = start, end
+        at = end + 1
+    return None
+
+
+def _closing_quote(raw: bytes, at: int) -> int:
+    """The first ``"`` from ``at`` on that a backslash does not escape; -1 if none. ``raw[at - 1]`` is a quote."""
+    find = raw.find
+    for _ in range(_FINDS_PER_LITERAL):
+        quote = find(b'"', at)
+        if quote < 0:
+            return -1
+        run = 0
+        while raw[quote - 1 - run] == _BACKSLASH:
+            run += 1
+            if run > _LONGEST_RUN_BY_HAND:
+                return _closing_quote_by_numpy(raw, at)
+        if run % 2 == 0:
+            return quote
+        at = quote + 1
+    return _closing_quote_by_numpy(raw, at)
+
+
+def _closing_quote_by_numpy(raw: bytes, at: int) -> int:
+    """``_closing_quote`` for a text with many escaped quotes: each window's quotes found at once, and for each
+    the run of backslashes before it. Windows double, so a literal costs in proportion to its own length."""
+    data = np.frombuffer(raw, np.uint8)
+    window = 64 * 1024
+    while at < data.size:
+        end = min(data.size, at + window)
+        quotes = np.flatnonzero(data[at:end] == _QUOTE) + at
+        if quotes.size:
+            escaped = np.zeros(quotes.size, dtype=bool)
+            in_run = np.ones(quotes.size, dtype=bool)
+            for back in range(1, _LONGEST_RUN_BY_HAND + 1):
+                # data[at - 1] is a quote: no run reaches past it.
+                in_run &= data[np.maximum(quotes - back, at - 1)] == _BACKSLASH
+                if not in_run.any():
+                    break
+                escaped ^= in_run
+            else:
+                return _closing_quote_by_runs(data, at)  # longer runs than that: count them exactly
+            unescaped = quotes[~escaped]
+            if unescaped.size:
+                return int(unescaped[0])
+            at = int(quotes[-1]) + 1
+        else:
+            at = end
+        window *= 2
+    return -1
+
+
+def _closing_quote_by_runs(data: np.ndarray[Any, np.dtype[np.uint8]], at: int) -> int:
+    """``_closing_quote`` whatever the runs of backslashes (linear in the rest of the body: a body written to
+    defeat the cheaper ways)."""
+    quotes = np.flatnonzero(data[at:] == _QUOTE) + at
+    if quotes.size == 0:
+        return -1
+    backslashes = np.flatnonzero(data[at - 1:quotes[-1]] == _BACKSLASH) + (at - 1)
+    if backslashes.size == 0:
+        return int(quotes[0])
+    # The start of each backslash's run, then the run that ends just before each quote, if any.
+    starts_run = np.empty(backslashes.size, dtype=bool)
+    starts_run[0] = True
+    np.not_equal(np.diff(backslashes), 1, out=starts_run[1:])
+    run_start = np.maximum.accumulate(np.where(starts_run, backslashes, 0))
+    before = np.minimum(np.searchsorted(backslashes, quotes - 1), backslashes.size - 1)
+    after_backslash = backslashes[before] == quotes - 1
+    escaped = after_backslash & ((quotes - run_start[before]) % 2 == 1)
+    unescaped = quotes[~escaped]
+    return int(unescaped[0]) if unescaped.size else -1

@@ -1,0 +1,187 @@
+"""The client's body with its long prompt strings kept as the JSON bytes they came in: found without parsing,
+written back verbatim, and parsed whole whenever anything is off."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import numpy as np
+import orjson
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from frontend.errors import InvalidRequestError
+from frontend.http import parse_json_object
+from orchestrator.client_body import (
+    MIN_BODY,
+    MIN_LITERAL,
+    RawText,
+    _closing_quote,
+    _closing_quote_by_numpy,
+    _closing_quote_by_runs,
+    encode,
+    parse_client_body,
+)
+from orchestrator.routers import routing_key
+
+# Characters that make a JSON string hard: quotes, backslashes (alone and in runs), controls, non-ASCII of every
+# UTF-8 width, an astral character (a surrogate pair when escaped).
+TRICKY = st.lists(st.sampled_from(['"', "\\", "\\" * 5 + '"', "\n", "\t", "\x01", "/", "a", " ", "é", "中", "😀"]),
+                  max_size=200).map("".join)
+FILLER = "words and spaces " * (MIN_BODY // 17 + 1)  # long enough for a body to be looked at
+
+
+def long_text(core: str) -> str:
+    return core + FILLER + core  # the tricky part at both ends: the prefix and the closing quote see it
+
+
+def raw_texts(value: Any) -> list[RawText]:
+    if isinstance(value, RawText):
+        return [value]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in raw_texts(v)]
+    if isinstance(value, list):
+        return [t for v in value for t in raw_texts(v)]
+    return []
+
+
+def longest_str(value: Any) -> int:
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, dict):
+        return max((longest_str(v) for v in value.values()), default=0)
+    if isinstance(value, list):
+        return max((longest_str(v) for v in value), default=0)
+    return 0
+
+
+def bodies(text: str) -> dict[str, dict[str, Any]]:
+    return {
+        "completion": {"model": "m", "prompt": text, "max_tokens": 3, "stream": True},
+        "chat": {"model": "m", "messages": [{"role": "system", "content": "Be brief."},
+                                            {"role": "user", "content": text},
+                                            {"role": "assistant", "content": None},
+                                            {"role": "user", "content": text[::-1]}]},
+        "content parts": {"model": "m", "messages": [{"role": "user", "content": [
+            {"type": "text", "text": text}, {"type": "image_url", "image_url": {"url": "data:,x"}}]}]},
+    }
+
+
+@given(core=TRICKY, ensure_ascii=st.booleans(), spaced=st.booleans(), shape=st.sampled_from(list(bodies("x"))))
+def test_long_prompts_stay_the_clients_bytes_and_encode_back_to_the_same_json(
+    core: str, ensure_ascii: bool, spaced: bool, shape: str
+) -> None:
+    value = bodies(long_text(core))[shape]
+    raw = json.dumps(value, ensure_ascii=ensure_ascii, separators=(", ", ": ") if spaced else (",", ":")).encode()
+    parsed = parse_client_body(raw)
+    texts = raw_texts(parsed)
+    assert texts, "every long prompt string is kept as its literal"
+    assert longest_str(parsed) < MIN_LITERAL  # no long str was built
+    for text in texts:
+        assert text.literal in raw  # the very bytes the client sent
+        decoded = orjson.loads(text.literal)
+        for chars in (1, 5, 17, 1024):
+            assert text.prefix(chars) == decoded[:chars]
+    assert orjson.loads(encode(parsed)) == orjson.loads(raw)
+
+
+def test_a_compact_body_encodes_back_byte_for_byte() -> None:
+    raw = orjson.dumps({"model": "m", "prompt": long_text('"quoted"\n\\'), "max_tokens": 8, "stream": True})
+    parsed = parse_client_body(raw)
+    assert isinstance(parsed["prompt"], RawText)
+    assert encode(parsed) == raw
+
+
+def test_the_routing_key_reads_a_kept_literal_as_the_parsed_text() -> None:
+    raw = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "short one"},
+                                                   {"role": "user", "content": long_text("é\n" * 600)}]})
+    kept, whole = parse_client_body(raw), parse_json_object(raw)
+    for prefix_chars in (4, 1024):
+        assert routing_key(kept, prefix_chars).prompt_prefix == routing_key(whole, prefix_chars).prompt_prefix
+    # The size is counted in bytes: each 'é' is 2 of them, each '\n' 2 ('\' and 'n'), 1,200 of each.
+    assert routing_key(kept, 1024).prompt_tokens == (len("short one") + len(long_text("é\n" * 600)) + 2400) // 4 + 1
+
+
+def test_a_prefix_cut_from_text_the_worker_will_refuse_is_still_a_key() -> None:
+    text = RawText(b'"bad \\x escape' + b"a" * MIN_LITERAL + b'"')
+    assert text.prefix(4) == "bad "
+
+
+@pytest.mark.parametrize("value", [
+    {"model": "m", "prompt": FILLER[: MIN_BODY // 2]},  # a body too short to look at
+    {"model": "m", "prompt": "short", "user": FILLER},  # the long string is not a prompt
+    {"model": "m", "metadata": {"prompt": FILLER}},  # a prompt key, not at a prompt position
+    {"model": "m", "prompt": [FILLER, FILLER]},  # a list of prompts: their strings are not members' values
+    {"model": "m", "prompt": "short", "messages": [{"role": "user", "content": "x"}] * 20_000},  # many strings
+])
+def test_bodies_without_a_long_prompt_at_a_prompt_position_are_parsed_whole(value: dict[str, Any]) -> None:
+    raw = orjson.dumps(value)
+    parsed = parse_client_body(raw)
+    assert parsed == value and not raw_texts(parsed)
+
+
+def test_a_repeated_key_means_what_the_full_parse_says() -> None:
+    raw = b'{"model":"m","prompt":"' + FILLER.encode() + b'","prompt":"the last one"}'
+    assert parse_client_body(raw) == {"model": "m", "prompt": "the last one"}
+
+
+def test_a_client_cannot_forge_the_marker() -> None:
+    forged = "\x00disagg-raw-text:0000000000000000:0"
+    value = {"model": "m", "messages": [{"role": "user", "content": forged},
+                                        {"role": "user", "content": FILLER}]}
+    parsed = parse_client_body(orjson.dumps(value))
+    assert parsed["messages"][0]["content"] == forged
+    assert isinstance(parsed["messages"][1]["content"], RawText)
+
+
+@pytest.mark.parametrize(("raw", "message"), [
+    (b'{"model":"m","prompt":"' + b"a" * MIN_BODY, "not valid JSON"),  # unterminated
+    (b'{"model":"m","prompt":"' + b"a" * MIN_BODY + b'"', "not valid JSON"),  # no closing brace
+    (b'{"model":"m","prompt":"' + b"a" * MIN_BODY + b'"} trailing', "not valid JSON"),
+    (b'{"model":"m" "prompt":"' + b"a" * MIN_BODY + b'"}', "not valid JSON"),  # a comma missing outside the text
+    (b'[{"prompt":"' + b"a" * MIN_BODY + b'"}]', "must be a JSON object"),
+])
+def test_a_broken_body_gets_the_full_parses_error(raw: bytes, message: str) -> None:
+    with pytest.raises(InvalidRequestError, match=message):
+        parse_client_body(raw)
+
+
+def test_text_inside_a_kept_literal_is_left_to_the_worker() -> None:
+    # Invalid UTF-8 in the text is not looked at here; the worker that parses it answers 400 (tests of the
+    # orchestrator's HTTP surface check that answer).
+    raw = b'{"model":"m","prompt":"\xff' + b"a" * MIN_BODY + b'"}'
+    parsed = parse_client_body(raw)
+    assert isinstance(parsed["prompt"], RawText)
+    assert encode(parsed) == raw
+
+
+def reference_closing_quote(literal: bytes, at: int) -> int:
+    """A character-by-character scan: an escape takes two bytes."""
+    while at < len(literal):
+        if literal[at] == ord("\\"):
+            at += 2
+        elif literal[at] == ord('"'):
+            return at
+        else:
+            at += 1
+    return -1
+
+
+@given(st.lists(st.sampled_from(["a", "\\", '"', '\\"', "\\\\", "\\" * 9 + '"', "\\" * 10 + '"']), max_size=80),
+       st.integers(min_value=0, max_value=3))
+def test_every_way_to_find_the_closing_quote_agrees_with_a_scan(pieces: list[str], filler_kib: int) -> None:
+    literal = b'"' + "".join(pieces).encode() + b"x" * (filler_kib * 40_000) + b'"'
+    expected = reference_closing_quote(literal, 1)
+    assert _closing_quote(literal, 1) == expected
+    assert _closing_quote_by_numpy(literal, 1) == expected
+    assert _closing_quote_by_runs(np.frombuffer(literal, np.uint8), 1) == expected
+
+
+def test_a_text_of_many_escaped_quotes_is_ended_by_numpy() -> None:
+    text = ('say "hi" ' * 4000) + FILLER
+    raw = orjson.dumps({"model": "m", "prompt": text, "n": 1})
+    parsed = parse_client_body(raw)
+    assert isinstance(parsed["prompt"], RawText) and orjson.loads(parsed["prompt"].literal) == text
+    assert parsed["n"] == 1
