@@ -112,6 +112,7 @@ def run_worker(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
 def run_orchestrator(args: argparse.Namespace, argv: Sequence[str]) -> int:
     from frontend.config import ConfigError, for_one_of_several_front_ends, load_config
+    from frontend.memory import keep_request_buffers_on_the_heap
     from orchestrator.server import create_orchestrator_app
 
     try:
@@ -134,6 +135,7 @@ def run_orchestrator(args: argparse.Namespace, argv: Sequence[str]) -> int:
         config = for_one_of_several_front_ends(config)
     # An empty key (DISAGG_API_KEY="") means no key, not "the empty string is the key".
     tracing.configure("disagg-serve-orchestrator", "orchestrator")
+    keep_request_buffers_on_the_heap()  # frontend.memory: no page faults per request for a long prompt's body
     app = create_orchestrator_app(config, api_key=args.api_key or None, admin_key=args.admin_key or None)
     _serve(app, args, config.hostname, config.port)
     return 0

@@ -21,13 +21,11 @@ from typing import Any
 import orjson
 
 from orchestrator.client_body import encode
+from orchestrator.transport import Body
 
 FIELD = "prompt_token_ids_b64"
 _KEY = b'"' + FIELD.encode() + b'":"'
 _EMPTY_LAST = b'"' + FIELD.encode() + b'":""}'
-
-GenBody = tuple[bytes, memoryview, bytes]
-
 
 def cut_b64_span(content: bytes) -> tuple[bytes, memoryview] | None:
     """CTX's answer without the b64 string's characters (the value left as ``""``), and those characters as a
@@ -42,15 +40,16 @@ def cut_b64_span(content: bytes) -> tuple[bytes, memoryview] | None:
     return content[:start] + content[end:], memoryview(content)[start:end]
 
 
-def splice_b64_span(encoded: bytes, span: memoryview) -> GenBody:
-    """GEN's body ``encoded`` with ``"prompt_token_ids_b64":""`` as its last member, as chunks that put ``span``
-    between the quotes."""
-    if not encoded.endswith(_EMPTY_LAST):
+def splice_b64_span(encoded: Body, span: memoryview) -> Body:
+    """GEN's body ``encoded`` (bytes, or chunks: a client's long prompt kept as its literal) with
+    ``"prompt_token_ids_b64":""`` as its last member, as chunks that put ``span`` between the quotes."""
+    front, last = ((), encoded) if isinstance(encoded, bytes) else (encoded[:-1], encoded[-1])
+    if not (isinstance(last, bytes) and last.endswith(_EMPTY_LAST)):
         raise ValueError(f"the body must end with an empty {FIELD}")
-    return encoded[:-2], span, encoded[-2:]
+    return *front, last[:-2], span, last[-2:]
 
 
-def encode_with_b64(gen_body: dict[str, Any], b64: str | memoryview) -> bytes | GenBody:
+def encode_with_b64(gen_body: dict[str, Any], b64: str | memoryview) -> Body:
     """``gen_body`` encoded with ``prompt_token_ids_b64`` as its last member: a span of CTX's bytes goes in as a
     chunk of its own (never joined), a ``str`` (an answer parsed whole) as the same object CTX's answer held."""
     gen_body.pop(FIELD, None)  # so that it is the last member, where a splice puts the span

@@ -84,7 +84,7 @@ class DisaggFlow:
     async def run_context_step(self, request: FlowRequest) -> ContextAnswer:
         return_tokens = self._ctx_returns_tokens(request)
 
-        def body_for(ctx: PoolMember) -> bytes:
+        def body_for(ctx: PoolMember) -> Body:
             return self.protocol_of(ctx).context_request(request.body, return_prompt_tokens=return_tokens)
 
         started = time.perf_counter()

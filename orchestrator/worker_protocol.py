@@ -38,8 +38,9 @@ class ContextAnswer:
 
 
 class WorkerProtocol(Protocol):
-    def context_request(self, body: dict[str, Any], *, return_prompt_tokens: bool) -> bytes:
-        """The CTX step's body for the client's ``body``: a context-only, whole (not streamed) request."""
+    def context_request(self, body: dict[str, Any], *, return_prompt_tokens: bool) -> Body:
+        """The CTX step's body for the client's ``body``: a context-only, whole (not streamed) request (chunks when a
+        long prompt is kept as the client's bytes: ``orchestrator.client_body``)."""
         ...
 
     def read_context_answer(self, content: bytes) -> ContextAnswer:

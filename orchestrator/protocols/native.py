@@ -30,7 +30,7 @@ RELEASE_PATH = "/v1/disagg/release"
 
 
 class NativeProtocol:
-    def context_request(self, body: dict[str, Any], *, return_prompt_tokens: bool) -> bytes:
+    def context_request(self, body: dict[str, Any], *, return_prompt_tokens: bool) -> Body:
         ctx_body = dict(body)  # shallow: the prompt itself is not copied
         if body.get("stream") is True:
             # CTX answers whole whatever the client asked; stream_options belong to the client's stream. A

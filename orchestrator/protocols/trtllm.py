@@ -45,7 +45,7 @@ class TrtllmProtocol:
     def __init__(self, *, strip_message_history: bool = False) -> None:
         self.strip_message_history = strip_message_history
 
-    def context_request(self, body: dict[str, Any], *, return_prompt_tokens: bool) -> bytes:
+    def context_request(self, body: dict[str, Any], *, return_prompt_tokens: bool) -> Body:
         if "messages" not in body and "prompt" not in body:
             raise UnsupportedParameterError("TensorRT-LLM workers serve only chat and completions "
                                             "disaggregated, not /v1/responses", param="input")

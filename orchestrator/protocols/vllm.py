@@ -19,7 +19,7 @@ import orjson
 
 from frontend.errors import UpstreamError
 from orchestrator.client_body import encode
-from orchestrator.transport import Reply
+from orchestrator.transport import Body, Reply
 from orchestrator.worker_protocol import ContextAnswer, PromptCarriage
 
 # What P is asked for: keep the prompt's KV for a decode elsewhere. NixlConnector reads every one of these names;
@@ -38,7 +38,7 @@ _CONTINUE_REASONS = ("length",)
 
 
 class VllmProtocol:
-    def context_request(self, body: dict[str, Any], *, return_prompt_tokens: bool) -> bytes:
+    def context_request(self, body: dict[str, Any], *, return_prompt_tokens: bool) -> Body:
         # return_prompt_tokens is not asked of P: a vLLM server has no b64 token ids to give.
         p_body = dict(body)  # shallow: the prompt itself is not copied
         p_body.pop("stream_options", None)
@@ -73,7 +73,7 @@ class VllmProtocol:
         response.pop("kv_transfer_params", None)
         return response
 
-    def generation_request(self, body: dict[str, Any], ctx: ContextAnswer, carriage: PromptCarriage) -> bytes:
+    def generation_request(self, body: dict[str, Any], ctx: ContextAnswer, carriage: PromptCarriage) -> Body:
         if carriage is not PromptCarriage.CLIENT_PROMPT:
             # P gave no token ids (prompt_b64 is None), so the flow only asks for these in metadata-only mode,
             # which the config refuses for vLLM groups; fail loudly rather than send D a body without a prompt.

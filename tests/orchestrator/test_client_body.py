@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from frontend.errors import InvalidRequestError
 from frontend.http import parse_json_object
+from orchestrator.b64_splice import splice_b64_span
 from orchestrator.client_body import (
     MIN_BODY,
     MIN_LITERAL,
@@ -24,7 +25,12 @@ from orchestrator.client_body import (
     encode,
     parse_client_body,
 )
+from orchestrator.protocols.native import NativeProtocol
+from orchestrator.protocols.trtllm import TrtllmProtocol
+from orchestrator.protocols.vllm import VllmProtocol
 from orchestrator.routers import routing_key
+from orchestrator.transport import body_bytes
+from orchestrator.worker_protocol import WorkerProtocol
 
 # Characters that make a JSON string hard: quotes, backslashes (alone and in runs), controls, non-ASCII of every
 # UTF-8 width, an astral character (a surrogate pair when escaped).
@@ -80,18 +86,18 @@ def test_long_prompts_stay_the_clients_bytes_and_encode_back_to_the_same_json(
     assert texts, "every long prompt string is kept as its literal"
     assert longest_str(parsed) < MIN_LITERAL  # no long str was built
     for text in texts:
-        assert text.literal in raw  # the very bytes the client sent
+        assert text.literal.obj is raw  # a view of the very bytes the client sent
         decoded = orjson.loads(text.literal)
         for chars in (1, 5, 17, 1024):
             assert text.prefix(chars) == decoded[:chars]
-    assert orjson.loads(encode(parsed)) == orjson.loads(raw)
+    assert orjson.loads(body_bytes(encode(parsed))) == orjson.loads(raw)
 
 
 def test_a_compact_body_encodes_back_byte_for_byte() -> None:
     raw = orjson.dumps({"model": "m", "prompt": long_text('"quoted"\n\\'), "max_tokens": 8, "stream": True})
     parsed = parse_client_body(raw)
     assert isinstance(parsed["prompt"], RawText)
-    assert encode(parsed) == raw
+    assert body_bytes(encode(parsed)) == raw
 
 
 def test_the_routing_key_reads_a_kept_literal_as_the_parsed_text() -> None:
@@ -105,7 +111,7 @@ def test_the_routing_key_reads_a_kept_literal_as_the_parsed_text() -> None:
 
 
 def test_a_prefix_cut_from_text_the_worker_will_refuse_is_still_a_key() -> None:
-    text = RawText(b'"bad \\x escape' + b"a" * MIN_LITERAL + b'"')
+    text = RawText(memoryview(b'"bad \\x escape' + b"a" * MIN_LITERAL + b'"'))
     assert text.prefix(4) == "bad "
 
 
@@ -154,7 +160,7 @@ def test_text_inside_a_kept_literal_is_left_to_the_worker() -> None:
     raw = b'{"model":"m","prompt":"\xff' + b"a" * MIN_BODY + b'"}'
     parsed = parse_client_body(raw)
     assert isinstance(parsed["prompt"], RawText)
-    assert encode(parsed) == raw
+    assert body_bytes(encode(parsed)) == raw
 
 
 def reference_closing_quote(literal: bytes, at: int) -> int:
@@ -185,3 +191,23 @@ def test_a_text_of_many_escaped_quotes_is_ended_by_numpy() -> None:
     parsed = parse_client_body(raw)
     assert isinstance(parsed["prompt"], RawText) and orjson.loads(parsed["prompt"].literal) == text
     assert parsed["n"] == 1
+
+
+@pytest.mark.parametrize("protocol", [NativeProtocol(), TrtllmProtocol(), VllmProtocol()],
+                         ids=["native", "trtllm", "vllm"])
+def test_each_workers_body_sends_the_literal_as_a_view_of_the_clients_bytes(protocol: WorkerProtocol) -> None:
+    raw = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": long_text("x")}], "stream": True})
+    sent = protocol.context_request(parse_client_body(raw), return_prompt_tokens=False)
+    assert isinstance(sent, tuple)
+    (view,) = (chunk for chunk in sent if isinstance(chunk, memoryview))
+    assert view.obj is raw  # never copied by the orchestrator
+    assert sum(len(chunk) for chunk in sent if isinstance(chunk, bytes)) < 1024
+    assert orjson.loads(body_bytes(sent))["messages"][0]["content"] == long_text("x")
+
+
+def test_gens_b64_splice_goes_after_a_kept_literal() -> None:
+    raw = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": long_text("x")}]})
+    b64 = b"QUJD" * 10
+    sent = splice_b64_span(encode({**parse_client_body(raw), "prompt_token_ids_b64": ""}), memoryview(b64))
+    assert isinstance(sent, tuple) and [type(chunk) for chunk in sent].count(memoryview) == 2
+    assert orjson.loads(body_bytes(sent)) == {**orjson.loads(raw), "prompt_token_ids_b64": b64.decode()}

@@ -35,14 +35,14 @@ def ctx_answer(handoff: dict[str, Any] | None = None, *, top_level: bool = False
 # -- CTX --------------------------------------------------------------------------------------------------------
 def test_the_ctx_request_is_context_only_whole_and_leaves_the_client_body_alone() -> None:
     body = chat_body(stream=True, stream_options={"include_usage": True})
-    sent = orjson.loads(PROTOCOL.context_request(body, return_prompt_tokens=True))
+    sent = orjson.loads(body_bytes(PROTOCOL.context_request(body, return_prompt_tokens=True)))
     params = sent.pop("disaggregated_params")
     assert params == {"request_type": "context_only", "disagg_request_id": params["disagg_request_id"],
                       "return_prompt_token_ids_b64": True, "native_extensions": True}
     assert 0 <= params["disagg_request_id"] < 2**63
     assert sent == {**chat_body(), "stream": False}
     assert body == chat_body(stream=True, stream_options={"include_usage": True})
-    again = orjson.loads(PROTOCOL.context_request(body, return_prompt_tokens=False))["disaggregated_params"]
+    again = orjson.loads(body_bytes(PROTOCOL.context_request(body, return_prompt_tokens=False)))["disaggregated_params"]
     assert again["return_prompt_token_ids_b64"] is False
     assert again["disagg_request_id"] != params["disagg_request_id"]
 

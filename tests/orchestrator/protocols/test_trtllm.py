@@ -50,7 +50,7 @@ def ctx_answer(finish: str | None = "length", **extra: Any) -> bytes:
 def test_the_ctx_body_is_what_trtllm_sends() -> None:
     body = chat_body(stream=True, stream_options={"include_usage": True},
                      conversation_params={"conversation_id": "conv-1"})
-    sent = orjson.loads(TrtllmProtocol().context_request(body, return_prompt_tokens=True))
+    sent = orjson.loads(body_bytes(TrtllmProtocol().context_request(body, return_prompt_tokens=True)))
     ChatCompletionRequest.model_validate(sent)  # strict: nothing TensorRT-LLM would refuse
     params = sent.pop("disaggregated_params")
     assert params == {"request_type": "context_only", "disagg_request_id": params["disagg_request_id"],

@@ -30,7 +30,7 @@ def p_answer(finish: str = "length", kv: Any = NIXL_ANSWER) -> bytes:
 
 def test_the_prefill_request_is_one_token_whole_and_asks_to_keep_the_kv() -> None:
     body = chat_body(stream=True, stream_options={"include_usage": True}, max_completion_tokens=50)
-    sent = orjson.loads(PROTOCOL.context_request(body, return_prompt_tokens=True))
+    sent = orjson.loads(body_bytes(PROTOCOL.context_request(body, return_prompt_tokens=True)))
     assert sent["max_tokens"] == 1 and sent["max_completion_tokens"] == 1
     assert sent["stream"] is False and "stream_options" not in sent
     assert sent["kv_transfer_params"] == PREFILL_KV_TRANSFER_PARAMS
