@@ -14,7 +14,8 @@ as an ``orjson.Fragment``, the copy cost ~375 page faults per request at 131k: a
 **Finding the literals without parsing.** Outside a string JSON has no ``"``, so after a literal the next ``"``
 opens the next literal, and a literal ends at the first ``"`` after an even run of backslashes. The walk goes from
 literal to literal with ``bytes.find`` (memchr: ~6 us over 524 KB); a literal with many escaped quotes is ended
-with numpy instead of one ``find`` per quote. A literal is taken when it is at least ``MIN_LITERAL`` bytes long, is
+with numpy instead of one ``find`` per quote. The walk keeps to a budget (``_Walk``) so that no body costs it more
+than parsing whole would. A literal is taken when it is at least ``MIN_LITERAL`` bytes long, is
 an object member's value and its key is one of ``prompt``, ``content`` or ``text``; the rest goes to orjson with a
 marker string in its place, and the markers must come back at a prompt position (the top-level ``prompt``, a
 message's ``content``, a content part's ``text``), each exactly once. Anything else - invalid JSON, a literal
@@ -44,7 +45,9 @@ MIN_LITERAL = 16 * 1024
 _PROMPT_KEYS = (b"prompt", b"content", b"text")
 _QUOTE, _BACKSLASH = 0x22, 0x5C
 _FINDS_PER_LITERAL = 16  # escaped quotes ended by bytes.find before numpy takes over
-_LONGEST_RUN_BY_HAND = 8  # a longer run of backslashes is counted by numpy too
+_LONGEST_RUN = 8  # backslashes before a quote; a longer run (rare in text) and the body is parsed whole
+_NUMPY_SCANS = 8  # strings of many escaped quotes per body ended with numpy; past that the body is parsed whole
+_FIRST_WINDOW = 4096
 # A marker a client cannot write by chance: unique to this process.
 _MARK = f"\x00disagg-raw-text:{secrets.token_hex(8)}:"
 _MARK_LITERAL = orjson.dumps(_MARK)[:-1]  # '"\u0000disagg-raw-text:...:' without the closing quote
@@ -182,90 +185,101 @@ def _put_back(body: dict[str, Any], texts: list[RawText]) -> bool:
 
 def _long_prompt_literals(raw: bytes) -> list[tuple[int, int]] | None:
     """(opening quote, closing quote) of each long literal that is the value of a prompt-ish key, in order; None
-    if the walk cannot end it (an unterminated string) or the body is many short strings (parsing whole is
-    cheaper than walking them)."""
-    spans: list[tuple[int, int]] = []
-    find = raw.find
-    previous_start = previous_end = -1  # the literal before: the key, when this one is a member's value
-    at = 0
-    for _ in range(max(64, len(raw) >> 9)):  # on average at least 512 bytes a literal, or parse whole
-        start = find(b'"', at)
-        if start < 0:
-            return spans
-        end = _closing_quote(raw, start + 1)
-        if end < 0:
-            return None
-        if (end - start > MIN_LITERAL and raw[previous_end + 1:start].strip() == b":"
-                and raw[previous_start + 1:previous_end] in _PROMPT_KEYS):
-            spans.append((start, end))
-        previous_start, previous_end = start, end
-        at = end + 1
-    return None
+    when the body is better parsed whole (``_Walk`` says when)."""
+    try:
+        return _Walk(raw).long_prompt_literals()
+    except _GiveUp:
+        return None
 
 
-def _closing_quote(raw: bytes, at: int) -> int:
-    """The first ``"`` from ``at`` on that a backslash does not escape; -1 if none. ``raw[at - 1]`` is a quote."""
-    find = raw.find
-    for _ in range(_FINDS_PER_LITERAL):
-        quote = find(b'"', at)
-        if quote < 0:
-            return -1
-        run = 0
-        while raw[quote - 1 - run] == _BACKSLASH:
-            run += 1
-            if run > _LONGEST_RUN_BY_HAND:
-                return _closing_quote_by_numpy(raw, at)
-        if run % 2 == 0:
-            return quote
-        at = quote + 1
-    return _closing_quote_by_numpy(raw, at)
+class _GiveUp(Exception):
+    """The walk stops and the body is parsed whole: that is cheaper, or the only reading that is surely right."""
 
 
-def _closing_quote_by_numpy(raw: bytes, at: int) -> int:
-    """``_closing_quote`` for a text with many escaped quotes: each window's quotes found at once, and for each
-    the run of backslashes before it. Windows double, so a literal costs in proportion to its own length."""
-    data = np.frombuffer(raw, np.uint8)
-    window = 64 * 1024
-    while at < data.size:
-        end = min(data.size, at + window)
-        quotes = np.flatnonzero(data[at:end] == _QUOTE) + at
-        if quotes.size:
-            escaped = np.zeros(quotes.size, dtype=bool)
-            in_run = np.ones(quotes.size, dtype=bool)
-            for back in range(1, _LONGEST_RUN_BY_HAND + 1):
-                # data[at - 1] is a quote: no run reaches past it.
-                in_run &= data[np.maximum(quotes - back, at - 1)] == _BACKSLASH
-                if not in_run.any():
-                    break
-                escaped ^= in_run
+class _Walk:
+    """From literal to literal through a body, within a budget that keeps it cheaper than parsing whole whatever
+    the client sent: one ``find`` per literal and per escaped quote, on average no more than one per 512 bytes;
+    no run of more than ``_LONGEST_RUN`` backslashes before a quote; at most ``_NUMPY_SCANS`` strings of many
+    escaped quotes, each scanned in windows that start small and double (so a short one costs little and a long one
+    in proportion to its length). Past any of these it gives up."""
+
+    def __init__(self, raw: bytes) -> None:
+        self.raw = raw
+        self.finds_left = max(64, len(raw) >> 9)
+        self.numpy_scans_left = _NUMPY_SCANS
+        self._data: np.ndarray[Any, np.dtype[np.uint8]] | None = None
+
+    def long_prompt_literals(self) -> list[tuple[int, int]]:
+        raw = self.raw
+        spans: list[tuple[int, int]] = []
+        previous_start = previous_end = -1  # the literal before: the key, when this one is a member's value
+        at = 0
+        while True:
+            start = self._find_quote(at)
+            if start < 0:
+                return spans
+            end = self.closing_quote(start)
+            if (end - start > MIN_LITERAL and raw[previous_end + 1:start].strip() == b":"
+                    and raw[previous_start + 1:previous_end] in _PROMPT_KEYS):
+                spans.append((start, end))
+            previous_start, previous_end = start, end
+            at = end + 1
+
+    def closing_quote(self, opening: int) -> int:
+        """The ``"`` that ends the literal opened at ``opening``: the first that a backslash does not escape."""
+        raw = self.raw
+        at = opening + 1
+        for _ in range(_FINDS_PER_LITERAL):
+            quote = self._find_quote(at)
+            if quote < 0:
+                raise _GiveUp  # unterminated: the full parse says so
+            run = 0
+            while raw[quote - 1 - run] == _BACKSLASH:  # raw[opening] is a quote: no run reaches past it
+                run += 1
+                if run > _LONGEST_RUN:
+                    raise _GiveUp
+            if run % 2 == 0:
+                return quote
+            at = quote + 1
+        return self.closing_quote_by_numpy(opening, at)
+
+    def closing_quote_by_numpy(self, opening: int, at: int) -> int:
+        """``closing_quote`` from ``at`` on for a text with many escaped quotes: each window's quotes found at
+        once, and for each the run of backslashes before it."""
+        self.numpy_scans_left -= 1
+        if self.numpy_scans_left < 0:
+            raise _GiveUp
+        if self._data is None:
+            self._data = np.frombuffer(self.raw, np.uint8)
+        data = self._data
+        window = _FIRST_WINDOW
+        while at < data.size:
+            end = min(data.size, at + window)
+            quotes = np.flatnonzero(data[at:end] == _QUOTE) + at
+            if quotes.size:
+                escaped = np.zeros(quotes.size, dtype=bool)
+                in_run = np.ones(quotes.size, dtype=bool)
+                for back in range(1, _LONGEST_RUN + 2):
+                    in_run &= data[np.maximum(quotes - back, opening)] == _BACKSLASH  # data[opening] is a quote
+                    if not in_run.any():
+                        break
+                    if back <= _LONGEST_RUN:
+                        escaped ^= in_run
+                # A quote after a longer run is not counted: the walk gives up if the answer depends on it.
+                settled = np.flatnonzero(~(escaped | in_run))
+                unsettled = np.flatnonzero(in_run)
+                if unsettled.size and (not settled.size or unsettled[0] < settled[0]):
+                    raise _GiveUp
+                if settled.size:
+                    return int(quotes[settled[0]])
+                at = int(quotes[-1]) + 1
             else:
-                return _closing_quote_by_runs(data, at)  # longer runs than that: count them exactly
-            unescaped = quotes[~escaped]
-            if unescaped.size:
-                return int(unescaped[0])
-            at = int(quotes[-1]) + 1
-        else:
-            at = end
-        window *= 2
-    return -1
+                at = end
+            window *= 2
+        raise _GiveUp  # unterminated
 
-
-def _closing_quote_by_runs(data: np.ndarray[Any, np.dtype[np.uint8]], at: int) -> int:
-    """``_closing_quote`` whatever the runs of backslashes (linear in the rest of the body: a body written to
-    defeat the cheaper ways)."""
-    quotes = np.flatnonzero(data[at:] == _QUOTE) + at
-    if quotes.size == 0:
-        return -1
-    backslashes = np.flatnonzero(data[at - 1:quotes[-1]] == _BACKSLASH) + (at - 1)
-    if backslashes.size == 0:
-        return int(quotes[0])
-    # The start of each backslash's run, then the run that ends just before each quote, if any.
-    starts_run = np.empty(backslashes.size, dtype=bool)
-    starts_run[0] = True
-    np.not_equal(np.diff(backslashes), 1, out=starts_run[1:])
-    run_start = np.maximum.accumulate(np.where(starts_run, backslashes, 0))
-    before = np.minimum(np.searchsorted(backslashes, quotes - 1), backslashes.size - 1)
-    after_backslash = backslashes[before] == quotes - 1
-    escaped = after_backslash & ((quotes - run_start[before]) % 2 == 1)
-    unescaped = quotes[~escaped]
-    return int(unescaped[0]) if unescaped.size else -1
+    def _find_quote(self, at: int) -> int:
+        self.finds_left -= 1
+        if self.finds_left < 0:
+            raise _GiveUp  # many short strings or escaped quotes: parsing whole is cheaper
+        return self.raw.find(b'"', at)

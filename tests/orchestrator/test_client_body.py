@@ -4,6 +4,7 @@ written back verbatim, and parsed whole whenever anything is off."""
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import numpy as np
@@ -19,9 +20,9 @@ from orchestrator.client_body import (
     MIN_BODY,
     MIN_LITERAL,
     RawText,
-    _closing_quote,
-    _closing_quote_by_numpy,
-    _closing_quote_by_runs,
+    _GiveUp,
+    _long_prompt_literals,
+    _Walk,
     encode,
     parse_client_body,
 )
@@ -83,6 +84,9 @@ def test_long_prompts_stay_the_clients_bytes_and_encode_back_to_the_same_json(
     raw = json.dumps(value, ensure_ascii=ensure_ascii, separators=(", ", ": ") if spaced else (",", ":")).encode()
     parsed = parse_client_body(raw)
     texts = raw_texts(parsed)
+    if longest_backslash_run(raw) > 8:  # the walk gives up on those: parsed whole
+        assert parsed == orjson.loads(raw) and not texts
+        return
     assert texts, "every long prompt string is kept as its literal"
     assert longest_str(parsed) < MIN_LITERAL  # no long str was built
     for text in texts:
@@ -175,14 +179,57 @@ def reference_closing_quote(literal: bytes, at: int) -> int:
     return -1
 
 
-@given(st.lists(st.sampled_from(["a", "\\", '"', '\\"', "\\\\", "\\" * 9 + '"', "\\" * 10 + '"']), max_size=80),
+def longest_backslash_run(data: bytes) -> int:
+    """The longest run of backslashes just before a quote."""
+    return max((len(run) for run in re.findall(rb'\\+(?=")', data)), default=0)
+
+
+@given(st.lists(st.sampled_from(["a", "\\", '"', '\\"', "\\\\", "\\" * 7 + '"', "\\" * 9 + '"']), max_size=80),
        st.integers(min_value=0, max_value=3))
-def test_every_way_to_find_the_closing_quote_agrees_with_a_scan(pieces: list[str], filler_kib: int) -> None:
+def test_both_ways_to_find_the_closing_quote_agree_with_a_scan_or_give_up(pieces: list[str], filler_kib: int) -> None:
     literal = b'"' + "".join(pieces).encode() + b"x" * (filler_kib * 40_000) + b'"'
     expected = reference_closing_quote(literal, 1)
-    assert _closing_quote(literal, 1) == expected
-    assert _closing_quote_by_numpy(literal, 1) == expected
-    assert _closing_quote_by_runs(np.frombuffer(literal, np.uint8), 1) == expected
+    for numpy in (False, True):
+        walk = _Walk(literal)
+        try:
+            found = walk.closing_quote_by_numpy(0, 1) if numpy else walk.closing_quote(0)
+        except _GiveUp:
+            # Only where the body is better parsed whole: unterminated, or a run of backslashes longer than 8.
+            assert expected < 0 or longest_backslash_run(literal[:expected + 1]) > 8
+        else:
+            assert found == expected
+
+
+def test_a_backslash_run_across_a_numpy_window_is_counted_from_the_literals_start() -> None:
+    # 16 escaped quotes send the walk to numpy, whose first window (4 KiB) ends inside the last run of three
+    # backslashes: that quote is escaped, the string never ends, and the body is not JSON.
+    literal = b'"' + b'\\"' * 16 + b"A" * 4094 + b'\\\\\\"'
+    raw = b'{"prompt":' + literal + b',"model":"m"}'
+    with pytest.raises(orjson.JSONDecodeError):
+        orjson.loads(raw)
+    with pytest.raises(InvalidRequestError, match="not valid JSON"):
+        parse_client_body(raw + b" " * MIN_BODY)
+
+
+@pytest.mark.parametrize("literal", [
+    b'"' + b"\\" * 10 + b'"',  # long backslash runs: each would need an exact count
+    b'"' + b'\\"' * 17 + b'"',  # many escaped quotes in short strings: each would go to numpy
+], ids=["backslash runs", "escaped quotes"])
+def test_a_body_built_to_make_the_walk_expensive_is_parsed_whole_after_bounded_work(
+    literal: bytes, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    raw = b'{"model":"m","x":[' + b",".join([literal] * (4 * 1024 * 1024 // len(literal))) + b"]}"
+    scans: list[int] = []
+    real = np.flatnonzero
+
+    def counted(array: Any) -> Any:
+        scans.append(int(array.size))
+        return real(array)
+
+    monkeypatch.setattr(np, "flatnonzero", counted)
+    assert _long_prompt_literals(raw) is None
+    assert sum(scans) <= 8 * 3 * 4096  # eight small windows at most, never the whole body
+    assert parse_client_body(raw) == orjson.loads(raw)
 
 
 def test_a_text_of_many_escaped_quotes_is_ended_by_numpy() -> None:
