@@ -15,9 +15,9 @@ as an ``orjson.Fragment``, the copy cost ~375 page faults per request at 131k: a
 opens the next literal, and a literal ends at the first ``"`` after an even run of backslashes. The walk goes from
 literal to literal with ``bytes.find`` (memchr: ~6 us over 524 KB); a literal with many escaped quotes is ended
 with numpy instead of one ``find`` per quote. The walk keeps to a budget (``_Walk``) so that no body costs it more
-than parsing whole would. A literal is taken when it is at least ``MIN_LITERAL`` bytes long, is
-an object member's value and its key is one of ``prompt``, ``content`` or ``text``; the rest goes to orjson with a
-marker string in its place, and the markers must come back at a prompt position (the top-level ``prompt``, a
+than parsing whole would. A literal is taken when it is at least ``MIN_LITERAL`` bytes long, is an object member's
+value and its key is one of ``prompt``, ``content`` or ``text``; the rest goes to orjson with a marker string in its
+place, and the markers must come back at a prompt position (the top-level ``prompt``, a
 message's ``content``, a content part's ``text``), each exactly once. Anything else - invalid JSON, a literal
 somewhere else, a repeated key, a body of many short strings - and the body is parsed whole, as before; so an
 error says what the full parse says.
