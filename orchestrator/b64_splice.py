@@ -27,6 +27,7 @@ FIELD = "prompt_token_ids_b64"
 _KEY = b'"' + FIELD.encode() + b'":"'
 _EMPTY_LAST = b'"' + FIELD.encode() + b'":""}'
 
+
 def cut_b64_span(content: bytes) -> tuple[bytes, memoryview] | None:
     """CTX's answer without the b64 string's characters (the value left as ``""``), and those characters as a
     view of ``content``; None if the answer has no such span (then parse it whole)."""
