@@ -33,7 +33,8 @@ def _serve(app: Any, args: argparse.Namespace, host: str, port: int) -> None:
     (uvicorn's flow control already caps what a non-reading client makes us buffer), idle keep-alive 75 s."""
     config = uvicorn.Config(with_send_timeout(app, args.client_send_timeout_s), host=host, port=port,
                             log_level=args.log_level, loop="uvloop",
-                            http=protocol_with_header_timeout(args.header_timeout_s),
+                            # uvicorn calls ``http`` as a protocol factory; its hint names only asyncio.Protocol
+                            http=protocol_with_header_timeout(args.header_timeout_s),  # type: ignore[arg-type]
                             timeout_graceful_shutdown=30, timeout_keep_alive=75, access_log=False, log_config=None)
     server = QuietServer(config)
     if args.reuse_port:

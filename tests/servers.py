@@ -6,25 +6,31 @@ import asyncio
 import contextlib
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import uvicorn
 
+EventLoopFactory = Callable[[], asyncio.AbstractEventLoop]
+
 
 class ServerThread:
-    def __init__(self, app: Any, port: int = 0, **options: Any) -> None:
+    def __init__(self, app: Any, port: int = 0, event_loop: EventLoopFactory = asyncio.new_event_loop,
+                 **options: Any) -> None:
         # port 0: any free port; a fixed port lets a test bring a "restarted" worker back at the same address.
-        # ``options``: more of uvicorn's settings, or other values for these (e.g. ``http``: a protocol class).
+        # ``event_loop``: asyncio's by default (uvicorn's ``loop`` applies only to ``run``, not ``serve``);
+        # ``uvloop.new_event_loop`` for what production runs. ``options``: more of uvicorn's settings, or other
+        # values for these (e.g. ``http``: a protocol class).
         config = uvicorn.Config(app, **{"host": "127.0.0.1", "port": port, "log_level": "warning", "lifespan": "on",
                                         "loop": "uvloop", "http": "httptools", "timeout_graceful_shutdown": 5,
                                         **options})
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.loop: asyncio.AbstractEventLoop | None = None
+        self._new_loop = event_loop
 
     def _run(self) -> None:
-        self.loop = asyncio.new_event_loop()
+        self.loop = self._new_loop()
         asyncio.set_event_loop(self.loop)
         self.loop.run_until_complete(self.server.serve())
         self.loop.close()

@@ -1,9 +1,11 @@
 """The front ends' HTTP protocol (``entrypoints/http_protocol.py``) hands the app a request body of declared length
-whole, in one message, however many pieces it arrived in; other bodies arrive uvicorn's way. Real uvicorn server,
-raw client sockets (so the pieces and their timing are the test's)."""
+whole, in one message, however many pieces it arrived in, read past the parser into its own buffer; other bodies
+arrive uvicorn's way. Real uvicorn server on asyncio's event loop and on uvloop (production's: it reads into a
+protocol's buffers by other code), raw client sockets (so the pieces and their timing are the test's)."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import socket
 import threading
@@ -11,6 +13,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import uvloop
 
 from entrypoints import http_protocol
 from entrypoints.http_protocol import protocol_with_header_timeout
@@ -19,14 +22,21 @@ from tests.waiting import eventually
 
 
 class Recorder:
-    """An ASGI app that reads the whole body, keeps every message it received, and answers the body's length."""
+    """An ASGI app that reads the whole body, keeps every message it received, and answers the body's length; a
+    body declared longer than ``refuse_over`` gets a 413 at once, unread."""
 
     def __init__(self) -> None:
         self.messages: list[list[dict[str, Any]]] = []
         self.lock = threading.Lock()
+        self.refuse_over: int | None = None
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
+            return
+        declared = dict(scope["headers"]).get(b"content-length", b"0")
+        if self.refuse_over is not None and int(declared) > self.refuse_over:
+            await send({"type": "http.response.start", "status": 413, "headers": [(b"content-length", b"0")]})
+            await send({"type": "http.response.body", "body": b""})
             return
         got: list[dict[str, Any]] = []
         with self.lock:
@@ -44,10 +54,10 @@ class Recorder:
         await send({"type": "http.response.body", "body": answer})
 
 
-@pytest.fixture
-def server() -> Iterator[tuple[Recorder, int]]:
+@pytest.fixture(params=[asyncio.new_event_loop, uvloop.new_event_loop], ids=["asyncio", "uvloop"])
+def server(request: pytest.FixtureRequest) -> Iterator[tuple[Recorder, int]]:
     app = Recorder()
-    thread = ServerThread(app, http=protocol_with_header_timeout(30.0), lifespan="off")
+    thread = ServerThread(app, event_loop=request.param, http=protocol_with_header_timeout(30.0), lifespan="off")
     url = thread.start()
     try:
         yield app, int(url.rsplit(":", 1)[1])
@@ -60,16 +70,33 @@ def head(length: int | None) -> bytes:
     return b"POST /x HTTP/1.1\r\nHost: t\r\n" + framing + b"\r\n"
 
 
-def read_answer(sock: socket.socket) -> bytes:
+def read_answer(sock: socket.socket, status: bytes = b"200") -> bytes:
     received = b""
     while b"\r\n\r\n" not in received:
         received += sock.recv(65536)
     head_part, _, body = received.partition(b"\r\n\r\n")
+    assert head_part.split(b" ")[1] == status, head_part
     length = next(int(line.split(b":")[1]) for line in head_part.split(b"\r\n")
                   if line.lower().startswith(b"content-length"))
     while len(body) < length:
         body += sock.recv(65536)
     return body
+
+
+def read_answers(sock: socket.socket, count: int) -> list[bytes]:
+    """The bodies of ``count`` answers with a Content-Length, however the server's sends split or joined them."""
+    received, bodies = b"", []
+    while len(bodies) < count:
+        head_part, separator, rest = received.partition(b"\r\n\r\n")
+        if separator:
+            length = next(int(line.split(b":")[1]) for line in head_part.split(b"\r\n")
+                          if line.lower().startswith(b"content-length"))
+            if len(rest) >= length:
+                bodies.append(rest[:length])
+                received = rest[length:]
+                continue
+        received += sock.recv(65536)
+    return bodies
 
 
 @contextlib.contextmanager
@@ -126,3 +153,69 @@ def test_a_client_gone_mid_body_is_a_disconnect_not_a_body(server: tuple[Recorde
         assert eventually(lambda: len(app.messages) == 1)
     assert eventually(lambda: bool(app.messages[0]))
     assert [m["type"] for m in app.messages[0]] == ["http.disconnect"]
+
+
+@pytest.fixture
+def parsed(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The size of every piece the HTTP parser is handed."""
+    sizes: list[int] = []
+    feed = http_protocol._HeaderTimeoutProtocol.data_received
+
+    def counted(self: Any, data: bytes) -> None:
+        sizes.append(len(data))
+        feed(self, data)
+
+    monkeypatch.setattr(http_protocol._HeaderTimeoutProtocol, "data_received", counted)
+    return sizes
+
+
+def test_a_long_body_goes_past_the_parser_into_its_own_buffer(server: tuple[Recorder, int], parsed: list[int]) -> None:
+    app, port = server
+    body = body_of(1_000_000)
+    with connected(port) as sock:
+        sock.sendall(head(len(body)) + body)
+        assert read_answer(sock) == b"1000000"
+    # At most the read of the head passed the parser: the rest went straight into the body's buffer.
+    assert 0 < sum(parsed) <= http_protocol.HEAD_READ_BYTES
+    [[message]] = app.messages
+    assert type(message["body"]) is bytes and message["body"] == body
+
+
+def test_a_body_longer_than_a_piece_is_read_into_several_and_joined(
+        server: tuple[Recorder, int], monkeypatch: pytest.MonkeyPatch) -> None:
+    app, port = server
+    monkeypatch.setattr(http_protocol, "BODY_PIECE_BYTES", 70_000)
+    body = body_of(1_000_000)
+    with connected(port) as sock:
+        sock.sendall(head(len(body)))
+        for start in range(0, len(body), 30_000):
+            sock.sendall(body[start:start + 30_000])
+        assert read_answer(sock) == b"1000000"
+    assert app.messages[0][0]["body"] == body
+
+
+def test_the_read_of_a_body_stops_at_its_end_so_the_next_request_on_the_connection_is_parsed(
+        server: tuple[Recorder, int], parsed: list[int]) -> None:
+    app, port = server
+    first, second = body_of(500_000), body_of(200_000)[::-1]
+    with connected(port) as sock:
+        # Both requests in one send: the first body's last bytes and the second request's head arrive together.
+        sock.sendall(head(len(first)) + first + head(len(second)) + second + head(3) + b"abc")
+        assert read_answers(sock, 3) == [b"500000", b"200000", b"3"]
+    assert [got[0]["body"] for got in app.messages] == [first, second, b"abc"]
+
+
+def test_a_body_answered_before_it_is_read_is_read_to_its_end_and_dropped_and_the_connection_serves_on(
+        server: tuple[Recorder, int], parsed: list[int]) -> None:
+    app, port = server
+    app.refuse_over = 400_000
+    body = body_of(1_000_000)
+    with connected(port) as sock:
+        sock.sendall(head(len(body)))
+        assert read_answer(sock, b"413") == b""
+        for start in range(0, len(body), 100_000):
+            sock.sendall(body[start:start + 100_000])
+        sock.sendall(head(5) + b"hello")
+        assert read_answer(sock) == b"5"
+    assert sum(parsed) < 2 * http_protocol.HEAD_READ_BYTES  # the refused body never reached the parser either
+    assert app.messages == [[{"type": "http.request", "body": b"hello", "more_body": False}]]
