@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import logging
 import socket
 import struct
@@ -58,6 +59,27 @@ def _shared_read_buffer() -> memoryview:
     if view is None:
         view = _thread_buffers.view = memoryview(bytearray(READ_BYTES))
     return view
+
+
+_bytes_of_size = ctypes.pythonapi.PyBytes_FromStringAndSize
+_bytes_of_size.argtypes = (ctypes.c_void_p, ctypes.c_ssize_t)
+_bytes_of_size.restype = ctypes.py_object
+_contents_of_bytes = ctypes.pythonapi.PyBytes_AsString
+_contents_of_bytes.argtypes = (ctypes.py_object,)
+_contents_of_bytes.restype = ctypes.c_void_p
+
+
+def _unfilled_bytes(size: int) -> tuple[bytes, memoryview]:
+    """A new ``bytes`` of ``size`` (> 0) bytes, not yet filled, and a writable view of its contents.
+
+    What C code does to build a ``bytes`` in place: CPython's API makes one with ``PyBytes_FromStringAndSize(NULL,
+    size)`` ("the contents are uninitialized") and lets its maker fill it through ``PyBytes_AsString`` ("must not be
+    modified ... unless the object was just created using PyBytes_FromStringAndSize(NULL, size)"). A body read into
+    it is handed to the app as is: no zeroing of a ``bytearray`` first and no copy into a ``bytes`` after. The view
+    does not keep the object alive: its holder does; and no one sees the object before it is filled."""
+    piece = _bytes_of_size(None, size)
+    contents = (ctypes.c_char * size).from_address(_contents_of_bytes(piece))
+    return piece, memoryview(contents).cast("B")
 
 
 def protocol_with_header_timeout(header_timeout_s: float) -> type[BufferedReads]:
@@ -113,11 +135,12 @@ class _HeaderTimeoutProtocol(HttpToolsProtocol):
         # Called once when the connection is lost: a set, so that a pipelined request's callback is not the
         # running one's; each request takes its own out when it is done.
         self._client_gone: set[Callable[[], None]] = set()
-        # A body being read whole: its pieces so far (the parser's ``bytes`` and this protocol's own buffers), or
-        # None (none, or uvicorn's way: the app woken for every piece); how many of its bytes are still to come;
-        # and the part of its current buffer still to fill.
-        self._body_pieces: list[bytes | bytearray] | None = None
+        # A body being read whole: its pieces (``bytes`` filled in place, ``_unfilled_bytes``), or None (none, or
+        # read uvicorn's way: the app woken for every piece); how many of its bytes are still to come, and how many
+        # have no piece yet; and the part of the current piece still to fill.
+        self._body_pieces: list[bytes] | None = None
         self._body_left = 0
+        self._body_unplaced = 0
         self._body_free: memoryview | None = None
         self._read_into: memoryview | None = None  # the buffer of the read in progress, or None for the body's
         self._shared = _shared_read_buffer()
@@ -132,14 +155,10 @@ class _HeaderTimeoutProtocol(HttpToolsProtocol):
         """Where the next read goes: the rest of a body read whole, else the thread's shared buffer."""
         if self._body_left:
             if self.cycle.response_complete:
-                self._body_pieces = None  # answered without it (a 413): read to the end, kept nowhere
-            elif self._body_free is None:
-                piece = bytearray(min(self._body_left, BODY_PIECE_BYTES))
-                self._body_pieces.append(piece)  # type: ignore[union-attr]  # set with _body_left
-                self._body_free = memoryview(piece)
-            if self._body_free is not None and self._body_pieces is not None:
+                self._body_pieces = self._body_free = None  # answered without it (a 413): read to its end, dropped
+            if self._body_pieces is not None:
                 self._read_into = None
-                return self._body_free
+                return self._body_free or self._new_piece()
             view = self._shared[:self._body_left]
         elif self.cycle is None or not self.cycle.more_body:  # between requests: a head is next
             view = self._shared_head
@@ -154,13 +173,20 @@ class _HeaderTimeoutProtocol(HttpToolsProtocol):
             self.data_received(bytes(into[:nbytes]))
             return
         self._body_left -= nbytes
-        free = self._body_free
-        if into is None and free is not None:
+        if into is None:
+            free = self._body_free
+            assert free is not None
             self._body_free = free[nbytes:] if nbytes < len(free) else None
         if not self._body_left:
             # The parser still waits for the bytes that went past it: the next request gets a fresh one.
             self.parser = httptools.HttpRequestParser(self)
             self.on_message_complete()
+
+    def _new_piece(self) -> memoryview:
+        piece, self._body_free = _unfilled_bytes(min(self._body_unplaced, BODY_PIECE_BYTES))
+        self._body_unplaced -= len(piece)
+        self._body_pieces.append(piece)  # type: ignore[union-attr]  # only while a body is read whole
+        return self._body_free
 
     # -- the request --------------------------------------------------------------------------------------------
     def data_received(self, data: bytes) -> None:
@@ -187,7 +213,7 @@ class _HeaderTimeoutProtocol(HttpToolsProtocol):
         if declared.isdigit() and HIGH_WATER_LIMIT < int(declared) <= WHOLE_BODY_UP_TO \
                 and not self.parser.should_upgrade():
             self._body_pieces = []
-            self._body_left = int(declared)
+            self._body_left = self._body_unplaced = int(declared)
 
     def on_body(self, body: bytes) -> None:
         """A body of declared length is read whole, then handed over as one piece.
@@ -203,16 +229,22 @@ class _HeaderTimeoutProtocol(HttpToolsProtocol):
             super().on_body(body)
             return
         self._body_left -= len(body)
-        if self._body_pieces is not None and not self.cycle.response_complete:
-            self._body_pieces.append(body)
+        if self._body_pieces is None or self.cycle.response_complete:
+            return
+        at = 0
+        while at < len(body):
+            free = self._body_free or self._new_piece()
+            size = min(len(free), len(body) - at)
+            free[:size] = body[at:at + size]
+            self._body_free = free[size:] if size < len(free) else None
+            at += size
 
     def on_message_complete(self) -> None:
         pieces, self._body_pieces = self._body_pieces, None
         self._body_left = 0
         self._body_free = None
         if pieces and not self.cycle.response_complete:
-            whole = pieces[0] if len(pieces) == 1 else b"".join(pieces)
-            self.cycle.body = whole if isinstance(whole, bytes) else bytes(whole)  # type: ignore[assignment]
+            self.cycle.body = pieces[0] if len(pieces) == 1 else b"".join(pieces)  # type: ignore[assignment]
         super().on_message_complete()
 
     def connection_lost(self, exc: Exception | None) -> None:

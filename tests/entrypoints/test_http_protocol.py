@@ -219,3 +219,13 @@ def test_a_body_answered_before_it_is_read_is_read_to_its_end_and_dropped_and_th
         assert read_answer(sock) == b"5"
     assert sum(parsed) < 2 * http_protocol.HEAD_READ_BYTES  # the refused body never reached the parser either
     assert app.messages == [[{"type": "http.request", "body": b"hello", "more_body": False}]]
+
+
+@pytest.mark.parametrize("size", [1, 2, 70_000])
+def test_a_bytes_filled_in_place_is_a_new_object_that_holds_what_was_written(size: int) -> None:
+    # Size 1 matters: CPython shares one object per byte value, but only for sizes made from a string.
+    piece, view = http_protocol._unfilled_bytes(size)
+    other, _ = http_protocol._unfilled_bytes(size)
+    assert type(piece) is bytes and len(piece) == len(view) == size and piece is not other
+    view[:] = body_of(size)
+    assert piece == body_of(size) and hash(piece) == hash(body_of(size))
