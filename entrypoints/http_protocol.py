@@ -67,6 +67,11 @@ _bytes_of_size.restype = ctypes.py_object
 _contents_of_bytes = ctypes.pythonapi.PyBytes_AsString
 _contents_of_bytes.argtypes = (ctypes.py_object,)
 _contents_of_bytes.restype = ctypes.c_void_p
+# A view of memory, not of an object (and so no ctypes array type per size: ctypes caches each for ever).
+_view_of_memory = ctypes.pythonapi.PyMemoryView_FromMemory
+_view_of_memory.argtypes = (ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int)
+_view_of_memory.restype = ctypes.py_object
+_WRITABLE = 0x200  # PyBUF_WRITE
 
 
 def _unfilled_bytes(size: int) -> tuple[bytes, memoryview]:
@@ -78,8 +83,7 @@ def _unfilled_bytes(size: int) -> tuple[bytes, memoryview]:
     it is handed to the app as is: no zeroing of a ``bytearray`` first and no copy into a ``bytes`` after. The view
     does not keep the object alive: its holder does; and no one sees the object before it is filled."""
     piece = _bytes_of_size(None, size)
-    contents = (ctypes.c_char * size).from_address(_contents_of_bytes(piece))
-    return piece, memoryview(contents).cast("B")
+    return piece, _view_of_memory(_contents_of_bytes(piece), size, _WRITABLE)
 
 
 def protocol_with_header_timeout(header_timeout_s: float) -> type[BufferedReads]:
