@@ -9,24 +9,19 @@ A request whose headers arrived is no longer timed here (its body and answer hav
 gets the ``ABORT_CONNECTION`` extension that ``frontend/client_timeouts.py`` uses, and the ``CLIENT_GONE`` one
 through which ``frontend/asgi_fast_path.py`` learns that the client left without a task waiting on ``receive``.
 
-The socket is read as a ``BufferedProtocol`` (``BufferedReads``): the kernel copies into a buffer the protocol
-chose. Between requests that is a small buffer shared by the thread's connections, copied out as the ``bytes``
-uvicorn parses; once the headers of a body of declared length (64 KiB to ``WHOLE_BODY_UP_TO``) are parsed, the
-rest of the body goes straight into a buffer of its own, never through the parser. uvicorn's way (a plain
-``Protocol``) copied a 524 KB prompt three times after the kernel did: into the ``bytes`` uvloop hands
-``data_received``, into the ``bytes`` httptools hands ``on_body``, and into the join of the pieces; now once, into
-the ``bytes`` the app gets.
+The socket is read as a ``BufferedProtocol`` (``BufferedReads``), into buffers ``frontend/read_buffers.py``
+gives: between requests a small one shared by the thread's connections, copied out as the ``bytes`` uvicorn
+parses; once the headers of a body of declared length (64 KiB to ``WHOLE_BODY_UP_TO``) are parsed, the rest of
+the body straight into the ``bytes`` the app gets, never through the parser.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import logging
 import socket
 import struct
-import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -36,56 +31,12 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from frontend.asgi_fast_path import CLIENT_GONE
 from frontend.client_timeouts import ABORT_CONNECTION, DEFAULT_HEADER_TIMEOUT_S
+from frontend.read_buffers import HEAD_READ_BYTES, DeclaredBody, shared_read_buffer
 
 logger = logging.getLogger(__name__)
 
 # A request body of a declared length up to this is read whole before the app is woken (below).
 WHOLE_BODY_UP_TO = 16 * 1024 * 1024
-# The most one read takes while a request's head is awaited: enough for a head and a short body; what follows a
-# long body's head is left in the socket for the body's own buffer.
-HEAD_READ_BYTES = 16 * 1024
-# The most one read takes of a body not read whole (no declared length, or above WHOLE_BODY_UP_TO).
-READ_BYTES = 256 * 1024
-# A body read whole is read into buffers of at most this many bytes (a longer one into several, joined at the end):
-# what a client that declares a long body and sends none of it makes the server hold.
-BODY_PIECE_BYTES = 1024 * 1024
-
-_thread_buffers = threading.local()
-
-
-def _shared_read_buffer() -> memoryview:
-    """The thread's read buffer: one per event loop is enough, since each read is copied out before the next."""
-    view: memoryview | None = getattr(_thread_buffers, "view", None)
-    if view is None:
-        view = _thread_buffers.view = memoryview(bytearray(READ_BYTES))
-    return view
-
-
-_bytes_of_size = ctypes.pythonapi.PyBytes_FromStringAndSize
-_bytes_of_size.argtypes = (ctypes.c_void_p, ctypes.c_ssize_t)
-_bytes_of_size.restype = ctypes.py_object
-_contents_of_bytes = ctypes.pythonapi.PyBytes_AsString
-_contents_of_bytes.argtypes = (ctypes.py_object,)
-_contents_of_bytes.restype = ctypes.c_void_p
-# A view of memory, not of an object (and so no ctypes array type per size: ctypes caches each for ever).
-_view_of_memory = ctypes.pythonapi.PyMemoryView_FromMemory
-_view_of_memory.argtypes = (ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int)
-_view_of_memory.restype = ctypes.py_object
-_WRITABLE = 0x200  # PyBUF_WRITE
-
-
-def _unfilled_bytes(size: int) -> tuple[bytes, memoryview]:
-    """A new ``bytes`` of ``size`` (> 0) bytes, not yet filled, and a writable view of its contents.
-
-    What C code does to build a ``bytes`` in place: CPython's API makes one with ``PyBytes_FromStringAndSize(NULL,
-    size)`` ("the contents are uninitialized") and lets its maker fill it through ``PyBytes_AsString`` ("must not be
-    modified ... unless the object was just created using PyBytes_FromStringAndSize(NULL, size)"). A body read into
-    it is handed to the app as is: no zeroing of a ``bytearray`` first and no copy into a ``bytes`` after. The view
-    does not keep the object alive: its holder does; and no one sees the object before it is filled."""
-    piece = _bytes_of_size(None, size)
-    return piece, _view_of_memory(_contents_of_bytes(piece), size, _WRITABLE)
-
-
 def protocol_with_header_timeout(header_timeout_s: float) -> type[BufferedReads]:
     """A protocol class for uvicorn's ``http=`` (a factory called with uvicorn's options): an ``HttpToolsProtocol``
     closing slow-header connections, its socket read by ``BufferedReads``."""
@@ -139,15 +90,9 @@ class _HeaderTimeoutProtocol(HttpToolsProtocol):
         # Called once when the connection is lost: a set, so that a pipelined request's callback is not the
         # running one's; each request takes its own out when it is done.
         self._client_gone: set[Callable[[], None]] = set()
-        # A body being read whole: its pieces (``bytes`` filled in place, ``_unfilled_bytes``), or None (none, or
-        # read uvicorn's way: the app woken for every piece); how many of its bytes are still to come, and how many
-        # have no piece yet; and the part of the current piece still to fill.
-        self._body_pieces: list[bytes] | None = None
-        self._body_left = 0
-        self._body_unplaced = 0
-        self._body_free: memoryview | None = None
-        self._read_into: memoryview | None = None  # the buffer of the read in progress, or None for the body's
-        self._shared = _shared_read_buffer()
+        self._body: DeclaredBody | None = None  # a body being read whole (else uvicorn's way, or none)
+        self._into_body = False  # the read in progress goes into it
+        self._shared = shared_read_buffer()
         self._shared_head = self._shared[:HEAD_READ_BYTES]
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -156,41 +101,37 @@ class _HeaderTimeoutProtocol(HttpToolsProtocol):
 
     # -- reads (``BufferedReads``) ------------------------------------------------------------------------------
     def get_buffer(self, sizehint: int) -> memoryview:
-        """Where the next read goes: the rest of a body read whole, else the thread's shared buffer."""
-        if self._body_left:
+        """Where the next read goes: into a body read whole, else the thread's shared buffer."""
+        body = self._body
+        if body is not None:
             if self.cycle.response_complete:
-                self._body_pieces = self._body_free = None  # answered without it (a 413): read to its end, dropped
-            if self._body_pieces is not None:
-                self._read_into = None
-                return self._body_free or self._new_piece()
-            view = self._shared[:self._body_left]
-        elif self.cycle is None or not self.cycle.more_body:  # between requests: a head is next
-            view = self._shared_head
-        else:
-            view = self._shared
-        self._read_into = view
-        return view
+                body.drop()  # answered without it (a 413): read to its end, kept nowhere
+            into = body.free()
+            if into is not None:
+                self._into_body = True
+                return into
+        self._into_body = False
+        if body is None and (self.cycle is None or not self.cycle.more_body):  # between requests: a head is next
+            return self._shared_head
+        return self._shared
 
     def buffer_updated(self, nbytes: int) -> None:
-        into = self._read_into
-        if into is not None and not self._body_left:
-            self.data_received(bytes(into[:nbytes]))
+        body = self._body
+        if self._into_body:
+            assert body is not None  # nothing between a read's get_buffer and its buffer_updated changes it
+            body.filled(nbytes)
             return
-        self._body_left -= nbytes
-        if into is None:
-            free = self._body_free
-            assert free is not None
-            self._body_free = free[nbytes:] if nbytes < len(free) else None
-        if not self._body_left:
-            # The parser still waits for the bytes that went past it: the next request gets a fresh one.
+        data = self._shared[:nbytes]
+        if body is not None:  # the end of a body read whole, and what follows it
+            data = body.take_from(data)
+            if body.left:
+                return
+            # The parser still waits for the bytes that went past it: what follows goes to a fresh one.
             self.parser = httptools.HttpRequestParser(self)
             self.on_message_complete()
-
-    def _new_piece(self) -> memoryview:
-        piece, self._body_free = _unfilled_bytes(min(self._body_unplaced, BODY_PIECE_BYTES))
-        self._body_unplaced -= len(piece)
-        self._body_pieces.append(piece)  # type: ignore[union-attr]  # only while a body is read whole
-        return self._body_free
+            if not data:
+                return
+        self.data_received(bytes(data))
 
     # -- the request --------------------------------------------------------------------------------------------
     def data_received(self, data: bytes) -> None:
@@ -216,8 +157,7 @@ class _HeaderTimeoutProtocol(HttpToolsProtocol):
                 return  # framed by chunks, whatever it also declares: the parser's way
         if declared.isdigit() and HIGH_WATER_LIMIT < int(declared) <= WHOLE_BODY_UP_TO \
                 and not self.parser.should_upgrade():
-            self._body_pieces = []
-            self._body_left = self._body_unplaced = int(declared)
+            self._body = DeclaredBody(int(declared))
 
     def on_body(self, body: bytes) -> None:
         """A body of declared length is read whole, then handed over as one piece.
@@ -229,26 +169,18 @@ class _HeaderTimeoutProtocol(HttpToolsProtocol):
         into the body's own buffer (``get_buffer``). The app reads every body whole anyway
         (``frontend/asgi_fast_path.py``), and what it may hold is capped twice: a declared length above
         ``max_body_bytes`` is refused before a byte is read, and this applies only up to ``WHOLE_BODY_UP_TO``."""
-        if not self._body_left:
+        whole = self._body
+        if whole is None:
             super().on_body(body)
             return
-        self._body_left -= len(body)
-        if self._body_pieces is None or self.cycle.response_complete:
-            return
-        at = 0
-        while at < len(body):
-            free = self._body_free or self._new_piece()
-            size = min(len(free), len(body) - at)
-            free[:size] = body[at:at + size]
-            self._body_free = free[size:] if size < len(free) else None
-            at += size
+        whole.take(body)
+        if self.cycle.response_complete:
+            whole.drop()
 
     def on_message_complete(self) -> None:
-        pieces, self._body_pieces = self._body_pieces, None
-        self._body_left = 0
-        self._body_free = None
-        if pieces and not self.cycle.response_complete:
-            self.cycle.body = pieces[0] if len(pieces) == 1 else b"".join(pieces)  # type: ignore[assignment]
+        whole, self._body = self._body, None
+        if whole is not None and not self.cycle.response_complete:
+            self.cycle.body = whole.whole()  # type: ignore[assignment]
         super().on_message_complete()
 
     def connection_lost(self, exc: Exception | None) -> None:

@@ -7,7 +7,9 @@ samples after its own hot path was bare ASGI: a ``ClientRequest`` and a ``Client
 multidicts, cookie jar, tracing hooks and timer handles per call, a ``StreamReader`` whose ``read`` joins the
 chunks it was fed, and one ``send()`` per chunk of a body. Here a request is one ``writelines`` of the head and
 the body's chunks (CTX's b64 span goes out as the view it is, never joined), and the answer is parsed by
-httptools' C parser (llhttp, the one uvicorn and aiohttp use) straight from ``data_received``.
+httptools' C parser (llhttp, the one uvicorn and aiohttp use) as it is read. The socket is read as a
+``BufferedProtocol`` (``frontend/read_buffers.py``): a whole answer of declared length, such as CTX's 700 KB with
+the b64 prompt at 131k tokens, goes past the parser straight into the ``bytes`` its reader gets, never copied.
 
 What it keeps of a general client, because production needs it: a pool of keep-alive connections per worker
 (LIFO, so the warm ones are reused; idle ones closed after ``_IDLE_S``, before the worker's own timeout, so the
@@ -35,6 +37,7 @@ from urllib.parse import urlsplit
 import httptools
 
 from frontend.errors import UpstreamError, UpstreamTimeoutError, UpstreamUnavailableError
+from frontend.read_buffers import HEAD_READ_BYTES, DeclaredBody, shared_read_buffer
 from orchestrator.transport import Body, Reply, WorkerTimeouts, body_length
 
 _MAX_CONNECTIONS = 1024  # per worker, as the aiohttp and httpx transports
@@ -42,6 +45,8 @@ _IDLE_S = 30.0  # a worker (uvicorn) closes an idle keep-alive connection after 
 # A stream the consumer has not read yet: past this many bytes the socket is paused until it catches up.
 _PAUSE_AT = 4 * 1024 * 1024
 _BODY_FRAMING = (b"content-length", b"transfer-encoding")
+# A whole answer declared longer than this is read straight into its own bytes (shorter ones come with their head).
+_READ_PAST_THE_PARSER_FROM = 64 * 1024
 
 
 class HttptoolsTransport:
@@ -69,17 +74,19 @@ class HttptoolsTransport:
 
     # -- Transport --------------------------------------------------------------------------------------------
     async def post(self, path: str, body: Body, headers: dict[str, str] | None = None) -> Reply:
-        return await self._reply(await self._send(self._head("POST", path, body_length(body), headers), body, None))
+        return await self._reply(await self._send(self._head("POST", path, body_length(body), headers), body, None,
+                                                  stream=False))
 
     async def open_stream(self, path: str, body: Body, headers: dict[str, str] | None = None) -> HttptoolsStream:
-        connection = await self._send(self._head("POST", path, body_length(body), headers), body, None)
+        connection = await self._send(self._head("POST", path, body_length(body), headers), body, None, stream=True)
         connection.flow_controlled = True  # read as it comes: the socket pauses if the reader falls behind
         return HttptoolsStream(self, connection)
 
     async def get(self, path: str, timeout_s: float) -> Reply:
         try:
             async with asyncio.timeout(timeout_s):
-                return await self._reply(await self._send(self._head("GET", path, None, None), b"", timeout_s))
+                return await self._reply(await self._send(self._head("GET", path, None, None), b"", timeout_s,
+                                                          stream=False))
         except TimeoutError:
             raise UpstreamTimeoutError(f"worker {self.url} timed out (GET {path} took over {timeout_s} s)") from None
 
@@ -112,15 +119,16 @@ class HttptoolsTransport:
         except UnicodeEncodeError as exc:
             raise UpstreamError(f"a header for worker {self.url} is not latin-1: {exc}") from None
 
-    async def _send(self, head: bytes, body: Body, read_timeout_s: float | None) -> _Connection:
-        """A connection on which the answer's status and headers have arrived."""
+    async def _send(self, head: bytes, body: Body, read_timeout_s: float | None, stream: bool) -> _Connection:
+        """A connection on which the answer's status and headers have arrived; ``stream``: its body will be read
+        as it comes, else whole."""
         timeout_s = read_timeout_s or self._timeouts.request_s
         try:
-            return await self._attempt(await self._acquire(), head, body, timeout_s)
+            return await self._attempt(await self._acquire(), head, body, timeout_s, stream)
         except _StaleConnection:
             # A pooled connection the worker closed as it was reused (a race with its idle timeout), before a byte
             # of the answer: once more, on a fresh one. A fresh connection never raises this.
-            return await self._attempt(await self._acquire(fresh=True), head, body, timeout_s)
+            return await self._attempt(await self._acquire(fresh=True), head, body, timeout_s, stream)
 
     async def _reply(self, connection: _Connection) -> Reply:
         """The whole answer; the connection back to the pool, or closed if it was not read to its end."""
@@ -129,9 +137,10 @@ class HttptoolsTransport:
         finally:
             self._give_back(connection)
 
-    async def _attempt(self, connection: _Connection, head: bytes, body: Body, timeout_s: float) -> _Connection:
+    async def _attempt(self, connection: _Connection, head: bytes, body: Body, timeout_s: float,
+                       stream: bool) -> _Connection:
         try:
-            connection.send(head, body, timeout_s)
+            connection.send(head, body, timeout_s, stream)
             await connection.headers_arrived()
             return connection
         except BaseException:
@@ -285,7 +294,7 @@ class _StaleConnection(Exception):
     """A reused connection was closed by the worker before a byte of the answer came back."""
 
 
-class _Connection(asyncio.Protocol):
+class _Connection(asyncio.BufferedProtocol):
     """One HTTP/1.1 connection to a worker: one request at a time, its answer parsed as it arrives."""
 
     def __init__(self, url: str) -> None:
@@ -307,6 +316,12 @@ class _Connection(asyncio.Protocol):
         self._body: list[bytes] = []
         self._buffered = 0
         self._paused = False
+        self._stream = False  # the answer's body is read as it comes (else whole)
+        self._declared = b""  # its Content-Length
+        self._whole: DeclaredBody | None = None  # a whole answer being read past the parser
+        self._into_body = False  # the read in progress goes into it
+        self._shared = shared_read_buffer()
+        self._shared_head = self._shared[:HEAD_READ_BYTES]
         self._waiter: asyncio.Future[None] | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._read_timeout_s = 0.0
@@ -317,7 +332,7 @@ class _Connection(asyncio.Protocol):
         return self._transport is not None and self.complete and self._keep_alive and self._failure is None
 
     # -- the request ------------------------------------------------------------------------------------------
-    def send(self, head: bytes, body: Body, read_timeout_s: float) -> None:
+    def send(self, head: bytes, body: Body, read_timeout_s: float, stream: bool) -> None:
         if self._transport is None or self._transport.is_closing():
             if self._used:
                 raise _StaleConnection()
@@ -330,6 +345,9 @@ class _Connection(asyncio.Protocol):
         self.status = 0
         self.complete = self._headers_done = self._received_any = self._keep_alive = False
         self.flow_controlled = self._delimited = False
+        self._stream = stream
+        self._declared = b""
+        self._whole = None
         self._body = []
         self._buffered = 0
         self._read_timeout_s = read_timeout_s
@@ -402,6 +420,34 @@ class _Connection(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = cast(asyncio.Transport, transport)  # uvloop's transports do not subclass asyncio's
 
+    def get_buffer(self, sizehint: int) -> memoryview:
+        whole = self._whole
+        if whole is not None:
+            into = whole.free()
+            if into is not None:
+                self._into_body = True
+                return into
+        self._into_body = False
+        return self._shared if self._headers_done and not self.complete else self._shared_head
+
+    def buffer_updated(self, nbytes: int) -> None:
+        whole = self._whole
+        if self._into_body:
+            assert whole is not None  # nothing between a read's get_buffer and its buffer_updated changes it
+            self._last_read = self._loop.time()
+            whole.filled(nbytes)
+            return
+        data = self._shared[:nbytes]
+        if whole is not None:  # the end of a whole answer read past the parser, and what follows it
+            self._last_read = self._loop.time()
+            data = whole.take_from(data)
+            if whole.left:
+                return
+            self._body_complete()  # keep-alive as the head said; the next send replaces the waiting parser
+            if not data:
+                return
+        self.data_received(bytes(data))  # after the end: an unasked answer, which closes the connection
+
     def data_received(self, data: bytes) -> None:
         if self.complete or not self._used:
             # Bytes with no request in flight (an unasked answer, a 408 before an idle close): whatever they are,
@@ -437,12 +483,14 @@ class _Connection(asyncio.Protocol):
     # -- httptools' callbacks ---------------------------------------------------------------------------------
     # After the answer's end, bytes in the same read are a second, unasked answer: ignored, and the connection is
     # not kept (``_keep_alive`` off), so they are never taken for the next request's.
-    def on_header(self, name: bytes, _: bytes) -> None:
+    def on_header(self, name: bytes, value: bytes) -> None:
         if self.complete:
             self._keep_alive = False
             return
-        if name.lower() in _BODY_FRAMING:
+        name = name.lower()
+        if name in _BODY_FRAMING:
             self._delimited = True
+            self._declared = value if name == b"content-length" and not self._declared else b"-"
 
     def on_headers_complete(self) -> None:
         if self.complete:
@@ -451,11 +499,18 @@ class _Connection(asyncio.Protocol):
         self.status = self._parser.get_status_code()
         self._keep_alive = self._parser.should_keep_alive()
         self._headers_done = True
+        declared = self._declared
+        if not self._stream and declared.isdigit() and int(declared) > _READ_PAST_THE_PARSER_FROM \
+                and self.status >= 200 and self.status not in (204, 304):
+            self._whole = DeclaredBody(int(declared))
         self._wake()
 
     def on_body(self, body: bytes) -> None:
         if self.complete:
             self._keep_alive = False
+            return
+        if self._whole is not None:
+            self._whole.take(body)  # what came with the head; the rest is read into the same bytes
             return
         self._body.append(body)
         self._buffered += len(body)
@@ -469,6 +524,12 @@ class _Connection(asyncio.Protocol):
             self._keep_alive = False
             return
         self._keep_alive = self._parser.should_keep_alive()
+        self._body_complete()
+
+    def _body_complete(self) -> None:
+        whole, self._whole = self._whole, None
+        if whole is not None:
+            self._body = [whole.whole()]
         self.complete = True
         self._stop_timer()
         self._resume()  # nothing more is coming for this answer; a paused socket would not even see the worker close

@@ -17,6 +17,7 @@ import uvloop
 
 from entrypoints import http_protocol
 from entrypoints.http_protocol import protocol_with_header_timeout
+from frontend import read_buffers
 from tests.servers import ServerThread
 from tests.waiting import eventually
 
@@ -85,7 +86,7 @@ def read_answer(sock: socket.socket, status: bytes = b"200") -> bytes:
 
 def read_answers(sock: socket.socket, count: int) -> list[bytes]:
     """The bodies of ``count`` answers with a Content-Length, however the server's sends split or joined them."""
-    received, bodies = b"", []
+    received, bodies = b"", list[bytes]()
     while len(bodies) < count:
         head_part, separator, rest = received.partition(b"\r\n\r\n")
         if separator:
@@ -176,7 +177,7 @@ def test_a_long_body_goes_past_the_parser_into_its_own_buffer(server: tuple[Reco
         sock.sendall(head(len(body)) + body)
         assert read_answer(sock) == b"1000000"
     # At most the read of the head passed the parser: the rest went straight into the body's buffer.
-    assert 0 < sum(parsed) <= http_protocol.HEAD_READ_BYTES
+    assert 0 < sum(parsed) <= read_buffers.HEAD_READ_BYTES
     [[message]] = app.messages
     assert type(message["body"]) is bytes and message["body"] == body
 
@@ -184,7 +185,7 @@ def test_a_long_body_goes_past_the_parser_into_its_own_buffer(server: tuple[Reco
 def test_a_body_longer_than_a_piece_is_read_into_several_and_joined(
         server: tuple[Recorder, int], monkeypatch: pytest.MonkeyPatch) -> None:
     app, port = server
-    monkeypatch.setattr(http_protocol, "BODY_PIECE_BYTES", 70_000)
+    monkeypatch.setattr(read_buffers, "PIECE_BYTES", 70_000)
     body = body_of(1_000_000)
     with connected(port) as sock:
         sock.sendall(head(len(body)))
@@ -217,15 +218,6 @@ def test_a_body_answered_before_it_is_read_is_read_to_its_end_and_dropped_and_th
             sock.sendall(body[start:start + 100_000])
         sock.sendall(head(5) + b"hello")
         assert read_answer(sock) == b"5"
-    assert sum(parsed) < 2 * http_protocol.HEAD_READ_BYTES  # the refused body never reached the parser either
+    assert sum(parsed) < 2 * read_buffers.HEAD_READ_BYTES  # the refused body never reached the parser either
     assert app.messages == [[{"type": "http.request", "body": b"hello", "more_body": False}]]
 
-
-@pytest.mark.parametrize("size", [1, 2, 70_000])
-def test_a_bytes_filled_in_place_is_a_new_object_that_holds_what_was_written(size: int) -> None:
-    # Size 1 matters: CPython shares one object per byte value, but only for sizes made from a string.
-    piece, view = http_protocol._unfilled_bytes(size)
-    other, _ = http_protocol._unfilled_bytes(size)
-    assert type(piece) is bytes and len(piece) == len(view) == size and piece is not other
-    view[:] = body_of(size)
-    assert piece == body_of(size) and hash(piece) == hash(body_of(size))

@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import pytest
 import uvloop
 
+from frontend import read_buffers
 from frontend.errors import UpstreamError, UpstreamTimeoutError
 from orchestrator import httptools_transport
 from orchestrator.httptools_transport import HttptoolsTransport
@@ -368,3 +369,82 @@ def test_the_same_under_uvloop() -> None:
 
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         runner.run(main())
+
+
+def long_body(size: int) -> bytes:
+    return bytes(i % 251 for i in range(size))
+
+
+async def long_answers_then_more_on_the_same_connection(parsed: list[int]) -> None:
+    first, second = long_body(1_000_000), long_body(300_000)[::-1]
+
+    async def in_pieces(worker: RawWorker, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if worker.connections > 1:
+            return await echo_keep_alive(worker, reader, writer)
+        await worker.read_request(reader)
+        whole = answer(first)
+        for start in range(0, len(whole), 100_000):  # the head and the body's start together, then pieces
+            writer.write(whole[start:start + 100_000])
+            await writer.drain()
+        await worker.read_request(reader)
+        writer.write(answer(second) + answer(b"unasked"))  # the body's end and an unasked answer in one write
+        await writer.drain()
+        await echo_keep_alive(worker, reader, writer)
+
+    async with client_of(in_pieces) as (worker, transport):
+        reply = await transport.post("/x", b"{}")
+        assert type(reply.content) is bytes and reply.content == first
+        # At most the reads of the head went through the parser: the rest straight into the answer's bytes.
+        assert 0 < sum(parsed) <= 2 * read_buffers.HEAD_READ_BYTES
+        assert (await transport.post("/x", b"{}")).content == second
+        # The unasked answer was not read into the body, nor taken for the next request's answer.
+        assert (await transport.post("/x", b"3")).content == b"3"
+        assert worker.connections == 2
+
+
+@pytest.fixture
+def parsed(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The size of every piece the answer parser is handed."""
+    sizes: list[int] = []
+    feed = httptools_transport._Connection.data_received
+
+    def counted(self: httptools_transport._Connection, data: bytes) -> None:
+        sizes.append(len(data))
+        feed(self, data)
+
+    monkeypatch.setattr(httptools_transport._Connection, "data_received", counted)
+    return sizes
+
+
+async def test_a_long_whole_answer_is_read_past_the_parser_and_ends_where_its_length_says(parsed: list[int]) -> None:
+    await long_answers_then_more_on_the_same_connection(parsed)
+
+
+def test_a_long_whole_answer_is_read_past_the_parser_under_uvloop_too(parsed: list[int]) -> None:
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        runner.run(long_answers_then_more_on_the_same_connection(parsed))
+
+
+async def test_a_long_answer_to_a_stream_comes_as_it_arrives_and_one_cut_short_is_an_error(
+        parsed: list[int]) -> None:
+    body = long_body(500_000)
+    cut = asyncio.Event()
+
+    async def long_then_cut(worker: RawWorker, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await worker.read_request(reader)
+        writer.write(answer(body))
+        await writer.drain()
+        await worker.read_request(reader)
+        writer.write(answer(body)[:300_000])
+        await writer.drain()
+        await cut.wait()
+
+    async with client_of(long_then_cut) as (_worker, transport):
+        stream = await transport.open_stream("/x", b"{}")
+        assert b"".join([chunk async for chunk in stream.chunks()]) == body
+        assert sum(parsed) > len(body)  # a stream's body goes through the parser, piece by piece
+        with pytest.raises(UpstreamError, match="lost before the answer ended"):
+            post = asyncio.ensure_future(transport.post("/x", b"{}"))
+            assert await eventually_async(lambda: len(_worker.requests) == 2)
+            cut.set()
+            await post

@@ -1,0 +1,121 @@
+"""Where an HTTP connection's reads go: a buffer shared by the thread's connections, copied out as the ``bytes`` a
+parser is fed, and for a body of declared length, ``bytes`` of that body filled in place by the kernel's reads.
+
+Why: a ``Protocol``'s reads cost a long body three copies after the kernel's: into the ``bytes`` uvloop hands
+``data_received``, into the ``bytes`` httptools hands ``on_body``, and into the join of the pieces. Read as a
+``BufferedProtocol`` into the body's own ``bytes``, it is none: a 524 KB prompt (the server,
+``entrypoints/http_protocol.py``) or CTX's 700 KB answer (the orchestrator's client,
+``orchestrator/httptools_transport.py``) reaches its reader as the very object the kernel wrote into.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+
+# The most one read takes while a message's head is awaited: enough for a head and a short body; what follows a
+# long body's head is left in the socket for the body's own buffer.
+HEAD_READ_BYTES = 16 * 1024
+# The most one read takes of a body not read into its own buffer (no declared length, or a stream).
+READ_BYTES = 256 * 1024
+# A body is read into ``bytes`` of at most this many bytes (a longer one into several, joined at the end): what a
+# peer that declares a long body and sends none of it makes us set aside.
+PIECE_BYTES = 4 * 1024 * 1024
+
+_thread_buffers = threading.local()
+
+_bytes_of_size = ctypes.pythonapi.PyBytes_FromStringAndSize
+_bytes_of_size.argtypes = (ctypes.c_void_p, ctypes.c_ssize_t)
+_bytes_of_size.restype = ctypes.py_object
+_contents_of_bytes = ctypes.pythonapi.PyBytes_AsString
+_contents_of_bytes.argtypes = (ctypes.py_object,)
+_contents_of_bytes.restype = ctypes.c_void_p
+# A view of memory, not of an object (and so no ctypes array type per size: ctypes keeps each one for ever).
+_view_of_memory = ctypes.pythonapi.PyMemoryView_FromMemory
+_view_of_memory.argtypes = (ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int)
+_view_of_memory.restype = ctypes.py_object
+_WRITABLE = 0x200  # PyBUF_WRITE
+
+
+def shared_read_buffer() -> memoryview:
+    """The thread's read buffer (``READ_BYTES``): one per event loop is enough, since each read is copied out
+    before the next."""
+    view: memoryview | None = getattr(_thread_buffers, "view", None)
+    if view is None:
+        view = _thread_buffers.view = memoryview(bytearray(READ_BYTES))
+    return view
+
+
+def unfilled_bytes(size: int) -> tuple[bytes, memoryview]:
+    """A new ``bytes`` of ``size`` (> 0) bytes, not yet filled, and a writable view of its contents.
+
+    What C code does to build a ``bytes`` in place: CPython's API makes one with ``PyBytes_FromStringAndSize(NULL,
+    size)`` ("the contents are uninitialized") and lets its maker fill it through ``PyBytes_AsString`` ("must not be
+    modified ... unless the object was just created using PyBytes_FromStringAndSize(NULL, size)"). No zeroing of a
+    ``bytearray`` first and no copy into a ``bytes`` after. The view does not keep the object alive: its holder
+    does; and no one may see the object before it is filled."""
+    piece = _bytes_of_size(None, size)
+    return piece, _view_of_memory(_contents_of_bytes(piece), size, _WRITABLE)
+
+
+class DeclaredBody:
+    """A body of declared length being read: what the parser handed over (``take``), then what was read straight
+    into it (``free``, then ``filled``), then its last ``HEAD_READ_BYTES`` read into the shared buffer with whatever
+    follows it (``take_from``), until ``left`` is 0 and ``whole`` is the body. The end goes through the shared buffer
+    so that the bytes after it (a pipelined request, a worker's unasked answer) come in the same read, as they did
+    through the parser: a read into the body itself would stop at its end and leave them unseen in the socket.
+    ``drop`` keeps nothing more (a body no one will read): the rest is read into the shared buffer and counted."""
+
+    __slots__ = ("_free", "_pieces", "_unplaced", "left")
+
+    def __init__(self, length: int) -> None:
+        self.left = length  # bytes still to come
+        self._unplaced = length  # bytes with no piece yet
+        self._pieces: list[bytes] | None = []
+        self._free: memoryview | None = None  # the part of the last piece still to fill
+
+    def free(self) -> memoryview | None:
+        """Where the next read goes, or None: into the shared buffer (the body's end, or a dropped body)."""
+        direct = self.left - HEAD_READ_BYTES
+        if self._pieces is None or direct <= 0:
+            return None
+        free = self._free or self._new_piece()
+        return free if len(free) <= direct else free[:direct]
+
+    def filled(self, nbytes: int) -> None:
+        """``nbytes`` were read into what ``free`` returned."""
+        self.left -= nbytes
+        free = self._free
+        assert free is not None
+        self._free = free[nbytes:] if nbytes < len(free) else None
+
+    def take_from(self, data: memoryview) -> memoryview:
+        """Takes what of ``data`` (read into the shared buffer) is the body's; returns what follows it."""
+        used = min(len(data), self.left)
+        self.take(data[:used])
+        return data[used:]
+
+    def take(self, data: bytes | memoryview) -> None:
+        self.left -= len(data)
+        if self._pieces is None:
+            return
+        at = 0
+        while at < len(data):
+            free = self._free or self._new_piece()
+            size = min(len(free), len(data) - at)
+            free[:size] = data[at:at + size]
+            self._free = free[size:] if size < len(free) else None
+            at += size
+
+    def drop(self) -> None:
+        self._pieces = self._free = None
+
+    def whole(self) -> bytes:
+        pieces = self._pieces or [b""]
+        return pieces[0] if len(pieces) == 1 else b"".join(pieces)
+
+    def _new_piece(self) -> memoryview:
+        piece, self._free = unfilled_bytes(min(self._unplaced, PIECE_BYTES))
+        self._unplaced -= len(piece)
+        self._pieces.append(piece)  # type: ignore[union-attr]  # only while kept
+        return self._free
