@@ -136,10 +136,13 @@ class _HeaderTimeoutProtocol(HttpToolsProtocol):
     # -- the request --------------------------------------------------------------------------------------------
     def data_received(self, data: bytes) -> None:
         # Between requests on a keep-alive connection the idle timer runs; the next request's first byte starts
-        # its header clock.
-        if self._header_timer is None and self.cycle is not None and self.cycle.response_complete:
-            self._start_header_timer()
+        # its header clock, unless the same read brought its whole head (a new cycle): nearly always, and then a
+        # timer would only be made and cancelled.
+        previous = self.cycle
+        awaiting_head = self._header_timer is None and previous is not None and previous.response_complete
         super().data_received(data)
+        if awaiting_head and self.cycle is previous and not self.transport.is_closing():
+            self._start_header_timer()
 
     def on_headers_complete(self) -> None:
         self._stop_header_timer()

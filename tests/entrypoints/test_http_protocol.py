@@ -221,3 +221,17 @@ def test_a_body_answered_before_it_is_read_is_read_to_its_end_and_dropped_and_th
     assert sum(parsed) < 2 * read_buffers.HEAD_READ_BYTES  # the refused body never reached the parser either
     assert app.messages == [[{"type": "http.request", "body": b"hello", "more_body": False}]]
 
+
+
+@pytest.mark.parametrize("event_loop", [asyncio.new_event_loop, uvloop.new_event_loop], ids=["asyncio", "uvloop"])
+def test_the_next_request_on_a_kept_connection_gets_its_own_header_clock(event_loop: Any) -> None:
+    thread = ServerThread(Recorder(), event_loop=event_loop, http=protocol_with_header_timeout(0.5), lifespan="off")
+    port = int(thread.start().rsplit(":", 1)[1])
+    try:
+        with connected(port) as sock:
+            sock.sendall(head(3) + b"abc")  # a whole head in one read: served, no clock left running
+            assert read_answer(sock) == b"3"
+            sock.sendall(b"P")  # the next request's first byte, and nothing more: its clock runs out
+            assert sock.recv(1) == b""  # closed by the server, without an answer
+    finally:
+        thread.stop()
