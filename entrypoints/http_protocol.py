@@ -91,6 +91,7 @@ class _HeaderTimeoutProtocol(HttpToolsProtocol):
         # running one's; each request takes its own out when it is done.
         self._client_gone: set[Callable[[], None]] = set()
         self._body: DeclaredBody | None = None  # a body being read whole (else uvicorn's way, or none)
+        self._heads = 0  # request heads parsed on this connection
         self._into_body = False  # the read in progress goes into it
         self._shared = shared_read_buffer()
         self._shared_head = self._shared[:HEAD_READ_BYTES]
@@ -127,7 +128,7 @@ class _HeaderTimeoutProtocol(HttpToolsProtocol):
             if body.left:
                 return
             # The parser still waits for the bytes that went past it: what follows goes to a fresh one.
-            self.parser = httptools.HttpRequestParser(self)
+            self._replace_parser()
             self.on_message_complete()
             if not data:
                 return
@@ -136,15 +137,17 @@ class _HeaderTimeoutProtocol(HttpToolsProtocol):
     # -- the request --------------------------------------------------------------------------------------------
     def data_received(self, data: bytes) -> None:
         # Between requests on a keep-alive connection the idle timer runs; the next request's first byte starts
-        # its header clock, unless the same read brought its whole head (a new cycle): nearly always, and then a
-        # timer would only be made and cancelled.
-        previous = self.cycle
-        awaiting_head = self._header_timer is None and previous is not None and previous.response_complete
+        # its header clock, unless the same read brought its whole head: nearly always, and then a timer would
+        # only be made and cancelled. (A head, not a new cycle: an upgrade's head makes none, and its connection is
+        # no longer this protocol's to time.)
+        awaiting_head = self._header_timer is None and self.cycle is not None and self.cycle.response_complete
+        heads = self._heads
         super().data_received(data)
-        if awaiting_head and self.cycle is previous and not self.transport.is_closing():
+        if awaiting_head and self._heads == heads and not self.transport.is_closing():
             self._start_header_timer()
 
     def on_headers_complete(self) -> None:
+        self._heads += 1
         self._stop_header_timer()
         # How frontend/client_timeouts.py drops a stalled client at once: close() would first wait for the client
         # to read what is still buffered, which it will not.
@@ -176,9 +179,9 @@ class _HeaderTimeoutProtocol(HttpToolsProtocol):
         if whole is None:
             super().on_body(body)
             return
-        whole.take(body)
         if self.cycle.response_complete:
-            whole.drop()
+            whole.drop()  # answered without it (a 413): counted to its end, kept nowhere
+        whole.take(body)
 
     def on_message_complete(self) -> None:
         whole, self._body = self._body, None
@@ -186,8 +189,17 @@ class _HeaderTimeoutProtocol(HttpToolsProtocol):
             self.cycle.body = whole.whole()  # type: ignore[assignment]
         super().on_message_complete()
 
+    def _replace_parser(self) -> None:
+        """A parser made as uvicorn makes its own (its leniency too: it answers the first of pipelined requests
+        whose first says ``Connection: close``), for the bytes after a body the old one never saw."""
+        parser = httptools.HttpRequestParser(self)
+        with contextlib.suppress(AttributeError):  # httptools < 0.6.3, as in uvicorn
+            parser.set_dangerous_leniencies(lenient_data_after_close=True)
+        self.parser = parser
+
     def connection_lost(self, exc: Exception | None) -> None:
         self._stop_header_timer()
+        self._body = None  # what it held of a body is no one's now
         super().connection_lost(exc)
         callbacks = list(self._client_gone)
         self._client_gone.clear()

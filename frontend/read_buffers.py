@@ -24,16 +24,14 @@ PIECE_BYTES = 4 * 1024 * 1024
 
 _thread_buffers = threading.local()
 
-_bytes_of_size = ctypes.pythonapi.PyBytes_FromStringAndSize
-_bytes_of_size.argtypes = (ctypes.c_void_p, ctypes.c_ssize_t)
-_bytes_of_size.restype = ctypes.py_object
-_contents_of_bytes = ctypes.pythonapi.PyBytes_AsString
-_contents_of_bytes.argtypes = (ctypes.py_object,)
-_contents_of_bytes.restype = ctypes.c_void_p
+# Prototypes of our own, not the shared ``ctypes.pythonapi.<name>`` objects, whose argtypes and restype any library
+# may set (a ``c_char_p`` restype there would have the view below made of a temporary copy).
+_bytes_of_size = ctypes.PYFUNCTYPE(ctypes.py_object, ctypes.c_void_p, ctypes.c_ssize_t)(
+    ("PyBytes_FromStringAndSize", ctypes.pythonapi))
+_contents_of_bytes = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.py_object)(("PyBytes_AsString", ctypes.pythonapi))
 # A view of memory, not of an object (and so no ctypes array type per size: ctypes keeps each one for ever).
-_view_of_memory = ctypes.pythonapi.PyMemoryView_FromMemory
-_view_of_memory.argtypes = (ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int)
-_view_of_memory.restype = ctypes.py_object
+_view_of_memory = ctypes.PYFUNCTYPE(ctypes.py_object, ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int)(
+    ("PyMemoryView_FromMemory", ctypes.pythonapi))
 _WRITABLE = 0x200  # PyBUF_WRITE
 
 
