@@ -8,6 +8,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import ssl
+import subprocess
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
@@ -448,3 +450,52 @@ async def test_a_long_answer_to_a_stream_comes_as_it_arrives_and_one_cut_short_i
             assert await eventually_async(lambda: len(_worker.requests) == 2)
             cut.set()
             await post
+
+
+@pytest.fixture(scope="module")
+def certificate(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
+    """A self-signed certificate for 127.0.0.1 and its key (made with the openssl command line)."""
+    where = tmp_path_factory.mktemp("tls")
+    cert, key = str(where / "cert.pem"), str(where / "key.pem")
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1",
+                    "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", key, "-out", cert],
+                   check=True, capture_output=True, timeout=120)
+    return cert, key
+
+
+async def long_answers_over_tls(certificate: tuple[str, str], parsed: list[int]) -> None:
+    cert, key = certificate
+    served = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    served.load_cert_chain(cert, key)
+    body = long_body(1_000_000)
+
+    async def long_then_echo(worker: RawWorker, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await worker.read_request(reader)
+        writer.write(answer(body))
+        await writer.drain()
+        await echo_keep_alive(worker, reader, writer)
+
+    worker = RawWorker(long_then_echo)
+    server = await asyncio.start_server(worker.serve, "127.0.0.1", 0, ssl=served)
+    transport = HttptoolsTransport(f"https://127.0.0.1:{server.sockets[0].getsockname()[1]}", WorkerTimeouts())
+    transport._ssl = ssl.create_default_context(cafile=cert)  # trust the test's own certificate
+    try:
+        assert (await transport.post("/x", b"{}")).content == body
+        assert 0 < sum(parsed) <= 2 * read_buffers.HEAD_READ_BYTES  # through TLS too, past the parser
+        assert (await transport.post("/x", b"again")).content == b"again"
+        assert worker.connections == 1
+    finally:
+        await transport.aclose()
+        server.close()
+        await server.wait_closed()
+
+
+async def test_a_long_answer_over_tls_is_read_past_the_parser(certificate: tuple[str, str],
+                                                               parsed: list[int]) -> None:
+    await long_answers_over_tls(certificate, parsed)
+
+
+def test_a_long_answer_over_tls_is_read_past_the_parser_under_uvloop(certificate: tuple[str, str],
+                                                                      parsed: list[int]) -> None:
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        runner.run(long_answers_over_tls(certificate, parsed))
