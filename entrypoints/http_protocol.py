@@ -171,8 +171,8 @@ class _HeaderTimeoutProtocol(HttpToolsProtocol):
         uvicorn appends every piece to a bytearray, pauses the socket past 64 KiB and wakes the app for each piece;
         the app copies the bytearray out each time and joins the copies. For a 524 KB prompt that was ten
         pause/resume rounds, as many wake-ups of the request's task and three copies of the body. Read whole, it is
-        one wake-up and one copy: here only what came in the read of its head passes the parser; the rest is read
-        into the body's own buffer (``get_buffer``). The app reads every body whole anyway
+        one wake-up and no copy but of what came in the read of its head (through the parser, here): the rest is
+        read into the body's own ``bytes`` (``get_buffer``). The app reads every body whole anyway
         (``frontend/asgi_fast_path.py``), and what it may hold is capped twice: a declared length above
         ``max_body_bytes`` is refused before a byte is read, and this applies only up to ``WHOLE_BODY_UP_TO``."""
         whole = self._body

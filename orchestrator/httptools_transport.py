@@ -446,7 +446,8 @@ class _Connection(asyncio.BufferedProtocol):
             self._body_complete()  # keep-alive as the head said; the next send replaces the waiting parser
             if not data:
                 return
-        self.data_received(bytes(data))  # after the end: an unasked answer, which closes the connection
+            # Bytes after the end: an unasked answer, which data_received sees as such and closes the connection.
+        self.data_received(bytes(data))
 
     def data_received(self, data: bytes) -> None:
         if self.complete or not self._used:
