@@ -47,11 +47,11 @@ def shared_read_buffer() -> memoryview:
 def unfilled_bytes(size: int) -> tuple[bytes, memoryview]:
     """A new ``bytes`` of ``size`` (> 0) bytes, not yet filled, and a writable view of its contents.
 
-    What C code does to build a ``bytes`` in place: CPython's API makes one with ``PyBytes_FromStringAndSize(NULL,
-    size)`` ("the contents are uninitialized") and lets its maker fill it through ``PyBytes_AsString`` ("must not be
-    modified ... unless the object was just created using PyBytes_FromStringAndSize(NULL, size)"). No zeroing of a
-    ``bytearray`` first and no copy into a ``bytes`` after. The view does not keep the object alive: its holder
-    does; and no one may see the object before it is filled."""
+    This is how C code builds a ``bytes`` in place: ``PyBytes_FromStringAndSize`` with a NULL source returns an
+    object whose contents are left unset, and the C API lets the code that just made it, and only that code, write
+    them through the pointer ``PyBytes_AsString`` returns. No zeroing of a ``bytearray`` first and no copy into a
+    ``bytes`` after. The view does not keep the object alive: its holder does; and no one may see the object before
+    it is filled."""
     piece = _bytes_of_size(None, size)
     return piece, _view_of_memory(_contents_of_bytes(piece), size, _WRITABLE)
 
