@@ -5,8 +5,7 @@ The transport only moves bytes; everything a router or the guardrail reads about
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
+from types import TracebackType
 
 from frontend.guardrail import GenEngineFacts
 from orchestrator.transport import Transport
@@ -48,16 +47,29 @@ class PoolMember:
         self.healthy = False
         self._successes = 0
 
-    @contextmanager
-    def carrying(self, prompt_tokens: int) -> Iterator[None]:
-        """Count one request (and its prompt tokens) in flight on this worker while the block runs."""
-        self.inflight += 1
-        self.inflight_prompt_tokens += prompt_tokens
-        try:
-            yield
-        finally:
-            self.inflight -= 1
-            self.inflight_prompt_tokens -= prompt_tokens
+    def carrying(self, prompt_tokens: int) -> Carrying:
+        """Count one request (and its prompt tokens) in flight on this worker while the ``with`` block runs."""
+        return Carrying(self, prompt_tokens)
 
     def __repr__(self) -> str:
         return f"PoolMember({self.url!r}, healthy={self.healthy}, inflight={self.inflight})"
+
+
+class Carrying:
+    """``PoolMember.carrying``: a class, not a ``@contextmanager`` generator, because every upstream call of every
+    request enters one (the generator's machinery was ~1 % of the orchestrator's samples at 131k metadata-only)."""
+
+    __slots__ = ("_member", "_prompt_tokens")
+
+    def __init__(self, member: PoolMember, prompt_tokens: int) -> None:
+        self._member = member
+        self._prompt_tokens = prompt_tokens
+
+    def __enter__(self) -> None:
+        self._member.inflight += 1
+        self._member.inflight_prompt_tokens += self._prompt_tokens
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
+                 traceback: TracebackType | None) -> None:
+        self._member.inflight -= 1
+        self._member.inflight_prompt_tokens -= self._prompt_tokens
