@@ -94,6 +94,8 @@ def decide_for_reading(reading: BodyReading, prompt_len: int | None, gen: GenEng
     return metadata_only_decision(reading.sampling, reading.prompt, prompt_len, gen)
 
 
+_DEFAULT_SAMPLING = SamplingParams()
+
 # The body fields the guardrail judges, each with the type it must have and its neutral value.
 _FLOAT_FIELDS = ("frequency_penalty", "presence_penalty", "repetition_penalty")
 _INT_FIELDS = ("no_repeat_ngram_size",)
@@ -125,7 +127,8 @@ def sampling_from_body(body: Mapping[str, Any]) -> SamplingParams:
     bias = body.get("logit_bias")
     if bias is not None:
         fields["logit_bias"] = _logit_bias(bias)
-    return SamplingParams(**fields)
+    # Most bodies set none of these: the one default instance (frozen) spares a validated construction per request.
+    return SamplingParams(**fields) if fields else _DEFAULT_SAMPLING
 
 
 def _number(name: str, value: Any) -> int | float:

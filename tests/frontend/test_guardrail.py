@@ -129,6 +129,11 @@ def test_the_body_is_read_into_the_typed_values() -> None:
     assert prompt_facts_of_body(body) == PromptFacts(harmony=True)
 
 
+def test_a_body_that_sets_none_of_the_fields_reads_as_the_defaults() -> None:
+    assert sampling_from_body(PLAIN) == SamplingParams()
+    assert sampling_from_body({**PLAIN, "echo": None, "logit_bias": None}) == SamplingParams()
+
+
 def test_the_prompt_text_is_never_read() -> None:
     class Untouchable(str):
         def __getattribute__(self, name: str) -> Any:
