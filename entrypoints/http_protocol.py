@@ -31,7 +31,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from frontend.asgi_fast_path import CLIENT_GONE
 from frontend.client_timeouts import ABORT_CONNECTION, DEFAULT_HEADER_TIMEOUT_S
-from frontend.read_buffers import HEAD_READ_BYTES, DeclaredBody, shared_read_buffer
+from frontend.read_buffers import DeclaredBody, DeclaredBodyReads
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +81,7 @@ class BufferedReads(asyncio.BufferedProtocol):
         self.http.resume_writing()
 
 
-class _HeaderTimeoutProtocol(HttpToolsProtocol):
+class _HeaderTimeoutProtocol(HttpToolsProtocol, DeclaredBodyReads):
     timeout_s = DEFAULT_HEADER_TIMEOUT_S
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -90,49 +90,26 @@ class _HeaderTimeoutProtocol(HttpToolsProtocol):
         # Called once when the connection is lost: a set, so that a pipelined request's callback is not the
         # running one's; each request takes its own out when it is done.
         self._client_gone: set[Callable[[], None]] = set()
-        self._body: DeclaredBody | None = None  # a body being read whole (else uvicorn's way, or none)
         self._heads = 0  # request heads parsed on this connection
-        self._into_body = False  # the read in progress goes into it
-        self._shared = shared_read_buffer()
-        self._shared_head = self._shared[:HEAD_READ_BYTES]
+        self.start_reads()  # a body read whole is ``declared_body`` (else read uvicorn's way)
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self._start_header_timer()
 
-    # -- reads (``BufferedReads``) ------------------------------------------------------------------------------
+    # -- reads (``BufferedReads``, ``DeclaredBodyReads``) -------------------------------------------------------
     def get_buffer(self, sizehint: int) -> memoryview:
-        """Where the next read goes: into a body read whole, else the thread's shared buffer."""
-        body = self._body
-        if body is not None:
-            if self.cycle.response_complete:
-                body.drop()  # answered without it (a 413): read to its end, kept nowhere
-            into = body.free()
-            if into is not None:
-                self._into_body = True
-                return into
-        self._into_body = False
-        if body is None and (self.cycle is None or not self.cycle.more_body):  # between requests: a head is next
-            return self._shared_head
-        return self._shared
+        body = self.declared_body
+        if body is not None and self.cycle.response_complete:
+            body.drop()  # answered without it (a 413): read to its end, kept nowhere
+        return super().get_buffer(sizehint)
 
-    def buffer_updated(self, nbytes: int) -> None:
-        body = self._body
-        if self._into_body:
-            assert body is not None  # nothing between a read's get_buffer and its buffer_updated changes it
-            body.filled(nbytes)
-            return
-        data = self._shared[:nbytes]
-        if body is not None:  # the end of a body read whole, and what follows it
-            data = body.take_from(data)
-            if body.left:
-                return
-            # The parser still waits for the bytes that went past it: what follows goes to a fresh one.
-            self._replace_parser()
-            self.on_message_complete()
-            if not data:
-                return
-        self.data_received(bytes(data))
+    def awaiting_head(self) -> bool:
+        return self.cycle is None or not self.cycle.more_body
+
+    def declared_body_read(self) -> None:
+        self._replace_parser()  # the old one still waits for the bytes that went past it
+        self.on_message_complete()
 
     # -- the request --------------------------------------------------------------------------------------------
     def data_received(self, data: bytes) -> None:
@@ -163,7 +140,7 @@ class _HeaderTimeoutProtocol(HttpToolsProtocol):
                 return  # framed by chunks, whatever it also declares: the parser's way
         if declared.isdigit() and HIGH_WATER_LIMIT < int(declared) <= WHOLE_BODY_UP_TO \
                 and not self.parser.should_upgrade():
-            self._body = DeclaredBody(int(declared))
+            self.declared_body = DeclaredBody(int(declared))
 
     def on_body(self, body: bytes) -> None:
         """A body of declared length is read whole, then handed over as one piece.
@@ -175,7 +152,7 @@ class _HeaderTimeoutProtocol(HttpToolsProtocol):
         read into the body's own ``bytes`` (``get_buffer``). The app reads every body whole anyway
         (``frontend/asgi_fast_path.py``), and what it may hold is capped twice: a declared length above
         ``max_body_bytes`` is refused before a byte is read, and this applies only up to ``WHOLE_BODY_UP_TO``."""
-        whole = self._body
+        whole = self.declared_body
         if whole is None:
             super().on_body(body)
             return
@@ -184,7 +161,7 @@ class _HeaderTimeoutProtocol(HttpToolsProtocol):
         whole.take(body)
 
     def on_message_complete(self) -> None:
-        whole, self._body = self._body, None
+        whole, self.declared_body = self.declared_body, None
         if whole is not None and not self.cycle.response_complete:
             self.cycle.body = whole.whole()  # type: ignore[assignment]
         super().on_message_complete()
@@ -199,7 +176,7 @@ class _HeaderTimeoutProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._stop_header_timer()
-        self._body = None  # what it held of a body is no one's now
+        self.declared_body = None  # what it held of a body is no one's now
         super().connection_lost(exc)
         callbacks = list(self._client_gone)
         self._client_gone.clear()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
+from typing import TYPE_CHECKING
 
 # The most one read takes while a message's head is awaited: enough for a head and a short body; what follows a
 # long body's head is left in the socket for the body's own buffer.
@@ -117,3 +118,57 @@ class DeclaredBody:
         self._unplaced -= len(piece)
         self._pieces.append(piece)  # type: ignore[union-attr]  # only while kept
         return self._free
+
+
+class DeclaredBodyReads:
+    """The read side of an HTTP/1.1 ``BufferedProtocol`` (a server's or a client's): a message's head through the
+    shared buffer to the parser (``data_received``); once the protocol has set ``declared_body`` (its head said how
+    long the body is), the body into its own bytes, its end and whatever follows through the shared buffer, and
+    ``declared_body_read`` called when it is whole. Subclasses say when a head is awaited (``awaiting_head``: a
+    smaller read then, so that a long body's head leaves the body in the socket)."""
+
+    declared_body: DeclaredBody | None = None
+    _into_body = False  # the read in progress goes into ``declared_body``
+    _shared: memoryview
+    _shared_head: memoryview
+
+    def start_reads(self) -> None:
+        self._shared = shared_read_buffer()
+        self._shared_head = self._shared[:HEAD_READ_BYTES]
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        body = self.declared_body
+        if body is not None:
+            into = body.free()
+            if into is not None:
+                self._into_body = True
+                return into
+        self._into_body = False
+        return self._shared_head if body is None and self.awaiting_head() else self._shared
+
+    def buffer_updated(self, nbytes: int) -> None:
+        body = self.declared_body
+        if self._into_body:
+            assert body is not None  # nothing between a read's get_buffer and its buffer_updated changes it
+            body.filled(nbytes)
+            return
+        data = self._shared[:nbytes]
+        if body is not None:  # the end of a declared body, and what follows it
+            data = body.take_from(data)
+            if body.left:
+                return
+            self.declared_body_read()
+            if not data:
+                return
+        self.data_received(bytes(data))
+
+    def awaiting_head(self) -> bool:
+        raise NotImplementedError
+
+    def declared_body_read(self) -> None:
+        """``declared_body`` is whole (``left`` is 0), past the parser, which still waits for its bytes."""
+        raise NotImplementedError
+
+    if TYPE_CHECKING:
+        def data_received(self, data: bytes) -> None:
+            """The protocol's own: the parser is fed everything but a declared body."""

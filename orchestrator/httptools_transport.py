@@ -37,7 +37,7 @@ from urllib.parse import urlsplit
 import httptools
 
 from frontend.errors import UpstreamError, UpstreamTimeoutError, UpstreamUnavailableError
-from frontend.read_buffers import HEAD_READ_BYTES, DeclaredBody, shared_read_buffer
+from frontend.read_buffers import DeclaredBody, DeclaredBodyReads
 from orchestrator.transport import Body, Reply, WorkerTimeouts, body_length
 
 _MAX_CONNECTIONS = 1024  # per worker, as the aiohttp and httpx transports
@@ -294,7 +294,7 @@ class _StaleConnection(Exception):
     """A reused connection was closed by the worker before a byte of the answer came back."""
 
 
-class _Connection(asyncio.BufferedProtocol):
+class _Connection(DeclaredBodyReads, asyncio.BufferedProtocol):
     """One HTTP/1.1 connection to a worker: one request at a time, its answer parsed as it arrives."""
 
     def __init__(self, url: str) -> None:
@@ -318,10 +318,7 @@ class _Connection(asyncio.BufferedProtocol):
         self._paused = False
         self._stream = False  # the answer's body is read as it comes (else whole)
         self._declared = b""  # its Content-Length
-        self._whole: DeclaredBody | None = None  # a whole answer being read past the parser
-        self._into_body = False  # the read in progress goes into it
-        self._shared = shared_read_buffer()
-        self._shared_head = self._shared[:HEAD_READ_BYTES]
+        self.start_reads()  # a whole answer read past the parser is ``declared_body``
         self._waiter: asyncio.Future[None] | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._read_timeout_s = 0.0
@@ -347,7 +344,7 @@ class _Connection(asyncio.BufferedProtocol):
         self.flow_controlled = self._delimited = False
         self._stream = stream
         self._declared = b""
-        self._whole = None
+        self.declared_body = None
         self._body = []
         self._buffered = 0
         self._read_timeout_s = read_timeout_s
@@ -420,34 +417,15 @@ class _Connection(asyncio.BufferedProtocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = cast(asyncio.Transport, transport)  # uvloop's transports do not subclass asyncio's
 
-    def get_buffer(self, sizehint: int) -> memoryview:
-        whole = self._whole
-        if whole is not None:
-            into = whole.free()
-            if into is not None:
-                self._into_body = True
-                return into
-        self._into_body = False
-        return self._shared if self._headers_done and not self.complete else self._shared_head
-
     def buffer_updated(self, nbytes: int) -> None:
-        whole = self._whole
-        if self._into_body:
-            assert whole is not None  # nothing between a read's get_buffer and its buffer_updated changes it
-            self._last_read = self._loop.time()
-            whole.filled(nbytes)
-            return
-        data = self._shared[:nbytes]
-        if whole is not None:  # the end of a whole answer read past the parser, and what follows it
-            self._last_read = self._loop.time()
-            data = whole.take_from(data)
-            if whole.left:
-                return
-            self._body_complete()  # keep-alive as the head said; the next send replaces the waiting parser
-            if not data:
-                return
-            # Bytes after the end: an unasked answer, which data_received sees as such and closes the connection.
-        self.data_received(bytes(data))
+        self._last_read = self._loop.time()  # for the read timeout, whichever buffer the read went into
+        super().buffer_updated(nbytes)
+
+    def awaiting_head(self) -> bool:
+        return not self._headers_done or self.complete
+
+    def declared_body_read(self) -> None:
+        self._body_complete()  # keep-alive as the head said; the next send replaces the waiting parser
 
     def data_received(self, data: bytes) -> None:
         if self.complete or not self._used:
@@ -456,7 +434,6 @@ class _Connection(asyncio.BufferedProtocol):
             self.close()
             return
         self._received_any = True
-        self._last_read = self._loop.time()
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserError as exc:
@@ -503,15 +480,15 @@ class _Connection(asyncio.BufferedProtocol):
         declared = self._declared
         if not self._stream and declared.isdigit() and int(declared) > _READ_PAST_THE_PARSER_FROM \
                 and self.status >= 200 and self.status not in (204, 304):
-            self._whole = DeclaredBody(int(declared))
+            self.declared_body = DeclaredBody(int(declared))
         self._wake()
 
     def on_body(self, body: bytes) -> None:
         if self.complete:
             self._keep_alive = False
             return
-        if self._whole is not None:
-            self._whole.take(body)  # what came with the head; the rest is read into the same bytes
+        if self.declared_body is not None:
+            self.declared_body.take(body)  # what came with the head; the rest is read into the same bytes
             return
         self._body.append(body)
         self._buffered += len(body)
@@ -528,7 +505,7 @@ class _Connection(asyncio.BufferedProtocol):
         self._body_complete()
 
     def _body_complete(self) -> None:
-        whole, self._whole = self._whole, None
+        whole, self.declared_body = self.declared_body, None
         if whole is not None:
             self._body = [whole.whole()]
         self.complete = True
