@@ -34,7 +34,7 @@ def _serve(app: Any, args: argparse.Namespace, host: str, port: int) -> None:
     config = uvicorn.Config(with_send_timeout(app, args.client_send_timeout_s), host=host, port=port,
                             log_level=args.log_level, loop="uvloop",
                             # uvicorn calls ``http`` as a protocol factory; its hint names only asyncio.Protocol
-                            http=protocol_with_header_timeout(args.header_timeout_s),  # type: ignore[arg-type]
+                            http=protocol_with_header_timeout(args.header_timeout_s, app),  # type: ignore[arg-type]
                             timeout_graceful_shutdown=30, timeout_keep_alive=75, access_log=False, log_config=None)
     server = QuietServer(config)
     if args.reuse_port:

@@ -27,9 +27,10 @@ from typing import Any
 
 import httptools
 from uvicorn.protocols.http.flow_control import HIGH_WATER_LIMIT
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
-from frontend.asgi_fast_path import CLIENT_GONE
+from entrypoints.direct_exchange import CycleExchange
+from frontend.asgi_fast_path import CLIENT_GONE, FastPathApp
 from frontend.client_timeouts import ABORT_CONNECTION, DEFAULT_HEADER_TIMEOUT_S
 from frontend.read_buffers import DeclaredBody, DeclaredBodyReads
 
@@ -37,12 +38,14 @@ logger = logging.getLogger(__name__)
 
 # A request body of a declared length up to this is read whole before the app is woken (below).
 WHOLE_BODY_UP_TO = 16 * 1024 * 1024
-def protocol_with_header_timeout(header_timeout_s: float) -> type[BufferedReads]:
+def protocol_with_header_timeout(header_timeout_s: float, app: Any = None) -> type[BufferedReads]:
     """A protocol class for uvicorn's ``http=`` (a factory called with uvicorn's options): an ``HttpToolsProtocol``
-    closing slow-header connections, its socket read by ``BufferedReads``."""
+    closing slow-header connections, its socket read by ``BufferedReads``. ``app``: the ``FastPathApp`` served,
+    whose fast routes the protocol then serves itself (``entrypoints/direct_exchange.py``)."""
 
     class HeaderTimeoutProtocol(_HeaderTimeoutProtocol):
         timeout_s = header_timeout_s
+        direct_app = app if isinstance(app, FastPathApp) else None
 
     class HeaderTimeoutReads(BufferedReads):
         http_protocol = HeaderTimeoutProtocol
@@ -83,6 +86,7 @@ class BufferedReads(asyncio.BufferedProtocol):
 
 class _HeaderTimeoutProtocol(HttpToolsProtocol, DeclaredBodyReads):
     timeout_s = DEFAULT_HEADER_TIMEOUT_S
+    direct_app: FastPathApp | None = None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -141,6 +145,21 @@ class _HeaderTimeoutProtocol(HttpToolsProtocol, DeclaredBodyReads):
         if declared.isdigit() and HIGH_WATER_LIMIT < int(declared) <= WHOLE_BODY_UP_TO \
                 and not self.parser.should_upgrade():
             self.declared_body = DeclaredBody(int(declared))
+
+    def _start_asgi_task(self, cycle: RequestResponseCycle, app: Any) -> None:
+        """A POST to one of ``direct_app``'s fast routes is served on its cycle directly; anything else, and any
+        request uvicorn answers with an app of its own (a 503 past ``limit_concurrency``), through ASGI."""
+        direct = self.direct_app
+        if direct is not None and app is self.app and cycle.scope["method"] == "POST" \
+                and not getattr(self.config, "reset_contextvars", False):
+            handler = direct.fast_routes.get(cycle.scope["path"])
+            if handler is not None:
+                exchange = CycleExchange(cycle, self._client_gone, self._reset_connection, direct.send_timeout_s)
+                task = self.loop.create_task(exchange.run(handler))
+                task.add_done_callback(self.tasks.discard)
+                self.tasks.add(task)
+                return
+        super()._start_asgi_task(cycle, app)
 
     def on_body(self, body: bytes) -> None:
         """A body of declared length is read whole, then handed over as one piece.

@@ -20,13 +20,17 @@ What it keeps, each with the code that does the same for the routes FastAPI serv
 
 Any other path, or another method on these paths, goes to the FastAPI app, which also lists the fast routes in its
 OpenAPI schema and answers their 405s.
+
+The exchange is written once for the handler (``Exchange``) and twice for how its bytes move: ``AsgiExchange`` on
+any ASGI server, and ``entrypoints/direct_exchange.py``'s on the project's own protocol, which serves these routes
+without ASGI at all (``disagg-serve`` runs that one).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from contextlib import aclosing
 from functools import partial
 from typing import Any
@@ -76,6 +80,16 @@ class FastPathApp(FastAPI):
         self._fast[path] = handler
         self.add_api_route(path, _served_by_the_fast_path, methods=["POST"], **route_options)
 
+    @property
+    def fast_routes(self) -> Mapping[str, Handler]:
+        """The POST paths served bare, with their handlers (for a server that serves them itself)."""
+        return self._fast
+
+    @property
+    def send_timeout_s(self) -> float | None:
+        """How long one send of a fast route's answer may wait for the client (None: for ever)."""
+        return self._send_timeout_s
+
     def limit_send_time(self, send_timeout_s: float) -> None:
         """Cut off a client that reads nothing for ``send_timeout_s``: the fast routes time their own sends, the
         rest go through ``SendTimeoutMiddleware`` (``frontend.client_timeouts.with_send_timeout`` calls this)."""
@@ -86,7 +100,7 @@ class FastPathApp(FastAPI):
         if scope["type"] == "http" and scope["method"] == "POST":
             handler = self._fast.get(scope["path"])
             if handler is not None:
-                await Exchange(scope, receive, send, self._send_timeout_s).serve(handler)
+                await AsgiExchange(scope, receive, send, self._send_timeout_s).serve(handler)
                 return
         await self._rest(scope, receive, send)
 
@@ -98,26 +112,20 @@ async def _served_by_the_fast_path() -> Response:
 
 
 class Exchange:
-    """One request and its answer, served from the handler's coroutine."""
+    """One request and its answer, served from the handler's coroutine. How the bytes move is a subclass's:
+    ``AsgiExchange`` through ASGI's ``receive`` and ``send``, or a server's own (``entrypoints/direct_exchange.py``
+    writes to uvicorn's connection directly)."""
 
-    __slots__ = ("_blocked_since", "_complete", "_cut", "_gone", "_loop", "_receive", "_send", "_send_timeout_s",
-                 "_started", "_task", "_timer", "_watcher", "request_id", "scope")
+    __slots__ = ("_complete", "_cut", "_send_timeout_s", "_started", "_task", "request_id", "scope")
 
-    def __init__(self, scope: Scope, receive: Receive, send: Send, send_timeout_s: float | None) -> None:
+    def __init__(self, scope: Scope, send_timeout_s: float | None) -> None:
         self.scope = scope
         self.request_id = request_id_of(scope["headers"])
-        self._receive = receive
-        self._send = send
         self._send_timeout_s = send_timeout_s
         self._task: asyncio.Task[Any] | None = None
         self._cut: str | None = None  # "left" or "stalled" once the handler was cancelled for the client
         self._started = False  # the answer's status line is sent: an error can no longer be answered
         self._complete = False  # the answer's last piece is being sent
-        self._blocked_since: float | None = None  # loop time of the send in progress, for the send timeout
-        self._loop: asyncio.AbstractEventLoop | None = None  # set with the send timer
-        self._timer: asyncio.TimerHandle | None = None
-        self._watcher: asyncio.Future[None] | None = None
-        self._gone: set[Callable[[], None]] | None = None
 
     # -- the request ---------------------------------------------------------------------------------------------
     def header(self, name: bytes) -> str | None:
@@ -136,37 +144,24 @@ class Exchange:
         declared = self.header(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > max_bytes:
             raise too_large(max_bytes, declared)
-        chunks: list[bytes] = []
-        size = 0
-        more = True
-        while more:
-            message = await self._receive()
-            if message["type"] == "http.disconnect":
-                raise ClientDisconnected()
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > max_bytes:
-                raise too_large(max_bytes)
-            if chunk:
-                chunks.append(chunk)
-            more = message.get("more_body", False)
-        if self._gone is None:  # nothing more to receive but the disconnect: wait for it
-            self._watcher = asyncio.ensure_future(self._wait_for_disconnect())
-        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        return await self._read(max_bytes)
 
     # -- the answer ----------------------------------------------------------------------------------------------
     async def answer(self, body: bytes, status: int = 200, headers: Iterable[tuple[bytes, bytes]] = ()) -> None:
         """A whole JSON answer (the headers as starlette's ``Response`` writes them, request id last)."""
-        await self._start(status, [*headers, (b"content-length", b"%d" % len(body)), _JSON_TYPE])
-        await self._body(body, False)
+        self._started = self._complete = True
+        await self._send_whole(status, [*headers, (b"content-length", b"%d" % len(body)), _JSON_TYPE,
+                                        (b"x-request-id", self.request_id.encode())], body)
 
     async def stream(self, frames: AsyncIterator[bytes], headers: RawHeaders) -> None:
         """A 200 streamed chunk by chunk as ``frames`` yields them; ``frames`` is closed however the stream ends."""
         async with aclosing(frames) as chunks:  # type: ignore[type-var]  # any iterator with aclose
-            await self._start(200, headers)
+            self._started = True
+            await self._send_start(200, [*headers, (b"x-request-id", self.request_id.encode())])
             async for chunk in chunks:
-                await self._body(chunk, True)
-        await self._body(b"", False)
+                await self._send_body(chunk, True)
+        self._complete = True
+        await self._send_body(b"", False)
 
     def status_of(self, exc: BaseException) -> int:
         """The status a request ending in ``exc`` is counted with: ``answered_status``, and 499 for the
@@ -175,40 +170,33 @@ class Exchange:
             return CLIENT_CLOSED_REQUEST
         return answered_status(exc)
 
-    async def _start(self, status: int, headers: RawHeaders) -> None:
-        self._started = True
-        if self._send_timeout_s is not None:
-            self._loop = asyncio.get_running_loop()
-            self._timer = self._loop.call_later(self._send_timeout_s, self._check_stalled, self._send_timeout_s)
-        message = {"type": "http.response.start", "status": status,
-                   "headers": [*headers, (b"x-request-id", self.request_id.encode())]}
-        if self._loop is None:
-            await self._send(message)
-            return
-        # Timed like a body send: uvicorn's send waits for the client to drain whatever message it is given.
-        self._blocked_since = self._loop.time()
-        await self._send(message)
-        self._blocked_since = None
+    # -- how the bytes move (the subclass's) ---------------------------------------------------------------------
+    async def _read(self, max_bytes: int) -> bytes:
+        """The whole body, ``too_large`` past ``max_bytes``, ``ClientDisconnected`` if the client left."""
+        raise NotImplementedError
 
-    async def _body(self, body: bytes, more: bool) -> None:
-        if not more:
-            self._complete = True
-        if self._loop is None:
-            await self._send({"type": "http.response.body", "body": body, "more_body": more})
-            return
-        self._blocked_since = self._loop.time()
-        await self._send({"type": "http.response.body", "body": body, "more_body": more})
-        self._blocked_since = None
+    async def _send_start(self, status: int, headers: RawHeaders) -> None:
+        raise NotImplementedError
+
+    async def _send_body(self, body: bytes, more: bool) -> None:
+        raise NotImplementedError
+
+    async def _send_whole(self, status: int, headers: RawHeaders, body: bytes) -> None:
+        await self._send_start(status, headers)
+        await self._send_body(body, False)
+
+    def _watch(self) -> None:
+        """Start watching for the client leaving (``_client_left``)."""
+
+    def _unwatch(self) -> None:
+        """Stop watching the client, and every timer of the answer."""
 
     # -- serving -------------------------------------------------------------------------------------------------
     async def serve(self, handler: Handler) -> None:
         """Run ``handler`` and answer what it raises, as ``frontend.http``'s handlers and middlewares do."""
         token = request_id_var.set(self.request_id)
         self._task = asyncio.current_task()
-        gone = self.scope.get("extensions", {}).get(CLIENT_GONE)
-        if gone is not None:
-            self._gone = gone["callbacks"]
-            self._gone.add(self._client_left)
+        self._watch()
         try:
             await self._answer_errors(handler)
         except asyncio.CancelledError:
@@ -216,7 +204,7 @@ class Exchange:
                 raise  # not ours: the server is shutting down
             await self._after_cut()
         finally:
-            self._stop_watching()
+            self._unwatch()
             request_id_var.reset(token)
 
     async def _answer_errors(self, handler: Handler) -> None:
@@ -245,6 +233,80 @@ class Exchange:
             self._cut = why
             self._task.cancel()
 
+    async def _after_cut(self) -> None:
+        assert self._task is not None
+        self._task.uncancel()  # ours, taken: what the request does after this is not cancelled
+        if self._cut == "stalled":
+            await asyncio.sleep(0)  # let the server see the aborted connection before the app's end is reported
+            logger.warning("cut off a client that stopped reading %s after %s s", self.scope["path"],
+                           self._send_timeout_s)
+
+
+class AsgiExchange(Exchange):
+    """An exchange over ASGI's ``receive`` and ``send``.
+
+    A client that reads nothing for ``send_timeout_s`` is cut off: one timer per request, re-armed only while a
+    ``send`` is blocked. A client that goes away cancels the handler wherever it waits: told by the server when it
+    offers the ``CLIENT_GONE`` scope extension, otherwise by one task waiting on ``receive``."""
+
+    __slots__ = ("_blocked_since", "_gone", "_loop", "_receive", "_send", "_timer", "_watcher")
+
+    def __init__(self, scope: Scope, receive: Receive, send: Send, send_timeout_s: float | None) -> None:
+        super().__init__(scope, send_timeout_s)
+        self._receive = receive
+        self._send = send
+        self._blocked_since: float | None = None  # loop time of the send in progress, for the send timeout
+        self._loop: asyncio.AbstractEventLoop | None = None  # set with the send timer
+        self._timer: asyncio.TimerHandle | None = None
+        self._watcher: asyncio.Future[None] | None = None
+        self._gone: set[Callable[[], None]] | None = None
+
+    async def _read(self, max_bytes: int) -> bytes:
+        chunks: list[bytes] = []
+        size = 0
+        more = True
+        while more:
+            message = await self._receive()
+            if message["type"] == "http.disconnect":
+                raise ClientDisconnected()
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > max_bytes:
+                raise too_large(max_bytes)
+            if chunk:
+                chunks.append(chunk)
+            more = message.get("more_body", False)
+        if self._gone is None:  # nothing more to receive but the disconnect: wait for it
+            self._watcher = asyncio.ensure_future(self._wait_for_disconnect())
+        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+    async def _send_start(self, status: int, headers: RawHeaders) -> None:
+        if self._send_timeout_s is not None:
+            self._loop = asyncio.get_running_loop()
+            self._timer = self._loop.call_later(self._send_timeout_s, self._check_stalled, self._send_timeout_s)
+        message = {"type": "http.response.start", "status": status, "headers": headers}
+        if self._loop is None:
+            await self._send(message)
+            return
+        # Timed like a body send: uvicorn's send waits for the client to drain whatever message it is given.
+        self._blocked_since = self._loop.time()
+        await self._send(message)
+        self._blocked_since = None
+
+    async def _send_body(self, body: bytes, more: bool) -> None:
+        if self._loop is None:
+            await self._send({"type": "http.response.body", "body": body, "more_body": more})
+            return
+        self._blocked_since = self._loop.time()
+        await self._send({"type": "http.response.body", "body": body, "more_body": more})
+        self._blocked_since = None
+
+    def _watch(self) -> None:
+        gone = self.scope.get("extensions", {}).get(CLIENT_GONE)
+        if gone is not None:
+            self._gone = gone["callbacks"]
+            self._gone.add(self._client_left)
+
     async def _wait_for_disconnect(self) -> None:
         while True:
             message = await self._receive()
@@ -266,15 +328,7 @@ class Exchange:
         self._timer = self._loop.call_at((now if since is None else since) + timeout_s, self._check_stalled,
                                          timeout_s)
 
-    async def _after_cut(self) -> None:
-        assert self._task is not None
-        self._task.uncancel()  # ours, taken: what the request does after this is not cancelled
-        if self._cut == "stalled":
-            await asyncio.sleep(0)  # let the server see the aborted connection before the app's end is reported
-            logger.warning("cut off a client that stopped reading %s after %s s", self.scope["path"],
-                           self._send_timeout_s)
-
-    def _stop_watching(self) -> None:
+    def _unwatch(self) -> None:
         if self._gone is not None:
             self._gone.discard(self._client_left)
         if self._watcher is not None:

@@ -90,7 +90,17 @@ def make_app(probe: Probe) -> FastPathApp:
         await exchange.read_body(LIMIT)
         await exchange.stream(_forever(probe, exchange.request_id), SSE_RAW_HEADERS)
 
-    for path, handler in (("/echo", echo), ("/fail", fail), ("/busy", busy), ("/upstream", upstream),
+    async def silent(exchange: Exchange) -> None:
+        await exchange.read_body(LIMIT)  # and answers nothing: a bug the server must still answer for
+
+    async def breaks_mid_stream(exchange: Exchange) -> None:
+        await exchange.read_body(LIMIT)
+        await exchange.stream(_first_then_fail(), SSE_RAW_HEADERS)
+
+    async def kind(exchange: Exchange) -> None:
+        await exchange.answer(orjson.dumps(type(exchange).__name__))
+
+    for path, handler in (("/kind", kind), ("/silent", silent), ("/breaks-mid-stream", breaks_mid_stream), ("/echo", echo), ("/fail", fail), ("/busy", busy), ("/upstream", upstream),
                           ("/hang", hang), ("/stream", stream), ("/stream-then-hang", stream_then_hang),
                           ("/stream-forever", stream_forever)):
         app.fast_post(path, handler)
@@ -120,6 +130,11 @@ async def _frames() -> AsyncIterator[bytes]:
         yield frame
 
 
+async def _first_then_fail() -> AsyncIterator[bytes]:
+    yield FRAMES[0]
+    raise RuntimeError("the upstream broke")
+
+
 async def _first_then_hang(probe: Probe, request_id: str) -> AsyncIterator[bytes]:
     yield FRAMES[0]
     probe.add(probe.waiting, request_id)
@@ -145,20 +160,24 @@ class Served:
     address: tuple[str, int]
     url: str
     probe: Probe
+    protocol: str
 
 
-@pytest.fixture(scope="module", params=["uvicorn", "project"])
+@pytest.fixture(scope="module", params=["uvicorn", "project", "direct"])
 def served(request: pytest.FixtureRequest) -> Iterator[Served]:
-    """The app on uvicorn's own httptools protocol, or on the project's (``disagg-serve``'s)."""
+    """The app on uvicorn's own httptools protocol, on the project's (``entrypoints/http_protocol.py``) through
+    ASGI, or on the project's serving the fast routes itself, as ``disagg-serve`` runs it
+    (``entrypoints/direct_exchange.py``)."""
     probe = Probe()
+    app = make_app(probe)
     options: dict[str, Any] = {}
-    if request.param == "project":
-        options["http"] = protocol_with_header_timeout(30.0)
-    server = ServerThread(with_send_timeout(make_app(probe), SEND_TIMEOUT_S), **options)
+    if request.param != "uvicorn":
+        options["http"] = protocol_with_header_timeout(30.0, app if request.param == "direct" else None)
+    server = ServerThread(with_send_timeout(app, SEND_TIMEOUT_S), **options)
     url = server.start()
     try:
         host, _, port = url.removeprefix("http://").partition(":")
-        yield Served((host, int(port)), url, probe)
+        yield Served((host, int(port)), url, probe, request.param)
     finally:
         server.stop()
 
@@ -221,6 +240,84 @@ def test_a_stream_is_framed_as_it_was_yielded(url: str) -> None:
         assert b"".join(reply.iter_raw()) == b"".join(FRAMES)
 
 
+def test_the_projects_protocol_serves_the_fast_routes_itself_once_it_is_given_the_app(served: Served) -> None:
+    expected = "CycleExchange" if served.protocol == "direct" else "AsgiExchange"
+    assert httpx.post(served.url + "/kind", content=b"{}", timeout=30).json() == expected
+
+
+def _read_answers(sock: socket.socket, count: int) -> list[bytes]:
+    """``count`` answers read off ``sock``, each its head and body (a stream's chunks still framed)."""
+    received, answers = b"", []
+    while len(answers) < count:
+        head, found, rest = received.partition(b"\r\n\r\n")
+        if found and b"transfer-encoding: chunked" in head.lower() and b"0\r\n\r\n" in rest:
+            end = rest.index(b"0\r\n\r\n") + 5
+            answers.append(received[:len(head) + 4 + end])
+            received = rest[end:]
+            continue
+        if found and _whole(received):
+            length = int(next(line.split(b":")[1] for line in head.lower().split(b"\r\n")
+                              if line.startswith(b"content-length")))
+            answers.append(received[:len(head) + 4 + length])
+            received = rest[length:]
+            continue
+        chunk = sock.recv(65536)
+        assert chunk, f"connection closed after {answers!r} and {received!r}"
+        received += chunk
+    return answers
+
+
+def test_pipelined_requests_are_answered_in_order_on_one_connection(server: tuple[str, int]) -> None:
+    with socket.create_connection(server, timeout=30) as sock:
+        sock.sendall(_raw_request("/stream", request_id="first") + _raw_request("/echo", b'{"n": 2}', "second")
+                     + _raw_request("/busy", request_id="third"))
+        first, second, third = _read_answers(sock, 3)
+    assert b"x-request-id: first" in first and first.endswith(b"0\r\n\r\n")
+    assert b"x-request-id: second" in second and second.endswith(b'{"n": 2}')
+    assert third.startswith(b"HTTP/1.1 429") and b"x-request-id: third" in third
+
+
+def test_a_request_saying_connection_close_is_answered_then_closed(server: tuple[str, int]) -> None:
+    with socket.create_connection(server, timeout=30) as sock:
+        sock.sendall(_raw_request("/echo", b'{"bye": 1}').replace(b"Host: x\r\n", b"Host: x\r\nConnection: close\r\n"))
+        received = b""
+        while chunk := sock.recv(65536):
+            received += chunk
+    assert received.startswith(b"HTTP/1.1 200") and b"connection: close\r\n" in received
+    assert received.endswith(b'{"bye": 1}')
+
+
+def test_a_client_expecting_100_continue_gets_it_before_sending_the_body(server: tuple[str, int]) -> None:
+    with socket.create_connection(server, timeout=30) as sock:
+        head, _, body = _raw_request("/echo", b'{"later": true}').partition(b"\r\n\r\n")
+        sock.sendall(head + b"\r\nExpect: 100-continue\r\n\r\n")
+        received = b""
+        while b"\r\n\r\n" not in received:
+            chunk = sock.recv(65536)
+            assert chunk
+            received += chunk
+        assert received == b"HTTP/1.1 100 Continue\r\n\r\n"
+        sock.sendall(body)
+        (answer,) = _read_answers(sock, 1)
+    assert answer.startswith(b"HTTP/1.1 200") and answer.endswith(b'{"later": true}')
+
+
+@pytest.mark.parametrize(("size", "status"), [(LIMIT, 200), (LIMIT + 1, 413)])
+def test_a_chunked_body_is_read_whole_and_judged_by_its_size(server: tuple[str, int], size: int,
+                                                             status: int) -> None:
+    body = b'"' + b"x" * (size - 2) + b'"'
+    pieces = [body[i:i + 100] for i in range(0, len(body), 100)]
+    with socket.create_connection(server, timeout=30) as sock:
+        sock.sendall(b"POST /echo HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n")
+        for piece in pieces:  # each its own send: the server may read them together or apart
+            sock.sendall(b"%x\r\n%b\r\n" % (len(piece), piece))
+        sock.sendall(b"0\r\n\r\n")
+        (answer,) = _read_answers(sock, 1)
+    assert answer.startswith(b"HTTP/1.1 %d" % status)
+    if status == 200:
+        assert answer.endswith(body)
+
+
 # -- request ids ----------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize(("path", "status"), [("/echo", 200), ("/busy", 429), ("/fail", 500), ("/upstream", 502)])
 def test_every_answer_carries_the_clients_request_id(url: str, path: str, status: int) -> None:
@@ -254,6 +351,28 @@ def test_an_unexpected_error_is_a_500_in_openai_shape_and_the_connection_stays_o
             assert connection.sock is sock  # the same keep-alive connection
     finally:
         connection.close()
+
+
+def test_a_handler_that_answers_nothing_gets_a_500_and_a_closed_connection(server: tuple[str, int]) -> None:
+    with socket.create_connection(server, timeout=30) as sock:
+        sock.sendall(_raw_request("/silent", request_id="silent"))
+        received = b""
+        while chunk := sock.recv(65536):
+            received += chunk
+    assert received.startswith(b"HTTP/1.1 500") and b"connection: close\r\n" in received.lower()
+
+
+def test_a_stream_that_breaks_after_its_start_closes_the_connection(server: tuple[str, int],
+                                                                     caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.ERROR)
+    with socket.create_connection(server, timeout=30) as sock:
+        sock.sendall(_raw_request("/breaks-mid-stream", request_id="breaks"))
+        received = b""
+        while chunk := sock.recv(65536):
+            received += chunk
+    assert received.startswith(b"HTTP/1.1 200") and FRAMES[0] in received
+    assert not received.endswith(b"0\r\n\r\n")  # cut short: no last chunk, the client can tell
+    assert any("the upstream broke" in (r.getMessage() + str(r.exc_info)) for r in caplog.records)
 
 
 def test_a_5xx_is_logged_with_its_request_id_and_cause(url: str, caplog: pytest.LogCaptureFixture) -> None:

@@ -1,0 +1,205 @@
+"""A fast route's exchange written on uvicorn's connection itself: no ASGI messages, no app stack in between.
+
+Why: behind ``frontend.asgi_fast_path`` the orchestrator's hot routes still paid, per request, for uvicorn's
+``run_asgi`` wrapper, its proxy-headers middleware, the fast path's dispatch, a ``receive`` message for the body,
+and for every piece of the answer a message dict that uvicorn's ``send`` takes apart again, checking each header
+against two regular expressions; and one send timer per request. Here the project's protocol
+(``entrypoints/http_protocol.py``) starts the handler on the request's ``RequestResponseCycle`` directly: the body
+is the one the protocol parsed, the answer's head is written in one piece with the server's default headers, a
+whole answer goes out with its head in one send, and a timer exists only while a send waits for a client that
+does not read.
+
+It does for these routes what uvicorn's ``receive``, ``send`` and ``run_asgi`` (0.54) do, on the same fields of
+the cycle, so that uvicorn's protocol around it (keep-alive, pipelining, flow control, graceful shutdown) cannot
+tell the difference: ``100 Continue`` before the body is read, reading resumed while the body is awaited, the
+response marked started and complete, ``connection: close`` when the connection is not kept, ``on_response``
+called once the answer is complete, and after the handler: a 500 if nothing was answered, the connection closed
+if an answer was cut short.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from uvicorn.protocols.http.httptools_impl import STATUS_LINE, RequestResponseCycle
+
+from frontend.asgi_fast_path import Exchange, Handler, RawHeaders
+from frontend.errors import ServingError, error_body
+from frontend.http import ClientDisconnected, too_large
+
+logger = logging.getLogger(__name__)
+
+_CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+_CHUNKED = b"transfer-encoding: chunked\r\n"
+_CLOSE = b"connection: close\r\n"
+_LAST_CHUNK = b"0\r\n\r\n"
+_JOIN_UP_TO = 64 * 1024  # a whole answer up to this goes out joined to its head; a longer one beside it
+
+
+class CycleExchange(Exchange):
+    """An exchange over a uvicorn ``RequestResponseCycle``: ``gone`` is the connection's set of callbacks for a
+    lost client, ``abort`` drops the connection at once (both ``entrypoints/http_protocol.py``'s)."""
+
+    __slots__ = ("_abort", "_cycle", "_gone")
+
+    def __init__(self, cycle: RequestResponseCycle, gone: set[Callable[[], None]], abort: Callable[[], None],
+                 send_timeout_s: float | None) -> None:
+        super().__init__(cycle.scope, send_timeout_s)  # type: ignore[arg-type]  # uvicorn's HTTPScope is a dict
+        self._cycle = cycle
+        self._gone = gone
+        self._abort = abort
+
+    async def run(self, handler: Handler) -> None:
+        """``serve``, then what uvicorn's ``run_asgi`` does after an app: an answer never started is a 500 and one
+        never completed a closed connection, each logged with the request's id."""
+        cycle = self._cycle
+        try:
+            await self.serve(handler)
+        except asyncio.CancelledError:
+            # Not the client's (``serve`` takes those): the server's, at the end of its graceful shutdown.
+            logger.warning("request %s on POST %s cancelled by the server's shutdown", self.request_id,
+                           self.scope["path"])
+            self._end_broken()
+            raise
+        except Exception as exc:
+            # What ``serve`` could not answer: a failure after the answer started.
+            logger.error("request %s on POST %s failed after its answer started: %s", self.request_id,
+                         self.scope["path"], exc, exc_info=exc)
+            self._end_broken()
+        else:
+            if not cycle.response_complete and not cycle.disconnected:
+                logger.error("request %s on POST %s: the handler returned without completing its answer",
+                             self.request_id, self.scope["path"])
+                self._end_broken()
+        finally:
+            cycle.on_response = _nothing  # as uvicorn: the connection's next request is not this one's to start
+
+    def _end_broken(self) -> None:
+        cycle = self._cycle
+        if cycle.response_started or cycle.disconnected:
+            cycle.transport.close()
+            return
+        cycle.keep_alive = False
+        cycle.transport.write(self._head(500, [(b"content-type", b"application/json"),
+                                              *_length(body := error_body(ServingError("internal server error")))],
+                                         chunked=False) + body)
+        self._completed()
+
+    # -- the request ---------------------------------------------------------------------------------------------
+    async def _read(self, max_bytes: int) -> bytes:
+        cycle = self._cycle
+        if cycle.waiting_for_100_continue and not cycle.transport.is_closing():
+            cycle.transport.write(_CONTINUE)
+            cycle.waiting_for_100_continue = False
+        while cycle.more_body and not cycle.disconnected:
+            if len(cycle.body) > max_bytes:
+                raise too_large(max_bytes)
+            cycle.flow.resume_reading()  # paused past 64 KiB of a body read piece by piece
+            await cycle.message_event.wait()
+            cycle.message_event.clear()
+        if cycle.disconnected:
+            raise ClientDisconnected()
+        body: Any = cycle.body
+        cycle.body = bytearray()
+        if len(body) > max_bytes:
+            raise too_large(max_bytes)
+        return body if type(body) is bytes else bytes(body)
+
+    # -- the answer ----------------------------------------------------------------------------------------------
+    async def _send_start(self, status: int, headers: RawHeaders) -> None:
+        if await self._writable():
+            self._cycle.transport.write(self._head(status, headers, chunked=True))
+
+    async def _send_body(self, body: bytes, more: bool) -> None:
+        if not await self._writable():
+            return
+        write = self._cycle.transport.write
+        if more:
+            if body:
+                write(b"%x\r\n%b\r\n" % (len(body), body))
+            return
+        write(b"%x\r\n%b\r\n%b" % (len(body), body, _LAST_CHUNK) if body else _LAST_CHUNK)
+        self._completed()
+
+    async def _send_whole(self, status: int, headers: RawHeaders, body: bytes) -> None:
+        if not await self._writable():
+            return
+        head = self._head(status, headers, chunked=False)
+        if len(body) <= _JOIN_UP_TO:
+            self._cycle.transport.write(head + body)  # one send for the answer
+        else:
+            self._cycle.transport.writelines((head, body))
+        self._completed()
+
+    def _head(self, status: int, headers: RawHeaders, chunked: bool) -> bytes:
+        """The status line and headers, as uvicorn's ``send`` writes them: the server's default headers first."""
+        cycle = self._cycle
+        cycle.response_started = True
+        cycle.waiting_for_100_continue = False
+        cycle.chunked_encoding = chunked
+        lines = [STATUS_LINE[status], _default_lines(cycle.default_headers)]
+        for name, value in headers:
+            lines += (name, b": ", value, b"\r\n")
+        if not cycle.keep_alive:
+            lines.append(_CLOSE)
+        if chunked:
+            lines.append(_CHUNKED)
+        lines.append(b"\r\n")
+        return b"".join(lines)
+
+    def _completed(self) -> None:
+        cycle = self._cycle
+        cycle.response_complete = True
+        cycle.message_event.set()
+        if not cycle.keep_alive:
+            cycle.transport.close()
+        cycle.on_response()
+
+    async def _writable(self) -> bool:
+        """Whether the answer can still be written, after waiting (at most ``send_timeout_s``) for a client that is
+        ``send_timeout_s`` behind; a client that waits longer is cut off."""
+        cycle = self._cycle
+        if cycle.flow.write_paused and not cycle.disconnected:
+            if self._send_timeout_s is None:
+                await cycle.flow.drain()
+            else:
+                try:
+                    async with asyncio.timeout(self._send_timeout_s):
+                        await cycle.flow.drain()
+                except TimeoutError:
+                    self._abort()
+                    self._cut_off("stalled")
+                    await asyncio.sleep(0)  # where the cut-off's cancellation is raised
+        return not cycle.disconnected
+
+    # -- the client ----------------------------------------------------------------------------------------------
+    def _watch(self) -> None:
+        self._gone.add(self._client_left)
+
+    def _unwatch(self) -> None:
+        self._gone.discard(self._client_left)
+
+
+def _nothing() -> None:
+    pass
+
+
+def _length(body: bytes) -> RawHeaders:
+    return [(b"content-length", b"%d" % len(body))]
+
+
+# The server's default headers (date, server) as header lines, made once per list: uvicorn replaces the list when
+# the date changes, once a second.
+_default_cache: tuple[list[tuple[bytes, bytes]], bytes] = ([], b"")
+
+
+def _default_lines(defaults: list[tuple[bytes, bytes]]) -> bytes:
+    global _default_cache
+    cached, lines = _default_cache
+    if cached is not defaults:
+        lines = b"".join(b"%b: %b\r\n" % pair for pair in defaults)
+        _default_cache = (defaults, lines)
+    return lines
