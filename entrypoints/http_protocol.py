@@ -38,6 +38,9 @@ logger = logging.getLogger(__name__)
 
 # A request body of a declared length up to this is read whole before the app is woken (below).
 WHOLE_BODY_UP_TO = 16 * 1024 * 1024
+_TIMER_SLACK_S = 0.001  # a timer that fires this early counts as on time (event-loop timers round to the ms)
+
+
 def protocol_with_header_timeout(header_timeout_s: float, app: Any = None) -> type[BufferedReads]:
     """A protocol class for uvicorn's ``http=`` (a factory called with uvicorn's options): an ``HttpToolsProtocol``
     closing slow-header connections, its socket read by ``BufferedReads``. ``app``: the ``FastPathApp`` served,
@@ -95,6 +98,7 @@ class _HeaderTimeoutProtocol(HttpToolsProtocol, DeclaredBodyReads):
         # running one's; each request takes its own out when it is done.
         self._client_gone: set[Callable[[], None]] = set()
         self._heads = 0  # request heads parsed on this connection
+        self._idle_since: float | None = None  # loop time of the last answer, while no bytes came after it
         self.start_reads()  # a body read whole is ``declared_body`` (else read uvicorn's way)
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -185,6 +189,37 @@ class _HeaderTimeoutProtocol(HttpToolsProtocol, DeclaredBodyReads):
             self.cycle.body = whole.whole()  # type: ignore[assignment]
         super().on_message_complete()
 
+    # -- keep-alive: one timer per connection, moved on when it fires ------------------------------------------
+    # uvicorn makes a keep-alive timer as each answer completes and cancels it at the next request's first byte:
+    # a timer made and cancelled per request. Here the connection keeps one while it is idle, which finds out when
+    # it fires whether the connection was idle for ``timeout_keep_alive`` since its last answer.
+    def on_response_complete(self) -> None:
+        # uvicorn's, but for the timer.
+        self.server_state.total_requests += 1
+        if self.transport.is_closing():
+            return
+        self.flow.resume_reading()
+        if self.pipeline:
+            cycle, app = self.pipeline.pop()
+            self._start_asgi_task(cycle, app)
+            return
+        self._idle_since = self.loop.time()
+        if self.timeout_keep_alive_task is None:
+            self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive, self._keep_alive_due)
+
+    def _unset_keepalive_if_required(self) -> None:
+        self._idle_since = None  # bytes came: busy (an armed timer finds it so, and stops)
+
+    def _keep_alive_due(self) -> None:
+        self.timeout_keep_alive_task = None
+        if self._idle_since is None:
+            return  # armed again when the request in progress is answered
+        due = self._idle_since + self.timeout_keep_alive
+        if self.loop.time() < due - _TIMER_SLACK_S:
+            self.timeout_keep_alive_task = self.loop.call_at(due, self._keep_alive_due)
+            return
+        self.timeout_keep_alive_handler()
+
     def _replace_parser(self) -> None:
         """A parser made as uvicorn makes its own (its leniency too: it answers the first of pipelined requests
         whose first says ``Connection: close``), for the bytes after a body the old one never saw."""
@@ -195,6 +230,9 @@ class _HeaderTimeoutProtocol(HttpToolsProtocol, DeclaredBodyReads):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._stop_header_timer()
+        if self.timeout_keep_alive_task is not None:
+            self.timeout_keep_alive_task.cancel()
+            self.timeout_keep_alive_task = None
         self.declared_body = None  # what it held of a body is no one's now
         super().connection_lost(exc)
         callbacks = list(self._client_gone)

@@ -28,7 +28,6 @@ import asyncio
 import contextlib
 import ssl
 import time
-import weakref
 from collections import deque
 from collections.abc import AsyncGenerator
 from typing import cast
@@ -242,11 +241,6 @@ class HttptoolsStream:
         self._transport = transport
         self._connection: _Connection | None = connection
         self._status = connection.status
-        # A stream dropped without ``aclose`` (its relay generator never started, say, because the client left
-        # while the answer's first line was being sent) closes its connection when it is collected, as aiohttp's
-        # responses do: the worker then stops, and the pool slot is free again.
-        self._finalizer = weakref.finalize(self, _forget_dropped, transport, connection)
-        self._finalizer.atexit = False
 
     @property
     def status_code(self) -> int:
@@ -273,21 +267,25 @@ class HttptoolsStream:
         finally:
             await self.aclose()
 
+    def __del__(self) -> None:
+        # A stream dropped without ``aclose`` (its relay generator never started, say, because the client left
+        # while the answer's first line was being sent) closes its connection when it is collected, as aiohttp's
+        # responses do: the worker then stops, and the pool slot is free again. (``__del__``, not a
+        # ``weakref.finalize``: that costs a registration and a detach on every stream.)
+        connection, self._connection = self._connection, None
+        if connection is not None:
+            with contextlib.suppress(RuntimeError):  # collected after its event loop closed: nothing left to tell
+                self._transport._forget(connection)
+
     async def aclose(self) -> None:
         connection, self._connection = self._connection, None
         if connection is None:
             return
-        self._finalizer.detach()
         if connection.complete:
             self._transport._give_back(connection)
         else:
             # Cut short (the client left, or a failure): closing the connection is what tells the worker to stop.
             self._transport._forget(connection)
-
-
-def _forget_dropped(transport: HttptoolsTransport, connection: _Connection) -> None:
-    with contextlib.suppress(RuntimeError):  # collected after its event loop closed: nothing left to tell
-        transport._forget(connection)
 
 
 class _StaleConnection(Exception):
@@ -321,6 +319,7 @@ class _Connection(DeclaredBodyReads, asyncio.BufferedProtocol):
         self.start_reads()  # a whole answer read past the parser is ``declared_body``
         self._waiter: asyncio.Future[None] | None = None
         self._timer: asyncio.TimerHandle | None = None
+        self._timer_due = 0.0  # loop time the armed timer fires at
         self._read_timeout_s = 0.0
         self._last_read = 0.0
 
@@ -349,7 +348,10 @@ class _Connection(DeclaredBodyReads, asyncio.BufferedProtocol):
         self._buffered = 0
         self._read_timeout_s = read_timeout_s
         self._last_read = self._loop.time()
-        self._timer = self._loop.call_at(self._last_read + read_timeout_s, self._check_read_timeout)
+        due = self._last_read + read_timeout_s
+        if self._timer is None or self._timer_due > due:  # else the armed one fires in time, and moves on
+            self._stop_timer()
+            self._arm_timer(due)
         if isinstance(body, bytes):
             if len(body) <= 65536:
                 self._transport.write(head + body if body else head)  # one send for a small request
@@ -509,7 +511,6 @@ class _Connection(DeclaredBodyReads, asyncio.BufferedProtocol):
         if whole is not None:
             self._body = [whole.whole()]
         self.complete = True
-        self._stop_timer()
         self._resume()  # nothing more is coming for this answer; a paused socket would not even see the worker close
         self._wake()
 
@@ -528,19 +529,24 @@ class _Connection(DeclaredBodyReads, asyncio.BufferedProtocol):
 
     def _check_read_timeout(self) -> None:
         """Between two reads at most ``read_timeout_s`` (a stream may run long; a stalled one fails). One timer per
-        request, moved on only when it fires, not on every read."""
+        connection, moved on only when it fires, not on every read, nor made and cancelled per request: it stops
+        when it finds no answer awaited, and the next request arms it again."""
         self._timer = None
         if self.complete or self._failure is not None:
             return
         if self._paused:  # waiting on our own consumer, not on the worker
-            self._timer = self._loop.call_at(self._loop.time() + self._read_timeout_s, self._check_read_timeout)
+            self._arm_timer(self._loop.time() + self._read_timeout_s)
             return
         due = self._last_read + self._read_timeout_s
         if self._loop.time() < due:
-            self._timer = self._loop.call_at(due, self._check_read_timeout)
+            self._arm_timer(due)
             return
         self._fail(UpstreamTimeoutError(f"worker {self.url} timed out (nothing read for {self._read_timeout_s} s)"))
         self.close()
+
+    def _arm_timer(self, due: float) -> None:
+        self._timer = self._loop.call_at(due, self._check_read_timeout)
+        self._timer_due = due
 
     def _stop_timer(self) -> None:
         if self._timer is not None:

@@ -271,3 +271,36 @@ def test_a_websocket_upgrade_on_a_kept_connection_is_not_cut_off_by_the_header_c
                 sock.recv(1)  # nothing to read, and not closed (a closed socket reads b"")
     finally:
         thread.stop()
+
+
+def test_an_idle_kept_connection_is_closed_once_the_keep_alive_timeout_passes() -> None:
+    thread = ServerThread(Recorder(), http=protocol_with_header_timeout(30.0), timeout_keep_alive=0.3, lifespan="off")
+    port = int(thread.start().rsplit(":", 1)[1])
+    try:
+        with connected(port) as sock:
+            sock.sendall(head(3) + b"abc")
+            assert read_answer(sock) == b"3"
+            assert sock.recv(1) == b""  # closed by the server, idle
+    finally:
+        thread.stop()
+
+
+def test_a_connection_in_use_outlives_the_keep_alive_timeout_of_its_first_answer() -> None:
+    """One keep-alive timer per connection, moved on when it fires: requests that keep coming within the timeout
+    keep the connection however long they go on."""
+    thread = ServerThread(Recorder(), http=protocol_with_header_timeout(30.0), timeout_keep_alive=1.0, lifespan="off")
+    port = int(thread.start().rsplit(":", 1)[1])
+    try:
+        with connected(port) as sock:
+            started = time.monotonic()
+            while time.monotonic() - started < 2.5:  # the first answer's timeout two and a half times over
+                sock.sendall(head(3) + b"abc")
+                received = b""
+                while not received.endswith(b"\r\n\r\n3"):  # the answer: the body's length
+                    chunk = sock.recv(65536)
+                    assert chunk, f"the server closed a connection in use, {time.monotonic() - started:.2f} s in"
+                    received += chunk
+                time.sleep(0.02)  # the client's pace: 50 times inside the timeout, so a busy machine's pauses fit
+            assert sock.recv(1) == b""  # then idle: closed
+    finally:
+        thread.stop()

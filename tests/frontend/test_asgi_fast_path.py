@@ -100,7 +100,8 @@ def make_app(probe: Probe) -> FastPathApp:
     async def kind(exchange: Exchange) -> None:
         await exchange.answer(orjson.dumps(type(exchange).__name__))
 
-    for path, handler in (("/kind", kind), ("/silent", silent), ("/breaks-mid-stream", breaks_mid_stream), ("/echo", echo), ("/fail", fail), ("/busy", busy), ("/upstream", upstream),
+    for path, handler in (("/kind", kind), ("/silent", silent), ("/breaks-mid-stream", breaks_mid_stream),
+                          ("/echo", echo), ("/fail", fail), ("/busy", busy), ("/upstream", upstream),
                           ("/hang", hang), ("/stream", stream), ("/stream-then-hang", stream_then_hang),
                           ("/stream-forever", stream_forever)):
         app.fast_post(path, handler)

@@ -341,6 +341,25 @@ async def test_a_caller_cancelled_while_waiting_for_a_connection_passes_its_turn
         assert cancelled.cancelled()
 
 
+async def test_a_worker_that_stalls_on_a_kept_connection_times_out_after_answers_that_came_in_time() -> None:
+    """The read timer outlives each answer on its connection (it is not made per request): it must still time the
+    request that stalls."""
+    async def answers_twice_then_stalls(worker: RawWorker, reader: asyncio.StreamReader,
+                                        writer: asyncio.StreamWriter) -> None:
+        while (body := await worker.read_request(reader)) is not None:
+            if len(worker.requests) > 2:
+                await asyncio.Event().wait()  # read, never answered
+            writer.write(answer(body))
+            await writer.drain()
+
+    async with client_of(answers_twice_then_stalls, WorkerTimeouts(request_s=0.3)) as (worker, transport):
+        for n in range(2):
+            assert (await transport.post("/x", b"%d" % n)).content == b"%d" % n
+        with pytest.raises(UpstreamTimeoutError, match=r"nothing read for 0\.3 s"):
+            await transport.post("/x", b"2")
+        assert worker.connections == 1
+
+
 async def test_a_header_that_would_split_the_request_is_refused() -> None:
     transport = HttptoolsTransport("http://127.0.0.1:9", WorkerTimeouts())
     try:
