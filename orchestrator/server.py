@@ -130,19 +130,21 @@ def create_orchestrator_app(
     inflight_gauge = metrics.engine_inflight.labels(role=ROLE)
     requests_count, request_latency = LabelledChildren(metrics.requests), LabelledChildren(metrics.request_latency)
 
-    def release(flow_request: FlowRequest, status: int) -> None:
+    def release(endpoint: Endpoint, started: float, span: Any, flow_request: FlowRequest | None, status: int) -> None:
+        """The request's end, counted: ``flow_request`` is None for a request that failed before its body was
+        parsed."""
         inflight["count"] -= 1
         inflight_gauge.dec()
-        endpoint = flow_request.endpoint
-        elapsed = time.perf_counter() - flow_request.started
-        tracing.end(flow_request.span, {"http.status_code": status}, f"status {status}" if status >= 500 else None)
+        elapsed = time.perf_counter() - started
+        if span is not None:
+            tracing.end(span, {"http.status_code": status}, f"status {status}" if status >= 500 else None)
         requests_count(ROLE, endpoint, str(status)).inc()
         request_latency(endpoint).observe(elapsed)
         if logger.isEnabledFor(logging.INFO):  # the line's fields are not built for a level that drops it
             logger.info("request done", extra={"event": "request", "endpoint": endpoint, "status": status,
                                                "latency_ms": round(elapsed * 1000, 2),
-                                               "ctx_worker": flow_request.ctx_worker,
-                                               "gen_worker": flow_request.gen_worker})
+                                               "ctx_worker": flow_request.ctx_worker if flow_request else None,
+                                               "gen_worker": flow_request.gen_worker if flow_request else None})
 
     async def handle(exchange: Exchange, endpoint: Endpoint) -> None:
         """The hot path, served bare (``frontend.asgi_fast_path``): admit -> read -> flow -> answer or stream.
@@ -165,8 +167,7 @@ def create_orchestrator_app(
         inflight["count"] += 1
         inflight_gauge.inc()
         headers = {REQUEST_ID_HEADER: request_id}
-        flow_request = flow.new_request(endpoint, {}, started, headers)  # replaced once the body is parsed
-        flow_request.span = span
+        flow_request: FlowRequest | None = None  # once the body is parsed
         status = 500
         try:
             raw = await exchange.read_body(config.max_body_bytes)
@@ -177,8 +178,9 @@ def create_orchestrator_app(
             turn = stored_responses.begin(body) if endpoint == "responses" else None
             flow_request = flow.new_request(endpoint, turn.body if turn else body, started, headers)
             flow_request.span = span
-            tracing.end(admission, {"disagg.request_id": request_id, "disagg.streaming": flow_request.streaming})
-            admission = None
+            if admission is not None:
+                tracing.end(admission, {"disagg.request_id": request_id, "disagg.streaming": flow_request.streaming})
+                admission = None
             answer = await (turn.answer(partial(flow.run, flow_request)) if turn else flow.run(flow_request))
             status = 200  # from here on the request counts as answered, whether or not the client reads it all
             if isinstance(answer, StreamedAnswer):
@@ -194,7 +196,7 @@ def create_orchestrator_app(
                 tracing.end(admission, error=exc)
             raise
         finally:
-            release(flow_request, status)
+            release(endpoint, started, span, flow_request, status)
 
     for endpoint, path in PATHS.items():
         app.fast_post(path, partial(handle, endpoint=endpoint), name=path.removeprefix("/v1/").replace("/", "_"),
