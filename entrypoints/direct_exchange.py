@@ -36,6 +36,7 @@ _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 _CHUNKED = b"transfer-encoding: chunked\r\n"
 _CLOSE = b"connection: close\r\n"
 _LAST_CHUNK = b"0\r\n\r\n"
+_JSON_TYPE = (b"content-type", b"application/json")
 _JOIN_UP_TO = 64 * 1024  # a whole answer up to this goes out joined to its head; a longer one beside it
 
 
@@ -60,8 +61,8 @@ class CycleExchange(Exchange):
             await self.serve(handler)
         except asyncio.CancelledError:
             # Not the client's (``serve`` takes those): the server's, at the end of its graceful shutdown.
-            logger.warning("request %s on POST %s cancelled by the server's shutdown", self.request_id,
-                           self.scope["path"])
+            logger.error("request %s on POST %s cancelled by the server's shutdown", self.request_id,
+                         self.scope["path"])
             self._end_broken()
             raise
         except Exception as exc:
@@ -70,7 +71,9 @@ class CycleExchange(Exchange):
                          self.scope["path"], exc, exc_info=exc)
             self._end_broken()
         else:
-            if not cycle.response_complete and not cycle.disconnected:
+            # (A client that left or stalled was cut off: nothing to answer. uvicorn marks only the connection's
+            # newest cycle disconnected, so with a pipelined request queued this one may not say so itself.)
+            if not cycle.response_complete and not cycle.disconnected and self._cut is None:
                 logger.error("request %s on POST %s: the handler returned without completing its answer",
                              self.request_id, self.scope["path"])
                 self._end_broken()
@@ -79,13 +82,13 @@ class CycleExchange(Exchange):
 
     def _end_broken(self) -> None:
         cycle = self._cycle
-        if cycle.response_started or cycle.disconnected:
+        if cycle.response_started or cycle.disconnected or cycle.transport.is_closing():
             cycle.transport.close()
             return
         cycle.keep_alive = False
-        cycle.transport.write(self._head(500, [(b"content-type", b"application/json"),
-                                              *_length(body := error_body(ServingError("internal server error")))],
-                                         chunked=False) + body)
+        body = error_body(ServingError("internal server error"))
+        cycle.transport.write(self._head(500, [(b"content-length", b"%d" % len(body)), _JSON_TYPE,
+                                               (b"x-request-id", self.request_id.encode())], chunked=False) + body)
         self._completed()
 
     # -- the request ---------------------------------------------------------------------------------------------
@@ -185,10 +188,6 @@ class CycleExchange(Exchange):
 
 def _nothing() -> None:
     pass
-
-
-def _length(body: bytes) -> RawHeaders:
-    return [(b"content-length", b"%d" % len(body))]
 
 
 # The server's default headers (date, server) as header lines, made once per list: uvicorn replaces the list when

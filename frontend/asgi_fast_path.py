@@ -225,7 +225,8 @@ class Exchange:
             await self.answer(error_body(ServingError("internal server error")), 500)
 
     def _client_left(self) -> None:
-        self._cut_off("left")
+        if not self._complete:  # gone once its answer was all sent: the handler's cleanup is not cut short
+            self._cut_off("left")
 
     def _cut_off(self, why: str) -> None:
         # A task the server is already cancelling (its shutdown) keeps that cancellation: it is not a client's.
@@ -311,8 +312,7 @@ class AsgiExchange(Exchange):
         while True:
             message = await self._receive()
             if message["type"] == "http.disconnect":  # also what uvicorn says once the answer is complete
-                if not self._complete:
-                    self._client_left()
+                self._client_left()
                 return
 
     def _check_stalled(self, timeout_s: float) -> None:

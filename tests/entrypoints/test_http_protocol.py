@@ -304,3 +304,25 @@ def test_a_connection_in_use_outlives_the_keep_alive_timeout_of_its_first_answer
             assert sock.recv(1) == b""  # then idle: closed
     finally:
         thread.stop()
+
+
+def test_a_request_in_progress_longer_than_the_keep_alive_timeout_is_not_cut_off() -> None:
+    """The keep-alive timer armed by the first answer fires while the second request's body is still coming: the
+    connection is busy, not idle, and must not be closed."""
+    thread = ServerThread(Recorder(), http=protocol_with_header_timeout(30.0), timeout_keep_alive=0.3, lifespan="off")
+    port = int(thread.start().rsplit(":", 1)[1])
+    try:
+        with connected(port) as sock:
+            sock.sendall(head(3) + b"abc")
+            assert read_answer(sock) == b"3"
+            sock.sendall(head(6) + b"abc")  # half a body: a request in progress
+            # Past the keep-alive timeout three times over; waiting is the only way to see that it does not fire.
+            time.sleep(1.0)
+            sock.sendall(b"def")
+            received = b""
+            while not received.endswith(b"\r\n\r\n6"):
+                chunk = sock.recv(65536)
+                assert chunk, "the server closed a connection with a request in progress"
+                received += chunk
+    finally:
+        thread.stop()

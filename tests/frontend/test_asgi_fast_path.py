@@ -46,6 +46,8 @@ class Probe:
         self.waiting: set[str] = set()
         self.cancelled: set[str] = set()
         self.streamed: dict[str, int] = {}
+        self.survived: set[str] = set()
+        self.clean_up = threading.Event()  # set by the test: the handler's clean-up may end
 
     def add(self, kind: set[str], request_id: str) -> None:
         with self.lock:
@@ -97,10 +99,21 @@ def make_app(probe: Probe) -> FastPathApp:
         await exchange.read_body(LIMIT)
         await exchange.stream(_first_then_fail(), SSE_RAW_HEADERS)
 
+    async def stream_then_clean_up(exchange: Exchange) -> None:
+        await exchange.read_body(LIMIT)
+        await exchange.stream(_frames(), SSE_RAW_HEADERS)
+        try:  # the clean-up after the answer, as the orchestrator's close_upstream
+            await asyncio.to_thread(probe.clean_up.wait, 60)
+        except asyncio.CancelledError:
+            probe.add(probe.cancelled, exchange.request_id)
+            raise
+        probe.add(probe.survived, exchange.request_id)
+
     async def kind(exchange: Exchange) -> None:
         await exchange.answer(orjson.dumps(type(exchange).__name__))
 
-    for path, handler in (("/kind", kind), ("/silent", silent), ("/breaks-mid-stream", breaks_mid_stream),
+    for path, handler in (("/kind", kind), ("/silent", silent), ("/stream-then-clean-up", stream_then_clean_up),
+                          ("/breaks-mid-stream", breaks_mid_stream),
                           ("/echo", echo), ("/fail", fail), ("/busy", busy), ("/upstream", upstream),
                           ("/hang", hang), ("/stream", stream), ("/stream-then-hang", stream_then_hang),
                           ("/stream-forever", stream_forever)):
@@ -162,6 +175,7 @@ class Served:
     url: str
     probe: Probe
     protocol: str
+    thread: ServerThread
 
 
 @pytest.fixture(scope="module", params=["uvicorn", "project", "direct"])
@@ -178,7 +192,7 @@ def served(request: pytest.FixtureRequest) -> Iterator[Served]:
     url = server.start()
     try:
         host, _, port = url.removeprefix("http://").partition(":")
-        yield Served((host, int(port)), url, probe, request.param)
+        yield Served((host, int(port)), url, probe, request.param, server)
     finally:
         server.stop()
 
@@ -354,16 +368,20 @@ def test_an_unexpected_error_is_a_500_in_openai_shape_and_the_connection_stays_o
         connection.close()
 
 
-def test_a_handler_that_answers_nothing_gets_a_500_and_a_closed_connection(server: tuple[str, int]) -> None:
+def test_a_handler_that_answers_nothing_gets_a_500_and_a_closed_connection(server: tuple[str, int],
+                                                                           served: Served) -> None:
     with socket.create_connection(server, timeout=30) as sock:
         sock.sendall(_raw_request("/silent", request_id="silent"))
         received = b""
         while chunk := sock.recv(65536):
             received += chunk
     assert received.startswith(b"HTTP/1.1 500") and b"connection: close\r\n" in received.lower()
+    if served.protocol == "direct":
+        assert b"x-request-id: silent\r\n" in received
+        assert received.endswith(b'"server_error","param":null,"code":null}}')
 
 
-def test_a_stream_that_breaks_after_its_start_closes_the_connection(server: tuple[str, int],
+def test_a_stream_that_breaks_after_its_start_closes_the_connection(server: tuple[str, int], served: Served,
                                                                      caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.ERROR)
     with socket.create_connection(server, timeout=30) as sock:
@@ -374,6 +392,8 @@ def test_a_stream_that_breaks_after_its_start_closes_the_connection(server: tupl
     assert received.startswith(b"HTTP/1.1 200") and FRAMES[0] in received
     assert not received.endswith(b"0\r\n\r\n")  # cut short: no last chunk, the client can tell
     assert any("the upstream broke" in (r.getMessage() + str(r.exc_info)) for r in caplog.records)
+    if served.protocol == "direct":  # the project's own log line names the request
+        assert any("breaks" in r.getMessage() and "the upstream broke" in r.getMessage() for r in caplog.records)
 
 
 def test_a_5xx_is_logged_with_its_request_id_and_cause(url: str, caplog: pytest.LogCaptureFixture) -> None:
@@ -409,6 +429,20 @@ def test_a_client_leaving_mid_stream_closes_the_stream(server: tuple[str, int], 
         sock.sendall(_raw_request("/stream-then-hang", request_id="leaves-streaming"))
         assert eventually(lambda: "leaves-streaming" in probe.waiting)
     assert eventually(lambda: "leaves-streaming" in probe.cancelled)
+
+
+def test_a_client_that_closes_after_the_whole_answer_does_not_cut_the_handlers_clean_up(served: Served) -> None:
+    connections = served.thread.server.server_state.connections
+    with socket.create_connection(served.address, timeout=30) as sock:
+        client = sock.getsockname()
+        sock.sendall(_raw_request("/stream-then-clean-up", request_id="reads-all-then-closes"))
+        (answer,) = _read_answers(sock, 1)
+        assert answer.endswith(b"0\r\n\r\n")
+    assert eventually(lambda: all(getattr(c, "client", None) != client for c in list(connections)))
+    # The server has seen the connection go (a cancellation, had it been asked for, is pending by now).
+    served.probe.clean_up.set()
+    assert eventually(lambda: "reads-all-then-closes" in served.probe.survived | served.probe.cancelled)
+    assert "reads-all-then-closes" in served.probe.survived
 
 
 def test_a_client_that_stops_reading_is_cut_off(server: tuple[str, int], url: str, probe: Probe) -> None:

@@ -356,7 +356,25 @@ async def test_a_worker_that_stalls_on_a_kept_connection_times_out_after_answers
         for n in range(2):
             assert (await transport.post("/x", b"%d" % n)).content == b"%d" % n
         with pytest.raises(UpstreamTimeoutError, match=r"nothing read for 0\.3 s"):
-            await transport.post("/x", b"2")
+            await asyncio.wait_for(transport.post("/x", b"2"), 10)  # a timer never armed again would hang
+        assert worker.connections == 1
+
+
+async def test_a_timer_armed_for_an_earlier_request_does_not_fail_a_later_one_answered_in_time() -> None:
+    """The read timer of the first request is still armed when the second goes out on the same connection; it
+    fires while the second is awaited and must measure the second's own wait, not the first's."""
+    async def second_answer_late(worker: RawWorker, reader: asyncio.StreamReader,
+                                 writer: asyncio.StreamWriter) -> None:
+        while (body := await worker.read_request(reader)) is not None:
+            if len(worker.requests) == 2:
+                await asyncio.sleep(1.0)  # half the timeout: in time, but past the first request's timer
+            writer.write(answer(body))
+            await writer.drain()
+
+    async with client_of(second_answer_late, WorkerTimeouts(request_s=2.0)) as (worker, transport):
+        assert (await transport.post("/x", b"first")).content == b"first"
+        await asyncio.sleep(1.5)  # the first timer (due 2 s after the first request) fires during the second
+        assert (await asyncio.wait_for(transport.post("/x", b"second"), 10)).content == b"second"
         assert worker.connections == 1
 
 
