@@ -273,56 +273,54 @@ def test_a_websocket_upgrade_on_a_kept_connection_is_not_cut_off_by_the_header_c
         thread.stop()
 
 
-def test_an_idle_kept_connection_is_closed_once_the_keep_alive_timeout_passes() -> None:
-    thread = ServerThread(Recorder(), http=protocol_with_header_timeout(30.0), timeout_keep_alive=0.3, lifespan="off")
+@contextlib.contextmanager
+def kept_connection(timeout_keep_alive_s: float) -> Iterator[socket.socket]:
+    """A connection to a server closing idle keep-alive connections after ``timeout_keep_alive_s``, one request
+    already answered on it (its keep-alive timer is running)."""
+    thread = ServerThread(Recorder(), http=protocol_with_header_timeout(30.0), timeout_keep_alive=timeout_keep_alive_s,
+                          lifespan="off")
     port = int(thread.start().rsplit(":", 1)[1])
     try:
         with connected(port) as sock:
             sock.sendall(head(3) + b"abc")
             assert read_answer(sock) == b"3"
-            assert sock.recv(1) == b""  # closed by the server, idle
+            yield sock
     finally:
         thread.stop()
+
+
+def read_until(sock: socket.socket, end: bytes, closed: str) -> None:
+    """Read until what came ends with ``end``; a connection closed before that fails the test with ``closed``."""
+    received = b""
+    while not received.endswith(end):
+        chunk = sock.recv(65536)
+        assert chunk, closed
+        received += chunk
+
+
+def test_an_idle_kept_connection_is_closed_once_the_keep_alive_timeout_passes() -> None:
+    with kept_connection(0.3) as sock:
+        assert sock.recv(1) == b""  # closed by the server, idle
 
 
 def test_a_connection_in_use_outlives_the_keep_alive_timeout_of_its_first_answer() -> None:
     """One keep-alive timer per connection, moved on when it fires: requests that keep coming within the timeout
     keep the connection however long they go on."""
-    thread = ServerThread(Recorder(), http=protocol_with_header_timeout(30.0), timeout_keep_alive=1.0, lifespan="off")
-    port = int(thread.start().rsplit(":", 1)[1])
-    try:
-        with connected(port) as sock:
-            started = time.monotonic()
-            while time.monotonic() - started < 2.5:  # the first answer's timeout two and a half times over
-                sock.sendall(head(3) + b"abc")
-                received = b""
-                while not received.endswith(b"\r\n\r\n3"):  # the answer: the body's length
-                    chunk = sock.recv(65536)
-                    assert chunk, f"the server closed a connection in use, {time.monotonic() - started:.2f} s in"
-                    received += chunk
-                time.sleep(0.02)  # the client's pace: 50 times inside the timeout, so a busy machine's pauses fit
-            assert sock.recv(1) == b""  # then idle: closed
-    finally:
-        thread.stop()
+    with kept_connection(1.0) as sock:
+        started = time.monotonic()
+        while time.monotonic() - started < 2.5:  # the first answer's timeout two and a half times over
+            sock.sendall(head(3) + b"abc")
+            read_until(sock, b"\r\n\r\n3", f"closed a connection in use, {time.monotonic() - started:.2f} s in")
+            time.sleep(0.02)  # the client's pace: 50 times inside the timeout, so a busy machine's pauses fit
+        assert sock.recv(1) == b""  # then idle: closed
 
 
 def test_a_request_in_progress_longer_than_the_keep_alive_timeout_is_not_cut_off() -> None:
     """The keep-alive timer armed by the first answer fires while the second request's body is still coming: the
     connection is busy, not idle, and must not be closed."""
-    thread = ServerThread(Recorder(), http=protocol_with_header_timeout(30.0), timeout_keep_alive=0.3, lifespan="off")
-    port = int(thread.start().rsplit(":", 1)[1])
-    try:
-        with connected(port) as sock:
-            sock.sendall(head(3) + b"abc")
-            assert read_answer(sock) == b"3"
-            sock.sendall(head(6) + b"abc")  # half a body: a request in progress
-            # Past the keep-alive timeout three times over; waiting is the only way to see that it does not fire.
-            time.sleep(1.0)
-            sock.sendall(b"def")
-            received = b""
-            while not received.endswith(b"\r\n\r\n6"):
-                chunk = sock.recv(65536)
-                assert chunk, "the server closed a connection with a request in progress"
-                received += chunk
-    finally:
-        thread.stop()
+    with kept_connection(0.3) as sock:
+        sock.sendall(head(6) + b"abc")  # half a body: a request in progress
+        # Past the keep-alive timeout three times over; waiting is the only way to see that it does not fire.
+        time.sleep(1.0)
+        sock.sendall(b"def")
+        read_until(sock, b"\r\n\r\n6", "the server closed a connection with a request in progress")
