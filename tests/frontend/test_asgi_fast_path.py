@@ -262,7 +262,7 @@ def test_the_projects_protocol_serves_the_fast_routes_itself_once_it_is_given_th
 
 def _read_answers(sock: socket.socket, count: int) -> list[bytes]:
     """``count`` answers read off ``sock``, each its head and body (a stream's chunks still framed)."""
-    received, answers = b"", []
+    received, answers = b"", list[bytes]()
     while len(answers) < count:
         head, found, rest = received.partition(b"\r\n\r\n")
         if found and b"transfer-encoding: chunked" in head.lower() and b"0\r\n\r\n" in rest:
