@@ -36,7 +36,6 @@ _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 _CHUNKED = b"transfer-encoding: chunked\r\n"
 _CLOSE = b"connection: close\r\n"
 _LAST_CHUNK = b"0\r\n\r\n"
-_JSON_TYPE = (b"content-type", b"application/json")
 _JOIN_UP_TO = 64 * 1024  # a whole answer up to this goes out joined to its head; a longer one beside it
 
 
@@ -87,8 +86,7 @@ class CycleExchange(Exchange):
             return
         cycle.keep_alive = False
         body = error_body(ServingError("internal server error"))
-        cycle.transport.write(self._head(500, [(b"content-length", b"%d" % len(body)), _JSON_TYPE,
-                                               (b"x-request-id", self.request_id.encode())], chunked=False) + body)
+        cycle.transport.write(self._head(500, self._whole_headers(body), chunked=False) + body)
         self._completed()
 
     # -- the request ---------------------------------------------------------------------------------------------

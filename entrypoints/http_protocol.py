@@ -5,9 +5,12 @@ uvicorn (0.54) starts no timer while a request's headers arrive: a client that o
 nothing, or its headers a byte at a time, holds the connection (and a file descriptor) for ever; on a keep-alive
 connection the first byte of the next request even cancels the idle timer. Here each request's headers must be
 complete within ``header_timeout_s`` of the connection opening or of its first byte, or the connection is closed.
-A request whose headers arrived is no longer timed here (its body and answer have their own limits); its scope
-gets the ``ABORT_CONNECTION`` extension that ``frontend/client_timeouts.py`` uses, and the ``CLIENT_GONE`` one
-through which ``frontend/asgi_fast_path.py`` learns that the client left without a task waiting on ``receive``.
+A request whose headers arrived is no longer timed here (its body and answer have their own limits). Given the
+``FastPathApp`` it serves, the protocol starts a POST to a fast route on its cycle itself
+(``entrypoints/direct_exchange.py``); a request served through ASGI gets in its scope the ``ABORT_CONNECTION``
+extension that ``frontend/client_timeouts.py`` uses, and the ``CLIENT_GONE`` one through which
+``frontend/asgi_fast_path.py`` learns that the client left without a task waiting on ``receive``. The keep-alive
+timer is one per connection, not one per request.
 
 The socket is read as a ``BufferedProtocol`` (``BufferedReads``), into buffers ``frontend/read_buffers.py``
 gives: between requests a small one shared by the thread's connections, copied out as the ``bytes`` uvicorn
@@ -31,14 +34,13 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResp
 
 from entrypoints.direct_exchange import CycleExchange
 from frontend.asgi_fast_path import CLIENT_GONE, FastPathApp
-from frontend.client_timeouts import ABORT_CONNECTION, DEFAULT_HEADER_TIMEOUT_S
+from frontend.client_timeouts import ABORT_CONNECTION, DEFAULT_HEADER_TIMEOUT_S, TIMER_SLACK_S
 from frontend.read_buffers import DeclaredBody, DeclaredBodyReads
 
 logger = logging.getLogger(__name__)
 
 # A request body of a declared length up to this is read whole before the app is woken (below).
 WHOLE_BODY_UP_TO = 16 * 1024 * 1024
-_TIMER_SLACK_S = 0.001  # a timer that fires this early counts as on time (event-loop timers round to the ms)
 
 
 def protocol_with_header_timeout(header_timeout_s: float, app: Any = None) -> type[BufferedReads]:
@@ -134,11 +136,6 @@ class _HeaderTimeoutProtocol(HttpToolsProtocol, DeclaredBodyReads):
     def on_headers_complete(self) -> None:
         self._heads += 1
         self._stop_header_timer()
-        # How frontend/client_timeouts.py drops a stalled client at once: close() would first wait for the client
-        # to read what is still buffered, which it will not.
-        extensions = self.scope.setdefault("extensions", {})
-        extensions[ABORT_CONNECTION] = {"abort": self._reset_connection}
-        extensions[CLIENT_GONE] = {"callbacks": self._client_gone}
         super().on_headers_complete()
         declared = b""
         for name, value in self.headers:
@@ -163,6 +160,12 @@ class _HeaderTimeoutProtocol(HttpToolsProtocol, DeclaredBodyReads):
                 task.add_done_callback(self.tasks.discard)
                 self.tasks.add(task)
                 return
+        # For an app served through ASGI: how frontend/client_timeouts.py drops a stalled client at once (close()
+        # would first wait for the client to read what is still buffered, which it will not), and how the fast
+        # path's exchange learns that the client left. (A direct exchange is given both itself.)
+        extensions = cycle.scope.setdefault("extensions", {})
+        extensions[ABORT_CONNECTION] = {"abort": self._reset_connection}
+        extensions[CLIENT_GONE] = {"callbacks": self._client_gone}
         super()._start_asgi_task(cycle, app)
 
     def on_body(self, body: bytes) -> None:
@@ -215,7 +218,7 @@ class _HeaderTimeoutProtocol(HttpToolsProtocol, DeclaredBodyReads):
         if self._idle_since is None:
             return  # armed again when the request in progress is answered
         due = self._idle_since + self.timeout_keep_alive
-        if self.loop.time() < due - _TIMER_SLACK_S:
+        if self.loop.time() < due - TIMER_SLACK_S:
             self.timeout_keep_alive_task = self.loop.call_at(due, self._keep_alive_due)
             return
         self.timeout_keep_alive_handler()

@@ -40,7 +40,7 @@ from starlette.datastructures import Headers
 from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from frontend.client_timeouts import SendTimeoutMiddleware, abort_connection
+from frontend.client_timeouts import TIMER_SLACK_S, SendTimeoutMiddleware, abort_connection
 from frontend.errors import ServingError, error_body
 from frontend.http import (
     CLIENT_CLOSED_REQUEST,
@@ -63,7 +63,6 @@ Handler = Callable[["Exchange"], Awaitable[None]]
 RawHeaders = list[tuple[bytes, bytes]]
 
 _JSON_TYPE = (b"content-type", b"application/json")
-_LATE = 0.001  # a timer that fires this early counts as on time (event-loop timers round to the millisecond)
 
 
 class FastPathApp(FastAPI):
@@ -150,8 +149,12 @@ class Exchange:
     async def answer(self, body: bytes, status: int = 200, headers: Iterable[tuple[bytes, bytes]] = ()) -> None:
         """A whole JSON answer (the headers as starlette's ``Response`` writes them, request id last)."""
         self._started = self._complete = True
-        await self._send_whole(status, [*headers, (b"content-length", b"%d" % len(body)), _JSON_TYPE,
-                                        (b"x-request-id", self.request_id.encode())], body)
+        await self._send_whole(status, self._whole_headers(body, headers), body)
+
+    def _whole_headers(self, body: bytes, headers: Iterable[tuple[bytes, bytes]] = ()) -> RawHeaders:
+        """A whole JSON answer's headers: ``headers``, then its length, type and request id."""
+        return [*headers, (b"content-length", b"%d" % len(body)), _JSON_TYPE,
+                (b"x-request-id", self.request_id.encode())]
 
     async def stream(self, frames: AsyncIterator[bytes], headers: RawHeaders) -> None:
         """A 200 streamed chunk by chunk as ``frames`` yields them; ``frames`` is closed however the stream ends."""
@@ -320,7 +323,7 @@ class AsgiExchange(Exchange):
         when it last fired; cuts the client off once one send has been blocked for ``timeout_s``."""
         assert self._loop is not None
         now, since = self._loop.time(), self._blocked_since
-        if since is not None and now - since >= timeout_s - _LATE:
+        if since is not None and now - since >= timeout_s - TIMER_SLACK_S:
             self._timer = None
             abort_connection(self.scope)
             self._cut_off("stalled")

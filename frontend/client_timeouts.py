@@ -23,6 +23,8 @@ DEFAULT_SEND_TIMEOUT_S = 60.0
 ABORT_CONNECTION = "disagg.abort_connection"
 # How long a request's headers may take to arrive (the check itself is in entrypoints/http_protocol.py).
 DEFAULT_HEADER_TIMEOUT_S = 30.0
+# A timeout's timer that fires this early counts as on time (event-loop timers round to the millisecond).
+TIMER_SLACK_S = 0.001
 
 
 def with_send_timeout(app: ASGIApp, send_timeout_s: float) -> ASGIApp:
