@@ -14,6 +14,7 @@ from entrypoints.bench.command import add_arguments as add_bench_arguments
 from frontend.client_timeouts import DEFAULT_HEADER_TIMEOUT_S, DEFAULT_SEND_TIMEOUT_S
 from frontend.http import DEFAULT_MAX_BODY_BYTES
 from workers.engines.factory import ENGINE_NAMES
+from workers.engines.vllm.memory import parse_size
 
 DESCRIPTION = "``disagg-serve``: the one command line for laptops, containers and Kubernetes alike."
 
@@ -29,6 +30,27 @@ def _seconds(text: str) -> float:
     value = float(text)
     if not value > 0:
         raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+
+
+def _fraction(text: str) -> float:
+    value = float(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
+    return value
+
+
+def _count(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
     return value
 
 
@@ -154,6 +176,16 @@ def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=int, default=None, help="vllm engine: context length")
     parser.add_argument("--max-num-seqs", type=int, default=16, help="vllm engine: concurrent sequences")
     parser.add_argument("--dtype", default="auto", help="vllm engine: weight and activation dtype")
+    parser.add_argument("--kv-cache-memory-bytes", type=_size, default=None, metavar="SIZE",
+                        help="vllm engine: the KV cache's size (bytes, or with vLLM's suffixes: 4G = 4 GiB, "
+                             "4g = 4e9); default: vLLM sizes it from --gpu-memory-utilization")
+    parser.add_argument("--gpu-memory-utilization", type=_fraction, default=None, metavar="FRACTION",
+                        help="vllm engine: the share of the device's memory (on a CPU, of the NUMA node's) this "
+                             "vLLM takes, weights and KV cache together (vLLM's default 0.92)")
+    parser.add_argument("--engines-on-host", type=_count, default=None, metavar="N",
+                        help="vllm engine: how many vLLM engines share this host's memory; each takes its share "
+                             "unless the two options above (or VLLM_CPU_KVCACHE_SPACE) say otherwise (default 1; "
+                             "'up' starts 2)")
     parser.add_argument("--synthetic-ttft-ms", type=_positive_float, default=0.0)
     parser.add_argument("--synthetic-itl-ms", type=_positive_float, default=0.0)
     parser.add_argument("--synthetic-output-tokens", type=int, default=None,
@@ -183,4 +215,10 @@ def engine_arguments(args: argparse.Namespace) -> list[str]:
             argv += ["--kv-transfer-config", args.kv_transfer_config]
         if args.max_model_len is not None:
             argv += ["--max-model-len", str(args.max_model_len)]
+        if args.kv_cache_memory_bytes is not None:
+            argv += ["--kv-cache-memory-bytes", str(args.kv_cache_memory_bytes)]
+        if args.gpu_memory_utilization is not None:
+            argv += ["--gpu-memory-utilization", str(args.gpu_memory_utilization)]
+        if args.engines_on_host is not None:
+            argv += ["--engines-on-host", str(args.engines_on_host)]
     return argv

@@ -27,7 +27,10 @@ from frontend.logging_setup import configure_logging
 logger = logging.getLogger("disagg_serve")
 
 
-def _serve(app: Any, args: argparse.Namespace, host: str, port: int) -> None:
+STARTUP_FAILED = 3  # uvicorn's own exit status for an app whose start-up failed (uvicorn.run exits with it)
+
+
+def _serve(app: Any, args: argparse.Namespace, host: str, port: int) -> int:
     """Serve ``app`` with the limits every front end gets against slow and hostile clients (docs/reliability.md):
     headers within ``--header-timeout-s``, each piece of an answer taken within ``--client-send-timeout-s``
     (uvicorn's flow control already caps what a non-reading client makes us buffer), idle keep-alive 75 s."""
@@ -43,6 +46,9 @@ def _serve(app: Any, args: argparse.Namespace, host: str, port: int) -> None:
         server.run(sockets=[reuse_port_socket(host, port)])
     else:
         server.run()
+    # An engine that failed to start (its error is already logged) must not look like a clean stop to whatever
+    # started the process: ``up``, a container runtime, a supervisor.
+    return 0 if server.started else STARTUP_FAILED
 
 
 def _supervise(args: argparse.Namespace, argv: Sequence[str], engine_options: Any = None) -> int:
@@ -89,7 +95,10 @@ def run_worker(args: argparse.Namespace, argv: Sequence[str]) -> int:
             output_tokens=args.synthetic_output_tokens,
         ),
         vllm=VllmConfig(kv_transfer_config=args.kv_transfer_config, max_model_len=args.max_model_len,
-                        max_num_seqs=args.max_num_seqs, dtype=args.dtype),
+                        max_num_seqs=args.max_num_seqs, dtype=args.dtype,
+                        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+                        gpu_memory_utilization=args.gpu_memory_utilization,
+                        engines_on_host=args.engines_on_host or 1),
     )
     if args.api_workers > 1 and args.engine == "vllm":
         # Each front-end process would start its own AsyncLLM, i.e. a whole vLLM instance with its own KV cache.
@@ -107,8 +116,7 @@ def run_worker(args: argparse.Namespace, argv: Sequence[str]) -> int:
         registration = Registration(args.register, advertise, args.role, args.admin_key)
     tracing.configure(f"disagg-serve-{args.role}", args.role)
     app = create_worker_app(engine, settings, registration=registration)
-    _serve(app, args, args.host, args.port)
-    return 0
+    return _serve(app, args, args.host, args.port)
 
 
 def run_orchestrator(args: argparse.Namespace, argv: Sequence[str]) -> int:
@@ -138,8 +146,7 @@ def run_orchestrator(args: argparse.Namespace, argv: Sequence[str]) -> int:
     tracing.configure("disagg-serve-orchestrator", "orchestrator")
     keep_request_buffers_on_the_heap()  # frontend.memory: no page faults per request for a long prompt's body
     app = create_orchestrator_app(config, api_key=args.api_key or None, admin_key=args.admin_key or None)
-    _serve(app, args, config.hostname, config.port)
-    return 0
+    return _serve(app, args, config.hostname, config.port)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -82,6 +82,19 @@ def _stop(children: list[Child]) -> None:
                 child.process.wait()
 
 
+ENGINES_STARTED = 2  # CTX and GEN, on this host
+
+
+def worker_engine_arguments(args: argparse.Namespace) -> list[str]:
+    """The engine flags of each worker ``up`` starts. A vLLM engine sizes its memory as if it were alone (on a CPU
+    0.92 of the node's memory, so the second could never start): each is told it shares the host with the other,
+    and takes its share, unless the user said how many engines share it or set the sizes themselves."""
+    argv = engine_arguments(args)
+    if args.engine == "vllm" and args.engines_on_host is None:
+        argv += ["--engines-on-host", str(ENGINES_STARTED)]
+    return argv
+
+
 def run_up(args: argparse.Namespace) -> int:
     workdir = Path(tempfile.mkdtemp(prefix="disagg-serve-"))
     try:
@@ -100,7 +113,7 @@ def _run_up(args: argparse.Namespace, workdir: Path) -> int:
     signal.signal(signal.SIGINT, on_signal)
 
     ctx_port, gen_port = free_port(), free_port()
-    engine_argv = engine_arguments(args)
+    engine_argv = worker_engine_arguments(args)
     log = ["--log-level", args.log_level]
     config_path = workdir / "orchestrator.yaml"
     config_path.write_text(yaml.safe_dump({

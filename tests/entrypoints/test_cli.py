@@ -19,7 +19,7 @@ import pytest
 
 from entrypoints.arguments import build_parser, engine_arguments
 from entrypoints.cli import main
-from entrypoints.launcher import free_port
+from entrypoints.launcher import free_port, worker_engine_arguments
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 
@@ -93,6 +93,35 @@ def test_engine_arguments_round_trip_to_a_worker_command_line() -> None:
     for name in ("engine", "synthetic_ttft_ms", "synthetic_itl_ms", "served_model_name", "synthetic_output_tokens",
                  "kv_block_reuse"):
         assert getattr(worker, name) == getattr(up, name), name
+
+
+def test_vllm_memory_arguments_round_trip_to_a_worker_command_line() -> None:
+    parser = build_parser()
+    up = parser.parse_args(["up", "--engine", "vllm", "--kv-cache-memory-bytes", "3G",
+                            "--gpu-memory-utilization", "0.4", "--engines-on-host", "3"])
+    worker = parser.parse_args(["worker", *engine_arguments(up)])
+    assert (worker.kv_cache_memory_bytes, worker.gpu_memory_utilization, worker.engines_on_host) == (3 << 30, 0.4, 3)
+
+
+def test_up_tells_each_vllm_engine_it_shares_the_host_with_the_other() -> None:
+    parser = build_parser()
+    # vLLM alone on a CPU reserves 0.92 of the node's memory, so of CTX and GEN the second could never start.
+    worker = parser.parse_args(["worker", *worker_engine_arguments(parser.parse_args(["up", "--engine", "vllm"]))])
+    assert worker.engines_on_host == 2
+    # The user's count, and their own sizes, go through as given (the engine then computes no share).
+    mine = parser.parse_args(["up", "--engine", "vllm", "--engines-on-host", "4", "--kv-cache-memory-bytes", "1G"])
+    worker = parser.parse_args(["worker", *worker_engine_arguments(mine)])
+    assert (worker.engines_on_host, worker.kv_cache_memory_bytes) == (4, 1 << 30)
+    assert "--engines-on-host" not in worker_engine_arguments(parser.parse_args(["up", "--engine", "reference"]))
+
+
+@pytest.mark.parametrize("argv", [["--kv-cache-memory-bytes", "lots"], ["--gpu-memory-utilization", "1.5"],
+                                  ["--engines-on-host", "0"]])
+def test_bad_vllm_memory_arguments_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as caught:
+        build_parser().parse_args(["worker", "--engine", "vllm", *argv])
+    assert caught.value.code == 2
+    assert argv[0] in capsys.readouterr().err
 
 
 # -- disagg-serve up, for real ------------------------------------------------------------------------------

