@@ -40,7 +40,7 @@ from frontend.tool_calls import with_tools_prompt
 from workers.engines.base import Tokenizer
 from workers.engines.outputs import EngineInfo, TokenLogprob
 from workers.engines.request import Handoff, Phase, PromptPath, SequenceStart, placeholder_prompt
-from workers.trtllm_answers import finished_at_context, first_gen_logprobs_from
+from workers.trtllm_answers import first_gen_logprobs_from
 
 # Tokenizing a few KB on the loop is cheaper than a thread hop; past this, the loop must stay free.
 _TOKENIZE_IN_THREAD_CHARS = 16_384
@@ -232,7 +232,9 @@ def _tool_call_text(call: FunctionCall) -> str:
 
 
 def handoff_from(disagg: DisaggregatedParams | None, vocab_size: int, n: int = 1) -> Handoff | None:
-    if disagg is None or disagg.request_type != "generation_only" or finished_at_context(disagg):
+    """The hand-off a generation_only request continues from (None for any other request). A request that CTX's
+    first tokens finished (``finished_at_context``) has none and is not asked here."""
+    if disagg is None or disagg.request_type != "generation_only":
         return None
     if not disagg.first_gen_tokens:
         raise HandoffError("a generation_only request needs disaggregated_params.first_gen_tokens",

@@ -85,6 +85,7 @@ class PreparedGeneration:
     ident: ResponseIdentity
     disagg: DisaggregatedParams | None
     tool_call: bool = False  # the output is a forced tool call, answered as message.tool_calls
+    answered_at_context: bool = False  # CTX's first tokens used up max_tokens: they are the whole answer
 
 
 @dataclass(slots=True)
@@ -146,8 +147,6 @@ class WorkerService:
         disagg = wire.disaggregated_params
         phase = phase_of(disagg)
         self._check_role(phase)
-        if finished_at_context(disagg):
-            phase = Phase.AGGREGATED  # nothing to continue from: answered from CTX's first tokens (_text_steps)
         constraint = output_constraint(wire)
         sampling = sampling_params_from(wire, info, constraint)
         if sampling.n > 1 and phase is not Phase.AGGREGATED and answers_trtllm(disagg):
@@ -156,7 +155,12 @@ class WorkerService:
                                             "aggregated worker or through disagg-serve's orchestrator", param="n")
         prompt = await prepare_prompt(wire, sampling, info, self.tokenizer)
         sampling = resolve_max_tokens(wire, sampling, int(prompt.tokens.size), info)
-        handoff = handoff_from(disagg, info.vocab_size, sampling.n)
+        assert sampling.max_tokens is not None
+        # Decided against the resolved budget: only first tokens that used it all up finish the request at CTX.
+        answered_at_context = finished_at_context(disagg, sampling.max_tokens)
+        if answered_at_context:
+            phase = Phase.AGGREGATED  # nothing to continue from: answered from CTX's first tokens (_text_steps)
+        handoff = None if answered_at_context else handoff_from(disagg, info.vocab_size, sampling.n)
         request_id = new_request_id(disagg)
         if prompt.token_list is not None:
             request = GenerationRequest.from_token_list(
@@ -171,7 +175,8 @@ class WorkerService:
         endpoint = endpoint_of(wire)
         ident = ResponseIdentity(endpoint, _ID_PREFIX[endpoint] + request_id, info.model)
         tool_call = constraint is not None and constraint.tool_call
-        return PreparedGeneration(wire, request, ident, disagg, tool_call=tool_call)
+        return PreparedGeneration(wire, request, ident, disagg, tool_call=tool_call,
+                                  answered_at_context=answered_at_context)
 
     @property
     def tokenizer(self) -> Tokenizer:
@@ -214,7 +219,7 @@ class WorkerService:
         return self._render_whole(prepared, collected)
 
     def _text_steps(self, prepared: PreparedGeneration) -> AsyncGenerator[TextStep, None]:
-        if finished_at_context(prepared.disagg):
+        if prepared.answered_at_context:
             assert prepared.disagg is not None
             return first_tokens_only(prepared.disagg, self.tokenizer, self.engine.info.vocab_size)
         return stream_text(self.engine, self.tokenizer.detokenizer, prepared.request)

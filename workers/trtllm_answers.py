@@ -89,12 +89,18 @@ def first_gen_logprobs_from(log_probs: list[Any] | None) -> tuple[TokenLogprob, 
     return tuple(out)
 
 
-def finished_at_context(disagg: DisaggregatedParams | None) -> bool:
+def finished_at_context(disagg: DisaggregatedParams | None, max_tokens: int) -> bool:
     """TensorRT-LLM's orchestrator calls GEN whenever CTX says ``"length"``, also when the first token already used
     up ``max_tokens`` and our CTX freed the KV: that GEN request has first tokens but no hand-off state. Its whole
-    answer is those first tokens; no engine is asked."""
-    return (answers_trtllm(disagg) and disagg is not None and disagg.request_type == "generation_only"
-            and disagg.encoded_opaque_state is None and bool(disagg.first_gen_tokens))
+    answer is those first tokens; no engine is asked.
+
+    ``max_tokens`` is the request's resolved budget. Only first tokens that really used it up make such a request:
+    with budget left, a missing state is a broken hand-off, and answering the first tokens as ``"length"`` would
+    silently cut the output short (``handoff_from`` then refuses it by the field's name)."""
+    if not answers_trtllm(disagg) or disagg is None or disagg.request_type != "generation_only":
+        return False
+    first = disagg.first_gen_tokens
+    return disagg.encoded_opaque_state is None and first is not None and 0 < len(first) >= max_tokens
 
 
 async def first_tokens_only(disagg: DisaggregatedParams, tokenizer: Tokenizer,

@@ -12,6 +12,7 @@ import pytest
 
 from frontend.token_codec import decode_prompt_tokens, encode_prompt_tokens
 from tests.cluster import MODEL, Cluster, Node, sample
+from tests.trtllm_wire import response_model, trtllm_context_body, trtllm_generation_body
 from workers.engines.byte_tokenizer import ByteTokenizer
 from workers.engines.request import Phase, PromptPath
 from workers.engines.synthetic import SYNTHETIC_TEXT
@@ -169,6 +170,38 @@ def test_gen_refuses_a_bad_handoff(cluster: Cluster, params: dict[str, Any], par
     error = gen_error(cluster, body)
     assert error["param"] == param
     assert error["code"] == "invalid_handoff"
+
+
+def trtllm_generation_step(cluster: Cluster, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    """GEN's body as TensorRT-LLM's orchestrator writes it after a real CTX call, with the hand-off state gone."""
+    reply = post(cluster.ctx, path, trtllm_context_body(path, {**body, "stream": False}, 11, True))
+    assert reply.status_code == 200, reply.text
+    gen_body = trtllm_generation_body(path, body, response_model(path).model_validate(reply.json()), 11)
+    gen_body["disaggregated_params"]["encoded_opaque_state"] = None
+    return gen_body
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+@pytest.mark.parametrize("path", [CHAT_PATH, "/v1/completions"])
+def test_gen_refuses_a_trtllm_handoff_without_state_while_max_tokens_are_left(
+    cluster: Cluster, path: str, stream: bool
+) -> None:
+    # One first token of a 4-token budget: answering it as "length" would cut the output short without a word.
+    body: dict[str, Any] = {"model": MODEL, "max_tokens": 4, "stream": stream,
+                            **({"messages": MESSAGES} if path == CHAT_PATH else {"prompt": "abc"})}
+    error = gen_error(cluster, trtllm_generation_step(cluster, path, body), path)
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["type"] == "invalid_request_error"
+    assert error["param"] == "disaggregated_params.encoded_opaque_state"
+    assert error["code"] == "invalid_handoff"
+
+
+def test_gen_answers_a_trtllm_request_whose_first_token_used_up_max_tokens(cluster: Cluster) -> None:
+    body: dict[str, Any] = {"model": MODEL, "max_tokens": 1, "messages": MESSAGES}
+    reply = post(cluster.gen, CHAT_PATH, trtllm_generation_step(cluster, CHAT_PATH, body))
+    assert reply.status_code == 200, reply.text
+    choice = reply.json()["choices"][0]
+    assert choice["message"]["content"] == synthetic_text(1) and choice["finish_reason"] == "length"
 
 
 def test_gen_takes_a_length_only_prompt_when_nothing_reads_token_values(cluster: Cluster) -> None:

@@ -176,6 +176,21 @@ def test_a_request_ctx_finished_by_length_is_answered_by_gen_from_the_first_toke
         assert (choice.message.content if isinstance(gen, ChatCompletionResponse) else choice.text) == expected  # type: ignore[union-attr]
 
 
+@pytest.mark.parametrize("path", [CHAT, COMPLETIONS], ids=["chat", "completions"])
+def test_a_generation_request_without_state_and_with_budget_left_is_refused(cluster: RefCluster, path: str) -> None:
+    """First tokens without a hand-off state finish a request only when they used up max_tokens (see above)."""
+    body = client_body(path, cluster.model, max_tokens=4)
+    ctx = response_model(path).model_validate(post(cluster.ctx.url + path,
+                                                   trtllm_context_body(path, body, 22, True)).json())
+    gen_body = trtllm_generation_body(path, body, ctx, 22)
+    gen_body["disaggregated_params"]["encoded_opaque_state"] = None
+    reply = post(cluster.gen.url + path, gen_body)
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert error["param"] == "disaggregated_params.encoded_opaque_state" and error["code"] == "invalid_handoff"
+    assert post(cluster.gen.url + path, trtllm_generation_body(path, body, ctx, 22)).status_code == 200
+
+
 def test_the_first_token_logprob_travels_in_first_gen_log_probs(cluster: RefCluster) -> None:
     body = client_body(CHAT, cluster.model, logprobs=True, top_logprobs=2)
     ctx = ChatCompletionResponse.model_validate(post(cluster.ctx.url + CHAT,
