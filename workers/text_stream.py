@@ -7,8 +7,9 @@ detokenizer and stop-string matcher per sequence; a stop string ends its own seq
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import AsyncGenerator, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
 from frontend.token_codec import TokenArray
@@ -98,6 +99,14 @@ async def stream_text(
             # GEN: the engine's first output confirms it accepted the hand-off, so a bad one fails the request
             # before any byte is sent (a 400 the orchestrator can act on, not an error in the middle of a 200).
             accepted = await anext(outputs)
+            if accepted.chose_first_tokens:
+                # The engine chose each sequence's first token(s) again and they are the answer's (nothing of
+                # CTX's has reached the client: this answer is the first it sees), so its outputs go as they come.
+                first = dataclasses.replace(accepted, cached_tokens=handoff.cached_tokens)
+                async with contextlib.aclosing(_steps(engine, request, sequences, _prepended(first, outputs))) as steps:
+                    async for step in steps:
+                        yield step
+                return
             # The first token(s) of each sequence were chosen by CTX; they open that sequence's text.
             for index, start in enumerate(handoff.sequences):
                 opening = EngineOutput(start.first_gen_tokens, start.first_gen_logprobs, index=index)
@@ -115,23 +124,42 @@ async def stream_text(
                 step, _ = sequences[accepted.index].step(dataclasses.replace(accepted, prompt_logprobs=None,
                                                                              prompt_token_ids=None))
                 yield step
-        async for output in outputs:
-            sequence = sequences[output.index]
-            if sequence.finished:
-                continue  # stopped here by a stop string; an engine that cannot stop one sequence decodes on
-            step, stopped = sequence.step(output)
-            done = all(s.finished for s in sequences)
-            if stopped and output.handoff_state is not None and done:
-                # CTX parked a KV hand-off that no GEN will fetch now: free it at once.
-                await engine.abort(request.request_id)
-                step = dataclasses.replace(step, handoff_state=None)
-            yield step
-            if done:
-                return
-            if stopped and request.phase is not Phase.CONTEXT_ONLY:  # CTX decodes nothing after the first token
-                await _stop_sequence(engine, request, output.index)
+        async with contextlib.aclosing(_steps(engine, request, sequences, outputs)) as steps:
+            async for step in steps:
+                yield step
     finally:
         await outputs.aclose()
+
+
+async def _steps(engine: Engine, request: GenerationRequest, sequences: list[SequenceText],
+                 outputs: AsyncIterator[EngineOutput]) -> AsyncGenerator[TextStep, None]:
+    """Each output as its sequence's text, until every sequence has finished."""
+    parked = False  # the engine handed out a KV hand-off (CTX)
+    async for output in outputs:
+        parked = parked or output.handoff_state is not None
+        sequence = sequences[output.index]
+        if sequence.finished:
+            continue  # stopped here by a stop string; an engine that cannot stop one sequence decodes on
+        step, stopped = sequence.step(output)
+        done = all(s.finished for s in sequences)
+        if parked and done:
+            # The engine parked the KV for a sequence it saw unfinished, but a stop string ended it here (this
+            # sequence or another: n > 1 sequences end in any order, and the hand-off comes with the last output).
+            # Every sequence has ended, so no GEN will fetch it and the answer will not carry it: only this worker
+            # can free it, and left parked it would hold KV store bytes until its time to live.
+            await engine.abort(request.request_id)
+            step = dataclasses.replace(step, handoff_state=None)
+        yield step
+        if done:
+            return
+        if stopped and request.phase is not Phase.CONTEXT_ONLY:  # CTX decodes nothing after the first token
+            await _stop_sequence(engine, request, output.index)
+
+
+async def _prepended(first: EngineOutput, rest: AsyncIterator[EngineOutput]) -> AsyncGenerator[EngineOutput, None]:
+    yield first
+    async for output in rest:
+        yield output
 
 
 async def _stop_sequence(engine: Engine, request: GenerationRequest, index: int) -> None:

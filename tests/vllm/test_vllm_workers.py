@@ -23,6 +23,7 @@ import pytest
 from tests.cluster import Node, start_orchestrator
 from tests.vllm.answers import (
     ASK,
+    MAX_TOKENS,
     WHOLE_BLOCKS_PROMPT,
     Answer,
     case_variant,
@@ -50,6 +51,8 @@ from tests.vllm.prompts import FRANCE, MODEL, long_chat, long_prompt
 from tests.waiting import eventually
 
 pytestmark = needs_vllm
+
+FIRST_TOKEN_DIFFERED = "disagg_vllm_first_token_differed_total"  # GEN's first tokens that were not CTX's
 
 
 @dataclass
@@ -119,8 +122,11 @@ def test_aggregated_vllm_worker_answers_paris(aggregated: Aggregated) -> None:
 def test_disaggregated_equals_aggregated(aggregated: Aggregated, disaggregated: Disaggregated, endpoint: str,
                                          stream: bool) -> None:
     hits_before = disaggregated.gen.metric(EXTERNAL_HITS)
+    differed_before = disaggregated.gen.metric(FIRST_TOKEN_DIFFERED)
     with sdk_client(disaggregated.orchestrator.url) as client:
         answer = ASK[endpoint](client, stream, case_variant(endpoint, stream))
+    # GEN chose every first token CTX chose: on the CPU the two compute the tail's logits alike, bit for bit.
+    assert disaggregated.gen.metric(FIRST_TOKEN_DIFFERED) == differed_before
     expected = aggregated.answers[endpoint, stream]
     assert expected.completion_tokens > 1  # the first token did not end it: the decode side had work to do
     assert answer.tokens == expected.tokens
@@ -179,8 +185,10 @@ def test_what_vllm_cannot_do_is_a_400(aggregated: Aggregated) -> None:
 def test_disaggregated_n_and_structured_output_equal_aggregated(aggregated: Aggregated, disaggregated: Disaggregated,
                                                                 name: str, stream: bool) -> None:
     hits_before = disaggregated.gen.metric(EXTERNAL_HITS)
+    differed_before = disaggregated.gen.metric(FIRST_TOKEN_DIFFERED)
     with sdk_client(disaggregated.orchestrator.url) as client:
         answer = ask_feature(client, name, stream, feature_variant(name, stream))
+    assert disaggregated.gen.metric(FIRST_TOKEN_DIFFERED) == differed_before  # on the CPU, bit for bit
     expected = aggregated.features[name, stream]
     assert len(expected.choices) == FEATURES[name].get("n", 1)
     assert all(len(choice.tokens) > 1 for choice in expected.choices)  # GEN had work to do for every sequence
@@ -195,10 +203,40 @@ def test_disaggregated_n_and_structured_output_equal_aggregated(aggregated: Aggr
 
 
 def test_disaggregated_unseeded_n_continues_the_draws_ctx_made(disaggregated: Disaggregated) -> None:
-    # No seed: CTX draws one and hands it on, so GEN, choosing each first token again, chooses CTX's (a different
-    # draw would fail the request with engine_request_failed rather than answer inconsistently).
+    # No seed: CTX draws one and hands it on, so GEN, choosing each first token again, chooses CTX's: on the CPU
+    # bit for bit, so GEN's count of first tokens it chose otherwise stays where it was.
+    differed_before = disaggregated.gen.metric(FIRST_TOKEN_DIFFERED)
     with sdk_client(disaggregated.orchestrator.url) as client:
         reply = client.chat.completions.create(model=MODEL, messages=long_chat("unseeded n"), n=3, temperature=1.0,
                                                max_tokens=8)
     assert sorted(choice.index for choice in reply.choices) == [0, 1, 2]
     assert reply.usage is not None and reply.usage.completion_tokens > 3
+    assert disaggregated.gen.metric(FIRST_TOKEN_DIFFERED) == differed_before
+
+
+def test_gen_continues_from_its_own_first_token_where_ctx_chose_another(workers: Workers) -> None:
+    """On GPUs GEN's vLLM may choose another first token than CTX's did (logits differing in the last bits across
+    batch shapes flip a near-tie or a seeded draw); as in vLLM's own P/D the decode side's choice is the answer's.
+    On the CPU the two always agree, so here the hand-off's first token is altered, as TensorRT-LLM's orchestrator
+    would relay it, to make them differ: GEN answers (no engine_request_failed), from its own first token, and
+    counts it."""
+    body = {"model": MODEL, "prompt": long_prompt("gen chooses again"), "max_tokens": MAX_TOKENS, "temperature": 0,
+            "logprobs": 0, "ignore_eos": True}
+    with httpx.Client(timeout=600) as http:
+        reference = http.post(workers.ctx.url + "/v1/completions", json=body)  # aggregated (--role both)
+        assert reference.status_code == 200, reference.text
+        ctx = http.post(workers.ctx.url + "/v1/completions", json={**body, "disaggregated_params": {
+            "request_type": "context_only", "disagg_request_id": 26, "schedule_style": 0}})
+        assert ctx.status_code == 200, ctx.text
+        params = ctx.json()["choices"][0]["disaggregated_params"]
+        (first,) = params["first_gen_tokens"]
+        differed_before = workers.gen.metric(FIRST_TOKEN_DIFFERED)
+        gen = http.post(workers.gen.url + "/v1/completions", json={
+            **body, "prompt": ctx.json()["prompt_token_ids"],
+            "disaggregated_params": {**params, "request_type": "generation_only", "first_gen_tokens": [first ^ 1]}})
+    assert gen.status_code == 200, gen.text
+    expected, answer = reference.json()["choices"][0], gen.json()["choices"][0]
+    assert answer["logprobs"]["tokens"] == expected["logprobs"]["tokens"]  # GEN's first token, then its own decode
+    assert answer["text"] == expected["text"]
+    assert gen.json()["usage"]["completion_tokens"] == MAX_TOKENS
+    assert workers.gen.metric(FIRST_TOKEN_DIFFERED) == differed_before + 1

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import AsyncGenerator
 
 import numpy as np
 import pytest
@@ -9,7 +10,8 @@ from hypothesis import strategies as st
 
 from frontend.sampling import SamplingParams
 from frontend.token_codec import TOKEN_DTYPE, TokenArray
-from workers.engines.request import GenerationRequest, Handoff, Phase
+from workers.engines.outputs import EngineOutput
+from workers.engines.request import GenerationRequest, Handoff, Phase, SequenceStart
 from workers.engines.synthetic import SYNTHETIC_TEXT, SyntheticEngine
 from workers.text_stream import StopStringMatcher, TextStep, stream_text
 
@@ -127,3 +129,35 @@ async def test_stop_strings_across_tokens(stops: tuple[str, ...]) -> None:
     expected = "" if "The" in stops else "The "
     assert "".join(s.text for s in steps) == expected
     assert steps[-1].finish_reason == "stop"
+
+
+class ChoosesFirstTokensAgain(SyntheticEngine):
+    """A GEN engine that, like the vllm adapter, chooses every sequence's first token again and yields it: ``n``
+    sequences, each its own letters (byte tokens), the first output flagged ``chose_first_tokens``."""
+
+    def __init__(self, texts: list[bytes]) -> None:
+        super().__init__()
+        self.texts = texts
+
+    async def _answer(self, request: GenerationRequest) -> AsyncGenerator[EngineOutput, None]:
+        for position in range(max(map(len, self.texts))):
+            for index, text in enumerate(self.texts):
+                if position < len(text):
+                    yield EngineOutput((text[position],), finish_reason="length" if position == len(text) - 1
+                                       else None, index=index, chose_first_tokens=(position, index) == (0, 0))
+
+    def generate(self, request: GenerationRequest) -> AsyncGenerator[EngineOutput, None]:
+        return self._answer(request)
+
+
+async def test_an_engine_that_chose_the_first_tokens_again_opens_the_answer_with_its_own() -> None:
+    engine = ChoosesFirstTokensAgain([b"Yes", b"No"])
+    # CTX chose "W" and "M": GEN's engine chose otherwise, and its choice is the answer's, nothing of CTX's.
+    handoff = Handoff((ord("W"),), b"state", more_sequences=(SequenceStart((ord("M"),)),), cached_tokens=3)
+    request = GenerationRequest("g", prompt(), SamplingParams(max_tokens=3, n=2), phase=Phase.GENERATION_ONLY,
+                                handoff=handoff)
+    steps = await collect(engine, request)
+    assert ["".join(s.text for s in steps if s.index == i) for i in (0, 1)] == ["Yes", "No"]
+    assert sum(len(s.token_ids) for s in steps) == 5
+    assert steps[0].cached_tokens == 3  # CTX's figure, as on the path that opens with CTX's tokens
+    assert [s.finish_reason for s in steps if s.finish_reason] == ["length", "length"]

@@ -41,7 +41,10 @@ class EngineOutput:
     A CONTEXT_ONLY request yields one output per sequence: its first token; the last one carries
     ``handoff_state`` (the opaque bytes GEN needs to continue every unfinished sequence) unless all finished, in
     which case the engine has freed its KV. A GENERATION_ONLY request's first output confirms that the hand-off
-    was accepted (it may hold no tokens); a hand-off the engine cannot use raises before it.
+    was accepted (it may hold no tokens); a hand-off the engine cannot use raises before it. The front end opens
+    each sequence of a GENERATION_ONLY answer with the hand-off's first token(s), CTX's, unless that first output
+    says ``chose_first_tokens``: the engine chose every sequence's first token(s) again (vLLM's P/D: the decode
+    side's choice is the answer's) and its outputs carry them, so CTX's are not part of the answer.
     """
 
     token_ids: tuple[int, ...]
@@ -52,3 +55,4 @@ class EngineOutput:
     prompt_token_ids: TokenArray | None = None  # the real prompt, when the request had a placeholder (echo)
     index: int = 0  # which of the request's n sequences
     cached_tokens: int = 0  # first output only: prompt tokens whose KV was reused (block reuse), not computed
+    chose_first_tokens: bool = False  # GENERATION_ONLY, first output only: see above

@@ -5,8 +5,11 @@
   in ``kv_transfer_params`` goes into our opaque hand-off state (``handoff.py``), with the seed CTX sampled with.
 - ``GENERATION_ONLY``: the prompt alone, with CTX's ``kv_transfer_params`` and ``do_remote_prefill`` (vLLM's own
   P/D protocol); vLLM loads the prompt's KV through the connector and chooses the first token of every sequence
-  again under the same seed and grammar, which must be CTX's (the front end already put CTX's at the head of the
-  answer, ``workers.text_stream``) and are dropped. vLLM's sampler and structured-output state then stand where an
+  again under the same seed and grammar. As in vLLM's own P/D, the decode side's choice is the answer's: the
+  answer opens with GEN's first tokens (``chose_first_tokens``: the front end does not put CTX's there, and the
+  client has seen nothing of CTX's), so a GEN whose logits differ from CTX's in the last bits (GPUs) still gives
+  one consistent answer; each sequence where it chose otherwise is counted
+  (``disagg_vllm_first_token_differed_total``). vLLM's sampler and structured-output state stand where an
   aggregated run's stand after its first token, so ``n``, seeded sampling and structured output continue alike.
 - ``AGGREGATED``: plain generation.
 
@@ -31,11 +34,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+from prometheus_client import CollectorRegistry, Counter, generate_latest
 
 from frontend.errors import (
     ContextLengthError,
     EngineError,
-    EngineRequestError,
     InvalidRequestError,
     ServingError,
 )
@@ -105,6 +108,16 @@ class VllmEngine:
         self._llm: Any = None  # vllm.v1.engine.async_llm.AsyncLLM, imported only in start()
         self._vllm: Any = None
         self._connector: str | None = None  # the KV connector's name, from --kv-transfer-config
+        # Our own metric beside vLLM's (``metrics_text``), in a registry of this engine's, so engines built in one
+        # process (tests) never collide. Both label values exist from start-up: a scraper sees 0, not nothing.
+        self._registry = CollectorRegistry()
+        self._first_token_differed = Counter(
+            "disagg_vllm_first_token_differed",
+            "GEN sequences whose first token GEN's vLLM chose otherwise than CTX's (the answer continues from GEN's), "
+            "by sampling: greedy (a near-tie flipped) or sampled (a seeded draw moved)",
+            ["sampling"], registry=self._registry)
+        for sampling in _SAMPLING_LABELS:
+            self._first_token_differed.labels(sampling=sampling)
 
     @property
     def info(self) -> EngineInfo:
@@ -184,12 +197,12 @@ class VllmEngine:
 
     def metrics_text(self) -> bytes:
         """vLLM's own metrics (``vllm:*``: running requests, prefix-cache and connector hits, ...), which its
-        ``AsyncLLM`` records in this process's default Prometheus registry."""
-        from prometheus_client import REGISTRY, generate_latest
+        ``AsyncLLM`` records in this process's default Prometheus registry; then this adapter's own."""
+        from prometheus_client import REGISTRY
 
         lines = generate_latest(REGISTRY).split(b"\n")
         kept = [line for line in lines if line.startswith((b"vllm:", b"# HELP vllm:", b"# TYPE vllm:"))]
-        return b"\n".join(kept) + b"\n" if kept else b""
+        return (b"\n".join(kept) + b"\n" if kept else b"") + generate_latest(self._registry)
 
     async def aclose(self) -> None:
         if self._llm is not None:
@@ -246,36 +259,45 @@ class VllmEngine:
     async def _continue(self, request: GenerationRequest) -> AsyncGenerator[EngineOutput, None]:
         """vLLM gets the prompt alone with ``do_remote_prefill``, as in its own P/D protocol: it loads the prompt's
         KV through the connector and chooses each sequence's first token again, under the same seed and grammar,
-        so seeded sampling, ``n`` and structured output continue exactly as an aggregated run would. Those first
-        tokens must be CTX's (the front end already sent CTX's); they are checked and dropped here."""
+        so seeded sampling, ``n`` and structured output continue exactly as an aggregated run would. Its first
+        tokens are the answer's (the first output says ``chose_first_tokens``); where one is not CTX's it is
+        counted, and the answer still continues from GEN's: CTX's was never shown to the client."""
         assert request.handoff is not None
         state = parse_handoff(request.handoff.opaque_state, self.info.model_hash, request.prompt_len)
         starts = [start.first_gen_tokens for start in request.handoff.sequences]
-        if request.max_tokens <= len(starts[0]):  # CTX's token(s) used the whole budget
+        if request.max_tokens <= len(starts[0]):  # CTX's token(s) used the whole budget: GEN chooses nothing
             for index in range(len(starts)):
                 yield EngineOutput((), finish_reason="length", index=index)
             return
         seed = state.seed if state.seed is not None else request.sampling.seed
-        checks = _FirstTokenCheck(starts)
-        held: list[EngineOutput] | None = []  # until every sequence's first token is checked: an error, if any,
-        # comes before the first byte of the answer
-        # aclosing: a first token that is not CTX's raises in this loop, and vLLM's request is aborted now, by
-        # ``_outputs``' own clean-up, not later by the event loop's finalizer of an abandoned generator.
+        watch = _FirstTokenWatch(starts)
+        held: list[EngineOutput] | None = []  # until every sequence has begun: vLLM ending the request before
+        # that (an abort) is an error before the first byte of the answer, not an answer missing a sequence
         async with contextlib.aclosing(self._outputs(request, request.prompt_token_ids_i32, request.max_tokens,
                                                      state.for_decode(), seed)) as outputs:
             async for output, _ in outputs:
-                output = checks.strip(output)
+                differed = watch.see(output)
+                if differed is not None:
+                    self._count_differed(request, differed, starts[differed])
                 if held is None:
                     if output.token_ids or output.finish_reason is not None:
                         yield output
                     continue
                 held.append(output)
-                if checks.done:
-                    for kept in _without_empty_tail(held):
+                if watch.done:
+                    first, *rest = _without_empty_tail(held)
+                    yield dataclasses.replace(first, chose_first_tokens=True)
+                    for kept in rest:
                         yield kept
                     held = None
-        if held is not None:  # vLLM ended before every sequence began (an abort): the request did not complete
+        if held is not None:
             raise EngineError("vLLM ended the request before it continued every sequence")
+
+    def _count_differed(self, request: GenerationRequest, index: int, ctx_start: tuple[int, ...]) -> None:
+        sampling = "greedy" if request.sampling.temperature == 0 else "sampled"
+        self._first_token_differed.labels(sampling=sampling).inc()
+        logger.warning("request %s: GEN's vLLM chose sequence %d's first token(s) otherwise than CTX's %s (%s); "
+                       "the answer continues from GEN's", request.request_id, index, list(ctx_start), sampling)
 
     async def _run(self, request: GenerationRequest, prompt: np.ndarray[Any, Any], max_tokens: int,
                    kv_params: dict[str, Any] | None) -> AsyncGenerator[EngineOutput, None]:
@@ -331,33 +353,36 @@ def _handoff_seed(sampling: SamplingParams) -> int | None:
     return secrets.randbits(62)
 
 
-class _FirstTokenCheck:
-    """GEN's vLLM chooses each sequence's first token(s) again; they must be CTX's, and are dropped."""
+class _FirstTokenWatch:
+    """Which sequences' first token(s), chosen again by GEN's vLLM, are not CTX's. On the CPU they always are (the
+    same KV, the same kernels: bit for bit); on GPUs logits that differ in the last bits across batch shapes and
+    kernels can flip a greedy near-tie or move a seeded draw now and then. GEN's choice stands either way."""
 
     def __init__(self, starts: list[tuple[int, ...]]) -> None:
         self._starts = starts
-        self._left = [len(start) for start in starts]  # of each sequence's first tokens, how many are still to come
+        self._chosen: list[tuple[int, ...]] = [() for _ in starts]  # GEN's first tokens of each sequence so far
+        self._open = set(range(len(starts)))  # sequences whose first tokens are not all in yet
 
     @property
     def done(self) -> bool:
-        return not any(self._left)
+        return not self._open
 
-    def strip(self, output: EngineOutput) -> EngineOutput:
-        left = self._left[output.index]
-        if not left:
-            return output
-        start = self._starts[output.index]
-        seen = len(start) - left
-        count = min(left, len(output.token_ids))
-        mine = output.token_ids[:count]
-        if mine != start[seen:seen + count]:
-            raise EngineRequestError(
-                f"GEN's vLLM chose {list(mine)} where CTX chose {list(start[seen:seen + count])} as sequence "
-                f"{output.index}'s first token(s): continuing would not give the answer an aggregated run gives")
-        self._left[output.index] = left - count
-        if output.finish_reason is not None and self._left[output.index]:
-            raise EngineRequestError(f"GEN's vLLM finished sequence {output.index} before CTX's first token(s)")
-        return dataclasses.replace(output, token_ids=output.token_ids[count:], logprobs=output.logprobs[count:])
+    def see(self, output: EngineOutput) -> int | None:
+        """``output``'s sequence index, if with it GEN's first token(s) of that sequence are complete and differ
+        from CTX's (a sequence that ends sooner differs too); else None. Each sequence is reported once."""
+        index = output.index
+        if index not in self._open:
+            return None
+        start, chosen = self._starts[index], self._chosen[index]
+        chosen += output.token_ids[:len(start) - len(chosen)]
+        self._chosen[index] = chosen
+        if len(chosen) < len(start) and output.finish_reason is None:
+            return None
+        self._open.discard(index)
+        return index if chosen != start else None
+
+
+_SAMPLING_LABELS = ("greedy", "sampled")
 
 
 def _without_empty_tail(held: list[EngineOutput]) -> list[EngineOutput]:

@@ -1,14 +1,24 @@
-"""The vllm adapter's hand-off logic that needs no vLLM: the seed CTX hands on, and GEN's check of the first
-token(s) it chooses again (equal to CTX's, then dropped)."""
+"""The vllm adapter's hand-off logic that needs no vLLM: the seed CTX hands on, and GEN's first token(s), chosen
+again: the answer's, counted where they are not CTX's."""
 
 from __future__ import annotations
 
+import re
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
 import pytest
 
-from frontend.errors import EngineRequestError
 from frontend.sampling import SamplingParams
-from workers.engines.outputs import EngineOutput, TokenLogprob
-from workers.engines.vllm.engine import _FirstTokenCheck, _handoff_seed
+from frontend.token_codec import TOKEN_DTYPE
+from workers.engines.options import VllmConfig
+from workers.engines.outputs import EngineInfo, EngineOutput
+from workers.engines.request import GenerationRequest, Handoff, Phase
+from workers.engines.vllm.engine import VllmEngine, _FirstTokenWatch, _handoff_seed
+from workers.engines.vllm.handoff import VllmHandoff
 
 
 def test_ctx_hands_on_the_clients_seed_draws_one_for_random_sampling_and_none_for_greedy() -> None:
@@ -18,24 +28,104 @@ def test_ctx_hands_on_the_clients_seed_draws_one_for_random_sampling_and_none_fo
     assert drawn is not None and 0 <= drawn < 2**62  # room for seed + i of every sequence
 
 
-def test_gen_drops_each_sequences_first_token_once_it_matches_ctxs() -> None:
-    check = _FirstTokenCheck([(5,), (6,)])
-    lp = (TokenLogprob(5, -0.1), TokenLogprob(9, -0.2))
-    first = check.strip(EngineOutput((5, 9), lp, index=0))
-    assert first.token_ids == (9,) and first.logprobs == (TokenLogprob(9, -0.2),) and not check.done
-    assert check.strip(EngineOutput((6,), index=1)).token_ids == ()
-    assert check.done
-    assert check.strip(EngineOutput((5,), index=0)).token_ids == (5,)  # later 5s are the answer's own
+def test_the_watch_reports_each_sequence_whose_first_token_is_not_ctxs_once() -> None:
+    watch = _FirstTokenWatch([(5,), (6,)])
+    assert watch.see(EngineOutput((5, 9), index=0)) is None and not watch.done  # CTX's: nothing to report
+    assert watch.see(EngineOutput((7,), index=1)) == 1  # GEN chose 7 where CTX chose 6
+    assert watch.done
+    assert watch.see(EngineOutput((8,), index=1)) is None  # later tokens are the answer's own
 
 
-def test_a_first_token_other_than_ctxs_fails_the_request() -> None:
-    check = _FirstTokenCheck([(5,), (6,)])
-    with pytest.raises(EngineRequestError, match="sequence 1's first token") as caught:
-        check.strip(EngineOutput((7,), index=1))
-    assert caught.value.code == "engine_request_failed"
+def test_first_tokens_across_outputs_and_a_sequence_that_ends_sooner() -> None:
+    watch = _FirstTokenWatch([(5, 6), (5, 6)])
+    assert watch.see(EngineOutput((5,), index=0)) is None and watch.see(EngineOutput((6,), index=0)) is None
+    assert watch.see(EngineOutput((5,), finish_reason="stop", index=1)) == 1  # ended before CTX's second token
+    assert watch.done
 
 
-def test_a_sequence_that_ends_before_ctxs_first_tokens_fails_the_request() -> None:
-    check = _FirstTokenCheck([(5, 6)])
-    with pytest.raises(EngineRequestError, match="before CTX's first token"):
-        check.strip(EngineOutput((5,), finish_reason="stop"))
+# -- GEN's path through the adapter, vLLM's AsyncLLM played by a stand-in ---------------------------------------
+@dataclass
+class Completion:
+    token_ids: list[int]
+    index: int = 0
+    finish_reason: str | None = None
+    logprobs: None = None
+
+
+@dataclass
+class RequestOutput:
+    outputs: list[Completion]
+    finished: bool
+    kv_transfer_params: dict[str, Any] | None = None
+
+
+class StandInLLM:
+    """``AsyncLLM.generate``, answering with ``tokens`` one a step (what GEN's vLLM chooses from the loaded KV)."""
+
+    def __init__(self, tokens: list[int]) -> None:
+        self.tokens = tokens
+        self.asked: list[Any] = []
+        self.aborted: list[str] = []
+
+    async def generate(self, prompt: Any, sampling: Any, request_id: str) -> AsyncIterator[RequestOutput]:
+        self.asked.append(sampling)
+        for position, token in enumerate(self.tokens):
+            last = position == len(self.tokens) - 1
+            yield RequestOutput([Completion([token], finish_reason="length" if last else None)], last)
+
+    async def abort(self, request_id: str) -> None:
+        self.aborted.append(request_id)
+
+
+def vllm_namespace() -> Any:
+    return SimpleNamespace(SamplingParams=lambda **fields: fields, RequestOutputKind=SimpleNamespace(DELTA="delta"),
+                           TokensPrompt=lambda prompt_token_ids: prompt_token_ids, ClientError=RuntimeError,
+                           StructuredOutputsParams=dict)
+
+
+def started_engine(llm: StandInLLM) -> VllmEngine:
+    engine = VllmEngine(VllmConfig())
+    engine._vllm, engine._llm = vllm_namespace(), llm
+    engine._tokenizer = SimpleNamespace(eos_token_ids=frozenset({2}))  # type: ignore[assignment]
+    engine._info = EngineInfo(engine="vllm", model="m", vocab_size=100, max_context=64, model_hash="h")
+    return engine
+
+
+def gen_request(ctx_first_token: int, temperature: float = 0.0) -> GenerationRequest:
+    prompt = np.arange(10, 20, dtype=TOKEN_DTYPE)
+    state = VllmHandoff("h", len(prompt), {"remote_block_ids": [1]}, seed=7).encode()
+    return GenerationRequest("g", prompt, SamplingParams(max_tokens=4, temperature=temperature),
+                             phase=Phase.GENERATION_ONLY, handoff=Handoff((ctx_first_token,), state))
+
+
+def differed(engine: VllmEngine, sampling: str) -> float:
+    text = engine.metrics_text().decode()
+    match = re.search(rf'^disagg_vllm_first_token_differed_total{{sampling="{sampling}"}} (\S+)$', text, re.M)
+    assert match is not None, text
+    return float(match.group(1))
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8], ids=["greedy", "sampled"])
+async def test_gens_first_token_is_the_answers_when_it_is_not_ctxs_and_is_counted(temperature: float) -> None:
+    llm = StandInLLM([41, 42, 43, 44])  # GEN's vLLM chooses 41 first
+    engine = started_engine(llm)
+    label = "greedy" if temperature == 0 else "sampled"
+    assert differed(engine, "greedy") == differed(engine, "sampled") == 0  # both exported from start-up
+    outputs = [o async for o in engine.generate(gen_request(ctx_first_token=40, temperature=temperature))]
+    # The answer continues from GEN's 41 (not a failed request, not CTX's 40 followed by GEN's 42...).
+    assert [t for o in outputs for t in o.token_ids] == [41, 42, 43, 44]
+    assert outputs[0].chose_first_tokens and not any(o.chose_first_tokens for o in outputs[1:])
+    assert outputs[-1].finish_reason == "length"
+    assert differed(engine, label) == 1 and differed(engine, "sampled" if label == "greedy" else "greedy") == 0
+    # vLLM was asked for the whole budget on the prompt alone, fetching CTX's KV with CTX's seed.
+    (asked,) = llm.asked
+    assert asked["max_tokens"] == 4 and asked["seed"] == 7
+    assert asked["extra_args"]["kv_transfer_params"]["do_remote_prefill"] is True
+
+
+async def test_gens_first_token_equal_to_ctxs_counts_nothing() -> None:
+    engine = started_engine(StandInLLM([40, 42, 43, 44]))
+    outputs = [o async for o in engine.generate(gen_request(ctx_first_token=40))]
+    assert [t for o in outputs for t in o.token_ids] == [40, 42, 43, 44]
+    assert outputs[0].chose_first_tokens
+    assert differed(engine, "greedy") == 0
