@@ -366,9 +366,12 @@ def replay_as_stream(endpoint: Endpoint, response: dict[str, Any], include_usage
         output = response.get("output") or []
         text = output[0]["content"][0]["text"] if output else ""
         renderer = StreamRenderer(ident, include_usage)
-        delta = renderer.delta_rendered(text, None) if text else []
+        # The renderer numbers events as it makes them: make them in the order they are sent.
+        frames = renderer.begin()
+        if text:
+            frames += renderer.delta_rendered(text, None)
         finish = "length" if response.get("status") == "incomplete" else "stop"
-        return [*renderer.begin(), *delta, *renderer.finish(finish, usage)]
+        return [*frames, *renderer.finish(finish, usage)]
     ident = ResponseIdentity(endpoint, response["id"], response["model"], response["created"],
                              response.get("system_fingerprint") or SYSTEM_FINGERPRINT)
     choices = response["choices"]

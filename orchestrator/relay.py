@@ -12,6 +12,8 @@ import time
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
 
+import orjson
+
 from frontend.errors import UpstreamError
 from frontend.metrics import Metrics
 from frontend.openai_output import Endpoint, stream_error_frames
@@ -36,6 +38,7 @@ async def relay_stream(
     client's request arrived (for time to first token)."""
     splitter = FrameSplitter()
     seen_end = False
+    last_frame: bytes | None = None  # the last whole frame GEN sent: a Responses error event numbers on from it
     last: float | None = None
     failure: UpstreamError | None = None
     with member.carrying(prompt_tokens):
@@ -49,6 +52,7 @@ async def relay_stream(
                         metrics.inter_token_latency.observe(now - last)
                     last = now
                     for frame in splitter.feed(chunk):
+                        last_frame = frame
                         if frame.startswith(_STREAM_ENDS):
                             seen_end = True
                     yield chunk
@@ -60,5 +64,19 @@ async def relay_stream(
         failure = UpstreamError("the GEN stream ended before it was complete")
     if failure is not None:
         logger.warning("%s (GEN worker %s)", failure.message, member.url)
-        for frame in stream_error_frames(endpoint, failure):
+        for frame in stream_error_frames(endpoint, failure, next_sequence_number(last_frame)):
             yield frame
+
+
+def next_sequence_number(frame: bytes | None) -> int:
+    """The ``sequence_number`` that follows the Responses event ``frame`` (0 when GEN sent none), so the relay's
+    error event goes on with GEN's numbering rather than restart it. Read only when a stream fails: the relay
+    itself never parses what it passes on."""
+    if frame is None:
+        return 0
+    _, _, data = frame.partition(b"data: ")
+    try:
+        number = orjson.loads(data)["sequence_number"]
+    except (orjson.JSONDecodeError, KeyError, TypeError):
+        return 0  # not a Responses event (chat and completions streams have no numbers)
+    return number + 1 if isinstance(number, int) else 0

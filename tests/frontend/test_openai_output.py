@@ -225,7 +225,9 @@ def test_replay_of_a_whole_response_streams_the_same_text(endpoint: Endpoint, fi
     if endpoint == "responses":
         types = validate_responses_events(frames)
         assert types[-1] == ("response.completed" if finish == "stop" else "response.incomplete")
-        final = parse_frames(frames)[-1][1]["response"]
+        parsed = parse_frames(frames)
+        assert [data["sequence_number"] for _, data in parsed] == list(range(len(frames)))  # in emission order
+        final = parsed[-1][1]["response"]
         assert final["output"][0]["content"][0]["text"] == "Hi!"
         assert final["usage"]["input_tokens"] == 11
         return

@@ -323,6 +323,28 @@ def test_a_ctx_finished_stream_is_a_proper_raw_sse_stream(eos_orchestrator: str,
     assert all("disaggregated_params" not in c for c in chunks)
 
 
+def responses_sequence_numbers(url: str, body: dict[str, Any]) -> tuple[list[int], list[str]]:
+    with httpx.Client(timeout=30) as http, http.stream("POST", url + "/v1/responses", json=body) as reply:
+        assert reply.status_code == 200
+        raw = reply.read()
+    events = [orjson.loads(frame.partition(b"\ndata: ")[2]) for frame in raw.split(b"\n\n")[:-1]]
+    return [event["sequence_number"] for event in events], [event["type"] for event in events]
+
+
+@pytest.mark.parametrize("finished_by", ["max_output_tokens", "eos"])
+def test_a_ctx_finished_responses_stream_numbers_its_events_in_order(
+    cluster: Cluster, eos_orchestrator: str, finished_by: str
+) -> None:
+    url = eos_orchestrator if finished_by == "eos" else cluster.orchestrator.url
+    gen_posts = len(cluster.gen.recorder.posts())
+    numbers, types = responses_sequence_numbers(url, {"model": MODEL, "input": "x", "stream": True,
+                                                      "max_output_tokens": 1 if finished_by != "eos" else 5})
+    assert len(cluster.gen.recorder.posts()) == gen_posts  # CTX finished it: replayed, not relayed from GEN
+    assert numbers == list(range(len(numbers)))
+    assert types[0] == "response.created"
+    assert ("response.output_text.delta" in types) is (finished_by != "eos")
+
+
 # -- the list path ---------------------------------------------------------------------------------------------
 IDS = [72, 101, 108, 108, 111, 44, 32, 9_999, 40_000]
 

@@ -76,6 +76,21 @@ async def test_a_responses_stream_ends_with_an_error_event(member: PoolMember) -
     assert [chunk async for chunk in relay(completed, member, "responses")] == completed.parts
 
 
+@pytest.mark.parametrize("broken", [False, True], ids=["ended-early", "broke"])
+async def test_a_responses_error_event_goes_on_with_the_streams_sequence_numbers(
+    member: PoolMember, broken: bool
+) -> None:
+    sent = [b'event: response.created\ndata: {"type":"response.created","sequence_number":0}\n\n',
+            b'event: response.in_progress\ndata: {"type":"response.in_progress","sequence_number":1}\n\n',
+            b'event: response.output_text.delta\ndata: {"type":"response.output_text.delta","seq']  # cut short
+    failure = UpstreamError("worker http://gen:1 failed: ReadError") if broken else None
+    stream = ScriptedStream(200, sent, fails_with=failure)
+    frames = [chunk async for chunk in relay(stream, member, "responses")]
+    assert frames[:3] == sent
+    error = orjson.loads(frames[-1].partition(b"data: ")[2])
+    assert error["type"] == "error" and error["sequence_number"] == 2  # after GEN's last whole event, not 0
+
+
 async def test_a_client_that_leaves_mid_stream_closes_the_upstream_stream(member: PoolMember) -> None:
     stream = ScriptedStream(200, CHAT)
     frames = relay(stream, member)
