@@ -179,6 +179,54 @@ def test_a_stop_string_hit_at_ctx_frees_the_parked_kv(tiny_cluster: RefCluster) 
     assert_ledger_balances(tiny_cluster.ctx.url)
 
 
+# Biases that leave the tiny model three first tokens of about equal chance: EOS (<|im_end|>, id 2), "a" and "b"
+# (id 3 + byte). With the stop string "a", a sequence whose first token is "a" ends on the stop string in CTX (the
+# worker sees it, the engine does not), one on EOS ends in the engine, one on "b" continues on GEN. Sequence i draws
+# as a lone request seeded seed + i; the lone first tokens of seeds 0..10 are b a EOS EOS b b a b a b b.
+ENDINGS_BIAS = {"2": 96, str(3 + ord("a")): 100, str(3 + ord("b")): 99}
+FIRST = {"a": ("a", "length"), "b": ("b", "length"), "EOS": ("", "stop")}  # max_tokens 1, no stop string
+
+
+@pytest.mark.parametrize(("seed", "firsts", "max_tokens", "continues"), [
+    (1, ("a", "EOS"), 6, False),  # stop string, then EOS: CTX parked for the first, which it then finished
+    (2, ("EOS", "EOS"), 6, False),  # EOS only: the engine never parks
+    (1, ("a", "EOS", "EOS"), 6, False),
+    (0, ("b", "a", "EOS"), 1, False),  # length, stop string, EOS: max_tokens 1 ends every sequence in CTX
+    (6, ("a", "b"), 6, True),  # one ends on the stop string, one continues on GEN
+    (10, ("b", "EOS"), 6, True),  # one continues, one ends on EOS
+    (0, ("b", "a", "EOS"), 6, True),  # continues, stop string, EOS
+], ids=["stop-eos", "eos-eos", "stop-eos-eos", "length-stop-eos", "stop-continues", "continues-eos",
+        "continues-stop-eos"])
+def test_the_ledger_balances_whatever_mix_of_endings_ctx_meets(tiny_cluster: RefCluster, seed: int,
+                                                               firsts: tuple[str, ...], max_tokens: int,
+                                                               continues: bool) -> None:
+    """When CTX ends every sequence itself, nothing stays parked (no one could release it: its answer carries no
+    hand-off); when one continues, the hand-off stays parked for GEN, which takes it."""
+    body: dict[str, Any] = {"model": tiny_cluster.model, "messages": MESSAGES, "n": len(firsts), "temperature": 1.0,
+                            "seed": seed, "logit_bias": ENDINGS_BIAS}
+    with tiny_cluster.aggregated.client() as agg:
+        alone = agg.chat.completions.create(**body, max_tokens=1)
+    assert [(c.message.content, c.finish_reason) for c in alone.choices] == [FIRST[f] for f in firsts]
+    before = assert_ledger_balances(tiny_cluster.ctx.url)["totals"]
+    gen_calls = tiny_cluster.gen.recorder.count() if tiny_cluster.gen.recorder else 0
+    body.update(max_tokens=max_tokens, stop=["a"])
+    with tiny_cluster.orchestrator.client() as disagg, tiny_cluster.aggregated.client() as agg:
+        disaggregated = disagg.chat.completions.create(**body)
+        aggregated = agg.chat.completions.create(**body)
+    assert [(c.message.content, c.finish_reason) for c in disaggregated.choices] == \
+        [(c.message.content, c.finish_reason) for c in aggregated.choices]
+    after = assert_ledger_balances(tiny_cluster.ctx.url)["totals"]
+    assert after["expired"] == before["expired"]
+    assert tiny_cluster.gen.recorder is not None
+    if continues:
+        assert after["parked"] == before["parked"] + 1 and after["taken"] == before["taken"] + 1
+        assert after["released"] == before["released"]
+        assert tiny_cluster.gen.recorder.count() == gen_calls + 1
+    else:
+        assert after["taken"] == before["taken"]  # whatever CTX parked, it released itself
+        assert tiny_cluster.gen.recorder.count() == gen_calls
+
+
 async def test_closing_the_stream_early_aborts_the_request_in_the_core(tiny_options: ReferenceOptions) -> None:
     engine = ReferenceEngine(tiny_options)
     await engine.start()
