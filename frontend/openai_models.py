@@ -226,7 +226,7 @@ class SamplingFields(WireModel):
     wire_endpoint: ClassVar[WireEndpoint | None] = None
 
     model: str
-    stream: StrictBool = False
+    stream: StrictBool | None = False  # an explicit null is the default: no stream
     stream_options: StreamOptions | None = None
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None

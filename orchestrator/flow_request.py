@@ -81,7 +81,8 @@ def check_client_body(body: dict[str, Any]) -> None:
     """The few checks the orchestrator needs to route; the CTX worker validates everything else."""
     if not isinstance(body.get("model"), str):
         raise InvalidRequestError("'model' is required and must be a string", param="model")
-    if "stream" in body and not isinstance(body["stream"], bool):
+    # An explicit null is the default (false), as the workers read it; ``streaming`` takes only ``true``.
+    if body.get("stream") is not None and not isinstance(body["stream"], bool):
         raise InvalidRequestError("'stream' must be a boolean", param="stream")
     if "disaggregated_params" in body:
         raise InvalidRequestError("disaggregated_params is set by the orchestrator, not by clients",

@@ -187,6 +187,20 @@ def test_raw_responses_stream_is_a_named_event_sequence(cluster: Cluster) -> Non
     assert b"[DONE]" not in raw
 
 
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/v1/responses"])
+def test_a_null_stream_is_the_default_whole_answer(cluster: Cluster, path: str) -> None:
+    # An explicit null takes the field's default: a whole JSON answer, not a 400.
+    body: dict[str, Any] = {"model": MODEL, "stream": None, "stream_options": None}
+    if path == "/v1/responses":
+        body.update(input="x", max_output_tokens=2)
+    else:
+        body.update({"messages": MESSAGES} if "chat" in path else {"prompt": "x"}, max_tokens=2)
+    reply = httpx.post(cluster.orchestrator.url + path, json=body, timeout=30)
+    assert reply.status_code == 200, reply.text
+    assert reply.headers["content-type"].startswith("application/json")
+    assert reply.json()["usage"] is not None
+
+
 def test_models_lists_the_served_model(client: openai.OpenAI) -> None:
     models = client.models.list()
     assert [m.id for m in models.data] == [MODEL]

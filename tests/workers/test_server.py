@@ -210,6 +210,20 @@ def test_bad_requests_are_openai_errors_and_the_worker_goes_on(
                                                  ).choices[0].message.content == "Th"
 
 
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/v1/responses"])
+def test_a_null_stream_is_the_default_whole_answer(cluster: Cluster, path: str) -> None:
+    # An explicit null takes the field's default: a whole JSON answer, not a 400.
+    body: dict[str, Any] = {"model": MODEL, "stream": None, "stream_options": None}
+    if path == "/v1/responses":
+        body.update(input="x", max_output_tokens=2)
+    else:
+        body.update({"messages": MESSAGES} if "chat" in path else {"prompt": "x"}, max_tokens=2)
+    reply = httpx.post(cluster.aggregated.url + path, json=body, timeout=30)
+    assert reply.status_code == 200, reply.text
+    assert reply.headers["content-type"].startswith("application/json")
+    assert reply.json()["usage"] is not None
+
+
 def test_too_large_body_is_413(special: Special) -> None:
     reply = httpx.post(special.small.url + "/v1/completions",
                        json={"model": MODEL, "prompt": "x" * 4096, "max_tokens": 1}, timeout=10)
