@@ -38,6 +38,10 @@ class TokenLogprobInfo:
     token: str
     logprob: float | None  # None: the first prompt token of an echo, which has no context to be scored in
     top: tuple[tuple[str, float], ...] = ()
+    # The token's own bytes and, in the same order, each alternative's; None: the UTF-8 of its text. They differ for
+    # a token that is only part of a character, whose text is U+FFFD.
+    token_bytes: bytes | None = None
+    top_bytes: tuple[bytes, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,8 +84,13 @@ class ResponseIdentity:
     system_fingerprint: str = SYSTEM_FINGERPRINT
 
 
-def _utf8(text: str) -> list[int]:
-    return list(text.encode("utf-8"))
+def _bytes_of(text: str, raw: bytes | None) -> list[int]:
+    return list(raw if raw is not None else text.encode("utf-8"))
+
+
+def _top_entries(e: TokenLogprobInfo) -> list[dict[str, Any]]:
+    raws: Sequence[bytes | None] = e.top_bytes if e.top_bytes is not None else (None,) * len(e.top)
+    return [{"token": t, "logprob": lp, "bytes": _bytes_of(t, raw)} for (t, lp), raw in zip(e.top, raws, strict=True)]
 
 
 def chat_logprobs(entries: Sequence[TokenLogprobInfo]) -> dict[str, Any]:
@@ -90,8 +99,8 @@ def chat_logprobs(entries: Sequence[TokenLogprobInfo]) -> dict[str, Any]:
             {
                 "token": e.token,
                 "logprob": e.logprob,
-                "bytes": _utf8(e.token),
-                "top_logprobs": [{"token": t, "logprob": lp, "bytes": _utf8(t)} for t, lp in e.top],
+                "bytes": _bytes_of(e.token, e.token_bytes),
+                "top_logprobs": _top_entries(e),
             }
             for e in entries
         ],

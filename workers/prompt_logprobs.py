@@ -1,4 +1,5 @@
-"""The prompt's logprobs as clients read them: echo's per-token entries, and vLLM's ``prompt_logprobs`` list.
+"""Logprobs as clients read them: one token's entry (``token_logprob_info``, for output and prompt tokens alike),
+echo's per-token entries, and vLLM's ``prompt_logprobs`` list.
 
 The engine scores the prompt during prefill (on CTX in the disaggregated flow; the hand-off carries the scores to
 GEN) and reports one entry per prompt token, ``None`` for the first, which has no context to be scored in.
@@ -11,22 +12,33 @@ from typing import Any
 
 from frontend.openai_output import TokenLogprobInfo
 from frontend.token_codec import TokenArray
-from workers.engines.base import Tokenizer
+from workers.engines.base import ProvidesTokenBytes, Tokenizer
 from workers.engines.outputs import TokenLogprob
 
 PromptLogprobs = Sequence[TokenLogprob | None]
+
+
+def token_logprob_info(tokenizer: Tokenizer, token_id: int, logprob: float | None,
+                       top: Sequence[tuple[int, float]] = ()) -> TokenLogprobInfo:
+    """One token's entry: its text and its alternatives', with their own bytes when the tokenizer knows them (the
+    text of a token that is only part of a character is U+FFFD, whose bytes are not the token's)."""
+    decode = tokenizer.decode
+    top_texts = tuple((decode([t]), v) for t, v in top)
+    if not isinstance(tokenizer, ProvidesTokenBytes):
+        return TokenLogprobInfo(decode([token_id]), logprob, top_texts)
+    raw = tokenizer.token_bytes
+    return TokenLogprobInfo(decode([token_id]), logprob, top_texts, raw(token_id), tuple(raw(t) for t, _ in top))
 
 
 def echo_logprob_infos(
     tokenizer: Tokenizer, prompt: Sequence[int] | TokenArray, scores: PromptLogprobs | None
 ) -> list[TokenLogprobInfo]:
     """One entry per prompt token: its text always, its logprob and alternatives where the engine scored it."""
-    decode = tokenizer.decode
     entries = []
     for index, token_id in enumerate(prompt):
         score = scores[index] if scores is not None and index < len(scores) else None
-        top = tuple((decode([t]), v) for t, v in score.top) if score is not None else ()
-        entries.append(TokenLogprobInfo(decode([int(token_id)]), score.logprob if score else None, top))
+        entries.append(token_logprob_info(tokenizer, int(token_id), score.logprob if score else None,
+                                          score.top if score is not None else ()))
     return entries
 
 

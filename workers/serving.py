@@ -43,7 +43,7 @@ from frontend.tool_calls import as_tool_call_message, tool_calls_from_text
 from workers.engines.base import Engine, ProvidesTokenizer, Tokenizer
 from workers.engines.outputs import FinishReason, TokenLogprob
 from workers.engines.request import GenerationRequest, Phase
-from workers.prompt_logprobs import echo_logprob_infos, vllm_prompt_logprobs
+from workers.prompt_logprobs import echo_logprob_infos, token_logprob_info, vllm_prompt_logprobs
 from workers.request_builder import (
     endpoint_of,
     handoff_from,
@@ -432,9 +432,6 @@ class WorkerService:
             return None
         return vllm_prompt_logprobs(self.tokenizer, scores)
 
-    def _logprob_info(self, lp: TokenLogprob) -> TokenLogprobInfo:
-        decode = self.tokenizer.decode
-        return TokenLogprobInfo(decode([lp.token_id]), lp.logprob, tuple((decode([t]), v) for t, v in lp.top))
-
     def _logprob_infos(self, logprobs: Sequence[TokenLogprob]) -> list[TokenLogprobInfo]:
-        return [self._logprob_info(lp) for lp in logprobs]
+        tokenizer = self.tokenizer
+        return [token_logprob_info(tokenizer, lp.token_id, lp.logprob, lp.top) for lp in logprobs]

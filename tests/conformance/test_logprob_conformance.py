@@ -10,6 +10,7 @@ import orjson
 import pytest
 
 from tests.workers.engines.reference.cluster import RefCluster
+from tests.workers.engines.reference.tiny_model import CONTROL_TOKENS
 
 PROMPT = "The capital of Germany is"
 
@@ -100,3 +101,37 @@ def test_a_stream_ctx_finishes_keeps_its_logprobs(conformance_cluster: RefCluste
     chunks = stream(url, path, body)
     streamed = [c["choices"][0]["logprobs"] for c in chunks if c["choices"] and c["choices"][0]["logprobs"]]
     assert streamed == [whole]
+
+
+
+# The tiny vocabulary has the 256 byte tokens, in byte order, right after its control tokens: these are the ids of
+# the two halves of "é", each only part of a character.
+E_ACUTE = "é".encode()
+E_ACUTE_HALVES = [len(CONTROL_TOKENS) + byte for byte in E_ACUTE]
+
+
+@pytest.mark.parametrize("stream_it", [False, True], ids=["whole", "stream"])
+@pytest.mark.parametrize("node", ["aggregated", "orchestrator"])
+def test_logprob_bytes_are_each_tokens_own_bytes(conformance_cluster: RefCluster, node: str,
+                                                 stream_it: bool) -> None:
+    """A token that is only part of a character has U+FFFD as its text; its bytes are still its own."""
+    url = getattr(conformance_cluster, node).url
+    body = {"messages": [{"role": "user", "content": "Say something."}], "max_tokens": 2, "temperature": 0,
+            "logprobs": True, "top_logprobs": 20, "logit_bias": {str(t): 100 for t in E_ACUTE_HALVES}}
+    if stream_it:
+        entries = [entry for chunk in stream(url, "/v1/chat/completions", body) for choice in chunk["choices"]
+                   for entry in (choice["logprobs"] or {}).get("content") or ()]
+    else:
+        entries = post(url, "/v1/chat/completions", body)["choices"][0]["logprobs"]["content"]
+    assert len(entries) == 2
+    for entry in entries:  # the bias made each one half of "é"
+        assert entry["token"] == "\ufffd"
+        assert len(entry["bytes"]) == 1 and entry["bytes"][0] in E_ACUTE  # not U+FFFD's ef bf bd
+    alternatives = [top for entry in entries for top in entry["top_logprobs"]]
+    partial = [top for top in alternatives if top["token"] == "\ufffd"]
+    assert partial  # the tiny model's 20 likeliest always hold some of its 128 bytes >= 0x80
+    for top in alternatives:
+        if top["token"] == "\ufffd":  # a lone byte token of a character's middle or start: one byte >= 0x80
+            assert len(top["bytes"]) == 1 and top["bytes"][0] >= 0x80
+        else:
+            assert bytes(top["bytes"]).decode() == top["token"]

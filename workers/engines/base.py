@@ -3,8 +3,8 @@
 In the style of httpx's transports: ``Engine`` has one method that matters (``generate``) and four for its life,
 with typed values in and out (``workers.engines.request``, ``workers.engines.outputs``). Every engine implements
 all five. What only some engines can do is a separate small protocol that an engine may also implement and the
-worker discovers with ``isinstance``: ``ProvidesTokenizer``, ``KVHandoffStore``, ``HealthCheck``,
-``StopsSequences``. An adapter
+worker discovers with ``isinstance``: ``ProvidesTokenizer`` (and of its tokenizer ``ProvidesTokenBytes``),
+``KVHandoffStore``, ``HealthCheck``, ``StopsSequences``. An adapter
 translates its runtime's errors into ``frontend.errors`` types at this boundary (``raise EngineError(...) from
 exc``); no foreign exception type leaks into the server.
 """
@@ -66,6 +66,17 @@ class Tokenizer(Protocol):
     def render_chat(self, messages: list[dict[str, str]]) -> str: ...
 
     def detokenizer(self) -> Detokenizer: ...
+
+
+@runtime_checkable
+class ProvidesTokenBytes(Protocol):
+    """A tokenizer that knows each token's own bytes, also for a token that is only part of a UTF-8 character
+    (whose decoded text is U+FFFD): logprobs report them as ``bytes``. Without it, ``bytes`` is the token's decoded
+    text in UTF-8."""
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes this token adds to the output (b"" for one that decodes to nothing, e.g. a control token)."""
+        ...
 
 
 @runtime_checkable

@@ -42,6 +42,10 @@ class ByteTokenizer:
         ids = np.asarray(token_ids)
         return ids[ids < BYTE_TOKENS].astype(np.uint8).tobytes().decode("utf-8", errors="replace")
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The one byte a byte token stands for (``workers.engines.base.ProvidesTokenBytes``)."""
+        return bytes((token_id,)) if 0 <= token_id < BYTE_TOKENS else b""
+
     def render_chat(self, messages: list[dict[str, str]]) -> str:
         turns = "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages)
         return turns + "<|assistant|>\n"

@@ -51,3 +51,10 @@ def test_the_vocabulary_must_hold_the_bytes_and_eos() -> None:
     with pytest.raises(ValueError, match="at least 257"):
         ByteTokenizer(256)
     assert ByteTokenizer(257).vocab_size == 257
+
+
+@given(st.text(max_size=30))
+def test_token_bytes_are_the_bytes_of_the_text(text: str) -> None:
+    tokens = TOKENIZER.encode(text).tolist()
+    assert [TOKENIZER.token_bytes(t) for t in tokens] == [bytes((b,)) for b in text.encode()]
+    assert TOKENIZER.token_bytes(256) == b""  # special ids decode to nothing

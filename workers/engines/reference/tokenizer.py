@@ -24,6 +24,23 @@ _DIGIT_SPLITTING_PRE = frozenset({"smollm"})
 _EXTRA_STOP_TOKENS = ("<|endoftext|>", "<|im_end|>")
 
 
+def _byte_of_character() -> dict[str, int]:
+    """GPT-2's byte-level alphabet read backwards: the character a vocabulary entry uses for each byte -> the byte.
+    Printable bytes (not the space) are written as the Latin-1 character of the same value; every other byte, in
+    byte order, as the next character from U+0100 on."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars = {byte: byte for byte in printable}
+    shifted = 256
+    for byte in range(256):
+        if byte not in chars:
+            chars[byte] = shifted
+            shifted += 1
+    return {chr(char): byte for byte, char in chars.items()}
+
+
+_BYTE_OF_CHARACTER = _byte_of_character()
+
+
 class TokenizerError(ValueError):
     """The GGUF tokenizer metadata describes a tokenizer this module cannot build."""
 
@@ -94,6 +111,7 @@ class GGUFTokenizer:
         specials = [meta.tokens[i] for i, kind in enumerate(meta.token_types) if kind == _CONTROL_TOKEN_TYPE]
         tokenizer.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in specials])
         self._tokenizer = tokenizer
+        self._tokens = list(meta.tokens)  # byte-level strings: each token's own bytes, also of a partial character
         self._vocab_size = len(meta.tokens)
         self._special_ids = frozenset(vocab[s] for s in specials)
         stops = {vocab[s] for s in _EXTRA_STOP_TOKENS if s in vocab}
@@ -137,6 +155,16 @@ class GGUFTokenizer:
     def token_text(self, token_id: int) -> str:
         """Decoded text of one token (may be a partial UTF-8 character, shown as U+FFFD)."""
         return self._tokenizer.decode([int(token_id)], skip_special_tokens=False)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token adds to the output (``workers.engines.base.ProvidesTokenBytes``): read from its
+        byte-level vocabulary entry, so a token that is only part of a UTF-8 character gives its own bytes, where
+        ``decode`` can only give U+FFFD. A control token adds nothing (``decode`` skips it)."""
+        if token_id in self._special_ids or not 0 <= token_id < self._vocab_size:
+            return b""
+        byte_of = _BYTE_OF_CHARACTER
+        # A character outside the alphabet (a user-defined token written as plain text) stands for itself.
+        return b"".join(bytes((byte_of[c],)) if c in byte_of else c.encode() for c in self._tokens[token_id])
 
     def detokenizer(self) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self)

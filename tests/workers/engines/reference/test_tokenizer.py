@@ -51,6 +51,18 @@ def test_tiny_round_trip_any_text(tiny: Engine, text: str) -> None:
     assert tiny.tokenizer.decode(tiny.tokenizer.encode(text), skip_special_tokens=False) == text
 
 
+@pytest.mark.parametrize("text", TRICKY)
+def test_tiny_token_bytes_are_each_tokens_own_bytes(tiny: Engine, text: str) -> None:
+    tok = tiny.tokenizer
+    ids = tok.encode(text).tolist()
+    # Token by token, the bytes add up to the text (control tokens add nothing, as decode skips them), also
+    # where a token holds only part of a character and its own text is U+FFFD.
+    assert b"".join(tok.token_bytes(t) for t in ids) == tok.decode(ids).encode()
+    if any(ord(c) > 127 for c in text):
+        partial = [t for t in ids if tok.decode([t]) == "\ufffd"]
+        assert partial and all(tok.token_bytes(t) != "\ufffd".encode() for t in partial)
+
+
 def test_tiny_merges_digits_and_specials(tiny: Engine) -> None:
     tok = tiny.tokenizer
     meta = tiny.loaded.tokenizer
