@@ -26,6 +26,7 @@ from orchestrator.client_body import encode
 from orchestrator.flow_request import Answer, FlowRequest, StreamedAnswer, WholeAnswer
 from orchestrator.handoff_release import HandoffReleaser
 from orchestrator.member import PoolMember
+from orchestrator.metric_labels import CTX_STEP, GEN_STEP, HANDOFF_LOST
 from orchestrator.pool import WorkerPool
 from orchestrator.protocols.registry import DEFAULT_PROTOCOL, build_protocols
 from orchestrator.relay import relay_stream
@@ -89,7 +90,7 @@ class DisaggFlow:
 
         started = time.perf_counter()
         with tracing.span("ctx.call", request.span, headers=request.headers, client=True) as span:
-            done = await self.retry.run("ctx", self.ctx_pool, request.key,
+            done = await self.retry.run(CTX_STEP, self.ctx_pool, request.key,
                                         lambda member: _post(member, request, body_for(member), request.key))
             flow_tracing.called(span, done)
         request.ctx_worker = done.member.url
@@ -120,7 +121,7 @@ class DisaggFlow:
 
     async def redo_context(self, request: FlowRequest) -> ContextAnswer:
         request.ctx_redone = True
-        self.metrics.retries.labels(step="ctx", reason="handoff_lost").inc()
+        self.metrics.retries.labels(step=CTX_STEP, reason=HANDOFF_LOST).inc()
         logger.warning("the KV hand-off was lost with a failed GEN; running CTX again")
         return await self.run_context_step(request)
 
@@ -195,7 +196,7 @@ class DisaggFlow:
 
         started = time.perf_counter()
         with tracing.span("gen.call", request.span, headers=request.headers, client=True) as span:
-            done = await self.retry.run("gen", self.gen_pool, key, streamed if request.streaming else whole, avoid)
+            done = await self.retry.run(GEN_STEP, self.gen_pool, key, streamed if request.streaming else whole, avoid)
             flow_tracing.called(span, done)
         if not isinstance(done.answer, Reply):
             self.gen_first_byte(done.member.url).observe(time.perf_counter() - started)

@@ -39,6 +39,7 @@ from orchestrator.client_body import parse_client_body
 from orchestrator.disagg_flow import DisaggFlow
 from orchestrator.flow_request import PATHS, FlowRequest, StreamedAnswer, check_client_body
 from orchestrator.membership import DnsDiscovery
+from orchestrator.metric_labels import MODELS_STEP, export_known_series
 from orchestrator.pool import HealthMonitor, WorkerPool
 from orchestrator.response_memory import ResponseMemory
 from orchestrator.response_store import ResponseStore
@@ -103,6 +104,8 @@ def create_orchestrator_app(
         for discovery in discoveries:
             await discovery.refresh()
             discovery.start()
+        # Every series whose labels are known now is exported at 0 from here on (orchestrator/metric_labels.py).
+        export_known_series(metrics, [w.url for w in ctx_pool.workers], [w.url for w in gen_pool.workers])
         await monitor.check_now()
         monitor.start()
         lag_monitor.start()
@@ -154,15 +157,25 @@ def create_orchestrator_app(
         admission = tracing.start("admission", span)
         try:
             check_bearer(exchange.header(b"authorization"), api_key)
-            if inflight["count"] >= config.max_concurrent_requests:
-                requests_count(ROLE, endpoint, "429").inc()
-                raise OverloadedError(f"the orchestrator is at its limit of {config.max_concurrent_requests} "
-                                      "requests")
         except BaseException as exc:
             tracing.end(admission, error=exc)
             tracing.end(span, {"http.status_code": exchange.status_of(exc)})
             raise
         started = time.perf_counter()
+        try:
+            # The body before the limit: a client that sends it slowly holds its connection (for at most the front
+            # end's body timeout, entrypoints/http_protocol.py), never one of the limit's slots.
+            raw = await exchange.read_body(config.max_body_bytes)
+            if inflight["count"] >= config.max_concurrent_requests:
+                raise OverloadedError(f"the orchestrator is at its limit of {config.max_concurrent_requests} "
+                                      "requests")
+        except BaseException as exc:
+            status = exchange.status_of(exc)
+            requests_count(ROLE, endpoint, str(status)).inc()
+            request_latency(endpoint).observe(time.perf_counter() - started)
+            tracing.end(admission, error=exc)
+            tracing.end(span, {"http.status_code": status})
+            raise
         request_id = exchange.request_id  # the client's, or a new one (frontend.http.request_id_of)
         inflight["count"] += 1
         inflight_gauge.inc()
@@ -170,7 +183,6 @@ def create_orchestrator_app(
         flow_request: FlowRequest | None = None  # once the body is parsed
         status = 500
         try:
-            raw = await exchange.read_body(config.max_body_bytes)
             # /v1/responses keeps its input as values (a stored response's history); elsewhere a long prompt
             # string stays the bytes the client sent (orchestrator.client_body).
             body = parse_json_object(raw) if endpoint == "responses" else parse_client_body(raw)
@@ -216,7 +228,7 @@ def create_orchestrator_app(
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
         require_bearer(request, api_key)
-        done = await flow.retry.run("models", ctx_pool, RoutingKey(),
+        done = await flow.retry.run(MODELS_STEP, ctx_pool, RoutingKey(),
                                     lambda ctx: ctx.transport.get("/v1/models", config.connect_timeout_s))
         return JSONBytesResponse(done.answer.content, status_code=done.answer.status_code)
 
@@ -224,7 +236,7 @@ def create_orchestrator_app(
     async def model(request: Request, model_id: str) -> Response:
         """One model's card (the SDK's ``models.retrieve``): the CTX workers' card of that id, or a 404."""
         require_bearer(request, api_key)
-        done = await flow.retry.run("models", ctx_pool, RoutingKey(),
+        done = await flow.retry.run(MODELS_STEP, ctx_pool, RoutingKey(),
                                     lambda ctx: ctx.transport.get("/v1/models", config.connect_timeout_s))
         if done.answer.status_code != 200:
             return JSONBytesResponse(done.answer.content, status_code=done.answer.status_code)

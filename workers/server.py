@@ -37,11 +37,11 @@ from frontend.openai_models import (
 from frontend.openapi import install_body_schemas, json_body
 from frontend.sse import SSE_HEADERS, SSE_MEDIA_TYPE
 from workers import worker_tracing
-from workers.engines.base import Engine, ExposesMetrics, HealthCheck, KVHandoffStore
-from workers.engines.request import Phase
+from workers.engines.base import HANDOFF_TOTALS, Engine, ExposesMetrics, HealthCheck, KVHandoffStore
+from workers.engines.request import Phase, PromptPath
 from workers.registration import Registration
 from workers.request_body import parse_request_body
-from workers.serving import WorkerService, WorkerSettings
+from workers.serving import Role, WorkerService, WorkerSettings
 
 _STARTED = int(time.time())
 
@@ -56,6 +56,7 @@ def create_worker_app(
     trimmer = IdleMemoryTrimmer(lambda: service.inflight == 0)
     ready = {"engine": False}
     counted = _LedgerCounts(metrics)
+    _export_known_series(metrics, engine, settings.role)
     span_names = {e: f"{settings.role} {e}" for e in ("chat", "completions", "responses")}  # not per request
 
     @asynccontextmanager
@@ -88,10 +89,14 @@ def create_worker_app(
         # A child of the orchestrator's call when it sent a traceparent (None when tracing is off).
         span = tracing.start(span_names[endpoint], request.headers, server=True)
         try:
+            # The body before the limit: a client that sends it slowly holds its connection (for at most the front
+            # end's body timeout, entrypoints/http_protocol.py), never one of the limit's slots.
+            raw = await read_body(request, settings.max_body_bytes)
             service.admit()
-        except ServingError as exc:
-            metrics.requests.labels(role=settings.role, endpoint=endpoint, status=str(exc.status_code)).inc()
-            tracing.end(span, {"http.status_code": exc.status_code}, exc)
+        except BaseException as exc:
+            status = answered_status(exc)
+            metrics.requests.labels(role=settings.role, endpoint=endpoint, status=str(status)).inc()
+            tracing.end(span, {"http.status_code": status}, exc if isinstance(exc, ServingError) else None)
             raise
         released = False
 
@@ -100,7 +105,7 @@ def create_worker_app(
             tracing.end(span, {"http.status_code": 200})
 
         try:
-            body = parse_request_body(await read_body(request, settings.max_body_bytes), request.headers)
+            body = parse_request_body(raw, request.headers)
             prepared = await service.prepare(body, wire_model)
             worker_tracing.prepared(span, prepared)
             # CTX always answers whole: the orchestrator needs its hand-off fields, not a stream.
@@ -230,6 +235,18 @@ def create_worker_app(
         return Response(body, media_type=METRICS_CONTENT_TYPE)
 
     return app
+
+
+def _export_known_series(metrics: Metrics, engine: Engine, role: Role) -> None:
+    """Create the child of every label combination this worker can count, so each series is exported at 0 from
+    start-up: left to its first event, a fresh worker's hand-off ledger and GEN prompt paths are absent, and a
+    dashboard shows "No data" where the truth is "none so far"."""
+    if isinstance(engine, KVHandoffStore):  # only a store that parks hand-offs counts how they leave it
+        for outcome in HANDOFF_TOTALS:
+            metrics.kv_handoffs.labels(outcome=outcome)
+    if role != "context":  # the roles that take generation_only requests, the ones counted by prompt path
+        for path in PromptPath:
+            metrics.gen_prompt_path.labels(path=path.value)
 
 
 class _LedgerCounts:

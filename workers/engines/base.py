@@ -97,6 +97,11 @@ class ParkedHandoff:
     expires_in_s: float
 
 
+# The ledger's totals: hand-offs parked, and each way one leaves its store (``HandoffLedger`` says when). They are
+# also the ``outcome`` values of the worker's ``disagg_kv_handoffs_total``.
+HANDOFF_TOTALS = ("parked", "taken", "released", "expired")
+
+
 @dataclass(frozen=True, slots=True)
 class HandoffLedger:
     """Every hand-off a store parked, and how each left it: ``totals`` counts ``parked``, ``taken`` (a GEN

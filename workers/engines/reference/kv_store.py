@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from workers.engines.base import HANDOFF_TOTALS
+
 
 class KVStoreFull(Exception):
     pass
@@ -30,9 +32,6 @@ class KVStoreMiss(Exception):
     def __init__(self, message: str, status: int) -> None:
         super().__init__(message)
         self.status = status
-
-
-OUTCOMES = ("taken", "released", "expired")
 
 
 @dataclass(slots=True)
@@ -50,7 +49,7 @@ class KVStore:
         self._clock = clock
         self._entries: dict[str, _Entry] = {}
         self._bytes = 0
-        self.totals = {"parked": 0, **dict.fromkeys(OUTCOMES, 0)}  # the ledger's counts since start
+        self.totals = dict.fromkeys(HANDOFF_TOTALS, 0)  # the ledger's counts since start
         self._lock = threading.Lock()
         self.on_change: Callable[[int, int], None] = lambda entries, size: None
 

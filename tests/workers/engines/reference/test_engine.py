@@ -375,6 +375,20 @@ def test_the_handoff_ledger_lists_what_is_parked_with_its_age_and_size(tiny_clus
     assert f'disagg_kv_handoffs_total{{outcome="parked"}} {float(after["parked"])}' in metrics
 
 
+def test_a_fresh_worker_exports_its_handoff_outcomes_and_prompt_paths_at_zero(tiny_options: ReferenceOptions) -> None:
+    """Before its first request (a dashboard over a fresh system shows zeros, not "No data")."""
+    with contextlib.ExitStack() as stack:
+        ctx = start_reference_worker(stack, "context", tiny_options)
+        gen = start_reference_worker(stack, "generation", tiny_options)
+        scraped = {node.url: httpx.get(node.url + "/metrics", timeout=10).text for node in (ctx, gen)}
+    for text in scraped.values():  # each has a KV store (a GEN's stays empty, and says so)
+        for outcome in ("parked", "taken", "released", "expired"):
+            assert f'disagg_kv_handoffs_total{{outcome="{outcome}"}} 0.0' in text, outcome
+    for path in ("array", "list", "metadata_only", "text"):
+        assert f'disagg_gen_prompt_path_total{{path="{path}"}} 0.0' in scraped[gen.url], path
+    assert "disagg_gen_prompt_path_total{" not in scraped[ctx.url]  # a CTX worker takes no generation_only request
+
+
 def test_the_handoff_ledger_is_admin_only(tiny_cluster: RefCluster, tiny_options: ReferenceOptions) -> None:
     url = tiny_cluster.ctx.url + "/v1/disagg/handoffs"
     wrong = httpx.get(url, headers={"Authorization": "Bearer not-" + ADMIN_KEY}, timeout=10)

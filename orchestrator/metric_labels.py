@@ -1,0 +1,57 @@
+"""The label values of the orchestrator's labelled metrics, and every series they make exported at 0 from start-up.
+
+prometheus_client exports a labelled series only once its child exists, and the child exists only once
+``labels(...)`` has been called. Left to the first event, a fresh system's retries, failovers, metadata-only
+fallbacks and per-worker step latencies are simply absent, and a dashboard shows "No data" where the truth is
+"none so far" (and ``rate()`` has no zero to start from). ``export_known_series`` creates each child whose label
+values are known before the first request, once, when the orchestrator starts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from frontend.errors import UpstreamError
+from frontend.guardrail import FallbackReason
+from frontend.metrics import Metrics
+from orchestrator.flow_request import PATHS
+
+# The steps the retry policy runs (its ``step`` label).
+CTX_STEP = "ctx"
+GEN_STEP = "gen"
+MODELS_STEP = "models"  # /v1/models, asked of a CTX worker
+RETRIED_STEPS = (CTX_STEP, GEN_STEP, MODELS_STEP)
+# Retry reasons that are not an error type: a 5xx answer tried on another worker (the literal
+# orchestrator/retry.py counts; tests/orchestrator/test_metric_labels.py holds the two together), and CTX run again
+# because the KV hand-off was lost with a failed GEN.
+STATUS_5XX = "status_5xx"
+HANDOFF_LOST = "handoff_lost"
+
+
+def upstream_failure_reasons() -> tuple[str, ...]:
+    """The retry policy counts a failed call by the name of its ``UpstreamError`` type: that class or a subclass."""
+    names: list[str] = []
+    kinds: list[type[UpstreamError]] = [UpstreamError]
+    while kinds:
+        kind = kinds.pop(0)
+        names.append(kind.__name__)
+        kinds.extend(kind.__subclasses__())
+    return tuple(names)
+
+
+def export_known_series(metrics: Metrics, ctx_workers: Iterable[str], gen_workers: Iterable[str]) -> None:
+    """Create the child of every known label combination (the workers: those in the pools at start-up)."""
+    reasons = (*upstream_failure_reasons(), STATUS_5XX)
+    for step in RETRIED_STEPS:
+        metrics.failovers.labels(step=step)  # a failover is a retry after a failed call, never after a 5xx
+        for reason in reasons:
+            metrics.retries.labels(step=step, reason=reason)
+    metrics.retries.labels(step=CTX_STEP, reason=HANDOFF_LOST)
+    for fallback in FallbackReason:
+        metrics.metadata_only_fallback.labels(reason=fallback.value)
+    for endpoint in PATHS:
+        metrics.request_latency.labels(endpoint=endpoint)
+    for url in ctx_workers:
+        metrics.ctx_latency.labels(worker=url)
+    for url in gen_workers:
+        metrics.gen_first_byte.labels(worker=url)
