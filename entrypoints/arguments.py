@@ -11,7 +11,12 @@ import os
 from typing import Any
 
 from entrypoints.bench.command import add_arguments as add_bench_arguments
-from frontend.client_timeouts import DEFAULT_HEADER_TIMEOUT_S, DEFAULT_SEND_TIMEOUT_S
+from frontend.client_timeouts import (
+    DEFAULT_BODY_TIMEOUT_S,
+    DEFAULT_HEADER_TIMEOUT_S,
+    DEFAULT_MAX_HEAD_BYTES,
+    DEFAULT_SEND_TIMEOUT_S,
+)
 from frontend.http import DEFAULT_MAX_BODY_BYTES
 from workers.engines.factory import ENGINE_NAMES
 from workers.engines.vllm.memory import parse_size
@@ -29,6 +34,13 @@ def _positive_float(text: str) -> float:
 def _seconds(text: str) -> float:
     value = float(text)
     if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
         raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
     return value
 
@@ -154,6 +166,12 @@ def _add_front_end_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--header-timeout-s", type=_seconds, default=DEFAULT_HEADER_TIMEOUT_S,
                         help="close a connection whose request headers are not complete after this long "
                              "(default 30)")
+    parser.add_argument("--body-timeout-s", type=_seconds, default=DEFAULT_BODY_TIMEOUT_S,
+                        help="answer 408 and close a connection whose request body is not complete this long "
+                             "after its headers (default 30)")
+    parser.add_argument("--max-head-bytes", type=_positive_int, default=DEFAULT_MAX_HEAD_BYTES,
+                        help="answer 431 and close a connection whose request line and headers are longer "
+                             "(default 65536)")
 
 
 def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:

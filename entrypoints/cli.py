@@ -18,7 +18,7 @@ from typing import Any
 import uvicorn
 
 from entrypoints.arguments import build_parser
-from entrypoints.http_protocol import protocol_with_header_timeout
+from entrypoints.http_protocol import ClientLimits, guarded_protocol
 from entrypoints.quiet_server import QuietServer
 from frontend import tracing
 from frontend.client_timeouts import with_send_timeout
@@ -32,12 +32,16 @@ STARTUP_FAILED = 3  # uvicorn's own exit status for an app whose start-up failed
 
 def _serve(app: Any, args: argparse.Namespace, host: str, port: int) -> int:
     """Serve ``app`` with the limits every front end gets against slow and hostile clients (docs/reliability.md):
-    headers within ``--header-timeout-s``, each piece of an answer taken within ``--client-send-timeout-s``
-    (uvicorn's flow control already caps what a non-reading client makes us buffer), idle keep-alive 75 s."""
+    a head of at most ``--max-head-bytes`` within ``--header-timeout-s``, a body within ``--body-timeout-s``, each
+    piece of an answer taken within ``--client-send-timeout-s`` (uvicorn's flow control already caps what a
+    non-reading client makes us buffer), idle keep-alive 75 s."""
+    limits = ClientLimits(args.header_timeout_s, args.body_timeout_s, args.max_head_bytes)
+    cuts = app.state.metrics.connections_cut
     config = uvicorn.Config(with_send_timeout(app, args.client_send_timeout_s), host=host, port=port,
                             log_level=args.log_level, loop="uvloop",
                             # uvicorn calls ``http`` as a protocol factory; its hint names only asyncio.Protocol
-                            http=protocol_with_header_timeout(args.header_timeout_s, app),  # type: ignore[arg-type]
+                            http=guarded_protocol(limits, app,  # type: ignore[arg-type]
+                                                  lambda reason: cuts.labels(reason=reason).inc()),
                             timeout_graceful_shutdown=30, timeout_keep_alive=75, access_log=False, log_config=None)
     server = QuietServer(config)
     if args.reuse_port:

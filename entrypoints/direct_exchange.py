@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, RequestResponseCycle
 
@@ -39,18 +39,29 @@ _LAST_CHUNK = b"0\r\n\r\n"
 _JOIN_UP_TO = 64 * 1024  # a whole answer up to this goes out joined to its head; a longer one beside it
 
 
+class Connection(Protocol):
+    """What an exchange may do with the connection it is served on (``entrypoints/http_protocol.py``'s)."""
+
+    @property
+    def client_gone(self) -> set[Callable[[], None]]:
+        """Callbacks called once, when the connection is lost."""
+
+    def reset(self) -> None:
+        """Drop the connection at once, unsent answer and all (a client that stopped reading)."""
+
+    def close_unread(self) -> None:
+        """Close once the answer is out, while the client may still be sending a body no one will read."""
+
+
 class CycleExchange(Exchange):
-    """An exchange over a uvicorn ``RequestResponseCycle``: ``gone`` is the connection's set of callbacks for a
-    lost client, ``abort`` drops the connection at once (both ``entrypoints/http_protocol.py``'s)."""
+    """An exchange over a uvicorn ``RequestResponseCycle`` on ``connection``."""
 
-    __slots__ = ("_abort", "_cycle", "_gone")
+    __slots__ = ("_connection", "_cycle")
 
-    def __init__(self, cycle: RequestResponseCycle, gone: set[Callable[[], None]], abort: Callable[[], None],
-                 send_timeout_s: float | None) -> None:
+    def __init__(self, cycle: RequestResponseCycle, connection: Connection, send_timeout_s: float | None) -> None:
         super().__init__(cycle.scope, send_timeout_s)  # type: ignore[arg-type]  # uvicorn's HTTPScope is a dict
         self._cycle = cycle
-        self._gone = gone
-        self._abort = abort
+        self._connection = connection
 
     async def run(self, handler: Handler) -> None:
         """``serve``, then what uvicorn's ``run_asgi`` does after an app: an answer never started is a 500 and one
@@ -118,12 +129,17 @@ class CycleExchange(Exchange):
         if not await self._writable():
             return
         write = self._cycle.transport.write
-        if more:
+        if not self._cycle.chunked_encoding:  # an HTTP/1.0 client: the body as it is, its end the connection's
+            if body:
+                write(body)
+        elif more:
             if body:
                 write(b"%x\r\n%b\r\n" % (len(body), body))
             return
-        write(b"%x\r\n%b\r\n%b" % (len(body), body, _LAST_CHUNK) if body else _LAST_CHUNK)
-        self._completed()
+        else:
+            write(b"%x\r\n%b\r\n%b" % (len(body), body, _LAST_CHUNK) if body else _LAST_CHUNK)
+        if not more:
+            self._completed()
 
     async def _send_whole(self, status: int, headers: RawHeaders, body: bytes) -> None:
         if not await self._writable():
@@ -140,6 +156,10 @@ class CycleExchange(Exchange):
         cycle = self._cycle
         cycle.response_started = True
         cycle.waiting_for_100_continue = False
+        if cycle.more_body:
+            cycle.keep_alive = False  # answered before its body is in: reading on would take the next request for it
+        if chunked and cycle.scope["http_version"] == "1.0":
+            chunked = False  # no chunks for HTTP/1.0: the connection's end is the body's (it is not kept)
         cycle.chunked_encoding = chunked
         lines = [STATUS_LINE[status], _default_lines(cycle.default_headers)]
         for name, value in headers:
@@ -155,7 +175,9 @@ class CycleExchange(Exchange):
         cycle = self._cycle
         cycle.response_complete = True
         cycle.message_event.set()
-        if not cycle.keep_alive:
+        if cycle.more_body:
+            self._connection.close_unread()
+        elif not cycle.keep_alive:
             cycle.transport.close()
         cycle.on_response()
 
@@ -171,17 +193,17 @@ class CycleExchange(Exchange):
                     async with asyncio.timeout(self._send_timeout_s):
                         await cycle.flow.drain()
                 except TimeoutError:
-                    self._abort()
+                    self._connection.reset()
                     self._cut_off("stalled")
                     await asyncio.sleep(0)  # where the cut-off's cancellation is raised
         return not cycle.disconnected
 
     # -- the client ----------------------------------------------------------------------------------------------
     def _watch(self) -> None:
-        self._gone.add(self._client_left)
+        self._connection.client_gone.add(self._client_left)
 
     def _unwatch(self) -> None:
-        self._gone.discard(self._client_left)
+        self._connection.client_gone.discard(self._client_left)
 
 
 def _nothing() -> None:

@@ -1,12 +1,25 @@
-"""uvicorn's httptools protocol with a header-read timeout (a slowloris client is cut off), and a request body of
-declared length read straight into its own buffer and handed to the app whole.
+"""uvicorn's httptools protocol, guarded against hostile clients, with a request body of declared length read
+straight into its own buffer and handed to the app whole.
 
-uvicorn (0.54) starts no timer while a request's headers arrive: a client that opens a connection and sends
-nothing, or its headers a byte at a time, holds the connection (and a file descriptor) for ever; on a keep-alive
-connection the first byte of the next request even cancels the idle timer. Here each request's headers must be
-complete within ``header_timeout_s`` of the connection opening or of its first byte, or the connection is closed.
-A request whose headers arrived is no longer timed here (its body and answer have their own limits). Given the
-``FastPathApp`` it serves, the protocol starts a POST to a fast route on its cycle itself
+What uvicorn (0.54) leaves unbounded, and this protocol bounds, each cut-off logged and counted
+(``disagg_http_connections_cut{reason}``):
+
+- a request's head must be complete within ``header_timeout_s`` of the connection opening or of its first byte
+  (uvicorn starts no timer while headers arrive: a slowloris client holds the connection for ever), and be at most
+  ``max_head_bytes`` long (httptools grows a header value without limit, at a cost that grows with its square: one
+  48 MiB header cost 27 s of CPU): a 431 and a close, refused before more than one read past the limit is parsed;
+- a request's body must be complete within ``body_timeout_s`` of its head (a head and one byte of its body held a
+  connection, and in the orchestrator an admission slot, for ever): a 408 and a close;
+- an HTTP/1.1 request has exactly one ``Host``, an HTTP/1.0 one at most one (RFC 9112 3.2), else a 400; malformed
+  requests get an OpenAI-shaped 400, not uvicorn's plain text;
+- an answer sent before its request's body arrived (a 401, 413 or 429) says ``connection: close``, and the
+  connection is closed once the client has seen it (our side shut, what the client still sends read and dropped
+  for a few seconds): reading on would take the client's next request for the rest of the body, and a plain close
+  with unread bytes resets the connection, answer and all;
+- an HTTP/1.0 client gets no ``100 Continue`` and no chunked encoding (its answer's end is the connection's);
+- trailers of a chunked request body never join the request's headers.
+
+Given the ``FastPathApp`` it serves, the protocol starts a POST to a fast route on its cycle itself
 (``entrypoints/direct_exchange.py``); a request served through ASGI gets in its scope the ``ABORT_CONNECTION``
 extension that ``frontend/client_timeouts.py`` uses, and the ``CLIENT_GONE`` one through which
 ``frontend/asgi_fast_path.py`` learns that the client left without a task waiting on ``receive``. The keep-alive
@@ -16,6 +29,10 @@ The socket is read as a ``BufferedProtocol`` (``BufferedReads``), into buffers `
 gives: between requests a small one shared by the thread's connections, copied out as the ``bytes`` uvicorn
 parses; once the headers of a body of declared length (64 KiB to ``WHOLE_BODY_UP_TO``) are parsed, the rest of
 the body straight into the ``bytes`` the app gets, never through the parser.
+
+This drives uvicorn's private protocol and cycle classes, so it is written for one uvicorn release
+(``MIRRORED_UVICORN``; pyproject.toml pins it): ``check_uvicorn_version`` refuses to start on any other, by name,
+rather than serve with a hook that a newer release no longer calls.
 """
 
 from __future__ import annotations
@@ -26,36 +43,80 @@ import logging
 import socket
 import struct
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import httptools
+import uvicorn
 from uvicorn.protocols.http.flow_control import HIGH_WATER_LIMIT
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
+from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol, RequestResponseCycle
 
 from entrypoints.direct_exchange import CycleExchange
 from frontend.asgi_fast_path import CLIENT_GONE, FastPathApp
-from frontend.client_timeouts import ABORT_CONNECTION, DEFAULT_HEADER_TIMEOUT_S, TIMER_SLACK_S
+from frontend.client_timeouts import (
+    ABORT_CONNECTION,
+    DEFAULT_BODY_TIMEOUT_S,
+    DEFAULT_HEADER_TIMEOUT_S,
+    DEFAULT_MAX_HEAD_BYTES,
+    TIMER_SLACK_S,
+)
+from frontend.errors import HeadTooLargeError, InvalidRequestError, RequestTimeoutError, ServingError, error_body
+from frontend.http import request_id_of
 from frontend.read_buffers import DeclaredBody, DeclaredBodyReads
 
 logger = logging.getLogger(__name__)
 
+# The uvicorn releases whose protocol and cycle internals this module (and ``direct_exchange``) mirror: each was
+# read, and the suite passed on it. Another release may have renamed a field or stopped calling a hook, which would
+# not fail loudly: the server would serve with a limit silently off.
+MIRRORED_UVICORN = ("0.54.0",)
+
 # A request body of a declared length up to this is read whole before the app is woken (below).
 WHOLE_BODY_UP_TO = 16 * 1024 * 1024
+# How long a connection closed before its request's body was read keeps reading (and dropping) what the client
+# still sends, so that its close does not reset the connection before the client has read the answer.
+LINGER_S = 5.0
 
 
-def protocol_with_header_timeout(header_timeout_s: float, app: Any = None) -> type[BufferedReads]:
+def check_uvicorn_version(version: str = uvicorn.__version__) -> None:
+    """Refuse, by name, a uvicorn release this module was not written for."""
+    if version not in MIRRORED_UVICORN:
+        raise RuntimeError(
+            f"disagg-serve's HTTP layer is written for uvicorn {' or '.join(MIRRORED_UVICORN)}, and uvicorn "
+            f"{version} is installed: its private protocol internals may differ, which would leave limits on "
+            f"hostile clients silently off. Install the release it was written for: "
+            f"pip install 'uvicorn[standard]=={MIRRORED_UVICORN[-1]}'")
+
+
+@dataclass(frozen=True, slots=True)
+class ClientLimits:
+    """What one client may make a front end wait for or hold (docs/reliability.md)."""
+
+    header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S
+    body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
+    max_head_bytes: int = DEFAULT_MAX_HEAD_BYTES
+
+
+def guarded_protocol(limits: ClientLimits = ClientLimits(), app: Any = None,
+                     count_cut: Callable[[str], None] | None = None) -> type[BufferedReads]:
     """A protocol class for uvicorn's ``http=`` (a factory called with uvicorn's options): an ``HttpToolsProtocol``
-    closing slow-header connections, its socket read by ``BufferedReads``. ``app``: the ``FastPathApp`` served,
-    whose fast routes the protocol then serves itself (``entrypoints/direct_exchange.py``)."""
+    holding clients to ``limits``, its socket read by ``BufferedReads``. ``app``: the ``FastPathApp`` served, whose
+    fast routes the protocol then serves itself (``entrypoints/direct_exchange.py``); ``count_cut``: called with
+    the reason (``frontend.metrics.CONNECTION_CUT_REASONS``) of each connection cut on a limit."""
+    check_uvicorn_version()
 
-    class HeaderTimeoutProtocol(_HeaderTimeoutProtocol):
-        timeout_s = header_timeout_s
-        direct_app = app if isinstance(app, FastPathApp) else None
+    class Protocol(_GuardedProtocol):
+        pass
 
-    class HeaderTimeoutReads(BufferedReads):
-        http_protocol = HeaderTimeoutProtocol
+    Protocol.limits = limits
+    Protocol.direct_app = app if isinstance(app, FastPathApp) else None
+    if count_cut is not None:
+        Protocol.count_cut = staticmethod(count_cut)  # type: ignore[method-assign, assignment]
 
-    return HeaderTimeoutReads
+    class Reads(BufferedReads):
+        http_protocol = Protocol
+
+    return Reads
 
 
 class BufferedReads(asyncio.BufferedProtocol):
@@ -65,7 +126,7 @@ class BufferedReads(asyncio.BufferedProtocol):
 
     # The read callbacks are the HTTP protocol's own bound methods, so that a read costs no call more than before.
     __slots__ = ("buffer_updated", "get_buffer", "http")
-    http_protocol: type[_HeaderTimeoutProtocol]
+    http_protocol: type[_GuardedProtocol]
 
     def __init__(self, **options: Any) -> None:
         self.http = self.http_protocol(**options)
@@ -89,17 +150,30 @@ class BufferedReads(asyncio.BufferedProtocol):
         self.http.resume_writing()
 
 
-class _HeaderTimeoutProtocol(HttpToolsProtocol, DeclaredBodyReads):
-    timeout_s = DEFAULT_HEADER_TIMEOUT_S
+class _Refused(Exception):
+    """Raised from a parser callback to stop parsing a request the protocol refuses (``_refusal`` says why)."""
+
+
+class _GuardedProtocol(HttpToolsProtocol, DeclaredBodyReads):
+    limits = ClientLimits()
     direct_app: FastPathApp | None = None
+
+    @staticmethod
+    def count_cut(reason: str) -> None:
+        """Counts a connection cut on a limit (``guarded_protocol`` gives the server's metric)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._header_timer: asyncio.TimerHandle | None = None
+        self._body_timer: asyncio.TimerHandle | None = None
         # Called once when the connection is lost: a set, so that a pipelined request's callback is not the
         # running one's; each request takes its own out when it is done.
         self._client_gone: set[Callable[[], None]] = set()
         self._heads = 0  # request heads parsed on this connection
+        self._in_head = False  # a request's head has begun and is not complete
+        self._head_bytes = 0  # bytes read of that head in earlier reads
+        self._refusal: tuple[ServingError, str] | None = None  # why a parser callback stopped the parse
+        self._dropping = False  # closing: what the client still sends is read and dropped, never parsed
         self._idle_since: float | None = None  # loop time of the last answer, while no bytes came after it
         self.start_reads()  # a body read whole is ``declared_body`` (else read uvicorn's way)
 
@@ -111,7 +185,7 @@ class _HeaderTimeoutProtocol(HttpToolsProtocol, DeclaredBodyReads):
     def get_buffer(self, sizehint: int) -> memoryview:
         body = self.declared_body
         if body is not None and self.cycle.response_complete:
-            body.drop()  # answered without it (a 413): read to its end, kept nowhere
+            body.drop()  # answered without it: read to its end, kept nowhere (until the connection closes)
         return super().get_buffer(sizehint)
 
     def awaiting_head(self) -> bool:
@@ -123,27 +197,82 @@ class _HeaderTimeoutProtocol(HttpToolsProtocol, DeclaredBodyReads):
 
     # -- the request --------------------------------------------------------------------------------------------
     def data_received(self, data: bytes) -> None:
+        """uvicorn's, with the head's clock and size checked after each read, the body's clock started, and
+        refusals answered in OpenAI's error shape."""
+        if self._dropping:
+            return
         # Between requests on a keep-alive connection the idle timer runs; the next request's first byte starts
         # its header clock, unless the same read brought its whole head: nearly always, and then a timer would
         # only be made and cancelled. (A head, not a new cycle: an upgrade's head makes none, and its connection is
         # no longer this protocol's to time.)
         awaiting_head = self._header_timer is None and self.cycle is not None and self.cycle.response_complete
         heads = self._heads
-        super().data_received(data)
-        if awaiting_head and self._heads == heads and not self.transport.is_closing():
-            self._start_header_timer()
+        self._idle_since = None  # bytes came: busy (an armed keep-alive timer finds it so, and stops)
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            if self._should_upgrade():
+                self.handle_websocket_upgrade()
+            else:
+                self._unsupported_upgrade_warning()
+            return
+        except httptools.HttpParserError as exc:
+            refusal, self._refusal = self._refusal, None
+            self._refuse(*(refusal or (InvalidRequestError(f"invalid HTTP request: {exc}"), "bad_request")))
+            return
+        if self._heads == heads:
+            if self._in_head:
+                # Counted per read, not per byte: what is parsed past the limit is at most one read (16 KiB).
+                self._head_bytes += len(data)
+                if self._head_bytes > self.limits.max_head_bytes:
+                    self._refuse(HeadTooLargeError(f"the request's head is over {self.limits.max_head_bytes} "
+                                                   "bytes"), "head_too_large")
+                    return
+            if awaiting_head and not self.transport.is_closing():
+                self._start_header_timer()
+        else:
+            self._head_bytes = 0  # (a next head begun in the same read counts from the next read)
+        cycle = self.cycle
+        if cycle is not None and cycle.more_body and self._body_timer is None and not self._in_head \
+                and not self.transport.is_closing():
+            # A body still to come after this read (a short one came with its head: no timer made).
+            self._body_timer = self.loop.call_later(self.limits.body_timeout_s, self._body_too_slow)
+
+    def on_message_begin(self) -> None:
+        self._in_head = True
+        super().on_message_begin()
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if not self._in_head:
+            return  # a trailer of a chunked body: not one of the request's headers
+        name = name.lower()
+        if name == b"expect" and value.lower() == b"100-continue":
+            self.expect_100_continue = True
+        self.headers.append((name, value))
 
     def on_headers_complete(self) -> None:
         self._heads += 1
+        self._in_head = False
         self._stop_header_timer()
-        super().on_headers_complete()
         declared = b""
+        chunked = False
+        hosts = 0
         for name, value in self.headers:
             if name == b"content-length" and not declared:
                 declared = value
             elif name == b"transfer-encoding":
-                return  # framed by chunks, whatever it also declares: the parser's way
-        if declared.isdigit() and HIGH_WATER_LIMIT < int(declared) <= WHOLE_BODY_UP_TO \
+                chunked = True  # framed by chunks, whatever it also declares: the parser's way
+            elif name == b"host":
+                hosts += 1
+        version = self.parser.get_http_version()
+        if hosts > 1 or (hosts == 0 and version != "1.0"):
+            self._refusal = (InvalidRequestError("an HTTP/1.1 request needs exactly one Host header (RFC 9112 3.2)",
+                                                 param="host"), "bad_request")
+            raise _Refused()
+        if version == "1.0":
+            self.expect_100_continue = False  # no 1xx for an HTTP/1.0 client (RFC 9110 15.2)
+        super().on_headers_complete()
+        if not chunked and declared.isdigit() and HIGH_WATER_LIMIT < int(declared) <= WHOLE_BODY_UP_TO \
                 and not self.parser.should_upgrade():
             self.declared_body = DeclaredBody(int(declared))
 
@@ -155,7 +284,7 @@ class _HeaderTimeoutProtocol(HttpToolsProtocol, DeclaredBodyReads):
                 and not getattr(self.config, "reset_contextvars", False):
             handler = direct.fast_routes.get(cycle.scope["path"])
             if handler is not None:
-                exchange = CycleExchange(cycle, self._client_gone, self._reset_connection, direct.send_timeout_s)
+                exchange = CycleExchange(cycle, self, direct.send_timeout_s)
                 task = self.loop.create_task(exchange.run(handler))
                 task.add_done_callback(self.tasks.discard)
                 self.tasks.add(task)
@@ -164,8 +293,10 @@ class _HeaderTimeoutProtocol(HttpToolsProtocol, DeclaredBodyReads):
         # would first wait for the client to read what is still buffered, which it will not), and how the fast
         # path's exchange learns that the client left. (A direct exchange is given both itself.)
         extensions = cycle.scope.setdefault("extensions", {})
-        extensions[ABORT_CONNECTION] = {"abort": self._reset_connection}
+        extensions[ABORT_CONNECTION] = {"abort": self.reset}
         extensions[CLIENT_GONE] = {"callbacks": self._client_gone}
+        cycle.__class__ = _GuardedCycle  # its send, for early answers and HTTP/1.0 (no field to initialise)
+        cycle.connection = self  # type: ignore[attr-defined]
         super()._start_asgi_task(cycle, app)
 
     def on_body(self, body: bytes) -> None:
@@ -183,10 +314,11 @@ class _HeaderTimeoutProtocol(HttpToolsProtocol, DeclaredBodyReads):
             super().on_body(body)
             return
         if self.cycle.response_complete:
-            whole.drop()  # answered without it (a 413): counted to its end, kept nowhere
+            whole.drop()  # answered without it: counted to its end, kept nowhere
         whole.take(body)
 
     def on_message_complete(self) -> None:
+        self._stop_body_timer()
         whole, self.declared_body = self.declared_body, None
         if whole is not None and not self.cycle.response_complete:
             self.cycle.body = whole.whole()  # type: ignore[assignment]
@@ -233,6 +365,7 @@ class _HeaderTimeoutProtocol(HttpToolsProtocol, DeclaredBodyReads):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._stop_header_timer()
+        self._stop_body_timer()
         if self.timeout_keep_alive_task is not None:
             self.timeout_keep_alive_task.cancel()
             self.timeout_keep_alive_task = None
@@ -243,18 +376,91 @@ class _HeaderTimeoutProtocol(HttpToolsProtocol, DeclaredBodyReads):
         for callback in callbacks:
             callback()
 
-    def _reset_connection(self) -> None:
+    # -- what an exchange may do with its connection (``direct_exchange.Connection``) ---------------------------
+    @property
+    def client_gone(self) -> set[Callable[[], None]]:
+        return self._client_gone
+
+    def reset(self) -> None:
         """Close with a reset (SO_LINGER 0): a plain close leaves the unsent answer with the kernel, which keeps
-        the connection half-open for as long as the client keeps its window shut."""
+        the connection half-open for as long as the client keeps its window shut. (Only ever for a client that
+        stopped reading an answer.)"""
+        if not self.transport.is_closing():
+            logger.warning("reset the connection of %s: it stopped reading its answer", _peer(self.client))
+            self.count_cut("send_stalled")
         sock = self.transport.get_extra_info("socket")
         if sock is not None:
             with contextlib.suppress(OSError):
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
         self.transport.abort()
 
+    def close_unread(self) -> None:
+        """Close a connection whose client may still be sending a body no one will read. A plain close with
+        unread bytes in the socket resets the connection, and the client may lose the answer it was sent: so our
+        side is shut first (the client reads the answer, then its end), and what still comes is read and dropped
+        until the client closes, or for ``LINGER_S`` at most."""
+        transport = self.transport
+        if transport.is_closing() or self._dropping:
+            return
+        self._dropping = True
+        self.declared_body = None
+        self._stop_header_timer()
+        self._stop_body_timer()
+        if not transport.can_write_eof():  # (TLS): no half-close to offer
+            transport.close()
+            return
+        transport.write_eof()
+        self.loop.call_later(LINGER_S, transport.close)
+
+    # -- refusals and timers ------------------------------------------------------------------------------------
+    def _refuse(self, error: ServingError, reason: str) -> None:
+        """Answer ``error`` to a request the protocol will not parse further, and close."""
+        self.count_cut(reason)
+        logger.warning("refused a request from %s (%s): %s", _peer(self.client), error.status_code, error.message)
+        self._stop_header_timer()
+        if self.cycle is None or self.cycle.response_complete:  # else an answer is in progress: no second one
+            self.transport.write(self._error_answer(error, None))
+        self.close_unread()
+
+    def _error_answer(self, error: ServingError, request_id: str | None) -> bytes:
+        body = error_body(error)
+        lines = [STATUS_LINE[error.status_code]]
+        lines += [b"%b: %b\r\n" % pair for pair in self.server_state.default_headers]
+        lines.append(b"content-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n" % len(body))
+        if request_id is not None:
+            lines.append(b"x-request-id: %b\r\n" % request_id.encode())
+        lines += (b"\r\n", body)
+        return b"".join(lines)
+
+    def _body_too_slow(self) -> None:
+        """The body timer: the request's body is not in ``body_timeout_s`` after its head. The request ends as a
+        client that left (its handler is told), the client gets a 408 if nothing was answered yet, and the
+        connection closes."""
+        self._body_timer = None
+        cycle = self.cycle
+        if cycle is None or not cycle.more_body or self.transport.is_closing():
+            return
+        request_id = request_id_of(list(cycle.scope["headers"]))
+        logger.warning("request %s on %s %s from %s: its body did not arrive within %s s; connection closed",
+                       request_id, cycle.scope["method"], cycle.scope["path"], _peer(self.client),
+                       self.limits.body_timeout_s)
+        self.count_cut("body_timeout")
+        if not cycle.response_started:
+            self.transport.write(self._error_answer(RequestTimeoutError(
+                f"the request's body did not arrive within {self.limits.body_timeout_s} s"), request_id))
+            cycle.response_started = cycle.response_complete = True
+        cycle.disconnected = True  # the handler waiting on the body stops, as for a client that left
+        cycle.message_event.set()
+        self.close_unread()
+
+    def _stop_body_timer(self) -> None:
+        if self._body_timer is not None:
+            self._body_timer.cancel()
+            self._body_timer = None
+
     def _start_header_timer(self) -> None:
         self._stop_header_timer()
-        self._header_timer = self.loop.call_later(self.timeout_s, self._headers_too_slow)
+        self._header_timer = self.loop.call_later(self.limits.header_timeout_s, self._headers_too_slow)
 
     def _stop_header_timer(self) -> None:
         if self._header_timer is not None:
@@ -264,6 +470,52 @@ class _HeaderTimeoutProtocol(HttpToolsProtocol, DeclaredBodyReads):
     def _headers_too_slow(self) -> None:
         self._header_timer = None
         if not self.transport.is_closing():
-            logger.info("closed a connection from %s: no complete request headers within %s s",
-                        self.client, self.timeout_s)
+            logger.warning("closed a connection from %s: no complete request headers within %s s",
+                           _peer(self.client), self.limits.header_timeout_s)
+            self.count_cut("head_timeout")
             self.transport.close()
+
+
+class _GuardedCycle(RequestResponseCycle):
+    """uvicorn's cycle for a request served through ASGI, with ``send`` made to keep two rules: an answer that
+    starts before the request's body is in closes the connection after it (``close_unread``), and an answer to an
+    HTTP/1.0 client of no declared length is its body up to the connection's end, not chunks."""
+
+    connection: _GuardedProtocol
+    unframed = False  # an HTTP/1.0 answer of no declared length: sent as it is, the connection's end its end
+
+    async def send(self, message: Any) -> None:
+        if not self.response_started and message["type"] == "http.response.start":
+            if self.more_body:
+                self.keep_alive = False  # uvicorn writes ``connection: close``, then closes: through close_unread
+                self.transport = _ClosingUnread(self.transport, self.connection)  # type: ignore[assignment]
+            if self.scope["http_version"] == "1.0" and not any(
+                    name.lower() in _FRAMING for name, _ in message.get("headers", ())):
+                self.chunked_encoding = False
+                self.unframed = True
+        elif self.unframed and message["type"] == "http.response.body":
+            self.expected_content_length = len(message.get("body", b""))  # what uvicorn counts down to 0
+        await super().send(message)
+
+
+_FRAMING = (b"content-length", b"transfer-encoding")
+
+
+class _ClosingUnread:
+    """A cycle's transport whose ``close`` is the protocol's ``close_unread``."""
+
+    __slots__ = ("_connection", "_transport")
+
+    def __init__(self, transport: asyncio.Transport, connection: _GuardedProtocol) -> None:
+        self._transport = transport
+        self._connection = connection
+
+    def close(self) -> None:
+        self._connection.close_unread()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
+
+
+def _peer(client: tuple[str, int] | None) -> str:
+    return f"{client[0]}:{client[1]}" if client else "a client"

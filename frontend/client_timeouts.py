@@ -23,6 +23,11 @@ DEFAULT_SEND_TIMEOUT_S = 60.0
 ABORT_CONNECTION = "disagg.abort_connection"
 # How long a request's headers may take to arrive (the check itself is in entrypoints/http_protocol.py).
 DEFAULT_HEADER_TIMEOUT_S = 30.0
+# How long a request's body may take to arrive once its headers have (entrypoints/http_protocol.py): a client
+# that sends a head and then a byte a minute holds a connection, and nothing more, for at most this long.
+DEFAULT_BODY_TIMEOUT_S = 30.0
+# The most a request's head (request line and headers) may take, in bytes; a longer one gets 431 and a close.
+DEFAULT_MAX_HEAD_BYTES = 64 * 1024
 # A timeout's timer that fires this early counts as on time (event-loop timers round to the millisecond).
 TIMER_SLACK_S = 0.001
 

@@ -10,7 +10,9 @@
     ├── AdminDisabledError            403 code=admin_disabled (no admin key configured: the admin API is shut)
     ├── ModelNotFoundError            404 code=model_not_found
     ├── ResponseNotFoundError         404 (no stored response of that id: unknown, evicted, expired or deleted)
+    ├── RequestTimeoutError           408 code=request_timeout (a request's body did not arrive in time)
     ├── PayloadTooLargeError          413
+    ├── HeadTooLargeError             431 code=request_header_fields_too_large
     ├── OverloadedError               429 with Retry-After
     ├── EngineError                   500 (the engine failed; foreign errors are wrapped at the adapter)
     │   └── EngineRequestError        500 code=engine_request_failed (this request fails the engine on any
@@ -104,6 +106,18 @@ class PayloadTooLargeError(ServingError):
     status_code = 413
     error_type = "invalid_request_error"
     default_code = "payload_too_large"
+
+
+class RequestTimeoutError(ServingError):
+    status_code = 408
+    error_type = "invalid_request_error"
+    default_code = "request_timeout"
+
+
+class HeadTooLargeError(ServingError):
+    status_code = 431
+    error_type = "invalid_request_error"
+    default_code = "request_header_fields_too_large"
 
 
 class OverloadedError(ServingError):

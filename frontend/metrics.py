@@ -13,6 +13,11 @@ from prometheus_client.multiprocess import MultiProcessCollector
 METRICS_CONTENT_TYPE = CONTENT_TYPE_LATEST
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
+# Why a front end cut a client's connection: its head took longer than the header timeout, or was longer than the
+# head limit (431); its body took longer than the body timeout (408); its head was malformed (400); or it stopped
+# reading an answer for the send timeout.
+CONNECTION_CUT_REASONS = ("head_timeout", "head_too_large", "body_timeout", "bad_request", "send_stalled")
+
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
 
@@ -89,6 +94,13 @@ class Metrics:
             "taken by a GEN, released (GEN refused it, client gone, orchestrator failure, aborted) or expired",
             ["outcome"], registry=r,
         )
+        # Connections a front end cut on a client (entrypoints/http_protocol.py), each also logged with its cause.
+        self.connections_cut = Counter(
+            "disagg_http_connections_cut", "Client connections this front end closed on a limit, by reason",
+            ["reason"], registry=r,
+        )
+        for reason in CONNECTION_CUT_REASONS:
+            self.connections_cut.labels(reason=reason)  # exported at 0 until the first
 
     def render(self) -> bytes:
         if os.environ.get(MULTIPROC_ENV):

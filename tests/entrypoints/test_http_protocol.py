@@ -17,7 +17,7 @@ import pytest
 import uvloop
 
 from entrypoints import http_protocol
-from entrypoints.http_protocol import protocol_with_header_timeout
+from entrypoints.http_protocol import ClientLimits, guarded_protocol
 from frontend import read_buffers
 from tests.servers import ServerThread
 from tests.waiting import eventually
@@ -65,7 +65,7 @@ class Recorder:
 @pytest.fixture(params=[asyncio.new_event_loop, uvloop.new_event_loop], ids=["asyncio", "uvloop"])
 def server(request: pytest.FixtureRequest) -> Iterator[tuple[Recorder, int]]:
     app = Recorder()
-    thread = ServerThread(app, event_loop=request.param, http=protocol_with_header_timeout(30.0), lifespan="off")
+    thread = ServerThread(app, event_loop=request.param, http=guarded_protocol(ClientLimits(header_timeout_s=30.0)), lifespan="off")
     url = thread.start()
     try:
         yield app, int(url.rsplit(":", 1)[1])
@@ -173,13 +173,13 @@ def test_a_client_gone_mid_body_is_a_disconnect_not_a_body(server: tuple[Recorde
 def parsed(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """The size of every piece the HTTP parser is handed."""
     sizes: list[int] = []
-    feed = http_protocol._HeaderTimeoutProtocol.data_received
+    feed = http_protocol._GuardedProtocol.data_received
 
     def counted(self: Any, data: bytes) -> None:
         sizes.append(len(data))
         feed(self, data)
 
-    monkeypatch.setattr(http_protocol._HeaderTimeoutProtocol, "data_received", counted)
+    monkeypatch.setattr(http_protocol._GuardedProtocol, "data_received", counted)
     return sizes
 
 
@@ -224,7 +224,7 @@ def test_a_body_answered_before_it_is_read_is_read_to_its_end_and_dropped_and_th
 
 @pytest.mark.parametrize("event_loop", [asyncio.new_event_loop, uvloop.new_event_loop], ids=["asyncio", "uvloop"])
 def test_the_next_request_on_a_kept_connection_gets_its_own_header_clock(event_loop: Any) -> None:
-    thread = ServerThread(Recorder(), event_loop=event_loop, http=protocol_with_header_timeout(0.5), lifespan="off")
+    thread = ServerThread(Recorder(), event_loop=event_loop, http=guarded_protocol(ClientLimits(header_timeout_s=0.5)), lifespan="off")
     port = int(thread.start().rsplit(":", 1)[1])
     try:
         with connected(port) as sock:
@@ -250,7 +250,7 @@ def test_after_a_long_body_a_pipelined_request_that_closes_is_still_answered(ser
 
 
 def test_a_websocket_upgrade_on_a_kept_connection_is_not_cut_off_by_the_header_clock() -> None:
-    thread = ServerThread(Recorder(), http=protocol_with_header_timeout(0.3), lifespan="off")
+    thread = ServerThread(Recorder(), http=guarded_protocol(ClientLimits(header_timeout_s=0.3)), lifespan="off")
     port = int(thread.start().rsplit(":", 1)[1])
     upgrade = (b"GET /ws HTTP/1.1\r\nHost: t\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
                b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n")
@@ -277,7 +277,7 @@ def test_a_websocket_upgrade_on_a_kept_connection_is_not_cut_off_by_the_header_c
 def kept_connection(timeout_keep_alive_s: float) -> Iterator[socket.socket]:
     """A connection to a server closing idle keep-alive connections after ``timeout_keep_alive_s``, one request
     already answered on it (its keep-alive timer is running)."""
-    thread = ServerThread(Recorder(), http=protocol_with_header_timeout(30.0), timeout_keep_alive=timeout_keep_alive_s,
+    thread = ServerThread(Recorder(), http=guarded_protocol(ClientLimits(header_timeout_s=30.0)), timeout_keep_alive=timeout_keep_alive_s,
                           lifespan="off")
     port = int(thread.start().rsplit(":", 1)[1])
     try:

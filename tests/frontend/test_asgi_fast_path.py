@@ -23,7 +23,7 @@ import pytest
 from fastapi import Request
 from starlette.responses import Response, StreamingResponse
 
-from entrypoints.http_protocol import protocol_with_header_timeout
+from entrypoints.http_protocol import ClientLimits, guarded_protocol
 from frontend.asgi_fast_path import Exchange, FastPathApp
 from frontend.client_timeouts import with_send_timeout
 from frontend.errors import OverloadedError, UpstreamError
@@ -187,7 +187,7 @@ def served(request: pytest.FixtureRequest) -> Iterator[Served]:
     app = make_app(probe)
     options: dict[str, Any] = {}
     if request.param != "uvicorn":
-        options["http"] = protocol_with_header_timeout(30.0, app if request.param == "direct" else None)
+        options["http"] = guarded_protocol(ClientLimits(header_timeout_s=30.0), app if request.param == "direct" else None)
     server = ServerThread(with_send_timeout(app, SEND_TIMEOUT_S), **options)
     url = server.start()
     try:
