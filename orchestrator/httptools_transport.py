@@ -12,12 +12,17 @@ httptools' C parser (llhttp, the one uvicorn and aiohttp use) as it is read. The
 the b64 prompt at 131k tokens, goes past the parser straight into the ``bytes`` its reader gets, never copied.
 
 What it keeps of a general client, because production needs it: a pool of keep-alive connections per worker
-(LIFO, so the warm ones are reused; idle ones closed after ``_IDLE_S``, before the worker's own timeout, so the
-orchestrator is the side that closes them), at most ``_MAX_CONNECTIONS`` at once (the rest wait their turn), one
-retry on a fresh connection when a reused one turns out to have been closed by the worker before it answered a
-byte (the idle-timeout race), connect and between-reads timeouts, TLS for ``https://`` workers, flow control on a
-stream the consumer reads slower than the worker writes, and the connection closed, never pooled, when an answer
-is abandoned half read (that is what tells GEN to stop). Anything that goes wrong is the project's own error
+(LIFO, so the warm ones are reused; idle ones closed after ``_IDLE_S`` by one timer per worker, before the
+worker's own timeout, so the orchestrator is the side that closes them), at most ``_MAX_CONNECTIONS`` at once (the
+rest wait their turn), one retry on a fresh connection when a pooled one turns out to have been closed by the
+worker before the request was written (so the worker cannot have started it: a request written and then met by a
+close is never sent again here, since it may have run), connect and between-reads timeouts, TLS for ``https://``
+workers, flow control on a stream the consumer reads slower than the worker writes, and the connection closed,
+never pooled, when an answer is abandoned half read (that is what tells GEN to stop) or did not end cleanly.
+
+What it takes from a worker, or a proxy in front of one: interim ``1xx`` answers (``100 Continue``, ``103 Early
+Hints``) are skipped, and the final answer is the request's; a ``101`` (no upgrade was asked for) is an error; a
+head (interim ones included) over ``_MAX_HEAD_BYTES`` is an error. Anything that goes wrong is the project's own error
 (``frontend.errors``), naming the worker: a refused or failed connect is ``UpstreamUnavailableError``, a timeout
 ``UpstreamTimeoutError``, anything else ``UpstreamError``.
 """
@@ -46,6 +51,8 @@ _PAUSE_AT = 4 * 1024 * 1024
 _BODY_FRAMING = (b"content-length", b"transfer-encoding")
 # A whole answer declared longer than this is read straight into its own bytes (shorter ones come with their head).
 _READ_PAST_THE_PARSER_FROM = 64 * 1024
+# An answer's head (with any interim 1xx heads before it) may be at most this long.
+_MAX_HEAD_BYTES = 64 * 1024
 
 
 class HttptoolsTransport:
@@ -69,6 +76,7 @@ class HttptoolsTransport:
         self._open: set[_Connection] = set()
         self._connecting = 0  # connections being opened: they count against the limit already
         self._waiters: deque[asyncio.Future[None]] = deque()
+        self._reaper: asyncio.TimerHandle | None = None  # closes connections idle for _IDLE_S
         self._closed = False
 
     # -- Transport --------------------------------------------------------------------------------------------
@@ -91,6 +99,9 @@ class HttptoolsTransport:
 
     async def aclose(self) -> None:
         self._closed = True
+        if self._reaper is not None:
+            self._reaper.cancel()
+            self._reaper = None
         for connection in list(self._open):
             connection.close()
         self._idle.clear()
@@ -125,8 +136,8 @@ class HttptoolsTransport:
         try:
             return await self._attempt(await self._acquire(), head, body, timeout_s, stream)
         except _StaleConnection:
-            # A pooled connection the worker closed as it was reused (a race with its idle timeout), before a byte
-            # of the answer: once more, on a fresh one. A fresh connection never raises this.
+            # A pooled connection the worker had closed (its idle timeout) before the request was written: the
+            # worker never saw it, so once more, on a fresh one. A fresh connection never raises this.
             return await self._attempt(await self._acquire(fresh=True), head, body, timeout_s, stream)
 
     async def _reply(self, connection: _Connection) -> Reply:
@@ -215,10 +226,27 @@ class HttptoolsTransport:
         if connection.reusable and not self._closed:
             connection.idle_since = time.monotonic()
             self._idle.append(connection)
+            if self._reaper is None:
+                self._reaper = asyncio.get_running_loop().call_later(_IDLE_S, self._reap)
         else:
             self._forget(connection)
             return
         self._wake_a_waiter()
+
+    def _reap(self) -> None:
+        """Close the pooled connections idle for ``_IDLE_S`` or closed by the worker meanwhile, so that idle ones
+        do not hold a socket each on both sides for ever; again when the oldest left is due. One timer per worker,
+        not one per connection or per request."""
+        self._reaper = None
+        now = time.monotonic()
+        kept = [c for c in self._idle if c.reusable and now - c.idle_since < _IDLE_S]
+        for connection in self._idle:
+            if connection not in kept:
+                self._forget(connection)
+        self._idle = kept
+        if kept:
+            due = min(c.idle_since for c in kept) + _IDLE_S - now
+            self._reaper = asyncio.get_running_loop().call_later(max(due, 0.0), self._reap)
 
     def _forget(self, connection: _Connection) -> None:
         connection.close()
@@ -289,7 +317,7 @@ class HttptoolsStream:
 
 
 class _StaleConnection(Exception):
-    """A reused connection was closed by the worker before a byte of the answer came back."""
+    """A pooled connection was found closed by the worker before the request was written on it."""
 
 
 class _Connection(DeclaredBodyReads, asyncio.BufferedProtocol):
@@ -305,12 +333,13 @@ class _Connection(DeclaredBodyReads, asyncio.BufferedProtocol):
         self._parser = httptools.HttpResponseParser(self)
         self._loop = asyncio.get_running_loop()
         self._used = False  # a request has gone out on it
-        self._reused = False  # the current request is not the connection's first
         self._received_any = False
         self._keep_alive = False
         self._headers_done = False
         self._delimited = False  # the answer says where its body ends (Content-Length or chunked)
-        self._failure: Exception | None = None  # an UpstreamError, or _StaleConnection
+        self._interim = False  # the head being parsed is a 1xx, after which the final answer comes
+        self._head_bytes = 0  # bytes read while the answer's head was awaited
+        self._failure: Exception | None = None  # an UpstreamError
         self._body: list[bytes] = []
         self._buffered = 0
         self._paused = False
@@ -325,7 +354,11 @@ class _Connection(DeclaredBodyReads, asyncio.BufferedProtocol):
 
     @property
     def reusable(self) -> bool:
-        return self._transport is not None and self.complete and self._keep_alive and self._failure is None
+        """The last exchange ended cleanly: its whole answer read, the worker keeping the connection, and the whole
+        request written (a worker that answered before reading all of it may take the rest for a next request)."""
+        transport = self._transport
+        return transport is not None and self.complete and self._keep_alive and self._failure is None \
+            and not transport.is_closing() and transport.get_write_buffer_size() == 0
 
     # -- the request ------------------------------------------------------------------------------------------
     def send(self, head: bytes, body: Body, read_timeout_s: float, stream: bool) -> None:
@@ -336,11 +369,11 @@ class _Connection(DeclaredBodyReads, asyncio.BufferedProtocol):
         if self._used:
             self._parser = httptools.HttpResponseParser(self)
         self._resume()
-        self._reused = self._used
         self._used = True
         self.status = 0
         self.complete = self._headers_done = self._received_any = self._keep_alive = False
-        self.flow_controlled = self._delimited = False
+        self.flow_controlled = self._delimited = self._interim = False
+        self._head_bytes = 0
         self._stream = stream
         self._declared = b""
         self.declared_body = None
@@ -441,6 +474,16 @@ class _Connection(DeclaredBodyReads, asyncio.BufferedProtocol):
         except httptools.HttpParserError as exc:
             self._fail(UpstreamError(f"worker {self.url} sent an answer that is not valid HTTP: {exc}"))
             self.close()
+            return
+        except httptools.HttpParserUpgrade:  # a 101: ``on_headers_complete`` has failed the request
+            self.close()
+            return
+        if not self._headers_done and not self.complete:
+            self._head_bytes += len(data)  # per read: at most one read (16 KiB) is parsed past the limit
+            if self._head_bytes > _MAX_HEAD_BYTES:
+                self._fail(UpstreamError(f"worker {self.url} sent an answer whose head is over {_MAX_HEAD_BYTES} "
+                                         "bytes"))
+                self.close()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._transport = None
@@ -449,8 +492,13 @@ class _Connection(DeclaredBodyReads, asyncio.BufferedProtocol):
             return
         if not self._used:
             return  # an idle connection the worker closed: the pool finds it unusable
-        if self._reused and not self._received_any:
-            self._fail(_StaleConnection())
+        if not self._received_any:
+            # Written, then met by a close with not a byte back. On a reused connection this may be the worker's
+            # idle close crossing the request; it may as well be a worker that took the request and died: it may
+            # have run, so it is not sent again here (the caller's retry policy decides, on another worker).
+            cause = f"{type(exc).__name__}: {exc}" if exc is not None else "the worker closed the connection"
+            self._fail(UpstreamError(f"worker {self.url} failed: the connection was lost before the answer began "
+                                     f"({cause})"))
             return
         if self._headers_done and not self._delimited and exc is None:
             self.complete = True  # a body that ends where the connection does (no length, not chunked)
@@ -476,7 +524,16 @@ class _Connection(DeclaredBodyReads, asyncio.BufferedProtocol):
         if self.complete:
             self._keep_alive = False
             return
-        self.status = self._parser.get_status_code()
+        status = self._parser.get_status_code()
+        if 100 <= status < 200:
+            self._declared, self._delimited = b"", False  # an interim head's framing is not the answer's
+            if status == 101:
+                self._fail(UpstreamError(f"worker {self.url} answered 101 Switching Protocols to a request that "
+                                         "asked for no upgrade"))
+                return
+            self._interim = True  # skipped: the final answer follows on the same connection
+            return
+        self.status = status
         self._keep_alive = self._parser.should_keep_alive()
         self._headers_done = True
         declared = self._declared
@@ -500,6 +557,11 @@ class _Connection(DeclaredBodyReads, asyncio.BufferedProtocol):
         self._wake()
 
     def on_message_complete(self) -> None:
+        if self._interim:
+            self._interim = False
+            return
+        if self._failure is not None:
+            return
         if self.complete:
             self._keep_alive = False
             return
