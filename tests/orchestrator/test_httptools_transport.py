@@ -555,3 +555,82 @@ def test_a_long_answer_over_tls_is_read_past_the_parser_under_uvloop(certificate
                                                                       parsed: list[int]) -> None:
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         runner.run(long_answers_over_tls(certificate, parsed))
+
+
+# -- odd workers: interim answers, upgrades, huge heads, half answers, idle connections -------------------------
+# A transport that gives up on a silent worker in a minute, so that a defect fails these tests rather than hangs them.
+BOUNDED = WorkerTimeouts(request_s=60.0)
+
+
+@pytest.mark.parametrize("interim", [b"HTTP/1.1 100 Continue\r\n\r\n",
+                                     b"HTTP/1.1 103 Early Hints\r\nLink: </a>; rel=preload\r\n\r\n"
+                                     b"HTTP/1.1 100 Continue\r\n\r\n"], ids=["100", "103 then 100"])
+async def test_interim_answers_are_skipped_and_each_request_gets_its_own_answer(interim: bytes) -> None:
+    """A worker (or a proxy before it) that sends 1xx first: the final answer is the request's, and the next
+    request on the kept connection gets its own (before, the 1xx was taken as the answer and the next request read
+    this one's: one user's completion went to another)."""
+    async def continue_first(worker: RawWorker, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while (body := await worker.read_request(reader)) is not None:
+            writer.write(interim + answer(body))
+            await writer.drain()
+
+    async with client_of(continue_first, BOUNDED) as (worker, transport):
+        for i in range(3):
+            reply = await transport.post("/x", b'{"i":%d}' % i)
+            assert (reply.status_code, reply.content) == (200, b'{"i":%d}' % i)
+        stream = await transport.open_stream("/x", b'{"s":1}')
+        assert stream.status_code == 200
+        assert await stream.read() == b'{"s":1}'
+        assert worker.connections == 1
+
+
+async def test_a_101_is_an_upstream_error_and_the_connection_is_dropped() -> None:
+    async def upgrade(worker: RawWorker, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await worker.read_request(reader)
+        writer.write(b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: h2c\r\nConnection: Upgrade\r\n\r\nbinary")
+        await writer.drain()
+        await reader.read()
+
+    async with client_of(upgrade, BOUNDED) as (worker, transport):
+        with pytest.raises(UpstreamError, match="101 Switching Protocols"):
+            await transport.post("/x", b"{}")
+        await asyncio.wait_for(worker.closed.wait(), 60)  # dropped, not pooled
+
+
+async def test_an_answer_head_over_the_limit_is_an_upstream_error() -> None:
+    async def huge_head(worker: RawWorker, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await worker.read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nX-Big: " + b"a" * (httptools_transport._MAX_HEAD_BYTES * 4))
+        await writer.drain()
+        await reader.read()
+
+    async with client_of(huge_head, BOUNDED) as (worker, transport):
+        with pytest.raises(UpstreamError, match="head is over"):
+            await transport.post("/x", b"{}")
+        await asyncio.wait_for(worker.closed.wait(), 60)
+
+
+async def test_a_half_answer_is_an_upstream_error_and_never_pooled() -> None:
+    async def half(worker: RawWorker, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        body = await worker.read_request(reader)
+        if len(worker.requests) == 1:
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nhalf")
+            await writer.drain()
+            return  # and the connection ends
+        writer.write(answer(body or b""))
+        await writer.drain()
+
+    async with client_of(half) as (worker, transport):
+        with pytest.raises(UpstreamError, match="lost before the answer ended"):
+            await transport.post("/x", b"{}")
+        assert (await transport.post("/x", b"2")).content == b"2"
+        assert worker.connections == 2
+
+
+async def test_idle_pooled_connections_are_closed_by_the_transport(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(httptools_transport, "_IDLE_S", 0.05)  # the transport's setting, not a wait of the test's
+    async with client_of(echo_keep_alive) as (worker, transport):
+        assert (await transport.post("/x", b"1")).content == b"1"
+        assert worker.open_now == 1
+        assert await eventually_async(lambda: worker.open_now == 0)  # the transport closed it: no request came
+        assert transport._idle == []

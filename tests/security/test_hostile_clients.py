@@ -1,0 +1,274 @@
+"""A front end against clients that mean harm or break the rules: raw sockets against a real orchestrator served as
+``disagg-serve`` serves it (the project's protocol, uvloop, the direct exchange for its fast routes, FastAPI for the
+rest), in front of synthetic workers. Each case failed on the protocol before heads were capped, bodies timed,
+``Host`` checked, early answers closed, HTTP/1.0 answered unchunked and trailers kept out of the headers; the
+smuggling vectors were already refused, and stay so."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import socket
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import pytest
+import uvloop
+
+from entrypoints.http_protocol import ClientLimits, check_uvicorn_version, guarded_protocol
+from frontend.config import parse_config
+from frontend.metrics import Metrics
+from orchestrator.server import create_orchestrator_app
+from tests.cluster import MODEL, sample, start_worker
+from tests.servers import ServerThread
+
+BODY_TIMEOUT_S = 0.5  # the server's setting under test, not a wait of the test's
+CHAT = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}).encode()
+
+
+@dataclass
+class Front:
+    port: int
+    metrics: Metrics
+
+    def cuts(self, reason: str) -> float:
+        return sample(self.metrics, "disagg_http_connections_cut_total", reason=reason)
+
+
+@pytest.fixture(scope="module")
+def front() -> Iterator[Front]:
+    """An orchestrator admitting one request at a time, with a short body clock, in front of synthetic workers."""
+    with contextlib.ExitStack() as stack:
+        ctx = start_worker(stack, "context")
+        gen = start_worker(stack, "generation")
+        config = parse_config({"context_servers": {"urls": [ctx.url]}, "generation_servers": {"urls": [gen.url]},
+                               "max_concurrent_requests": 1, "max_body_bytes": 64 * 1024})
+        app = create_orchestrator_app(config)
+        metrics: Metrics = app.state.metrics
+        limits = ClientLimits(header_timeout_s=30.0, body_timeout_s=BODY_TIMEOUT_S)
+        server = ServerThread(app, event_loop=uvloop.new_event_loop,
+                              http=guarded_protocol(limits, app, lambda r: metrics.connections_cut.labels(r).inc()))
+        url = server.start()
+        stack.callback(server.stop)
+        yield Front(int(url.rsplit(":", 1)[1]), metrics)
+
+
+@contextlib.contextmanager
+def connected(port: int) -> Iterator[socket.socket]:
+    with socket.create_connection(("127.0.0.1", port), timeout=60) as sock:
+        yield sock
+
+
+def request(path: bytes = b"/v1/chat/completions", body: bytes = CHAT, extra: bytes = b"",
+            version: bytes = b"1.1", host: bytes = b"Host: t\r\n") -> bytes:
+    return (b"POST %b HTTP/%b\r\n%bContent-Type: application/json\r\nContent-Length: %d\r\n%b\r\n%b"
+            % (path, version, host, len(body), extra, body))
+
+
+def read_until_closed(sock: socket.socket) -> bytes:
+    """Everything the server sends until it closes the connection (a reset after its answer counts as a close)."""
+    received = b""
+    with contextlib.suppress(ConnectionResetError):
+        while chunk := sock.recv(65536):
+            received += chunk
+    return received
+
+
+def read_one(sock: socket.socket) -> tuple[bytes, bytes]:
+    """One answer with a Content-Length: its head and its body."""
+    received = b""
+    while b"\r\n\r\n" not in received:
+        chunk = sock.recv(65536)
+        assert chunk, f"closed before an answer: {received!r}"
+        received += chunk
+    head, _, body = received.partition(b"\r\n\r\n")
+    length = int(header(head, b"content-length") or b"0")
+    while len(body) < length:
+        body += sock.recv(65536)
+    return head, body
+
+
+def header(head: bytes, name: bytes) -> bytes | None:
+    for line in head.split(b"\r\n")[1:]:
+        key, _, value = line.partition(b":")
+        if key.strip().lower() == name:
+            return value.strip()
+    return None
+
+
+def status_of(head: bytes) -> int:
+    return int(head.split(b" ", 2)[1])
+
+
+def error_of(body: bytes) -> dict[str, Any]:
+    error: dict[str, Any] = json.loads(body)["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    return error
+
+
+def still_serving(front: Front) -> None:
+    reply = httpx.post(f"http://127.0.0.1:{front.port}/v1/chat/completions", content=CHAT,
+                       headers={"content-type": "application/json"}, timeout=60)
+    assert reply.status_code == 200, reply.text
+
+
+# -- heads ----------------------------------------------------------------------------------------------------
+def test_a_huge_header_is_refused_with_431_before_it_ends(front: Front) -> None:
+    """A header value four times the limit, never finished: the refusal comes from its size, while the client is
+    still sending it (before, only the 30 s header clock ended it, and a 48 MiB one cost 27 s of CPU)."""
+    before = front.cuts("head_too_large")
+    with connected(front.port) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: t\r\nX-Big: " + b"a" * 256 * 1024)
+        answer = read_until_closed(sock)
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert status_of(head) == 431
+    assert header(head, b"connection") == b"close"
+    assert error_of(body)["code"] == "request_header_fields_too_large"
+    assert front.cuts("head_too_large") == before + 1
+    still_serving(front)
+
+
+def test_a_head_just_under_the_limit_is_served(front: Front) -> None:
+    with connected(front.port) as sock:
+        sock.sendall(request(extra=b"X-Big: " + b"a" * 60_000 + b"\r\n"))
+        head, _ = read_one(sock)
+    assert status_of(head) == 200
+
+
+@pytest.mark.parametrize("hosts", [b"", b"Host: a\r\nHost: b\r\n"], ids=["no Host", "two Hosts"])
+def test_an_http11_request_without_exactly_one_host_is_400(front: Front, hosts: bytes) -> None:
+    with connected(front.port) as sock:
+        sock.sendall(request(host=hosts))
+        answer = read_until_closed(sock)
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert status_of(head) == 400
+    error = error_of(body)
+    assert (error["param"], error["type"]) == ("host", "invalid_request_error")
+
+
+# Each a way to make a front end and a server behind it disagree on where a request ends; llhttp refuses them all.
+SMUGGLING = {
+    "CL.TE": b"POST /v1/chat/completions HTTP/1.1\r\nHost: t\r\nContent-Length: 6\r\nTransfer-Encoding: chunked\r\n"
+             b"\r\n0\r\n\r\nG",
+    "TE.CL": b"POST /v1/chat/completions HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\nContent-Length: 3\r\n"
+             b"\r\n8\r\nSMUGGLED\r\n0\r\n\r\n",
+    "two lengths": b"POST /v1/chat/completions HTTP/1.1\r\nHost: t\r\nContent-Length: 2\r\nContent-Length: 3\r\n"
+                   b"\r\nabc",
+    "odd length": b"POST /v1/chat/completions HTTP/1.1\r\nHost: t\r\nContent-Length: +2\r\n\r\nab",
+    "obs-fold": b"POST /v1/chat/completions HTTP/1.1\r\nHost: t\r\nX-A: a\r\n b\r\nContent-Length: 0\r\n\r\n",
+    "bad chunk size": b"POST /v1/chat/completions HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n"
+                      b"zz\r\nab\r\n0\r\n\r\n",
+    "bare LF": b"POST /v1/chat/completions HTTP/1.1\nHost: t\nContent-Length: 0\n\n",
+    "NUL in a header": b"POST /v1/chat/completions HTTP/1.1\r\nHost: t\r\nX-A: a\x00b\r\nContent-Length: 0\r\n\r\n",
+}
+
+
+@pytest.mark.parametrize("raw", SMUGGLING.values(), ids=SMUGGLING.keys())
+def test_a_smuggling_vector_is_400_and_a_close(front: Front, raw: bytes) -> None:
+    with connected(front.port) as sock:
+        sock.sendall(raw)
+        answer = read_until_closed(sock)
+    assert answer.startswith(b"HTTP/1.1 400 "), answer[:200]
+    assert answer.count(b"HTTP/1.1 ") == 1  # nothing after it was taken for a second request
+    still_serving(front)
+
+
+# -- bodies ---------------------------------------------------------------------------------------------------
+def test_a_slow_body_holds_no_admission_slot_and_is_cut_off_with_408(
+        front: Front, caplog: pytest.LogCaptureFixture) -> None:
+    before = front.cuts("body_timeout")
+    with caplog.at_level(logging.WARNING, logger="entrypoints.http_protocol"), connected(front.port) as slow:
+        slow.sendall(request(body=b"{" + b" " * 999, extra=b"X-Request-Id: slow-body-1\r\n")[:-999])
+        # The only slot (max_concurrent_requests: 1) is not the slow client's: a fast one is served meanwhile.
+        still_serving(front)
+        answer = read_until_closed(slow)
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert status_of(head) == 408
+    assert header(head, b"x-request-id") == b"slow-body-1"
+    assert error_of(body)["code"] == "request_timeout"
+    assert front.cuts("body_timeout") == before + 1
+    assert any("slow-body-1" in r.getMessage() and "body did not arrive" in r.getMessage() for r in caplog.records)
+    still_serving(front)
+
+
+def test_an_answer_before_the_body_closes_the_connection(front: Front) -> None:
+    """A 413 for a declared length over the limit comes before the body: the connection says close and closes,
+    so a client that abandons the body cannot have its next request read as that body."""
+    with connected(front.port) as sock:
+        sock.sendall(request(body=b"x" * 100_000)[:-100_000])  # the head only
+        head, body = read_one(sock)
+        assert status_of(head) == 413
+        assert error_of(body)["code"] == "payload_too_large"
+        assert header(head, b"connection") == b"close"
+        with contextlib.suppress(ConnectionError):
+            sock.sendall(request())  # the client's next request on the same connection ...
+        assert b"HTTP/1.1 200" not in read_until_closed(sock)  # ... is not answered as if the body had ended
+
+
+def test_a_chunked_bodys_trailers_do_not_join_its_headers() -> None:
+    seen: list[list[tuple[bytes, bytes]]] = []
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        while (await receive()).get("more_body", False):
+            pass
+        seen.append(list(scope["headers"]))
+        await send({"type": "http.response.start", "status": 204, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
+
+    server = ServerThread(app, event_loop=uvloop.new_event_loop, http=guarded_protocol(), lifespan="off")
+    port = int(server.start().rsplit(":", 1)[1])
+    try:
+        with connected(port) as sock:
+            sock.sendall(b"POST /x HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n"
+                         b"2\r\nab\r\n0\r\nX-Injected: 1\r\n\r\n")
+            assert sock.recv(65536).startswith(b"HTTP/1.1 204")
+    finally:
+        server.stop()
+    assert [name for name, _ in seen[0]] == [b"host", b"transfer-encoding"]
+
+
+# -- HTTP/1.0 -------------------------------------------------------------------------------------------------
+def test_an_http10_client_gets_no_100_continue_and_no_chunks(front: Front) -> None:
+    streamed = json.dumps({**json.loads(CHAT), "stream": True}).encode()
+    with connected(front.port) as sock:
+        sock.sendall(request(body=streamed, version=b"1.0", extra=b"Expect: 100-continue\r\n"))
+        answer = read_until_closed(sock)
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200 ")
+    assert b"100 Continue" not in answer
+    assert header(head, b"transfer-encoding") is None
+    assert body.startswith(b"data: ") and body.endswith(b"data: [DONE]\n\n")  # no chunk sizes around it
+
+
+def test_an_http10_client_of_an_asgi_stream_gets_no_chunks() -> None:
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
+        await send({"type": "http.response.body", "body": b"one ", "more_body": True})
+        await send({"type": "http.response.body", "body": b"two"})
+
+    server = ServerThread(app, event_loop=uvloop.new_event_loop, http=guarded_protocol(), lifespan="off")
+    port = int(server.start().rsplit(":", 1)[1])
+    try:
+        with connected(port) as sock:
+            sock.sendall(b"GET /x HTTP/1.0\r\n\r\n")
+            answer = read_until_closed(sock)
+    finally:
+        server.stop()
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert header(head, b"transfer-encoding") is None
+    assert body == b"one two"
+
+
+# -- the uvicorn it was written for -----------------------------------------------------------------------------
+def test_another_uvicorn_release_is_refused_by_name() -> None:
+    with pytest.raises(RuntimeError, match=r"written for uvicorn 0\.54\.0, and uvicorn 0\.52\.4 is installed"):
+        check_uvicorn_version("0.52.4")
+    check_uvicorn_version()  # the installed one is the one it was written for
+
