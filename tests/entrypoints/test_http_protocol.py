@@ -65,7 +65,7 @@ class Recorder:
 @pytest.fixture(params=[asyncio.new_event_loop, uvloop.new_event_loop], ids=["asyncio", "uvloop"])
 def server(request: pytest.FixtureRequest) -> Iterator[tuple[Recorder, int]]:
     app = Recorder()
-    thread = ServerThread(app, event_loop=request.param, http=guarded_protocol(ClientLimits(header_timeout_s=30.0)), lifespan="off")
+    thread = ServerThread(app, event_loop=request.param, http=guarded_protocol(), lifespan="off")
     url = thread.start()
     try:
         yield app, int(url.rsplit(":", 1)[1])
@@ -224,7 +224,8 @@ def test_a_body_answered_before_it_is_read_is_read_to_its_end_and_dropped_and_th
 
 @pytest.mark.parametrize("event_loop", [asyncio.new_event_loop, uvloop.new_event_loop], ids=["asyncio", "uvloop"])
 def test_the_next_request_on_a_kept_connection_gets_its_own_header_clock(event_loop: Any) -> None:
-    thread = ServerThread(Recorder(), event_loop=event_loop, http=guarded_protocol(ClientLimits(header_timeout_s=0.5)), lifespan="off")
+    thread = ServerThread(Recorder(), event_loop=event_loop, http=guarded_protocol(ClientLimits(header_timeout_s=0.5)),
+                          lifespan="off")
     port = int(thread.start().rsplit(":", 1)[1])
     try:
         with connected(port) as sock:
@@ -277,7 +278,7 @@ def test_a_websocket_upgrade_on_a_kept_connection_is_not_cut_off_by_the_header_c
 def kept_connection(timeout_keep_alive_s: float) -> Iterator[socket.socket]:
     """A connection to a server closing idle keep-alive connections after ``timeout_keep_alive_s``, one request
     already answered on it (its keep-alive timer is running)."""
-    thread = ServerThread(Recorder(), http=guarded_protocol(ClientLimits(header_timeout_s=30.0)), timeout_keep_alive=timeout_keep_alive_s,
+    thread = ServerThread(Recorder(), http=guarded_protocol(), timeout_keep_alive=timeout_keep_alive_s,
                           lifespan="off")
     port = int(thread.start().rsplit(":", 1)[1])
     try:

@@ -187,7 +187,7 @@ def served(request: pytest.FixtureRequest) -> Iterator[Served]:
     app = make_app(probe)
     options: dict[str, Any] = {}
     if request.param != "uvicorn":
-        options["http"] = guarded_protocol(ClientLimits(header_timeout_s=30.0), app if request.param == "direct" else None)
+        options["http"] = guarded_protocol(ClientLimits(), app if request.param == "direct" else None)
     server = ServerThread(with_send_timeout(app, SEND_TIMEOUT_S), **options)
     url = server.start()
     try:
