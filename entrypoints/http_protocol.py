@@ -417,9 +417,18 @@ class _GuardedProtocol(HttpToolsProtocol, DeclaredBodyReads):
         """Answer ``error`` to a request the protocol will not parse further, and close."""
         self.count_cut(reason)
         logger.warning("refused a request from %s (%s): %s", _peer(self.client), error.status_code, error.message)
-        self._stop_header_timer()
-        if self.cycle is None or self.cycle.response_complete:  # else an answer is in progress: no second one
-            self.transport.write(self._error_answer(error, None))
+        self._end_with(error, None)
+
+    def _end_with(self, error: ServingError, request_id: str | None) -> None:
+        """Answer ``error`` in place of the request in progress, unless its answer has started; tell its handler,
+        as for a client that left; close."""
+        cycle = self.cycle
+        if cycle is None or cycle.response_complete or not cycle.response_started:
+            self.transport.write(self._error_answer(error, request_id))
+        if cycle is not None and not cycle.response_complete:
+            cycle.response_started = cycle.response_complete = True
+            cycle.disconnected = True  # the handler waiting on the body stops
+            cycle.message_event.set()
         self.close_unread()
 
     def _error_answer(self, error: ServingError, request_id: str | None) -> bytes:
@@ -433,9 +442,8 @@ class _GuardedProtocol(HttpToolsProtocol, DeclaredBodyReads):
         return b"".join(lines)
 
     def _body_too_slow(self) -> None:
-        """The body timer: the request's body is not in ``body_timeout_s`` after its head. The request ends as a
-        client that left (its handler is told), the client gets a 408 if nothing was answered yet, and the
-        connection closes."""
+        """The body timer: the request's body is not in ``body_timeout_s`` after its head. The client gets a 408
+        (if nothing was answered yet), the handler is told as of a client that left, and the connection closes."""
         self._body_timer = None
         cycle = self.cycle
         if cycle is None or not cycle.more_body or self.transport.is_closing():
@@ -445,13 +453,8 @@ class _GuardedProtocol(HttpToolsProtocol, DeclaredBodyReads):
                        request_id, cycle.scope["method"], cycle.scope["path"], _peer(self.client),
                        self.limits.body_timeout_s)
         self.count_cut("body_timeout")
-        if not cycle.response_started:
-            self.transport.write(self._error_answer(RequestTimeoutError(
-                f"the request's body did not arrive within {self.limits.body_timeout_s} s"), request_id))
-            cycle.response_started = cycle.response_complete = True
-        cycle.disconnected = True  # the handler waiting on the body stops, as for a client that left
-        cycle.message_event.set()
-        self.close_unread()
+        self._end_with(RequestTimeoutError(f"the request's body did not arrive within {self.limits.body_timeout_s} s"),
+                       request_id)
 
     def _stop_body_timer(self) -> None:
         if self._body_timer is not None:
