@@ -175,8 +175,9 @@ def assert_key_required(base_url: str) -> None:
 
 
 def gen_prompt_paths(gen_url: str) -> dict[str, float]:
-    """How the GEN worker received its prompts (``disagg_gen_prompt_path_total{path}``): array, list, metadata_only."""
+    """How the GEN worker received its prompts (``disagg_gen_prompt_path_total{path}``): array, list, metadata_only;
+    the paths taken only (every path is exported, at 0 until taken)."""
     text = httpx.get(gen_url + "/metrics", timeout=5.0).text
     return {sample.labels["path"]: sample.value
             for family in text_string_to_metric_families(text) if family.name == "disagg_gen_prompt_path"
-            for sample in family.samples if sample.name == "disagg_gen_prompt_path_total"}
+            for sample in family.samples if sample.name == "disagg_gen_prompt_path_total" and sample.value}
