@@ -335,20 +335,28 @@ class ReuseClosingProxy:
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
 @pytest.mark.parametrize("step", ["ctx", "gen"])
-def test_a_keep_alive_connection_the_worker_closed_is_retried_on_a_fresh_one(
+def test_a_request_met_by_a_close_on_a_kept_connection_is_not_sent_again(
     live: tuple[Node, Node], step: str, stream: bool
 ) -> None:
+    """The proxy hangs up on a POST written on a kept connection: to the client this is the idle-timeout race, and
+    equally a worker that took the request and died. It may have run, so it is not sent again on that worker: the
+    request fails with a 502 (with another worker, the retry policy would move it there), the worker stays in
+    routing, and the next request, on a fresh connection, is served."""
     ctx, gen = live
     with ReuseClosingProxy(ctx.url if step == "ctx" else gen.url) as proxy, contextlib.ExitStack() as stack:
         ctx_urls, gen_urls = ([proxy.url], [gen.url]) if step == "ctx" else ([ctx.url], [proxy.url])
         orch = start_orchestrator(stack, ctx_urls, gen_urls, max_retries=1, health_check_interval_s=3600)
         pool = orch.app.state.pools["context" if step == "ctx" else "generation"]
-        texts = []
+        texts, statuses = [], []
         for _ in range(3):
-            with contextlib.suppress(openai.APIStatusError):
+            try:
                 texts.append(chat(orch.url, 5, stream=stream))
+            except openai.APIStatusError as exc:
+                statuses.append(exc.status_code)
         assert proxy.hung_up >= 1  # the race really happened
-        assert texts == [synthetic_text(5)] * 3
+        assert statuses == [502] * proxy.hung_up  # each hang-up failed its request, once: nothing sent twice
+        assert texts == [synthetic_text(5)] * (3 - proxy.hung_up)
+        assert texts  # the connection after a hang-up is a fresh one, and serves
         assert pool.workers[0].healthy
 
 
