@@ -168,7 +168,7 @@ def _add_front_end_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default 30)")
     parser.add_argument("--body-timeout-s", type=_seconds, default=DEFAULT_BODY_TIMEOUT_S,
                         help="answer 408 and close a connection whose request body is not complete this long "
-                             "after its headers (default 30)")
+                             "after its headers, and as long again per MiB it declares past the first (default 30)")
     parser.add_argument("--max-head-bytes", type=_positive_int, default=DEFAULT_MAX_HEAD_BYTES,
                         help="answer 431 and close a connection whose request line and headers are longer "
                              "(default 65536)")

@@ -8,8 +8,10 @@ What uvicorn (0.54) leaves unbounded, and this protocol bounds, each cut-off log
   (uvicorn starts no timer while headers arrive: a slowloris client holds the connection for ever), and be at most
   ``max_head_bytes`` long (httptools grows a header value without limit, at a cost that grows with its square: one
   48 MiB header cost 27 s of CPU): a 431 and a close, refused before more than one read past the limit is parsed;
-- a request's body must be complete within ``body_timeout_s`` of its head (a head and one byte of its body held a
-  connection, and in the orchestrator an admission slot, for ever): a 408 and a close;
+- a request's body must be complete within ``body_timeout_s`` of its head, and as long again for each MiB it
+  declares past the first (a head and one byte of its body held a connection, and in the orchestrator an
+  admission slot, for ever): a 408 and a close; chunk framing and trailers that bring no body bytes count against
+  the head limit;
 - an HTTP/1.1 request has exactly one ``Host``, an HTTP/1.0 one at most one (RFC 9112 3.2), else a 400; malformed
   requests get an OpenAI-shaped 400, not uvicorn's plain text;
 - an answer sent before its request's body arrived (a 401, 413 or 429) says ``connection: close``, and the
@@ -165,7 +167,13 @@ class _GuardedProtocol(HttpToolsProtocol, DeclaredBodyReads):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._header_timer: asyncio.TimerHandle | None = None
+        # One body timer per connection, moved on when it fires (as the keep-alive timer): a client that sends a
+        # head and its body in two writes (httpx, the openai SDK) would otherwise make and cancel one per request.
         self._body_timer: asyncio.TimerHandle | None = None
+        self._body_due: float | None = None  # loop time the body being read must be in by
+        self._stalled_bytes = 0  # bytes read since the body last moved (chunk framing, trailers)
+        self._body_moved = False  # a read gave the body bytes
+        self._linger: asyncio.TimerHandle | None = None
         # Called once when the connection is lost: a set, so that a pipelined request's callback is not the
         # running one's; each request takes its own out when it is done.
         self._client_gone: set[Callable[[], None]] = set()
@@ -182,12 +190,6 @@ class _GuardedProtocol(HttpToolsProtocol, DeclaredBodyReads):
         self._start_header_timer()
 
     # -- reads (``BufferedReads``, ``DeclaredBodyReads``) -------------------------------------------------------
-    def get_buffer(self, sizehint: int) -> memoryview:
-        body = self.declared_body
-        if body is not None and self.cycle.response_complete:
-            body.drop()  # answered without it: read to its end, kept nowhere (until the connection closes)
-        return super().get_buffer(sizehint)
-
     def awaiting_head(self) -> bool:
         return self.cycle is None or not self.cycle.more_body
 
@@ -207,7 +209,9 @@ class _GuardedProtocol(HttpToolsProtocol, DeclaredBodyReads):
         # no longer this protocol's to time.)
         awaiting_head = self._header_timer is None and self.cycle is not None and self.cycle.response_complete
         heads = self._heads
+        was_in_head = self._in_head
         self._idle_since = None  # bytes came: busy (an armed keep-alive timer finds it so, and stops)
+        self._body_moved = False
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
@@ -221,8 +225,9 @@ class _GuardedProtocol(HttpToolsProtocol, DeclaredBodyReads):
             self._refuse(*(refusal or (InvalidRequestError(f"invalid HTTP request: {exc}"), "bad_request")))
             return
         if self._heads == heads:
-            if self._in_head:
-                # Counted per read, not per byte: what is parsed past the limit is at most one read (16 KiB).
+            if self._in_head and was_in_head:
+                # Counted per read, not per byte: what is parsed past the limit is at most one read (16 KiB). (A
+                # head begun in this read is measured whole when complete, or from the next read.)
                 self._head_bytes += len(data)
                 if self._head_bytes > self.limits.max_head_bytes:
                     self._refuse(HeadTooLargeError(f"the request's head is over {self.limits.max_head_bytes} "
@@ -233,10 +238,18 @@ class _GuardedProtocol(HttpToolsProtocol, DeclaredBodyReads):
         else:
             self._head_bytes = 0  # (a next head begun in the same read counts from the next read)
         cycle = self.cycle
-        if cycle is not None and cycle.more_body and self._body_timer is None and not self._in_head \
-                and not self.transport.is_closing():
-            # A body still to come after this read (a short one came with its head: no timer made).
-            self._body_timer = self.loop.call_later(self.limits.body_timeout_s, self._body_too_slow)
+        if cycle is None or not cycle.more_body or self._in_head or self.transport.is_closing():
+            return
+        # A body still to come after this read (a short one came with its head: no clock started). Only for the
+        # request being served: a pipelined one's body is not read (uvicorn pauses reading) until its turn.
+        if self._body_due is None and not self.pipeline:
+            self._start_body_clock(cycle)
+        # Bytes that moved no body (chunk framing, a trailer: httptools grows a trailer as it grows a header)
+        # count against the head limit, so that a chunked body cannot carry what a head may not.
+        self._stalled_bytes = 0 if self._body_moved else self._stalled_bytes + len(data)
+        if self._stalled_bytes > self.limits.max_head_bytes:
+            self._refuse(HeadTooLargeError(f"the request's chunk framing or trailers are over "
+                                           f"{self.limits.max_head_bytes} bytes"), "head_too_large")
 
     def on_message_begin(self) -> None:
         self._in_head = True
@@ -257,13 +270,20 @@ class _GuardedProtocol(HttpToolsProtocol, DeclaredBodyReads):
         declared = b""
         chunked = False
         hosts = 0
+        size = len(self.url)
         for name, value in self.headers:
+            size += len(name) + len(value)
             if name == b"content-length" and not declared:
                 declared = value
             elif name == b"transfer-encoding":
                 chunked = True  # framed by chunks, whatever it also declares: the parser's way
             elif name == b"host":
                 hosts += 1
+        if size > self.limits.max_head_bytes:  # a head that came in one read: measured whole
+            self._refusal = (HeadTooLargeError(f"the request's head is over {self.limits.max_head_bytes} bytes"),
+                             "head_too_large")
+            raise _Refused()
+        self._stalled_bytes = 0
         version = self.parser.get_http_version()
         if hosts > 1 or (hosts == 0 and version != "1.0"):
             self._refusal = (InvalidRequestError("an HTTP/1.1 request needs exactly one Host header (RFC 9112 3.2)",
@@ -309,16 +329,15 @@ class _GuardedProtocol(HttpToolsProtocol, DeclaredBodyReads):
         read into the body's own ``bytes`` (``get_buffer``). The app reads every body whole anyway
         (``frontend/asgi_fast_path.py``), and what it may hold is capped twice: a declared length above
         ``max_body_bytes`` is refused before a byte is read, and this applies only up to ``WHOLE_BODY_UP_TO``."""
+        self._body_moved = True
         whole = self.declared_body
         if whole is None:
             super().on_body(body)
             return
-        if self.cycle.response_complete:
-            whole.drop()  # answered without it: counted to its end, kept nowhere
         whole.take(body)
 
     def on_message_complete(self) -> None:
-        self._stop_body_timer()
+        self._body_due = None  # (an armed body timer finds it so, and stops)
         whole, self.declared_body = self.declared_body, None
         if whole is not None and not self.cycle.response_complete:
             self.cycle.body = whole.whole()  # type: ignore[assignment]
@@ -331,11 +350,13 @@ class _GuardedProtocol(HttpToolsProtocol, DeclaredBodyReads):
     def on_response_complete(self) -> None:
         # uvicorn's, but for the timer.
         self.server_state.total_requests += 1
-        if self.transport.is_closing():
+        if self.transport.is_closing() or self._dropping:
             return
         self.flow.resume_reading()
         if self.pipeline:
             cycle, app = self.pipeline.pop()
+            if cycle.more_body and self._body_due is None:
+                self._start_body_clock(cycle)  # its body is read from now on
             self._start_asgi_task(cycle, app)
             return
         self._idle_since = self.loop.time()
@@ -366,6 +387,8 @@ class _GuardedProtocol(HttpToolsProtocol, DeclaredBodyReads):
     def connection_lost(self, exc: Exception | None) -> None:
         self._stop_header_timer()
         self._stop_body_timer()
+        if self._linger is not None:
+            self._linger.cancel()
         if self.timeout_keep_alive_task is not None:
             self.timeout_keep_alive_task.cancel()
             self.timeout_keep_alive_task = None
@@ -410,7 +433,7 @@ class _GuardedProtocol(HttpToolsProtocol, DeclaredBodyReads):
             transport.close()
             return
         transport.write_eof()
-        self.loop.call_later(LINGER_S, transport.close)
+        self._linger = self.loop.call_later(LINGER_S, transport.close)
 
     # -- refusals and timers ------------------------------------------------------------------------------------
     def _refuse(self, error: ServingError, reason: str) -> None:
@@ -423,6 +446,11 @@ class _GuardedProtocol(HttpToolsProtocol, DeclaredBodyReads):
         """Answer ``error`` in place of the request in progress, unless its answer has started; tell its handler,
         as for a client that left; close."""
         cycle = self.cycle
+        if self.pipeline:
+            # ``cycle`` waits behind an earlier request whose answer is in progress: an answer now would be read
+            # as that one's. Nothing can be answered in order: the connection is dropped.
+            self.transport.abort()
+            return
         if cycle is None or cycle.response_complete or not cycle.response_started:
             self.transport.write(self._error_answer(error, request_id))
         if cycle is not None and not cycle.response_complete:
@@ -441,22 +469,44 @@ class _GuardedProtocol(HttpToolsProtocol, DeclaredBodyReads):
         lines += (b"\r\n", body)
         return b"".join(lines)
 
-    def _body_too_slow(self) -> None:
-        """The body timer: the request's body is not in ``body_timeout_s`` after its head. The client gets a 408
-        (if nothing was answered yet), the handler is told as of a client that left, and the connection closes."""
+    def _start_body_clock(self, cycle: RequestResponseCycle) -> None:
+        """The body must be in within ``body_timeout_s`` of now, and as long again for each MiB it declares past
+        the first (at least 32 KiB/s, so that a long upload that keeps coming is not cut off)."""
+        declared = 0
+        for name, value in cycle.scope["headers"]:
+            if name == b"content-length":
+                declared = int(value) if value.isdigit() else 0
+                break
+        timeout_s = self.limits.body_timeout_s * max(1.0, declared / (1024 * 1024))
+        self._body_due = self.loop.time() + timeout_s
+        if self._body_timer is None:
+            self._body_timer = self.loop.call_at(self._body_due, self._body_timer_fired)
+
+    def _body_timer_fired(self) -> None:
         self._body_timer = None
+        due = self._body_due
+        if due is None:
+            return  # the body came: armed again for the next one that does not come with its head
+        if self.loop.time() < due - TIMER_SLACK_S:
+            self._body_timer = self.loop.call_at(due, self._body_timer_fired)
+            return
+        self._body_due = None
+        self._body_too_slow()
+
+    def _body_too_slow(self) -> None:
+        """The request's body is not in by its clock's due time. The client gets a 408 (if nothing was answered yet), the
+        handler is told as of a client that left, and the connection closes."""
         cycle = self.cycle
         if cycle is None or not cycle.more_body or self.transport.is_closing():
             return
         request_id = request_id_of(list(cycle.scope["headers"]))
-        logger.warning("request %s on %s %s from %s: its body did not arrive within %s s; connection closed",
-                       request_id, cycle.scope["method"], cycle.scope["path"], _peer(self.client),
-                       self.limits.body_timeout_s)
+        logger.warning("request %s on %s %s from %s: its body did not arrive in time; connection closed",
+                       request_id, cycle.scope["method"], cycle.scope["path"], _peer(self.client))
         self.count_cut("body_timeout")
-        self._end_with(RequestTimeoutError(f"the request's body did not arrive within {self.limits.body_timeout_s} s"),
-                       request_id)
+        self._end_with(RequestTimeoutError("the request's body did not arrive in time"), request_id)
 
     def _stop_body_timer(self) -> None:
+        self._body_due = None
         if self._body_timer is not None:
             self._body_timer.cancel()
             self._body_timer = None

@@ -435,11 +435,11 @@ class _Connection(DeclaredBodyReads, asyncio.BufferedProtocol):
         transport, self._transport = self._transport, None
         if transport is None:
             return
-        if self.complete or not self._used:
+        if (self.complete or not self._used) and not transport.get_write_buffer_size():
             transport.close()
         else:
-            # Cut mid-request: a close would first wait for the kernel to take the rest of our request, which a
-            # worker that stopped reading never does; an abort tells it at once.
+            # Cut mid-request, or with some of it unsent: a close would first wait for the kernel to take the rest
+            # of our request, which a worker that stopped reading never does; an abort tells it at once.
             transport.abort()
 
     def _resume(self) -> None:

@@ -38,9 +38,9 @@ class Front:
         return sample(self.metrics, "disagg_http_connections_cut_total", reason=reason)
 
 
-@pytest.fixture(scope="module")
-def front() -> Iterator[Front]:
-    """An orchestrator admitting one request at a time, with a short body clock, in front of synthetic workers."""
+@contextlib.contextmanager
+def front_running(body_timeout_s: float) -> Iterator[Front]:
+    """An orchestrator admitting one request at a time, in front of synthetic workers."""
     with contextlib.ExitStack() as stack:
         ctx = start_worker(stack, "context")
         gen = start_worker(stack, "generation")
@@ -48,12 +48,19 @@ def front() -> Iterator[Front]:
                                "max_concurrent_requests": 1, "max_body_bytes": 64 * 1024})
         app = create_orchestrator_app(config)
         metrics: Metrics = app.state.metrics
-        limits = ClientLimits(header_timeout_s=30.0, body_timeout_s=BODY_TIMEOUT_S)
+        limits = ClientLimits(header_timeout_s=30.0, body_timeout_s=body_timeout_s)
         server = ServerThread(app, event_loop=uvloop.new_event_loop,
                               http=guarded_protocol(limits, app, lambda r: metrics.connections_cut.labels(r).inc()))
         url = server.start()
         stack.callback(server.stop)
         yield Front(int(url.rsplit(":", 1)[1]), metrics)
+
+
+@pytest.fixture(scope="module")
+def front() -> Iterator[Front]:
+    """With a short body clock."""
+    with front_running(BODY_TIMEOUT_S) as running:
+        yield running
 
 
 @contextlib.contextmanager
@@ -177,13 +184,21 @@ def test_a_smuggling_vector_is_400_and_a_close(front: Front, raw: bytes) -> None
 
 
 # -- bodies ---------------------------------------------------------------------------------------------------
-def test_a_slow_body_holds_no_admission_slot_and_is_cut_off_with_408(
-        front: Front, caplog: pytest.LogCaptureFixture) -> None:
+def test_a_slow_body_holds_no_admission_slot() -> None:
+    """With the only slot of ``max_concurrent_requests: 1`` free, a client that sent a head and one byte of its
+    body does not keep a fast client at 429 (before, its request was admitted before its body was read)."""
+    with front_running(body_timeout_s=600.0) as patient, connected(patient.port) as slow:
+        slow.sendall(request(body=b"{" + b" " * 999)[:-999])
+        still_serving(patient)
+        slow.setblocking(False)
+        with pytest.raises(BlockingIOError):
+            slow.recv(1)  # the slow client is still waited for, not answered or cut off
+
+
+def test_a_body_not_in_by_its_clock_is_cut_off_with_408(front: Front, caplog: pytest.LogCaptureFixture) -> None:
     before = front.cuts("body_timeout")
     with caplog.at_level(logging.WARNING, logger="entrypoints.http_protocol"), connected(front.port) as slow:
         slow.sendall(request(body=b"{" + b" " * 999, extra=b"X-Request-Id: slow-body-1\r\n")[:-999])
-        # The only slot (max_concurrent_requests: 1) is not the slow client's: a fast one is served meanwhile.
-        still_serving(front)
         answer = read_until_closed(slow)
     head, _, body = answer.partition(b"\r\n\r\n")
     assert status_of(head) == 408
@@ -192,6 +207,24 @@ def test_a_slow_body_holds_no_admission_slot_and_is_cut_off_with_408(
     assert front.cuts("body_timeout") == before + 1
     assert any("slow-body-1" in r.getMessage() and "body did not arrive" in r.getMessage() for r in caplog.records)
     still_serving(front)
+
+
+def test_a_body_sent_apart_from_its_head_is_served_on_a_kept_connection(front: Front) -> None:
+    """Head and body in two writes, as httpx sends them: served, and the connection serves on."""
+    with connected(front.port) as sock:
+        raw = request()
+        for _ in range(2):
+            sock.sendall(raw[:-len(CHAT)])
+            sock.sendall(raw[-len(CHAT):])
+            assert status_of(read_one(sock)[0]) == 200
+
+
+def test_chunk_framing_and_trailers_count_against_the_head_limit(front: Front) -> None:
+    with connected(front.port) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n"
+                     b"2\r\n{}\r\n0\r\nX-Trailer: " + b"a" * 256 * 1024)
+        answer = read_until_closed(sock)
+    assert status_of(answer.partition(b"\r\n\r\n")[0]) == 431
 
 
 def test_an_answer_before_the_body_closes_the_connection(front: Front) -> None:
