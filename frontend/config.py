@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from frontend.http import DEFAULT_MAX_BODY_BYTES
+from frontend.http import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_BODY_BYTES_READING
 from frontend.trtllm_config import from_trtllm
 
 
@@ -103,6 +103,8 @@ class OrchestratorConfig(_Frozen):
     health_check_interval_s: Annotated[float, Field(gt=0)] = 2.0
     max_body_bytes: Annotated[int, Field(ge=1024)] = DEFAULT_MAX_BODY_BYTES
     max_concurrent_requests: Annotated[int, Field(ge=1)] = 1024
+    # Bytes of request bodies read at once (frontend/http.py: BodyBudget); past it, a 429 before a body is read.
+    max_body_bytes_reading: Annotated[int, Field(ge=1024)] = DEFAULT_MAX_BODY_BYTES_READING
     # Health: a worker leaves its pool after this many failed checks in a row, and returns after this many good.
     health_failure_threshold: Annotated[int, Field(ge=1)] = 2
     health_recovery_threshold: Annotated[int, Field(ge=1)] = 1

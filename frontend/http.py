@@ -23,7 +23,7 @@ from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from frontend.errors import InvalidRequestError, PayloadTooLargeError, ServingError, error_body
+from frontend.errors import InvalidRequestError, OverloadedError, PayloadTooLargeError, ServingError, error_body
 from frontend.logging_setup import request_id_var
 
 logger = logging.getLogger(__name__)
@@ -62,6 +62,35 @@ async def read_body(request: Request, max_bytes: int) -> bytes:
     except ClientDisconnect as exc:  # gone before the body was read: nothing to answer, nothing to log
         raise ClientDisconnected() from exc
     return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+# The most bytes of request bodies a front end holds while they are read (each counted at its declared length, or
+# at the body limit if it declares none): requests are admitted only once their body is in, so without this any
+# number of slow clients could each make it hold a body of up to the body limit.
+DEFAULT_MAX_BODY_BYTES_READING = 1024 * 1024 * 1024
+
+
+class BodyBudget:
+    """Bytes of request bodies being read at once, at most ``limit_bytes``: past it, a 429 before the body is read
+    (one body is always let in, however large, so that a limit below the body limit does not refuse everything)."""
+
+    __slots__ = ("limit_bytes", "reading")
+
+    def __init__(self, limit_bytes: int) -> None:
+        self.limit_bytes = limit_bytes
+        self.reading = 0
+
+    def reserve(self, declared: str | None, max_bytes: int) -> int:
+        """Counts a body about to be read; returns what to ``release`` once it is in (or failed)."""
+        size = min(int(declared), max_bytes) if declared is not None and declared.isdigit() else max_bytes
+        if self.reading and self.reading + size > self.limit_bytes:
+            raise OverloadedError(f"this server is reading {self.reading} bytes of request bodies, at its limit of "
+                                  f"{self.limit_bytes}")
+        self.reading += size
+        return size
+
+    def release(self, size: int) -> None:
+        self.reading -= size
 
 
 def too_large(max_bytes: int, declared: str | None = None) -> PayloadTooLargeError:

@@ -14,10 +14,9 @@ the b64 prompt at 131k tokens, goes past the parser straight into the ``bytes`` 
 What it keeps of a general client, because production needs it: a pool of keep-alive connections per worker
 (LIFO, so the warm ones are reused; idle ones closed after ``_IDLE_S`` by one timer per worker, before the
 worker's own timeout, so the orchestrator is the side that closes them), at most ``_MAX_CONNECTIONS`` at once (the
-rest wait their turn), one retry on a fresh connection when a pooled one turns out to have been closed by the
-worker before the request was written (so the worker cannot have started it: a request written and then met by a
-close is never sent again here, since it may have run), connect and between-reads timeouts, TLS for ``https://``
-workers, flow control on a stream the consumer reads slower than the worker writes, and the connection closed,
+rest wait their turn), a pooled connection the worker closed while it was idle never handed out (a request
+written and then met by a close is never sent again here, since the worker may have run it), connect and
+between-reads timeouts, TLS for ``https://`` workers, flow control on a stream the consumer reads slower than the worker writes, and the connection closed,
 never pooled, when an answer is abandoned half read (that is what tells GEN to stop) or did not end cleanly.
 
 What it takes from a worker, or a proxy in front of one: interim ``1xx`` answers (``100 Continue``, ``103 Early
@@ -133,12 +132,8 @@ class HttptoolsTransport:
         """A connection on which the answer's status and headers have arrived; ``stream``: its body will be read
         as it comes, else whole."""
         timeout_s = read_timeout_s or self._timeouts.request_s
-        try:
-            return await self._attempt(await self._acquire(), head, body, timeout_s, stream)
-        except _StaleConnection:
-            # A pooled connection the worker had closed (its idle timeout) before the request was written: the
-            # worker never saw it, so once more, on a fresh one. A fresh connection never raises this.
-            return await self._attempt(await self._acquire(fresh=True), head, body, timeout_s, stream)
+        # (A pooled connection the worker closed while it was idle is never handed out: ``_pooled`` checks.)
+        return await self._attempt(await self._acquire(), head, body, timeout_s, stream)
 
     async def _reply(self, connection: _Connection) -> Reply:
         """The whole answer; the connection back to the pool, or closed if it was not read to its end."""
@@ -158,19 +153,19 @@ class HttptoolsTransport:
             raise
 
     # -- the pool ---------------------------------------------------------------------------------------------
-    async def _acquire(self, fresh: bool = False) -> _Connection:
+    async def _acquire(self) -> _Connection:
         if self._closed:
             raise UpstreamError(f"the transport to worker {self.url} is closed")
-        while (connection := self._pooled(fresh)) is None:
+        while (connection := self._pooled()) is None:
             if len(self._open) + self._connecting < _MAX_CONNECTIONS:
                 return await self._connect()
             await self._wait_for_a_slot()
         return connection
 
-    def _pooled(self, fresh: bool) -> _Connection | None:
+    def _pooled(self) -> _Connection | None:
         """The warmest idle connection still fit for a request, or None; the others found on the way are closed."""
         now = time.monotonic()
-        while self._idle and not fresh:
+        while self._idle:
             connection = self._idle.pop()
             if connection.reusable and now - connection.idle_since < _IDLE_S:
                 return connection
@@ -316,10 +311,6 @@ class HttptoolsStream:
             self._transport._forget(connection)
 
 
-class _StaleConnection(Exception):
-    """A pooled connection was found closed by the worker before the request was written on it."""
-
-
 class _Connection(DeclaredBodyReads, asyncio.BufferedProtocol):
     """One HTTP/1.1 connection to a worker: one request at a time, its answer parsed as it arrives."""
 
@@ -363,8 +354,6 @@ class _Connection(DeclaredBodyReads, asyncio.BufferedProtocol):
     # -- the request ------------------------------------------------------------------------------------------
     def send(self, head: bytes, body: Body, read_timeout_s: float, stream: bool) -> None:
         if self._transport is None or self._transport.is_closing():
-            if self._used:
-                raise _StaleConnection()
             raise UpstreamError(f"worker {self.url} failed: it closed the connection before the request")
         if self._used:
             self._parser = httptools.HttpResponseParser(self)

@@ -21,6 +21,7 @@ from frontend.config import OrchestratorConfig, ServerGroupConfig
 from frontend.errors import InvalidRequestError, ModelNotFoundError, OverloadedError
 from frontend.http import (
     REQUEST_ID_HEADER,
+    BodyBudget,
     JSONBytesResponse,
     install_error_handlers,
     install_request_ids,
@@ -131,6 +132,7 @@ def create_orchestrator_app(
 
     # Label lookups made once, not per request (frontend.metrics.LabelledChildren says what they cost).
     inflight_gauge = metrics.engine_inflight.labels(role=ROLE)
+    bodies = BodyBudget(config.max_body_bytes_reading)
     requests_count, request_latency = LabelledChildren(metrics.requests), LabelledChildren(metrics.request_latency)
 
     def release(endpoint: Endpoint, started: float, span: Any, flow_request: FlowRequest | None, status: int) -> None:
@@ -165,7 +167,11 @@ def create_orchestrator_app(
         try:
             # The body before the limit: a client that sends it slowly holds its connection (for at most the front
             # end's body timeout, entrypoints/http_protocol.py), never one of the limit's slots.
-            raw = await exchange.read_body(config.max_body_bytes)
+            reserved = bodies.reserve(exchange.header(b"content-length"), config.max_body_bytes)
+            try:
+                raw = await exchange.read_body(config.max_body_bytes)
+            finally:
+                bodies.release(reserved)
             if inflight["count"] >= config.max_concurrent_requests:
                 raise OverloadedError(f"the orchestrator is at its limit of {config.max_concurrent_requests} "
                                       "requests")

@@ -15,6 +15,7 @@ from frontend import tracing
 from frontend.auth import require_bearer
 from frontend.errors import InvalidRequestError, ModelNotFoundError, ServingError
 from frontend.http import (
+    BodyBudget,
     ClientDisconnected,
     answered_status,
     cancel_on_disconnect,
@@ -58,6 +59,7 @@ def create_worker_app(
     counted = _LedgerCounts(metrics)
     _export_known_series(metrics, engine, settings.role)
     span_names = {e: f"{settings.role} {e}" for e in ("chat", "completions", "responses")}  # not per request
+    bodies = BodyBudget(settings.max_body_bytes_reading)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -91,7 +93,11 @@ def create_worker_app(
         try:
             # The body before the limit: a client that sends it slowly holds its connection (for at most the front
             # end's body timeout, entrypoints/http_protocol.py), never one of the limit's slots.
-            raw = await read_body(request, settings.max_body_bytes)
+            reserved = bodies.reserve(request.headers.get("content-length"), settings.max_body_bytes)
+            try:
+                raw = await read_body(request, settings.max_body_bytes)
+            finally:
+                bodies.release(reserved)
             service.admit()
         except BaseException as exc:
             status = answered_status(exc)

@@ -22,7 +22,7 @@ from frontend.errors import (
     ServingError,
     UnsupportedParameterError,
 )
-from frontend.http import validate_wire
+from frontend.http import DEFAULT_MAX_BODY_BYTES_READING, validate_wire
 from frontend.metrics import Metrics
 from frontend.openai_models import (
     DisaggregatedParams,
@@ -73,6 +73,7 @@ class WorkerSettings:
     role: Role = "both"
     max_body_bytes: int = 64 * 1024 * 1024
     max_concurrent_requests: int = 512
+    max_body_bytes_reading: int = DEFAULT_MAX_BODY_BYTES_READING  # frontend/http.py: BodyBudget
     admin_key: str | None = None  # guards the worker's admin endpoints (the hand-off ledger); None: they answer 403
 
 

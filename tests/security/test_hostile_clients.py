@@ -39,13 +39,14 @@ class Front:
 
 
 @contextlib.contextmanager
-def front_running(body_timeout_s: float) -> Iterator[Front]:
-    """An orchestrator admitting one request at a time, in front of synthetic workers."""
+def front_running(body_timeout_s: float, **config: Any) -> Iterator[Front]:
+    """An orchestrator admitting one request at a time, in front of synthetic workers (``config``: more of its
+    settings)."""
     with contextlib.ExitStack() as stack:
         ctx = start_worker(stack, "context")
         gen = start_worker(stack, "generation")
         config = parse_config({"context_servers": {"urls": [ctx.url]}, "generation_servers": {"urls": [gen.url]},
-                               "max_concurrent_requests": 1, "max_body_bytes": 64 * 1024})
+                               "max_concurrent_requests": 1, "max_body_bytes": 64 * 1024, **config})
         app = create_orchestrator_app(config)
         metrics: Metrics = app.state.metrics
         limits = ClientLimits(header_timeout_s=30.0, body_timeout_s=body_timeout_s)
@@ -193,6 +194,19 @@ def test_a_slow_body_holds_no_admission_slot() -> None:
         slow.setblocking(False)
         with pytest.raises(BlockingIOError):
             slow.recv(1)  # the slow client is still waited for, not answered or cut off
+
+
+def test_bodies_being_read_are_capped_in_bytes() -> None:
+    """Admission comes after the body, so what slow bodies make the server hold is capped on its own: past
+    ``max_body_bytes_reading`` a request is refused with 429 before its body is read; one that fits is served."""
+    with front_running(600.0, max_body_bytes_reading=2048) as capped, connected(capped.port) as slow:
+        slow.sendall(request(body=b"{" + b" " * 1499)[:-1499])  # 1,500 bytes declared, one sent
+        still_serving(capped)  # (its few dozen bytes fit beside them)
+        with connected(capped.port) as second:
+            second.sendall(request(body=b" " * 1000)[:-1000])
+            head, body = read_one(second)
+        assert status_of(head) == 429
+        assert "bytes of request bodies" in error_of(body)["message"]
 
 
 def test_a_body_not_in_by_its_clock_is_cut_off_with_408(front: Front, caplog: pytest.LogCaptureFixture) -> None:
