@@ -494,8 +494,8 @@ class _GuardedProtocol(HttpToolsProtocol, DeclaredBodyReads):
         self._body_too_slow()
 
     def _body_too_slow(self) -> None:
-        """The request's body is not in by its clock's due time. The client gets a 408 (if nothing was answered yet), the
-        handler is told as of a client that left, and the connection closes."""
+        """The request's body is not in by its clock's due time. The client gets a 408 (if nothing was answered
+        yet), the handler is told as of a client that left, and the connection closes."""
         cycle = self.cycle
         if cycle is None or not cycle.more_body or self.transport.is_closing():
             return

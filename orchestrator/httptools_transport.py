@@ -16,8 +16,9 @@ What it keeps of a general client, because production needs it: a pool of keep-a
 worker's own timeout, so the orchestrator is the side that closes them), at most ``_MAX_CONNECTIONS`` at once (the
 rest wait their turn), a pooled connection the worker closed while it was idle never handed out (a request
 written and then met by a close is never sent again here, since the worker may have run it), connect and
-between-reads timeouts, TLS for ``https://`` workers, flow control on a stream the consumer reads slower than the worker writes, and the connection closed,
-never pooled, when an answer is abandoned half read (that is what tells GEN to stop) or did not end cleanly.
+between-reads timeouts, TLS for ``https://`` workers, flow control on a stream the consumer reads slower than the
+worker writes, and the connection closed, never pooled, when an answer is abandoned half read (that is what tells
+GEN to stop) or did not end cleanly.
 
 What it takes from a worker, or a proxy in front of one: interim ``1xx`` answers (``100 Continue``, ``103 Early
 Hints``) are skipped, and the final answer is the request's; a ``101`` (no upgrade was asked for) is an error; a
