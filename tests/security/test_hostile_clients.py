@@ -39,14 +39,14 @@ class Front:
 
 
 @contextlib.contextmanager
-def front_running(body_timeout_s: float, **config: Any) -> Iterator[Front]:
-    """An orchestrator admitting one request at a time, in front of synthetic workers (``config``: more of its
-    settings)."""
+def front_running(body_timeout_s: float, **settings: Any) -> Iterator[Front]:
+    """An orchestrator admitting one request at a time, in front of synthetic workers (``settings``: more of its
+    configuration)."""
     with contextlib.ExitStack() as stack:
         ctx = start_worker(stack, "context")
         gen = start_worker(stack, "generation")
         config = parse_config({"context_servers": {"urls": [ctx.url]}, "generation_servers": {"urls": [gen.url]},
-                               "max_concurrent_requests": 1, "max_body_bytes": 64 * 1024, **config})
+                               "max_concurrent_requests": 1, "max_body_bytes": 64 * 1024, **settings})
         app = create_orchestrator_app(config)
         metrics: Metrics = app.state.metrics
         limits = ClientLimits(header_timeout_s=30.0, body_timeout_s=body_timeout_s)
