@@ -13,6 +13,7 @@ from collections.abc import AsyncGenerator, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import httpx
 import orjson
 from fastapi import FastAPI
 from starlette.types import Message, Receive, Scope, Send
@@ -165,3 +166,17 @@ def total(metrics: Metrics, name: str) -> float:
     """The sum of every sample called ``name``, whatever its labels."""
     return sum(s.value for family in metrics.registry.collect() for s in family.samples if s.name == name)
 
+
+def assert_a_null_stream_is_a_whole_answer(url: str, path: str) -> None:
+    """An explicit ``"stream": null`` (and ``stream_options: null``) takes the field's default: a whole JSON
+    answer, not a 400."""
+    body: dict[str, Any] = {"model": MODEL, "stream": None, "stream_options": None}
+    if path == "/v1/responses":
+        body.update(input="x", max_output_tokens=2)
+    else:
+        body.update({"messages": [{"role": "user", "content": "hi"}]} if "chat" in path else {"prompt": "x"},
+                    max_tokens=2)
+    reply = httpx.post(url + path, json=body, timeout=30)
+    assert reply.status_code == 200, reply.text
+    assert reply.headers["content-type"].startswith("application/json")
+    assert reply.json()["usage"] is not None

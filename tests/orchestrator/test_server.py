@@ -16,7 +16,15 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from bench.common import open_raw_post
 from frontend.openai_output import Endpoint
-from tests.cluster import MODEL, Cluster, Node, sample, start_orchestrator, start_worker
+from tests.cluster import (
+    MODEL,
+    Cluster,
+    Node,
+    assert_a_null_stream_is_a_whole_answer,
+    sample,
+    start_orchestrator,
+    start_worker,
+)
 from tests.waiting import eventually
 from workers.engines.byte_tokenizer import ByteTokenizer
 from workers.engines.synthetic import SYNTHETIC_TEXT
@@ -189,16 +197,7 @@ def test_raw_responses_stream_is_a_named_event_sequence(cluster: Cluster) -> Non
 
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/v1/responses"])
 def test_a_null_stream_is_the_default_whole_answer(cluster: Cluster, path: str) -> None:
-    # An explicit null takes the field's default: a whole JSON answer, not a 400.
-    body: dict[str, Any] = {"model": MODEL, "stream": None, "stream_options": None}
-    if path == "/v1/responses":
-        body.update(input="x", max_output_tokens=2)
-    else:
-        body.update({"messages": MESSAGES} if "chat" in path else {"prompt": "x"}, max_tokens=2)
-    reply = httpx.post(cluster.orchestrator.url + path, json=body, timeout=30)
-    assert reply.status_code == 200, reply.text
-    assert reply.headers["content-type"].startswith("application/json")
-    assert reply.json()["usage"] is not None
+    assert_a_null_stream_is_a_whole_answer(cluster.orchestrator.url, path)
 
 
 def test_models_lists_the_served_model(client: openai.OpenAI) -> None:

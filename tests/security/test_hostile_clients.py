@@ -111,6 +111,16 @@ def status_of(head: bytes) -> int:
     return int(head.split(b" ", 2)[1])
 
 
+def refused(answer: bytes, status: int, code: str) -> bytes:
+    """The head of ``answer``, checked to be a ``status`` refusal that closes the connection, with an OpenAI-shaped
+    error of ``code``."""
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert status_of(head) == status, answer[:300]
+    assert header(head, b"connection") == b"close"
+    assert error_of(body)["code"] == code
+    return head
+
+
 def error_of(body: bytes) -> dict[str, Any]:
     error: dict[str, Any] = json.loads(body)["error"]
     assert set(error) == {"message", "type", "param", "code"}
@@ -130,11 +140,7 @@ def test_a_huge_header_is_refused_with_431_before_it_ends(front: Front) -> None:
     before = front.cuts("head_too_large")
     with connected(front.port) as sock:
         sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: t\r\nX-Big: " + b"a" * 256 * 1024)
-        answer = read_until_closed(sock)
-    head, _, body = answer.partition(b"\r\n\r\n")
-    assert status_of(head) == 431
-    assert header(head, b"connection") == b"close"
-    assert error_of(body)["code"] == "request_header_fields_too_large"
+        refused(read_until_closed(sock), 431, "request_header_fields_too_large")
     assert front.cuts("head_too_large") == before + 1
     still_serving(front)
 
@@ -213,11 +219,8 @@ def test_a_body_not_in_by_its_clock_is_cut_off_with_408(front: Front, caplog: py
     before = front.cuts("body_timeout")
     with caplog.at_level(logging.WARNING, logger="entrypoints.http_protocol"), connected(front.port) as slow:
         slow.sendall(request(body=b"{" + b" " * 999, extra=b"X-Request-Id: slow-body-1\r\n")[:-999])
-        answer = read_until_closed(slow)
-    head, _, body = answer.partition(b"\r\n\r\n")
-    assert status_of(head) == 408
+        head = refused(read_until_closed(slow), 408, "request_timeout")
     assert header(head, b"x-request-id") == b"slow-body-1"
-    assert error_of(body)["code"] == "request_timeout"
     assert front.cuts("body_timeout") == before + 1
     assert any("slow-body-1" in r.getMessage() and "body did not arrive" in r.getMessage() for r in caplog.records)
     still_serving(front)

@@ -14,7 +14,7 @@ import orjson
 import pytest
 from openai.types.chat import ChatCompletion
 
-from tests.cluster import MODEL, Cluster, Node, Recorder, sample
+from tests.cluster import MODEL, Cluster, Node, Recorder, assert_a_null_stream_is_a_whole_answer, sample
 from tests.servers import running
 from tests.waiting import eventually
 from workers.engines.outputs import EngineOutput
@@ -212,16 +212,7 @@ def test_bad_requests_are_openai_errors_and_the_worker_goes_on(
 
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/v1/responses"])
 def test_a_null_stream_is_the_default_whole_answer(cluster: Cluster, path: str) -> None:
-    # An explicit null takes the field's default: a whole JSON answer, not a 400.
-    body: dict[str, Any] = {"model": MODEL, "stream": None, "stream_options": None}
-    if path == "/v1/responses":
-        body.update(input="x", max_output_tokens=2)
-    else:
-        body.update({"messages": MESSAGES} if "chat" in path else {"prompt": "x"}, max_tokens=2)
-    reply = httpx.post(cluster.aggregated.url + path, json=body, timeout=30)
-    assert reply.status_code == 200, reply.text
-    assert reply.headers["content-type"].startswith("application/json")
-    assert reply.json()["usage"] is not None
+    assert_a_null_stream_is_a_whole_answer(cluster.aggregated.url, path)
 
 
 def test_too_large_body_is_413(special: Special) -> None:
