@@ -78,6 +78,9 @@ WHOLE_BODY_UP_TO = 16 * 1024 * 1024
 # How long a connection closed before its request's body was read keeps reading (and dropping) what the client
 # still sends, so that its close does not reset the connection before the client has read the answer.
 LINGER_S = 5.0
+# ... and only while the client keeps sending: a pause this long means it has nothing more (or has read the answer
+# and stopped), so the close loses nothing.
+LINGER_PAUSE_S = 0.5
 
 
 def check_uvicorn_version(version: str = uvicorn.__version__) -> None:
@@ -174,6 +177,8 @@ class _GuardedProtocol(HttpToolsProtocol, DeclaredBodyReads):
         self._stalled_bytes = 0  # bytes read since the body last moved (chunk framing, trailers)
         self._body_moved = False  # a read gave the body bytes
         self._linger: asyncio.TimerHandle | None = None
+        self._linger_until = 0.0  # loop time a lingering connection closes by, whatever the client sends
+        self._dropped_at = 0.0  # loop time of the last read dropped while lingering
         # Called once when the connection is lost: a set, so that a pipelined request's callback is not the
         # running one's; each request takes its own out when it is done.
         self._client_gone: set[Callable[[], None]] = set()
@@ -202,6 +207,7 @@ class _GuardedProtocol(HttpToolsProtocol, DeclaredBodyReads):
         """uvicorn's, with the head's clock and size checked after each read, the body's clock started, and
         refusals answered in OpenAI's error shape."""
         if self._dropping:
+            self._dropped_at = self.loop.time()
             return
         # Between requests on a keep-alive connection the idle timer runs; the next request's first byte starts
         # its header clock, unless the same read brought its whole head: nearly always, and then a timer would
@@ -421,7 +427,7 @@ class _GuardedProtocol(HttpToolsProtocol, DeclaredBodyReads):
         """Close a connection whose client may still be sending a body no one will read. A plain close with
         unread bytes in the socket resets the connection, and the client may lose the answer it was sent: so our
         side is shut first (the client reads the answer, then its end), and what still comes is read and dropped
-        until the client closes, or for ``LINGER_S`` at most."""
+        until the client closes or pauses for ``LINGER_PAUSE_S``, or for ``LINGER_S`` at most."""
         transport = self.transport
         if transport.is_closing() or self._dropping:
             return
@@ -433,7 +439,18 @@ class _GuardedProtocol(HttpToolsProtocol, DeclaredBodyReads):
             transport.close()
             return
         transport.write_eof()
-        self._linger = self.loop.call_later(LINGER_S, transport.close)
+        now = self.loop.time()
+        self._linger_until, self._dropped_at = now + LINGER_S, now
+        self._linger = self.loop.call_at(now + LINGER_PAUSE_S, self._linger_due)
+
+    def _linger_due(self) -> None:
+        """Close a lingering connection once the client paused ``LINGER_PAUSE_S``, or at ``LINGER_S``."""
+        due = min(self._linger_until, self._dropped_at + LINGER_PAUSE_S)
+        if self.loop.time() < due - TIMER_SLACK_S:
+            self._linger = self.loop.call_at(due, self._linger_due)
+            return
+        self._linger = None
+        self.transport.close()
 
     # -- refusals and timers ------------------------------------------------------------------------------------
     def _refuse(self, error: ServingError, reason: str) -> None:
