@@ -161,7 +161,7 @@ class CycleExchange(Exchange):
         if chunked and cycle.scope["http_version"] == "1.0":
             chunked = False  # no chunks for HTTP/1.0: the connection's end is the body's (it is not kept)
         cycle.chunked_encoding = chunked
-        lines = [STATUS_LINE[status], _default_lines(cycle.default_headers)]
+        lines = [STATUS_LINE[status], default_header_lines(cycle.default_headers)]
         for name, value in headers:
             lines += (name, b": ", value, b"\r\n")
         if not cycle.keep_alive:
@@ -215,7 +215,7 @@ def _nothing() -> None:
 _default_cache: tuple[list[tuple[bytes, bytes]], bytes] = ([], b"")
 
 
-def _default_lines(defaults: list[tuple[bytes, bytes]]) -> bytes:
+def default_header_lines(defaults: list[tuple[bytes, bytes]]) -> bytes:
     global _default_cache
     cached, lines = _default_cache
     if cached is not defaults:

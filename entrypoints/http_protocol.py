@@ -53,7 +53,7 @@ import uvicorn
 from uvicorn.protocols.http.flow_control import HIGH_WATER_LIMIT
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol, RequestResponseCycle
 
-from entrypoints.direct_exchange import CycleExchange
+from entrypoints.direct_exchange import CycleExchange, default_header_lines
 from frontend.asgi_fast_path import CLIENT_GONE, FastPathApp
 from frontend.client_timeouts import (
     ABORT_CONNECTION,
@@ -479,7 +479,7 @@ class _GuardedProtocol(HttpToolsProtocol, DeclaredBodyReads):
     def _error_answer(self, error: ServingError, request_id: str | None) -> bytes:
         body = error_body(error)
         lines = [STATUS_LINE[error.status_code]]
-        lines += [b"%b: %b\r\n" % pair for pair in self.server_state.default_headers]
+        lines.append(default_header_lines(self.server_state.default_headers))
         lines.append(b"content-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n" % len(body))
         if request_id is not None:
             lines.append(b"x-request-id: %b\r\n" % request_id.encode())
