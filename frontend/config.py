@@ -24,12 +24,18 @@ class _Frozen(BaseModel):
 
 
 class RouterConfig(_Frozen):
-    type: Literal["round_robin", "least_loaded", "prefix_affinity"] = "round_robin"
+    # None: the pool's default (cache_aware for context_servers, round_robin for generation_servers).
+    type: Literal["cache_aware", "round_robin", "least_loaded", "prefix_affinity"] | None = None
     load_metric: Literal["requests", "prompt_tokens"] = "requests"  # least_loaded: what "load" counts
     # prefix_affinity: how much of the prompt's start picks the worker, and how far above the mean load a
     # worker may go before its requests spill to the next one on the ring (bounded-load consistent hashing).
     prefix_chars: Annotated[int, Field(ge=1)] = 1024
     load_factor: Annotated[float, Field(ge=1.0)] = 1.25
+    # cache_aware (docs/routing.md): the header that names a conversation (Responses turns are keyed by their
+    # conversation's first response), and how long a request routed here counts as held by its worker before
+    # the worker's own KV events say so.
+    session_header: str = "x-session-id"
+    pending_s: Annotated[float, Field(gt=0)] = 10.0
 
 
 class DiscoveryConfig(_Frozen):

@@ -109,10 +109,11 @@ class PrefixAffinityRouter:
         return min(candidates, key=lambda w: w.inflight)
 
 
-def make_router(config: RouterConfig) -> Router:
-    if config.type == "least_loaded":
+def make_router(config: RouterConfig, default: str = "round_robin") -> Router:
+    kind = config.type or default
+    if kind == "least_loaded":
         return LeastLoadedRouter(by_prompt_tokens=config.load_metric == "prompt_tokens")
-    if config.type == "prefix_affinity":
+    if kind == "prefix_affinity":
         return PrefixAffinityRouter(config.prefix_chars, config.load_factor)
     return RoundRobinRouter()
 

@@ -121,6 +121,19 @@ class HandoffLedger:
 
 
 @runtime_checkable
+class ReportsKvCapacity(Protocol):
+    """An engine that reuses cached prompt KV across requests and knows how much it can hold.
+
+    The worker keeps its record of what the engine holds (``workers.prefix_holdings``) to this size, so that
+    what it publishes for routing ages as the engine's own cache does. An engine without it publishes nothing.
+    """
+
+    def kv_capacity_tokens(self) -> int | None:
+        """Tokens of prompt KV the engine keeps for reuse; None or 0: it reuses none (prefix caching off)."""
+        ...
+
+
+@runtime_checkable
 class KVHandoffStore(Protocol):
     """An engine that parks KV hand-offs for GEN workers to fetch (a CTX-side store)."""
 

