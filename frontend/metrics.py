@@ -67,6 +67,16 @@ class Metrics:
             "disagg_local_prefill_requests", "Short prompts sent to GEN alone (conditional disaggregation)",
             registry=r,
         )
+        self.routing_decisions = Counter(
+            "disagg_routing_decisions", "Cache-aware routing choices: cache_hit (the worker holding the longest "
+            "prefix), spill (another, for load), cold (no worker holds any), session (the conversation's own worker)",
+            ["pool", "decision"], registry=r,
+        )
+        self.prefill_placement = Counter(
+            "disagg_prefill_placement", "Where prompts were prefilled: ctx, gen_short (a short prompt, on GEN "
+            "alone), gen_cached (GEN held all but a short remainder: CTX and the KV transfer skipped)",
+            ["placement"], registry=r,
+        )
         self.ctx_finished = Counter(
             "disagg_ctx_finished_requests", "Requests CTX finished by itself (GEN never called)", registry=r
         )
@@ -84,6 +94,12 @@ class Metrics:
                                       multiprocess_mode="max")
         self.kv_store_bytes = Gauge("disagg_kv_store_bytes", "Bytes of KV hand-offs held for GEN", registry=r,
                                     multiprocess_mode="max")
+        # What this worker publishes that its engine holds (workers/prefix_holdings.py), read when scraped.
+        self.prefix_holdings_tokens = Gauge(
+            "disagg_worker_prefix_holdings_tokens", "Prompt tokens of KV this worker's engine holds for reuse, as "
+            "published in its KV events (prefix-chain links, aged to the engine's prefix-cache capacity)",
+            registry=r, multiprocess_mode="max",
+        )
         # The orchestrator's store of Responses API answers (read when scraped; one process's memory).
         self.response_store_entries = Gauge("disagg_response_store_entries", "Responses API answers stored",
                                             registry=r, multiprocess_mode="max")

@@ -2,8 +2,10 @@
 
 The orchestrator never decodes the prompt. It parses CTX's answer once, without its ``prompt_token_ids_b64``,
 and sends those very bytes to GEN as a chunk of GEN's body (``b64_splice``). Short prompts
-(``max_local_prefill_length``) skip the split and go to a GEN worker alone. How each step is written on the wire
-is the ``WorkerProtocol``'s business; which worker, and what happens when one fails, is the ``RetryPolicy``'s.
+(``max_local_prefill_length``) skip the split and go to a GEN worker alone, and so does a request whose uncached
+remainder is that short on a GEN worker that holds the rest (a conversation's next turn, where GEN decoded the
+last one: conditional disaggregation on what is cached, not on the prompt's length). How each step is written on
+the wire is the ``WorkerProtocol``'s business; which worker, and what happens when one fails, is the ``RetryPolicy``'s.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
 from typing import Any
 
 import orjson
@@ -21,17 +24,26 @@ from frontend.errors import RelayedError, UpstreamError
 from frontend.guardrail import FallbackReason, decide_for_reading
 from frontend.metrics import LabelledChildren, Metrics
 from frontend.openai_output import Endpoint, replay_as_stream
+from frontend.prefix_chain import CHAIN_HEADER
 from orchestrator import flow_tracing
 from orchestrator.client_body import encode
 from orchestrator.flow_request import Answer, FlowRequest, StreamedAnswer, WholeAnswer
 from orchestrator.handoff_release import HandoffReleaser
 from orchestrator.member import PoolMember
-from orchestrator.metric_labels import CTX_STEP, GEN_STEP, HANDOFF_LOST
+from orchestrator.metric_labels import (
+    CTX_STEP,
+    GEN_POOL_NAME,
+    GEN_STEP,
+    HANDOFF_LOST,
+    ON_CTX,
+    ON_GEN_CACHED,
+    ON_GEN_SHORT,
+)
 from orchestrator.pool import WorkerPool
 from orchestrator.protocols.registry import DEFAULT_PROTOCOL, build_protocols
 from orchestrator.relay import relay_stream
 from orchestrator.retry import Attempted, RetryPolicy
-from orchestrator.routers import RoutingKey, routing_key
+from orchestrator.routers import CacheAwareRouter, RoutingKey, matched_tokens, routing_key
 from orchestrator.transport import Body, OpenStream, Reply
 from orchestrator.worker_protocol import ContextAnswer, PromptCarriage, WorkerProtocol
 
@@ -53,6 +65,10 @@ class DisaggFlow:
         self.releaser = HandoffReleaser(ctx_pool, self.protocol_of)
         self.ctx_latency = LabelledChildren(metrics.ctx_latency)  # by worker, looked up once per worker
         self.gen_first_byte = LabelledChildren(metrics.gen_first_byte)
+        # The prefix chain costs one pass over the prompt: computed only where something reads it.
+        self.needs_chain = (config.max_local_prefill_length > 0
+                            or any(isinstance(p.router, CacheAwareRouter) for p in (ctx_pool, gen_pool)))
+        self.prefill_placement = LabelledChildren(metrics.prefill_placement)
 
     def protocol_of(self, member: PoolMember | None) -> WorkerProtocol:
         """The wire ``member`` speaks, as its pool detected it (``orchestrator.protocols.registry``)."""
@@ -61,15 +77,27 @@ class DisaggFlow:
         return self.protocols[member.protocol if member is not None else DEFAULT_PROTOCOL]
 
     def new_request(self, endpoint: Endpoint, body: dict[str, Any], started: float,
-                    headers: dict[str, str] | None = None) -> FlowRequest:
+                    headers: dict[str, str] | None = None, session: str | None = None) -> FlowRequest:
         prefix_chars = self.config.context_servers.router.prefix_chars
-        return FlowRequest(endpoint, body, routing_key(body, prefix_chars), started, headers or {})
+        headers = headers if headers is not None else {}
+        key = routing_key(body, prefix_chars, self.needs_chain, session)
+        if key.chain.links:
+            headers[CHAIN_HEADER] = key.chain.header_value()  # both workers record what they now hold under it
+        return FlowRequest(endpoint, body, key, started, headers)
 
     async def run(self, request: FlowRequest) -> Answer:
         """The request's answer; a worker's own error answer is raised as ``RelayedError``."""
-        if request.key.prompt_tokens < self.config.max_local_prefill_length:
+        threshold = self.config.max_local_prefill_length
+        if request.key.prompt_tokens < threshold:
             self.metrics.local_prefill.inc()
+            self.prefill_placement(ON_GEN_SHORT).inc()
             return await self.run_on_gen_alone(request)
+        if threshold:
+            holder = self._gen_holding_prefix(request.key, threshold)
+            if holder is not None:
+                self.prefill_placement(ON_GEN_CACHED).inc()
+                return await self.run_on_gen_alone(request, holder)
+        self.prefill_placement(ON_CTX).inc()
         ctx = await self.run_context_step(request)
         if ctx.finished:
             self.metrics.ctx_finished.inc()
@@ -81,6 +109,23 @@ class DisaggFlow:
             self.releaser.release(request.ctx, request.ctx_worker, request.headers)
             raise
 
+    def _gen_holding_prefix(self, key: RoutingKey, threshold: int) -> RoutingKey | None:
+        """A key that sends the request to the GEN worker holding all but fewer than ``threshold`` of its prompt
+        tokens, by that worker's own KV events (a guess from what was sent there is not enough to prefill a long
+        prompt on GEN); None if no GEN worker does."""
+        index = self.gen_pool.index
+        best, best_matched = None, 0
+        for worker in self.gen_pool.workers:
+            if worker.healthy and index.publishes(worker.url):
+                matched = matched_tokens(index, worker, key)
+                if matched > best_matched or (matched == best_matched and best is not None
+                                              and worker.inflight < best.inflight):
+                    best, best_matched = worker, matched
+        uncached = key.prompt_tokens - best_matched
+        if best is None or not best_matched or uncached >= threshold:
+            return None
+        return replace(key, prefer=best.url, prefill_tokens={best.url: max(1, uncached)})
+
     # -- step 1: CTX --------------------------------------------------------------------------------------
     async def run_context_step(self, request: FlowRequest) -> ContextAnswer:
         return_tokens = self._ctx_returns_tokens(request)
@@ -91,7 +136,8 @@ class DisaggFlow:
         started = time.perf_counter()
         with tracing.span("ctx.call", request.span, headers=request.headers, client=True) as span:
             done = await self.retry.run(CTX_STEP, self.ctx_pool, request.key,
-                                        lambda member: _post(member, request, body_for(member), request.key))
+                                        lambda member: _post(self.ctx_pool, member, request, body_for(member),
+                                                             request.key))
             flow_tracing.called(span, done)
         request.ctx_worker = done.member.url
         self.ctx_latency(done.member.url).observe(time.perf_counter() - started)
@@ -156,8 +202,10 @@ class DisaggFlow:
         failed: tuple[PoolMember, ...] = ()  # GEN workers that failed this request: not the first choice again
         try:
             while True:
-                key = RoutingKey(request.key.prompt_prefix,
-                                 ctx.prompt_len if ctx.prompt_len is not None else request.key.prompt_tokens)
+                # GEN computes none of the prompt: its queue of prefill work does not grow.
+                prompt_tokens = ctx.prompt_len if ctx.prompt_len is not None else request.key.prompt_tokens
+                key = replace(request.key, prompt_tokens=prompt_tokens, prefer=None, prefill_tokens={})
+                key.prefill_tokens.update((w.url, 0) for w in self.gen_pool.workers)
                 done = await self._call_gen(request, key, body_for, avoid=failed)
                 if not self._handoff_lost(request, done):
                     return self._gen_answer(request, done, key)
@@ -174,21 +222,24 @@ class DisaggFlow:
             if fallback is not None:
                 self.metrics.metadata_only_fallback.labels(reason=fallback.value).inc()
 
-    async def run_on_gen_alone(self, request: FlowRequest) -> Answer:
-        """Conditional disaggregation: a short prompt is cheaper to prefill where it is decoded."""
+    async def run_on_gen_alone(self, request: FlowRequest, key: RoutingKey | None = None) -> Answer:
+        """Conditional disaggregation: a short prompt, or a short uncached remainder on the GEN worker ``key``
+        prefers, is cheaper to prefill where it is decoded than to send through CTX and a KV transfer."""
         body = encode(request.body)
-        done = await self._call_gen(request, request.key, lambda _: body)
-        return self._gen_answer(request, done, request.key)
+        key = key or request.key
+        done = await self._call_gen(request, key, lambda _: body)
+        return self._gen_answer(request, done, key)
 
     async def _call_gen(self, request: FlowRequest, key: RoutingKey, body_for: Callable[[PoolMember], Body],
                         avoid: tuple[PoolMember, ...] = ()) -> Attempted[GenAnswer]:
         """GEN's answer: whole, or (streaming) opened, moving to another GEN on a failure before the first byte."""
         async def whole(gen: PoolMember) -> GenAnswer:
             request.gen_worker = gen.url
-            return await _post(gen, request, body_for(gen), key)
+            return await _post(self.gen_pool, gen, request, body_for(gen), key)
 
         async def streamed(gen: PoolMember) -> GenAnswer:
             request.gen_worker = gen.url
+            _count_as_held(self.gen_pool, gen, key)
             stream = await gen.transport.open_stream(request.path, body_for(gen), request.headers)
             if stream.status_code == 200:
                 return stream
@@ -218,8 +269,17 @@ class DisaggFlow:
             answer, done.member, key.prompt_tokens, request.endpoint, request.started, self.metrics)), answer.aclose)
 
 
-async def _post(member: PoolMember, request: FlowRequest, body: Body, key: RoutingKey) -> Reply:
-    with member.carrying(key.prompt_tokens):
+def _count_as_held(pool: WorkerPool, member: PoolMember, key: RoutingKey) -> None:
+    """Until its events say so, ``member`` counts as holding the prompt it is sent. Not a GEN worker that
+    publishes no events: whether it keeps a handed-off prompt is its engine's business, and a wrong guess would
+    make it prefill a long prompt by itself."""
+    if key.chain.links and (pool.name != GEN_POOL_NAME or pool.index.publishes(member.url)):
+        pool.index.note_sent(member.url, key.chain)
+
+
+async def _post(pool: WorkerPool, member: PoolMember, request: FlowRequest, body: Body, key: RoutingKey) -> Reply:
+    _count_as_held(pool, member, key)
+    with member.carrying(key.prompt_tokens, key.prefill_at(member.url)):
         return await member.transport.post(request.path, body, request.headers)
 
 

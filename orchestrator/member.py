@@ -23,6 +23,7 @@ class PoolMember:
         self.protocol = "native"  # the wire it speaks (orchestrator.protocols.registry), read with the facts
         self.inflight = 0
         self.inflight_prompt_tokens = 0
+        self.inflight_prefill_tokens = 0  # of those, the ones a cache-aware router expects it to compute
         self._failures = 0  # health checks failed in a row
         self._successes = 0  # health checks passed in a row
 
@@ -47,9 +48,10 @@ class PoolMember:
         self.healthy = False
         self._successes = 0
 
-    def carrying(self, prompt_tokens: int) -> Carrying:
-        """Count one request (and its prompt tokens) in flight on this worker while the ``with`` block runs."""
-        return Carrying(self, prompt_tokens)
+    def carrying(self, prompt_tokens: int, prefill_tokens: int | None = None) -> Carrying:
+        """Count one request (its prompt tokens, and those of them not cached here) in flight on this worker
+        while the ``with`` block runs."""
+        return Carrying(self, prompt_tokens, prompt_tokens if prefill_tokens is None else prefill_tokens)
 
     def __repr__(self) -> str:
         return f"PoolMember({self.url!r}, healthy={self.healthy}, inflight={self.inflight})"
@@ -59,17 +61,20 @@ class Carrying:
     """``PoolMember.carrying``: a class, not a ``@contextmanager`` generator, because every upstream call of every
     request enters one (the generator's machinery was ~1 % of the orchestrator's samples at 131k metadata-only)."""
 
-    __slots__ = ("_member", "_prompt_tokens")
+    __slots__ = ("_member", "_prefill_tokens", "_prompt_tokens")
 
-    def __init__(self, member: PoolMember, prompt_tokens: int) -> None:
+    def __init__(self, member: PoolMember, prompt_tokens: int, prefill_tokens: int) -> None:
         self._member = member
         self._prompt_tokens = prompt_tokens
+        self._prefill_tokens = prefill_tokens
 
     def __enter__(self) -> None:
         self._member.inflight += 1
         self._member.inflight_prompt_tokens += self._prompt_tokens
+        self._member.inflight_prefill_tokens += self._prefill_tokens
 
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
                  traceback: TracebackType | None) -> None:
         self._member.inflight -= 1
         self._member.inflight_prompt_tokens -= self._prompt_tokens
+        self._member.inflight_prefill_tokens -= self._prefill_tokens

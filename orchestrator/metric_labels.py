@@ -15,6 +15,7 @@ from frontend.errors import UpstreamError
 from frontend.guardrail import FallbackReason
 from frontend.metrics import Metrics
 from orchestrator.flow_request import PATHS
+from orchestrator.routers import ROUTING_DECISIONS
 
 # The steps the retry policy runs (its ``step`` label).
 CTX_STEP = "ctx"
@@ -26,6 +27,12 @@ RETRIED_STEPS = (CTX_STEP, GEN_STEP, MODELS_STEP)
 # because the KV hand-off was lost with a failed GEN.
 STATUS_5XX = "status_5xx"
 HANDOFF_LOST = "handoff_lost"
+# Where a prompt is prefilled (disagg_prefill_placement): through CTX, or on GEN alone for being short, or for
+# GEN holding all but a short remainder of it.
+ON_CTX, ON_GEN_SHORT, ON_GEN_CACHED = "ctx", "gen_short", "gen_cached"
+PREFILL_PLACEMENTS = (ON_CTX, ON_GEN_SHORT, ON_GEN_CACHED)
+CTX_POOL_NAME, GEN_POOL_NAME = "ctx", "gen"  # the pools' names (orchestrator.server): a metric label
+POOLS = (CTX_POOL_NAME, GEN_POOL_NAME)
 
 
 def upstream_failure_reasons() -> tuple[str, ...]:
@@ -49,6 +56,11 @@ def export_known_series(metrics: Metrics, ctx_workers: Iterable[str], gen_worker
     metrics.retries.labels(step=CTX_STEP, reason=HANDOFF_LOST)
     for fallback in FallbackReason:
         metrics.metadata_only_fallback.labels(reason=fallback.value)
+    for pool in POOLS:
+        for decision in ROUTING_DECISIONS:
+            metrics.routing_decisions.labels(pool=pool, decision=decision)
+    for placement in PREFILL_PLACEMENTS:
+        metrics.prefill_placement.labels(placement=placement)
     for endpoint in PATHS:
         metrics.request_latency.labels(endpoint=endpoint)
     for url in ctx_workers:

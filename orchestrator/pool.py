@@ -14,6 +14,8 @@ import orjson
 from frontend.background import BackgroundLoop
 from frontend.errors import UpstreamError, UpstreamUnavailableError
 from frontend.guardrail import GenEngineFacts
+from frontend.kv_events import reachable_endpoint
+from orchestrator.cache_index import CacheIndex, EventSource
 from orchestrator.member import UNKNOWN_ENGINE_FACTS, PoolMember
 from orchestrator.protocols.registry import DEFAULT_PROTOCOL, detect_protocol
 from orchestrator.routers import Router, RoutingKey
@@ -33,8 +35,12 @@ class WorkerPool:
         recovery_threshold: int = 1,
         transport_factory: Callable[[str, WorkerTimeouts], Transport] = make_transport,
         protocol: str | None = None,
+        index: CacheIndex | None = None,
     ) -> None:
         self.name = name
+        # What each member holds, from the KV events its card announces (and what was sent where); routers that
+        # weigh caches read it, and so does conditional disaggregation.
+        self.index = index if index is not None else CacheIndex()
         self.router = router
         self.timeouts = timeouts
         self.transport_factory = transport_factory
@@ -66,6 +72,7 @@ class WorkerPool:
             return False
         self.workers.remove(worker)
         self._sources.pop(url, None)
+        self.index.forget(url)
         worker.healthy = False
         logger.info("%s pool: removed %s (%d requests still finishing)", self.name, url, worker.inflight)
         task = asyncio.get_running_loop().create_task(self._close_when_idle(worker))
@@ -96,11 +103,16 @@ class WorkerPool:
 
     def pick(self, key: RoutingKey, exclude: Iterable[PoolMember] = ()) -> PoolMember:
         tried = list(exclude)
-        worker = self.router.pick(self.workers, key, tried)
+        worker = self._preferred(key, tried) or self.router.pick(self.workers, key, tried)
         if worker is None:
             detail = f" (tried {', '.join(w.url for w in tried)})" if tried else ""
             raise UpstreamUnavailableError(f"no healthy {self.name} worker is available{detail}")
         return worker
+
+    def _preferred(self, key: RoutingKey, tried: list[PoolMember]) -> PoolMember | None:
+        if key.prefer is None:
+            return None
+        return next((w for w in self.workers if w.url == key.prefer and w.healthy and w not in tried), None)
 
     # -- health -------------------------------------------------------------------------------------------
     async def check_health(self) -> None:
@@ -119,7 +131,9 @@ class WorkerPool:
         if worker.healthy != was_healthy:
             logger.info("%s worker %s is now %s", self.name, worker.url, "healthy" if worker.healthy else "unhealthy")
             if not worker.healthy:
-                worker.facts = None  # a worker that comes back may come back with another engine
+                # A worker that comes back may come back with another engine (and, restarted, with a new events
+                # incarnation on its card: the index then starts its picture afresh).
+                worker.facts = None
 
     async def _describe(self, worker: PoolMember) -> tuple[GenEngineFacts, str]:
         """The worker's engine facts and the protocol it speaks, from its own model card."""
@@ -134,6 +148,7 @@ class WorkerPool:
         else:
             protocol = detect_protocol(card, worker.url) if isinstance(card, dict) else DEFAULT_PROTOCOL
         logger.info("%s worker %s speaks %s", self.name, worker.url, protocol)
+        self.index.subscribe(worker.url, _event_source(card, worker.url))
         try:
             info = card["engine_info"]
             return GenEngineFacts(bool(info["kv_block_reuse"]), bool(info["prompt_tokens_in_handoff"])), protocol
@@ -142,10 +157,23 @@ class WorkerPool:
             return UNKNOWN_ENGINE_FACTS, protocol
 
     async def aclose(self) -> None:
+        await self.index.aclose()
         for task in list(self._closing):
             task.cancel()
         await asyncio.gather(*(w.transport.aclose() for w in self.workers), *self._closing,
                              return_exceptions=True)
+
+
+def _event_source(card: object, worker_url: str) -> EventSource | None:
+    """Where the worker publishes its KV events (``engine_info.kv_events`` on its card), if it does."""
+    try:
+        events = card["engine_info"]["kv_events"]  # type: ignore[index]
+        endpoint = reachable_endpoint(str(events["endpoint"]), worker_url)
+        replay = events.get("replay_endpoint")
+        return EventSource(endpoint, reachable_endpoint(str(replay), worker_url) if replay else None,
+                           str(events.get("incarnation", "")))
+    except (KeyError, TypeError, AttributeError):
+        return None
 
 
 class HealthMonitor(BackgroundLoop):

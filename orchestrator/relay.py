@@ -41,7 +41,7 @@ async def relay_stream(
     last_frame: bytes | None = None  # the last whole frame GEN sent: a Responses error event numbers on from it
     last: float | None = None
     failure: UpstreamError | None = None
-    with member.carrying(prompt_tokens):
+    with member.carrying(prompt_tokens, 0):  # its first byte came: the prompt is computed
         try:
             async with aclosing(stream.chunks()) as chunks:
                 async for chunk in chunks:

@@ -59,10 +59,12 @@ class ResponseMemory:
         new_items = [] if body.get("input") is None else _items_of(body["input"])
         if new_items is None:
             raise InvalidRequestError("'input' must be a string or a list of input items", param="input")
-        stored = self._conversation_of(previous_id)
+        entry = self._entry_of(previous_id)
+        stored: list[Any] = orjson.loads(entry.conversation)
         continued = {name: value for name, value in body.items() if name != "previous_response_id"}
         continued["input"] = items = [*stored, *new_items]
-        return ResponsesTurn(continued, items, self.store if keep else None, len(stored))
+        return ResponsesTurn(continued, items, self.store if keep else None, len(stored),
+                             entry.session or previous_id)
 
     def stored(self, response_id: str) -> StoredResponse:
         """A stored response (``GET /v1/responses/{id}``); a 404 if unknown, evicted, expired or deleted."""
@@ -71,13 +73,12 @@ class ResponseMemory:
             raise ResponseNotFoundError(f"Response with id '{response_id}' not found.")
         return entry
 
-    def _conversation_of(self, previous_id: str) -> list[Any]:
+    def _entry_of(self, previous_id: str) -> StoredResponse:
         entry = self.store.get(previous_id)
         if entry is None:
             raise ResponseNotFoundError(f"Previous response with id '{previous_id}' not found.",
                                         param="previous_response_id", code="previous_response_not_found")
-        conversation: list[Any] = orjson.loads(entry.conversation)
-        return conversation
+        return entry
 
     def delete(self, response_id: str) -> None:
         if not self.store.delete(response_id):
@@ -107,6 +108,9 @@ class ResponsesTurn:
     input_items: list[Any] | None  # the conversation up to this turn's answer
     store: ResponseStore | None  # where its answer is kept; None: not kept
     stored_items: int  # how many of ``input_items`` came from the store, before the client's own
+    # The conversation's key for routing (its first response's id); None for a first turn, whose answer
+    # starts one.
+    session: str | None = None
 
     async def answer(self, run: Callable[[], Awaitable[Answer]]) -> Answer:
         """``run``'s answer, kept once complete. A worker's error about an item names it as the client counted
@@ -171,5 +175,5 @@ class ResponsesTurn:
         if not isinstance(response_id, str) or not isinstance(output, list):
             logger.warning("a Responses answer without an id or output list; it is not stored")
             return
-        if not self.store.put(response_id, content, orjson.dumps([*self.input_items, *output])):
+        if not self.store.put(response_id, content, orjson.dumps([*self.input_items, *output]), self.session or ""):
             logger.warning("response %s is larger than response_store.max_bytes; it is not stored", response_id)

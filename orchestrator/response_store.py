@@ -29,6 +29,8 @@ class StoredResponse:
     response: bytes  # the response object's JSON, as GET /v1/responses/{id} answers it
     conversation: bytes  # a JSON list of input items: what a follow-up's input continues
     stored_at: float
+    session: str = ""  # the conversation's key for routing: the id of its first response
+
 
     @property
     def size(self) -> int:
@@ -50,10 +52,10 @@ class ResponseStore:
     def size_bytes(self) -> int:
         return self._bytes
 
-    def put(self, response_id: str, response: bytes, conversation: bytes) -> bool:
+    def put(self, response_id: str, response: bytes, conversation: bytes, session: str = "") -> bool:
         """Keep the response (replacing one of the same id); False when it alone exceeds the byte bound."""
         self.delete(response_id)
-        entry = StoredResponse(response_id, response, conversation, self._clock())
+        entry = StoredResponse(response_id, response, conversation, self._clock(), session or response_id)
         if entry.size > self.limits.max_bytes:
             return False
         self._expire()

@@ -5,6 +5,10 @@
   orchestrator itself counts them (no polling: the orchestrator sees every request start and end).
 - ``prefix_affinity``: consistent hashing of the prompt's leading characters with bounded load, so requests
   that share a prefix meet the worker whose cache holds it, without piling onto one worker.
+- ``cache_aware`` (the CTX default): the worker where the request costs least, counting the prompt tokens it
+  does not hold (``orchestrator.cache_index``: what every worker holds, from its KV events) plus the uncached
+  tokens already queued there, within a load bound; a conversation key (``x-session-id``) breaks near-ties the
+  same way in every process (rendezvous hashing). docs/routing.md says how it chooses and what it needs.
 """
 
 from __future__ import annotations
@@ -13,15 +17,26 @@ import bisect
 import hashlib
 import itertools
 import math
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import Protocol
 
+import orjson
+
 from frontend.config import RouterConfig
+from frontend.prefix_chain import ChainBuilder, PrefixChain
+from orchestrator.cache_index import CacheIndex
 from orchestrator.client_body import RawText
 from orchestrator.member import PoolMember
 
 _VIRTUAL_NODES = 64
+
+
+_NO_CHAIN = PrefixChain()
+# cache_aware: a conversation's own worker (rendezvous hashing of its key) is taken while its cost is within this
+# factor of the cheapest worker's, so that near-ties do not scatter a conversation; a real saving wins.
+_SESSION_SLACK = 1.5
+ROUTING_DECISIONS = ("cache_hit", "spill", "cold", "session")
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,6 +45,15 @@ class RoutingKey:
 
     prompt_prefix: str = ""
     prompt_tokens: int = 0  # exact when known (after CTX), else an estimate
+    chain: PrefixChain = _NO_CHAIN  # the prompt's prefix chain; empty unless a cache-aware pool needs it
+    session: str | None = None  # a conversation's key, the same in every process
+    prefer: str | None = None  # a worker the flow already chose (conditional disaggregation): taken if it can
+    # The uncached tokens a cache-aware router expects the request to cost each worker it picked: what that
+    # worker's queue counts while the request is there (PoolMember.inflight_prefill_tokens).
+    prefill_tokens: dict[str, int] = field(default_factory=dict, hash=False, compare=False)
+
+    def prefill_at(self, url: str) -> int:
+        return self.prefill_tokens.get(url, self.prompt_tokens)
 
 
 class Router(Protocol):
@@ -109,8 +133,67 @@ class PrefixAffinityRouter:
         return min(candidates, key=lambda w: w.inflight)
 
 
-def make_router(config: RouterConfig, default: str = "round_robin") -> Router:
+class CacheAwareRouter:
+    def __init__(self, index: CacheIndex, load_factor: float,
+                 on_decision: Callable[[str], None] | None = None) -> None:
+        self.index = index
+        self.load_factor = load_factor
+        self.on_decision = on_decision
+        self._counter = itertools.count()
+
+    def pick(self, workers: Sequence[PoolMember], key: RoutingKey, exclude: Iterable[PoolMember] = ()
+             ) -> PoolMember | None:
+        candidates = _candidates(workers, exclude)
+        if not candidates:
+            return None
+        start = next(self._counter) % len(candidates)  # ties spread instead of always landing on the first
+        rotated = candidates[start:] + candidates[:start]
+        # A bound on requests in flight, as prefix_affinity's, one request looser: the cost already weighs the
+        # queue in tokens, the bound only stops estimates from piling requests onto one worker.
+        limit = math.ceil(self.load_factor * (sum(w.inflight for w in candidates) + 1) / len(candidates)) + 1
+        matched = {w.url: matched_tokens(self.index, w, key) for w in rotated}
+        longest = max(matched.values())
+        eligible = [w for w in rotated if w.inflight + 1 <= limit] or rotated
+
+        def cost(worker: PoolMember) -> int:
+            return max(1, key.prompt_tokens - matched[worker.url]) + worker.inflight_prefill_tokens
+
+        best = min(eligible, key=cost)
+        decision = "cache_hit" if longest and matched[best.url] == longest else "spill" if longest else "cold"
+        if key.session is not None:
+            own = max(eligible, key=lambda w: _rendezvous(key.session or "", w.url))
+            if own is not best and cost(own) <= _SESSION_SLACK * cost(best):
+                best = own
+                decision = "session" if not longest else decision if matched[own.url] == longest else "spill"
+            elif own is best and not longest:
+                decision = "session"
+        key.prefill_tokens[best.url] = max(1, key.prompt_tokens - matched[best.url])
+        if self.on_decision is not None:
+            self.on_decision(decision)
+        return best
+
+
+def matched_tokens(index: CacheIndex, worker: PoolMember, key: RoutingKey) -> int:
+    """The prompt tokens ``worker`` holds, estimated from the share of the prompt's bytes its held links cover."""
+    chain = key.chain
+    if not chain.links or not chain.total_bytes:
+        return 0
+    covered = chain.covered_bytes(index.matched_links(worker.url, chain))
+    return key.prompt_tokens * covered // chain.total_bytes
+
+
+def _rendezvous(session: str, url: str) -> int:
+    """Highest-random-weight hashing: every process ranks the workers for a session alike."""
+    return int.from_bytes(hashlib.blake2b(f"{session}\x00{url}".encode("utf-8", "surrogatepass"),
+                                          digest_size=8).digest(), "big")
+
+
+def make_router(config: RouterConfig, default: str = "round_robin", index: CacheIndex | None = None,
+                on_decision: Callable[[str], None] | None = None) -> Router:
     kind = config.type or default
+    if kind == "cache_aware":
+        return CacheAwareRouter(index if index is not None else CacheIndex(config.pending_s), config.load_factor,
+                                on_decision)
     if kind == "least_loaded":
         return LeastLoadedRouter(by_prompt_tokens=config.load_metric == "prompt_tokens")
     if kind == "prefix_affinity":
@@ -118,35 +201,64 @@ def make_router(config: RouterConfig, default: str = "round_robin") -> Router:
     return RoundRobinRouter()
 
 
-def routing_key(body: dict[str, object], prefix_chars: int) -> RoutingKey:
+def routing_key(body: dict[str, object], prefix_chars: int, with_chain: bool = False,
+                session: str | None = None) -> RoutingKey:
     """The prompt's first characters and a token estimate (~4 characters a token), read from the raw body. A
     long text the orchestrator kept as its JSON literal (``RawText``) counts its bytes, and only its first
-    characters are decoded."""
+    characters are decoded. ``with_chain``: also the prompt's prefix chain, over each text's JSON literal (the
+    bytes a ``RawText`` holds; a short text encoded back, as orjson writes it), each after its role."""
     pieces: list[str] = []
     chars = 0
-    for text in _prompt_texts(body):
+    builder = ChainBuilder() if with_chain else None
+    for role, text in _prompt_texts(body):
         if chars < prefix_chars:
             wanted = prefix_chars - chars
             pieces.append(text[:wanted] if isinstance(text, str) else text.prefix(wanted))
         chars += len(text) if isinstance(text, str) else text.size
+        if builder is not None:
+            builder.feed(role)
+            builder.feed(orjson.dumps(text) if isinstance(text, str) else text.literal)
     explicit = body.get("prompt_token_ids")
     estimate = len(explicit) if isinstance(explicit, list) else chars // 4 + 1
-    return RoutingKey("".join(pieces), estimate)
+    if builder is not None and isinstance(explicit, list):
+        builder.feed(b"prompt_token_ids:")
+        builder.feed(orjson.dumps(explicit)[:-1])  # without the closing bracket: a longer list extends it
+    chain = builder.chain() if builder is not None else _NO_CHAIN
+    return RoutingKey("".join(pieces), estimate, chain, session)
 
 
-def _prompt_texts(body: dict[str, object]) -> Iterable[str | RawText]:
+def _prompt_texts(body: dict[str, object]) -> Iterator[tuple[bytes, str | RawText]]:
+    """Each text of the prompt, in order, after the role it is spoken in (the chain tells "user: a" from
+    "system: a")."""
     for name in ("instructions", "prompt", "input", "messages"):
         value = body.get(name)
         if isinstance(value, str | RawText):
-            yield value
+            yield _ROLES.get(name, b"\x00"), value
         elif isinstance(value, list):
             for item in value:
                 if isinstance(item, str):
-                    yield item
+                    yield _ROLES.get(name, b"\x00"), item
                 elif isinstance(item, dict):
+                    role = _role(item.get("role"))
                     content = item.get("content")
                     if isinstance(content, str | RawText):
-                        yield content
+                        yield role, content
                     elif isinstance(content, list):
-                        yield from (p["text"] for p in content
-                                    if isinstance(p, dict) and isinstance(p.get("text"), str | RawText))
+                        for part in content:
+                            if isinstance(part, dict) and isinstance(part.get("text"), str | RawText):
+                                yield role, part["text"]
+
+
+_ROLES = {name: f"\x00{name}\x00".encode() for name in ("instructions", "prompt", "input", "messages")}
+_ROLE_CACHE: dict[str, bytes] = {}
+
+
+def _role(role: object) -> bytes:
+    if not isinstance(role, str):
+        return b"\x00?\x00"
+    marker = _ROLE_CACHE.get(role)
+    if marker is None:
+        marker = f"\x00{role}\x00".encode("utf-8", "surrogatepass")
+        if len(_ROLE_CACHE) < 64:  # roles are a handful of names; a client inventing more is not cached
+            _ROLE_CACHE[role] = marker
+    return marker

@@ -36,11 +36,12 @@ from frontend.openai_models import ChatCompletionRequest, CompletionRequest, Res
 from frontend.openai_output import Endpoint
 from frontend.openapi import install_body_schemas, json_body
 from frontend.sse import SSE_RAW_HEADERS
+from orchestrator.cache_index import CacheIndex
 from orchestrator.client_body import parse_client_body
 from orchestrator.disagg_flow import DisaggFlow
 from orchestrator.flow_request import PATHS, FlowRequest, StreamedAnswer, check_client_body
 from orchestrator.membership import DnsDiscovery
-from orchestrator.metric_labels import MODELS_STEP, export_known_series
+from orchestrator.metric_labels import CTX_POOL_NAME, GEN_POOL_NAME, MODELS_STEP, export_known_series
 from orchestrator.pool import HealthMonitor, WorkerPool
 from orchestrator.response_memory import ResponseMemory
 from orchestrator.response_store import ResponseStore
@@ -55,9 +56,13 @@ WIRE_MODELS: dict[Endpoint, type[BaseModel]] = {"chat": ChatCompletionRequest, "
 logger = logging.getLogger("disagg_serve.orchestrator")
 
 
-def _pool(name: str, group: ServerGroupConfig, config: OrchestratorConfig) -> WorkerPool:
+def _pool(name: str, group: ServerGroupConfig, config: OrchestratorConfig, metrics: Metrics,
+          default_router: str) -> WorkerPool:
     timeouts = WorkerTimeouts(config.request_timeout_s, config.connect_timeout_s, min(config.connect_timeout_s, 5.0))
-    pool = WorkerPool(name, make_router(group.router), timeouts,
+    index = CacheIndex(group.router.pending_s)
+    decisions = LabelledChildren(metrics.routing_decisions)
+    router = make_router(group.router, default_router, index, lambda decision: decisions(name, decision).inc())
+    pool = WorkerPool(name, router, timeouts, index=index,
                       failure_threshold=config.health_failure_threshold,
                       recovery_threshold=config.health_recovery_threshold,
                       transport_factory=partial(make_transport, client=config.upstream_client),
@@ -84,8 +89,8 @@ def create_orchestrator_app(
     response_store: ResponseStore | None = None,
 ) -> FastPathApp:
     metrics = metrics or Metrics()
-    ctx_pool = _pool("ctx", config.context_servers, config)
-    gen_pool = _pool("gen", config.generation_servers, config)
+    ctx_pool = _pool(CTX_POOL_NAME, config.context_servers, config, metrics, "cache_aware")
+    gen_pool = _pool(GEN_POOL_NAME, config.generation_servers, config, metrics, "round_robin")
     pools = {"context": ctx_pool, "generation": gen_pool}
     flow = DisaggFlow(config, ctx_pool, gen_pool, metrics)
     # previous_response_id and store: only /v1/responses reaches it.
@@ -133,6 +138,7 @@ def create_orchestrator_app(
     # Label lookups made once, not per request (frontend.metrics.LabelledChildren says what they cost).
     inflight_gauge = metrics.engine_inflight.labels(role=ROLE)
     bodies = BodyBudget(config.max_body_bytes_reading)
+    session_header = config.context_servers.router.session_header.lower().encode("latin-1")
     requests_count, request_latency = LabelledChildren(metrics.requests), LabelledChildren(metrics.request_latency)
 
     def release(endpoint: Endpoint, started: float, span: Any, flow_request: FlowRequest | None, status: int) -> None:
@@ -194,7 +200,8 @@ def create_orchestrator_app(
             body = parse_json_object(raw) if endpoint == "responses" else parse_client_body(raw)
             check_client_body(body)
             turn = stored_responses.begin(body) if endpoint == "responses" else None
-            flow_request = flow.new_request(endpoint, turn.body if turn else body, started, headers)
+            session = turn.session if turn is not None and turn.session else exchange.header(session_header)
+            flow_request = flow.new_request(endpoint, turn.body if turn else body, started, headers, session)
             flow_request.span = span
             if admission is not None:
                 tracing.end(admission, {"disagg.request_id": request_id, "disagg.streaming": flow_request.streaming})

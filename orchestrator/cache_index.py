@@ -1,0 +1,172 @@
+"""What each worker of a pool holds in its prefix cache, by prefix-chain link (``frontend.prefix_chain``).
+
+Two sources, so that every engine can be routed on:
+- **The workers' KV events** (``frontend.kv_events``): a worker that announces ``engine_info.kv_events`` on its
+  card publishes every link its engine stores and evicts. Every orchestrator process subscribes to every such
+  worker and so holds the same picture, whichever process routed the requests: this is what makes routing
+  consistent across ``--api-workers`` and replicas without a mesh.
+- **What this process sent where**, for the gap until the worker's events say so (``pending_s``), and as the
+  whole picture for a worker that publishes nothing (a foreign server): a bounded LRU of links per worker.
+
+Matching relies on what a worker holds being prefix-closed (a chain's head is evicted after its tail; the
+workers keep it so, ``workers.prefix_holdings``), so the longest held prefix is found by a binary search: ~10 set
+lookups per worker at 131k tokens instead of one per link.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from frontend.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, EventSubscriber, KVCacheEvent
+from frontend.prefix_chain import PrefixChain
+
+logger = logging.getLogger(__name__)
+
+SENT_LINKS_PER_WORKER = 65_536  # what-was-sent-where for a worker without events: ~1 GiB of prompt text at most
+
+
+@dataclass(frozen=True, slots=True)
+class EventSource:
+    """Where a worker publishes its KV events, from its card; a new ``incarnation`` is a restarted worker."""
+
+    endpoint: str
+    replay_endpoint: str | None
+    incarnation: str
+
+
+class _WorkerHoldings:
+    __slots__ = ("held", "sent", "source", "subscriber")
+
+    def __init__(self) -> None:
+        self.held: set[int] = set()  # from the worker's events
+        self.sent: collections.OrderedDict[int, float] = collections.OrderedDict()  # link -> when sent here
+        self.source: EventSource | None = None
+        self.subscriber: EventSubscriber | None = None
+
+
+class CacheIndex:
+    def __init__(self, pending_s: float = 10.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.pending_s = pending_s
+        self._clock = clock
+        self._workers: dict[str, _WorkerHoldings] = {}
+
+    def _of(self, url: str) -> _WorkerHoldings:
+        holdings = self._workers.get(url)
+        if holdings is None:
+            holdings = self._workers[url] = _WorkerHoldings()
+        return holdings
+
+    # -- the workers' events ----------------------------------------------------------------------------------
+    def subscribe(self, url: str, source: EventSource | None) -> None:
+        """Follow ``url``'s events from ``source`` (None: it publishes none). A source already followed is left
+        alone; a new one (a restarted worker) starts from an empty picture."""
+        holdings = self._of(url)
+        if holdings.source == source:
+            return
+        self._stop(holdings)
+        holdings.held.clear()
+        holdings.source = source
+        if source is not None:
+            holdings.subscriber = EventSubscriber(source.endpoint, source.replay_endpoint,
+                                                  lambda events: self.apply(url, events),
+                                                  lambda: self.reset(url))
+            holdings.subscriber.start()
+            logger.info("following the KV events of %s at %s", url, source.endpoint)
+
+    def publishes(self, url: str) -> bool:
+        holdings = self._workers.get(url)
+        return holdings is not None and holdings.source is not None
+
+    def apply(self, url: str, events: list[KVCacheEvent]) -> None:
+        held = self._of(url).held
+        for event in events:
+            if isinstance(event, BlockStored):
+                held.update(h for h in event.block_hashes if isinstance(h, int))
+            elif isinstance(event, BlockRemoved):
+                held.difference_update(h for h in event.block_hashes if isinstance(h, int))
+            elif isinstance(event, AllBlocksCleared):
+                held.clear()
+
+    def reset(self, url: str) -> None:
+        self._of(url).held.clear()
+
+    def forget(self, url: str) -> None:
+        """``url`` left the pool."""
+        holdings = self._workers.pop(url, None)
+        if holdings is not None:
+            self._stop(holdings)
+
+    @staticmethod
+    def _stop(holdings: _WorkerHoldings) -> None:
+        if holdings.subscriber is not None:
+            subscriber, holdings.subscriber = holdings.subscriber, None
+            task = asyncio.get_running_loop().create_task(subscriber.aclose())
+            _closing.add(task)
+            task.add_done_callback(_closing.discard)
+
+    async def aclose(self) -> None:
+        for holdings in self._workers.values():
+            if holdings.subscriber is not None:
+                await holdings.subscriber.aclose()
+                holdings.subscriber = None
+
+    # -- what this process sent ---------------------------------------------------------------------------------
+    def note_sent(self, url: str, chain: PrefixChain) -> None:
+        if not chain.links:
+            return
+        holdings = self._of(url)
+        sent = holdings.sent
+        now = self._clock()
+        for link in reversed(chain.links):  # the head most recent: it outlives the tail, as on the worker
+            sent[link] = now
+            sent.move_to_end(link)
+        while len(sent) > SENT_LINKS_PER_WORKER:
+            sent.popitem(last=False)
+        if holdings.source is not None:  # the events will say it soon: what is older than that is dropped
+            horizon = now - self.pending_s
+            while sent:
+                link, when = next(iter(sent.items()))
+                if when >= horizon:
+                    break
+                del sent[link]
+
+    # -- matching -----------------------------------------------------------------------------------------------
+    def matched_links(self, url: str, chain: PrefixChain) -> int:
+        """How many of ``chain``'s leading links ``url`` holds."""
+        holdings = self._workers.get(url)
+        links = chain.links
+        if holdings is None or not links:
+            return 0
+        held, sent = holdings.held, holdings.sent
+        if not held and not sent:
+            return 0
+        horizon = self._clock() - self.pending_s if holdings.source is not None else float("-inf")
+
+        def holds(link: int) -> bool:
+            if link in held:
+                return True
+            when = sent.get(link)
+            return when is not None and when >= horizon
+
+        if holds(links[-1]):
+            return len(links)
+        low, high = 0, len(links) - 1  # the answer is in [low, high]: links[:low] is held, links[:high + 1] is not
+        while low < high:
+            middle = (low + high + 1) // 2
+            if holds(links[middle - 1]):
+                low = middle
+            else:
+                high = middle - 1
+        return low
+
+    def held_links(self, url: str) -> int:
+        holdings = self._workers.get(url)
+        return len(holdings.held) if holdings is not None else 0
+
+
+_closing: set[asyncio.Task[None]] = set()  # subscribers being closed, kept alive until they are
