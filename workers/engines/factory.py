@@ -19,6 +19,7 @@ __all__ = ["ENGINES", "ENGINE_NAMES", "EngineOptions", "create_engine", "referen
 ENGINES: dict[str, str] = {
     "reference": "workers.engines.reference.engine",
     "synthetic": "workers.engines.synthetic",
+    "simulated": "workers.engines.simulated",
     "vllm": "workers.engines.vllm.engine",
 }
 ENGINE_NAMES: tuple[str, ...] = tuple(ENGINES)

@@ -1,7 +1,8 @@
 """EngineOptions: what the command line says about the engine, handed to whichever engine's factory is chosen.
 
-An engine reads the fields it understands and ignores the rest. The synthetic engine's knobs live here too
-(``SyntheticConfig``), because the options carry them and every engine module imports the options.
+An engine reads the fields it understands and ignores the rest. The synthetic and simulated engines' knobs live
+here too (``SyntheticConfig``, ``SimulatedConfig``), because the options carry them and every engine module imports
+the options.
 """
 
 from __future__ import annotations
@@ -16,6 +17,20 @@ class SyntheticConfig:
     max_context: int = 1_048_576
     time_to_first_token_s: float = 0.0
     inter_token_latency_s: float = 0.0
+    output_tokens: int | None = None  # emit EOS after this many tokens; None: run to max_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class SimulatedConfig:
+    """``--engine simulated`` (workers/engines/simulated.py): an engine's time and prefix cache, no compute."""
+
+    model: str = "simulated"
+    vocab_size: int = 50_000
+    max_context: int = 1_048_576
+    prefill_base_s: float = 0.005  # every prefill's fixed cost
+    prefill_tokens_per_s: float = 40_000.0  # uncached prompt tokens per second, one prefill at a time
+    prefix_cache_tokens: int = 65_536  # the LRU prefix cache's size (16-token blocks); 0: no reuse
+    inter_token_latency_s: float = 0.01  # per decode step, for every running sequence at once
     output_tokens: int | None = None  # emit EOS after this many tokens; None: run to max_tokens
 
 
@@ -49,4 +64,5 @@ class EngineOptions:
     blas_threads: int | None = None
     core_socket: str | None = None  # several front ends of one worker share the engine core listening here
     synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
+    simulated: SimulatedConfig = field(default_factory=SimulatedConfig)
     vllm: VllmConfig = field(default_factory=VllmConfig)
