@@ -38,7 +38,7 @@ from workers.engines.synthetic import SYNTHETIC_TEXT, SyntheticConfig
 from workers.server import create_worker_app
 from workers.serving import Role, WorkerSettings
 
-ROUTER_TYPES = ["round_robin", "least_loaded", "prefix_affinity"]
+ROUTER_TYPES = ["cache_aware", "round_robin", "least_loaded", "prefix_affinity"]
 
 
 def synthetic_text(n: int) -> str:

@@ -1,0 +1,135 @@
+"""The cache-aware router: the worker where a request costs least, by what each worker holds and has queued.
+
+Real ``PoolMember`` objects with the fields the orchestrator maintains set by hand, and a real ``CacheIndex``
+fed the events a worker would publish.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from collections.abc import Iterator
+
+import orjson
+import pytest
+
+from frontend.kv_events import BlockStored
+from orchestrator.cache_index import CacheIndex
+from orchestrator.client_body import parse_client_body
+from orchestrator.member import PoolMember
+from orchestrator.routers import CacheAwareRouter, RoutingKey, routing_key
+from orchestrator.transport import WorkerTimeouts, make_transport
+
+SYSTEM = "You are a careful assistant. " * 400  # ~11 KB
+
+
+def chat(*messages: tuple[str, str], session: str | None = None) -> RoutingKey:
+    body = {"messages": [{"role": role, "content": text} for role, text in messages]}
+    return routing_key(body, 1024, with_chain=True, session=session)
+
+
+@pytest.fixture
+def pool() -> Iterator[list[PoolMember]]:
+    workers = [PoolMember(make_transport(f"http://127.0.0.1:{9200 + i}", WorkerTimeouts())) for i in range(4)]
+    for worker in workers:
+        worker.healthy = True
+    try:
+        yield workers
+    finally:
+        async def close() -> None:
+            for worker in workers:
+                await worker.transport.aclose()
+
+        asyncio.run(close())
+
+
+def holds(index: CacheIndex, worker: PoolMember, key: RoutingKey) -> None:
+    index.apply(worker.url, [BlockStored(list(key.chain.links), None, [], 16, None, None, None)])
+
+
+def test_the_worker_holding_the_prefix_takes_the_request(pool: list[PoolMember]) -> None:
+    decisions: list[str] = []
+    index = CacheIndex()
+    router = CacheAwareRouter(index, 1.25, decisions.append)
+    first = chat(("system", SYSTEM), ("user", "What is 2+2?"))
+    holds(index, pool[2], first)
+    follow_up = chat(("system", SYSTEM), ("user", "What is 2+2?"), ("assistant", "4"), ("user", "And 3+3?"))
+    assert all(router.pick(pool, follow_up) is pool[2] for _ in range(5))
+    assert decisions == ["cache_hit"] * 5
+    # The request is expected to cost that worker only what it does not hold.
+    assert follow_up.prefill_tokens[pool[2].url] < follow_up.prompt_tokens // 4
+
+
+def test_a_queue_of_uncached_work_moves_the_request_elsewhere(pool: list[PoolMember]) -> None:
+    decisions: list[str] = []
+    index = CacheIndex()
+    router = CacheAwareRouter(index, 1.25, decisions.append)
+    key = chat(("system", SYSTEM), ("user", "hello"))
+    holds(index, pool[0], key)
+    pool[0].inflight = 1
+    pool[0].inflight_prefill_tokens = 10 * key.prompt_tokens  # a long miss is being prefilled there
+    chosen = router.pick(pool, key)
+    assert chosen is not pool[0]
+    assert decisions == ["spill"]
+
+
+def test_the_load_bound_spills_a_hot_worker(pool: list[PoolMember]) -> None:
+    index = CacheIndex()
+    router = CacheAwareRouter(index, 1.25)
+    key = chat(("system", SYSTEM), ("user", "hello"))
+    holds(index, pool[0], key)
+    pool[0].inflight = 5  # far above the mean of the others' 0, whatever its queue in tokens
+    assert router.pick(pool, key) is not pool[0]
+
+
+def test_cold_requests_spread_over_the_workers(pool: list[PoolMember]) -> None:
+    decisions: list[str] = []
+    router = CacheAwareRouter(CacheIndex(), 1.25, decisions.append)
+    picks = Counter(router.pick(pool, chat(("user", f"question {i}"))).url for i in range(40))  # type: ignore[union-attr]
+    assert len(picks) == 4 and min(picks.values()) >= 5
+    assert set(decisions) == {"cold"}
+
+
+def test_a_session_lands_on_the_same_worker_in_every_router(pool: list[PoolMember]) -> None:
+    """Two routers (two orchestrator processes) that share nothing send a conversation's cold turns alike."""
+    for session in ("alice", "bob", "carol", "dave"):
+        picks = {CacheAwareRouter(CacheIndex(), 1.25).pick(pool, chat(("user", f"hi {i}"), session=session)).url  # type: ignore[union-attr]
+                 for i in range(6)}
+        assert len(picks) == 1
+
+
+def test_a_session_gives_way_to_a_worker_that_holds_much_more(pool: list[PoolMember]) -> None:
+    index = CacheIndex()
+    router = CacheAwareRouter(index, 1.25)
+    key = chat(("system", SYSTEM), ("user", "hello"), session="alice")
+    own = router.pick(pool, chat(("user", "x"), session="alice"))
+    holder = next(w for w in pool if w is not own)
+    holds(index, holder, key)
+    assert router.pick(pool, key) is holder
+
+
+def test_excluded_and_unhealthy_workers_are_never_picked(pool: list[PoolMember]) -> None:
+    index = CacheIndex()
+    router = CacheAwareRouter(index, 1.25)
+    key = chat(("system", SYSTEM), ("user", "hello"))
+    holds(index, pool[0], key)
+    pool[1].healthy = False
+    assert router.pick(pool, key, [pool[0]]) in (pool[2], pool[3])
+    assert router.pick(pool, key, pool) is None
+
+
+def test_the_chain_tells_roles_apart_and_reads_long_texts_as_the_client_sent_them() -> None:
+    assert chat(("system", "abc" * 200)).chain != chat(("user", "abc" * 200)).chain
+    long_text = "line one\nline two \"quoted\" " * 3000  # past client_body's MIN_LITERAL: kept as its JSON literal
+    raw = orjson.dumps({"messages": [{"role": "user", "content": long_text}], "pad": "x" * 70_000})
+    parsed = parse_client_body(raw)
+    from_raw = routing_key(parsed, 1024, with_chain=True).chain
+    from_text = routing_key({"messages": [{"role": "user", "content": long_text}]}, 1024, with_chain=True).chain
+    assert type(parsed["messages"][0]["content"]).__name__ == "RawText"
+    assert from_raw == from_text  # a turn parsed whole and a turn kept raw name the same text alike
+
+
+def test_a_follow_up_turn_extends_the_earlier_turns_chain() -> None:
+    first = chat(("system", SYSTEM), ("user", "What is 2+2?"))
+    second = chat(("system", SYSTEM), ("user", "What is 2+2?"), ("assistant", "4"), ("user", "And 3+3?"))
+    assert second.chain.links[: len(first.chain.links)] == first.chain.links

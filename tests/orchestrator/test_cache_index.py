@@ -1,0 +1,83 @@
+"""The cache index: what each worker holds by prefix-chain link, from its KV events and from what was sent."""
+
+from __future__ import annotations
+
+from frontend.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from frontend.prefix_chain import chain_of
+from orchestrator.cache_index import SENT_LINKS_PER_WORKER, CacheIndex, EventSource
+
+W1, W2 = "http://w1", "http://w2"
+SYSTEM = b"s" * 8192
+CHAIN = chain_of([SYSTEM, b"u" * 4096])
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def stored(links: tuple[int, ...]) -> BlockStored:
+    return BlockStored(list(links), None, [], 16, None, None, None)
+
+
+def test_events_say_what_a_worker_holds_and_matching_finds_the_longest_held_prefix() -> None:
+    index = CacheIndex()
+    assert index.matched_links(W1, CHAIN) == 0
+    index.apply(W1, [stored(CHAIN.links[:10])])
+    assert index.matched_links(W1, CHAIN) == 10
+    assert index.matched_links(W2, CHAIN) == 0
+    index.apply(W1, [stored(CHAIN.links)])
+    assert index.matched_links(W1, CHAIN) == len(CHAIN.links)
+    index.apply(W1, [BlockRemoved(list(CHAIN.links[5:]), None)])
+    assert index.matched_links(W1, CHAIN) == 5
+    index.apply(W1, [AllBlocksCleared()])
+    assert index.matched_links(W1, CHAIN) == 0
+
+
+def test_every_length_of_held_prefix_is_found() -> None:
+    index = CacheIndex()
+    for held in range(len(CHAIN.links) + 1):
+        index.reset(W1)
+        index.apply(W1, [stored(CHAIN.links[:held])])
+        assert index.matched_links(W1, CHAIN) == held
+
+
+def test_a_prompt_that_differs_after_the_shared_start_matches_only_the_start() -> None:
+    index = CacheIndex()
+    index.apply(W1, [stored(CHAIN.links)])
+    other = chain_of([SYSTEM, b"v" * 4096])
+    shared = sum(1 for a, b in zip(CHAIN.links, other.links, strict=False) if a == b)
+    assert 0 < shared < len(other.links)
+    assert index.matched_links(W1, other) == shared
+
+
+def test_what_was_sent_counts_until_the_events_should_have_said_so() -> None:
+    clock = Clock()
+    index = CacheIndex(pending_s=10.0, clock=clock)
+    index._of(W1).source = EventSource("tcp://w1:1", None, "a")  # publishes (no subscriber needed here)
+    index.note_sent(W1, CHAIN)
+    assert index.matched_links(W1, CHAIN) == len(CHAIN.links)
+    clock.now = 10.5
+    assert index.matched_links(W1, CHAIN) == 0  # the worker never said it holds it: it does not
+
+
+def test_for_a_worker_without_events_what_was_sent_is_kept_bounded() -> None:
+    clock = Clock()
+    index = CacheIndex(pending_s=10.0, clock=clock)
+    index.note_sent(W2, CHAIN)
+    clock.now = 1e6
+    assert index.matched_links(W2, CHAIN) == len(CHAIN.links)
+    for i in range(SENT_LINKS_PER_WORKER // len(CHAIN.links) + 2):
+        index.note_sent(W2, chain_of([str(i).encode() * 4096, b"x" * 8192]))
+    assert len(index._of(W2).sent) <= SENT_LINKS_PER_WORKER
+    assert index.matched_links(W2, CHAIN) == 0  # the oldest went first
+
+
+def test_a_forgotten_worker_holds_nothing() -> None:
+    index = CacheIndex()
+    index.apply(W1, [stored(CHAIN.links)])
+    index.forget(W1)
+    assert index.matched_links(W1, CHAIN) == 0
