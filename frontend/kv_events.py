@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 import msgspec
@@ -83,6 +84,21 @@ def bound_endpoint(socket: zmq.Socket[Any]) -> str:
     return socket.getsockopt_string(zmq.LAST_ENDPOINT)
 
 
+def _new_socket(context: zmq.asyncio.Context, kind: int, endpoint: str) -> zmq.asyncio.Socket:
+    """A socket that lingers on nothing, able to bind or connect ``endpoint``."""
+    return _ready(context.socket(kind), endpoint)
+
+
+SocketT = TypeVar("SocketT", bound=zmq.Socket[Any])
+
+
+def _ready(socket: SocketT, endpoint: str) -> SocketT:
+    socket.setsockopt(zmq.LINGER, 0)
+    if "[" in endpoint:  # libzmq refuses an IPv6 address (tcp://[::1]:5557) on a socket without IPV6
+        socket.setsockopt(zmq.IPV6, 1)
+    return socket
+
+
 def reachable_endpoint(endpoint: str, worker_url: str) -> str:
     """``endpoint`` as a worker announced it, with a wildcard host (``tcp://*:5557``, ``tcp://0.0.0.0:5557``)
     replaced by the host the orchestrator reaches the worker at."""
@@ -105,17 +121,23 @@ class EventPublisher:
 
     def __init__(self, endpoint: str, replay_endpoint: str | None, topic: bytes = PREFIX_CHAIN_TOPIC) -> None:
         self._context = zmq.asyncio.Context.instance()
-        self._pub = self._context.socket(zmq.PUB)
-        self._pub.setsockopt(zmq.LINGER, 0)
-        self._pub.bind(endpoint)
-        self.endpoint = bound_endpoint(self._pub)  # the real port when ``endpoint`` asked for port 0
+        # A plain (not asyncio) PUB socket: it is only ever sent to, and a send returns at once (a PUB socket
+        # drops what a subscriber past its high-water mark has no room for), so it needs no Future per batch.
+        self._pub: zmq.Socket[bytes] = _ready(zmq.Socket(self._context, zmq.PUB), endpoint)
         self._replay: zmq.asyncio.Socket | None = None
         self.replay_endpoint: str | None = None
-        if replay_endpoint is not None:
-            self._replay = self._context.socket(zmq.ROUTER)
-            self._replay.setsockopt(zmq.LINGER, 0)
-            self._replay.bind(replay_endpoint)
-            self.replay_endpoint = bound_endpoint(self._replay)
+        try:
+            self._pub.bind(endpoint)
+            self.endpoint = bound_endpoint(self._pub)  # the real port when ``endpoint`` asked for port 0
+            if replay_endpoint is not None:
+                self._replay = _new_socket(self._context, zmq.ROUTER, replay_endpoint)
+                self._replay.bind(replay_endpoint)
+                self.replay_endpoint = bound_endpoint(self._replay)
+        except BaseException:  # a replay address in use must not leave the PUB socket bound for good
+            self._pub.close(linger=0)
+            if self._replay is not None:
+                self._replay.close(linger=0)
+            raise
         self.topic = topic
         self._sequence = 0
         self._buffer: collections.deque[tuple[int, bytes]] = collections.deque(maxlen=REPLAY_BATCHES)
@@ -132,10 +154,8 @@ class EventPublisher:
         sequence = self._sequence
         self._sequence += 1
         self._buffer.append((sequence, payload))
-        try:
+        with contextlib.suppress(zmq.Again):  # no room for some subscriber: it sees the gap and replays
             self._pub.send_multipart((self.topic, sequence.to_bytes(8, "big"), payload), flags=zmq.NOBLOCK)
-        except zmq.Again:  # no room for some subscriber: it sees the gap and replays
-            pass
 
     async def _serve_replays(self) -> None:
         assert self._replay is not None
@@ -177,6 +197,7 @@ class EventSubscriber:
         self._apply = apply
         self._reset = reset
         self._next: int | None = None  # the sequence expected next; None: nothing read yet
+        self._last_live: int | None = None  # the last sequence read from the live stream
         self.batches = 0
         self.gaps = 0
         self._task: asyncio.Task[None] | None = None
@@ -193,8 +214,7 @@ class EventSubscriber:
 
     async def _run(self) -> None:
         context = zmq.asyncio.Context.instance()
-        sub = context.socket(zmq.SUB)
-        sub.setsockopt(zmq.LINGER, 0)
+        sub = _new_socket(context, zmq.SUB, self.endpoint)
         sub.setsockopt(zmq.SUBSCRIBE, self.topic)
         sub.connect(self.endpoint)
         try:
@@ -214,13 +234,15 @@ class EventSubscriber:
         if len(frames) != 3 or frames[0] != self.topic:
             return
         sequence = int.from_bytes(frames[1], "big")
-        if self._next is not None and sequence < self._next:
-            if sequence == 0 or self._next - sequence > REPLAY_BATCHES:  # the publisher started again
-                logger.info("KV events from %s start again at %d: the picture is rebuilt", self.endpoint, sequence)
-                self._reset()
-                self._next = None
-            else:
-                return  # already read (a replay and the live stream overlapped)
+        last_live, self._last_live = self._last_live, sequence
+        if last_live is not None and sequence <= last_live:
+            # One publisher's live stream only climbs: a sequence at or below the last one read means it started
+            # again (even when its first batches went by before this socket had reconnected).
+            logger.info("KV events from %s start again at %d: the picture is rebuilt", self.endpoint, sequence)
+            self._reset()
+            self._next = 0  # what the new publisher sent before ``sequence`` is asked for by replay below
+        elif self._next is not None and sequence < self._next:
+            return  # already read (a replay and the live stream overlapped)
         if self._next is not None and sequence > self._next:
             self.gaps += 1
             await self._replay(self._next)
@@ -246,8 +268,7 @@ class EventSubscriber:
     async def _replay(self, first: int) -> None:
         if self.replay_endpoint is None:
             return
-        dealer = zmq.asyncio.Context.instance().socket(zmq.DEALER)
-        dealer.setsockopt(zmq.LINGER, 0)
+        dealer = _new_socket(zmq.asyncio.Context.instance(), zmq.DEALER, self.replay_endpoint)
         dealer.connect(self.replay_endpoint)
         try:
             await dealer.send_multipart((b"", first.to_bytes(8, "big")))

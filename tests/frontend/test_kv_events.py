@@ -1,0 +1,266 @@
+"""frontend/kv_events.py over real ZMQ on loopback TCP: a subscriber reads every batch once and in order, the
+batches published before it connected come by replay, a batch lost on the wire is filled in by replay, and a
+publisher that starts again makes the subscriber start its picture again."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgspec
+import pytest
+import zmq
+
+from frontend.kv_events import (
+    PREFIX_CHAIN_TOPIC,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EventPublisher,
+    EventSubscriber,
+    KVCacheEvent,
+    decode_batch,
+    encode_batch,
+    reachable_endpoint,
+)
+from tests.waiting import eventually_async
+
+LOOPBACK = "tcp://127.0.0.1:0"
+
+
+def stored(*names: int, parent: int | None = None) -> BlockStored:
+    return BlockStored(block_hashes=list(names), parent_block_hash=parent, token_ids=[], block_size=64,
+                       lora_id=None, medium=None, lora_name=None)
+
+
+class Reader:
+    """What a subscriber was told, in order: each batch's events, and "reset" where it started again."""
+
+    def __init__(self) -> None:
+        self.log: list[Any] = []
+
+    def apply(self, events: list[KVCacheEvent]) -> None:
+        self.log.append(events)
+
+    def reset(self) -> None:
+        self.log.append("reset")
+
+    @property
+    def batches(self) -> list[list[KVCacheEvent]]:
+        return [entry for entry in self.log if entry != "reset"]
+
+
+@contextlib.asynccontextmanager
+async def publishing(endpoint: str = LOOPBACK, replay: str | None = LOOPBACK) -> AsyncIterator[EventPublisher]:
+    publisher = EventPublisher(endpoint, replay)
+    publisher.start()
+    try:
+        yield publisher
+    finally:
+        await publisher.aclose()
+
+
+@contextlib.asynccontextmanager
+async def subscribed(publisher: EventPublisher, reader: Reader,
+                     replay: str | None = "same") -> AsyncIterator[EventSubscriber]:
+    subscriber = EventSubscriber(publisher.endpoint, publisher.replay_endpoint if replay == "same" else replay,
+                                 reader.apply, reader.reset)
+    subscriber.start()
+    try:
+        yield subscriber
+    finally:
+        await subscriber.aclose()
+
+
+async def publish_until_read(publisher: EventPublisher, reader: Reader, first: int) -> list[list[KVCacheEvent]]:
+    """Publish batch after batch (named ``first``, ``first + 1``, ...) until the reader has one of them: a SUB
+    socket receives only once its subscription has reached the publisher."""
+    published: list[list[KVCacheEvent]] = []
+
+    def read_one() -> bool:
+        if any(batch in published for batch in reader.batches):
+            return True
+        published.append([stored(first + len(published))])
+        publisher.publish(published[-1])
+        return False
+
+    assert await eventually_async(read_one, every_s=0.05)
+    return published
+
+
+def test_a_batch_round_trips_through_the_wire_encoding() -> None:
+    events: list[KVCacheEvent] = [stored(1, 2, parent=7), BlockRemoved(block_hashes=[3], medium=None),
+                                  AllBlocksCleared()]
+    batch = decode_batch(encode_batch(events))
+    assert batch.events == events and batch.data_parallel_rank is None and batch.ts > 0
+    with pytest.raises(msgspec.DecodeError):
+        decode_batch(b"\x93not a batch")
+
+
+def test_a_wildcard_endpoint_is_reached_at_the_worker_host() -> None:
+    assert reachable_endpoint("tcp://0.0.0.0:5557", "http://10.1.2.3:8001") == "tcp://10.1.2.3:5557"
+    assert reachable_endpoint("tcp://*:5557", "http://[fd00::1]:8001") == "tcp://[fd00::1]:5557"
+    assert reachable_endpoint("tcp://10.0.0.9:5557", "http://10.1.2.3:8001") == "tcp://10.0.0.9:5557"
+
+
+async def test_a_port_0_publisher_reports_the_ports_it_bound() -> None:
+    async with publishing() as publisher:
+        assert publisher.endpoint.startswith("tcp://127.0.0.1:") and not publisher.endpoint.endswith(":0")
+        assert publisher.replay_endpoint is not None and publisher.replay_endpoint != publisher.endpoint
+
+
+async def test_a_subscriber_reads_every_batch_once_and_in_order() -> None:
+    reader = Reader()
+    async with publishing() as publisher, subscribed(publisher, reader):
+        published = await publish_until_read(publisher, reader, 100)
+        for name in range(20):
+            published.append([stored(name), BlockRemoved(block_hashes=[name + 1000], medium=None)])
+            publisher.publish(published[-1])
+        assert await eventually_async(lambda: len(reader.batches) == len(published))
+        assert reader.batches == published  # the first ones too: any a slow subscription missed came by replay
+        assert "reset" not in reader.log
+
+
+async def test_batches_published_before_the_subscriber_connected_come_by_replay() -> None:
+    reader = Reader()
+    async with publishing() as publisher:
+        early: list[list[KVCacheEvent]] = [[stored(1)], [stored(2, parent=1)],
+                                           [BlockRemoved(block_hashes=[2], medium=None)]]
+        for batch in early:
+            publisher.publish(batch)
+        async with subscribed(publisher, reader) as subscriber:
+            assert await eventually_async(lambda: len(reader.batches) == 3)
+            assert reader.batches == early
+            assert subscriber.gaps == 0
+
+
+async def test_without_a_replay_socket_the_live_stream_still_flows() -> None:
+    reader = Reader()
+    async with publishing(replay=None) as publisher, subscribed(publisher, reader, replay=None):
+        assert publisher.replay_endpoint is None
+        published = await publish_until_read(publisher, reader, 0)
+        published.append([stored(77)])
+        publisher.publish(published[-1])
+        assert await eventually_async(lambda: reader.batches[-1:] == [published[-1]])
+        assert reader.batches == published[-len(reader.batches):]  # what it read, in order; none twice
+
+
+class _DropOnce:
+    """The publisher's PUB socket, losing the next message on the wire (as a subscriber past its high-water mark
+    would), and passing everything else through."""
+
+    def __init__(self, socket: Any) -> None:
+        self._socket = socket
+        self.drop = True
+
+    def send_multipart(self, frames: Any, **kwargs: Any) -> Any:
+        if self.drop:
+            self.drop = False
+            return None
+        return self._socket.send_multipart(frames, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._socket, name)
+
+
+async def test_a_batch_lost_on_the_wire_is_filled_in_by_replay() -> None:
+    reader = Reader()
+    async with publishing() as publisher, subscribed(publisher, reader) as subscriber:
+        published = await publish_until_read(publisher, reader, 0)
+        assert await eventually_async(lambda: len(reader.batches) == len(published))
+        real = publisher._pub
+        publisher._pub = _DropOnce(real)  # type: ignore[assignment]
+        try:
+            lost, after = [stored(500)], [stored(501, parent=500)]
+            publisher.publish(lost)  # buffered for replay, never sent
+            publisher.publish(after)  # its sequence shows the gap
+            assert await eventually_async(lambda: len(reader.batches) == len(published) + 2)
+        finally:
+            publisher._pub = real
+        assert reader.batches == [*published, lost, after]
+        assert subscriber.gaps == 1 and "reset" not in reader.log
+
+
+async def test_a_publisher_that_starts_again_resets_the_picture() -> None:
+    reader = Reader()
+    first = EventPublisher(LOOPBACK, LOOPBACK)
+    first.start()
+    endpoint, replay = first.endpoint, first.replay_endpoint
+    assert replay is not None
+    subscriber = EventSubscriber(endpoint, replay, reader.apply, reader.reset)
+    subscriber.start()
+    try:
+        before = await publish_until_read(first, reader, 0)
+        for name in range(50):  # the old stream's sequences run past what the new one sends before it is seen
+            before.append([stored(1000 + name)])
+            first.publish(before[-1])
+        assert await eventually_async(lambda: len(reader.batches) == len(before))
+        await first.aclose()
+
+        async def bound_again() -> EventPublisher | None:
+            try:
+                return EventPublisher(endpoint, replay)  # the same addresses, as a restarted worker with fixed ports
+            except zmq.ZMQError:
+                return None
+
+        second: list[EventPublisher] = []
+
+        async def rebind() -> bool:
+            publisher = await bound_again()
+            if publisher is not None:
+                second.append(publisher)
+            return bool(second)
+
+        assert await eventually_async(rebind, timeout_s=30)
+        again = second[0]
+        again.start()
+        try:
+            after: list[list[KVCacheEvent]] = []
+
+            def publish_until_reset() -> bool:
+                if "reset" in reader.log:
+                    return True
+                after.append([stored(2000 + len(after))])
+                again.publish(after[-1])
+                return False
+
+            assert await eventually_async(publish_until_reset, every_s=0.05)
+            assert len(after) < 50
+            assert await eventually_async(lambda: reader.log[-1] == after[-1])
+            # After the reset: the new publisher's batches from its first, those its stream went by before the
+            # subscriber reconnected included (they came by replay), each once and in order.
+            assert reader.log[reader.log.index("reset") + 1:] == after
+            assert reader.log[:reader.log.index("reset")] == before
+        finally:
+            await again.aclose()
+    finally:
+        await subscriber.aclose()
+        await first.aclose()
+
+
+async def test_a_subscriber_keeps_to_its_topic() -> None:
+    reader = Reader()
+    async with publishing() as publisher, subscribed(publisher, reader):
+        other = EventPublisher(LOOPBACK, None, topic=b"kv-events")  # vLLM's own token-keyed events, say
+        try:
+            foreign = EventSubscriber(other.endpoint, None, reader.apply, reader.reset, topic=PREFIX_CHAIN_TOPIC)
+            foreign.start()
+            try:
+                published = await publish_until_read(publisher, reader, 0)
+                other.publish([stored(9999)])
+                published.append([stored(42)])
+                publisher.publish(published[-1])
+                assert await eventually_async(lambda: reader.batches[-1:] == [published[-1]])
+                assert [stored(9999)] not in reader.batches
+            finally:
+                await foreign.aclose()
+        finally:
+            await other.aclose()
+
+
+async def test_a_replay_address_in_use_leaves_no_socket_bound() -> None:
+    async with publishing() as taken:
+        assert taken.replay_endpoint is not None
+        with pytest.raises(zmq.ZMQError):
+            EventPublisher(LOOPBACK, taken.replay_endpoint)

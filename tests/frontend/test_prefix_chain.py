@@ -1,0 +1,76 @@
+"""frontend/prefix_chain.py: links fixed by position, so a follow-up turn shares the earlier prompt's links; the
+header the orchestrator sends each worker round-trips, and anything else is a ValueError."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+
+from frontend.prefix_chain import LINK_ENDS, MAX_LINKS, PrefixChain, chain_of
+
+PROMPT = bytes(random.Random(7).randrange(256) for _ in range(40_000))
+
+
+def test_link_ends_follow_the_schedule() -> None:
+    assert LINK_ENDS[:3] == (256, 512, 768)
+    assert LINK_ENDS[31] == 8 * 1024 and LINK_ENDS[32] == 9 * 1024  # 256 B links to 8 KiB, then 1 KiB
+    assert len(LINK_ENDS) == MAX_LINKS
+    assert all(b > a for a, b in itertools.pairwise(LINK_ENDS))
+
+
+def test_a_prompt_has_one_link_per_whole_link_and_its_total_bytes() -> None:
+    chain = chain_of([PROMPT])
+    assert chain.total_bytes == len(PROMPT)
+    assert len(chain.links) == sum(1 for end in LINK_ENDS if end <= len(PROMPT))
+    assert chain.covered_bytes(len(chain.links)) <= len(PROMPT) < LINK_ENDS[len(chain.links)]
+    assert sum(chain.link_bytes(i) for i in range(len(chain.links))) == chain.covered_bytes(len(chain.links))
+    assert [link >> 32 for link in chain.links] == list(range(len(chain.links)))  # a name carries its position
+
+
+def test_a_tail_shorter_than_its_link_is_not_named() -> None:
+    assert chain_of([b"x" * 255]) == PrefixChain((), 255)
+    assert len(chain_of([b"x" * 256]).links) == 1
+
+
+def test_links_are_stable_when_the_prompt_is_extended() -> None:
+    short = chain_of([PROMPT[:10_000]])
+    longer = chain_of([PROMPT[:10_000], b"and the next turn of the conversation " * 100])
+    assert longer.links[:len(short.links)] == short.links
+    assert len(longer.links) > len(short.links)
+
+
+def test_a_prompt_that_differs_shares_only_the_links_before_the_difference() -> None:
+    changed = bytearray(PROMPT)
+    changed[5_000] ^= 0xFF
+    a, b = chain_of([PROMPT]), chain_of([bytes(changed)])
+    first_different = next(i for i, end in enumerate(LINK_ENDS) if end > 5_000)
+    assert a.links[:first_different] == b.links[:first_different]
+    assert all(x != y for x, y in zip(a.links[first_different:], b.links[first_different:], strict=True))
+
+
+@pytest.mark.parametrize("cuts", [[1], [255, 256, 257], [1000, 1001], list(range(0, 40_000, 333)), [39_999]])
+def test_piece_boundaries_do_not_matter(cuts: list[int]) -> None:
+    bounds = [0, *cuts, len(PROMPT)]
+    pieces = [memoryview(PROMPT)[a:b] for a, b in itertools.pairwise(bounds)]
+    assert chain_of(pieces) == chain_of([PROMPT])
+
+
+def test_the_header_round_trips() -> None:
+    chain = chain_of([PROMPT])
+    value = chain.header_value()
+    assert value.isascii() and value.startswith(f"{len(PROMPT)}.")
+    assert PrefixChain.from_header(value) == chain
+    assert PrefixChain.from_header(PrefixChain((), 12).header_value()) == PrefixChain((), 12)
+
+
+@pytest.mark.parametrize("value", [
+    "", "abc", "-1.", "12.!!!!", "12.AAAA",  # no size, no size, a negative size, bad base64, 3 bytes of names
+    f"100.{PrefixChain((1,), 300).header_value().split('.')[1]}",  # a link that ends past the prompt's size
+    "1000000000." + PrefixChain(tuple(range(MAX_LINKS + 1)), 1 << 40).header_value().split(".")[1],  # too many
+    "12.é",
+])
+def test_a_malformed_header_is_a_value_error(value: str) -> None:
+    with pytest.raises(ValueError):
+        PrefixChain.from_header(value)
