@@ -67,6 +67,9 @@ ORCHESTRATORS: dict[str, dict[str, Any]] = {"orchestrator": {}}
 METADATA_ONLY = "metadata-only"
 HTTPX = "orchestrator, httpx"
 API_WORKERS = "api_workers"  # a set-up's front-end processes (``--api-workers``): a flag, not a config key
+CTX_ROUTER = "ctx_router"  # a set-up's CTX router type (context_servers.router.type), written into its config
+ROUND_ROBIN = "orchestrator, round_robin"  # --compare-router: beside the default (cache_aware), the prefix
+# chain's cost (one CRC-32 pass over the prompt) shows as the difference
 
 
 def api_workers_setup(count: int) -> tuple[str, dict[str, Any]]:
@@ -92,7 +95,9 @@ def start_proxies(processes: Processes, ctx: Server, gen: Server, setups: dict[s
     proxies: dict[str, Server] = {}
     for name, options in setups.items():
         port = free_port()
-        config_options = {k: v for k, v in options.items() if k != API_WORKERS}
+        config_options = {k: v for k, v in options.items() if k not in (API_WORKERS, CTX_ROUTER)}
+        if CTX_ROUTER in options:
+            config_options["context_servers"] = {"urls": [ctx.url], "router": {"type": options[CTX_ROUTER]}}
         config = orchestrator_config(processes.log_dir / f"{name}-{port}.yaml", port, [ctx.url], [gen.url],
                                      **config_options)
         front_ends = ["--api-workers", str(options[API_WORKERS])] if API_WORKERS in options else []
@@ -319,10 +324,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--api-workers", type=int, default=1,
                         help="also measure the orchestrator with this many front-end processes (--api-workers), at "
                              "the highest concurrency")
+    parser.add_argument("--compare-router", action="store_true",
+                        help="also measure the orchestrator with the CTX router round_robin (no prefix chain)")
     parser.add_argument("--docs", action="store_true",
                         help="write docs/benchmarks/orchestrator_cost.{json,png} and the section of docs/benchmarks.md")
     args = parser.parse_args(argv)
     setups = {**ORCHESTRATORS, **({HTTPX: {"upstream_client": "httpx"}} if args.with_httpx else {})}
+    if args.compare_router:
+        setups[ROUND_ROBIN] = {CTX_ROUTER: "round_robin"}
     if args.api_workers > 1:
         name, options = api_workers_setup(args.api_workers)
         setups[name] = options

@@ -83,14 +83,29 @@ class CacheIndex:
         return holdings is not None and holdings.source is not None
 
     def apply(self, url: str, events: list[KVCacheEvent]) -> None:
-        held = self._of(url).held
+        """A batch of ``url``'s events. A link they name is no longer a guess from what was sent: stored, it is
+        held; removed, it is gone, however recently this process sent it there."""
+        holdings = self._of(url)
+        held, sent = holdings.held, holdings.sent
         for event in events:
             if isinstance(event, BlockStored):
-                held.update(h for h in event.block_hashes if isinstance(h, int))
+                for name in event.block_hashes:
+                    if isinstance(name, int):
+                        held.add(name)
+                        sent.pop(name, None)
             elif isinstance(event, BlockRemoved):
-                held.difference_update(h for h in event.block_hashes if isinstance(h, int))
+                for name in event.block_hashes:
+                    if isinstance(name, int):
+                        held.discard(name)
+                        sent.pop(name, None)
             elif isinstance(event, AllBlocksCleared):
                 held.clear()
+                sent.clear()
+
+    def held(self, url: str) -> frozenset[int]:
+        """The links ``url``'s events say it holds (a copy)."""
+        holdings = self._workers.get(url)
+        return frozenset(holdings.held) if holdings is not None else frozenset()
 
     def reset(self, url: str) -> None:
         self._of(url).held.clear()
@@ -164,9 +179,6 @@ class CacheIndex:
                 high = middle - 1
         return low
 
-    def held_links(self, url: str) -> int:
-        holdings = self._workers.get(url)
-        return len(holdings.held) if holdings is not None else 0
 
 
 _closing: set[asyncio.Task[None]] = set()  # subscribers being closed, kept alive until they are

@@ -8,14 +8,15 @@ import random
 
 import pytest
 
-from frontend.prefix_chain import LINK_ENDS, MAX_LINKS, PrefixChain, chain_of
+from frontend.prefix_chain import FULL_BYTES, LINK_ENDS, MAX_LINKS, SAMPLE_BYTES, PrefixChain, chain_of
 
 PROMPT = bytes(random.Random(7).randrange(256) for _ in range(40_000))
 
 
 def test_link_ends_follow_the_schedule() -> None:
-    assert LINK_ENDS[:3] == (256, 512, 768)
-    assert LINK_ENDS[31] == 8 * 1024 and LINK_ENDS[32] == 9 * 1024  # 256 B links to 8 KiB, then 1 KiB
+    assert LINK_ENDS[:3] == (512, 1024, 1536)
+    assert LINK_ENDS[15] == 8 * 1024 and LINK_ENDS[16] == 10 * 1024  # 512 B links to 8 KiB, then 2 KiB
+    assert LINK_ENDS[43] == 64 * 1024 and LINK_ENDS[44] == 72 * 1024  # then 8 KiB
     assert len(LINK_ENDS) == MAX_LINKS
     assert all(b > a for a, b in itertools.pairwise(LINK_ENDS))
 
@@ -30,8 +31,8 @@ def test_a_prompt_has_one_link_per_whole_link_and_its_total_bytes() -> None:
 
 
 def test_a_tail_shorter_than_its_link_is_not_named() -> None:
-    assert chain_of([b"x" * 255]) == PrefixChain((), 255)
-    assert len(chain_of([b"x" * 256]).links) == 1
+    assert chain_of([b"x" * 511]) == PrefixChain((), 511)
+    assert len(chain_of([b"x" * 512]).links) == 1
 
 
 def test_links_are_stable_when_the_prompt_is_extended() -> None:
@@ -74,3 +75,22 @@ def test_the_header_round_trips() -> None:
 def test_a_malformed_header_is_a_value_error(value: str) -> None:
     with pytest.raises(ValueError):
         PrefixChain.from_header(value)
+
+
+def test_far_links_are_named_by_their_last_bytes_and_any_piece_boundaries_agree() -> None:
+    """Past FULL_BYTES a link's name covers its last SAMPLE_BYTES (frontend/prefix_chain.py says why): a change
+    there renames it and every later link; a change in its unsampled part renames only from the next change."""
+    prompt = bytes(range(256)) * 4096  # 1 MiB
+    chain = chain_of([prompt])
+    far = next(i for i, end in enumerate(LINK_ENDS) if end > FULL_BYTES)
+    end = LINK_ENDS[far]
+    in_sample = bytearray(prompt)
+    in_sample[end - 1] ^= 1
+    renamed = chain_of([bytes(in_sample)]).links
+    assert renamed[:far] == chain.links[:far] and all(a != b for a, b in zip(renamed[far:], chain.links[far:],
+                                                                            strict=True))
+    unsampled = bytearray(prompt)
+    unsampled[end - SAMPLE_BYTES - 1] ^= 1
+    assert chain_of([bytes(unsampled)]).links == chain.links
+    pieces = [prompt[:1], prompt[1:70_000], prompt[70_000:70_001], prompt[70_001:500_000], prompt[500_000:]]
+    assert chain_of(pieces) == chain

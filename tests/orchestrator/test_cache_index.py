@@ -81,3 +81,14 @@ def test_a_forgotten_worker_holds_nothing() -> None:
     index.apply(W1, [stored(CHAIN.links)])
     index.forget(W1)
     assert index.matched_links(W1, CHAIN) == 0
+
+
+def test_events_overrule_what_was_sent() -> None:
+    index = CacheIndex(pending_s=10.0, clock=Clock())
+    index._of(W1).source = EventSource("tcp://w1:1", None, "a")
+    index.note_sent(W1, CHAIN)
+    index.apply(W1, [stored(CHAIN.links)])
+    index.apply(W1, [BlockRemoved(list(CHAIN.links[10:]), None)])
+    # Evicted by the worker moments after it was sent: not held, though this process sent it there just now.
+    assert index.matched_links(W1, CHAIN) == 10
+    assert index.held(W1) == frozenset(CHAIN.links[:10])
