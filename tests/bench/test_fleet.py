@@ -1,0 +1,65 @@
+"""Smoke run of ``bench.fleet`` at a tiny size: 2 CTX and 1 GEN simulated workers in their host process, a real
+orchestrator, a few streamed chat turns. It asserts only that the benchmark runs end to end and that its report
+is well formed (and, since no cache can hit a block no prefill made, that the hit ratio never beats the oracle);
+the figures come from ``python -m bench.fleet``."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bench import fleet, report
+
+TINY_CHAT = replace(fleet.CHAT, system_tokens=1_500, session_rate=4.0, window_s=1.0, turns=2,
+                    turn_tokens=(100, 300), think_mean_s=0.05, max_tokens=4)
+TINY = fleet.Settings(ctx_workers=2, gen_workers=1, engine=fleet.Engine(cache_tokens=4_096), workloads=(TINY_CHAT,),
+                      quiet_wait_s=0.0, seed=3)  # seed 3: three conversations in the window
+
+
+@pytest.fixture(scope="module")
+def result() -> dict[str, Any]:
+    with pytest.MonkeyPatch.context() as patch:
+        # A router the orchestrator's config refuses: the benchmark notes it and goes on.
+        patch.setitem(fleet.ROUTERS, "refused", {"type": "no_such_router"})
+        return fleet.run(TINY, ["round_robin", "refused"])
+
+
+def test_one_router_measured_and_a_refused_one_skipped(result: dict[str, Any]) -> None:
+    measured, refused = result["cells"]
+    assert refused["router"] == "refused" and refused["skipped"]
+    assert measured["router"] == "round_robin" and measured["workload"] == "chat"
+    assert measured["errors"] == 0, measured["error_samples"]
+    sessions = fleet.sessions(TINY_CHAT, TINY.seed)
+    assert measured["requests"] == sum(len(s.turns) for s in sessions) >= 2
+    assert measured["ttft_ms"]["p50"] > 0 and measured["ttft_ms"]["n"] == measured["requests"]
+    assert len(measured["ctx_workers"]) == 2 and len(measured["gen_workers"]) == 1
+    assert measured["ctx_prefills"]["min"] <= measured["ctx_prefills"]["max"]
+    assert sum(w["prefills"] for w in measured["ctx_workers"]) + measured["gen_prefills"] == measured["requests"]
+    # The ledger saw every prefill the workers counted, and no cache beat it.
+    assert measured["ledger"]["queried_tokens"] == measured["queried_tokens"] > 0
+    assert 0 <= measured["hit_ratio"] <= measured["oracle_hit_ratio"] <= 1
+    assert measured["hit_ratio"] > 0  # every second turn repeats its first turn's prompt on a round robin of 2
+
+
+def test_tables_targets_block_and_plot(result: dict[str, Any], tmp_path: Path) -> None:
+    table = fleet.tables(result)
+    assert "| chat | round_robin |" in table and "refused (chat)" in table
+    assert fleet.targets(result) == []  # no cache_aware run here
+    block = fleet.generated_block(result, "fleet.png")
+    doc = tmp_path / "benchmarks.md"
+    doc.write_text("intro\n" + report.BEGIN + "\nother benchmarks\n" + report.END + "\n")
+    report.update_docs(doc, block, fleet.BEGIN, fleet.END)
+    report.update_docs(doc, block, fleet.BEGIN, fleet.END)  # replaced, not appended
+    text = doc.read_text()
+    assert text.count(fleet.BEGIN) == 1 and "other benchmarks" in text
+    assert fleet.plot(result, tmp_path / "fleet.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_every_router_gets_the_same_work() -> None:
+    assert fleet.sessions(fleet.CHAT, 7) == fleet.sessions(fleet.CHAT, 7)
+    chat = fleet.sessions(fleet.CHAT, 7)
+    assert len({s.system for s in chat}) == 2 and all(len(s.turns) == fleet.CHAT.turns for s in chat)
+    assert all(s.system is None and len(s.turns) == 1 for s in fleet.sessions(fleet.UNRELATED, 7))
