@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import secrets
 import time
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
@@ -26,6 +28,7 @@ from frontend.http import (
     read_body,
     then_call,
 )
+from frontend.kv_events import PREFIX_CHAIN_TOPIC, EventPublisher
 from frontend.loop_monitor import LoopLagMonitor
 from frontend.memory import IdleMemoryTrimmer
 from frontend.metrics import METRICS_CONTENT_TYPE, Metrics
@@ -36,13 +39,24 @@ from frontend.openai_models import (
     ResponsesRequest,
 )
 from frontend.openapi import install_body_schemas, json_body
+from frontend.prefix_chain import CHAIN_HEADER
 from frontend.sse import SSE_HEADERS, SSE_MEDIA_TYPE
 from workers import worker_tracing
-from workers.engines.base import HANDOFF_TOTALS, Engine, ExposesMetrics, HealthCheck, KVHandoffStore
+from workers.engines.base import (
+    HANDOFF_TOTALS,
+    Engine,
+    ExposesMetrics,
+    HealthCheck,
+    KVHandoffStore,
+    ReportsKvCapacity,
+)
 from workers.engines.request import Phase, PromptPath
+from workers.prefix_holdings import PrefixHoldings
 from workers.registration import Registration
 from workers.request_body import parse_request_body
 from workers.serving import Role, WorkerService, WorkerSettings
+
+logger = logging.getLogger(__name__)
 
 _STARTED = int(time.time())
 
@@ -60,10 +74,16 @@ def create_worker_app(
     _export_known_series(metrics, engine, settings.role)
     span_names = {e: f"{settings.role} {e}" for e in ("chat", "completions", "responses")}  # not per request
     bodies = BodyBudget(settings.max_body_bytes_reading)
+    kv_events = _KvEvents(engine, settings, service)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         await engine.start()
+        try:
+            kv_events.start()  # after the engine: its capacity may be known only once it has started (vLLM)
+        except BaseException:
+            await engine.aclose()
+            raise
         lag_monitor.start()
         trimmer.start()
         ready["engine"] = True
@@ -77,11 +97,13 @@ def create_worker_app(
                 await registration.leave()
             await lag_monitor.stop()
             await trimmer.stop()
+            await kv_events.aclose()
             await engine.aclose()
 
     app = FastAPI(title=f"disagg-serve worker ({settings.role})", lifespan=lifespan)
     app.state.service = service
     app.state.metrics = metrics
+    app.state.kv_events = kv_events
     install_error_handlers(app)
     install_request_ids(app)
     install_body_schemas(app, [ChatCompletionRequest, CompletionRequest, ResponsesRequest])
@@ -112,7 +134,7 @@ def create_worker_app(
 
         try:
             body = parse_request_body(raw, request.headers)
-            prepared = await service.prepare(body, wire_model)
+            prepared = await service.prepare(body, wire_model, request.headers.get(CHAIN_HEADER))
             worker_tracing.prepared(span, prepared)
             # CTX always answers whole: the orchestrator needs its hand-off fields, not a stream.
             if prepared.wire.stream and prepared.request.phase is not Phase.CONTEXT_ONLY:
@@ -209,6 +231,8 @@ def create_worker_app(
                 "disagg_protocols": ["native", "trtllm"],
             },
         }
+        if kv_events.card is not None:  # what this worker's engine holds, for cache-aware routing
+            card["engine_info"]["kv_events"] = kv_events.card
         return card
 
     @app.get("/v1/models")
@@ -235,6 +259,8 @@ def create_worker_app(
             metrics.kv_store_entries.set(entries)
             metrics.kv_store_bytes.set(size)
             counted.bring_up_to(engine.kv_handoff_totals())
+        if service.holdings is not None:
+            metrics.prefix_holdings_tokens.set(service.holdings.tokens)
         body = metrics.render()
         if isinstance(engine, ExposesMetrics):  # the engine's own metrics (vLLM's vllm:*), after ours
             body += engine.metrics_text()
@@ -253,6 +279,44 @@ def _export_known_series(metrics: Metrics, engine: Engine, role: Role) -> None:
     if role != "context":  # the roles that take generation_only requests, the ones counted by prompt path
         for path in PromptPath:
             metrics.gen_prompt_path.labels(path=path.value)
+
+
+class _KvEvents:
+    """The worker's KV events: while the app runs, a publisher and the record of what the engine holds
+    (``workers.prefix_holdings``), for an engine that reuses KV across requests (``ReportsKvCapacity`` with a
+    positive capacity); for any other engine, or with the endpoint off, nothing."""
+
+    def __init__(self, engine: Engine, settings: WorkerSettings, service: WorkerService) -> None:
+        self.engine = engine
+        self.settings = settings
+        self.service = service
+        self.publisher: EventPublisher | None = None
+        self.card: dict[str, Any] | None = None  # engine_info["kv_events"] while publishing
+
+    def start(self) -> None:
+        endpoint = self.settings.kv_events_endpoint
+        if endpoint is None or not isinstance(self.engine, ReportsKvCapacity):
+            return
+        capacity = self.engine.kv_capacity_tokens()
+        if not capacity or capacity <= 0:
+            return  # the engine reuses no KV: there is nothing to route by
+        publisher = EventPublisher(endpoint, self.settings.kv_events_replay_endpoint)
+        publisher.start()
+        self.publisher = publisher
+        self.service.holdings = PrefixHoldings(capacity, publisher)
+        # A new incarnation each start: a subscriber that sees it change knows the picture starts again.
+        self.card = {"endpoint": publisher.endpoint, "replay_endpoint": publisher.replay_endpoint,
+                     "topic": PREFIX_CHAIN_TOPIC.decode(), "incarnation": secrets.token_hex(8),
+                     "capacity_tokens": capacity}
+        logger.info("KV events on %s (replay %s): up to %d tokens of prompt KV", publisher.endpoint,
+                    publisher.replay_endpoint, capacity)
+
+    async def aclose(self) -> None:
+        self.service.holdings = None
+        self.card = None
+        publisher, self.publisher = self.publisher, None
+        if publisher is not None:
+            await publisher.aclose()
 
 
 class _LedgerCounts:

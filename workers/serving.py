@@ -37,12 +37,14 @@ from frontend.openai_output import (
     Usage,
     render_choices,
 )
+from frontend.prefix_chain import PrefixChain
 from frontend.structured_output import output_constraint
 from frontend.token_codec import TokenArray, encode_prompt_tokens
 from frontend.tool_calls import as_tool_call_message, tool_calls_from_text
 from workers.engines.base import Engine, ProvidesTokenizer, Tokenizer
 from workers.engines.outputs import FinishReason, TokenLogprob
 from workers.engines.request import GenerationRequest, Phase
+from workers.prefix_holdings import PrefixHoldings
 from workers.prompt_logprobs import echo_logprob_infos, token_logprob_info, vllm_prompt_logprobs
 from workers.request_builder import (
     endpoint_of,
@@ -75,6 +77,10 @@ class WorkerSettings:
     max_concurrent_requests: int = 512
     max_body_bytes_reading: int = DEFAULT_MAX_BODY_BYTES_READING  # frontend/http.py: BodyBudget
     admin_key: str | None = None  # guards the worker's admin endpoints (the hand-off ledger); None: they answer 403
+    # KV events (workers/prefix_holdings.py): where the publisher binds (ZMQ; port 0: any) and its replay socket.
+    # None: no events / no replay. Published only by an engine that reuses KV (``ReportsKvCapacity``).
+    kv_events_endpoint: str | None = "tcp://127.0.0.1:0"
+    kv_events_replay_endpoint: str | None = "tcp://127.0.0.1:0"
 
 
 @dataclass(slots=True)
@@ -87,6 +93,7 @@ class PreparedGeneration:
     disagg: DisaggregatedParams | None
     tool_call: bool = False  # the output is a forced tool call, answered as message.tool_calls
     answered_at_context: bool = False  # CTX's first tokens used up max_tokens: they are the whole answer
+    chain: PrefixChain | None = None  # the prompt's prefix chain, recorded once the engine holds its KV
 
 
 @dataclass(slots=True)
@@ -136,9 +143,12 @@ class WorkerService:
         self.metrics = metrics
         self.inflight = 0
         self._inflight_gauge = metrics.engine_inflight.labels(role=settings.role)
+        self.holdings: PrefixHoldings | None = None  # set while KV events are published (workers/server.py)
 
     # -- admission and parsing -------------------------------------------------------------------------
-    async def prepare(self, body: dict[str, Any], wire_model: type[GenerationWireRequest]) -> PreparedGeneration:
+    async def prepare(self, body: dict[str, Any], wire_model: type[GenerationWireRequest],
+                      chain_header: str | None = None) -> PreparedGeneration:
+        """``chain_header``: the request's ``CHAIN_HEADER`` (frontend/prefix_chain.py), if it came with one."""
         refuse_unsupported_parameters(body)
         wire = validate_wire(wire_model, body)
         info = self.engine.info
@@ -176,8 +186,25 @@ class WorkerService:
         endpoint = endpoint_of(wire)
         ident = ResponseIdentity(endpoint, _ID_PREFIX[endpoint] + request_id, info.model)
         tool_call = constraint is not None and constraint.tool_call
+        # Only an engine run holds the prompt's KV: not an answer made of CTX's first tokens alone.
+        chain = self._chain(chain_header, request_id) if chain_header and not answered_at_context else None
         return PreparedGeneration(wire, request, ident, disagg, tool_call=tool_call,
-                                  answered_at_context=answered_at_context)
+                                  answered_at_context=answered_at_context, chain=chain)
+
+    def _chain(self, header: str, request_id: str) -> PrefixChain | None:
+        if self.holdings is None:
+            return None  # nothing published here: the chain is not even parsed
+        try:
+            return PrefixChain.from_header(header)
+        except ValueError:
+            logger.debug("request %s: a malformed prefix chain header, ignored", request_id)
+            return None
+
+    def _hold(self, prepared: PreparedGeneration) -> None:
+        """The engine has this request's prompt KV (its first output came): record it for routing."""
+        holdings, chain = self.holdings, prepared.chain
+        if holdings is not None and chain is not None:
+            holdings.record(chain, prepared.request.prompt_len)
 
     @property
     def tokenizer(self) -> Tokenizer:
@@ -209,8 +236,12 @@ class WorkerService:
     async def complete(self, prepared: PreparedGeneration) -> dict[str, Any]:
         """Run to the end and return the whole response body (CTX adds its hand-off fields)."""
         collected = CollectedOutput([CollectedChoice() for _ in range(prepared.request.sampling.n)])
+        unheld = prepared.chain is not None
         try:
             async for step in self._text_steps(prepared):
+                if unheld:
+                    unheld = False
+                    self._hold(prepared)
                 collected.add(step)
         except ServingError:
             raise
@@ -316,6 +347,8 @@ class WorkerService:
         except BaseException:
             await steps.aclose()
             raise
+        if first is not None:
+            self._hold(prepared)
         return self._frames(prepared, renderer, steps, first)
 
     async def _frames(
