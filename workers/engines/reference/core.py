@@ -33,6 +33,7 @@ from workers.engines.reference.grammar import GrammarCompiler
 from workers.engines.reference.ipc import ChannelClosed, Header, read_frame_blocking, send_frame_blocking
 from workers.engines.reference.kv_store import KVStore, KVTransferServer
 from workers.engines.reference.model_file import load_model_file
+from workers.engines.reference.prefix_cache import capacity_tokens
 from workers.engines.reference.sampler import check_sampling
 from workers.engines.reference.scheduler import Scheduler, SchedulerConfig, SubmitSpec
 from workers.engines.reference.tokenizer import GGUFTokenizer
@@ -190,6 +191,8 @@ class Core:
                 "load_s": round(load_s, 2),
                 "rss_mb": round(rss_mb, 1),
                 "prompt_tokens_in_handoff": config.prompt_tokens_in_handoff,
+                # KV block reuse: tokens of prompt KV the prefix cache holds (0: reuse is off)
+                "prefix_cache_tokens": capacity_tokens(config.prefix_cache_bytes, loaded.config),
                 "tokenizer": {
                     "model": meta.model, "pre": meta.pre, "tokens": list(meta.tokens), "merges": list(meta.merges),
                     "token_types": list(meta.token_types), "bos_token_id": meta.bos_token_id,

@@ -48,7 +48,7 @@ _MAX_RESTARTS = 3
 
 class ReferenceEngine:
     """The typed adapter over the engine core; also a ``ProvidesTokenizer``, ``KVHandoffStore``, ``HealthCheck``
-    and ``StopsSequences``."""
+    ``StopsSequences`` and, with block reuse on, ``ReportsKvCapacity``."""
 
     def __init__(self, options: ReferenceOptions | None = None) -> None:
         self.options = options or ReferenceOptions()
@@ -68,6 +68,7 @@ class ReferenceEngine:
         self._closing = False
         self._restart_task: asyncio.Task[None] | None = None
         self.restarts = 0  # cores started after the first one died
+        self._prefix_cache_tokens = 0  # the core's prefix cache, in tokens (0: no block reuse)
 
     @property
     def info(self) -> EngineInfo:
@@ -121,6 +122,7 @@ class ReferenceEngine:
             supports_structured_output=True,  # llguidance masks the core's sampler (reference/grammar.py)
             supports_n=True,
         )
+        self._prefix_cache_tokens = int(ready.get("prefix_cache_tokens", 0))
         self._alive = True
         self._reader_task = asyncio.create_task(self._read_loop(reader), name="reference-core-reader")
         logger.info("reference engine ready: model %s loaded in %.1f s, core RSS %.0f MB",
@@ -162,6 +164,11 @@ class ReferenceEngine:
         except EngineError:
             return False
         return bool(answer.get("released"))
+
+    def kv_capacity_tokens(self) -> int | None:
+        """With ``--kv-block-reuse``: the tokens of prompt KV the core's prefix cache holds (its byte budget over
+        the model's KV bytes per token, in whole blocks); without it, None."""
+        return self._prefix_cache_tokens or None
 
     def kv_store_stats(self) -> tuple[int, int]:
         return self.kv_store_entries, self.kv_store_bytes

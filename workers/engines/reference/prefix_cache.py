@@ -16,10 +16,17 @@ import numpy as np
 import numpy.typing as npt
 
 from frontend.token_codec import TokenArray
+from workers.engines.reference.model_file import ModelConfig
 from workers.engines.reference.transformer import KVCache
 
 F32Array = npt.NDArray[np.float32]
 BLOCK_TOKENS = 16
+
+
+def capacity_tokens(max_bytes: int, config: ModelConfig, block_tokens: int = BLOCK_TOKENS) -> int:
+    """Tokens of prompt KV a cache of ``max_bytes`` holds: whole blocks of float32 K and V for every layer."""
+    block_bytes = 2 * config.n_layers * config.n_kv_heads * block_tokens * config.head_dim * 4
+    return max_bytes // block_bytes * block_tokens if max_bytes > 0 else 0
 
 
 def block_keys(tokens: TokenArray, block_tokens: int = BLOCK_TOKENS) -> list[bytes]:
