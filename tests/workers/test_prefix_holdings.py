@@ -3,6 +3,7 @@ chain's tail goes before its head), and the one batch each record publishes, dec
 
 from __future__ import annotations
 
+import itertools
 import random
 from typing import Any
 
@@ -32,11 +33,33 @@ def holdings(capacity: int) -> tuple[PrefixHoldings, Wire]:
     return PrefixHoldings(capacity, wire), wire  # type: ignore[arg-type]
 
 
+def share(chain: PrefixChain, prompt_tokens: int, index: int) -> int:
+    """Link ``index``'s tokens, as the worker's record counts them (the one formula, link by link)."""
+    return max(1, round(prompt_tokens * chain.link_bytes(index) / chain.total_bytes))
+
+
+def expected_stored(chain: PrefixChain, prompt_tokens: int, start: int, end: int) -> list[BlockStored]:
+    """Links ``start..end`` as BlockStored events: one per run of links of equal tokens, each parented on the
+    link before it."""
+    events: list[BlockStored] = []
+    for index in range(start, end):
+        size = share(chain, prompt_tokens, index)
+        if events and events[-1].block_size == size:
+            events[-1].block_hashes.append(chain.links[index])
+        else:
+            events.append(BlockStored(block_hashes=[chain.links[index]],
+                                      parent_block_hash=chain.links[index - 1] if index else None, token_ids=[],
+                                      block_size=size, lora_id=None, medium=None, lora_name=None))
+    return events
+
+
 def test_each_link_stands_for_its_share_of_the_prompt_tokens() -> None:
-    chain = chain_of([prompt(1, 20_000)])  # 32 links of 256 B, then 11 of 1 KiB
-    assert len(chain.links) == 43
-    runs = link_runs(chain, 5_000)  # 0.25 tokens a byte
-    assert runs == [(0, 32, 64), (32, 43, 256)]
+    chain = chain_of([prompt(1, 20_000)])  # links of more than one size
+    runs = link_runs(chain, 5_000)
+    assert len(runs) > 1 and runs[0][0] == 0 and runs[-1][1] == len(chain.links)
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(runs))
+    assert [size for first, end, size in runs for _ in range(first, end)] == [
+        share(chain, 5_000, i) for i in range(len(chain.links))]
     assert link_runs(PrefixChain((1, 2), 10_000_000), 3) == [(0, 2, 1)]  # never less than one token
 
 
@@ -44,40 +67,41 @@ def test_a_record_holds_every_link_and_publishes_them_in_chain_order() -> None:
     chain = chain_of([prompt(1, 20_000)])
     held, wire = holdings(1_000_000)
     held.record(chain, 5_000)
-    assert held.links == 43 and held.tokens == 32 * 64 + 11 * 256
+    assert held.links == len(chain.links)
+    assert held.tokens == sum(share(chain, 5_000, i) for i in range(len(chain.links)))
     [batch] = wire.batches
-    assert batch == [
-        BlockStored(block_hashes=list(chain.links[:32]), parent_block_hash=None, token_ids=[], block_size=64,
-                    lora_id=None, medium=None, lora_name=None),
-        BlockStored(block_hashes=list(chain.links[32:]), parent_block_hash=chain.links[31], token_ids=[],
-                    block_size=256, lora_id=None, medium=None, lora_name=None),
-    ]
+    assert batch == expected_stored(chain, 5_000, 0, len(chain.links))
+    assert len(batch) > 1  # one event per size of link
+    assert [h for event in batch for h in event.block_hashes] == list(chain.links)  # type: ignore[union-attr]
 
 
 def test_a_follow_up_publishes_only_its_new_links_parented_on_the_shared_head() -> None:
     first = prompt(2, 3_000)
     held, wire = holdings(1_000_000)
-    held.record(chain_of([first]), 750)
+    earlier = chain_of([first])
+    held.record(earlier, 750)
     follow_up = chain_of([first, prompt(3, 2_000)])
     held.record(follow_up, 1_250)
-    stored = wire.batches[-1]
-    assert stored == [BlockStored(block_hashes=list(follow_up.links[11:]), parent_block_hash=follow_up.links[10],
-                                  token_ids=[], block_size=64, lora_id=None, medium=None, lora_name=None)]
+    known = len(earlier.links)
+    assert wire.batches[-1] == expected_stored(follow_up, 1_250, known, len(follow_up.links))
+    assert wire.batches[-1][0].parent_block_hash == follow_up.links[known - 1]  # type: ignore[union-attr]
     held.record(follow_up, 1_250)  # all held: nothing new, nothing published
     assert len(wire.batches) == 2
 
 
 def test_eviction_takes_the_least_recent_chain_and_its_tail_before_its_head() -> None:
-    a, b, c = (chain_of([prompt(seed, 2_560)]) for seed in (10, 11, 12))  # 10 links of 64 tokens each
-    held, wire = holdings(25 * 64)
+    a, b, c = (chain_of([prompt(seed, 2_560)]) for seed in (10, 11, 12))  # links of one size, one token count
+    n, size = len(a.links), share(a, 640, 0)
+    keep = n // 2
+    held, wire = holdings((2 * n + keep) * size)
     held.record(a, 640)
     held.record(b, 640)
     held.record(a, 640)  # a is touched: b is the least recent now
-    held.record(c, 640)  # 30 links for 25 places: b's last 5 go
-    assert wire.batches[-1][-1] == BlockRemoved(block_hashes=list(reversed(b.links[5:])), medium=None)
-    assert all(link in held for link in (*a.links, *c.links, *b.links[:5]))
-    assert not any(link in held for link in b.links[5:])
-    assert held.tokens == 25 * 64 and held.links == 25
+    held.record(c, 640)  # room for two chains and a half: b's tail goes, last link first
+    assert wire.batches[-1][-1] == BlockRemoved(block_hashes=list(reversed(b.links[keep:])), medium=None)
+    assert all(link in held for link in (*a.links, *c.links, *b.links[:keep]))
+    assert not any(link in held for link in b.links[keep:])
+    assert held.tokens == (2 * n + keep) * size and held.links == 2 * n + keep
 
 
 def test_what_is_held_stays_prefix_closed_under_any_mix_of_records() -> None:
@@ -105,14 +129,15 @@ def test_what_is_held_stays_prefix_closed_under_any_mix_of_records() -> None:
 
 
 def test_a_chain_longer_than_the_capacity_holds_the_head_that_fits() -> None:
-    chain = chain_of([prompt(6, 20_000)])  # 32 links of 64 tokens, then 11 of 256
-    held, wire = holdings(32 * 64 + 2 * 256 + 100)
+    chain = chain_of([prompt(6, 20_000)])
+    sizes = [share(chain, 5_000, i) for i in range(len(chain.links))]
+    fits = len(chain.links) - 3
+    held, wire = holdings(sum(sizes[:fits]) + sizes[fits] - 1)  # one token short of one more link
     held.record(chain, 5_000)
-    assert held.links == 34 and held.tokens == 32 * 64 + 2 * 256
-    assert [link in held for link in chain.links] == [True] * 34 + [False] * 9
-    stored = [event for event in wire.batches[0] if isinstance(event, BlockStored)]
-    assert stored[-1].block_hashes == list(chain.links[32:34])
-    tiny, tiny_wire = holdings(10)
+    assert held.links == fits and held.tokens == sum(sizes[:fits])
+    assert [link in held for link in chain.links] == [True] * fits + [False] * 3
+    assert wire.batches == [expected_stored(chain, 5_000, 0, fits)]
+    tiny, tiny_wire = holdings(sizes[0] - 1)
     tiny.record(chain, 5_000)  # not even the first link fits
     assert tiny.links == 0 and tiny_wire.batches == []
 
@@ -134,8 +159,9 @@ def test_an_empty_chain_or_prompt_records_nothing() -> None:
 
 def test_without_a_publisher_it_still_keeps_the_record() -> None:
     held = PrefixHoldings(1_000, None)
-    held.record(chain_of([prompt(9, 1_000)]), 250)
-    assert held.links == 3
+    chain = chain_of([prompt(9, 1_000)])
+    held.record(chain, 250)
+    assert held.links == len(chain.links) > 0
 
 
 def test_a_capacity_must_be_positive() -> None:
