@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from frontend.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, EventSubscriber, KVCacheEvent
-from frontend.prefix_chain import PrefixChain
+from frontend.prefix_chain import LINK_ENDS, MAX_LINKS, PrefixChain
 
 logger = logging.getLogger(__name__)
 
@@ -37,13 +37,15 @@ class EventSource:
     endpoint: str
     replay_endpoint: str | None
     incarnation: str
+    capacity_tokens: int = 0  # prompt KV the worker's engine keeps for reuse; 0: not said
 
 
 class _WorkerHoldings:
-    __slots__ = ("held", "sent", "source", "subscriber")
+    __slots__ = ("held", "held_bytes", "sent", "source", "subscriber")
 
     def __init__(self) -> None:
         self.held: set[int] = set()  # from the worker's events
+        self.held_bytes = 0  # of prompt text those links cover (a link's size is in its name: its position)
         self.sent: collections.OrderedDict[int, float] = collections.OrderedDict()  # link -> when sent here
         self.source: EventSource | None = None
         self.subscriber: EventSubscriber | None = None
@@ -70,6 +72,7 @@ class CacheIndex:
             return
         self._stop(holdings)
         holdings.held.clear()
+        holdings.held_bytes = 0
         holdings.source = source
         if source is not None:
             holdings.subscriber = EventSubscriber(source.endpoint, source.replay_endpoint,
@@ -91,16 +94,29 @@ class CacheIndex:
             if isinstance(event, BlockStored):
                 for name in event.block_hashes:
                     if isinstance(name, int):
-                        held.add(name)
+                        if name not in held:
+                            held.add(name)
+                            holdings.held_bytes += _link_bytes(name)
                         sent.pop(name, None)
             elif isinstance(event, BlockRemoved):
                 for name in event.block_hashes:
                     if isinstance(name, int):
-                        held.discard(name)
+                        if name in held:
+                            held.discard(name)
+                            holdings.held_bytes -= _link_bytes(name)
                         sent.pop(name, None)
             elif isinstance(event, AllBlocksCleared):
                 held.clear()
+                holdings.held_bytes = 0
                 sent.clear()
+
+    def fill(self, url: str) -> tuple[int, int] | None:
+        """(bytes of prompt text ``url`` holds, the tokens its engine keeps for reuse), by its events; None if
+        it publishes none or said no capacity."""
+        holdings = self._workers.get(url)
+        if holdings is None or holdings.source is None or not holdings.source.capacity_tokens:
+            return None
+        return holdings.held_bytes, holdings.source.capacity_tokens
 
     def held(self, url: str) -> frozenset[int]:
         """The links ``url``'s events say it holds (a copy)."""
@@ -108,7 +124,9 @@ class CacheIndex:
         return frozenset(holdings.held) if holdings is not None else frozenset()
 
     def reset(self, url: str) -> None:
-        self._of(url).held.clear()
+        holdings = self._of(url)
+        holdings.held.clear()
+        holdings.held_bytes = 0
 
     def forget(self, url: str) -> None:
         """``url`` left the pool."""
@@ -179,6 +197,11 @@ class CacheIndex:
                 high = middle - 1
         return low
 
+
+
+def _link_bytes(name: int) -> int:
+    index = name >> 32
+    return LINK_ENDS[index] - (LINK_ENDS[index - 1] if index else 0) if 0 <= index < MAX_LINKS else 0
 
 
 _closing: set[asyncio.Task[None]] = set()  # subscribers being closed, kept alive until they are

@@ -170,8 +170,9 @@ def _event_source(card: object, worker_url: str) -> EventSource | None:
         events = card["engine_info"]["kv_events"]  # type: ignore[index]
         endpoint = reachable_endpoint(str(events["endpoint"]), worker_url)
         replay = events.get("replay_endpoint")
+        capacity = events.get("capacity_tokens", 0)
         return EventSource(endpoint, reachable_endpoint(str(replay), worker_url) if replay else None,
-                           str(events.get("incarnation", "")))
+                           str(events.get("incarnation", "")), capacity if isinstance(capacity, int) else 0)
     except (KeyError, TypeError, AttributeError):
         return None
 

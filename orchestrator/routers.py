@@ -139,29 +139,36 @@ class CacheAwareRouter:
         self.index = index
         self.load_factor = load_factor
         self.on_decision = on_decision
-        self._counter = itertools.count()
 
     def pick(self, workers: Sequence[PoolMember], key: RoutingKey, exclude: Iterable[PoolMember] = ()
              ) -> PoolMember | None:
         candidates = _candidates(workers, exclude)
         if not candidates:
             return None
-        start = next(self._counter) % len(candidates)  # ties spread instead of always landing on the first
-        rotated = candidates[start:] + candidates[:start]
         # A bound on requests in flight, as prefix_affinity's, one request looser: the cost already weighs the
         # queue in tokens, the bound only stops estimates from piling requests onto one worker.
         limit = math.ceil(self.load_factor * (sum(w.inflight for w in candidates) + 1) / len(candidates)) + 1
-        matched = {w.url: matched_tokens(self.index, w, key) for w in rotated}
+        matched_links = {w.url: self.index.matched_links(w.url, key.chain) if key.chain.links else 0
+                         for w in candidates}
+        matched = {url: _tokens_covered(key, links) for url, links in matched_links.items()}
         longest = max(matched.values())
-        eligible = [w for w in rotated if w.inflight + 1 <= limit] or rotated
+        eligible = [w for w in candidates if w.inflight + 1 <= limit] or candidates
+        # Ties (equal cost) are broken by rendezvous hashing of what sets this request apart: its conversation
+        # key, else the first link of its prompt that no worker holds (a new conversation's own first words).
+        # Never by a counter or anything else of this process's: every process breaks them alike.
+        tie = key.session if key.session is not None else _first_unheld(key, max(matched_links.values()))
 
         def cost(worker: PoolMember) -> int:
-            return max(1, key.prompt_tokens - matched[worker.url]) + worker.inflight_prefill_tokens
+            uncached = max(1, key.prompt_tokens - matched[worker.url])
+            return uncached + worker.inflight_prefill_tokens + self._evicted(worker, key, uncached)
 
-        best = min(eligible, key=cost)
+        def rank(worker: PoolMember) -> tuple[int, int]:
+            return cost(worker), -_rendezvous(tie, worker.url)
+
+        best = min(eligible, key=rank)
         decision = "cache_hit" if longest and matched[best.url] == longest else "spill" if longest else "cold"
         if key.session is not None:
-            own = max(eligible, key=lambda w: _rendezvous(key.session or "", w.url))
+            own = max(eligible, key=lambda w: _rendezvous(tie, w.url))
             if own is not best and cost(own) <= _SESSION_SLACK * cost(best):
                 best = own
                 decision = "session" if not longest else decision if matched[own.url] == longest else "spill"
@@ -173,13 +180,34 @@ class CacheAwareRouter:
         return best
 
 
+    def _evicted(self, worker: PoolMember, key: RoutingKey, uncached: int) -> int:
+        """The cached tokens ``worker`` would have to evict to hold this request's uncached ones: a full
+        worker pays for a new conversation with other conversations' histories, which cost a prefill again
+        when they come back; a worker with room pays nothing. (Once every worker is full, every worker pays
+        about the same, and the rest of the cost decides.)"""
+        fill = self.index.fill(worker.url)
+        if fill is None or not key.chain.total_bytes:
+            return 0
+        held_bytes, capacity = fill
+        held = held_bytes * key.prompt_tokens // key.chain.total_bytes  # at this prompt's bytes per token
+        return max(0, held + uncached - capacity)
+
+
+def _tokens_covered(key: RoutingKey, links: int) -> int:
+    chain = key.chain
+    return key.prompt_tokens * chain.covered_bytes(links) // chain.total_bytes if links and chain.total_bytes else 0
+
+
+def _first_unheld(key: RoutingKey, longest: int) -> str:
+    links = key.chain.links
+    if links:
+        return str(links[min(longest, len(links) - 1)])
+    return key.prompt_prefix
+
+
 def matched_tokens(index: CacheIndex, worker: PoolMember, key: RoutingKey) -> int:
     """The prompt tokens ``worker`` holds, estimated from the share of the prompt's bytes its held links cover."""
-    chain = key.chain
-    if not chain.links or not chain.total_bytes:
-        return 0
-    covered = chain.covered_bytes(index.matched_links(worker.url, chain))
-    return key.prompt_tokens * covered // chain.total_bytes
+    return _tokens_covered(key, index.matched_links(worker.url, key.chain) if key.chain.links else 0)
 
 
 def _rendezvous(session: str, url: str) -> int:
