@@ -97,7 +97,8 @@ def checkpoint_hash(folder: pathlib.Path) -> str:
 
 
 class VllmEngine:
-    """The typed adapter over vLLM's ``AsyncLLM``; also a ``ProvidesTokenizer``."""
+    """The typed adapter over vLLM's ``AsyncLLM``; also a ``ProvidesTokenizer`` and, with vLLM's prefix caching
+    on, ``ReportsKvCapacity``."""
 
     def __init__(self, config: VllmConfig, model_path: str | None = None, served_model_name: str | None = None):
         self.config = config
@@ -194,6 +195,13 @@ class VllmEngine:
             return None
         return startup_failure_hint(on_cpu, memory, weights, memory_args.get("kv_cache_memory_bytes"),
                                     memory_args.get("gpu_memory_utilization"), os.environ)
+
+    def kv_capacity_tokens(self) -> int | None:
+        """The tokens vLLM's KV cache holds (``num_gpu_blocks * block_size``, what its prefix cache can reuse),
+        known once started; None before, or with prefix caching off."""
+        if self._llm is None:
+            return None
+        return kv_capacity_of(self._llm.vllm_config.cache_config)
 
     def metrics_text(self) -> bytes:
         """vLLM's own metrics (``vllm:*``: running requests, prefix-cache and connector hits, ...), which its
@@ -388,6 +396,17 @@ _SAMPLING_LABELS = ("greedy", "sampled")
 def _without_empty_tail(held: list[EngineOutput]) -> list[EngineOutput]:
     """The first held output always (it confirms the hand-off), then only those with tokens or a finish."""
     return held[:1] + [o for o in held[1:] if o.token_ids or o.finish_reason is not None]
+
+
+def kv_capacity_of(cache_config: Any) -> int | None:
+    """From vLLM's ``CacheConfig``: its blocks (set from the engine core once the KV cache is sized) times the
+    tokens a block holds, when prefix caching is on; otherwise None."""
+    if not getattr(cache_config, "enable_prefix_caching", False):
+        return None
+    blocks, size = getattr(cache_config, "num_gpu_blocks", None), getattr(cache_config, "block_size", None)
+    if not blocks or not size:
+        return None
+    return int(blocks) * int(size)
 
 
 def _import_vllm() -> Any:
