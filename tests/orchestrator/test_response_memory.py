@@ -143,3 +143,16 @@ async def test_a_workers_error_about_an_item_names_it_as_the_client_counted_it(
     error = orjson.loads(caught.value.content)["error"]
     assert (caught.value.status_code, error["param"]) == (400, client_param)
     assert error["message"] == f"{client_param}: bad"
+
+
+def test_every_turn_of_a_conversation_is_keyed_by_its_first_response() -> None:
+    """The routing key of a Responses conversation (orchestrator/routers.py): the same for all its turns."""
+    memory = ResponseMemory(ResponseStoreConfig())
+    first = memory.begin(BODY)
+    assert first.session is None
+    first.remember(WholeAnswer(orjson.dumps(answer_to("resp_1", "Hi."))))
+    second = memory.begin({**BODY, "input": "And then?", "previous_response_id": "resp_1"})
+    assert second.session == "resp_1"
+    second.remember(WholeAnswer(orjson.dumps(answer_to("resp_2", "Then this."))))
+    third = memory.begin({**BODY, "input": "And after?", "previous_response_id": "resp_2"})
+    assert third.session == "resp_1"
