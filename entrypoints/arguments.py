@@ -98,6 +98,13 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--admin-key", default=None,
                         help="the deployment's admin key: sent to the orchestrator for --register, and required by "
                              "this worker's admin endpoints (GET /v1/disagg/handoffs; without it they answer 403)")
+    worker.add_argument("--kv-events-endpoint", default=None, metavar="ZMQ_ENDPOINT",
+                        help="where this worker publishes what its engine holds (KV events on vLLM's ZMQ wire, "
+                             "for the orchestrators' cache-aware routing; only an engine that reuses KV publishes): "
+                             "default tcp://HOST:0 (--host, any free port, announced on /v1/models); 'off': none")
+    worker.add_argument("--kv-events-replay-endpoint", default=None, metavar="ZMQ_ENDPOINT",
+                        help="where subscribers ask for KV-event batches they missed: default tcp://HOST:0; "
+                             "'off': no replay")
     _add_front_end_arguments(worker)
     worker.add_argument("--engine-core-socket", default=None, help=argparse.SUPPRESS)  # set by the supervisor
 

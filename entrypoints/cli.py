@@ -117,9 +117,11 @@ def run_worker(args: argparse.Namespace, argv: Sequence[str]) -> int:
     if args.api_workers > 1:
         return _supervise(args, argv, options if args.engine == "reference" else None)
     engine = create_engine(args.engine, options)
+    events, replay = kv_events_endpoints(args)
     settings = WorkerSettings(role=args.role, max_body_bytes=args.max_body_bytes,
                               max_concurrent_requests=args.max_concurrent_requests,
-                              admin_key=args.admin_key or None)
+                              admin_key=args.admin_key or None,
+                              kv_events_endpoint=events, kv_events_replay_endpoint=replay)
     registration = None
     if args.register:
         advertise = args.advertise_url or f"http://{args.host}:{args.port}"
@@ -127,6 +129,24 @@ def run_worker(args: argparse.Namespace, argv: Sequence[str]) -> int:
     tracing.configure(f"disagg-serve-{args.role}", args.role)
     app = create_worker_app(engine, settings, registration=registration)
     return _serve(app, args, args.host, args.port)
+
+
+def kv_events_endpoints(args: argparse.Namespace) -> tuple[str | None, str | None]:
+    """The worker's KV-event endpoints (``--kv-events-endpoint``, ``--kv-events-replay-endpoint``): each
+    ``tcp://HOST:0`` unless given, None for ``off``. One of several front ends (``--api-workers``) publishes
+    none: each would see only its own share of the requests, and its card would name one front end's stream."""
+    if args.reuse_port:
+        if args.kv_events_endpoint not in (None, "off"):
+            logger.warning("--kv-events-endpoint is ignored with --api-workers > 1: no KV events are published")
+        return None, None
+    host = f"[{args.host}]" if ":" in args.host else args.host
+    default = f"tcp://{host}:0"
+
+    def chosen(value: str | None) -> str | None:
+        return None if value == "off" else value or default
+
+    events = chosen(args.kv_events_endpoint)
+    return events, chosen(args.kv_events_replay_endpoint) if events is not None else None
 
 
 def run_orchestrator(args: argparse.Namespace, argv: Sequence[str]) -> int:
