@@ -7,9 +7,11 @@ fed the events a worker would publish.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections import Counter
 from collections.abc import Iterator
 
+import openai
 import orjson
 import pytest
 
@@ -19,6 +21,7 @@ from orchestrator.client_body import parse_client_body
 from orchestrator.member import PoolMember
 from orchestrator.routers import CacheAwareRouter, RoutingKey, routing_key
 from orchestrator.transport import WorkerTimeouts, make_transport
+from tests.cluster import MODEL, start_orchestrator, start_worker
 
 SYSTEM = "You are a careful assistant. " * 400  # ~11 KB
 
@@ -133,3 +136,24 @@ def test_a_follow_up_turn_extends_the_earlier_turns_chain() -> None:
     first = chat(("system", SYSTEM), ("user", "What is 2+2?"))
     second = chat(("system", SYSTEM), ("user", "What is 2+2?"), ("assistant", "4"), ("user", "And 3+3?"))
     assert second.chain.links[: len(first.chain.links)] == first.chain.links
+
+
+def test_the_session_header_keeps_a_conversation_on_one_worker_end_to_end() -> None:
+    """Over real HTTP: cold requests of one ``x-session-id`` (workers that publish nothing) meet one CTX worker,
+    and two sessions need not share it."""
+    with contextlib.ExitStack() as stack:
+        ctx = [start_worker(stack, "context") for _ in range(3)]
+        gen = start_worker(stack, "generation")
+        orchestrator = start_orchestrator(stack, [w.url for w in ctx], [gen.url])
+        client = openai.OpenAI(base_url=f"{orchestrator.url}/v1", api_key="unused", max_retries=0)
+        landed: dict[str, set[int]] = {}
+        for session in ("alice", "bob", "carol", "dave", "erin"):
+            for i in range(4):
+                before = [len(w.recorder.exchanges) for w in ctx]
+                client.chat.completions.create(model=MODEL, max_tokens=2, extra_headers={"x-session-id": session},
+                                               messages=[{"role": "user", "content": f"{session} asks {i}"}])
+                landed.setdefault(session, set()).update(
+                    n for n, w in enumerate(ctx) if len(w.recorder.exchanges) > before[n])
+        client.close()
+    assert all(len(workers) == 1 for workers in landed.values()), landed
+    assert len(set.union(*landed.values())) > 1
