@@ -17,6 +17,7 @@ import bisect
 import hashlib
 import itertools
 import math
+import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -37,6 +38,7 @@ _NO_CHAIN = PrefixChain()
 # factor of the cheapest worker's, so that near-ties do not scatter a conversation; a real saving wins.
 _SESSION_SLACK = 1.5
 ROUTING_DECISIONS = ("cache_hit", "spill", "cold", "session")
+_RECENT_HALF_S = 5.0  # cache_aware: how fast the work sent to a worker stops counting against it
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,10 +137,13 @@ class PrefixAffinityRouter:
 
 class CacheAwareRouter:
     def __init__(self, index: CacheIndex, load_factor: float,
-                 on_decision: Callable[[str], None] | None = None) -> None:
+                 on_decision: Callable[[str], None] | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.index = index
         self.load_factor = load_factor
         self.on_decision = on_decision
+        self._clock = clock
+        self._recent: dict[str, tuple[float, float]] = {}  # url -> (uncached tokens sent lately, as of when)
 
     def pick(self, workers: Sequence[PoolMember], key: RoutingKey, exclude: Iterable[PoolMember] = ()
              ) -> PoolMember | None:
@@ -162,8 +167,19 @@ class CacheAwareRouter:
             uncached = max(1, key.prompt_tokens - matched[worker.url])
             return uncached + worker.inflight_prefill_tokens + self._evicted(worker, key, uncached)
 
-        def rank(worker: PoolMember) -> tuple[int, int]:
-            return cost(worker), -_rendezvous(tie, worker.url)
+        now = self._clock()
+        if longest * 2 >= key.prompt_tokens:
+            # Most of the prompt is held somewhere: a conversation's next turn. Where its history is, unless
+            # that worker's queue costs more than prefilling the history elsewhere.
+            def rank(worker: PoolMember) -> tuple[float, int]:
+                return cost(worker), -_rendezvous(tie, worker.url)
+        else:
+            # Mostly new: a new conversation (or an unrelated prompt) that will bring its next turns to the
+            # worker chosen now. Chosen for the work sent there lately, not only the queue of this instant:
+            # at a few requests in flight the queues are mostly empty, and a shared system prompt's one-time
+            # saving would gather every new conversation on the worker that first held it.
+            def rank(worker: PoolMember) -> tuple[float, int]:
+                return cost(worker) + self._recent_work(worker.url, now), -_rendezvous(tie, worker.url)
 
         best = min(eligible, key=rank)
         decision = "cache_hit" if longest and matched[best.url] == longest else "spill" if longest else "cold"
@@ -174,10 +190,16 @@ class CacheAwareRouter:
                 decision = "session" if not longest else decision if matched[own.url] == longest else "spill"
             elif own is best and not longest:
                 decision = "session"
-        key.prefill_tokens[best.url] = max(1, key.prompt_tokens - matched[best.url])
+        uncached = key.prefill_tokens[best.url] = max(1, key.prompt_tokens - matched[best.url])
+        self._recent[best.url] = (self._recent_work(best.url, now) + uncached, now)
         if self.on_decision is not None:
             self.on_decision(decision)
         return best
+
+    def _recent_work(self, url: str, now: float) -> float:
+        """Uncached tokens sent to ``url``, each weighing less as it ages (halved every ``_RECENT_HALF_S``)."""
+        work, when = self._recent.get(url, (0.0, now))
+        return float(work * 0.5 ** ((now - when) / _RECENT_HALF_S))
 
 
     def _evicted(self, worker: PoolMember, key: RoutingKey, uncached: int) -> int:
