@@ -50,6 +50,9 @@ class RoutingKey:
     chain: PrefixChain = _NO_CHAIN  # the prompt's prefix chain; empty unless a cache-aware pool needs it
     session: str | None = None  # a conversation's key, the same in every process
     prefer: str | None = None  # a worker the flow already chose (conditional disaggregation): taken if it can
+    # Whether the prompt continues a conversation (it holds an earlier answer: an assistant message or item);
+    # None: it cannot tell (a completion's prompt).
+    follow_up: bool | None = None
     # The uncached tokens a cache-aware router expects the request to cost each worker it picked: what that
     # worker's queue counts while the request is there (PoolMember.inflight_prefill_tokens).
     prefill_tokens: dict[str, int] = field(default_factory=dict, hash=False, compare=False)
@@ -168,16 +171,22 @@ class CacheAwareRouter:
             return uncached + worker.inflight_prefill_tokens + self._evicted(worker, key, uncached)
 
         now = self._clock()
-        if longest * 2 >= key.prompt_tokens:
-            # Most of the prompt is held somewhere: a conversation's next turn. Where its history is, unless
-            # that worker's queue costs more than prefilling the history elsewhere.
+        # A conversation's next turn (its prompt holds an earlier answer) goes where its history is; a new one
+        # is placed. A completion's prompt says neither: what most workers hold (a shared system prompt, once it
+        # has spread) says nothing of where a conversation lives, what only some hold beyond it is a history.
+        follow_up = key.follow_up
+        if follow_up is None:
+            follow_up = longest > sorted(matched.values(), reverse=True)[len(candidates) // 2]
+        if follow_up:
+            # A conversation's next turn: where its history is, unless that worker's queue costs more than
+            # prefilling the history elsewhere.
             def rank(worker: PoolMember) -> tuple[float, int]:
                 return cost(worker), -_rendezvous(tie, worker.url)
         else:
-            # Mostly new: a new conversation (or an unrelated prompt) that will bring its next turns to the
-            # worker chosen now. Chosen for the work sent there lately, not only the queue of this instant:
-            # at a few requests in flight the queues are mostly empty, and a shared system prompt's one-time
-            # saving would gather every new conversation on the worker that first held it.
+            # A new conversation (or an unrelated prompt), which will bring its next turns to the worker
+            # chosen now. Chosen for the work sent there lately too, not only the queue of this instant: at a
+            # few requests in flight the queues are mostly empty, and each new conversation would go to
+            # whichever worker is idle at that instant, however many conversations already live there.
             def rank(worker: PoolMember) -> tuple[float, int]:
                 return cost(worker) + self._recent_work(worker.url, now), -_rendezvous(tie, worker.url)
 
@@ -274,7 +283,7 @@ def routing_key(body: dict[str, object], prefix_chars: int, with_chain: bool = F
         builder.feed(b"prompt_token_ids:")
         builder.feed(orjson.dumps(explicit)[:-1])  # without the closing bracket: a longer list extends it
     chain = builder.chain() if builder is not None else _NO_CHAIN
-    return RoutingKey("".join(pieces), estimate, chain, session)
+    return RoutingKey("".join(pieces), estimate, chain, session, follow_up=_continues(body))
 
 
 def _prompt_texts(body: dict[str, object]) -> Iterator[tuple[bytes, str | RawText]]:
@@ -301,6 +310,18 @@ def _prompt_texts(body: dict[str, object]) -> Iterator[tuple[bytes, str | RawTex
 
 _ROLES = {name: f"\x00{name}\x00".encode() for name in ("instructions", "prompt", "input", "messages")}
 _ROLE_CACHE: dict[str, bytes] = {}
+_ANSWERS = ("assistant", "tool", "function_call", "function_call_output")  # roles and Responses item types
+
+
+def _continues(body: dict[str, object]) -> bool | None:
+    """Whether the prompt holds an earlier answer (an assistant message, a tool call or its output): a
+    conversation's later turn. None for a completion's prompt, which cannot say."""
+    for name in ("messages", "input"):
+        items = body.get(name)
+        if isinstance(items, list):
+            return any(isinstance(item, dict) and (item.get("role") in _ANSWERS or item.get("type") in _ANSWERS)
+                       for item in items)
+    return None if "prompt" in body else False
 
 
 def _role(role: object) -> bytes:

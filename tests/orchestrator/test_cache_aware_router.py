@@ -157,3 +157,25 @@ def test_the_session_header_keeps_a_conversation_on_one_worker_end_to_end() -> N
         client.close()
     assert all(len(workers) == 1 for workers in landed.values()), landed
     assert len(set.union(*landed.values())) > 1
+
+
+def test_new_conversations_go_where_little_work_went_lately_and_follow_ups_stay(pool: list[PoolMember]) -> None:
+    """Queues all empty, every worker holding the system prompt: new conversations spread by the work sent to
+    each worker lately; a conversation's next turn goes where its history is, whatever went there."""
+    index = CacheIndex()
+    now = [0.0]
+    router = CacheAwareRouter(index, 1.25, clock=lambda: now[0])
+    system = chat(("system", SYSTEM), ("user", "hello"))
+    for worker in pool:
+        holds(index, worker, system)
+    firsts = [chat(("system", SYSTEM), ("user", f"conversation {i} starts " * 20)) for i in range(40)]
+    counts = Counter(router.pick(pool, key).url for key in firsts)  # type: ignore[union-attr]
+    assert max(counts.values()) - min(counts.values()) <= 2, counts
+    busy = pool[1]
+    router._recent = {w.url: (0.0, 0.0) for w in pool} | {busy.url: (50_000.0, 0.0)}
+    assert all(router.pick(pool, key) is not busy for key in firsts[:8])
+    turns = (("system", SYSTEM), ("user", "my own question " * 300), ("assistant", "yes"), ("user", "and?"))
+    holds(index, busy, chat(*turns))
+    assert router.pick(pool, chat(*turns, ("assistant", "so"), ("user", "next"))) is busy
+    now[0] = 60.0  # twelve half-lives later the work sent there no longer counts
+    assert router._recent_work(busy.url, now[0]) < 50

@@ -208,7 +208,26 @@ def test_prefix_affinity_holds_under_even_light_load(pool: list[PoolMember]) -> 
 def test_routing_key_reads_the_prompt_start_and_estimates_tokens(
     body: dict[str, Any], prefix_chars: int, expected: RoutingKey
 ) -> None:
-    assert routing_key(body, prefix_chars) == expected
+    key = routing_key(body, prefix_chars)
+    assert (key.prompt_prefix, key.prompt_tokens) == (expected.prompt_prefix, expected.prompt_tokens)
+
+
+@pytest.mark.parametrize(
+    ("body", "follow_up"),
+    [
+        ({"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "q"}]}, False),
+        ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"},
+                       {"role": "user", "content": "q2"}]}, True),
+        ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": None, "tool_calls": []},
+                       {"role": "tool", "content": "42"}]}, True),
+        ({"input": "q"}, False),
+        ({"input": [{"role": "user", "content": "q"}, {"type": "function_call_output", "output": "x"}]}, True),
+        ({"prompt": "a completion cannot say"}, None),
+    ],
+)
+def test_routing_key_says_whether_the_prompt_continues_a_conversation(body: dict[str, Any],
+                                                                      follow_up: bool | None) -> None:
+    assert routing_key(body, 1024).follow_up is follow_up
 
 
 def test_routing_key_estimate_grows_with_the_prompt_without_tokenizing() -> None:
