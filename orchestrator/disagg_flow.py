@@ -24,7 +24,7 @@ from frontend.errors import RelayedError, UpstreamError
 from frontend.guardrail import FallbackReason, decide_for_reading
 from frontend.metrics import LabelledChildren, Metrics
 from frontend.openai_output import Endpoint, replay_as_stream
-from frontend.prefix_chain import CHAIN_HEADER
+from frontend.prefix_chain import CHAIN_HEADER, MAX_LINKS
 from orchestrator import flow_tracing
 from orchestrator.client_body import encode
 from orchestrator.flow_request import Answer, FlowRequest, StreamedAnswer, WholeAnswer
@@ -121,8 +121,12 @@ class DisaggFlow:
                 if matched > best_matched or (matched == best_matched and best is not None
                                               and worker.inflight < best.inflight):
                     best, best_matched = worker, matched
+        # A prompt's tail shorter than its link is never named, so a follow-up's held part ends up to one link
+        # (at most 512 B here: short prompts' links) before the previous prompt's end: allowed for.
+        tail = min(512, key.chain.link_bytes(min(len(key.chain.links), MAX_LINKS - 1)))
+        allowance = key.prompt_tokens * tail // key.chain.total_bytes if key.chain.total_bytes else 0
         uncached = key.prompt_tokens - best_matched
-        if best is None or not best_matched or uncached >= threshold:
+        if best is None or not best_matched or uncached - allowance >= threshold:
             return None
         return replace(key, prefer=best.url, prefill_tokens={best.url: max(1, uncached)})
 

@@ -41,7 +41,7 @@ def _runs() -> tuple[tuple[int, int, int], ...]:
     return tuple(runs)
 
 
-_RUNS = _runs()  # four runs: 256 B, 1 KiB, 4 KiB and 16 KiB links
+_RUNS = _runs()  # one run per link size of frontend.prefix_chain's schedule
 
 
 def link_runs(chain: PrefixChain, prompt_tokens: int) -> list[tuple[int, int, int]]:
