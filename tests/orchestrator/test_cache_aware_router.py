@@ -27,7 +27,7 @@ SYSTEM = "You are a careful assistant. " * 400  # ~11 KB
 
 
 def chat(*messages: tuple[str, str], session: str | None = None) -> RoutingKey:
-    body = {"messages": [{"role": role, "content": text} for role, text in messages]}
+    body: dict[str, object] = {"messages": [{"role": role, "content": text} for role, text in messages]}
     return routing_key(body, 1024, with_chain=True, session=session)
 
 
