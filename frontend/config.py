@@ -36,6 +36,9 @@ class RouterConfig(_Frozen):
     # the worker's own KV events say so.
     session_header: str = "x-session-id"
     pending_s: Annotated[float, Field(gt=0)] = 10.0
+    # cache_aware: how fast the work a worker was given stops counting when a new conversation is placed (the
+    # weight of a token halves every this many seconds).
+    recent_half_s: Annotated[float, Field(gt=0)] = 5.0
 
 
 class DiscoveryConfig(_Frozen):

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import itertools
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -35,6 +36,7 @@ logger = logging.getLogger(__name__)
 PREFIX_CHAIN_TOPIC = b"prefix-chain"
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 REPLAY_BATCHES = 10_000  # batches a publisher keeps for subscribers that missed some (vLLM's default)
+MAX_BATCH_BYTES = 64 * 1024 * 1024  # a snapshot of ~4M links; a larger message is refused by the socket
 _REPLAY_WAIT_S = 5.0  # a replay that has not ended by then is given up; live events keep flowing
 
 
@@ -119,7 +121,13 @@ class EventPublisher:
     subscriber's next batch shows the gap, which it fills by replay.
     """
 
-    def __init__(self, endpoint: str, replay_endpoint: str | None, topic: bytes = PREFIX_CHAIN_TOPIC) -> None:
+    def __init__(self, endpoint: str, replay_endpoint: str | None, topic: bytes = PREFIX_CHAIN_TOPIC,
+                 snapshot: Callable[[], list[KVCacheEvent]] | None = None,
+                 replay_batches: int = REPLAY_BATCHES) -> None:
+        # ``snapshot``: the whole picture as events (AllBlocksCleared, then what is held), for a subscriber that
+        # asks for batches older than the buffer keeps: an orchestrator started long after this worker, which
+        # would otherwise never learn of links stored before (a hot system prompt is stored once).
+        self._snapshot = snapshot
         self._context = zmq.asyncio.Context.instance()
         # A plain (not asyncio) PUB socket: it is only ever sent to, and a send returns at once (a PUB socket
         # drops what a subscriber past its high-water mark has no room for), so it needs no Future per batch.
@@ -131,6 +139,8 @@ class EventPublisher:
             self.endpoint = bound_endpoint(self._pub)  # the real port when ``endpoint`` asked for port 0
             if replay_endpoint is not None:
                 self._replay = _new_socket(self._context, zmq.ROUTER, replay_endpoint)
+                # A whole buffer's replay fits (past the high-water mark a ROUTER socket drops what it sends).
+                self._replay.setsockopt(zmq.SNDHWM, REPLAY_BATCHES + 16)
                 self._replay.bind(replay_endpoint)
                 self.replay_endpoint = bound_endpoint(self._replay)
         except BaseException:  # a replay address in use must not leave the PUB socket bound for good
@@ -140,7 +150,7 @@ class EventPublisher:
             raise
         self.topic = topic
         self._sequence = 0
-        self._buffer: collections.deque[tuple[int, bytes]] = collections.deque(maxlen=REPLAY_BATCHES)
+        self._buffer: collections.deque[tuple[int, bytes]] = collections.deque(maxlen=replay_batches)
         self._replay_task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -166,9 +176,18 @@ class EventPublisher:
                 continue
             client, _, start = frames
             first = int.from_bytes(start, "big")
-            for sequence, payload in list(self._buffer):
-                if sequence >= first:
-                    await self._replay.send_multipart((client, b"", self.topic, sequence.to_bytes(8, "big"), payload))
+            oldest = self._buffer[0][0] if self._buffer else self._sequence
+            if first < oldest and self._snapshot is not None and self._sequence:
+                # What it asks for is gone: the state as of the latest batch instead, under that batch's number.
+                latest = (self._sequence - 1).to_bytes(8, "big")
+                await self._replay.send_multipart((client, b"", self.topic, latest, encode_batch(self._snapshot())))
+            else:
+                for count, (sequence, payload) in enumerate(list(self._buffer)):
+                    if sequence >= first:
+                        await self._replay.send_multipart((client, b"", self.topic, sequence.to_bytes(8, "big"),
+                                                           payload))
+                    if count % 256 == 255:
+                        await asyncio.sleep(0)  # a long replay must not hold the worker's loop (its streams)
             await self._replay.send_multipart((client, b"", b"", END_SEQ, b""))
 
     async def aclose(self) -> None:
@@ -200,6 +219,7 @@ class EventSubscriber:
         self._last_live: int | None = None  # the last sequence read from the live stream
         self.batches = 0
         self.gaps = 0
+        self._answered = False  # a replay request was answered (a worker with nothing to say yet says so)
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -212,12 +232,19 @@ class EventSubscriber:
             await asyncio.gather(self._task, return_exceptions=True)
             self._task = None
 
+    @property
+    def delivered(self) -> bool:
+        """Whether anything came from the worker yet: a batch, or a replay's answer."""
+        return self.batches > 0 or self._answered
+
     async def _run(self) -> None:
         context = zmq.asyncio.Context.instance()
         sub = _new_socket(context, zmq.SUB, self.endpoint)
-        sub.setsockopt(zmq.SUBSCRIBE, self.topic)
-        sub.connect(self.endpoint)
         try:
+            sub.setsockopt(zmq.SUBSCRIBE, self.topic)
+            sub.setsockopt(zmq.RCVHWM, REPLAY_BATCHES)
+            sub.setsockopt(zmq.MAXMSGSIZE, MAX_BATCH_BYTES)  # a worker's batch is KiBs; one of GiBs is an attack
+            sub.connect(self.endpoint)
             await self._replay(0)  # what was published before we connected
             while True:
                 frames = await sub.recv_multipart()
@@ -269,11 +296,16 @@ class EventSubscriber:
         if self.replay_endpoint is None:
             return
         dealer = _new_socket(zmq.asyncio.Context.instance(), zmq.DEALER, self.replay_endpoint)
-        dealer.connect(self.replay_endpoint)
         try:
+            dealer.setsockopt(zmq.RCVHWM, REPLAY_BATCHES + 16)
+            dealer.setsockopt(zmq.MAXMSGSIZE, MAX_BATCH_BYTES)
+            dealer.connect(self.replay_endpoint)
             await dealer.send_multipart((b"", first.to_bytes(8, "big")))
-            while True:
+            for count in itertools.count():
                 frames = await asyncio.wait_for(dealer.recv_multipart(), _REPLAY_WAIT_S)
+                self._answered = True
+                if count % 256 == 255:
+                    await asyncio.sleep(0)  # a long replay must not hold the orchestrator's loop
                 if len(frames) != 4 or frames[2] == END_SEQ:
                     return
                 _, topic, sequence_bytes, payload = frames

@@ -73,6 +73,7 @@ def _hashed_ranges() -> tuple[tuple[tuple[int, int], ...], ...]:
 
 
 _HASHED = _hashed_ranges()  # the byte ranges (absolute offsets) link i's name is made of
+_WHOLE = tuple(((start, end),) for start, end in zip((0, *LINK_ENDS[:-1]), LINK_ENDS, strict=True))
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,9 +116,12 @@ class PrefixChain:
 class ChainBuilder:
     """Feeds the prompt's pieces in order and names each link as its end goes by."""
 
-    __slots__ = ("_crc", "_cursor", "_links", "_offset")
+    __slots__ = ("_crc", "_cursor", "_hashed", "_links", "_offset")
 
-    def __init__(self) -> None:
+    def __init__(self, sampled: bool = True) -> None:
+        # ``sampled=False``: every byte of every link, for where an overestimated match would cost a worker a
+        # long prefill it was not sized for (conditional disaggregation: docs/routing.md).
+        self._hashed = _HASHED if sampled else _WHOLE
         self._crc = 0
         self._offset = 0  # bytes fed so far
         self._cursor = 0  # bytes hashed or skipped so far
@@ -133,9 +137,10 @@ class ChainBuilder:
         view = memoryview(piece)
         crc, cursor = self._crc, self._cursor
         crc32 = zlib.crc32
+        hashed = self._hashed
         index = len(links)
         # The link under way when the piece starts, up to its end or the piece's.
-        for low, high in _HASHED[index]:
+        for low, high in hashed[index]:
             low, high = max(low, cursor), min(high, stop)
             if low < high:
                 crc = crc32(view[low - base : high - base], crc)
@@ -144,13 +149,13 @@ class ChainBuilder:
             links.append(index << 32 | crc)
             # Links that lie whole inside the piece: no bounds to clip (a long text is one piece: most links).
             for whole in range(index + 1, min(bisect.bisect_right(LINK_ENDS, stop), MAX_LINKS)):
-                for low, high in _HASHED[whole]:
+                for low, high in hashed[whole]:
                     crc = crc32(view[low - base : high - base], crc)
                 links.append(whole << 32 | crc)
             cursor = LINK_ENDS[len(links) - 1]
             # The link the piece ends inside: what of it is here.
             if len(links) < MAX_LINKS:
-                for low, high in _HASHED[len(links)]:
+                for low, high in hashed[len(links)]:
                     low, high = max(low, cursor), min(high, stop)
                     if low < high:
                         crc = crc32(view[low - base : high - base], crc)
@@ -161,8 +166,8 @@ class ChainBuilder:
         return PrefixChain(tuple(self._links), self._offset)
 
 
-def chain_of(pieces: Iterable[bytes | memoryview]) -> PrefixChain:
-    builder = ChainBuilder()
+def chain_of(pieces: Iterable[bytes | memoryview], sampled: bool = True) -> PrefixChain:
+    builder = ChainBuilder(sampled)
     for piece in pieces:
         builder.feed(piece)
     return builder.chain()

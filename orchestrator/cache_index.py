@@ -28,6 +28,7 @@ from frontend.prefix_chain import LINK_ENDS, MAX_LINKS, PrefixChain
 logger = logging.getLogger(__name__)
 
 SENT_LINKS_PER_WORKER = 65_536  # what-was-sent-where for a worker without events: ~1 GiB of prompt text at most
+MAX_HELD_LINKS = 4 * 1024 * 1024  # links one worker's events may name (~128 MiB of sets): past that, a bad worker
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,19 +42,30 @@ class EventSource:
 
 
 class _WorkerHoldings:
-    __slots__ = ("held", "held_bytes", "sent", "source", "subscriber")
+    __slots__ = ("held", "held_bytes", "recent_at", "recent_bytes", "sent", "source", "subscriber")
 
     def __init__(self) -> None:
         self.held: set[int] = set()  # from the worker's events
         self.held_bytes = 0  # of prompt text those links cover (a link's size is in its name: its position)
+        # Prompt bytes newly stored lately (decayed), by its events: the uncached work it was given, as every
+        # process sees it alike.
+        self.recent_bytes = 0.0
+        self.recent_at = 0.0
         self.sent: collections.OrderedDict[int, float] = collections.OrderedDict()  # link -> when sent here
         self.source: EventSource | None = None
         self.subscriber: EventSubscriber | None = None
 
+    @property
+    def live(self) -> bool:
+        """Its events flow: announced, and (once followed) something came."""
+        return self.source is not None and (self.subscriber is None or self.subscriber.delivered)
+
 
 class CacheIndex:
-    def __init__(self, pending_s: float = 10.0, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, pending_s: float = 10.0, clock: Callable[[], float] = time.monotonic,
+                 recent_half_s: float = 5.0) -> None:
         self.pending_s = pending_s
+        self.recent_half_s = recent_half_s
         self._clock = clock
         self._workers: dict[str, _WorkerHoldings] = {}
 
@@ -82,21 +94,31 @@ class CacheIndex:
             logger.info("following the KV events of %s at %s", url, source.endpoint)
 
     def publishes(self, url: str) -> bool:
+        """``url`` announced events and they flow."""
         holdings = self._workers.get(url)
-        return holdings is not None and holdings.source is not None
+        return holdings is not None and holdings.live
 
     def apply(self, url: str, events: list[KVCacheEvent]) -> None:
         """A batch of ``url``'s events. A link they name is no longer a guess from what was sent: stored, it is
         held; removed, it is gone, however recently this process sent it there."""
-        holdings = self._of(url)
+        holdings = self._workers.get(url)
+        if holdings is None:  # a batch from a subscriber being closed: the worker left the pool
+            return
         held, sent = holdings.held, holdings.sent
+        if len(held) > MAX_HELD_LINKS:  # a worker publishing without bound: its picture is not trusted
+            logger.warning("%s says it holds more than %d links: its picture is dropped", url, MAX_HELD_LINKS)
+            held.clear()
+            holdings.held_bytes = 0
+        stored, rebuilt = 0, False
         for event in events:
             if isinstance(event, BlockStored):
                 for name in event.block_hashes:
                     if isinstance(name, int):
                         if name not in held:
                             held.add(name)
-                            holdings.held_bytes += _link_bytes(name)
+                            size = _link_bytes(name)
+                            holdings.held_bytes += size
+                            stored += size
                         sent.pop(name, None)
             elif isinstance(event, BlockRemoved):
                 for name in event.block_hashes:
@@ -109,6 +131,20 @@ class CacheIndex:
                 held.clear()
                 holdings.held_bytes = 0
                 sent.clear()
+                rebuilt = True
+        if stored and not rebuilt:  # a picture rebuilt (a snapshot) is what it holds, not work it was just given
+            holdings.recent_bytes = self._recent(holdings) + stored
+            holdings.recent_at = self._clock()
+
+    def recent_bytes(self, url: str) -> float | None:
+        """Prompt bytes ``url``'s events said it newly stored lately, each weighing half as much every
+        ``recent_half_s``; None for a worker whose events do not flow."""
+        holdings = self._workers.get(url)
+        return self._recent(holdings) if holdings is not None and holdings.live else None
+
+    def _recent(self, holdings: _WorkerHoldings) -> float:
+        age = self._clock() - holdings.recent_at
+        return holdings.recent_bytes * 0.5 ** (age / self.recent_half_s) if holdings.recent_bytes else 0.0
 
     def fill(self, url: str) -> tuple[int, int] | None:
         """(bytes of prompt text ``url`` holds, the tokens its engine keeps for reuse), by its events; None if
@@ -124,9 +160,10 @@ class CacheIndex:
         return frozenset(holdings.held) if holdings is not None else frozenset()
 
     def reset(self, url: str) -> None:
-        holdings = self._of(url)
-        holdings.held.clear()
-        holdings.held_bytes = 0
+        holdings = self._workers.get(url)
+        if holdings is not None:
+            holdings.held.clear()
+            holdings.held_bytes = 0
 
     def forget(self, url: str) -> None:
         """``url`` left the pool."""
@@ -147,6 +184,7 @@ class CacheIndex:
             if holdings.subscriber is not None:
                 await holdings.subscriber.aclose()
                 holdings.subscriber = None
+        await asyncio.gather(*_closing, return_exceptions=True)
 
     # -- what this process sent ---------------------------------------------------------------------------------
     def note_sent(self, url: str, chain: PrefixChain) -> None:
@@ -160,7 +198,7 @@ class CacheIndex:
             sent.move_to_end(link)
         while len(sent) > SENT_LINKS_PER_WORKER:
             sent.popitem(last=False)
-        if holdings.source is not None:  # the events will say it soon: what is older than that is dropped
+        if holdings.live:  # the events will say it soon: what is older than that is dropped
             horizon = now - self.pending_s
             while sent:
                 link, when = next(iter(sent.items()))
@@ -169,16 +207,20 @@ class CacheIndex:
                 del sent[link]
 
     # -- matching -----------------------------------------------------------------------------------------------
-    def matched_links(self, url: str, chain: PrefixChain) -> int:
-        """How many of ``chain``'s leading links ``url`` holds."""
+    def matched_links(self, url: str, chain: PrefixChain, events_only: bool = False) -> int:
+        """How many of ``chain``'s leading links ``url`` holds; ``events_only``: by its events alone, never by
+        what was sent there."""
         holdings = self._workers.get(url)
         links = chain.links
         if holdings is None or not links:
             return 0
-        held, sent = holdings.held, holdings.sent
+        held = holdings.held
+        sent = _NOTHING_SENT if events_only else holdings.sent
         if not held and not sent:
             return 0
-        horizon = self._clock() - self.pending_s if holdings.source is not None else float("-inf")
+        # What was sent to a worker whose events flow counts until they should have named it; for a worker
+        # whose events never came (none announced, or announced and never delivered), it is all there is.
+        horizon = self._clock() - self.pending_s if holdings.live else float("-inf")
 
         def holds(link: int) -> bool:
             if link in held:
@@ -197,6 +239,9 @@ class CacheIndex:
                 high = middle - 1
         return low
 
+
+
+_NOTHING_SENT: collections.OrderedDict[int, float] = collections.OrderedDict()
 
 
 def _link_bytes(name: int) -> int:

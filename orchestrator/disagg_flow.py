@@ -62,6 +62,7 @@ class DisaggFlow:
         self.fixed_protocol = protocol  # one protocol for every worker (tests); else each worker's own
         self.protocols = build_protocols(config)
         self.retry = RetryPolicy(config.max_retries, metrics)
+        self.retry_once = RetryPolicy(0, metrics)  # one worker, the one chosen: for a prompt only it holds
         self.releaser = HandoffReleaser(ctx_pool, self.protocol_of)
         self.ctx_latency = LabelledChildren(metrics.ctx_latency)  # by worker, looked up once per worker
         self.gen_first_byte = LabelledChildren(metrics.gen_first_byte)
@@ -80,7 +81,10 @@ class DisaggFlow:
                     headers: dict[str, str] | None = None, session: str | None = None) -> FlowRequest:
         prefix_chars = self.config.context_servers.router.prefix_chars
         headers = headers if headers is not None else {}
-        key = routing_key(body, prefix_chars, self.needs_chain, session)
+        # Exact chains where a GEN worker may be sent a prompt to prefill alone: a sampled link could claim a
+        # prompt edited inside it is held (frontend/prefix_chain.py), and GEN would prefill it all.
+        key = routing_key(body, prefix_chars, self.needs_chain, session,
+                          exact=self.config.max_local_prefill_length > 0)
         if key.chain.links:
             headers[CHAIN_HEADER] = key.chain.header_value()  # both workers record what they now hold under it
         return FlowRequest(endpoint, body, key, started, headers)
@@ -95,8 +99,15 @@ class DisaggFlow:
         if threshold:
             holder = self._gen_holding_prefix(request.key, threshold)
             if holder is not None:
-                self.prefill_placement(ON_GEN_CACHED).inc()
-                return await self.run_on_gen_alone(request, holder)
+                try:
+                    answer = await self.run_on_gen_alone(request, holder, self.retry_once)
+                except UpstreamError as exc:
+                    # Never another GEN worker instead: it holds none of the prompt. Through CTX, as any other.
+                    logger.warning("GEN worker %s, which holds the prompt, failed (%s); it goes through CTX",
+                                   holder.only, exc.message)
+                else:
+                    self.prefill_placement(ON_GEN_CACHED).inc()
+                    return answer
         self.prefill_placement(ON_CTX).inc()
         ctx = await self.run_context_step(request)
         if ctx.finished:
@@ -117,18 +128,19 @@ class DisaggFlow:
         best, best_matched = None, 0
         for worker in self.gen_pool.workers:
             if worker.healthy and index.publishes(worker.url):
-                matched = matched_tokens(index, worker, key)
+                matched = matched_tokens(index, worker, key, events_only=True)
                 if matched > best_matched or (matched == best_matched and best is not None
                                               and worker.inflight < best.inflight):
                     best, best_matched = worker, matched
         # A prompt's tail shorter than its link is never named, so a follow-up's held part ends up to one link
-        # (at most 512 B here: short prompts' links) before the previous prompt's end: allowed for.
+        # before the previous prompt's end: allowed for, up to 512 B (a long prompt's tail, up to 32 KiB, is
+        # not: that many tokens are more than the threshold means to let GEN prefill).
         tail = min(512, key.chain.link_bytes(min(len(key.chain.links), MAX_LINKS - 1)))
         allowance = key.prompt_tokens * tail // key.chain.total_bytes if key.chain.total_bytes else 0
         uncached = key.prompt_tokens - best_matched
         if best is None or not best_matched or uncached - allowance >= threshold:
             return None
-        return replace(key, prefer=best.url, prefill_tokens={best.url: max(1, uncached)})
+        return replace(key, only=best.url, prefill_tokens={best.url: max(1, uncached)})
 
     # -- step 1: CTX --------------------------------------------------------------------------------------
     async def run_context_step(self, request: FlowRequest) -> ContextAnswer:
@@ -208,7 +220,7 @@ class DisaggFlow:
             while True:
                 # GEN computes none of the prompt: its queue of prefill work does not grow.
                 prompt_tokens = ctx.prompt_len if ctx.prompt_len is not None else request.key.prompt_tokens
-                key = replace(request.key, prompt_tokens=prompt_tokens, prefer=None, prefill_tokens={})
+                key = replace(request.key, prompt_tokens=prompt_tokens, only=None, prefill_tokens={})
                 key.prefill_tokens.update((w.url, 0) for w in self.gen_pool.workers)
                 done = await self._call_gen(request, key, body_for, avoid=failed)
                 if not self._handoff_lost(request, done):
@@ -226,16 +238,18 @@ class DisaggFlow:
             if fallback is not None:
                 self.metrics.metadata_only_fallback.labels(reason=fallback.value).inc()
 
-    async def run_on_gen_alone(self, request: FlowRequest, key: RoutingKey | None = None) -> Answer:
+    async def run_on_gen_alone(self, request: FlowRequest, key: RoutingKey | None = None,
+                               retry: RetryPolicy | None = None) -> Answer:
         """Conditional disaggregation: a short prompt, or a short uncached remainder on the GEN worker ``key``
         prefers, is cheaper to prefill where it is decoded than to send through CTX and a KV transfer."""
         body = encode(request.body)
         key = key or request.key
-        done = await self._call_gen(request, key, lambda _: body)
+        done = await self._call_gen(request, key, lambda _: body, retry=retry)
         return self._gen_answer(request, done, key)
 
     async def _call_gen(self, request: FlowRequest, key: RoutingKey, body_for: Callable[[PoolMember], Body],
-                        avoid: tuple[PoolMember, ...] = ()) -> Attempted[GenAnswer]:
+                        avoid: tuple[PoolMember, ...] = (), retry: RetryPolicy | None = None
+                        ) -> Attempted[GenAnswer]:
         """GEN's answer: whole, or (streaming) opened, moving to another GEN on a failure before the first byte."""
         async def whole(gen: PoolMember) -> GenAnswer:
             request.gen_worker = gen.url
@@ -251,7 +265,8 @@ class DisaggFlow:
 
         started = time.perf_counter()
         with tracing.span("gen.call", request.span, headers=request.headers, client=True) as span:
-            done = await self.retry.run(GEN_STEP, self.gen_pool, key, streamed if request.streaming else whole, avoid)
+            done = await (retry or self.retry).run(GEN_STEP, self.gen_pool, key,
+                                                   streamed if request.streaming else whole, avoid)
             flow_tracing.called(span, done)
         if not isinstance(done.answer, Reply):
             self.gen_first_byte(done.member.url).observe(time.perf_counter() - started)
@@ -277,7 +292,9 @@ def _count_as_held(pool: WorkerPool, member: PoolMember, key: RoutingKey) -> Non
     """Until its events say so, ``member`` counts as holding the prompt it is sent. Not a GEN worker that
     publishes no events: whether it keeps a handed-off prompt is its engine's business, and a wrong guess would
     make it prefill a long prompt by itself."""
-    if key.chain.links and (pool.name != GEN_POOL_NAME or pool.index.publishes(member.url)):
+    if not key.chain.links or (member.facts is not None and not member.facts.kv_block_reuse):
+        return  # a worker that says it reuses no KV holds nothing for anyone
+    if pool.name != GEN_POOL_NAME or pool.index.publishes(member.url):
         pool.index.note_sent(member.url, key.chain)
 
 

@@ -103,16 +103,16 @@ class WorkerPool:
 
     def pick(self, key: RoutingKey, exclude: Iterable[PoolMember] = ()) -> PoolMember:
         tried = list(exclude)
-        worker = self._preferred(key, tried) or self.router.pick(self.workers, key, tried)
+        only = key.only  # a request only one worker can take goes there or nowhere
+        worker = self._only(only, tried) if only is not None else self.router.pick(self.workers, key, tried)
         if worker is None:
             detail = f" (tried {', '.join(w.url for w in tried)})" if tried else ""
             raise UpstreamUnavailableError(f"no healthy {self.name} worker is available{detail}")
         return worker
 
-    def _preferred(self, key: RoutingKey, tried: list[PoolMember]) -> PoolMember | None:
-        if key.prefer is None:
-            return None
-        return next((w for w in self.workers if w.url == key.prefer and w.healthy and w not in tried), None)
+    def _only(self, url: str, tried: list[PoolMember]) -> PoolMember | None:
+        """The one worker a request may go to (it holds what no other does), if it can take it."""
+        return next((w for w in self.workers if w.url == url and w.healthy and w not in tried), None)
 
     # -- health -------------------------------------------------------------------------------------------
     async def check_health(self) -> None:
@@ -148,7 +148,8 @@ class WorkerPool:
         else:
             protocol = detect_protocol(card, worker.url) if isinstance(card, dict) else DEFAULT_PROTOCOL
         logger.info("%s worker %s speaks %s", self.name, worker.url, protocol)
-        self.index.subscribe(worker.url, _event_source(card, worker.url))
+        if worker in self.workers:  # not one removed while its card was being read: nothing would close it
+            self.index.subscribe(worker.url, _event_source(card, worker.url))
         try:
             info = card["engine_info"]
             return GenEngineFacts(bool(info["kv_block_reuse"]), bool(info["prompt_tokens_in_handoff"])), protocol

@@ -38,7 +38,7 @@ _NO_CHAIN = PrefixChain()
 # factor of the cheapest worker's, so that near-ties do not scatter a conversation; a real saving wins.
 _SESSION_SLACK = 1.5
 ROUTING_DECISIONS = ("cache_hit", "spill", "cold", "session")
-_RECENT_HALF_S = 5.0  # cache_aware: how fast the work sent to a worker stops counting against it
+_CHAINED_TOKEN_IDS = 16_384  # of a prompt_token_ids list, the ids the chain names (~100 KB of JSON)
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,7 +49,9 @@ class RoutingKey:
     prompt_tokens: int = 0  # exact when known (after CTX), else an estimate
     chain: PrefixChain = _NO_CHAIN  # the prompt's prefix chain; empty unless a cache-aware pool needs it
     session: str | None = None  # a conversation's key, the same in every process
-    prefer: str | None = None  # a worker the flow already chose (conditional disaggregation): taken if it can
+    # The one worker the request may go to (conditional disaggregation: the GEN worker holding its prompt); if
+    # it cannot take it, no other does (the flow goes through CTX instead).
+    only: str | None = None
     # Whether the prompt continues a conversation (it holds an earlier answer: an assistant message or item);
     # None: it cannot tell (a completion's prompt).
     follow_up: bool | None = None
@@ -146,7 +148,8 @@ class CacheAwareRouter:
         self.load_factor = load_factor
         self.on_decision = on_decision
         self._clock = clock
-        self._recent: dict[str, tuple[float, float]] = {}  # url -> (uncached tokens sent lately, as of when)
+        # url -> (uncached tokens sent lately, as of when): for workers whose events do not flow
+        self._recent: dict[str, tuple[float, float]] = {}
 
     def pick(self, workers: Sequence[PoolMember], key: RoutingKey, exclude: Iterable[PoolMember] = ()
              ) -> PoolMember | None:
@@ -188,7 +191,7 @@ class CacheAwareRouter:
             # few requests in flight the queues are mostly empty, and each new conversation would go to
             # whichever worker is idle at that instant, however many conversations already live there.
             def rank(worker: PoolMember) -> tuple[float, int]:
-                return cost(worker) + self._recent_work(worker.url, now), -_rendezvous(tie, worker.url)
+                return cost(worker) + self._recent_work(worker.url, now, key), -_rendezvous(tie, worker.url)
 
         best = min(eligible, key=rank)
         decision = "cache_hit" if longest and matched[best.url] == longest else "spill" if longest else "cold"
@@ -199,16 +202,22 @@ class CacheAwareRouter:
                 decision = "session" if not longest else decision if matched[own.url] == longest else "spill"
             elif own is best and not longest:
                 decision = "session"
-        uncached = key.prefill_tokens[best.url] = max(1, key.prompt_tokens - matched[best.url])
+        # What the flow already set stands (GEN computes none of a handed-off prompt).
+        uncached = key.prefill_tokens.setdefault(best.url, max(1, key.prompt_tokens - matched[best.url]))
         self._recent[best.url] = (self._recent_work(best.url, now) + uncached, now)
         if self.on_decision is not None:
             self.on_decision(decision)
         return best
 
-    def _recent_work(self, url: str, now: float) -> float:
-        """Uncached tokens sent to ``url``, each weighing less as it ages (halved every ``_RECENT_HALF_S``)."""
+    def _recent_work(self, url: str, now: float, key: RoutingKey | None = None) -> float:
+        """Uncached tokens given to ``url`` lately, each weighing less as it ages: by the worker's own events
+        (what it newly stored, the same for every process), at this prompt's bytes per token; for a worker
+        whose events do not flow, what this process sent it."""
+        stored = self.index.recent_bytes(url)
+        if stored is not None and key is not None and key.chain.total_bytes:
+            return stored * key.prompt_tokens / key.chain.total_bytes
         work, when = self._recent.get(url, (0.0, now))
-        return float(work * 0.5 ** ((now - when) / _RECENT_HALF_S))
+        return float(work * 0.5 ** ((now - when) / self.index.recent_half_s))
 
 
     def _evicted(self, worker: PoolMember, key: RoutingKey, uncached: int) -> int:
@@ -236,9 +245,11 @@ def _first_unheld(key: RoutingKey, longest: int) -> str:
     return key.prompt_prefix
 
 
-def matched_tokens(index: CacheIndex, worker: PoolMember, key: RoutingKey) -> int:
-    """The prompt tokens ``worker`` holds, estimated from the share of the prompt's bytes its held links cover."""
-    return _tokens_covered(key, index.matched_links(worker.url, key.chain) if key.chain.links else 0)
+def matched_tokens(index: CacheIndex, worker: PoolMember, key: RoutingKey, events_only: bool = False) -> int:
+    """The prompt tokens ``worker`` holds, estimated from the share of the prompt's bytes its held links cover
+    (``events_only``: by its events alone)."""
+    links = index.matched_links(worker.url, key.chain, events_only) if key.chain.links else 0
+    return _tokens_covered(key, links)
 
 
 def _rendezvous(session: str, url: str) -> int:
@@ -251,8 +262,8 @@ def make_router(config: RouterConfig, default: str = "round_robin", index: Cache
                 on_decision: Callable[[str], None] | None = None) -> Router:
     kind = config.type or default
     if kind == "cache_aware":
-        return CacheAwareRouter(index if index is not None else CacheIndex(config.pending_s), config.load_factor,
-                                on_decision)
+        index = index if index is not None else CacheIndex(config.pending_s, recent_half_s=config.recent_half_s)
+        return CacheAwareRouter(index, config.load_factor, on_decision)
     if kind == "least_loaded":
         return LeastLoadedRouter(by_prompt_tokens=config.load_metric == "prompt_tokens")
     if kind == "prefix_affinity":
@@ -261,14 +272,14 @@ def make_router(config: RouterConfig, default: str = "round_robin", index: Cache
 
 
 def routing_key(body: dict[str, object], prefix_chars: int, with_chain: bool = False,
-                session: str | None = None) -> RoutingKey:
+                session: str | None = None, exact: bool = False) -> RoutingKey:
     """The prompt's first characters and a token estimate (~4 characters a token), read from the raw body. A
     long text the orchestrator kept as its JSON literal (``RawText``) counts its bytes, and only its first
     characters are decoded. ``with_chain``: also the prompt's prefix chain, over each text's JSON literal (the
     bytes a ``RawText`` holds; a short text encoded back, as orjson writes it), each after its role."""
     pieces: list[str] = []
     chars = 0
-    builder = ChainBuilder() if with_chain else None
+    builder = ChainBuilder(sampled=not exact) if with_chain else None
     for role, text in _prompt_texts(body):
         if chars < prefix_chars:
             wanted = prefix_chars - chars
@@ -281,7 +292,9 @@ def routing_key(body: dict[str, object], prefix_chars: int, with_chain: bool = F
     estimate = len(explicit) if isinstance(explicit, list) else chars // 4 + 1
     if builder is not None and isinstance(explicit, list):
         builder.feed(b"prompt_token_ids:")
-        builder.feed(orjson.dumps(explicit)[:-1])  # without the closing bracket: a longer list extends it
+        # Without the closing bracket, so a longer list extends it; its first ids only (131k ids would cost
+        # ~1.3 ms to encode): a routing name, so a bounded prefix of the prompt is enough.
+        builder.feed(orjson.dumps(explicit[:_CHAINED_TOKEN_IDS])[:-1])
     chain = builder.chain() if builder is not None else _NO_CHAIN
     return RoutingKey("".join(pieces), estimate, chain, session, follow_up=_continues(body))
 
@@ -308,7 +321,9 @@ def _prompt_texts(body: dict[str, object]) -> Iterator[tuple[bytes, str | RawTex
                                 yield role, part["text"]
 
 
-_ROLES = {name: f"\x00{name}\x00".encode() for name in ("instructions", "prompt", "input", "messages")}
+# A Responses ``input`` string is the user's message: a follow-up (response_memory) spells it as a user item.
+_ROLES = {"instructions": b"\x00instructions\x00", "prompt": b"\x00prompt\x00", "input": b"\x00user\x00",
+          "messages": b"\x00messages\x00"}
 _ROLE_CACHE: dict[str, bytes] = {}
 _ANSWERS = ("assistant", "tool", "function_call", "function_call_output")  # roles and Responses item types
 

@@ -59,7 +59,7 @@ logger = logging.getLogger("disagg_serve.orchestrator")
 def _pool(name: str, group: ServerGroupConfig, config: OrchestratorConfig, metrics: Metrics,
           default_router: str) -> WorkerPool:
     timeouts = WorkerTimeouts(config.request_timeout_s, config.connect_timeout_s, min(config.connect_timeout_s, 5.0))
-    index = CacheIndex(group.router.pending_s)
+    index = CacheIndex(group.router.pending_s, recent_half_s=group.router.recent_half_s)
     decisions = LabelledChildren(metrics.routing_decisions)
     router = make_router(group.router, default_router, index, lambda decision: decisions(name, decision).inc())
     pool = WorkerPool(name, router, timeouts, index=index,

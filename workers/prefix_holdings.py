@@ -41,6 +41,7 @@ def _runs() -> tuple[tuple[int, int, int], ...]:
     return tuple(runs)
 
 
+_SNAPSHOT_EVENT_LINKS = 65_536  # names per BlockStored of a snapshot (block_size 0: the sizes vary)
 _RUNS = _runs()  # one run per link size of frontend.prefix_chain's schedule
 
 
@@ -113,6 +114,17 @@ class PrefixHoldings:
         if removed:
             events.append(BlockRemoved(block_hashes=cast("list[int | bytes]", removed), medium=None))
         self._publish(events)
+
+    def snapshot(self) -> list[KVCacheEvent]:
+        """Everything held, as events that rebuild a subscriber's picture from nothing (for one that asks for
+        batches the publisher no longer keeps: frontend.kv_events)."""
+        names = cast("list[int | bytes]", list(self._held))
+        events: list[KVCacheEvent] = [AllBlocksCleared()]
+        for start in range(0, len(names), _SNAPSHOT_EVENT_LINKS):
+            events.append(BlockStored(block_hashes=names[start:start + _SNAPSHOT_EVENT_LINKS],
+                                      parent_block_hash=None, token_ids=[], block_size=0, lora_id=None,
+                                      medium=None, lora_name=None))
+        return events
 
     def clear(self) -> None:
         """The engine dropped its whole cache (or this record can no longer be trusted)."""

@@ -300,7 +300,9 @@ class _KvEvents:
         capacity = self.engine.kv_capacity_tokens()
         if not capacity or capacity <= 0:
             return  # the engine reuses no KV: there is nothing to route by
-        publisher = EventPublisher(endpoint, self.settings.kv_events_replay_endpoint)
+        service = self.service
+        publisher = EventPublisher(endpoint, self.settings.kv_events_replay_endpoint,
+                                   snapshot=lambda: service.holdings.snapshot() if service.holdings else [])
         publisher.start()
         self.publisher = publisher
         self.service.holdings = PrefixHoldings(capacity, publisher)

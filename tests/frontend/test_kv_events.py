@@ -264,3 +264,31 @@ async def test_a_replay_address_in_use_leaves_no_socket_bound() -> None:
         assert taken.replay_endpoint is not None
         with pytest.raises(zmq.ZMQError):
             EventPublisher(LOOPBACK, taken.replay_endpoint)
+
+
+async def test_a_subscriber_older_than_the_buffer_gets_the_publishers_snapshot() -> None:
+    """A subscriber that starts after the buffer has moved past what it asks for (an orchestrator started long
+    after its workers) is sent the whole picture instead, as of the latest batch; what follows comes live."""
+    reader = Reader()
+    picture = [AllBlocksCleared(), stored(1, 2, 3)]
+    publisher = EventPublisher(LOOPBACK, LOOPBACK, snapshot=lambda: picture, replay_batches=2)
+    publisher.start()
+    try:
+        for name in range(1, 6):  # five batches: the buffer keeps the last two
+            publisher.publish([stored(name)])
+        async with subscribed(publisher, reader) as subscriber:
+            assert await eventually_async(lambda: len(reader.batches) >= 1)
+            assert reader.batches[0] == picture
+            assert subscriber.delivered
+            live = await publish_until_read(publisher, reader, 100)
+            assert reader.batches[1] in live and "reset" not in reader.log
+    finally:
+        await publisher.aclose()
+
+
+async def test_a_subscriber_is_delivered_only_once_the_worker_answered() -> None:
+    reader = Reader()
+    async with publishing() as publisher, subscribed(publisher, reader) as subscriber:
+        assert await eventually_async(lambda: subscriber.delivered)  # the replay of nothing was answered
+    silent = EventSubscriber("tcp://127.0.0.1:9", "tcp://127.0.0.1:9", reader.apply, reader.reset)
+    assert not silent.delivered

@@ -47,6 +47,9 @@ def pool() -> Iterator[list[PoolMember]]:
 
 
 def holds(index: CacheIndex, worker: PoolMember, key: RoutingKey) -> None:
+    """``worker`` holds ``key``'s prompt, as its events would say (the index knows it as a pool member)."""
+    if not index.held(worker.url):
+        index.subscribe(worker.url, None)
     index.apply(worker.url, [BlockStored(list(key.chain.links), None, [], 16, None, None, None)])
 
 

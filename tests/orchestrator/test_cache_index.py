@@ -25,6 +25,7 @@ def stored(links: tuple[int, ...]) -> BlockStored:
 
 def test_events_say_what_a_worker_holds_and_matching_finds_the_longest_held_prefix() -> None:
     index = CacheIndex()
+    index.subscribe(W1, None)
     assert index.matched_links(W1, CHAIN) == 0
     index.apply(W1, [stored(CHAIN.links[:10])])
     assert index.matched_links(W1, CHAIN) == 10
@@ -39,6 +40,7 @@ def test_events_say_what_a_worker_holds_and_matching_finds_the_longest_held_pref
 
 def test_every_length_of_held_prefix_is_found() -> None:
     index = CacheIndex()
+    index.subscribe(W1, None)
     for held in range(len(CHAIN.links) + 1):
         index.reset(W1)
         index.apply(W1, [stored(CHAIN.links[:held])])
@@ -47,6 +49,7 @@ def test_every_length_of_held_prefix_is_found() -> None:
 
 def test_a_prompt_that_differs_after_the_shared_start_matches_only_the_start() -> None:
     index = CacheIndex()
+    index.subscribe(W1, None)
     index.apply(W1, [stored(CHAIN.links)])
     other = chain_of([SYSTEM, b"v" * 4096])
     shared = sum(1 for a, b in zip(CHAIN.links, other.links, strict=False) if a == b)
@@ -78,6 +81,7 @@ def test_for_a_worker_without_events_what_was_sent_is_kept_bounded() -> None:
 
 def test_a_forgotten_worker_holds_nothing() -> None:
     index = CacheIndex()
+    index.subscribe(W1, None)
     index.apply(W1, [stored(CHAIN.links)])
     index.forget(W1)
     assert index.matched_links(W1, CHAIN) == 0
@@ -92,3 +96,35 @@ def test_events_overrule_what_was_sent() -> None:
     # Evicted by the worker moments after it was sent: not held, though this process sent it there just now.
     assert index.matched_links(W1, CHAIN) == 10
     assert index.held(W1) == frozenset(CHAIN.links[:10])
+
+
+def test_a_batch_for_a_worker_that_left_does_not_bring_it_back() -> None:
+    index = CacheIndex()
+    index.apply(W2, [stored(CHAIN.links)])  # from a subscriber being closed after forget()
+    index.reset(W2)
+    assert index.matched_links(W2, CHAIN) == 0 and index.held(W2) == frozenset()
+
+
+def test_events_only_matching_ignores_what_was_sent() -> None:
+    index = CacheIndex(pending_s=10.0, clock=Clock())
+    index._of(W1).source = EventSource("tcp://w1:1", None, "a")
+    index.apply(W1, [stored(CHAIN.links[:5])])
+    index.note_sent(W1, CHAIN)
+    assert index.matched_links(W1, CHAIN) == len(CHAIN.links)
+    assert index.matched_links(W1, CHAIN, events_only=True) == 5
+
+
+def test_work_a_worker_was_given_is_read_from_its_events_and_fades() -> None:
+    clock = Clock()
+    index = CacheIndex(clock=clock, recent_half_s=5.0)
+    index._of(W1).source = EventSource("tcp://w1:1", None, "a")
+    index.apply(W1, [stored(CHAIN.links)])
+    given = CHAIN.covered_bytes(len(CHAIN.links))
+    assert index.recent_bytes(W1) == given
+    index.apply(W1, [stored(CHAIN.links)])  # held already: no new work
+    assert index.recent_bytes(W1) == given
+    clock.now = 5.0
+    assert index.recent_bytes(W1) == given / 2
+    index.apply(W1, [AllBlocksCleared(), stored(CHAIN.links)])  # a snapshot: a picture, not new work
+    assert index.recent_bytes(W1) == given / 2
+    assert index.recent_bytes(W2) is None  # no events flow from it

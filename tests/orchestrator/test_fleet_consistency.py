@@ -68,7 +68,10 @@ def fleet(orchestrators: int, events: bool, router: str) -> Iterator[tuple[list[
         gen = start_worker(stack, "generation", events, ports[CTX_WORKERS])
         if not PORTS:
             PORTS.extend(int(w.url.rsplit(":", 1)[1]) for w in (*ctx, gen))
-        config = parse_config({"context_servers": {"urls": [w.url for w in ctx], "router": {"type": router}},
+        # No decay of recent work: requests go one at a time, at whatever pace this machine allows, and the
+        # placement of new conversations must not depend on it.
+        config = parse_config({"context_servers": {"urls": [w.url for w in ctx],
+                                                   "router": {"type": router, "recent_half_s": 1e9}},
                                "generation_servers": {"urls": [gen.url]}})
         apps = [create_orchestrator_app(config) for _ in range(orchestrators)]
         urls = [stack.enter_context(running(app)) for app in apps]

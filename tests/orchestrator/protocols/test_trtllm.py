@@ -188,7 +188,9 @@ def test_a_mixed_fleet_speaks_to_each_worker_in_its_own_protocol(fleet: TrtllmFl
     own wire (ours with our extensions announced), and the GEN gets TensorRT-LLM's field set from either."""
     with contextlib.ExitStack() as stack:
         ours = start_worker(stack, "context")
-        node = start_orchestrator(stack, [fleet.ctx_url, ours.url], [fleet.gen_url])
+        ctx_urls = [fleet.ctx_url, ours.url]
+        node = start_orchestrator(stack, ctx_urls, [fleet.gen_url],
+                                  context_servers={"urls": ctx_urls, "router": {"type": "round_robin"}})
         seen = len(fleet.gen.bodies)
         with openai.OpenAI(base_url=node.url + "/v1", api_key="x", max_retries=0, timeout=30) as client:
             for _ in range(2):  # round robin: one request through each CTX
