@@ -6,7 +6,6 @@ fed the events a worker would publish.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 from collections import Counter
 from collections.abc import Iterator
@@ -20,8 +19,8 @@ from orchestrator.cache_index import CacheIndex
 from orchestrator.client_body import parse_client_body
 from orchestrator.member import PoolMember
 from orchestrator.routers import CacheAwareRouter, RoutingKey, routing_key
-from orchestrator.transport import WorkerTimeouts, make_transport
 from tests.cluster import MODEL, start_orchestrator, start_worker
+from tests.orchestrator.members import idle_members
 
 SYSTEM = "You are a careful assistant. " * 400  # ~11 KB
 
@@ -33,17 +32,8 @@ def chat(*messages: tuple[str, str], session: str | None = None) -> RoutingKey:
 
 @pytest.fixture
 def pool() -> Iterator[list[PoolMember]]:
-    workers = [PoolMember(make_transport(f"http://127.0.0.1:{9200 + i}", WorkerTimeouts())) for i in range(4)]
-    for worker in workers:
-        worker.healthy = True
-    try:
+    with idle_members(4, 9200) as workers:
         yield workers
-    finally:
-        async def close() -> None:
-            for worker in workers:
-                await worker.transport.aclose()
-
-        asyncio.run(close())
 
 
 def holds(index: CacheIndex, worker: PoolMember, key: RoutingKey) -> None:

@@ -7,7 +7,6 @@ and two GEN synthetic workers behind one orchestrator, on loopback.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import threading
 from collections import Counter
@@ -30,8 +29,8 @@ from orchestrator.routers import (
     routing_key,
 )
 from orchestrator.server import create_orchestrator_app
-from orchestrator.transport import WorkerTimeouts, make_transport
 from tests.cluster import MODEL, Node, Recorder, RecordingEngine, start_worker
+from tests.orchestrator.members import idle_members
 from tests.servers import ServerThread, running
 from tests.waiting import eventually
 from workers.engines.synthetic import SYNTHETIC_TEXT, SyntheticConfig
@@ -48,17 +47,8 @@ def synthetic_text(n: int) -> str:
 @pytest.fixture
 def pool() -> Iterator[list[PoolMember]]:
     """Three healthy, idle workers (their transports are never used here, only closed)."""
-    workers = [PoolMember(make_transport(f"http://127.0.0.1:{9100 + i}", WorkerTimeouts())) for i in range(3)]
-    for worker in workers:
-        worker.healthy = True
-    try:
+    with idle_members(3, 9100) as workers:
         yield workers
-    finally:
-        async def close() -> None:
-            for worker in workers:
-                await worker.transport.aclose()
-
-        asyncio.run(close())
 
 
 KEY = RoutingKey("hello", 10)

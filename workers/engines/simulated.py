@@ -36,14 +36,13 @@ from dataclasses import dataclass, replace
 import orjson
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
-from frontend.errors import HandoffError
 from frontend.token_codec import TokenArray
 from workers.engines.base import Tokenizer
 from workers.engines.byte_tokenizer import ByteTokenizer
 from workers.engines.options import EngineOptions, SimulatedConfig
 from workers.engines.outputs import EngineInfo, EngineOutput, FinishReason, TokenLogprob
 from workers.engines.request import GenerationRequest, Phase
-from workers.engines.synthetic import EOS_TOKEN_ID, SYNTHETIC_TEXT
+from workers.engines.synthetic import EOS_TOKEN_ID, SYNTHETIC_TEXT, handoff_position
 
 __all__ = ["BLOCK_TOKENS", "FleetLedger", "SimulatedConfig", "SimulatedEngine", "SimulatedStats", "block_keys",
            "create", "enable_fleet_ledger", "fleet_ledger"]
@@ -340,23 +339,12 @@ class SimulatedEngine:
 
     def _accept_handoff(self, request: GenerationRequest) -> int:
         """Check a generation-only request's hand-off, and hold its prompt's KV from now on."""
-        assert request.handoff is not None
-        try:
-            state = orjson.loads(request.handoff.opaque_state)
-            engine, prompt_len, position = state["engine"], state["prompt_len"], state["position"]
-        except (orjson.JSONDecodeError, KeyError, TypeError) as exc:
-            raise HandoffError("encoded_opaque_state is not a simulated-engine hand-off",
-                               param="disaggregated_params") from exc
-        if engine != _ENGINE:
-            raise HandoffError(f"hand-off from engine {engine!r}, this is {_ENGINE!r}", param="disaggregated_params")
-        if prompt_len != request.prompt_len:
-            raise HandoffError(f"hand-off is for a {prompt_len}-token prompt, the request has {request.prompt_len}",
-                               param="disaggregated_params.prompt_len")
+        position = handoff_position(request, _ENGINE)
         if not request.prompt_is_placeholder:  # a placeholder's values are not the prompt's: they key nothing
             keys = block_keys(request.prompt_token_ids_i32)
             self._cache.insert(keys)
             self._inserted += len(keys) * BLOCK_TOKENS
-        return int(position)
+        return position
 
     def _token_at(self, position: int) -> int:
         if self.config.output_tokens is not None and position >= self.config.output_tokens:

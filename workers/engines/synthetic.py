@@ -34,6 +34,24 @@ def create(options: EngineOptions) -> SyntheticEngine:
     return SyntheticEngine(config)
 
 
+def handoff_position(request: GenerationRequest, engine: str) -> int:
+    """The position a generation-only request's hand-off from a CTX ``engine`` (this one, or the simulated one,
+    which shares its hand-off) resumes at; ``HandoffError`` naming the field if it is not one."""
+    assert request.handoff is not None
+    try:
+        state = orjson.loads(request.handoff.opaque_state)
+        sender, prompt_len, position = state["engine"], state["prompt_len"], state["position"]
+    except (orjson.JSONDecodeError, KeyError, TypeError) as exc:
+        raise HandoffError(f"encoded_opaque_state is not a {engine}-engine hand-off",
+                           param="disaggregated_params") from exc
+    if sender != engine:
+        raise HandoffError(f"hand-off from engine {sender!r}, this is {engine!r}", param="disaggregated_params")
+    if prompt_len != request.prompt_len:
+        raise HandoffError(f"hand-off is for a {prompt_len}-token prompt, the request has {request.prompt_len}",
+                           param="disaggregated_params.prompt_len")
+    return int(position)
+
+
 class SyntheticEngine:
     """A typed engine (``workers.engines.base.Engine``) that also provides its byte tokenizer."""
 
@@ -78,7 +96,7 @@ class SyntheticEngine:
         position = 0
         if request.phase is Phase.GENERATION_ONLY:
             assert request.handoff is not None
-            position = self._check_handoff(request)
+            position = handoff_position(request, "synthetic")
             if position >= max_tokens:  # CTX's token(s) already used the whole budget
                 yield EngineOutput((), finish_reason="length")
                 return
@@ -112,24 +130,6 @@ class SyntheticEngine:
             yield EngineOutput((token,), self._logprobs(token, sampling.logprobs), finish)
             if finish is not None:
                 return
-
-    def _check_handoff(self, request: GenerationRequest) -> int:
-        assert request.handoff is not None
-        try:
-            state = orjson.loads(request.handoff.opaque_state)
-            engine, prompt_len, position = state["engine"], state["prompt_len"], state["position"]
-        except (orjson.JSONDecodeError, KeyError, TypeError) as exc:
-            raise HandoffError(
-                "encoded_opaque_state is not a synthetic-engine hand-off", param="disaggregated_params"
-            ) from exc
-        if engine != "synthetic":
-            raise HandoffError(f"hand-off from engine {engine!r}, this is 'synthetic'", param="disaggregated_params")
-        if prompt_len != request.prompt_len:
-            raise HandoffError(
-                f"hand-off is for a {prompt_len}-token prompt, the request has {request.prompt_len}",
-                param="disaggregated_params.prompt_len",
-            )
-        return int(position)
 
     def _token_at(self, position: int) -> int:
         if self.config.output_tokens is not None and position >= self.config.output_tokens:
