@@ -640,6 +640,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cache-tokens", type=int, default=None,
                         help=f"each worker's prefix cache (default {Engine().cache_tokens:,}; a huge one shows "
                              "what routing alone loses against the oracle)")
+    parser.add_argument("--window-scale", type=float, default=1.0,
+                        help="scale each workload's arrival window: longer runs make the fleet's warm-up (each "
+                             "worker's first prefill of each shared prompt) a smaller share of the requests")
     parser.add_argument("--json", default=None, help="also write the result here")
     parser.add_argument("--docs", action="store_true",
                         help="write docs/benchmarks/fleet.{json,png} and the section of docs/benchmarks.md")
@@ -649,6 +652,9 @@ def main(argv: list[str] | None = None) -> int:
         settings = replace(settings, engine=replace(settings.engine, cache_tokens=args.cache_tokens))
     if args.workloads:
         settings = replace(settings, workloads=tuple(w for w in settings.workloads if w.name in args.workloads))
+    if args.window_scale != 1.0:
+        settings = replace(settings, workloads=tuple(replace(w, window_s=w.window_s * args.window_scale)
+                                                     for w in settings.workloads))
     machine = machine_info()  # the load average before the run
     started = time.perf_counter()
     result = run(settings, args.routers)
