@@ -38,6 +38,7 @@ _NO_CHAIN = PrefixChain()
 # factor of the cheapest worker's, so that near-ties do not scatter a conversation; a real saving wins.
 _SESSION_SLACK = 1.5
 ROUTING_DECISIONS = ("cache_hit", "spill", "cold", "session")
+_SPILL_MARGIN = 2.0  # cache_aware: a follow-up leaves its history's worker only for one under half its cost
 _CHAINED_TOKEN_IDS = 16_384  # of a prompt_token_ids list, the ids the chain names (~100 KB of JSON)
 
 
@@ -194,6 +195,12 @@ class CacheAwareRouter:
                 return cost(worker) + self._recent_work(worker.url, now, key), -_rendezvous(tie, worker.url)
 
         best = min(eligible, key=rank)
+        if follow_up and matched[best.url] < longest:
+            # Spilling a conversation re-prefills its history elsewhere and leaves two copies: only for a clear
+            # saving, not a near-tie (a queue of a request or two at the worker that holds it).
+            holder = min((w for w in eligible if matched[w.url] == longest), key=rank, default=None)
+            if holder is not None and cost(holder) <= _SPILL_MARGIN * cost(best):
+                best = holder
         decision = "cache_hit" if longest and matched[best.url] == longest else "spill" if longest else "cold"
         if key.session is not None:
             own = max(eligible, key=lambda w: _rendezvous(tie, w.url))

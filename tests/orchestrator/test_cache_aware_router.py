@@ -172,3 +172,20 @@ def test_new_conversations_go_where_little_work_went_lately_and_follow_ups_stay(
     assert router.pick(pool, chat(*turns, ("assistant", "so"), ("user", "next"))) is busy
     now[0] = 60.0  # twelve half-lives later the work sent there no longer counts
     assert router._recent_work(busy.url, now[0]) < 50
+
+
+def test_a_follow_up_stays_with_its_history_through_a_short_queue(pool: list[PoolMember]) -> None:
+    """Leaving re-prefills the history elsewhere and leaves two copies: only for a worker under half the cost."""
+    index = CacheIndex()
+    router = CacheAwareRouter(index, 1.25)
+    turns = (("system", SYSTEM), ("user", "my own question " * 300), ("assistant", "yes"))
+    for worker in pool:
+        holds(index, worker, chat(*turns[:1], ("user", "hello")))
+    holder = pool[3]
+    holds(index, holder, chat(*turns))
+    follow_up = chat(*turns, ("user", "next"))
+    history = follow_up.prompt_tokens - (follow_up.prompt_tokens * 11_000 // follow_up.chain.total_bytes)
+    holder.inflight, holder.inflight_prefill_tokens = 1, history * 3 // 2  # elsewhere is cheaper, not by half
+    assert router.pick(pool, follow_up) is holder
+    holder.inflight_prefill_tokens = 4 * history  # now elsewhere is well under half
+    assert router.pick(pool, follow_up) is not holder
