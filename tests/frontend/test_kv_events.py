@@ -270,7 +270,7 @@ async def test_a_subscriber_older_than_the_buffer_gets_the_publishers_snapshot()
     """A subscriber that starts after the buffer has moved past what it asks for (an orchestrator started long
     after its workers) is sent the whole picture instead, as of the latest batch; what follows comes live."""
     reader = Reader()
-    picture = [AllBlocksCleared(), stored(1, 2, 3)]
+    picture: list[KVCacheEvent] = [AllBlocksCleared(), stored(1, 2, 3)]
     publisher = EventPublisher(LOOPBACK, LOOPBACK, snapshot=lambda: picture, replay_batches=2)
     publisher.start()
     try:

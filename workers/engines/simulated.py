@@ -40,9 +40,9 @@ from frontend.token_codec import TokenArray
 from workers.engines.base import Tokenizer
 from workers.engines.byte_tokenizer import ByteTokenizer
 from workers.engines.options import EngineOptions, SimulatedConfig
-from workers.engines.outputs import EngineInfo, EngineOutput, FinishReason, TokenLogprob
+from workers.engines.outputs import EngineInfo, EngineOutput, TokenLogprob
 from workers.engines.request import GenerationRequest, Phase
-from workers.engines.synthetic import EOS_TOKEN_ID, SYNTHETIC_TEXT, handoff_position
+from workers.engines.synthetic import EOS_TOKEN_ID, SYNTHETIC_TEXT, finish_reason, handoff_position
 
 __all__ = ["BLOCK_TOKENS", "FleetLedger", "SimulatedConfig", "SimulatedEngine", "SimulatedStats", "block_keys",
            "create", "enable_fleet_ledger", "fleet_ledger"]
@@ -275,7 +275,7 @@ class SimulatedEngine:
                 prompt_logprobs = (None, *(TokenLogprob(t, 0.0) for t in request.prompt_token_ids[1:]))
             token = self._token_at(0)
             position = 1
-            finish = _finish_reason(token, position, max_tokens, sampling.ignore_eos)
+            finish = finish_reason(token, position, max_tokens, sampling.ignore_eos)
             handoff = None
             if request.phase is Phase.CONTEXT_ONLY and finish is None:
                 handoff = orjson.dumps({"engine": _ENGINE, "prompt_len": request.prompt_len, "position": 1})
@@ -290,7 +290,7 @@ class SimulatedEngine:
             await asyncio.sleep(self.config.inter_token_latency_s)  # 0 still yields to the event loop
             token = self._token_at(position)
             position += 1
-            finish = _finish_reason(token, position, max_tokens, sampling.ignore_eos)
+            finish = finish_reason(token, position, max_tokens, sampling.ignore_eos)
             yield EngineOutput((token,), _logprobs(token, sampling.logprobs), finish)
             if finish is not None:
                 return
@@ -350,14 +350,6 @@ class SimulatedEngine:
         if self.config.output_tokens is not None and position >= self.config.output_tokens:
             return EOS_TOKEN_ID
         return SYNTHETIC_TEXT[position % len(SYNTHETIC_TEXT)]
-
-
-def _finish_reason(token: int, produced: int, max_tokens: int, ignore_eos: bool) -> FinishReason | None:
-    if token == EOS_TOKEN_ID and not ignore_eos:
-        return "stop"
-    if produced >= max_tokens:
-        return "length"
-    return None
 
 
 def _logprobs(token: int, top: int | None) -> tuple[TokenLogprob, ...]:

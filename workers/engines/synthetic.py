@@ -34,6 +34,15 @@ def create(options: EngineOptions) -> SyntheticEngine:
     return SyntheticEngine(config)
 
 
+def finish_reason(token: int, produced: int, max_tokens: int, ignore_eos: bool) -> FinishReason | None:
+    """Why a sequence that just produced ``token`` (its ``produced``-th) ends, if it does."""
+    if token == EOS_TOKEN_ID and not ignore_eos:
+        return "stop"
+    if produced >= max_tokens:
+        return "length"
+    return None
+
+
 def handoff_position(request: GenerationRequest, engine: str) -> int:
     """The position a generation-only request's hand-off from a CTX ``engine`` (this one, or the simulated one,
     which shares its hand-off) resumes at; ``HandoffError`` naming the field if it is not one."""
@@ -109,7 +118,7 @@ class SyntheticEngine:
                 prompt_logprobs = (None, *(TokenLogprob(t, 0.0) for t in request.prompt_token_ids[1:]))
             token = self._token_at(0)
             position = 1
-            finish = self._finish_reason(token, position, max_tokens, sampling.ignore_eos)
+            finish = finish_reason(token, position, max_tokens, sampling.ignore_eos)
             handoff = None
             if request.phase is Phase.CONTEXT_ONLY and finish is None:
                 handoff = orjson.dumps({"engine": "synthetic", "prompt_len": request.prompt_len, "position": 1})
@@ -126,7 +135,7 @@ class SyntheticEngine:
                 await asyncio.sleep(0)  # stay a good citizen of the event loop
             token = self._token_at(position)
             position += 1
-            finish = self._finish_reason(token, position, max_tokens, sampling.ignore_eos)
+            finish = finish_reason(token, position, max_tokens, sampling.ignore_eos)
             yield EngineOutput((token,), self._logprobs(token, sampling.logprobs), finish)
             if finish is not None:
                 return
@@ -135,14 +144,6 @@ class SyntheticEngine:
         if self.config.output_tokens is not None and position >= self.config.output_tokens:
             return EOS_TOKEN_ID
         return SYNTHETIC_TEXT[position % len(SYNTHETIC_TEXT)]
-
-    @staticmethod
-    def _finish_reason(token: int, produced: int, max_tokens: int, ignore_eos: bool) -> FinishReason | None:
-        if token == EOS_TOKEN_ID and not ignore_eos:
-            return "stop"
-        if produced >= max_tokens:
-            return "length"
-        return None
 
     @staticmethod
     def _logprobs(token: int, top: int | None) -> tuple[TokenLogprob, ...]:
