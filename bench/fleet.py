@@ -368,7 +368,14 @@ def run_one(settings: Settings, router: str, workload: Workload, work: Sequence[
     name = f"{router}-{workload.name}"
     quiet = wait_for_quiet(settings.quiet_wait_s)
     with Processes() as processes:
-        fleet = start_fleet(processes, settings, name)
+        try:
+            fleet = start_fleet(processes, settings, name)
+        except StartupError as exc:
+            # Ports are chosen before the host binds them, and a worker's KV-event sockets take any free port
+            # meanwhile: a rare collision stops the host. Once more, on new ports.
+            print(f"[fleet] {name}: the worker host did not start ({str(exc).splitlines()[0][:160]}); again",
+                  file=sys.stderr, flush=True)
+            fleet = start_fleet(processes, settings, f"{name}-again")
         try:
             orchestrator = start_orchestrator(processes, fleet, router, f"orchestrator-{name}",
                                               settings.startup_timeout_s)

@@ -226,7 +226,6 @@ class CacheAwareRouter:
         work, when = self._recent.get(url, (0.0, now))
         return float(work * 0.5 ** ((now - when) / self.index.recent_half_s))
 
-
     def _evicted(self, worker: PoolMember, key: RoutingKey, uncached: int) -> int:
         """The cached tokens ``worker`` would have to evict to hold this request's uncached ones: a full
         worker pays for a new conversation with other conversations' histories, which cost a prefill again
