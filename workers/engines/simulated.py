@@ -33,16 +33,21 @@ import time
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, replace
 
-import orjson
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
 from frontend.token_codec import TokenArray
 from workers.engines.base import Tokenizer
 from workers.engines.byte_tokenizer import ByteTokenizer
 from workers.engines.options import EngineOptions, SimulatedConfig
-from workers.engines.outputs import EngineInfo, EngineOutput, TokenLogprob
+from workers.engines.outputs import EngineInfo, EngineOutput
 from workers.engines.request import GenerationRequest, Phase
-from workers.engines.synthetic import EOS_TOKEN_ID, SYNTHETIC_TEXT, finish_reason, handoff_position
+from workers.engines.synthetic import (
+    certain_logprobs,
+    finish_reason,
+    first_output,
+    handoff_position,
+    token_at,
+)
 
 __all__ = ["BLOCK_TOKENS", "FleetLedger", "SimulatedConfig", "SimulatedEngine", "SimulatedStats", "block_keys",
            "create", "enable_fleet_ledger", "fleet_ledger"]
@@ -270,28 +275,20 @@ class SimulatedEngine:
             if cached is None:
                 yield EngineOutput((), finish_reason="abort")
                 return
-            prompt_logprobs = None
-            if sampling.prompt_logprobs is not None:
-                prompt_logprobs = (None, *(TokenLogprob(t, 0.0) for t in request.prompt_token_ids[1:]))
-            token = self._token_at(0)
+            first = first_output(request, _ENGINE, self.config.output_tokens, cached)
             position = 1
-            finish = finish_reason(token, position, max_tokens, sampling.ignore_eos)
-            handoff = None
-            if request.phase is Phase.CONTEXT_ONLY and finish is None:
-                handoff = orjson.dumps({"engine": _ENGINE, "prompt_len": request.prompt_len, "position": 1})
-            yield EngineOutput((token,), _logprobs(token, sampling.logprobs), finish, handoff, prompt_logprobs,
-                               cached_tokens=cached)
-            if finish is not None or request.phase is Phase.CONTEXT_ONLY:
+            yield first
+            if first.finish_reason is not None or request.phase is Phase.CONTEXT_ONLY:
                 return
         while True:
             if aborted.is_set():
                 yield EngineOutput((), finish_reason="abort")
                 return
             await asyncio.sleep(self.config.inter_token_latency_s)  # 0 still yields to the event loop
-            token = self._token_at(position)
+            token = token_at(position, self.config.output_tokens)
             position += 1
             finish = finish_reason(token, position, max_tokens, sampling.ignore_eos)
-            yield EngineOutput((token,), _logprobs(token, sampling.logprobs), finish)
+            yield EngineOutput((token,), certain_logprobs(token, sampling.logprobs), finish)
             if finish is not None:
                 return
 
@@ -345,15 +342,3 @@ class SimulatedEngine:
             self._cache.insert(keys)
             self._inserted += len(keys) * BLOCK_TOKENS
         return position
-
-    def _token_at(self, position: int) -> int:
-        if self.config.output_tokens is not None and position >= self.config.output_tokens:
-            return EOS_TOKEN_ID
-        return SYNTHETIC_TEXT[position % len(SYNTHETIC_TEXT)]
-
-
-def _logprobs(token: int, top: int | None) -> tuple[TokenLogprob, ...]:
-    if top is None:
-        return ()
-    alternatives = tuple((token + i, -100.0) for i in range(1, top))
-    return (TokenLogprob(token, 0.0, ((token, 0.0), *alternatives)),)

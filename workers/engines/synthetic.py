@@ -34,6 +34,39 @@ def create(options: EngineOptions) -> SyntheticEngine:
     return SyntheticEngine(config)
 
 
+# The output rules, shared with the simulated engine (workers/engines/simulated.py), which answers alike.
+def token_at(position: int, output_tokens: int | None) -> int:
+    """Output token ``position``: byte ``position`` (mod its length) of a fixed text, EOS from ``output_tokens``."""
+    if output_tokens is not None and position >= output_tokens:
+        return EOS_TOKEN_ID
+    return SYNTHETIC_TEXT[position % len(SYNTHETIC_TEXT)]
+
+
+def certain_logprobs(token: int, top: int | None) -> tuple[TokenLogprob, ...]:
+    """The engine is certain of every token: probability 1, alternatives effectively impossible."""
+    if top is None:
+        return ()
+    alternatives = tuple((token + i, -100.0) for i in range(1, top))
+    return (TokenLogprob(token, 0.0, ((token, 0.0), *alternatives)),)
+
+
+def first_output(request: GenerationRequest, engine: str, output_tokens: int | None,
+                 cached_tokens: int = 0) -> EngineOutput:
+    """A context-only or whole request's first output, its prefill done: the first token and, when a
+    context-only request goes on, the hand-off ``handoff_position`` reads (from a CTX ``engine``)."""
+    sampling = request.sampling
+    prompt_logprobs = None
+    if sampling.prompt_logprobs is not None:
+        prompt_logprobs = (None, *(TokenLogprob(t, 0.0) for t in request.prompt_token_ids[1:]))
+    token = token_at(0, output_tokens)
+    finish = finish_reason(token, 1, request.max_tokens, sampling.ignore_eos)
+    handoff = None
+    if request.phase is Phase.CONTEXT_ONLY and finish is None:
+        handoff = orjson.dumps({"engine": engine, "prompt_len": request.prompt_len, "position": 1})
+    return EngineOutput((token,), certain_logprobs(token, sampling.logprobs), finish, handoff, prompt_logprobs,
+                        cached_tokens=cached_tokens)
+
+
 def finish_reason(token: int, produced: int, max_tokens: int, ignore_eos: bool) -> FinishReason | None:
     """Why a sequence that just produced ``token`` (its ``produced``-th) ends, if it does."""
     if token == EOS_TOKEN_ID and not ignore_eos:
@@ -113,17 +146,10 @@ class SyntheticEngine:
         else:
             if self.config.time_to_first_token_s:
                 await asyncio.sleep(self.config.time_to_first_token_s)
-            prompt_logprobs = None
-            if sampling.prompt_logprobs is not None:
-                prompt_logprobs = (None, *(TokenLogprob(t, 0.0) for t in request.prompt_token_ids[1:]))
-            token = self._token_at(0)
+            first = first_output(request, "synthetic", self.config.output_tokens)
             position = 1
-            finish = finish_reason(token, position, max_tokens, sampling.ignore_eos)
-            handoff = None
-            if request.phase is Phase.CONTEXT_ONLY and finish is None:
-                handoff = orjson.dumps({"engine": "synthetic", "prompt_len": request.prompt_len, "position": 1})
-            yield EngineOutput((token,), self._logprobs(token, sampling.logprobs), finish, handoff, prompt_logprobs)
-            if finish is not None or request.phase is Phase.CONTEXT_ONLY:
+            yield first
+            if first.finish_reason is not None or request.phase is Phase.CONTEXT_ONLY:
                 return
         while True:
             if request.request_id in self._aborted:
@@ -133,25 +159,12 @@ class SyntheticEngine:
                 await asyncio.sleep(self.config.inter_token_latency_s)
             else:
                 await asyncio.sleep(0)  # stay a good citizen of the event loop
-            token = self._token_at(position)
+            token = token_at(position, self.config.output_tokens)
             position += 1
             finish = finish_reason(token, position, max_tokens, sampling.ignore_eos)
-            yield EngineOutput((token,), self._logprobs(token, sampling.logprobs), finish)
+            yield EngineOutput((token,), certain_logprobs(token, sampling.logprobs), finish)
             if finish is not None:
                 return
-
-    def _token_at(self, position: int) -> int:
-        if self.config.output_tokens is not None and position >= self.config.output_tokens:
-            return EOS_TOKEN_ID
-        return SYNTHETIC_TEXT[position % len(SYNTHETIC_TEXT)]
-
-    @staticmethod
-    def _logprobs(token: int, top: int | None) -> tuple[TokenLogprob, ...]:
-        if top is None:
-            return ()
-        # The synthetic engine is certain of every token: probability 1, alternatives effectively impossible.
-        alternatives = tuple((token + i, -100.0) for i in range(1, top))
-        return (TokenLogprob(token, 0.0, ((token, 0.0), *alternatives)),)
 
     async def abort(self, request_id: str) -> None:
         if request_id in self._running:
