@@ -116,6 +116,10 @@ def build_parser() -> argparse.ArgumentParser:
                       help="require 'Authorization: Bearer KEY' from clients (or set DISAGG_API_KEY)")
     orch.add_argument("--admin-key", default=None,
                       help="enable the admin API (worker registration) behind this key (or DISAGG_ADMIN_KEY)")
+    orch.add_argument("--response-store-url", default=None, metavar="URL",
+                      help="keep Responses API answers in this Redis or Valkey (redis://HOST:6379/0, rediss://, "
+                           "unix://), shared by every process and replica (or DISAGG_RESPONSE_STORE_URL); "
+                           "default: this process's memory")
     _add_front_end_arguments(orch)
 
     up = sub.add_parser("up", help="start orchestrator + one CTX + one GEN on this machine and serve")

@@ -155,7 +155,8 @@ def run_orchestrator(args: argparse.Namespace, argv: Sequence[str]) -> int:
     from orchestrator.server import create_orchestrator_app
 
     try:
-        config = load_config(args.config, hostname=args.host, port=args.port)
+        config = load_config(args.config, hostname=args.host, port=args.port,
+                             response_store_url=args.response_store_url or None)
     except ConfigError as exc:
         print(f"disagg-serve orchestrator: {exc}", file=sys.stderr)
         return 2
@@ -165,9 +166,10 @@ def run_orchestrator(args: argparse.Namespace, argv: Sequence[str]) -> int:
             print("disagg-serve orchestrator: 'registration: true' needs --api-workers 1; with several front-end "
                   "processes use static urls or DNS discovery", file=sys.stderr)
             return 2
-        if config.response_store.enabled:
+        if config.response_store.enabled and not config.response_store.shared:
             print("disagg-serve orchestrator: with --api-workers > 1 no Responses API answers are stored (each "
-                  "process would hold its own); previous_response_id and store: true are refused", file=sys.stderr)
+                  "process would hold its own); previous_response_id and store: true are refused. A Redis store "
+                  "(--response-store-url) is shared by every process", file=sys.stderr)
         args.port = config.port
         return _supervise(args, argv)
     if args.reuse_port:

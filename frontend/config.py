@@ -77,12 +77,21 @@ class ServerGroupConfig(_Frozen):
 
 
 class ResponseStoreConfig(_Frozen):
-    """The orchestrator's in-memory store of Responses API answers, for ``previous_response_id``.
+    """The orchestrator's store of Responses API answers, for ``previous_response_id`` and ``GET``/``DELETE``.
 
-    Bounded by entries and by bytes (the JSON of each stored conversation), least recently used first out; an entry
-    expires ``ttl_s`` after it was stored. ``max_entries: 0`` turns the store off.
+    ``memory``: this process's own (the default: one orchestrator process on one machine). ``redis``: a Redis or
+    Valkey server at ``url`` that every process and replica shares (orchestrator/response_store_redis.py).
+    Either way bounded by entries and by bytes (the JSON of each stored conversation), least recently used first
+    out; an entry expires ``ttl_s`` after it was stored. ``max_entries: 0`` turns the store off.
     """
 
+    backend: Literal["memory", "redis"] = "memory"
+    # redis://[user:password@]host:port/db, rediss:// (TLS) or unix://path. It may carry a password: give it as
+    # --response-store-url or DISAGG_RESPONSE_STORE_URL, not in this file.
+    url: str | None = None
+    key_prefix: Annotated[str, Field(min_length=1)] = "disagg:responses"
+    # How long a request that needs the store waits for Redis before a 503 (connecting included).
+    timeout_s: Annotated[float, Field(gt=0)] = 1.0
     max_entries: Annotated[int, Field(ge=0)] = 10_000
     max_bytes: Annotated[int, Field(ge=1)] = 256 * 1024 * 1024
     ttl_s: Annotated[float, Field(gt=0)] = 3600.0
@@ -90,9 +99,24 @@ class ResponseStoreConfig(_Frozen):
     # (``previous_response_id=reply.id``) works unchanged.
     store_by_default: bool = True
 
+    @model_validator(mode="after")
+    def _url_for_redis(self) -> ResponseStoreConfig:
+        if self.backend == "redis" and not self.url:
+            raise ValueError("backend: redis needs a 'url' (or --response-store-url)")
+        if self.backend == "memory" and self.url:
+            raise ValueError("'url' is for backend: redis")
+        if self.url and not self.url.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError("the response store's url must start with redis://, rediss:// or unix://")
+        return self
+
     @property
     def enabled(self) -> bool:
         return self.max_entries > 0
+
+    @property
+    def shared(self) -> bool:
+        """Whether every process that names the same store sees the same entries."""
+        return self.backend == "redis"
 
 
 class OrchestratorConfig(_Frozen):
@@ -135,8 +159,10 @@ class OrchestratorConfig(_Frozen):
 
 
 def for_one_of_several_front_ends(config: OrchestratorConfig) -> OrchestratorConfig:
-    """``config`` for one of several processes sharing a port (``--api-workers N``): without the response store,
-    which is one process's memory, so a follow-up answered by another process would not find its turn."""
+    """``config`` for one of several processes sharing a port (``--api-workers N``): a memory store is turned off,
+    since a follow-up answered by another process would not find its turn; a shared (Redis) store stays."""
+    if config.response_store.shared:
+        return config
     store = config.response_store.model_copy(update={"max_entries": 0})
     return config.model_copy(update={"response_store": store})
 
@@ -163,7 +189,9 @@ def parse_config(raw: Any, source: str = "config") -> OrchestratorConfig:
         raise ConfigError(f"{source}: " + "; ".join(problems)) from exc
 
 
-def load_config(path: str | Path, **overrides: Any) -> OrchestratorConfig:
+def load_config(path: str | Path, *, response_store_url: str | None = None, **overrides: Any) -> OrchestratorConfig:
+    """The file's configuration; top-level keys in ``overrides`` (None: not given) and ``response_store_url``
+    (``--response-store-url``: the Redis store at that URL) win over the file's."""
     path = Path(path)
     try:
         raw = yaml.safe_load(path.read_text()) or {}
@@ -173,4 +201,8 @@ def load_config(path: str | Path, **overrides: Any) -> OrchestratorConfig:
         raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
     if isinstance(raw, dict):
         raw.update({k: v for k, v in overrides.items() if v is not None})
+        if response_store_url:
+            store = raw.get("response_store")
+            raw["response_store"] = {**(store if isinstance(store, dict) else {}), "backend": "redis",
+                                     "url": response_store_url}
     return parse_config(raw, str(path))

@@ -170,6 +170,19 @@ class RelayedError(ServingError):
         return super().to_dict()
 
 
+class ResponseStoreUnavailableError(ServingError):
+    """The shared Responses store did not answer (unreachable, or slower than its timeout): only requests that
+    read it get this; everything else is served."""
+
+    status_code = 503
+    error_type = "service_unavailable"
+    default_code = "response_store_unavailable"
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": "1"}
+
+
 class UpstreamError(ServingError):
     status_code = 502
     error_type = "upstream_error"

@@ -105,6 +105,21 @@ class Metrics:
                                             registry=r, multiprocess_mode="max")
         self.response_store_bytes = Gauge("disagg_response_store_bytes", "Bytes of stored Responses API answers",
                                           registry=r, multiprocess_mode="max")
+        # A shared (Redis) store: its calls that failed (unreachable, too slow) by operation, whether this process
+        # reaches it now, and how long its calls take.
+        self.response_store_errors = Counter(
+            "disagg_response_store_errors", "Calls to the shared Responses store that failed (unreachable or slower "
+            "than response_store.timeout_s), by operation: get, put, delete", ["operation"], registry=r,
+        )
+        self.response_store_up = Gauge(
+            "disagg_response_store_up", "1 while the shared Responses store answers this process, 0 after a failed "
+            "call until one succeeds", registry=r, multiprocess_mode="livemin",
+        )
+        self.response_store_latency = Histogram(
+            "disagg_response_store_call_seconds", "Time of a call to the shared Responses store, by operation",
+            ["operation"], registry=r,
+            buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5),
+        )
         self.kv_handoffs = Counter(
             "disagg_kv_handoffs", "KV hand-offs this CTX worker parked (outcome=parked) and how each left the store: "
             "taken by a GEN, released (GEN refused it, client gone, orchestrator failure, aborted) or expired",

@@ -10,9 +10,15 @@ A failed or cut-off answer is not kept. Chat and completions never come here.
 
 As OpenAI does, a follow-up does not inherit the earlier turn's ``instructions``: only its input and output items.
 
-The store is this process's memory: with several front-end processes (``--api-workers N``) there is none (a
-follow-up could reach a process that never saw the first turn), and with several orchestrators a follow-up must
-reach the one that answered the turn it continues (else it is a 404, never a shortened conversation).
+The store is this process's memory by default: then with several front-end processes (``--api-workers N``) there
+is none (a follow-up could reach a process that never saw the first turn), and with several orchestrators a
+follow-up must reach the one that answered the turn it continues (else it is a 404, never a shortened
+conversation). A Redis store (orchestrator/response_store_redis.py) is every process's and replica's.
+
+Only a turn that names ``previous_response_id`` waits on the store before it runs; a turn whose answer is kept waits
+for the write once its answer is complete. When a shared store does not answer, a turn that continues a stored one
+is a 503 (``response_store_unavailable``); an answer that cannot be kept is still delivered whole, only not kept
+(the store logs the outage once and counts each failed call), since the client has it, or most of it, already.
 """
 
 from __future__ import annotations
@@ -26,10 +32,16 @@ from typing import Any
 import orjson
 
 from frontend.config import ResponseStoreConfig
-from frontend.errors import InvalidRequestError, RelayedError, ResponseNotFoundError, UnsupportedParameterError
+from frontend.errors import (
+    InvalidRequestError,
+    RelayedError,
+    ResponseNotFoundError,
+    ResponseStoreUnavailableError,
+    UnsupportedParameterError,
+)
 from frontend.sse import FrameSplitter
 from orchestrator.flow_request import Answer, StreamedAnswer, WholeAnswer
-from orchestrator.response_store import ResponseStore, StoredResponse
+from orchestrator.response_store import MemoryResponseStore, ResponseStore, StoredResponse
 
 logger = logging.getLogger(__name__)
 
@@ -40,9 +52,9 @@ _ITEM_PARAM = re.compile(r"input\.(\d+)(.*)", re.DOTALL)  # a worker's error abo
 class ResponseMemory:
     def __init__(self, config: ResponseStoreConfig, store: ResponseStore | None = None) -> None:
         self.config = config
-        self.store = store if store is not None else ResponseStore(config)
+        self.store: ResponseStore = store if store is not None else MemoryResponseStore(config)
 
-    def begin(self, body: dict[str, Any]) -> ResponsesTurn:
+    async def begin(self, body: dict[str, Any]) -> ResponsesTurn:
         """The turn ``body`` asks for: the body the workers get (the whole conversation when it continues a
         stored one), and whether its answer is kept."""
         previous_id = body.get("previous_response_id")
@@ -59,29 +71,29 @@ class ResponseMemory:
         new_items = [] if body.get("input") is None else _items_of(body["input"])
         if new_items is None:
             raise InvalidRequestError("'input' must be a string or a list of input items", param="input")
-        entry = self._entry_of(previous_id)
+        entry = await self._entry_of(previous_id)
         stored: list[Any] = orjson.loads(entry.conversation)
         continued = {name: value for name, value in body.items() if name != "previous_response_id"}
         continued["input"] = items = [*stored, *new_items]
         return ResponsesTurn(continued, items, self.store if keep else None, len(stored),
                              entry.session or previous_id)
 
-    def stored(self, response_id: str) -> StoredResponse:
+    async def stored(self, response_id: str) -> StoredResponse:
         """A stored response (``GET /v1/responses/{id}``); a 404 if unknown, evicted, expired or deleted."""
-        entry = self.store.get(response_id)
+        entry = await self.store.get(response_id)
         if entry is None:
             raise ResponseNotFoundError(f"Response with id '{response_id}' not found.")
         return entry
 
-    def _entry_of(self, previous_id: str) -> StoredResponse:
-        entry = self.store.get(previous_id)
+    async def _entry_of(self, previous_id: str) -> StoredResponse:
+        entry = await self.store.get(previous_id)
         if entry is None:
             raise ResponseNotFoundError(f"Previous response with id '{previous_id}' not found.",
                                         param="previous_response_id", code="previous_response_not_found")
         return entry
 
-    def delete(self, response_id: str) -> None:
-        if not self.store.delete(response_id):
+    async def delete(self, response_id: str) -> None:
+        if not await self.store.delete(response_id):
             raise ResponseNotFoundError(f"Response with id '{response_id}' not found.")
 
     @staticmethod
@@ -119,7 +131,7 @@ class ResponsesTurn:
             answer = await run()
         except RelayedError as exc:
             raise self._counted_as_sent(exc) from exc
-        return self.remember(answer)
+        return await self.remember(answer)
 
     def _counted_as_sent(self, error: RelayedError) -> RelayedError:
         try:
@@ -136,12 +148,12 @@ class ResponsesTurn:
             fields["message"] = fields["message"].replace(param, renamed)
         return RelayedError(error.status_code, orjson.dumps(body))
 
-    def remember(self, answer: Answer) -> Answer:
+    async def remember(self, answer: Answer) -> Answer:
         """``answer``, kept in the store once complete (a stream: as its final event passes)."""
         if self.store is None or self.input_items is None:
             return answer
         if isinstance(answer, WholeAnswer):
-            self._keep(answer.content)
+            await self._keep(answer.content)
             return answer
         return StreamedAnswer(self._kept_when_complete(answer.frames), answer.close_upstream)
 
@@ -151,23 +163,23 @@ class ResponsesTurn:
             async for chunk in frames:
                 for frame in splitter.feed(chunk):
                     if frame.startswith(_FINAL_EVENTS):
-                        self._keep_event(frame)
+                        await self._keep_event(frame)
                 yield chunk
         finally:
             aclose = getattr(frames, "aclose", None)
             if aclose is not None:
                 await aclose()
 
-    def _keep_event(self, frame: bytes) -> None:
+    async def _keep_event(self, frame: bytes) -> None:
         try:
             event = orjson.loads(frame.split(b"\ndata: ", 1)[1])
             response = event["response"]
         except (IndexError, KeyError, TypeError, orjson.JSONDecodeError):
             logger.warning("a Responses stream ended with an unreadable final event; the response is not stored")
             return
-        self._keep(orjson.dumps(response), response)
+        await self._keep(orjson.dumps(response), response)
 
-    def _keep(self, content: bytes, response: Any = None) -> None:
+    async def _keep(self, content: bytes, response: Any = None) -> None:
         assert self.store is not None and self.input_items is not None
         if response is None:
             response = orjson.loads(content)
@@ -175,5 +187,10 @@ class ResponsesTurn:
         if not isinstance(response_id, str) or not isinstance(output, list):
             logger.warning("a Responses answer without an id or output list; it is not stored")
             return
-        if not self.store.put(response_id, content, orjson.dumps([*self.input_items, *output]), self.session or ""):
+        try:
+            kept = await self.store.put(response_id, content, orjson.dumps([*self.input_items, *output]),
+                                        self.session or "")
+        except ResponseStoreUnavailableError:
+            return  # the answer is delivered all the same; the store logged and counted its failure
+        if not kept:
             logger.warning("response %s is larger than response_store.max_bytes; it is not stored", response_id)

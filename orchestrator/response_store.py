@@ -1,4 +1,5 @@
-"""A bounded in-memory store of Responses API answers, for ``previous_response_id`` and ``GET /v1/responses/{id}``.
+"""The store of Responses API answers behind ``previous_response_id`` and ``GET``/``DELETE /v1/responses/{id}``:
+its interface, and the bounded in-memory implementation (the default; one process's own).
 
 Each entry is self-contained: the response object as the client got it, and the whole conversation up to and
 including it (every earlier turn's items, this turn's input items, its output items), as JSON bytes. A follow-up
@@ -6,9 +7,10 @@ never needs another entry, so evicting or expiring one response cannot silently 
 the id is simply gone (a 404). The price is that a long chain stores its early turns once per turn; the byte
 bound holds that in check.
 
-Bounds: entries and bytes (least recently used out first; an entry larger than the byte bound alone is not kept),
-and age (``ttl_s`` from when it was stored, whatever its use since). The clock is injectable, so expiry is tested
-without sleeping.
+Bounds, the same for every implementation: entries and bytes (least recently used out first; an entry larger than
+the byte bound alone is not kept), and age (``ttl_s`` from when it was stored, whatever its use since). The clock
+is injectable, so expiry is tested without sleeping. The shared implementation on Redis is
+orchestrator/response_store_redis.py.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 from frontend.config import ResponseStoreConfig
 
@@ -31,13 +34,45 @@ class StoredResponse:
     stored_at: float
     session: str = ""  # the conversation's key for routing: the id of its first response
 
-
     @property
     def size(self) -> int:
         return len(self.response) + len(self.conversation)
 
 
-class ResponseStore:
+class ResponseStore(Protocol):
+    """Where answers are kept. Each call is whole or nothing: a response is stored with its conversation, or not
+    at all. A store that cannot answer raises ``ResponseStoreUnavailableError`` (a 503)."""
+
+    limits: ResponseStoreConfig
+
+    async def put(self, response_id: str, response: bytes, conversation: bytes, session: str = "") -> bool:
+        """Keep the response (replacing one of the same id); False when it alone exceeds the byte bound."""
+        ...
+
+    async def get(self, response_id: str) -> StoredResponse | None:
+        """The stored response, now the most recently used; None if unknown, evicted or expired."""
+        ...
+
+    async def delete(self, response_id: str) -> bool:
+        """Whether there was such a response (now deleted)."""
+        ...
+
+    @property
+    def entries(self) -> int:
+        """How many responses are stored (for a shared store: as this process last saw)."""
+        ...
+
+    @property
+    def size_bytes(self) -> int:
+        ...
+
+    async def aclose(self) -> None:
+        ...
+
+
+class MemoryResponseStore:
+    """This process's own store: an LRU in a dict. Its calls never wait."""
+
     def __init__(self, limits: ResponseStoreConfig, clock: Clock = time.monotonic) -> None:
         self.limits = limits
         self._clock = clock
@@ -45,16 +80,16 @@ class ResponseStore:
         self._by_age: OrderedDict[str, float] = OrderedDict()  # oldest first: expiry pops from the front
         self._bytes = 0
 
-    def __len__(self) -> int:
+    @property
+    def entries(self) -> int:
         return len(self._entries)
 
     @property
     def size_bytes(self) -> int:
         return self._bytes
 
-    def put(self, response_id: str, response: bytes, conversation: bytes, session: str = "") -> bool:
-        """Keep the response (replacing one of the same id); False when it alone exceeds the byte bound."""
-        self.delete(response_id)
+    async def put(self, response_id: str, response: bytes, conversation: bytes, session: str = "") -> bool:
+        self._delete(response_id)
         entry = StoredResponse(response_id, response, conversation, self._clock(), session or response_id)
         if entry.size > self.limits.max_bytes:
             return False
@@ -63,18 +98,23 @@ class ResponseStore:
         self._by_age[response_id] = entry.stored_at
         self._bytes += entry.size
         while len(self._entries) > self.limits.max_entries or self._bytes > self.limits.max_bytes:
-            self.delete(next(iter(self._entries)))
+            self._delete(next(iter(self._entries)))
         return True
 
-    def get(self, response_id: str) -> StoredResponse | None:
-        """The stored response, now the most recently used; None if unknown, evicted or expired."""
+    async def get(self, response_id: str) -> StoredResponse | None:
         self._expire()
         entry = self._entries.get(response_id)
         if entry is not None:
             self._entries.move_to_end(response_id)
         return entry
 
-    def delete(self, response_id: str) -> bool:
+    async def delete(self, response_id: str) -> bool:
+        return self._delete(response_id)
+
+    async def aclose(self) -> None:
+        return None
+
+    def _delete(self, response_id: str) -> bool:
         entry = self._entries.pop(response_id, None)
         if entry is None:
             return False
@@ -88,4 +128,4 @@ class ResponseStore:
             oldest, stored_at = next(iter(self._by_age.items()))
             if stored_at > deadline:
                 return
-            self.delete(oldest)
+            self._delete(oldest)

@@ -17,7 +17,7 @@ from starlette.responses import Response
 from frontend import tracing
 from frontend.asgi_fast_path import Exchange, FastPathApp
 from frontend.auth import check_bearer, require_bearer
-from frontend.config import OrchestratorConfig, ServerGroupConfig
+from frontend.config import OrchestratorConfig, ResponseStoreConfig, ServerGroupConfig
 from frontend.errors import InvalidRequestError, ModelNotFoundError, OverloadedError
 from frontend.http import (
     REQUEST_ID_HEADER,
@@ -44,7 +44,7 @@ from orchestrator.membership import DnsDiscovery
 from orchestrator.metric_labels import CTX_POOL_NAME, GEN_POOL_NAME, MODELS_STEP, export_known_series
 from orchestrator.pool import HealthMonitor, WorkerPool
 from orchestrator.response_memory import ResponseMemory
-from orchestrator.response_store import ResponseStore
+from orchestrator.response_store import MemoryResponseStore, ResponseStore
 from orchestrator.routers import RoutingKey, make_router
 from orchestrator.transport import WorkerTimeouts, make_transport
 
@@ -72,6 +72,16 @@ def _pool(name: str, group: ServerGroupConfig, config: OrchestratorConfig, metri
     return pool
 
 
+def make_response_store(config: ResponseStoreConfig, metrics: Metrics) -> ResponseStore:
+    """The store ``config`` names: this process's memory, or the Redis every process and replica shares."""
+    if config.backend == "redis":
+        # Imported here: an orchestrator on the memory store never loads the Redis client.
+        from orchestrator.response_store_redis import RedisResponseStore
+
+        return RedisResponseStore(config, metrics)
+    return MemoryResponseStore(config)
+
+
 def model_card(listing: dict[str, Any], model_id: str) -> dict[str, Any]:
     """The card of ``model_id`` in a ``/v1/models`` listing; ``ModelNotFoundError`` if it has none."""
     for card in listing.get("data") or ():
@@ -94,8 +104,10 @@ def create_orchestrator_app(
     pools = {"context": ctx_pool, "generation": gen_pool}
     flow = DisaggFlow(config, ctx_pool, gen_pool, metrics)
     # previous_response_id and store: only /v1/responses reaches it.
+    if response_store is None:
+        response_store = make_response_store(config.response_store, metrics)
     stored_responses = ResponseMemory(config.response_store, response_store)
-    metrics.response_store_entries.set_function(lambda: len(stored_responses.store))
+    metrics.response_store_entries.set_function(lambda: stored_responses.store.entries)
     metrics.response_store_bytes.set_function(lambda: stored_responses.store.size_bytes)
     monitor = HealthMonitor([ctx_pool, gen_pool], config.health_check_interval_s)
     discoveries = [DnsDiscovery(pool, group.discovery)
@@ -126,6 +138,7 @@ def create_orchestrator_app(
             await monitor.stop()
             await ctx_pool.aclose()
             await gen_pool.aclose()
+            await stored_responses.store.aclose()
 
     app = FastPathApp(title="disagg-serve orchestrator", lifespan=lifespan)
     app.state.flow = flow
@@ -199,7 +212,7 @@ def create_orchestrator_app(
             # string stays the bytes the client sent (orchestrator.client_body).
             body = parse_json_object(raw) if endpoint == "responses" else parse_client_body(raw)
             check_client_body(body)
-            turn = stored_responses.begin(body) if endpoint == "responses" else None
+            turn = await stored_responses.begin(body) if endpoint == "responses" else None
             session = turn.session if turn is not None and turn.session else exchange.header(session_header)
             flow_request = flow.new_request(endpoint, turn.body if turn else body, started, headers, session)
             flow_request.span = span
@@ -230,12 +243,12 @@ def create_orchestrator_app(
     @app.get("/v1/responses/{response_id}")
     async def stored_response(request: Request, response_id: str) -> Response:
         require_bearer(request, api_key)
-        return JSONBytesResponse(stored_responses.stored(response_id).response)
+        return JSONBytesResponse((await stored_responses.stored(response_id)).response)
 
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(request: Request, response_id: str) -> Response:
         require_bearer(request, api_key)
-        stored_responses.delete(response_id)
+        await stored_responses.delete(response_id)
         return json_response({"id": response_id, "object": "response", "deleted": True})
 
     @app.get("/v1/models")

@@ -11,6 +11,7 @@ import pytest
 from hypothesis import HealthCheck, settings
 
 from tests.cluster import Cluster, cluster_running
+from tests.redis_server import RedisServer, redis_running
 
 # One Hypothesis profile for the whole suite. No wall-clock deadline: a property test's examples run in
 # microseconds alone and in hundreds of milliseconds on a busy 2-core machine, and the deadline then fails a
@@ -47,3 +48,18 @@ def aggregated_client(cluster: Cluster) -> Iterator[openai.OpenAI]:
     with openai.OpenAI(base_url=cluster.aggregated.url + "/v1", api_key="test", max_retries=0,
                        timeout=30) as oai:
         yield oai
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    """One real Redis for the session's tests (started on first use, always stopped)."""
+    with redis_running(tmp_path_factory.mktemp("redis")) as server:
+        yield server
+
+
+@pytest.fixture
+def redis_url(redis_server: RedisServer) -> str:
+    """The session's Redis, emptied for this test."""
+    with redis_server.client() as client:
+        client.flushall()
+    return redis_server.url

@@ -1,6 +1,7 @@
 """Item 6: multi-turn with the Responses API through the orchestrator, whole and streamed, with the official SDK:
 the server's own output items replayed as input, ``previous_response_id`` from the bounded store (404 in OpenAI's
-shape when unknown, evicted, expired or never stored), and ``GET`` / ``DELETE /v1/responses/{id}``."""
+shape when unknown, evicted, expired or never stored), and ``GET`` / ``DELETE /v1/responses/{id}``. Every case of the
+store runs on both stores: this process's memory and a real Redis."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ from openai.types.responses import Response
 
 from frontend.config import ResponseStoreConfig, parse_config
 from frontend.metrics import Metrics
-from orchestrator.response_store import ResponseStore
+from orchestrator.response_store import MemoryResponseStore, ResponseStore
+from orchestrator.response_store_redis import RedisResponseStore
 from orchestrator.server import create_orchestrator_app
 from tests.cluster import sample
 from tests.orchestrator.test_response_store import FakeClock
@@ -43,11 +45,30 @@ def dumped(response: Response) -> list[dict[str, Any]]:
 @contextlib.contextmanager
 def orchestrator(cluster: RefCluster, store: ResponseStore | None = None, metrics: Metrics | None = None,
                  **limits: Any) -> Iterator[openai.OpenAI]:
-    """An orchestrator of its own in front of the suite's CTX and GEN workers, with these store limits."""
+    """An orchestrator of its own in front of the suite's CTX and GEN workers, with these store settings."""
     config = parse_config({"context_servers": {"urls": [cluster.ctx.url]},
                            "generation_servers": {"urls": [cluster.gen.url]}, "response_store": limits})
     with running(create_orchestrator_app(config, metrics, response_store=store)) as url:
         yield openai.OpenAI(base_url=url + "/v1", api_key="test", max_retries=0, timeout=120)
+
+
+@pytest.fixture(params=["memory", "redis"])
+def backend(request: pytest.FixtureRequest) -> dict[str, Any]:
+    """The store's settings: this process's memory, or the session's Redis (emptied for the test)."""
+    if request.param == "memory":
+        return {}
+    return {"backend": "redis", "url": request.getfixturevalue("redis_url")}
+
+
+@pytest.fixture
+def client(conformance_cluster: RefCluster, backend: dict[str, Any]) -> Iterator[openai.OpenAI]:
+    """A client of an orchestrator on each store with its default limits (the suite's own, for memory)."""
+    if not backend:
+        with conformance_cluster.orchestrator.client() as client:
+            yield client
+        return
+    with orchestrator(conformance_cluster, **backend) as client:
+        yield client
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -66,30 +87,28 @@ def test_replaying_the_servers_own_output_items_continues_the_conversation(
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_previous_response_id_continues_the_stored_conversation(conformance_cluster: RefCluster, stream: bool) -> None:
-    with conformance_cluster.orchestrator.client() as client:
-        first = ask(client, stream, input="Hello there", instructions="Be brief.")
-        second = ask(client, stream, previous_response_id=first.id, input="And then?")
-        third = ask(client, stream, previous_response_id=second.id,
-                    input=[{"role": "user", "content": [{"type": "input_text", "text": "Why?"}]}])
-        # The same conversation sent whole: the stored turns' items, then the new input. Instructions are not
-        # carried over, as OpenAI does.
-        replayed = ask(client, stream, store=False, input=[
-            {"role": "user", "content": "Hello there"}, *dumped(first), {"role": "user", "content": "And then?"},
-            *dumped(second), {"role": "user", "content": [{"type": "input_text", "text": "Why?"}]},
-        ])
+def test_previous_response_id_continues_the_stored_conversation(client: openai.OpenAI, stream: bool) -> None:
+    first = ask(client, stream, input="Hello there", instructions="Be brief.")
+    second = ask(client, stream, previous_response_id=first.id, input="And then?")
+    third = ask(client, stream, previous_response_id=second.id,
+                input=[{"role": "user", "content": [{"type": "input_text", "text": "Why?"}]}])
+    # The same conversation sent whole: the stored turns' items, then the new input. Instructions are not
+    # carried over, as OpenAI does.
+    replayed = ask(client, stream, store=False, input=[
+        {"role": "user", "content": "Hello there"}, *dumped(first), {"role": "user", "content": "And then?"},
+        *dumped(second), {"role": "user", "content": [{"type": "input_text", "text": "Why?"}]},
+    ])
     assert third.output_text == replayed.output_text
     assert third.usage is not None and replayed.usage is not None and second.usage is not None
     assert third.usage.input_tokens == replayed.usage.input_tokens > second.usage.input_tokens
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_an_answer_ctx_finished_by_itself_is_stored_too(conformance_cluster: RefCluster, stream: bool) -> None:
+def test_an_answer_ctx_finished_by_itself_is_stored_too(client: openai.OpenAI, stream: bool) -> None:
     # max_output_tokens=1: CTX answers alone (a stream is CTX's answer replayed), GEN is never called.
-    with conformance_cluster.orchestrator.client() as client:
-        first = ask(client, stream, input="Hello there", max_output_tokens=1)
-        assert client.responses.retrieve(first.id).output_text == first.output_text
-        second = ask(client, stream, previous_response_id=first.id, input="And then?")
+    first = ask(client, stream, input="Hello there", max_output_tokens=1)
+    assert client.responses.retrieve(first.id).output_text == first.output_text
+    second = ask(client, stream, previous_response_id=first.id, input="And then?")
     assert second.usage is not None and first.usage is not None
     assert second.usage.input_tokens > first.usage.input_tokens
 
@@ -99,20 +118,19 @@ def test_an_answer_ctx_finished_by_itself_is_stored_too(conformance_cluster: Ref
     ({"type": "reasoning", "id": "rs_1", "summary": []}, "input.1"),
 ])
 def test_a_bad_item_in_a_follow_up_is_named_as_the_client_counted_it(
-    conformance_cluster: RefCluster, item: dict[str, Any], param: str
+    client: openai.OpenAI, item: dict[str, Any], param: str
 ) -> None:
-    with conformance_cluster.orchestrator.client() as client:
-        first = ask(client, False, input="Hello there")
-        with pytest.raises(openai.BadRequestError) as caught:
-            ask(client, False, previous_response_id=first.id, input=[{"role": "user", "content": "Hi"}, item])
+    first = ask(client, False, input="Hello there")
+    with pytest.raises(openai.BadRequestError) as caught:
+        ask(client, False, previous_response_id=first.id, input=[{"role": "user", "content": "Hi"}, item])
     assert caught.value.param == param
 
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_an_unknown_previous_response_id_is_a_404_in_openais_shape(
-    conformance_cluster: RefCluster, stream: bool
+    client: openai.OpenAI, stream: bool
 ) -> None:
-    with conformance_cluster.orchestrator.client() as client, pytest.raises(openai.NotFoundError) as caught:
+    with pytest.raises(openai.NotFoundError) as caught:
         ask(client, stream, previous_response_id="resp_unknown", input="Hi")
     assert caught.value.status_code == 404
     assert caught.value.code == "previous_response_not_found"
@@ -122,35 +140,34 @@ def test_an_unknown_previous_response_id_is_a_404_in_openais_shape(
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_a_stored_response_can_be_retrieved_and_deleted(conformance_cluster: RefCluster, stream: bool) -> None:
-    with conformance_cluster.orchestrator.client() as client:
-        answered = ask(client, stream, input="Hello there")
-        retrieved = client.responses.retrieve(answered.id)
-        assert (retrieved.id, retrieved.output_text, retrieved.usage) == (answered.id, answered.output_text,
-                                                                           answered.usage)
+def test_a_stored_response_can_be_retrieved_and_deleted(client: openai.OpenAI, stream: bool) -> None:
+    answered = ask(client, stream, input="Hello there")
+    retrieved = client.responses.retrieve(answered.id)
+    assert (retrieved.id, retrieved.output_text, retrieved.usage) == (answered.id, answered.output_text,
+                                                                       answered.usage)
+    client.responses.delete(answered.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(answered.id)
+    with pytest.raises(openai.NotFoundError):
         client.responses.delete(answered.id)
-        with pytest.raises(openai.NotFoundError):
-            client.responses.retrieve(answered.id)
-        with pytest.raises(openai.NotFoundError):
-            client.responses.delete(answered.id)
-        with pytest.raises(openai.NotFoundError):
-            ask(client, stream, previous_response_id=answered.id, input="Hi")
+    with pytest.raises(openai.NotFoundError):
+        ask(client, stream, previous_response_id=answered.id, input="Hi")
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_a_response_with_store_false_is_not_kept(conformance_cluster: RefCluster, stream: bool) -> None:
-    with conformance_cluster.orchestrator.client() as client:
-        answered = ask(client, stream, input="Hello there", store=False)
-        with pytest.raises(openai.NotFoundError):
-            client.responses.retrieve(answered.id)
-        with pytest.raises(openai.NotFoundError) as caught:
-            ask(client, stream, previous_response_id=answered.id, input="Hi")
+def test_a_response_with_store_false_is_not_kept(client: openai.OpenAI, stream: bool) -> None:
+    answered = ask(client, stream, input="Hello there", store=False)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(answered.id)
+    with pytest.raises(openai.NotFoundError) as caught:
+        ask(client, stream, previous_response_id=answered.id, input="Hi")
     assert caught.value.code == "previous_response_not_found"
 
 
-def test_the_entry_bound_evicts_the_least_recently_used(conformance_cluster: RefCluster) -> None:
+def test_the_entry_bound_evicts_the_least_recently_used(conformance_cluster: RefCluster,
+                                                        backend: dict[str, Any]) -> None:
     metrics = Metrics()
-    with orchestrator(conformance_cluster, metrics=metrics, max_entries=2) as client:
+    with orchestrator(conformance_cluster, metrics=metrics, max_entries=2, **backend) as client:
         first, second = ask(client, False, input="One"), ask(client, True, input="Two")
         client.responses.retrieve(first.id)  # first is now more recent than second
         third = ask(client, False, input="Three")
@@ -161,10 +178,11 @@ def test_the_entry_bound_evicts_the_least_recently_used(conformance_cluster: Ref
     assert sample(metrics, "disagg_response_store_bytes") > 0
 
 
-def test_a_response_expires_on_the_stores_clock(conformance_cluster: RefCluster) -> None:
+def test_a_response_expires_on_the_stores_clock(conformance_cluster: RefCluster, backend: dict[str, Any]) -> None:
     clock = FakeClock()
-    store = ResponseStore(ResponseStoreConfig(ttl_s=60), clock)
-    with orchestrator(conformance_cluster, store, ttl_s=60) as client:
+    config = ResponseStoreConfig(ttl_s=60, **backend)
+    store = RedisResponseStore(config, clock=clock) if backend else MemoryResponseStore(config, clock)
+    with orchestrator(conformance_cluster, store, ttl_s=60, **backend) as client:
         answered = ask(client, True, input="Hello there")
         clock.now += 59
         ask(client, False, previous_response_id=answered.id, input="Hi", store=False)

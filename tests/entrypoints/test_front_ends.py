@@ -149,6 +149,34 @@ def test_an_orchestrator_with_two_front_ends_counts_every_request_once(tmp_path:
         assert not metrics_dir.exists()  # the supervisor cleaned up after itself
 
 
+def test_with_a_redis_store_two_front_ends_serve_one_conversation_between_them(tmp_path: Path, redis_url: str
+                                                                                ) -> None:
+    ctx_port, gen_port, port = free_port(), free_port(), free_port()
+    with Processes(log_dir=tmp_path) as processes:
+        ctx = processes.disagg_serve("ctx", worker_args("context", "synthetic", ctx_port), ctx_port)
+        gen = processes.disagg_serve("gen", worker_args("generation", "synthetic", gen_port), gen_port)
+        config = orchestrator_config(tmp_path / "orchestrator.yaml", port, [ctx.url], [gen.url])
+        orch = processes.disagg_serve("orchestrator", ["orchestrator", "--config", str(config), "--api-workers", "2",
+                                                       "--response-store-url", redis_url], port)
+        wait_healthy([ctx, gen], 60)
+        front_ends = _wait_for_front_ends(orch, 2)
+        metrics_dir = _multiproc_dir(front_ends[0])
+        previous: str | None = None
+        inputs = []
+        for n in range(24):
+            body: dict[str, Any] = {"model": "synthetic", "input": f"Turn {n}", "max_output_tokens": 2}
+            if previous is not None:
+                body["previous_response_id"] = previous
+            with httpx.Client(timeout=30) as fresh:  # a new connection each time: the kernel spreads them
+                reply = fresh.post(orch.url + "/v1/responses", json=body)
+            assert reply.status_code == 200, reply.text
+            previous = reply.json()["id"]
+            inputs.append(reply.json()["usage"]["input_tokens"])
+        assert inputs == sorted(set(inputs))  # no turn lost its history, whichever process served it
+        served = _served_by_pid(metrics_dir, "orchestrator")
+        assert set(served) == set(front_ends), served  # both front ends served turns of it
+
+
 def test_a_reference_worker_with_two_front_ends_shares_one_engine_core(tmp_path: Path) -> None:
     model = write_tiny_model(tmp_path / "tiny.gguf", seed=0)
     port = free_port()

@@ -116,3 +116,33 @@ def test_one_of_several_front_ends_keeps_no_response_store(tmp_path: pathlib.Pat
     config = for_one_of_several_front_ends(load_config(write(tmp_path, VALID)))
     assert not config.response_store.enabled
     assert config.max_retries == 2
+
+
+def test_a_redis_store_is_kept_by_every_one_of_several_front_ends(tmp_path: pathlib.Path) -> None:
+    text = VALID + "response_store: {backend: redis, url: 'redis://cache:6379/0', max_entries: 5}\n"
+    config = for_one_of_several_front_ends(load_config(write(tmp_path, text)))
+    store = config.response_store
+    assert (store.enabled, store.shared, store.url, store.max_entries) == (True, True, "redis://cache:6379/0", 5)
+
+
+def test_the_store_url_from_the_command_line_turns_the_redis_store_on_and_keeps_the_files_limits(
+    tmp_path: pathlib.Path,
+) -> None:
+    path = write(tmp_path, VALID + "response_store: {ttl_s: 60}\n")
+    store = load_config(path, response_store_url="rediss://:pw@cache:6380/1").response_store
+    assert (store.backend, store.url, store.ttl_s) == ("redis", "rediss://:pw@cache:6380/1", 60)
+    assert load_config(path).response_store.backend == "memory"
+
+
+@pytest.mark.parametrize(("store", "named"), [
+    ("{backend: redis}", "needs a 'url'"),
+    ("{url: 'redis://cache:6379/0'}", "for backend: redis"),
+    ("{backend: redis, url: 'http://cache:6379'}", "must start with redis://"),
+    ("{backend: redis, url: 'redis://:secret@cache:6379', timeout_s: 0}", r"response_store\.timeout_s"),
+    ("{backend: postgres}", r"response_store\.backend"),
+])
+def test_a_bad_store_setting_is_named_without_echoing_the_url(tmp_path: pathlib.Path, store: str, named: str
+                                                              ) -> None:
+    with pytest.raises(ConfigError, match=named) as caught:
+        load_config(write(tmp_path, VALID + f"response_store: {store}\n"))
+    assert "secret" not in str(caught.value)

@@ -38,14 +38,14 @@ async def frames_of(chunks: list[bytes]) -> AsyncIterator[bytes]:
         yield chunk
 
 
-def conversation(memory: ResponseMemory, response_id: str) -> Any:
-    return orjson.loads(memory.stored(response_id).conversation)
+async def conversation(memory: ResponseMemory, response_id: str) -> Any:
+    return orjson.loads((await memory.stored(response_id)).conversation)
 
 
-def test_a_follow_up_carries_the_whole_conversation_and_no_previous_response_id() -> None:
+async def test_a_follow_up_carries_the_whole_conversation_and_no_previous_response_id() -> None:
     memory = ResponseMemory(ResponseStoreConfig())
-    memory.begin(BODY).remember(WholeAnswer(orjson.dumps(answer_to("resp_1", "Hi."))))
-    turn = memory.begin({**BODY, "input": "And then?", "previous_response_id": "resp_1", "instructions": "x"})
+    await (await memory.begin(BODY)).remember(WholeAnswer(orjson.dumps(answer_to("resp_1", "Hi."))))
+    turn = await memory.begin({**BODY, "input": "And then?", "previous_response_id": "resp_1", "instructions": "x"})
     assert "previous_response_id" not in turn.body and turn.body["instructions"] == "x"
     assert [(i["role"], i.get("type")) for i in turn.body["input"]] == [("user", None), ("assistant", "message"),
                                                                         ("user", None)]
@@ -54,65 +54,65 @@ def test_a_follow_up_carries_the_whole_conversation_and_no_previous_response_id(
 
 async def test_a_streamed_answer_is_kept_before_its_final_event_reaches_the_client() -> None:
     memory = ResponseMemory(ResponseStoreConfig())
-    answer = memory.begin(BODY).remember(StreamedAnswer(frames_of(stream_of("resp_s", "Yes."))))
+    answer = await (await memory.begin(BODY)).remember(StreamedAnswer(frames_of(stream_of("resp_s", "Yes."))))
     assert isinstance(answer, StreamedAnswer)
     kept_when_seen = []
     async for chunk in answer.frames:
         if chunk.startswith(b"event: response.completed"):
-            kept_when_seen.append(memory.store.get("resp_s") is not None)
+            kept_when_seen.append(await memory.store.get("resp_s") is not None)
     assert kept_when_seen == [True]
-    assert conversation(memory, "resp_s")[-1]["content"][0]["text"] == "Yes."
+    assert (await conversation(memory, "resp_s"))[-1]["content"][0]["text"] == "Yes."
 
 
 async def test_a_stream_cut_before_its_final_event_is_not_kept() -> None:
     memory = ResponseMemory(ResponseStoreConfig())
     cut = stream_of("resp_cut", "Yes.")[:-1]
-    answer = memory.begin(BODY).remember(StreamedAnswer(frames_of(cut)))
+    answer = await (await memory.begin(BODY)).remember(StreamedAnswer(frames_of(cut)))
     assert isinstance(answer, StreamedAnswer)
     assert len([chunk async for chunk in answer.frames]) == len(cut)
-    assert memory.store.get("resp_cut") is None
+    assert await memory.store.get("resp_cut") is None
 
 
-def test_store_false_or_a_store_by_default_of_false_keeps_nothing() -> None:
+async def test_store_false_or_a_store_by_default_of_false_keeps_nothing() -> None:
     for config, body in ((ResponseStoreConfig(), {**BODY, "store": False}),
                          (ResponseStoreConfig(store_by_default=False), BODY)):
         memory = ResponseMemory(config)
-        memory.begin(body).remember(WholeAnswer(orjson.dumps(answer_to("resp_1", "Hi."))))
-        assert memory.store.get("resp_1") is None
+        await (await memory.begin(body)).remember(WholeAnswer(orjson.dumps(answer_to("resp_1", "Hi."))))
+        assert await memory.store.get("resp_1") is None
 
 
 @pytest.mark.parametrize(("body", "param"), [
     ({**BODY, "store": "yes"}, "store"),
     ({**BODY, "previous_response_id": 7}, "previous_response_id"),
 ])
-def test_fields_of_the_wrong_type_are_a_400_naming_them(body: dict[str, Any], param: str) -> None:
+async def test_fields_of_the_wrong_type_are_a_400_naming_them(body: dict[str, Any], param: str) -> None:
     with pytest.raises(InvalidRequestError) as caught:
-        ResponseMemory(ResponseStoreConfig()).begin(body)
+        await ResponseMemory(ResponseStoreConfig()).begin(body)
     assert caught.value.param == param
 
 
-def test_a_follow_up_whose_input_is_neither_text_nor_items_is_a_400() -> None:
+async def test_a_follow_up_whose_input_is_neither_text_nor_items_is_a_400() -> None:
     memory = ResponseMemory(ResponseStoreConfig())
-    memory.begin(BODY).remember(WholeAnswer(orjson.dumps(answer_to("resp_1", "Hi."))))
+    await (await memory.begin(BODY)).remember(WholeAnswer(orjson.dumps(answer_to("resp_1", "Hi."))))
     with pytest.raises(InvalidRequestError) as caught:
-        memory.begin({**BODY, "input": 5, "previous_response_id": "resp_1"})
+        await memory.begin({**BODY, "input": 5, "previous_response_id": "resp_1"})
     assert caught.value.param == "input"
 
 
-def test_an_unknown_id_is_a_404_naming_previous_response_id() -> None:
+async def test_an_unknown_id_is_a_404_naming_previous_response_id() -> None:
     with pytest.raises(ResponseNotFoundError) as caught:
-        ResponseMemory(ResponseStoreConfig()).begin({**BODY, "previous_response_id": "resp_x"})
+        await ResponseMemory(ResponseStoreConfig()).begin({**BODY, "previous_response_id": "resp_x"})
     assert (caught.value.status_code, caught.value.code, caught.value.param) == (
         404, "previous_response_not_found", "previous_response_id")
 
 
-def test_with_the_store_off_what_needs_it_is_refused_and_the_rest_served() -> None:
+async def test_with_the_store_off_what_needs_it_is_refused_and_the_rest_served() -> None:
     memory = ResponseMemory(ResponseStoreConfig(max_entries=0))
-    assert memory.begin(BODY).store is None
+    assert (await memory.begin(BODY)).store is None
     for body, param in (({**BODY, "store": True}, "store"), ({**BODY, "previous_response_id": "r"},
                                                              "previous_response_id")):
         with pytest.raises(UnsupportedParameterError) as caught:
-            memory.begin(body)
+            await memory.begin(body)
         assert caught.value.param == param
 
 
@@ -131,8 +131,8 @@ async def test_a_workers_error_about_an_item_names_it_as_the_client_counted_it(
     worker_param: str | None, client_param: str | None
 ) -> None:
     memory = ResponseMemory(ResponseStoreConfig())
-    memory.begin(BODY).remember(WholeAnswer(orjson.dumps(answer_to("resp_1", "Hi."))))
-    turn = memory.begin({**BODY, "input": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}],
+    await (await memory.begin(BODY)).remember(WholeAnswer(orjson.dumps(answer_to("resp_1", "Hi."))))
+    turn = await memory.begin({**BODY, "input": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}],
                          "previous_response_id": "resp_1"})
 
     async def refused() -> Answer:
@@ -145,14 +145,14 @@ async def test_a_workers_error_about_an_item_names_it_as_the_client_counted_it(
     assert error["message"] == f"{client_param}: bad"
 
 
-def test_every_turn_of_a_conversation_is_keyed_by_its_first_response() -> None:
+async def test_every_turn_of_a_conversation_is_keyed_by_its_first_response() -> None:
     """The routing key of a Responses conversation (orchestrator/routers.py): the same for all its turns."""
     memory = ResponseMemory(ResponseStoreConfig())
-    first = memory.begin(BODY)
+    first = await memory.begin(BODY)
     assert first.session is None
-    first.remember(WholeAnswer(orjson.dumps(answer_to("resp_1", "Hi."))))
-    second = memory.begin({**BODY, "input": "And then?", "previous_response_id": "resp_1"})
+    await first.remember(WholeAnswer(orjson.dumps(answer_to("resp_1", "Hi."))))
+    second = await memory.begin({**BODY, "input": "And then?", "previous_response_id": "resp_1"})
     assert second.session == "resp_1"
-    second.remember(WholeAnswer(orjson.dumps(answer_to("resp_2", "Then this."))))
-    third = memory.begin({**BODY, "input": "And after?", "previous_response_id": "resp_2"})
+    await second.remember(WholeAnswer(orjson.dumps(answer_to("resp_2", "Then this."))))
+    third = await memory.begin({**BODY, "input": "And after?", "previous_response_id": "resp_2"})
     assert third.session == "resp_1"

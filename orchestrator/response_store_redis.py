@@ -1,0 +1,210 @@
+"""The Responses store on a Redis or Valkey server: one store for every orchestrator process and replica.
+
+With it, a follow-up (``previous_response_id``) may reach any process of any replica and find its turn, and a
+restart loses nothing. The bounds and their meaning are the in-memory store's (orchestrator/response_store.py):
+entries and bytes, least recently used out first, and ``ttl_s`` from when an entry was stored.
+
+Each call is one Lua script, which Redis runs whole while no other client's command runs: a response is stored
+with its conversation and its bookkeeping, or not at all, and two processes that store at once cannot push the
+store past its bounds. The keys share one hash tag, so a Redis Cluster keeps them in one slot:
+
+- ``{prefix}:r:<id>``: a hash of the entry (response, conversation, session, stored_at), which also expires by
+  itself ``ttl_s`` after it was stored, so Redis frees it even when no process writes again;
+- ``{prefix}:use``: ids by last use (a counter, not a clock: order is exact whichever process used them);
+- ``{prefix}:age``: ids by when they were stored (the orchestrators' wall clock, injectable for tests);
+- ``{prefix}:sizes`` and ``{prefix}:bytes``: each entry's size and the total, for the byte bound;
+- ``{prefix}:tick``: the use counter.
+
+Failure is bounded and loud: a call that Redis does not answer within ``timeout_s`` (connecting included) raises
+``ResponseStoreUnavailableError`` (a 503 for the request that needed it), is counted by operation, and the first
+failure of an outage is logged once, as is the first success after it. The client reconnects by itself on the next
+call; a call that found its pooled connection dead (Redis restarted) is tried once more on a new one, which is
+safe: each script gives the same result when run twice.
+
+The client is redis-py's asyncio client: Redis' own, maintained with the server, speaks to Valkey alike, and does
+what this needs through public interfaces (a bounded blocking pool, scripts by SHA reloaded after a restart,
+per-socket timeouts, retries).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from urllib.parse import urlsplit
+
+import redis.asyncio as redis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import RedisError
+
+from frontend.config import ResponseStoreConfig
+from frontend.errors import ResponseStoreUnavailableError
+from frontend.metrics import Metrics
+from orchestrator.response_store import Clock, StoredResponse
+
+logger = logging.getLogger(__name__)
+
+# Connections to Redis per process: more requests than this at once wait (within the timeout) for one.
+MAX_CONNECTIONS = 64
+# Expired entries one call removes from the bookkeeping at most: a call stays short however long no one wrote.
+_EXPIRED_PER_CALL = 256
+
+# KEYS: use, age, sizes, bytes, tick, the entry's key. ARGV[1]: the entries' key prefix, ARGV[2]: the id.
+_DROP = """
+local use, age, sizes, total, tick, entry = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
+local base = ARGV[1]
+local function drop(id)
+  local size = redis.call('HGET', sizes, id)
+  redis.call('DEL', base .. id)
+  redis.call('ZREM', use, id)
+  redis.call('ZREM', age, id)
+  if not size then return 0 end
+  redis.call('HDEL', sizes, id)
+  redis.call('DECRBY', total, size)
+  return 1
+end
+local function counts()
+  return {redis.call('ZCARD', use), tonumber(redis.call('GET', total) or '0')}
+end
+"""
+
+# ARGV: prefix, id, response, conversation, session, now, ttl_s, max_entries, max_bytes, expired_per_call.
+# Returns {stored (1/0), entries, bytes}.
+_PUT = _DROP + """
+local id, response, conversation = ARGV[2], ARGV[3], ARGV[4]
+local now, ttl = tonumber(ARGV[6]), tonumber(ARGV[7])
+local max_entries, max_bytes = tonumber(ARGV[8]), tonumber(ARGV[9])
+for _, old in ipairs(redis.call('ZRANGEBYSCORE', age, '-inf', now - ttl, 'LIMIT', 0, tonumber(ARGV[10]))) do
+  drop(old)
+end
+drop(id)
+local size = #response + #conversation
+if size > max_bytes then
+  local c = counts()
+  return {0, c[1], c[2]}
+end
+redis.call('HSET', entry, 'response', response, 'conversation', conversation, 'session', ARGV[5],
+           'stored_at', ARGV[6])
+redis.call('PEXPIRE', entry, math.ceil(ttl * 1000))
+redis.call('ZADD', use, redis.call('INCR', tick), id)
+redis.call('ZADD', age, now, id)
+redis.call('HSET', sizes, id, size)
+redis.call('INCRBY', total, size)
+while redis.call('ZCARD', use) > max_entries or tonumber(redis.call('GET', total)) > max_bytes do
+  drop(redis.call('ZRANGE', use, 0, 0)[1])
+end
+local c = counts()
+return {1, c[1], c[2]}
+"""
+
+# ARGV: prefix, id, now, ttl_s. Returns {response, conversation, session, stored_at} or false.
+_GET = _DROP + """
+local id = ARGV[2]
+local stored_at = redis.call('ZSCORE', age, id)
+if not stored_at then return false end
+if tonumber(stored_at) <= tonumber(ARGV[3]) - tonumber(ARGV[4]) then
+  drop(id)
+  return false
+end
+local fields = redis.call('HMGET', entry, 'response', 'conversation', 'session', 'stored_at')
+if not fields[1] then  -- gone by itself (its own expiry, or Redis evicted it): forget it
+  drop(id)
+  return false
+end
+redis.call('ZADD', use, redis.call('INCR', tick), id)
+return fields
+"""
+
+# ARGV: prefix, id. Returns {deleted (1/0), entries, bytes}.
+_DELETE = _DROP + """
+local deleted = drop(ARGV[2])
+local c = counts()
+return {deleted, c[1], c[2]}
+"""
+
+
+def redacted(url: str) -> str:
+    """``url`` without its user name and password: what a log line may say."""
+    parts = urlsplit(url)
+    host = parts.hostname or ""
+    where = f"{host}:{parts.port}" if parts.port else host
+    return f"{parts.scheme}://{where}{parts.path}"
+
+
+class RedisResponseStore:
+    def __init__(self, limits: ResponseStoreConfig, metrics: Metrics | None = None, clock: Clock = time.time,
+                 ) -> None:
+        assert limits.url is not None, "the config's validator requires a url for backend: redis"
+        self.limits = limits
+        self._clock = clock
+        self._metrics = metrics or Metrics()
+        self._where = redacted(limits.url)
+        pool = redis.BlockingConnectionPool.from_url(
+            limits.url, max_connections=MAX_CONNECTIONS, timeout=limits.timeout_s,
+            socket_connect_timeout=limits.timeout_s, socket_timeout=limits.timeout_s,
+            retry=Retry(NoBackoff(), 1), client_name="disagg-serve-orchestrator")
+        self._redis = redis.Redis.from_pool(pool)
+        self._put, self._get, self._delete = (self._redis.register_script(s) for s in (_PUT, _GET, _DELETE))
+        tag = "{" + limits.key_prefix + "}"
+        self._keys = [f"{tag}:{name}" for name in ("use", "age", "sizes", "bytes", "tick")]
+        self._entry_prefix = f"{tag}:r:"
+        self._entries = self._bytes = 0  # as the last call that changed them said
+        self._down_since: float | None = None
+        self._metrics.response_store_up.set(1)
+        self._latency = {op: self._metrics.response_store_latency.labels(operation=op)
+                         for op in ("get", "put", "delete")}
+
+    @property
+    def entries(self) -> int:
+        return self._entries
+
+    @property
+    def size_bytes(self) -> int:
+        return self._bytes
+
+    async def put(self, response_id: str, response: bytes, conversation: bytes, session: str = "") -> bool:
+        stored, self._entries, self._bytes = await self._call(
+            "put", self._put, response_id, response, conversation, session or response_id, repr(self._clock()),
+            repr(self.limits.ttl_s), self.limits.max_entries, self.limits.max_bytes, _EXPIRED_PER_CALL)
+        return bool(stored)
+
+    async def get(self, response_id: str) -> StoredResponse | None:
+        fields = await self._call("get", self._get, response_id, repr(self._clock()), repr(self.limits.ttl_s))
+        if not fields:
+            return None
+        response, conversation, session, stored_at = fields
+        return StoredResponse(response_id, response, conversation, float(stored_at), session.decode())
+
+    async def delete(self, response_id: str) -> bool:
+        deleted, self._entries, self._bytes = await self._call("delete", self._delete, response_id)
+        return bool(deleted)
+
+    async def aclose(self) -> None:
+        await self._redis.aclose()
+
+    async def _call(self, operation: str, script: object, response_id: str, *args: object) -> list:  # type: ignore[type-arg]
+        started = time.perf_counter()
+        try:
+            async with asyncio.timeout(self.limits.timeout_s):
+                result = await script(keys=[*self._keys, self._entry_prefix + response_id],  # type: ignore[operator]
+                                      args=[self._entry_prefix, response_id, *args])
+        except (RedisError, OSError, TimeoutError) as exc:
+            self._failed(operation, exc)
+            raise ResponseStoreUnavailableError(
+                f"the Responses store did not answer within {self.limits.timeout_s:g} s; try again") from exc
+        self._latency[operation].observe(time.perf_counter() - started)
+        if self._down_since is not None:
+            logger.warning("the Responses store at %s answers again, after %.1f s", self._where,
+                           time.monotonic() - self._down_since)
+            self._down_since = None
+            self._metrics.response_store_up.set(1)
+        return result  # type: ignore[no-any-return]
+
+    def _failed(self, operation: str, exc: BaseException) -> None:
+        self._metrics.response_store_errors.labels(operation=operation).inc()
+        if self._down_since is None:  # once per outage, not once per request
+            self._down_since = time.monotonic()
+            self._metrics.response_store_up.set(0)
+            logger.error("the Responses store at %s does not answer (%s: %s); requests that need it get 503 until "
+                         "it does", self._where, type(exc).__name__, exc or "no answer within the timeout")
