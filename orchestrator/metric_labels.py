@@ -33,6 +33,7 @@ ON_CTX, ON_GEN_SHORT, ON_GEN_CACHED = "ctx", "gen_short", "gen_cached"
 PREFILL_PLACEMENTS = (ON_CTX, ON_GEN_SHORT, ON_GEN_CACHED)
 CTX_POOL_NAME, GEN_POOL_NAME = "ctx", "gen"  # the pools' names (orchestrator.server): a metric label
 POOLS = (CTX_POOL_NAME, GEN_POOL_NAME)
+RESPONSE_STORE_OPERATIONS = ("get", "put", "delete")  # the calls a shared Responses store counts and times
 
 
 def upstream_failure_reasons() -> tuple[str, ...]:
@@ -63,6 +64,9 @@ def export_known_series(metrics: Metrics, ctx_workers: Iterable[str], gen_worker
         metrics.prefill_placement.labels(placement=placement)
     for endpoint in PATHS:
         metrics.request_latency.labels(endpoint=endpoint)
+    for operation in RESPONSE_STORE_OPERATIONS:
+        metrics.response_store_errors.labels(operation=operation)
+        metrics.response_store_latency.labels(operation=operation)
     for url in ctx_workers:
         metrics.ctx_latency.labels(worker=url)
     for url in gen_workers:

@@ -41,6 +41,7 @@ from redis.exceptions import RedisError
 from frontend.config import ResponseStoreConfig
 from frontend.errors import ResponseStoreUnavailableError
 from frontend.metrics import Metrics
+from orchestrator.metric_labels import RESPONSE_STORE_OPERATIONS
 from orchestrator.response_store import Clock, StoredResponse
 
 logger = logging.getLogger(__name__)
@@ -153,7 +154,7 @@ class RedisResponseStore:
         self._down_since: float | None = None
         self._metrics.response_store_up.set(1)
         self._latency = {op: self._metrics.response_store_latency.labels(operation=op)
-                         for op in ("get", "put", "delete")}
+                         for op in RESPONSE_STORE_OPERATIONS}
 
     @property
     def entries(self) -> int:

@@ -106,6 +106,8 @@ def create_orchestrator_app(
     # previous_response_id and store: only /v1/responses reaches it.
     if response_store is None:
         response_store = make_response_store(config.response_store, metrics)
+    if not config.response_store.shared:
+        metrics.response_store_up.set(1)  # this process's memory always answers; a shared store says for itself
     stored_responses = ResponseMemory(config.response_store, response_store)
     metrics.response_store_entries.set_function(lambda: stored_responses.store.entries)
     metrics.response_store_bytes.set_function(lambda: stored_responses.store.size_bytes)

@@ -202,7 +202,8 @@ def test_through_the_orchestrator_an_outage_fails_only_what_needs_the_store(own_
     config = parse_config({"context_servers": {"urls": [cluster.ctx.url]},
                            "generation_servers": {"urls": [cluster.gen.url]},
                            "response_store": {"backend": "redis", "url": own_redis.url, "timeout_s": 2}})
-    with running(create_orchestrator_app(config)) as url, \
+    metrics = Metrics()
+    with running(create_orchestrator_app(config, metrics)) as url, \
             openai.OpenAI(base_url=url + "/v1", api_key="test", max_retries=0, timeout=30) as client:
         first = client.responses.create(model=MODEL, input="Hello", max_output_tokens=2)
         own_redis.kill()
@@ -214,8 +215,13 @@ def test_through_the_orchestrator_an_outage_fails_only_what_needs_the_store(own_
             client.responses.retrieve(first.id)
         chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
         assert chat.choices[0].message.content
+        unstored = client.responses.create(model=MODEL, input="Not to keep", store=False, max_output_tokens=2)
+        assert unstored.output_text
         unkept = client.responses.create(model=MODEL, input="A new one", max_output_tokens=2)  # answered, not kept
         assert unkept.output_text
+        # Chat and a store: false turn never called Redis; the follow-up and GET read it, the last turn wrote.
+        assert [sample(metrics, "disagg_response_store_errors_total", operation=op)
+                for op in ("get", "put", "delete")] == [2, 1, 0]
         own_redis.start()
 
         def continues() -> bool:
