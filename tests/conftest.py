@@ -10,8 +10,8 @@ import openai
 import pytest
 from hypothesis import HealthCheck, settings
 
+from bench.redis_server import RedisMissingError, RedisServer, redis_running
 from tests.cluster import Cluster, cluster_running
-from tests.redis_server import RedisServer, redis_running
 
 # One Hypothesis profile for the whole suite. No wall-clock deadline: a property test's examples run in
 # microseconds alone and in hundreds of milliseconds on a busy 2-core machine, and the deadline then fails a
@@ -53,8 +53,11 @@ def aggregated_client(cluster: Cluster) -> Iterator[openai.OpenAI]:
 @pytest.fixture(scope="session")
 def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
     """One real Redis for the session's tests (started on first use, always stopped)."""
-    with redis_running(tmp_path_factory.mktemp("redis")) as server:
-        yield server
+    try:
+        with redis_running(tmp_path_factory.mktemp("redis")) as server:
+            yield server
+    except RedisMissingError as exc:
+        pytest.fail(str(exc))
 
 
 @pytest.fixture

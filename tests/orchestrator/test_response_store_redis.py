@@ -15,6 +15,7 @@ import openai
 import orjson
 import pytest
 
+from bench.redis_server import RedisServer, redis_running
 from frontend.config import ResponseStoreConfig, parse_config
 from frontend.errors import ResponseStoreUnavailableError
 from frontend.metrics import Metrics
@@ -25,7 +26,6 @@ from orchestrator.server import create_orchestrator_app
 from tests.cluster import MODEL, Cluster, sample
 from tests.orchestrator.test_response_memory import BODY, answer_to, frames_of, stream_of
 from tests.orchestrator.test_response_store import FakeClock
-from tests.redis_server import RedisServer, redis_running
 from tests.servers import running
 from tests.waiting import eventually, eventually_async
 
