@@ -93,7 +93,12 @@ redis.call('ZADD', age, now, id)
 redis.call('HSET', sizes, id, size)
 redis.call('INCRBY', total, size)
 while redis.call('ZCARD', use) > max_entries or tonumber(redis.call('GET', total)) > max_bytes do
-  drop(redis.call('ZRANGE', use, 0, 0)[1])
+  local oldest = redis.call('ZRANGE', use, 0, 0)[1]
+  if oldest == id then  -- only this entry is left, and it fits: the total counted what is gone (keys deleted by
+    redis.call('SET', total, size)  -- hand), so it starts again from what is here
+    break
+  end
+  drop(oldest)
 end
 local c = counts()
 return {1, c[1], c[2]}

@@ -238,3 +238,15 @@ def test_through_the_orchestrator_an_outage_fails_only_what_needs_the_store(own_
         assert second.usage.input_tokens > first.usage.input_tokens
         with pytest.raises(openai.NotFoundError):
             client.responses.retrieve(unkept.id)
+
+
+async def test_a_byte_total_left_behind_by_hand_made_deletions_heals_instead_of_refusing_every_write(
+    redis_server: RedisServer, redis_url: str, stores: StoreFactory
+) -> None:
+    store = stores(redis_url, max_bytes=100)
+    await store.put("a", b"x" * 10, b"")
+    with redis_server.client() as client:  # an operator deletes the index by hand, not the total
+        client.delete("{disagg:responses}:use", "{disagg:responses}:sizes")
+        client.set("{disagg:responses}:bytes", 1000)
+    assert await store.put("b", b"x" * 10, b"")
+    assert await store.get("b") is not None
