@@ -119,6 +119,19 @@ class ResponseStoreConfig(_Frozen):
         return self.backend == "redis"
 
 
+class AdmissionConfig(_Frozen):
+    """Requests over ``max_concurrent_requests`` wait in a bounded queue by priority class
+    (orchestrator/admission.py, docs/admission.md)."""
+
+    max_queued: Annotated[int, Field(ge=0)] = 1024  # waiting, all classes together; past it a 429 at once
+    queue_timeout_s: Annotated[float, Field(gt=0)] = 30.0  # the longest wait in the queue before a 429
+    # Running slots only interactive requests may take (a share of max_concurrent_requests), and the share the
+    # batch class may hold at most: lower-class bursts always leave interactive room.
+    interactive_reserve: Annotated[float, Field(ge=0, lt=1)] = 0.1
+    batch_share: Annotated[float, Field(gt=0, le=1)] = 0.5
+    priority_header: str = "x-priority"
+
+
 class OrchestratorConfig(_Frozen):
     hostname: str = "127.0.0.1"
     port: Annotated[int, Field(ge=0, le=65535)] = 8000
@@ -135,7 +148,8 @@ class OrchestratorConfig(_Frozen):
     upstream_client: Literal["httptools", "aiohttp", "httpx"] = "httptools"
     health_check_interval_s: Annotated[float, Field(gt=0)] = 2.0
     max_body_bytes: Annotated[int, Field(ge=1024)] = DEFAULT_MAX_BODY_BYTES
-    max_concurrent_requests: Annotated[int, Field(ge=1)] = 1024
+    max_concurrent_requests: Annotated[int, Field(ge=1)] = 1024  # running at once; more wait (admission)
+    admission: AdmissionConfig = AdmissionConfig()
     # Bytes of request bodies read at once (frontend/http.py: BodyBudget); past it, a 429 before a body is read.
     max_body_bytes_reading: Annotated[int, Field(ge=1024)] = DEFAULT_MAX_BODY_BYTES_READING
     # Health: a worker leaves its pool after this many failed checks in a row, and returns after this many good.

@@ -105,6 +105,21 @@ class Metrics:
                                             registry=r, multiprocess_mode="max")
         self.response_store_bytes = Gauge("disagg_response_store_bytes", "Bytes of stored Responses API answers",
                                           registry=r, multiprocess_mode="max")
+        # Admission (orchestrator/admission.py): requests waiting for a running slot, how long they waited, and
+        # how each admission ended (admitted at once, after queueing, or refused: queue full, timed out, client
+        # left, no worker).
+        self.admission_queue_length = Gauge(
+            "disagg_admission_queue_length", "Requests waiting in the orchestrator's admission queue, by priority",
+            ["priority"], registry=r, multiprocess_mode="livesum",
+        )
+        self.admission_wait = Histogram(
+            "disagg_admission_wait_seconds", "Time a request admitted after queueing waited, by priority",
+            ["priority"], registry=r, buckets=_LATENCY_BUCKETS,
+        )
+        self.admissions = Counter(
+            "disagg_admission", "How admissions ended, by priority and outcome (admitted, queued, queue_full, "
+            "timed_out, left, no_worker)", ["priority", "outcome"], registry=r,
+        )
         # A shared (Redis) store: its calls that failed (unreachable, too slow) by operation, whether this process
         # reaches it now, and how long its calls take.
         self.response_store_errors = Counter(

@@ -18,7 +18,7 @@ from frontend import tracing
 from frontend.asgi_fast_path import Exchange, FastPathApp
 from frontend.auth import check_bearer, require_bearer
 from frontend.config import OrchestratorConfig, ResponseStoreConfig, ServerGroupConfig
-from frontend.errors import InvalidRequestError, ModelNotFoundError, OverloadedError
+from frontend.errors import InvalidRequestError, ModelNotFoundError
 from frontend.http import (
     REQUEST_ID_HEADER,
     BodyBudget,
@@ -36,6 +36,7 @@ from frontend.openai_models import ChatCompletionRequest, CompletionRequest, Res
 from frontend.openai_output import Endpoint
 from frontend.openapi import install_body_schemas, json_body
 from frontend.sse import SSE_RAW_HEADERS
+from orchestrator.admission import Admission, priority_of
 from orchestrator.cache_index import CacheIndex
 from orchestrator.client_body import parse_client_body
 from orchestrator.disagg_flow import DisaggFlow
@@ -116,6 +117,8 @@ def create_orchestrator_app(
                    for pool, group in ((ctx_pool, config.context_servers), (gen_pool, config.generation_servers))
                    if group.discovery is not None]
     inflight = {"count": 0}
+    admission_queue = Admission(config.max_concurrent_requests, config.admission, metrics,
+                                has_workers=lambda: ctx_pool.has_healthy or gen_pool.has_healthy)
     lag_monitor = LoopLagMonitor(metrics.event_loop_lag, is_idle=lambda: inflight["count"] == 0)
     trimmer = IdleMemoryTrimmer(lambda: inflight["count"] == 0)
 
@@ -154,11 +157,14 @@ def create_orchestrator_app(
     inflight_gauge = metrics.engine_inflight.labels(role=ROLE)
     bodies = BodyBudget(config.max_body_bytes_reading)
     session_header = config.context_servers.router.session_header.lower().encode("latin-1")
+    priority_header = config.admission.priority_header.lower().encode("latin-1")
     requests_count, request_latency = LabelledChildren(metrics.requests), LabelledChildren(metrics.request_latency)
 
-    def release(endpoint: Endpoint, started: float, span: Any, flow_request: FlowRequest | None, status: int) -> None:
+    def release(endpoint: Endpoint, priority: int, started: float, span: Any, flow_request: FlowRequest | None,
+                status: int) -> None:
         """The request's end, counted: ``flow_request`` is None for a request that failed before its body was
         parsed."""
+        admission_queue.release(priority)
         inflight["count"] -= 1
         inflight_gauge.dec()
         elapsed = time.perf_counter() - started
@@ -193,9 +199,9 @@ def create_orchestrator_app(
                 raw = await exchange.read_body(config.max_body_bytes)
             finally:
                 bodies.release(reserved)
-            if inflight["count"] >= config.max_concurrent_requests:
-                raise OverloadedError(f"the orchestrator is at its limit of {config.max_concurrent_requests} "
-                                      "requests")
+            # Over the running limit it waits, by its class (orchestrator/admission.py), its body read.
+            priority = priority_of(exchange.header(priority_header))
+            await admission_queue.admit(priority)
         except BaseException as exc:
             status = exchange.status_of(exc)
             requests_count(ROLE, endpoint, str(status)).inc()
@@ -236,7 +242,7 @@ def create_orchestrator_app(
                 tracing.end(admission, error=exc)
             raise
         finally:
-            release(endpoint, started, span, flow_request, status)
+            release(endpoint, priority, started, span, flow_request, status)
 
     for endpoint, path in PATHS.items():
         app.fast_post(path, partial(handle, endpoint=endpoint), name=path.removeprefix("/v1/").replace("/", "_"),

@@ -399,12 +399,13 @@ def test_errors_are_counted_by_status(cluster: Cluster) -> None:
 
 @pytest.fixture(scope="module")
 def limited(cluster: Cluster) -> Iterator[tuple[Node, Node]]:
-    """An orchestrator that admits one request at a time, in front of a slow GEN."""
+    """An orchestrator that admits one request at a time and queues none, in front of a slow GEN."""
     with contextlib.ExitStack() as stack:
         from workers.engines.synthetic import SyntheticConfig
 
         slow_gen = start_worker(stack, "generation", SyntheticConfig(inter_token_latency_s=0.05))
-        orchestrator = start_orchestrator(stack, [cluster.ctx.url], [slow_gen.url], max_concurrent_requests=1)
+        orchestrator = start_orchestrator(stack, [cluster.ctx.url], [slow_gen.url], max_concurrent_requests=1,
+                                          admission={"max_queued": 0})
         yield orchestrator, slow_gen
 
 

@@ -1,0 +1,175 @@
+"""Admission at the orchestrator: requests over the running limit wait in a bounded queue, by priority class, up
+to a deadline, instead of an immediate 429.
+
+Three classes, served in this order: ``interactive``, ``default``, ``batch`` (the ``x-priority`` header; absent:
+``default``). Within a class, first come first served. When a slot frees, the first waiter of the highest class that
+may run takes it. Lower classes leave room: ``default`` and ``batch`` run only while the slots in use leave
+``interactive_reserve`` of them free, and ``batch`` holds at most ``batch_share`` of them, so a burst of
+lower-class work always leaves slots that only interactive requests can take, and they never wait behind it.
+
+A request that cannot be queued (the queue is full) or that waited ``queue_timeout_s`` gets a 429 whose
+``Retry-After`` is how long the queue ahead of it takes to drain at the rate requests have been finishing lately;
+503 when no worker is healthy (waiting could not help). A client that leaves while queued is out of the queue at
+once: its handler is cancelled, and the cancellation removes it (or hands back the slot it was given meanwhile).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from frontend.config import AdmissionConfig
+from frontend.errors import InvalidRequestError, OverloadedError, UpstreamUnavailableError
+from frontend.metrics import Metrics
+
+PRIORITIES = ("interactive", "default", "batch")  # highest first: the order waiters are served in
+INTERACTIVE, DEFAULT, BATCH = range(3)
+_BY_NAME = {name: n for n, name in enumerate(PRIORITIES)}
+# How admissions end (disagg_admission_total's outcome label).
+OUTCOMES = ("admitted", "queued", "queue_full", "timed_out", "left", "no_worker")
+_DRAIN_WINDOW_S = 10.0  # the drain rate is of requests finished within this long
+_MAX_RETRY_AFTER_S = 60
+
+
+def priority_of(header: str | None) -> int:
+    """The class the ``x-priority`` header names (``default`` when absent); a 400 for any other value."""
+    if header is None:
+        return DEFAULT
+    priority = _BY_NAME.get(header.strip().lower())
+    if priority is None:
+        raise InvalidRequestError(f"the x-priority header must be one of {', '.join(PRIORITIES)}",
+                                  code="invalid_priority")
+    return priority
+
+
+class DrainRate:
+    """Requests finished per second over the last few seconds."""
+
+    def __init__(self, clock: Callable[[], float]) -> None:
+        self._clock = clock
+        self._finished: deque[float] = deque()
+        self._since = clock()
+
+    def finished(self) -> None:
+        now = self._clock()
+        self._finished.append(now)
+        self._forget(now)
+
+    def per_second(self) -> float:
+        now = self._clock()
+        self._forget(now)
+        span = min(_DRAIN_WINDOW_S, now - self._since)
+        return len(self._finished) / span if span > 0 else 0.0
+
+    def _forget(self, now: float) -> None:
+        while self._finished and self._finished[0] < now - _DRAIN_WINDOW_S:
+            self._finished.popleft()
+
+
+@dataclass(eq=False)
+class _Waiter:
+    priority: int
+    granted: asyncio.Future[None] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+
+
+class Admission:
+    def __init__(self, limit: int, config: AdmissionConfig, metrics: Metrics, has_workers: Callable[[], bool],
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.limit = limit
+        self.config = config
+        self._has_workers = has_workers
+        # Whole slots: the reserve rounds down (a limit of 2 reserves none at 10 %), and batch may always run one.
+        # Below interactive, a class runs only while the slots running, of every class, leave the reserve free.
+        self._open_to_others = limit - math.floor(limit * config.interactive_reserve)
+        self._batch_limit = max(1, math.floor(limit * config.batch_share))
+        self.running = [0, 0, 0]
+        self._queues: tuple[deque[_Waiter], ...] = (deque(), deque(), deque())
+        self._drain = DrainRate(clock)
+        self._clock = clock
+        self._queue_length = [metrics.admission_queue_length.labels(priority=p) for p in PRIORITIES]
+        self._wait = [metrics.admission_wait.labels(priority=p) for p in PRIORITIES]
+        self._outcomes = {(p, outcome): metrics.admissions.labels(priority=PRIORITIES[p], outcome=outcome)
+                          for p in range(3) for outcome in OUTCOMES}
+
+    @property
+    def queued(self) -> int:
+        return sum(len(queue) for queue in self._queues)
+
+    async def admit(self, priority: int) -> None:
+        """Return once the request may run (it then holds a slot until ``release``); raise a 429 or 503 if it may
+        not. Cancelled while waiting, it holds nothing."""
+        if self._may_run(priority) and not any(self._queues[p] for p in range(priority + 1)):
+            self._start(priority, "admitted")
+            return
+        if not self._has_workers():
+            self._outcomes[priority, "no_worker"].inc()
+            raise UpstreamUnavailableError("no healthy worker is available")
+        if self.queued >= self.config.max_queued:
+            self._outcomes[priority, "queue_full"].inc()
+            raise OverloadedError(f"the orchestrator is at its limit of {self.limit} running and "
+                                  f"{self.config.max_queued} queued requests",
+                                  retry_after_s=self._retry_after(priority))
+        waiter = _Waiter(priority)
+        self._queues[priority].append(waiter)
+        self._queue_length[priority].inc()
+        enqueued = self._clock()
+        try:
+            async with asyncio.timeout(self.config.queue_timeout_s):
+                await asyncio.shield(waiter.granted)
+        except TimeoutError:
+            if not waiter.granted.done():
+                self._leave(waiter, "timed_out")
+                raise OverloadedError(f"no slot freed within {self.config.queue_timeout_s:g} s in the admission "
+                                      "queue", retry_after_s=self._retry_after(priority)) from None
+        except asyncio.CancelledError:  # the client left
+            if waiter.granted.done():
+                self.release(priority)  # granted as it left: the slot goes to the next waiter
+            else:
+                self._leave(waiter, "left")
+            raise
+        self._wait[priority].observe(self._clock() - enqueued)
+
+    def release(self, priority: int) -> None:
+        """A request that was admitted has finished (however it ended)."""
+        self.running[priority] -= 1
+        self._drain.finished()
+        self._grant()
+
+    def _may_run(self, priority: int) -> bool:
+        running = sum(self.running)
+        if priority == INTERACTIVE:
+            return running < self.limit
+        if running >= self._open_to_others:
+            return False
+        return priority != BATCH or self.running[BATCH] < self._batch_limit
+
+    def _start(self, priority: int, outcome: str) -> None:
+        self.running[priority] += 1
+        self._outcomes[priority, outcome].inc()
+
+    def _grant(self) -> None:
+        for priority, queue in enumerate(self._queues):
+            while queue and self._may_run(priority):
+                waiter = queue.popleft()
+                self._queue_length[priority].dec()
+                self._start(priority, "queued")
+                waiter.granted.set_result(None)
+            if sum(self.running) >= self.limit:
+                return
+
+    def _leave(self, waiter: _Waiter, outcome: str) -> None:
+        self._queues[waiter.priority].remove(waiter)
+        self._queue_length[waiter.priority].dec()
+        self._outcomes[waiter.priority, outcome].inc()
+
+    def _retry_after(self, priority: int) -> int:
+        """Seconds until the queue ahead of a request of this class has drained, at the recent finishing rate."""
+        ahead = sum(len(self._queues[p]) for p in range(priority + 1)) + 1
+        rate = self._drain.per_second()
+        if rate <= 0:  # nothing finished lately: no rate to go by
+            return 1
+        return min(_MAX_RETRY_AFTER_S, max(1, math.ceil(ahead / rate)))

@@ -1,0 +1,179 @@
+"""Admission: the bounded queue over the running limit, by priority class, FIFO within one; deadlines, Retry-After
+from the drain rate, a client leaving while queued; and through a real orchestrator, a request that waits for the
+slot a stream holds."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import httpx
+import pytest
+
+from frontend.config import AdmissionConfig
+from frontend.errors import InvalidRequestError, OverloadedError, UpstreamUnavailableError
+from frontend.metrics import Metrics
+from orchestrator.admission import BATCH, DEFAULT, INTERACTIVE, Admission, priority_of
+from tests.cluster import MODEL, Cluster, Node, sample, start_orchestrator, start_worker
+from tests.orchestrator.test_response_store import FakeClock
+from tests.waiting import eventually, eventually_async
+
+MESSAGES = [{"role": "user", "content": "hi"}]
+
+
+def admission_of(limit: int, clock: FakeClock | None = None, metrics: Metrics | None = None,
+                 workers: bool = True, **config: Any) -> Admission:
+    return Admission(limit, AdmissionConfig.model_validate(config), metrics or Metrics(), lambda: workers,
+                     clock or FakeClock())
+
+
+async def queued(admission: Admission, priority: int) -> asyncio.Task[None]:
+    """A request of this class waiting in the queue (asserted: it did not run at once)."""
+    before = admission.queued
+    task = asyncio.create_task(admission.admit(priority))
+    assert await eventually_async(lambda: admission.queued == before + 1 or task.done())
+    assert not task.done()
+    return task
+
+
+async def test_under_the_limit_a_request_runs_at_once_and_over_it_waits_its_turn() -> None:
+    admission = admission_of(2)
+    await admission.admit(DEFAULT)
+    await admission.admit(DEFAULT)
+    first, second = await queued(admission, DEFAULT), await queued(admission, DEFAULT)
+    admission.release(DEFAULT)
+    await first
+    assert not second.done() and admission.running == [0, 2, 0]
+    admission.release(DEFAULT)
+    await second
+    assert admission.queued == 0
+
+
+async def test_a_higher_class_is_served_first_whatever_its_arrival() -> None:
+    admission = admission_of(1, batch_share=1.0)
+    await admission.admit(BATCH)
+    batch, default, interactive = (await queued(admission, BATCH), await queued(admission, DEFAULT),
+                                   await queued(admission, INTERACTIVE))
+    order = []
+    for task in (batch, default, interactive):
+        task.add_done_callback(lambda t, task=task: order.append(task))
+    for served in range(1, 4):
+        admission.release(next(p for p in range(3) if admission.running[p]))
+        await eventually_async(lambda served=served: len(order) == served)
+    assert order == [interactive, default, batch]
+
+
+async def test_batch_holds_at_most_its_share_and_default_leaves_the_interactive_reserve() -> None:
+    admission = admission_of(10, batch_share=0.5, interactive_reserve=0.1)
+    for _ in range(5):
+        await admission.admit(BATCH)
+    sixth_batch = await queued(admission, BATCH)  # five slots free, none for batch
+    for _ in range(4):
+        await admission.admit(DEFAULT)
+    tenth_default = await queued(admission, DEFAULT)  # one slot free: the interactive reserve
+    await admission.admit(INTERACTIVE)  # takes it at once, ahead of both queues
+    assert admission.running == [1, 4, 5]
+    admission.release(BATCH)  # nine in use: still no room below interactive
+    assert admission.running == [1, 4, 4] and not tenth_default.done()
+    admission.release(INTERACTIVE)  # eight: one slot opens for the waiting default, none more
+    await tenth_default
+    assert admission.running == [0, 5, 4] and not sixth_batch.done()
+    sixth_batch.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await sixth_batch
+
+
+async def test_a_full_queue_is_a_429_whose_retry_after_is_the_queue_ahead_at_the_drain_rate() -> None:
+    clock = FakeClock()
+    metrics = Metrics()
+    admission = admission_of(4, clock, metrics, max_queued=3)
+    for _ in range(4):
+        await admission.admit(DEFAULT)
+    for _ in range(4):  # four finished over the last two seconds: 2 per second
+        clock.now += 0.5
+        admission.release(DEFAULT)
+        await admission.admit(DEFAULT)
+    waiting = [await queued(admission, DEFAULT) for _ in range(3)]
+    with pytest.raises(OverloadedError) as caught:
+        await admission.admit(DEFAULT)
+    # Three ahead and itself, at 2 a second (the window is the 2 s since start, not yet 10 s).
+    assert caught.value.headers == {"Retry-After": "2"}
+    assert sample(metrics, "disagg_admission_total", priority="default", outcome="queue_full") == 1
+    assert sample(metrics, "disagg_admission_queue_length", priority="default") == 3
+    for task in waiting:
+        task.cancel()
+    await asyncio.gather(*waiting, return_exceptions=True)
+    assert sample(metrics, "disagg_admission_queue_length", priority="default") == 0
+    assert sample(metrics, "disagg_admission_total", priority="default", outcome="left") == 3
+
+
+async def test_a_request_that_waits_past_the_deadline_is_a_429_and_out_of_the_queue() -> None:
+    metrics = Metrics()
+    admission = admission_of(1, metrics=metrics, queue_timeout_s=0.05)
+    await admission.admit(DEFAULT)
+    with pytest.raises(OverloadedError, match=r"no slot freed within 0\.05 s"):
+        await admission.admit(DEFAULT)
+    assert admission.queued == 0
+    assert sample(metrics, "disagg_admission_total", priority="default", outcome="timed_out") == 1
+
+
+async def test_a_client_that_leaves_as_its_slot_is_granted_passes_the_slot_on() -> None:
+    admission = admission_of(1)
+    await admission.admit(DEFAULT)
+    leaving, next_one = await queued(admission, DEFAULT), await queued(admission, DEFAULT)
+    admission.release(DEFAULT)  # granted to ``leaving``, which is cancelled before it runs
+    leaving.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await leaving
+    await next_one
+    assert admission.running == [0, 1, 0] and admission.queued == 0
+
+
+async def test_with_no_healthy_worker_a_request_that_would_wait_is_a_503() -> None:
+    admission = admission_of(1, workers=False)
+    await admission.admit(DEFAULT)  # a free slot: the flow itself answers 503 for want of a worker
+    with pytest.raises(UpstreamUnavailableError):
+        await admission.admit(DEFAULT)
+
+
+def test_the_priority_header_names_a_class_or_is_a_400() -> None:
+    assert [priority_of(v) for v in (None, "interactive", " Batch ", "default")] == [DEFAULT, INTERACTIVE, BATCH,
+                                                                                      DEFAULT]
+    with pytest.raises(InvalidRequestError) as caught:
+        priority_of("urgent")
+    assert (caught.value.status_code, caught.value.code) == (400, "invalid_priority")
+
+
+@pytest.fixture(scope="module")
+def one_slot(cluster: Cluster) -> Iterator[tuple[Node, Node]]:
+    """An orchestrator that runs one request at a time and queues the rest, in front of a slow GEN."""
+    with contextlib.ExitStack() as stack:
+        from workers.engines.synthetic import SyntheticConfig
+
+        slow_gen = start_worker(stack, "generation", SyntheticConfig(inter_token_latency_s=0.05))
+        yield start_orchestrator(stack, [cluster.ctx.url], [slow_gen.url], max_concurrent_requests=1), slow_gen
+
+
+def test_through_the_orchestrator_a_request_waits_for_the_slot_and_then_runs(one_slot: tuple[Node, Node]) -> None:
+    orchestrator, _ = one_slot
+    url = orchestrator.url
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 200, "stream": True}
+    with httpx.Client(timeout=60) as http, ThreadPoolExecutor(1) as pool:
+        with http.stream("POST", url + "/v1/chat/completions", json=body) as first:
+            chunks = first.iter_raw()
+            next(chunks)  # streaming: it holds the only slot
+            second = pool.submit(httpx.post, url + "/v1/chat/completions", timeout=60,
+                                 json={**body, "stream": False, "max_tokens": 2},
+                                 headers={"x-priority": "interactive"})
+            assert eventually(lambda: sample(orchestrator.metrics, "disagg_admission_queue_length",
+                                             priority="interactive") == 1)
+            assert not second.done()
+        # The client that held the slot left: the waiting request runs.
+        answer = second.result(timeout=60)
+        assert answer.status_code == 200, answer.text
+        assert sample(orchestrator.metrics, "disagg_admission_total", priority="interactive", outcome="queued") == 1
+        bad = http.post(url + "/v1/chat/completions", json={**body, "stream": False}, headers={"x-priority": "vip"})
+        assert (bad.status_code, bad.json()["error"]["code"]) == (400, "invalid_priority")
