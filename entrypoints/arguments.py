@@ -172,6 +172,7 @@ def _add_front_end_arguments(parser: argparse.ArgumentParser) -> None:
                         help="HTTP front-end processes sharing the port (SO_REUSEPORT) and, for a worker, one "
                              "engine core (default 1)")
     parser.add_argument("--reuse-port", action="store_true", help=argparse.SUPPRESS)  # set by the supervisor
+    parser.add_argument("--front-ends", type=int, default=1, help=argparse.SUPPRESS)  # how many, by the supervisor
     parser.add_argument("--client-send-timeout-s", type=_seconds, default=DEFAULT_SEND_TIMEOUT_S,
                         help="cut off a client that reads nothing of an answer for this long (default 60)")
     parser.add_argument("--header-timeout-s", type=_seconds, default=DEFAULT_HEADER_TIMEOUT_S,

@@ -173,11 +173,15 @@ def run_orchestrator(args: argparse.Namespace, argv: Sequence[str]) -> int:
         args.port = config.port
         return _supervise(args, argv)
     if args.reuse_port:
-        config = for_one_of_several_front_ends(config)
+        config = for_one_of_several_front_ends(config, args.front_ends)
     # An empty key (DISAGG_API_KEY="") means no key, not "the empty string is the key".
     tracing.configure("disagg-serve-orchestrator", "orchestrator")
     keep_request_buffers_on_the_heap()  # frontend.memory: no page faults per request for a long prompt's body
-    app = create_orchestrator_app(config, api_key=args.api_key or None, admin_key=args.admin_key or None)
+    try:
+        app = create_orchestrator_app(config, api_key=args.api_key or None, admin_key=args.admin_key or None)
+    except ConfigError as exc:  # e.g. a tenant whose key's environment variable is not set
+        print(f"disagg-serve orchestrator: {exc}", file=sys.stderr)
+        return 2
     return _serve(app, args, config.hostname, config.port)
 
 

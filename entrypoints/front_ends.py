@@ -73,7 +73,7 @@ class FrontEndSupervisor:
         metrics_dir = self.workdir / "metrics"
         metrics_dir.mkdir()
         env[MULTIPROC_ENV] = str(metrics_dir)
-        extra = ["--api-workers", "1", "--reuse-port"]
+        extra = ["--api-workers", "1", "--reuse-port", "--front-ends", str(self.count)]
         try:
             if self.core_command_for is not None:
                 command = self.core_command_for(self.core_socket)

@@ -130,6 +130,23 @@ class AdmissionConfig(_Frozen):
     interactive_reserve: Annotated[float, Field(ge=0, lt=1)] = 0.1
     batch_share: Annotated[float, Field(gt=0, le=1)] = 0.5
     priority_header: str = "x-priority"
+    # The share of every tenant limit this process enforces: 1 / (orchestrator processes in the deployment), so
+    # that together they enforce the deployment's. --api-workers N divides it by N by itself.
+    process_share: Annotated[float, Field(gt=0, le=1)] = 1.0
+
+
+class TenantConfig(_Frozen):
+    """One API key's identity and limits (orchestrator/tenants.py, docs/admission.md). Unset limits do not apply."""
+
+    name: Annotated[str, Field(min_length=1)]
+    api_key_env: Annotated[str, Field(min_length=1)]  # the environment variable that holds its key: not this file
+    # Its requests' class when they name none; x-priority may ask for a lower one, never a higher one.
+    priority: Literal["interactive", "default", "batch"] = "default"
+    max_concurrent: Annotated[int, Field(ge=1)] | None = None
+    requests_per_s: Annotated[float, Field(gt=0)] | None = None
+    prompt_tokens_per_s: Annotated[float, Field(gt=0)] | None = None
+    completion_tokens_per_s: Annotated[float, Field(gt=0)] | None = None
+    burst_s: Annotated[float, Field(gt=0)] = 1.0  # each rate's bucket holds this many seconds of it
 
 
 class OrchestratorConfig(_Frozen):
@@ -150,6 +167,7 @@ class OrchestratorConfig(_Frozen):
     max_body_bytes: Annotated[int, Field(ge=1024)] = DEFAULT_MAX_BODY_BYTES
     max_concurrent_requests: Annotated[int, Field(ge=1)] = 1024  # running at once; more wait (admission)
     admission: AdmissionConfig = AdmissionConfig()
+    tenants: list[TenantConfig] = []
     # Bytes of request bodies read at once (frontend/http.py: BodyBudget); past it, a 429 before a body is read.
     max_body_bytes_reading: Annotated[int, Field(ge=1024)] = DEFAULT_MAX_BODY_BYTES_READING
     # Health: a worker leaves its pool after this many failed checks in a row, and returns after this many good.
@@ -159,6 +177,13 @@ class OrchestratorConfig(_Frozen):
     max_local_prefill_length: Annotated[int, Field(ge=0)] = 0
     response_store: ResponseStoreConfig = ResponseStoreConfig()
     # Secrets come from the environment (DISAGG_API_KEY, DISAGG_ADMIN_KEY) or the command line, not this file.
+
+    @model_validator(mode="after")
+    def _tenants_apart(self) -> OrchestratorConfig:
+        names = [tenant.name for tenant in self.tenants]
+        if len(set(names)) != len(names):
+            raise ValueError("each tenant needs a name of its own")
+        return self
 
     @model_validator(mode="after")
     def _one_protocol(self) -> OrchestratorConfig:
@@ -172,9 +197,12 @@ class OrchestratorConfig(_Frozen):
         return self
 
 
-def for_one_of_several_front_ends(config: OrchestratorConfig) -> OrchestratorConfig:
-    """``config`` for one of several processes sharing a port (``--api-workers N``): a memory store is turned off,
-    since a follow-up answered by another process would not find its turn; a shared (Redis) store stays."""
+def for_one_of_several_front_ends(config: OrchestratorConfig, processes: int = 1) -> OrchestratorConfig:
+    """``config`` for one of ``processes`` sharing a port (``--api-workers N``): a memory store is turned off,
+    since a follow-up answered by another process would not find its turn, while a shared (Redis) store stays; and
+    each process enforces its share of every tenant limit."""
+    admission = config.admission.model_copy(update={"process_share": config.admission.process_share / processes})
+    config = config.model_copy(update={"admission": admission})
     if config.response_store.shared:
         return config
     store = config.response_store.model_copy(update={"max_entries": 0})

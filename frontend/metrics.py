@@ -120,6 +120,11 @@ class Metrics:
             "disagg_admission", "How admissions ended, by priority and outcome (admitted, queued, queue_full, "
             "timed_out, left, no_worker)", ["priority", "outcome"], registry=r,
         )
+        self.tenant_refusals = Counter(
+            "disagg_tenant_refusals", "Requests refused (429) for being over a tenant's limit, by tenant and limit "
+            "(concurrent, requests_per_s, prompt_tokens_per_s, completion_tokens_per_s)", ["tenant", "limit"],
+            registry=r,
+        )
         # A shared (Redis) store: its calls that failed (unreachable, too slow) by operation, whether this process
         # reaches it now, and how long its calls take.
         self.response_store_errors = Counter(

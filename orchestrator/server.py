@@ -17,8 +17,8 @@ from starlette.responses import Response
 from frontend import tracing
 from frontend.asgi_fast_path import Exchange, FastPathApp
 from frontend.auth import check_bearer, require_bearer
-from frontend.config import OrchestratorConfig, ResponseStoreConfig, ServerGroupConfig
-from frontend.errors import InvalidRequestError, ModelNotFoundError
+from frontend.config import ConfigError, OrchestratorConfig, ResponseStoreConfig, ServerGroupConfig
+from frontend.errors import AuthenticationError, InvalidRequestError, ModelNotFoundError
 from frontend.http import (
     REQUEST_ID_HEADER,
     BodyBudget,
@@ -47,6 +47,7 @@ from orchestrator.pool import HealthMonitor, WorkerPool
 from orchestrator.response_memory import ResponseMemory
 from orchestrator.response_store import MemoryResponseStore, ResponseStore
 from orchestrator.routers import RoutingKey, make_router
+from orchestrator.tenants import Tenant, Tenants
 from orchestrator.transport import WorkerTimeouts, make_transport
 
 ROLE = "orchestrator"
@@ -117,6 +118,10 @@ def create_orchestrator_app(
                    for pool, group in ((ctx_pool, config.context_servers), (gen_pool, config.generation_servers))
                    if group.discovery is not None]
     inflight = {"count": 0}
+    try:
+        tenants = Tenants(config.tenants, metrics, process_share=config.admission.process_share)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
     admission_queue = Admission(config.max_concurrent_requests, config.admission, metrics,
                                 has_workers=lambda: ctx_pool.has_healthy or gen_pool.has_healthy)
     lag_monitor = LoopLagMonitor(metrics.event_loop_lag, is_idle=lambda: inflight["count"] == 0)
@@ -160,11 +165,23 @@ def create_orchestrator_app(
     priority_header = config.admission.priority_header.lower().encode("latin-1")
     requests_count, request_latency = LabelledChildren(metrics.requests), LabelledChildren(metrics.request_latency)
 
-    def release(endpoint: Endpoint, priority: int, started: float, span: Any, flow_request: FlowRequest | None,
-                status: int) -> None:
+    def authenticate(authorization: str | None) -> Tenant | None:
+        """The request's tenant, if its key is one of theirs; else the orchestrator's own key (``--api-key``) is
+        required, and with tenants configured and no such key, a tenant's is."""
+        tenant = tenants.identify(authorization) if tenants else None
+        if tenant is None:
+            if tenants and api_key is None:
+                raise AuthenticationError("missing or incorrect API key: send 'Authorization: Bearer <key>'")
+            check_bearer(authorization, api_key)
+        return tenant
+
+    def release(endpoint: Endpoint, priority: int, tenant: Tenant | None, started: float, span: Any,
+                flow_request: FlowRequest | None, status: int) -> None:
         """The request's end, counted: ``flow_request`` is None for a request that failed before its body was
         parsed."""
         admission_queue.release(priority)
+        if tenant is not None:
+            tenants.finished(tenant)
         inflight["count"] -= 1
         inflight_gauge.dec()
         elapsed = time.perf_counter() - started
@@ -185,7 +202,7 @@ def create_orchestrator_app(
         span = tracing.start(SPAN_NAMES[endpoint], exchange.headers, server=True) if tracing.enabled() else None
         admission = tracing.start("admission", span)
         try:
-            check_bearer(exchange.header(b"authorization"), api_key)
+            tenant = authenticate(exchange.header(b"authorization"))
         except BaseException as exc:
             tracing.end(admission, error=exc)
             tracing.end(span, {"http.status_code": exchange.status_of(exc)})
@@ -199,9 +216,18 @@ def create_orchestrator_app(
                 raw = await exchange.read_body(config.max_body_bytes)
             finally:
                 bodies.release(reserved)
-            # Over the running limit it waits, by its class (orchestrator/admission.py), its body read.
+            # Its tenant's limits first (orchestrator/tenants.py); then, over the running limit, it waits by its
+            # class (orchestrator/admission.py), its body read.
             priority = priority_of(exchange.header(priority_header))
-            await admission_queue.admit(priority)
+            if tenant is not None:
+                priority = max(priority, tenant.priority) if exchange.header(priority_header) else tenant.priority
+                tenants.admit(tenant, len(raw))
+            try:
+                await admission_queue.admit(priority)
+            except BaseException:
+                if tenant is not None:
+                    tenants.finished(tenant)
+                raise
         except BaseException as exc:
             status = exchange.status_of(exc)
             requests_count(ROLE, endpoint, str(status)).inc()
@@ -230,11 +256,16 @@ def create_orchestrator_app(
             answer = await (turn.answer(partial(flow.run, flow_request)) if turn else flow.run(flow_request))
             status = 200  # from here on the request counts as answered, whether or not the client reads it all
             if isinstance(answer, StreamedAnswer):
+                frames = answer.frames
+                if tenant is not None and tenant.counts_completions:
+                    frames = tenants.spend_streamed(tenant, frames)
                 try:
-                    await exchange.stream(answer.frames, SSE_RAW_HEADERS)
+                    await exchange.stream(frames, SSE_RAW_HEADERS)
                 finally:
                     await answer.close_upstream()  # GEN stops even if the relay never started
             else:
+                if tenant is not None and tenant.counts_completions:
+                    tenants.spend_whole(tenant, answer.content)
                 await exchange.answer(answer.content)
         except BaseException as exc:  # a worker's own error answer too: it is a RelayedError
             if status != 200:
@@ -242,7 +273,7 @@ def create_orchestrator_app(
                 tracing.end(admission, error=exc)
             raise
         finally:
-            release(endpoint, priority, started, span, flow_request, status)
+            release(endpoint, priority, tenant, started, span, flow_request, status)
 
     for endpoint, path in PATHS.items():
         app.fast_post(path, partial(handle, endpoint=endpoint), name=path.removeprefix("/v1/").replace("/", "_"),
@@ -250,18 +281,18 @@ def create_orchestrator_app(
 
     @app.get("/v1/responses/{response_id}")
     async def stored_response(request: Request, response_id: str) -> Response:
-        require_bearer(request, api_key)
+        authenticate(request.headers.get("authorization"))
         return JSONBytesResponse((await stored_responses.stored(response_id)).response)
 
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(request: Request, response_id: str) -> Response:
-        require_bearer(request, api_key)
+        authenticate(request.headers.get("authorization"))
         await stored_responses.delete(response_id)
         return json_response({"id": response_id, "object": "response", "deleted": True})
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
-        require_bearer(request, api_key)
+        authenticate(request.headers.get("authorization"))
         done = await flow.retry.run(MODELS_STEP, ctx_pool, RoutingKey(),
                                     lambda ctx: ctx.transport.get("/v1/models", config.connect_timeout_s))
         return JSONBytesResponse(done.answer.content, status_code=done.answer.status_code)
@@ -269,7 +300,7 @@ def create_orchestrator_app(
     @app.get("/v1/models/{model_id:path}")
     async def model(request: Request, model_id: str) -> Response:
         """One model's card (the SDK's ``models.retrieve``): the CTX workers' card of that id, or a 404."""
-        require_bearer(request, api_key)
+        authenticate(request.headers.get("authorization"))
         done = await flow.retry.run(MODELS_STEP, ctx_pool, RoutingKey(),
                                     lambda ctx: ctx.transport.get("/v1/models", config.connect_timeout_s))
         if done.answer.status_code != 200:

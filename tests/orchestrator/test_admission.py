@@ -57,12 +57,15 @@ async def test_a_higher_class_is_served_first_whatever_its_arrival() -> None:
     await admission.admit(BATCH)
     batch, default, interactive = (await queued(admission, BATCH), await queued(admission, DEFAULT),
                                    await queued(admission, INTERACTIVE))
-    order = []
-    for task in (batch, default, interactive):
-        task.add_done_callback(lambda t, task=task: order.append(task))
-    for served in range(1, 4):
+    order: list[asyncio.Task[None]] = []
+
+    def served(n: int) -> bool:
+        order.extend(task for task in (batch, default, interactive) if task.done() and task not in order)
+        return len(order) == n
+
+    for n in range(1, 4):
         admission.release(next(p for p in range(3) if admission.running[p]))
-        await eventually_async(lambda served=served: len(order) == served)
+        assert await eventually_async(lambda n=n: served(n))  # type: ignore[misc]
     assert order == [interactive, default, batch]
 
 

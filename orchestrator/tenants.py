@@ -1,0 +1,169 @@
+"""Tenants: who a request is (by its API key) and what it may still spend, before it waits for a running slot.
+
+Each tenant of the ``tenants`` config has its own API key (read from the environment variable it names, never
+from the file), a default priority class, and limits: requests running at once, requests per second, prompt tokens
+per second (as the orchestrator estimates them before it parses anything: the body's bytes / 4) and completion
+tokens per second (counted as they stream: one per streamed event, or the whole answer's ``usage``). A rate is a
+token bucket that holds ``burst_s`` seconds of it; completion tokens are spent after the fact, so a tenant that
+streamed more than its rate is in debt, and its next request waits (a 429) until the debt is paid.
+
+Limits are per orchestrator process: ``process_share`` (docs/admission.md) divides each among the processes of a
+deployment, so N processes enforce the deployment's limit together.
+
+A refused request gets 429 with ``Retry-After``: the seconds until the bucket it lacked holds enough again, and a
+message that names the tenant and the limit.
+"""
+
+from __future__ import annotations
+
+import hmac
+import math
+import os
+import re
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+from frontend.config import TenantConfig
+from frontend.errors import OverloadedError
+from frontend.metrics import Metrics
+from orchestrator.admission import PRIORITIES
+
+BYTES_PER_TOKEN = 4  # the estimate's ratio, as the routers' (orchestrator/routers.py: routing_key)
+_USAGE = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
+_EVENT = b"data: "
+
+
+class TenantLimitError(OverloadedError):
+    default_code = "tenant_rate_limited"
+
+
+class TokenBucket:
+    """``rate`` units a second, up to ``capacity`` held; spending may take it below zero (a debt)."""
+
+    def __init__(self, rate: float, capacity: float, clock: Callable[[], float]) -> None:
+        self.rate = rate
+        self.capacity = capacity
+        self._clock = clock
+        self._level = capacity
+        self._at = clock()
+
+    def level(self) -> float:
+        now = self._clock()
+        self._level = min(self.capacity, self._level + (now - self._at) * self.rate)
+        self._at = now
+        return self._level
+
+    def seconds_until(self, amount: float) -> float:
+        """0 when ``amount`` can be spent now, else how long until it can."""
+        missing = min(amount, self.capacity) - self.level()
+        return max(0.0, missing / self.rate)
+
+    def spend(self, amount: float) -> None:
+        self.level()
+        self._level -= amount
+
+
+@dataclass(eq=False)
+class Tenant:
+    name: str
+    key: bytes
+    priority: int
+    max_concurrent: int | None
+    requests: TokenBucket | None
+    prompt_tokens: TokenBucket | None
+    completion_tokens: TokenBucket | None
+    running: int = 0
+    counts_completions: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.counts_completions = self.completion_tokens is not None
+
+
+def _bucket(rate: float | None, config: TenantConfig, share: float, clock: Callable[[], float]) -> TokenBucket | None:
+    if rate is None:
+        return None
+    per_process = rate * share
+    return TokenBucket(per_process, max(1.0, per_process * config.burst_s), clock)
+
+
+class Tenants:
+    def __init__(self, configs: list[TenantConfig], metrics: Metrics, *, process_share: float = 1.0,
+                 environ: dict[str, str] | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+        env = os.environ if environ is None else environ
+        self._tenants: list[Tenant] = []
+        for config in configs:
+            key = env.get(config.api_key_env, "")
+            if not key:
+                raise ValueError(f"tenant '{config.name}': the environment variable {config.api_key_env} that "
+                                 "holds its API key is not set")
+            concurrent = None if config.max_concurrent is None else max(1, math.floor(
+                config.max_concurrent * process_share))
+            self._tenants.append(Tenant(
+                config.name, key.encode(), PRIORITIES.index(config.priority), concurrent,
+                _bucket(config.requests_per_s, config, process_share, clock),
+                _bucket(config.prompt_tokens_per_s, config, process_share, clock),
+                _bucket(config.completion_tokens_per_s, config, process_share, clock)))
+        self._refused = metrics.tenant_refusals
+
+    def __bool__(self) -> bool:
+        return bool(self._tenants)
+
+    def identify(self, authorization: str | None) -> Tenant | None:
+        """The tenant whose key the request presents; None if it presents none of theirs. Every key is compared
+        (in constant time), so the time taken says nothing of which matched."""
+        scheme, _, presented = (authorization or "").partition(" ")
+        if scheme.lower() != "bearer":
+            return None
+        candidate = presented.strip().encode()
+        found = None
+        for tenant in self._tenants:
+            if hmac.compare_digest(candidate, tenant.key):
+                found = tenant
+        return found
+
+    def admit(self, tenant: Tenant, body_bytes: int) -> None:
+        """Count the request against its tenant's limits, or raise a 429 that names the one it is over."""
+        prompt_tokens = body_bytes // BYTES_PER_TOKEN + 1
+        if tenant.max_concurrent is not None and tenant.running >= tenant.max_concurrent:
+            self._refuse(tenant, "concurrent", f"max_concurrent: {tenant.max_concurrent} requests at once", 1.0)
+        for bucket, limit, amount in ((tenant.requests, "requests_per_s", 1),
+                                      (tenant.prompt_tokens, "prompt_tokens_per_s", prompt_tokens),
+                                      (tenant.completion_tokens, "completion_tokens_per_s", 1)):
+            if bucket is not None and (wait := bucket.seconds_until(amount)) > 0:
+                unit = limit.removesuffix("_per_s").replace("_", " ")
+                self._refuse(tenant, limit, f"{limit}: {bucket.rate:g} {unit} per second", wait)
+        if tenant.requests is not None:
+            tenant.requests.spend(1)
+        if tenant.prompt_tokens is not None:
+            tenant.prompt_tokens.spend(prompt_tokens)
+        tenant.running += 1
+
+    def _refuse(self, tenant: Tenant, limit: str, what: str, wait_s: float) -> None:
+        self._refused.labels(tenant=tenant.name, limit=limit).inc()
+        raise TenantLimitError(f"tenant '{tenant.name}' is over its limit {what}",
+                               retry_after_s=max(1, math.ceil(wait_s)))
+
+    @staticmethod
+    def finished(tenant: Tenant) -> None:
+        tenant.running -= 1
+
+    @staticmethod
+    def spend_whole(tenant: Tenant, content: bytes) -> None:
+        """A whole answer's completion tokens, from its ``usage`` (every choice's, summed by the worker)."""
+        if tenant.completion_tokens is not None and (found := _USAGE.search(content)) is not None:
+            tenant.completion_tokens.spend(int(found[1]))
+
+    @staticmethod
+    async def spend_streamed(tenant: Tenant, frames: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+        """``frames``, passed through, each streamed event spent as one completion token as it goes."""
+        bucket = tenant.completion_tokens
+        assert bucket is not None
+        try:
+            async for chunk in frames:
+                bucket.spend(chunk.count(_EVENT))
+                yield chunk
+        finally:
+            aclose = getattr(frames, "aclose", None)
+            if aclose is not None:
+                await aclose()
