@@ -135,6 +135,14 @@ class AdmissionConfig(_Frozen):
     process_share: Annotated[float, Field(gt=0, le=1)] = 1.0
 
 
+class CircuitBreakerConfig(_Frozen):
+    """A worker that fails this many requests in a row gets none for ``cooldown_s``, then one to try it (twice as
+    long again if that one fails): orchestrator/circuit_breaker.py."""
+
+    failures: Annotated[int, Field(ge=1)] = 5
+    cooldown_s: Annotated[float, Field(gt=0)] = 10.0
+
+
 class TenantConfig(_Frozen):
     """One API key's identity and limits (orchestrator/tenants.py, docs/admission.md). Unset limits do not apply."""
 
@@ -168,6 +176,7 @@ class OrchestratorConfig(_Frozen):
     max_concurrent_requests: Annotated[int, Field(ge=1)] = 1024  # running at once; more wait (admission)
     admission: AdmissionConfig = AdmissionConfig()
     tenants: list[TenantConfig] = []
+    circuit_breaker: CircuitBreakerConfig = CircuitBreakerConfig()
     # Bytes of request bodies read at once (frontend/http.py: BodyBudget); past it, a 429 before a body is read.
     max_body_bytes_reading: Annotated[int, Field(ge=1024)] = DEFAULT_MAX_BODY_BYTES_READING
     # Health: a worker leaves its pool after this many failed checks in a row, and returns after this many good.

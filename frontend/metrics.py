@@ -120,6 +120,10 @@ class Metrics:
             "disagg_admission", "How admissions ended, by priority and outcome (admitted, queued, queue_full, "
             "timed_out, left, no_worker)", ["priority", "outcome"], registry=r,
         )
+        self.worker_circuit_state = Gauge(
+            "disagg_worker_circuit_state", "Each worker's circuit breaker at the orchestrator: 0 closed, 1 half-open "
+            "(one request tries it), 2 open (it gets none)", ["pool", "worker"], registry=r, multiprocess_mode="max",
+        )
         self.tenant_refusals = Counter(
             "disagg_tenant_refusals", "Requests refused (429) for being over a tenant's limit, by tenant and limit "
             "(concurrent, requests_per_s, prompt_tokens_per_s, completion_tokens_per_s)", ["tenant", "limit"],

@@ -8,6 +8,7 @@ from __future__ import annotations
 from types import TracebackType
 
 from frontend.guardrail import GenEngineFacts
+from orchestrator.circuit_breaker import CircuitBreaker
 from orchestrator.transport import Transport
 
 # Until a worker has told us, assume the facts under which metadata-only is never admitted.
@@ -26,6 +27,13 @@ class PoolMember:
         self.inflight_prefill_tokens = 0  # of those, the ones a cache-aware router expects it to compute
         self._failures = 0  # health checks failed in a row
         self._successes = 0  # health checks passed in a row
+        # Request outcomes (orchestrator/circuit_breaker.py); the pool gives each member its own settings.
+        self.breaker = CircuitBreaker(failures=5, cooldown_s=10.0)
+
+    @property
+    def routable(self) -> bool:
+        """Whether a router may give it a request: healthy, and its circuit breaker lets one through."""
+        return self.healthy and self.breaker.allows()
 
     @property
     def engine_facts(self) -> GenEngineFacts:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 import orjson
 
@@ -16,12 +17,30 @@ from frontend.errors import UpstreamError, UpstreamUnavailableError
 from frontend.guardrail import GenEngineFacts
 from frontend.kv_events import reachable_endpoint
 from orchestrator.cache_index import CacheIndex, EventSource
+from orchestrator.circuit_breaker import CLOSED, CircuitBreaker
 from orchestrator.member import UNKNOWN_ENGINE_FACTS, PoolMember
 from orchestrator.protocols.registry import DEFAULT_PROTOCOL, detect_protocol
 from orchestrator.routers import Router, RoutingKey
 from orchestrator.transport import Transport, WorkerTimeouts, make_transport
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class BreakerSettings:
+    """Each member's circuit breaker (orchestrator/circuit_breaker.py), and where its state is reported."""
+
+    failures: int = 5
+    cooldown_s: float = 10.0
+    on_change: Callable[[str, int], None] | None = None  # (worker url, new state)
+
+    def make(self, url: str) -> CircuitBreaker:
+        report = self.on_change
+        breaker = CircuitBreaker(self.failures, self.cooldown_s,
+                                 on_change=None if report is None else lambda state: report(url, state))
+        if report is not None:
+            report(url, CLOSED)
+        return breaker
 
 
 class WorkerPool:
@@ -36,6 +55,7 @@ class WorkerPool:
         transport_factory: Callable[[str, WorkerTimeouts], Transport] = make_transport,
         protocol: str | None = None,
         index: CacheIndex | None = None,
+        breaker: BreakerSettings | None = None,
     ) -> None:
         self.name = name
         # What each member holds, from the KV events its card announces (and what was sent where); routers that
@@ -47,6 +67,7 @@ class WorkerPool:
         self.protocol = protocol  # set in the config for the whole group; None: each worker's, from its card
         self.failure_threshold = failure_threshold
         self.recovery_threshold = recovery_threshold
+        self.breaker = breaker or BreakerSettings()
         self.workers: list[PoolMember] = []
         self._sources: dict[str, str] = {}  # url -> "static" | "dns" | "registered"
         self._closing: set[asyncio.Task[None]] = set()
@@ -58,6 +79,7 @@ class WorkerPool:
             if worker.url == url:
                 return worker
         worker = PoolMember(self.transport_factory(url, self.timeouts))
+        worker.breaker = self.breaker.make(url)
         if self.protocol is not None:
             worker.protocol = self.protocol
         self.workers.append(worker)
@@ -112,7 +134,7 @@ class WorkerPool:
 
     def _only(self, url: str, tried: list[PoolMember]) -> PoolMember | None:
         """The one worker a request may go to (it holds what no other does), if it can take it."""
-        return next((w for w in self.workers if w.url == url and w.healthy and w not in tried), None)
+        return next((w for w in self.workers if w.url == url and w.routable and w not in tried), None)
 
     # -- health -------------------------------------------------------------------------------------------
     async def check_health(self) -> None:

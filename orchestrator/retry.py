@@ -6,6 +6,9 @@ retries, or once no untried worker is left, the last failure stands: a transport
 a 5xx answer is returned for the caller to relay with the worker's own message. A refused connection also takes
 the worker out of routing at once (passive health). Any other status is an answer, returned as it is.
 
+Each outcome also feeds the worker's circuit breaker (orchestrator/circuit_breaker.py): a transport error or a
+5xx that is not deterministic counts as the worker's failure, any other answer as its success.
+
 A 4xx is never retried: the request is wrong, and would be on any worker. Nor is a *deterministic* failure: a 5xx
 whose OpenAI error body has a ``code`` in ``frontend.errors.DETERMINISTIC_FAILURE_CODES`` — the worker's way of
 saying "this request failed the engine, and would fail it anywhere". Only a worker that failed for reasons of its
@@ -76,9 +79,11 @@ class RetryPolicy:
                     raise
                 return last
             tried.append(member)
+            member.breaker.started()
             try:
                 answer = await attempt(member)
             except UpstreamError as exc:
+                member.breaker.failed()
                 if isinstance(exc, UpstreamUnavailableError):
                     member.mark_unreachable()
                 if self._out_of_retries(tried):
@@ -87,8 +92,16 @@ class RetryPolicy:
                 self.metrics.failovers.labels(step=step).inc()
                 last = exc
                 continue
+            except BaseException:  # cancelled (the client left): no outcome for the worker
+                member.breaker.abandoned()
+                raise
             done = Attempted(answer, member, len(tried), tuple(tried[:-1]))
-            if answer.status_code >= 500 and not self._out_of_retries(tried) and not is_deterministic(answer):
+            worker_failed = answer.status_code >= 500 and not is_deterministic(answer)
+            if worker_failed:
+                member.breaker.failed()
+            else:
+                member.breaker.succeeded()
+            if worker_failed and not self._out_of_retries(tried):
                 self.metrics.retries.labels(step=step, reason="status_5xx").inc()
                 last = done
                 continue

@@ -71,7 +71,7 @@ class Router(Protocol):
 
 def _candidates(workers: Sequence[PoolMember], exclude: Iterable[PoolMember]) -> list[PoolMember]:
     excluded = {id(w) for w in exclude}
-    return [w for w in workers if w.healthy and id(w) not in excluded]
+    return [w for w in workers if w.routable and id(w) not in excluded]
 
 
 class RoundRobinRouter:

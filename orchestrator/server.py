@@ -43,7 +43,7 @@ from orchestrator.disagg_flow import DisaggFlow
 from orchestrator.flow_request import PATHS, FlowRequest, StreamedAnswer, check_client_body
 from orchestrator.membership import DnsDiscovery
 from orchestrator.metric_labels import CTX_POOL_NAME, GEN_POOL_NAME, MODELS_STEP, export_known_series
-from orchestrator.pool import HealthMonitor, WorkerPool
+from orchestrator.pool import BreakerSettings, HealthMonitor, WorkerPool
 from orchestrator.response_memory import ResponseMemory
 from orchestrator.response_store import MemoryResponseStore, ResponseStore
 from orchestrator.routers import RoutingKey, make_router
@@ -63,12 +63,15 @@ def _pool(name: str, group: ServerGroupConfig, config: OrchestratorConfig, metri
     timeouts = WorkerTimeouts(config.request_timeout_s, config.connect_timeout_s, min(config.connect_timeout_s, 5.0))
     index = CacheIndex(group.router.pending_s, recent_half_s=group.router.recent_half_s)
     decisions = LabelledChildren(metrics.routing_decisions)
+    circuit = LabelledChildren(metrics.worker_circuit_state)
     router = make_router(group.router, default_router, index, lambda decision: decisions(name, decision).inc())
     pool = WorkerPool(name, router, timeouts, index=index,
                       failure_threshold=config.health_failure_threshold,
                       recovery_threshold=config.health_recovery_threshold,
                       transport_factory=partial(make_transport, client=config.upstream_client),
-                      protocol=None if group.protocol == "detect" else group.protocol)
+                      protocol=None if group.protocol == "detect" else group.protocol,
+                      breaker=BreakerSettings(config.circuit_breaker.failures, config.circuit_breaker.cooldown_s,
+                                              lambda url, state: circuit(name, url).set(state)))
     for url in group.urls:
         pool.add(url, "static")
     return pool

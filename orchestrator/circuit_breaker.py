@@ -1,0 +1,77 @@
+"""A worker that keeps failing requests is taken out of routing for a while, then tried with one request.
+
+Health checks ask ``/health``; a worker can pass them and still fail every request (an engine that errors, a KV
+store that is full). The breaker counts request outcomes instead: after ``failures`` failed calls in a row
+(a transport error, or a 5xx that is not the request's own fault) it opens and the worker gets no request for
+``cooldown_s``. Then it is half-open: one request may try it. If that one succeeds the breaker closes; if it fails
+the breaker opens again for twice as long (at most ``MAX_COOLDOWN_S``). A trial whose request ended without an
+outcome (the client left) gives the trial back.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+CLOSED, HALF_OPEN, OPEN = 0, 1, 2  # disagg_worker_circuit_state's values
+MAX_COOLDOWN_S = 300.0
+
+
+class CircuitBreaker:
+    def __init__(self, failures: int, cooldown_s: float, clock: Callable[[], float] = time.monotonic,
+                 on_change: Callable[[int], None] | None = None) -> None:
+        self.failures = failures
+        self.base_cooldown_s = cooldown_s
+        self._clock = clock
+        self._on_change = on_change
+        self._state = CLOSED
+        self._in_a_row = 0
+        self._cooldown_s = cooldown_s
+        self._open_until = 0.0
+        self._trial = False  # half-open: a request is trying the worker now
+
+    @property
+    def state(self) -> int:
+        if self._state == OPEN and self._clock() >= self._open_until:
+            self._move(HALF_OPEN)
+        return self._state
+
+    def allows(self) -> bool:
+        """Whether the worker may be given a request now."""
+        state = self.state
+        return state == CLOSED or (state == HALF_OPEN and not self._trial)
+
+    def started(self) -> None:
+        """A request was given to the worker (in half-open: the trial)."""
+        if self.state == HALF_OPEN:
+            self._trial = True
+
+    def succeeded(self) -> None:
+        self._in_a_row = 0
+        self._trial = False
+        if self._state != CLOSED:
+            self._cooldown_s = self.base_cooldown_s
+            self._move(CLOSED)
+
+    def failed(self) -> None:
+        self._in_a_row += 1
+        state = self.state
+        if state == HALF_OPEN and self._trial:
+            self._trial = False
+            self._cooldown_s = min(MAX_COOLDOWN_S, self._cooldown_s * 2)
+            self._open()
+        elif state == CLOSED and self._in_a_row >= self.failures:
+            self._open()
+
+    def abandoned(self) -> None:
+        """The request ended with no outcome for the worker (cancelled): a trial may be made again."""
+        self._trial = False
+
+    def _open(self) -> None:
+        self._open_until = self._clock() + self._cooldown_s
+        self._move(OPEN)
+
+    def _move(self, state: int) -> None:
+        self._state = state
+        if self._on_change is not None:
+            self._on_change(state)
