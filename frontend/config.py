@@ -60,6 +60,9 @@ class ServerGroupConfig(_Frozen):
     # "native" (our workers), "trtllm" (trtllm-serve), "vllm" (plain vLLM OpenAI servers started with
     # --kv-transfer-config; orchestrator/protocols/vllm.py).
     protocol: Literal["detect", "native", "trtllm", "vllm"] = "detect"
+    # context_servers: prefills one worker is given at once (its running window; 0: no limit). More wait at the
+    # orchestrator, by priority class, rather than in the engine's queue (orchestrator/disagg_flow.py).
+    max_running_prefills: Annotated[int, Field(ge=0)] = 0
 
     @model_validator(mode="after")
     def _has_members(self) -> ServerGroupConfig:
@@ -186,6 +189,13 @@ class OrchestratorConfig(_Frozen):
     max_local_prefill_length: Annotated[int, Field(ge=0)] = 0
     response_store: ResponseStoreConfig = ResponseStoreConfig()
     # Secrets come from the environment (DISAGG_API_KEY, DISAGG_ADMIN_KEY) or the command line, not this file.
+
+    @model_validator(mode="after")
+    def _prefill_window_on_ctx(self) -> OrchestratorConfig:
+        if self.generation_servers.max_running_prefills:
+            raise ValueError("max_running_prefills is a context_servers setting: GEN workers prefill nothing "
+                             "the orchestrator sends them through CTX")
+        return self
 
     @model_validator(mode="after")
     def _tenants_apart(self) -> OrchestratorConfig:

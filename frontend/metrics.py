@@ -109,16 +109,17 @@ class Metrics:
         # how each admission ended (admitted at once, after queueing, or refused: queue full, timed out, client
         # left, no worker).
         self.admission_queue_length = Gauge(
-            "disagg_admission_queue_length", "Requests waiting in the orchestrator's admission queue, by priority",
-            ["priority"], registry=r, multiprocess_mode="livesum",
+            "disagg_admission_queue_length", "Requests waiting for a running slot, by gate (orchestrator: any "
+            "request; prefill: a CTX worker's room) and priority", ["gate", "priority"], registry=r,
+            multiprocess_mode="livesum",
         )
         self.admission_wait = Histogram(
-            "disagg_admission_wait_seconds", "Time a request admitted after queueing waited, by priority",
-            ["priority"], registry=r, buckets=_LATENCY_BUCKETS,
+            "disagg_admission_wait_seconds", "Time a request admitted after queueing waited, by gate and priority",
+            ["gate", "priority"], registry=r, buckets=_LATENCY_BUCKETS,
         )
         self.admissions = Counter(
-            "disagg_admission", "How admissions ended, by priority and outcome (admitted, queued, queue_full, "
-            "timed_out, left, no_worker)", ["priority", "outcome"], registry=r,
+            "disagg_admission", "How admissions ended, by gate, priority and outcome (admitted, queued, queue_full, "
+            "timed_out, left, no_worker)", ["gate", "priority", "outcome"], registry=r,
         )
         self.worker_circuit_state = Gauge(
             "disagg_worker_circuit_state", "Each worker's circuit breaker at the orchestrator: 0 closed, 1 half-open "

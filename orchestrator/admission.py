@@ -77,23 +77,32 @@ class _Waiter:
 
 
 class Admission:
-    def __init__(self, limit: int, config: AdmissionConfig, metrics: Metrics, has_workers: Callable[[], bool],
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        self.limit = limit
+    """``limit`` running at once: a number, or a function of the moment (the prefill gate's: the room of the CTX
+    workers that take requests now); ``gate`` names it in refusals and metrics."""
+
+    def __init__(self, limit: int | Callable[[], int], config: AdmissionConfig, metrics: Metrics,
+                 has_workers: Callable[[], bool], clock: Callable[[], float] = time.monotonic,
+                 gate: str = "orchestrator") -> None:
+        self._limit = limit
         self.config = config
+        self.gate = gate
         self._has_workers = has_workers
-        # Whole slots: the reserve rounds down (a limit of 2 reserves none at 10 %), and batch may always run one.
-        # Below interactive, a class runs only while the slots running, of every class, leave the reserve free.
-        self._open_to_others = limit - math.floor(limit * config.interactive_reserve)
-        self._batch_limit = max(1, math.floor(limit * config.batch_share))
         self.running = [0, 0, 0]
         self._queues: tuple[deque[_Waiter], ...] = (deque(), deque(), deque())
         self._drain = DrainRate(clock)
         self._clock = clock
-        self._queue_length = [metrics.admission_queue_length.labels(priority=p) for p in PRIORITIES]
-        self._wait = [metrics.admission_wait.labels(priority=p) for p in PRIORITIES]
-        self._outcomes = {(p, outcome): metrics.admissions.labels(priority=PRIORITIES[p], outcome=outcome)
+        self._queue_length = [metrics.admission_queue_length.labels(gate=gate, priority=p) for p in PRIORITIES]
+        self._wait = [metrics.admission_wait.labels(gate=gate, priority=p) for p in PRIORITIES]
+        self._outcomes = {(p, outcome): metrics.admissions.labels(gate=gate, priority=PRIORITIES[p], outcome=outcome)
                           for p in range(3) for outcome in OUTCOMES}
+
+    @property
+    def limit(self) -> int:
+        return self._limit() if callable(self._limit) else self._limit
+
+    def poke(self) -> None:
+        """The limit may have grown (a worker came back): give waiters the slots it opened."""
+        self._grant()
 
     @property
     def queued(self) -> int:
@@ -110,7 +119,7 @@ class Admission:
             raise UpstreamUnavailableError("no healthy worker is available")
         if self.queued >= self.config.max_queued:
             self._outcomes[priority, "queue_full"].inc()
-            raise OverloadedError(f"the orchestrator is at its limit of {self.limit} running and "
+            raise OverloadedError(f"the {self.gate} is at its limit of {self.limit} running and "
                                   f"{self.config.max_queued} queued requests",
                                   retry_after_s=self._retry_after(priority))
         waiter = _Waiter(priority)
@@ -123,8 +132,8 @@ class Admission:
         except TimeoutError:
             if not waiter.granted.done():
                 self._leave(waiter, "timed_out")
-                raise OverloadedError(f"no slot freed within {self.config.queue_timeout_s:g} s in the admission "
-                                      "queue", retry_after_s=self._retry_after(priority)) from None
+                raise OverloadedError(f"no slot freed within {self.config.queue_timeout_s:g} s in the {self.gate}'s "
+                                      "admission queue", retry_after_s=self._retry_after(priority)) from None
         except asyncio.CancelledError:  # the client left
             if waiter.granted.done():
                 self.release(priority)  # granted as it left: the slot goes to the next waiter
@@ -140,12 +149,14 @@ class Admission:
         self._grant()
 
     def _may_run(self, priority: int) -> bool:
-        running = sum(self.running)
+        running, limit = sum(self.running), self.limit
         if priority == INTERACTIVE:
-            return running < self.limit
-        if running >= self._open_to_others:
+            return running < limit
+        # Whole slots: the reserve rounds down (a limit of 2 reserves none at 10 %), and batch may always run
+        # one. Below interactive, a class runs only while the slots running, of every class, leave the reserve.
+        if running >= limit - math.floor(limit * self.config.interactive_reserve):
             return False
-        return priority != BATCH or self.running[BATCH] < self._batch_limit
+        return priority != BATCH or self.running[BATCH] < max(1, math.floor(limit * self.config.batch_share))
 
     def _start(self, priority: int, outcome: str) -> None:
         self.running[priority] += 1

@@ -26,6 +26,7 @@ from frontend.metrics import LabelledChildren, Metrics
 from frontend.openai_output import Endpoint, replay_as_stream
 from frontend.prefix_chain import CHAIN_HEADER, MAX_LINKS
 from orchestrator import flow_tracing
+from orchestrator.admission import Admission
 from orchestrator.client_body import encode
 from orchestrator.flow_request import Answer, FlowRequest, StreamedAnswer, WholeAnswer
 from orchestrator.handoff_release import HandoffReleaser
@@ -70,6 +71,14 @@ class DisaggFlow:
         self.needs_chain = (config.max_local_prefill_length > 0
                             or any(isinstance(p.router, CacheAwareRouter) for p in (ctx_pool, gen_pool)))
         self.prefill_placement = LabelledChildren(metrics.prefill_placement)
+        # Each CTX worker's running window (context_servers.max_running_prefills): prefills past the room of the
+        # workers that take requests wait here, by priority, instead of in an engine's queue.
+        window = config.context_servers.max_running_prefills
+        self.prefill_gate = None if not window else Admission(
+            lambda: window * sum(w.accepting for w in ctx_pool.workers), config.admission, metrics,
+            has_workers=lambda: ctx_pool.has_healthy, gate="prefill")
+        if self.prefill_gate is not None:
+            ctx_pool.on_health_change.append(self.prefill_gate.poke)
 
     def protocol_of(self, member: PoolMember | None) -> WorkerProtocol:
         """The wire ``member`` speaks, as its pool detected it (``orchestrator.protocols.registry``)."""
@@ -144,6 +153,16 @@ class DisaggFlow:
 
     # -- step 1: CTX --------------------------------------------------------------------------------------
     async def run_context_step(self, request: FlowRequest) -> ContextAnswer:
+        gate = self.prefill_gate
+        if gate is None:
+            return await self._context_step(request)
+        await gate.admit(request.priority)
+        try:
+            return await self._context_step(request)
+        finally:
+            gate.release(request.priority)
+
+    async def _context_step(self, request: FlowRequest) -> ContextAnswer:
         return_tokens = self._ctx_returns_tokens(request)
 
         def body_for(ctx: PoolMember) -> Body:

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 from frontend.errors import InvalidRequestError
 from frontend.guardrail import BodyReading, read_body
 from frontend.openai_output import Endpoint
+from orchestrator.admission import DEFAULT
 from orchestrator.routers import RoutingKey
 from orchestrator.worker_protocol import ContextAnswer
 
@@ -36,6 +37,7 @@ class FlowRequest:
     ctx: ContextAnswer | None = None  # the latest CTX answer: the hand-off to release if GEN never takes it
     ctx_redone: bool = False
     span: Span | None = None  # the request's trace span (frontend.tracing); None when tracing is off
+    priority: int = DEFAULT  # its class (orchestrator/admission.py), for the prefill gate
     _guardrail_reading: BodyReading | None = None
 
     @property

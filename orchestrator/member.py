@@ -30,10 +30,17 @@ class PoolMember:
         # Request outcomes (orchestrator/circuit_breaker.py); the pool gives each member its own settings.
         self.breaker = CircuitBreaker(failures=5, cooldown_s=10.0)
 
+        self.max_running: int | None = None  # requests it may be given at once (a CTX worker's prefill window)
+
+    @property
+    def accepting(self) -> bool:
+        """Healthy, and its circuit breaker lets a request through."""
+        return self.healthy and self.breaker.allows()
+
     @property
     def routable(self) -> bool:
-        """Whether a router may give it a request: healthy, and its circuit breaker lets one through."""
-        return self.healthy and self.breaker.allows()
+        """Whether a router may give it a request now: accepting, and with room in its window."""
+        return self.accepting and (self.max_running is None or self.inflight < self.max_running)
 
     @property
     def engine_facts(self) -> GenEngineFacts:

@@ -56,6 +56,7 @@ class WorkerPool:
         protocol: str | None = None,
         index: CacheIndex | None = None,
         breaker: BreakerSettings | None = None,
+        max_running: int | None = None,
     ) -> None:
         self.name = name
         # What each member holds, from the KV events its card announces (and what was sent where); routers that
@@ -68,6 +69,8 @@ class WorkerPool:
         self.failure_threshold = failure_threshold
         self.recovery_threshold = recovery_threshold
         self.breaker = breaker or BreakerSettings()
+        self.max_running = max_running  # each member's window (None: none)
+        self.on_health_change: list[Callable[[], None]] = []  # e.g. the prefill gate: room came or went
         self.workers: list[PoolMember] = []
         self._sources: dict[str, str] = {}  # url -> "static" | "dns" | "registered"
         self._closing: set[asyncio.Task[None]] = set()
@@ -80,6 +83,7 @@ class WorkerPool:
                 return worker
         worker = PoolMember(self.transport_factory(url, self.timeouts))
         worker.breaker = self.breaker.make(url)
+        worker.max_running = self.max_running
         if self.protocol is not None:
             worker.protocol = self.protocol
         self.workers.append(worker)
@@ -152,6 +156,8 @@ class WorkerPool:
         worker.record_health(ok, self.failure_threshold, self.recovery_threshold)
         if worker.healthy != was_healthy:
             logger.info("%s worker %s is now %s", self.name, worker.url, "healthy" if worker.healthy else "unhealthy")
+            for listener in self.on_health_change:
+                listener()
             if not worker.healthy:
                 # A worker that comes back may come back with another engine (and, restarted, with a new events
                 # incarnation on its card: the index then starts its picture afresh).

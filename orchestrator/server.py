@@ -71,7 +71,8 @@ def _pool(name: str, group: ServerGroupConfig, config: OrchestratorConfig, metri
                       transport_factory=partial(make_transport, client=config.upstream_client),
                       protocol=None if group.protocol == "detect" else group.protocol,
                       breaker=BreakerSettings(config.circuit_breaker.failures, config.circuit_breaker.cooldown_s,
-                                              lambda url, state: circuit(name, url).set(state)))
+                                              lambda url, state: circuit(name, url).set(state)),
+                      max_running=group.max_running_prefills or None)
     for url in group.urls:
         pool.add(url, "static")
     return pool
@@ -253,6 +254,7 @@ def create_orchestrator_app(
             session = turn.session if turn is not None and turn.session else exchange.header(session_header)
             flow_request = flow.new_request(endpoint, turn.body if turn else body, started, headers, session)
             flow_request.span = span
+            flow_request.priority = priority
             if admission is not None:
                 tracing.end(admission, {"disagg.request_id": request_id, "disagg.streaming": flow_request.streaming})
                 admission = None

@@ -24,6 +24,14 @@ from tests.waiting import eventually, eventually_async
 MESSAGES = [{"role": "user", "content": "hi"}]
 
 
+def counted(metrics: Metrics, priority: str, outcome: str, gate: str = "orchestrator") -> float:
+    return sample(metrics, "disagg_admission_total", gate=gate, priority=priority, outcome=outcome)
+
+
+def waiting(metrics: Metrics, priority: str, gate: str = "orchestrator") -> float:
+    return sample(metrics, "disagg_admission_queue_length", gate=gate, priority=priority)
+
+
 def admission_of(limit: int, clock: FakeClock | None = None, metrics: Metrics | None = None,
                  workers: bool = True, **config: Any) -> Admission:
     return Admission(limit, AdmissionConfig.model_validate(config), metrics or Metrics(), lambda: workers,
@@ -99,18 +107,18 @@ async def test_a_full_queue_is_a_429_whose_retry_after_is_the_queue_ahead_at_the
         clock.now += 0.5
         admission.release(DEFAULT)
         await admission.admit(DEFAULT)
-    waiting = [await queued(admission, DEFAULT) for _ in range(3)]
+    queue = [await queued(admission, DEFAULT) for _ in range(3)]
     with pytest.raises(OverloadedError) as caught:
         await admission.admit(DEFAULT)
     # Three ahead and itself, at 2 a second (the window is the 2 s since start, not yet 10 s).
     assert caught.value.headers == {"Retry-After": "2"}
-    assert sample(metrics, "disagg_admission_total", priority="default", outcome="queue_full") == 1
-    assert sample(metrics, "disagg_admission_queue_length", priority="default") == 3
-    for task in waiting:
+    assert counted(metrics, "default", "queue_full") == 1
+    assert waiting(metrics, "default") == 3
+    for task in queue:
         task.cancel()
-    await asyncio.gather(*waiting, return_exceptions=True)
-    assert sample(metrics, "disagg_admission_queue_length", priority="default") == 0
-    assert sample(metrics, "disagg_admission_total", priority="default", outcome="left") == 3
+    await asyncio.gather(*queue, return_exceptions=True)
+    assert waiting(metrics, "default") == 0
+    assert counted(metrics, "default", "left") == 3
 
 
 async def test_a_request_that_waits_past_the_deadline_is_a_429_and_out_of_the_queue() -> None:
@@ -120,7 +128,7 @@ async def test_a_request_that_waits_past_the_deadline_is_a_429_and_out_of_the_qu
     with pytest.raises(OverloadedError, match=r"no slot freed within 0\.05 s"):
         await admission.admit(DEFAULT)
     assert admission.queued == 0
-    assert sample(metrics, "disagg_admission_total", priority="default", outcome="timed_out") == 1
+    assert counted(metrics, "default", "timed_out") == 1
 
 
 async def test_a_client_that_leaves_as_its_slot_is_granted_passes_the_slot_on() -> None:
@@ -171,12 +179,52 @@ def test_through_the_orchestrator_a_request_waits_for_the_slot_and_then_runs(one
             second = pool.submit(httpx.post, url + "/v1/chat/completions", timeout=60,
                                  json={**body, "stream": False, "max_tokens": 2},
                                  headers={"x-priority": "interactive"})
-            assert eventually(lambda: sample(orchestrator.metrics, "disagg_admission_queue_length",
-                                             priority="interactive") == 1)
+            assert eventually(lambda: waiting(orchestrator.metrics, "interactive") == 1)
             assert not second.done()
         # The client that held the slot left: the waiting request runs.
         answer = second.result(timeout=60)
         assert answer.status_code == 200, answer.text
-        assert sample(orchestrator.metrics, "disagg_admission_total", priority="interactive", outcome="queued") == 1
+        assert counted(orchestrator.metrics, "interactive", "queued") == 1
         bad = http.post(url + "/v1/chat/completions", json={**body, "stream": False}, headers={"x-priority": "vip"})
         assert (bad.status_code, bad.json()["error"]["code"]) == (400, "invalid_priority")
+
+
+@pytest.fixture(scope="module")
+def one_prefill_at_a_time(cluster: Cluster) -> Iterator[tuple[Node, Node]]:
+    """An orchestrator whose one CTX worker takes one prefill at a time (its window), each 1 s long: long beside
+    the milliseconds the test takes to queue two more behind it, even on a busy machine."""
+    with contextlib.ExitStack() as stack:
+        from workers.engines.synthetic import SyntheticConfig
+
+        slow_ctx = start_worker(stack, "context", SyntheticConfig(time_to_first_token_s=1.0))
+        orchestrator = start_orchestrator(stack, [slow_ctx.url], [cluster.gen.url],
+                                          context_servers={"urls": [slow_ctx.url], "max_running_prefills": 1})
+        yield orchestrator, slow_ctx
+
+
+def test_prefills_past_a_ctx_workers_window_wait_at_the_orchestrator_by_class(
+    one_prefill_at_a_time: tuple[Node, Node]
+) -> None:
+    orchestrator, ctx = one_prefill_at_a_time
+    assert ctx.recorder is not None
+    ctx.recorder.exchanges.clear()
+
+    def ask(text: str, priority: str) -> httpx.Response:
+        return httpx.post(orchestrator.url + "/v1/chat/completions", timeout=60, headers={"x-priority": priority},
+                          json={"model": MODEL, "messages": [{"role": "user", "content": text}], "max_tokens": 2})
+
+    def prefill_waiting(priority: str) -> bool:
+        return waiting(orchestrator.metrics, priority, gate="prefill") == 1
+
+    with ThreadPoolExecutor(3) as pool:
+        first = pool.submit(ask, "first batch", "batch")
+        assert eventually(lambda: len(ctx.recorder.exchanges) == 1)  # type: ignore[union-attr]
+        second = pool.submit(ask, "second batch", "batch")
+        assert eventually(lambda: prefill_waiting("batch"))
+        urgent = pool.submit(ask, "urgent", "interactive")
+        assert eventually(lambda: prefill_waiting("interactive"))
+        assert [f.result(timeout=60).status_code for f in (first, second, urgent)] == [200, 200, 200]
+    order = [exchange.request_json()["messages"][0]["content"] for exchange in ctx.recorder.exchanges
+             if exchange.path == "/v1/chat/completions"]
+    assert order == ["first batch", "urgent", "second batch"]  # the interactive one went ahead of the waiting batch
+    assert counted(orchestrator.metrics, "interactive", "queued", gate="prefill") == 1

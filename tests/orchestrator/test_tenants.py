@@ -19,6 +19,7 @@ from orchestrator.admission import BATCH, DEFAULT, INTERACTIVE
 from orchestrator.server import create_orchestrator_app
 from orchestrator.tenants import Tenant, Tenants, TokenBucket
 from tests.cluster import MODEL, Cluster, sample
+from tests.orchestrator.test_admission import counted
 from tests.orchestrator.test_response_store import FakeClock
 from tests.servers import running
 
@@ -145,8 +146,8 @@ def test_through_the_orchestrator_the_heavy_tenant_is_limited_and_the_other_serv
         assert int(caught.value.response.headers["retry-after"]) >= 1
         for _ in range(5):
             assert light.chat.completions.create(**ask).choices[0].message.content
-    assert sample(metrics, "disagg_admission_total", priority="batch", outcome="admitted") == 2
-    assert sample(metrics, "disagg_admission_total", priority="interactive", outcome="admitted") == 5
+    assert counted(metrics, "batch", "admitted") == 2
+    assert counted(metrics, "interactive", "admitted") == 5
     # A key that is no tenant's (and no --api-key was given): 401.
     answer = httpx.post(url + "/v1/chat/completions", json=ask, headers={"authorization": "Bearer other"})
     assert answer.status_code == 401
@@ -155,13 +156,13 @@ def test_through_the_orchestrator_the_heavy_tenant_is_limited_and_the_other_serv
 def test_a_header_may_lower_a_tenants_priority_but_not_raise_it(with_tenants: tuple[str, Metrics]) -> None:
     url, metrics = with_tenants
     ask: dict[str, Any] = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
-    before = [sample(metrics, "disagg_admission_total", priority=p, outcome="admitted")
+    before = [counted(metrics, p, "admitted")
               for p in ("interactive", "default", "batch")]
     for priority in ("batch", "default"):
         answer = httpx.post(url + "/v1/chat/completions", json=ask,
                             headers={"authorization": "Bearer key-of-b", "x-priority": priority})
         assert answer.status_code == 200
-    after = [sample(metrics, "disagg_admission_total", priority=p, outcome="admitted")
+    after = [counted(metrics, p, "admitted")
              for p in ("interactive", "default", "batch")]
     assert [b - a for a, b in zip(before, after, strict=True)] == [0, 1, 1]
     assert (INTERACTIVE, DEFAULT, BATCH) == (0, 1, 2)
