@@ -9,7 +9,12 @@ container had a network namespace and a DNS name of its own (see ``loopback_envi
 - each service's container ports (DISAGG_PORT, DISAGG_KV_PORT) -> free local ports, one per (service, port);
 - a service's host name (DISAGG_KV_ADVERTISE_HOST) -> ``127.0.0.1``.
 
-Worker URLs in the orchestrator's YAML are mapped the same way by the callers, which know where they come from.
+Worker URLs in the orchestrator's YAML, and the Responses store's URL, are mapped the same way by the callers, which
+know where they come from.
+
+A Redis container (an official redis image: its entrypoint runs its arguments) runs as Debian's ``redis-server``
+with the container's arguments, on a free loopback port, with a folder of its own for ``/data``
+(``redis_arguments``).
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
 
 import httpx
 import openai
@@ -97,6 +103,36 @@ class LocalDeployment:
         self.processes[service] = process
         return process
 
+    def start_program(self, service: str, command: list[str], env: Mapping[str, str]) -> Process:
+        """A process that is not the image's entrypoint (the Redis of a deployment), run in its own folder."""
+        assert service not in self.processes, f"{service} started twice"
+        log_path = self.workdir / f"{service}.log"
+        with log_path.open("wb") as log:
+            popen = subprocess.Popen(command, cwd=self.workdir, env={**clean_environment(), **env}, stdout=log,
+                                     stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
+        process = Process(service, popen, log_path)
+        self.processes[service] = process
+        return process
+
+    def redis_arguments(self, service: str, args: list[str], container_port: int) -> list[str]:
+        """A Redis container's arguments as a local ``redis-server`` command: its port the local one standing for
+        ``container_port``, bound to loopback, its ``/data`` a folder of the work directory."""
+        assert args[0] == "redis-server", f"{service}: not a redis-server command: {args}"
+        options, rest = [], list(args[1:])
+        while rest:
+            option = rest.pop(0)
+            value = rest.pop(0) if rest and not rest[0].startswith("--") else None
+            if option == "--port":
+                assert value == str(container_port), f"{service}: --port {value}, but port {container_port}"
+            elif option == "--dir":
+                assert value == "/data", f"{service}: --dir {value}: the volume is mounted at /data"
+            else:
+                options += [option] if value is None else [option, value]
+        data = self.workdir / f"{service}-data"
+        data.mkdir(exist_ok=True)
+        return ["redis-server", *options, "--port", str(self.port(service, container_port)), "--bind", "127.0.0.1",
+                "--dir", str(data), "--daemonize", "no"]
+
     def wait_until(self, service: str, check: Callable[[], bool], timeout_s: float, what: str) -> None:
         """Poll ``check`` until it holds; fail at once if the process exits, or after ``timeout_s``."""
         process = self.processes[service]
@@ -133,6 +169,13 @@ def local_deployment(workdir: Path) -> Iterator[LocalDeployment]:
         yield deployment
     finally:
         deployment.stop()
+
+
+def with_address(url: str, host: str, port: int) -> str:
+    """``url`` with another host and port; scheme, user, password and path as they were."""
+    parts = urlsplit(url)
+    userinfo = parts.netloc.rpartition("@")[0]
+    return urlunsplit(parts._replace(netloc=f"{userinfo}@{host}:{port}" if userinfo else f"{host}:{port}"))
 
 
 def http_ok(url: str) -> bool:

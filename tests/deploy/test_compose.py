@@ -1,6 +1,7 @@
 """deploy/docker-compose.yml (and the root compose.yaml that includes it): valid for the real Compose v2, shaped
 as documented, and describing a system that serves: its services' commands and environments, as Compose resolves
-them, run as local processes and answer a chat completion through the orchestrator."""
+them, run as local processes and answer a chat completion through the orchestrator; with the shared-state profile,
+a Responses API conversation kept in the profile's Redis across the orchestrator's front-end processes."""
 
 from __future__ import annotations
 
@@ -14,7 +15,9 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+import openai
 import pytest
+import redis
 import yaml
 
 from frontend.config import parse_config
@@ -29,11 +32,14 @@ from tests.deploy.local_run import (
     gen_prompt_paths,
     http_ok,
     local_deployment,
+    with_address,
 )
 
 COMPOSE_FILE = REPO / "deploy" / "docker-compose.yml"
 ROOT_COMPOSE_FILE = REPO / "compose.yaml"
 WORKERS = ("ctx", "gen")
+SHARED_STATE = "shared-state"  # the profile that adds Redis for the Responses store
+STORE_URL = "redis://redis:6379/0"  # what the compose file's comments tell you to set with that profile
 
 
 def compose_binary() -> Path:
@@ -59,9 +65,11 @@ def compose(tmp_path: Path, *args: str, env: dict[str, str] | None = None,
                           env={**clean_environment(), **(env or {})}, capture_output=True, text=True, timeout=60)
 
 
-def resolved(tmp_path: Path, env: dict[str, str] | None = None, file: Path | None = COMPOSE_FILE) -> dict[str, Any]:
+def resolved(tmp_path: Path, env: dict[str, str] | None = None, file: Path | None = COMPOSE_FILE,
+             profiles: tuple[str, ...] = ()) -> dict[str, Any]:
     """The project as Compose itself resolves it: anchors merged, ${...} interpolated, includes followed."""
-    result = compose(tmp_path, *(["-f", str(file)] if file else []), "config", "--format", "json", env=env)
+    result = compose(tmp_path, *(["-f", str(file)] if file else []), *(a for p in profiles for a in ("--profile", p)),
+                     "config", "--format", "json", env=env)
     assert result.returncode == 0, result.stderr
     project: dict[str, Any] = json.loads(result.stdout)
     return project
@@ -70,9 +78,10 @@ def resolved(tmp_path: Path, env: dict[str, str] | None = None, file: Path | Non
 def test_compose_v2_accepts_the_file(tmp_path: Path) -> None:
     version = compose(tmp_path, "version", "--short")
     assert version.returncode == 0 and version.stdout.startswith("2."), version
-    result = compose(tmp_path, "-f", str(COMPOSE_FILE), "config", "-q")
-    assert result.returncode == 0, result.stderr
-    assert result.stdout == ""
+    for profiles in ((), ("--profile", SHARED_STATE), ("--profile", SHARED_STATE, "--profile", "monitoring")):
+        result = compose(tmp_path, "-f", str(COMPOSE_FILE), *profiles, "config", "-q")
+        assert result.returncode == 0, (profiles, result.stderr)
+        assert result.stdout == ""
 
 
 def test_compose_v2_rejects_a_broken_copy(tmp_path: Path) -> None:
@@ -106,7 +115,12 @@ def test_services_are_wired_as_documented(tmp_path: Path) -> None:
         assert service["healthcheck"]["test"] == ["CMD", *image.healthcheck_command], name
         assert "DISAGG_PORT" in service["environment"], name
     orchestrator = services["orchestrator"]
-    assert orchestrator["depends_on"] == {w: {"condition": "service_healthy", "required": True} for w in WORKERS}
+    assert orchestrator["depends_on"] == {
+        **{w: {"condition": "service_healthy", "required": True} for w in WORKERS},
+        "redis": {"condition": "service_healthy", "required": False},  # in the shared-state profile only
+    }
+    assert orchestrator["environment"]["DISAGG_RESPONSE_STORE_URL"] is None  # the memory store unless set
+    assert orchestrator["environment"]["DISAGG_API_WORKERS"] == "1"
     assert [(p["host_ip"], p["published"], p["target"]) for p in orchestrator["ports"]] == \
         [("127.0.0.1", "8000", int(orchestrator["environment"]["DISAGG_PORT"]))]
     assert orchestrator["environment"]["DISAGG_API_KEY"] is None  # passed through only when set
@@ -141,6 +155,36 @@ def worker_url(project: dict[str, Any], deployment: LocalDeployment, service: st
     return f"http://127.0.0.1:{deployment.port(service, port)}"
 
 
+def dependencies(project: dict[str, Any], name: str) -> set[str]:
+    """What a service waits for: a dependency that is not required is skipped when its profile is off."""
+    return {d for d, how in project["services"][name].get("depends_on", {}).items()
+            if how.get("required", True) or d in project["services"]}
+
+
+def redis_service(service: dict[str, Any]) -> bool:
+    return bool(service["image"].startswith("redis:"))
+
+
+def start_redis(name: str, service: dict[str, Any], deployment: LocalDeployment) -> None:
+    """The redis service's command as a local redis-server; its data volume a folder of the work directory."""
+    assert [v["target"] for v in service["volumes"] if v["type"] == "volume"] == ["/data"]
+    port = int(service["environment"]["REDIS_PORT"])
+    # The image's working directory, where redis-server writes, is /data.
+    deployment.start_program(name, deployment.redis_arguments(name, [*service["command"], "--dir", "/data"], port), {})
+
+
+def healthy(name: str, service: dict[str, Any], deployment: LocalDeployment) -> bool:
+    """The service's own health check command, as the container runtime runs it, against the local port."""
+    test = service["healthcheck"]["test"]
+    if redis_service(service):
+        assert test[0] == "CMD-SHELL", test
+        env = {"REDIS_PORT": str(deployment.port(name, int(service["environment"]["REDIS_PORT"])))}
+        return command_ok(["sh", "-c", test[1].replace("$$", "$")], env)  # compose's own escape of "$"
+    assert test[:2] == ["CMD", "python"], test
+    env = {"DISAGG_PORT": str(deployment.port(name, int(service["environment"]["DISAGG_PORT"])))}
+    return command_ok([sys.executable, *test[2:]], env)
+
+
 def start_project(project: dict[str, Any], deployment: LocalDeployment, timeout_s: float) -> str:
     """Start the services in depends_on order, each waited for by its own health check; returns the published
     orchestrator URL."""
@@ -149,12 +193,21 @@ def start_project(project: dict[str, Any], deployment: LocalDeployment, timeout_
     hosts = set(services)
     started: set[str] = set()
     while len(started) < len(services):
-        ready = [n for n, s in services.items() if n not in started and set(s.get("depends_on", {})) <= started]
+        ready = [n for n in services if n not in started and dependencies(project, n) <= started]
         assert ready, f"a depends_on cycle among {set(services) - started}"
         for name in ready:
             service = services[name]
+            if redis_service(service):
+                start_redis(name, service, deployment)
+                continue
             env = {k: v for k, v in service["environment"].items() if v is not None}  # null = unset
             env = deployment.loopback_environment(name, {**image.disagg_environment, **env}, hosts)
+            if "DISAGG_RESPONSE_STORE_URL" in env:  # redis://<service>:<port>/..., as the project's network routes it
+                store = urlsplit(env["DISAGG_RESPONSE_STORE_URL"])
+                assert store.hostname is not None and store.hostname in hosts and store.port, \
+                    f"{store.hostname} is not a service of this project"
+                env["DISAGG_RESPONSE_STORE_URL"] = with_address(env["DISAGG_RESPONSE_STORE_URL"], "127.0.0.1",
+                                                                deployment.port(store.hostname, store.port))
             if "DISAGG_CONFIG" in env:  # the mounted config, its worker URLs mapped as the workers' ports were
                 raw = yaml.safe_load(orchestrator_config(project))
                 for pool in ("context_servers", "generation_servers"):
@@ -164,10 +217,7 @@ def start_project(project: dict[str, Any], deployment: LocalDeployment, timeout_
                 env["DISAGG_CONFIG"] = str(path)
             deployment.start(name, service.get("entrypoint") or image.entrypoint, service["command"], env)
         for name in ready:  # condition: service_healthy, judged by the service's own health check command
-            test = services[name]["healthcheck"]["test"]
-            assert test[:2] == ["CMD", "python"], test
-            env = {"DISAGG_PORT": str(deployment.port(name, int(services[name]["environment"]["DISAGG_PORT"])))}
-            deployment.wait_until(name, functools.partial(command_ok, [sys.executable, *test[2:]], env), timeout_s,
+            deployment.wait_until(name, functools.partial(healthy, name, services[name], deployment), timeout_s,
                                   "healthy")
             started.add(name)
     [published] = services["orchestrator"]["ports"]
@@ -221,3 +271,55 @@ def test_the_monitoring_profile_scrapes_every_service_and_provisions_the_dashboa
     assert Path(dashboard["target"]).parent == Path(provider["providers"][0]["options"]["path"])
     datasource = yaml.safe_load(project["configs"]["grafana-datasource"]["content"])["datasources"][0]
     assert datasource["type"] == "prometheus" and datasource["url"].startswith("http://prometheus:")
+
+
+def test_the_shared_state_profile_adds_a_redis_the_orchestrator_uses(tmp_path: Path) -> None:
+    """Off by default (no redis service above, no store URL); with `--profile shared-state` and the URL the file
+    names, a pinned Redis with its append-only file on a volume, reached on the project network only, that the
+    orchestrator waits for and keeps its Responses store in."""
+    project = resolved(tmp_path, env={"DISAGG_RESPONSE_STORE_URL": STORE_URL}, profiles=(SHARED_STATE,))
+    services = project["services"]
+    assert set(services) == {"orchestrator", "redis", *WORKERS}
+    service = services["redis"]
+    assert service["image"] == "redis:7.2.7-alpine" and service["profiles"] == [SHARED_STATE]
+    command = service["command"]
+    assert command[0] == "redis-server"
+    options = dict(zip(command[1::2], command[2::2], strict=True))
+    assert options["--appendonly"] == "yes" and options["--maxmemory-policy"] == "noeviction"
+    assert [(v["type"], v["source"], v["target"]) for v in service["volumes"]] == [("volume", "redis-data", "/data")]
+    assert "redis-data" in project["volumes"]
+    assert "ports" not in service  # not published: only the project's containers reach it
+    assert service["read_only"] is True and service["healthcheck"]["test"][0] == "CMD-SHELL"
+    orchestrator = services["orchestrator"]
+    assert orchestrator["environment"]["DISAGG_RESPONSE_STORE_URL"] == STORE_URL  # from the shell, passed through
+    store = urlsplit(STORE_URL)
+    assert store.hostname == "redis" and str(store.port) in service["expose"]
+    assert str(store.port) == options["--port"] == service["environment"]["REDIS_PORT"]
+    assert orchestrator["depends_on"]["redis"]["condition"] == "service_healthy"
+    # The file's own usage line names this profile and this URL.
+    assert f"COMPOSE_PROFILES={SHARED_STATE} DISAGG_RESPONSE_STORE_URL={STORE_URL} docker compose up" in \
+        COMPOSE_FILE.read_text()
+
+
+def test_the_shared_state_profile_keeps_a_conversation_across_orchestrator_processes(tmp_path: Path) -> None:
+    """Two orchestrator front-end processes (DISAGG_ORCHESTRATOR_API_WORKERS=2) share one port: a memory store
+    would be off there (previous_response_id refused); the profile's Redis serves every turn, whichever process
+    the connection reaches."""
+    project = resolved(tmp_path, env={"DISAGG_ENGINE": "synthetic", "DISAGG_RESPONSE_STORE_URL": STORE_URL,
+                                      "DISAGG_ORCHESTRATOR_API_WORKERS": "2"}, profiles=(SHARED_STATE,))
+    assert project["services"]["orchestrator"]["environment"]["DISAGG_API_WORKERS"] == "2"
+    with local_deployment(tmp_path) as deployment:
+        url = start_project(project, deployment, timeout_s=90)
+        assert not healthy("redis", {**project["services"]["redis"], "environment": {"REDIS_PORT": "1"}},
+                           deployment)  # the health check is not vacuous: no Redis on that port
+        previous = None
+        for n in range(6):  # a new client, so a new connection, every turn
+            with openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60) as client:
+                reply = client.responses.create(model="synthetic", input=f"Turn {n}", max_output_tokens=2,
+                                                previous_response_id=previous)
+                previous = reply.id
+        with openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60) as client:
+            assert client.responses.retrieve(reply.id).output_text == reply.output_text
+        local_redis = f"redis://127.0.0.1:{deployment.port('redis', int(urlsplit(STORE_URL).port or 0))}/0"
+        with redis.Redis.from_url(local_redis) as store:
+            assert any(store.scan_iter(match="*disagg:responses*")), "no stored response in the profile's Redis"

@@ -1,7 +1,8 @@
 """deploy/helm/disagg-serve: linted and rendered by Helm's own Go SDK (helm-python-sdk, offline), the manifests
 valid against Kubernetes' schemas (kubernetes-validate, strict), shaped as documented, and describing a system
-that serves: the rendered Deployments' arguments and environment, run as local processes, answer a chat completion
-through the orchestrator's Service, for the default values and for a non-default set."""
+that serves: the rendered Deployments' (and the chart's Redis StatefulSet's) arguments and environment, run as local
+processes, answer a chat completion through the orchestrator's Service, and carry a Responses API conversation from
+one orchestrator pod to another through the shared store, for the default values and for non-default sets."""
 
 from __future__ import annotations
 
@@ -14,10 +15,13 @@ import shutil
 import socket
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import helm_python as helm
 import kubernetes_validate  # type: ignore[import-untyped]
+import openai
 import pytest
+import redis
 import yaml
 
 from frontend.config import parse_config
@@ -27,16 +31,21 @@ from tests.deploy.local_run import (
     LocalDeployment,
     ask_capital,
     assert_key_required,
+    command_ok,
     gen_prompt_paths,
     http_ok,
     local_deployment,
+    with_address,
 )
 
 CHART = REPO / "deploy" / "helm" / "disagg-serve"
 KUBERNETES_VERSION = "1.30.0"  # kubernetes-validate ships offline schemas for 1.25 ... 1.37
 RELEASE, NAMESPACE = "llm", "serving"
 PREFIX = f"{RELEASE}-disagg-serve"
-EXISTING_SECRET = {"disagg-keys": {"api-key": "existing-secret-key"}}  # what an operator created beforehand
+# A Redis the operator runs outside the chart, and the Secrets an operator created beforehand.
+EXTERNAL_REDIS = "redis://:operators-password@redis.example.internal:6379/0"
+EXISTING_SECRET = {"disagg-keys": {"api-key": "existing-secret-key"}, "disagg-store": {"redis-url": EXTERNAL_REDIS}}
+SERVICE_DOMAIN = f".{NAMESPACE}.svc.cluster.local"
 
 # Everything off the defaults that changes what is rendered or how it runs.
 NON_DEFAULT: dict[str, Any] = {
@@ -50,14 +59,21 @@ NON_DEFAULT: dict[str, Any] = {
         "autoscaling": {"enabled": True, "maxReplicas": 3},
         "podDisruptionBudget": {"enabled": True},
         "service": {"type": "LoadBalancer", "port": 80},
+        "responseStore": {"existingSecret": "disagg-store", "existingSecretKey": "redis-url"},
     },
     "ctx": {"autoscaling": {"enabled": True, "minReplicas": 2, "maxReplicas": 6},
             "podDisruptionBudget": {"enabled": True}},
     "gen": {"replicas": 3, "podDisruptionBudget": {"enabled": True, "minAvailable": "50%"},
             "extraEnv": [{"name": "DISAGG_MAX_CONCURRENT_REQUESTS", "value": "64"}]},
 }
-CREATED_SECRET: dict[str, Any] = {"auth": {"apiKey": "made-by-the-chart", "adminKey": "admin-made-by-the-chart"}}
-VALUE_SETS = {"default": None, "non_default": NON_DEFAULT, "created_secret": CREATED_SECRET}
+CREATED_SECRET: dict[str, Any] = {
+    "auth": {"apiKey": "made-by-the-chart", "adminKey": "admin-made-by-the-chart"},
+    "orchestrator": {"responseStore": {"url": "rediss://:made%2Bby-the-chart@redis.example.internal:6380/2"}},
+}
+# The chart runs the Redis that two orchestrator pods share.
+CHART_REDIS: dict[str, Any] = {"redis": {"enabled": True}, "orchestrator": {"replicas": 2}}
+VALUE_SETS = {"default": None, "non_default": NON_DEFAULT, "created_secret": CREATED_SECRET,
+              "chart_redis": CHART_REDIS}
 
 
 def render(values: dict[str, Any] | None) -> list[dict[str, Any]]:
@@ -76,9 +92,24 @@ def by_kind(manifests: list[dict[str, Any]]) -> dict[tuple[str, str], dict[str, 
     return {(m["kind"], m["metadata"]["name"]): m for m in manifests}
 
 
-def container(deployment: dict[str, Any]) -> dict[str, Any]:
-    [only] = deployment["spec"]["template"]["spec"]["containers"]
+def container(workload: dict[str, Any]) -> dict[str, Any]:
+    """The one container of a Deployment's or StatefulSet's pods."""
+    [only] = workload["spec"]["template"]["spec"]["containers"]
     return dict(only)
+
+
+def env_of(workload: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {e["name"]: e for e in container(workload)["env"]}
+
+
+def decoded(secret: dict[str, Any]) -> dict[str, str]:
+    return {k: base64.b64decode(v).decode() for k, v in secret.get("data", {}).items()}
+
+
+def redis_client_settings(url: str) -> dict[str, Any]:
+    """What redis-py, the orchestrator's client, makes of a store URL."""
+    settings: dict[str, Any] = redis.ConnectionPool.from_url(url).connection_kwargs
+    return settings
 
 
 # -- Helm's own lint and Kubernetes' schemas ------------------------------------------------------------------
@@ -172,7 +203,9 @@ def test_default_resources() -> None:
     assert orchestrator["livenessProbe"] == {"tcpSocket": {"port": "http"}, "periodSeconds": 10,
                                              "timeoutSeconds": 5, "failureThreshold": 3}
     assert not any(e["name"] in ("DISAGG_API_KEY", "DISAGG_ADMIN_KEY") for e in orchestrator["env"])
+    assert not any(e["name"] == "DISAGG_RESPONSE_STORE_URL" for e in orchestrator["env"])  # the memory store
     assert "WARNING: no API key is set" in notes(None)
+    assert "Responses" not in notes(None)  # one orchestrator pod: its memory store is enough
 
 
 def test_orchestrator_discovers_the_workers_headless_services() -> None:
@@ -205,13 +238,17 @@ def test_non_default_values() -> None:
     assert env["DISAGG_API_KEY"]["valueFrom"]["secretKeyRef"] == {"name": "disagg-keys", "key": "api-key",
                                                                   "optional": False}
     assert env["DISAGG_ADMIN_KEY"]["valueFrom"]["secretKeyRef"]["optional"] is True
+    assert env["DISAGG_RESPONSE_STORE_URL"]["valueFrom"] == {"secretKeyRef": {"name": "disagg-store",
+                                                                             "key": "redis-url"}}
+    assert not [k for k in resources if k[0] == "StatefulSet"]  # the operator's Redis, not the chart's
     config = parse_config(yaml.safe_load(resources[("ConfigMap", f"{PREFIX}-orchestrator")]["data"]
                                          ["orchestrator.yaml"]))
     assert (config.gen_tokids_metadata_only, config.max_retries) == (True, 2)
     assert (config.context_servers.router.type, config.generation_servers.router.type) == \
         ("least_loaded", "prefix_affinity")
     assert resources[("Service", f"{PREFIX}-orchestrator")]["spec"]["type"] == "LoadBalancer"
-    assert "WARNING" not in notes(NON_DEFAULT)
+    assert "WARNING" not in notes(NON_DEFAULT)  # autoscaled orchestrators, and a store they share
+    assert "the Redis named in Secret disagg-store (key redis-url)" in notes(NON_DEFAULT)
 
 
 def test_api_key_from_a_value_makes_a_secret() -> None:
@@ -225,20 +262,143 @@ def test_api_key_from_a_value_makes_a_secret() -> None:
     assert "auth.apiKey is stored in this release's history" in notes(CREATED_SECRET)
 
 
+def test_store_url_from_a_value_makes_a_secret() -> None:
+    resources = by_kind(render(CREATED_SECRET))
+    url = CREATED_SECRET["orchestrator"]["responseStore"]["url"]
+    assert decoded(resources[("Secret", f"{PREFIX}-response-store")]) == {"url": url}  # as given, nothing else
+    env = env_of(resources[("Deployment", f"{PREFIX}-orchestrator")])
+    assert env["DISAGG_RESPONSE_STORE_URL"]["valueFrom"] == {"secretKeyRef": {"name": f"{PREFIX}-response-store",
+                                                                             "key": "url"}}
+    assert not [k for k in resources if k[0] == "StatefulSet"]
+    assert "url" not in (parse_config(yaml.safe_load(resources[("ConfigMap", f"{PREFIX}-orchestrator")]["data"]
+                                                     ["orchestrator.yaml"])).response_store.model_fields_set)
+    assert "orchestrator.responseStore.url is stored in this release's history" in notes(CREATED_SECRET)
+
+
+# -- the chart's own Redis -------------------------------------------------------------------------------------
+def test_no_redis_unless_enabled() -> None:
+    for values in (None, NON_DEFAULT, CREATED_SECRET):
+        assert not [name for kind, name in by_kind(render(values)) if name.endswith("-redis")]
+
+
+def test_the_charts_redis_is_a_persistent_statefulset_the_orchestrator_reaches_through_a_secret() -> None:
+    resources = by_kind(render(CHART_REDIS))
+    name = f"{PREFIX}-redis"
+    statefulset = resources[("StatefulSet", name)]
+    spec, pod = statefulset["spec"], statefulset["spec"]["template"]["spec"]
+    assert spec["replicas"] == 1 and spec["serviceName"] == name
+    c = container(statefulset)
+    assert c["image"] == "redis:7.2.7-alpine"  # pinned, not latest
+    args = c["args"]
+    assert args[0] == "redis-server"
+    options = dict(zip(args[1::2], args[2::2], strict=True))
+    assert options["--appendonly"] == "yes" and options["--dir"] == "/data"
+    assert options["--maxmemory-policy"] == "noeviction" and options["--maxmemory"] == "384mb"
+    assert options["--requirepass"] == "$(REDIS_PASSWORD)"  # expanded by the kubelet from the env below
+    env = env_of(statefulset)
+    secret_name = f"{PREFIX}-response-store"
+    for variable in ("REDIS_PASSWORD", "REDISCLI_AUTH"):
+        assert env[variable]["valueFrom"] == {"secretKeyRef": {"name": secret_name, "key": "redis-password"}}
+    for probe in ("livenessProbe", "readinessProbe"):
+        assert "redis-cli" in " ".join(c[probe]["exec"]["command"]) and "ping" in " ".join(c[probe]["exec"]["command"])
+    assert set(c["resources"]) == {"requests", "limits"} and c["resources"]["limits"]["memory"] == "1Gi"
+    assert pod["securityContext"]["runAsNonRoot"] is True and pod["automountServiceAccountToken"] is False
+    assert c["securityContext"]["readOnlyRootFilesystem"] is True
+    assert c["securityContext"]["allowPrivilegeEscalation"] is False
+    [claim] = spec["volumeClaimTemplates"]
+    assert claim["metadata"]["name"] == "data" and claim["spec"]["accessModes"] == ["ReadWriteOnce"]
+    assert claim["spec"]["resources"]["requests"]["storage"] == "2Gi"
+    assert {"name": "data", "mountPath": "/data"} in c["volumeMounts"]
+    assert not [v for v in pod["volumes"] if v["name"] == "data"]  # the claim, not an emptyDir
+    service = resources[("Service", name)]["spec"]
+    assert service["type"] == "ClusterIP"
+    assert selected_workload(resources, resources[("Service", name)]) == ("StatefulSet", name)
+    [port] = service["ports"]
+    assert (port["port"], port["targetPort"]) == (6379, "redis")
+    # The orchestrator's URL points at that Service, with the password the Secret holds.
+    secret = decoded(resources[("Secret", secret_name)])
+    assert set(secret) == {"url", "redis-password"} and re.fullmatch(r"[A-Za-z0-9]{32}", secret["redis-password"])
+    settings = redis_client_settings(secret["url"])
+    assert (settings["host"], settings["port"], settings["db"]) == (f"{name}{SERVICE_DOMAIN}", 6379, 0)
+    assert settings["password"] == secret["redis-password"]
+    orchestrator = resources[("Deployment", f"{PREFIX}-orchestrator")]
+    assert env_of(orchestrator)["DISAGG_RESPONSE_STORE_URL"]["valueFrom"] == \
+        {"secretKeyRef": {"name": secret_name, "key": "url"}}
+    for workload in (orchestrator, statefulset):  # a changed store setting rolls both
+        assert "checksum/response-store" in workload["spec"]["template"]["metadata"]["annotations"]
+    text = notes(CHART_REDIS)
+    assert f"the chart's Redis, {name}{SERVICE_DOMAIN}:6379" in text and "WARNING: 2 orchestrator" not in text
+
+
+def test_a_given_redis_password_reaches_the_client_intact() -> None:
+    password = "p@ss word+/:%x"
+    resources = by_kind(render({"redis": {"enabled": True, "auth": {"password": password}}}))
+    secret = decoded(resources[("Secret", f"{PREFIX}-response-store")])
+    assert secret["redis-password"] == password
+    assert redis_client_settings(secret["url"])["password"] == password
+    assert "redis.auth.password is stored in this release's history" in notes({"redis": {"enabled": True,
+                                                                                       "auth": {"password": password}}})
+
+
+def test_redis_without_a_password_or_a_volume() -> None:
+    values = {"redis": {"enabled": True, "auth": {"enabled": False}, "persistence": {"enabled": False}}}
+    resources = by_kind(render(values))
+    statefulset = resources[("StatefulSet", f"{PREFIX}-redis")]
+    for manifest in resources.values():
+        kubernetes_validate.validate(manifest, KUBERNETES_VERSION, strict=True)
+    args = container(statefulset)["args"]
+    assert "--requirepass" not in args and args[args.index("--protected-mode") + 1] == "no"
+    assert not {"REDIS_PASSWORD", "REDISCLI_AUTH"} & set(env_of(statefulset))
+    assert "volumeClaimTemplates" not in statefulset["spec"]
+    assert {"name": "data", "emptyDir": {}} in statefulset["spec"]["template"]["spec"]["volumes"]
+    secret = decoded(resources[("Secret", f"{PREFIX}-response-store")])
+    assert secret == {"url": f"redis://{PREFIX}-redis{SERVICE_DOMAIN}:6379/0"}
+
+
+@pytest.mark.parametrize(("values", "warned"), [
+    ({"orchestrator": {"replicas": 2}}, True),
+    ({"orchestrator": {"autoscaling": {"enabled": True}}}, True),
+    ({"orchestrator": {"replicas": 2, "config": {"response_store": {"max_entries": 0}}}}, False),  # off by design
+    ({"orchestrator": {"autoscaling": {"enabled": True, "maxReplicas": 1}}}, False),
+    (None, False),
+    (CHART_REDIS, False),
+    ({"orchestrator": {"replicas": 3, "responseStore": {"existingSecret": "disagg-store"}}}, False),
+], ids=["replicas", "autoscaling", "store_off", "autoscaling_to_one", "default", "chart_redis", "existing_secret"])
+def test_notes_warn_of_several_orchestrators_without_a_shared_store(values: dict[str, Any] | None,
+                                                                     warned: bool) -> None:
+    """A warning, not a failed render: several orchestrators on the memory store serve everything but follow-ups
+    that land on another pod, and a deployment may not use stored responses at all."""
+    text = notes(values)
+    assert ("no shared Responses store" in text) is warned, text
+
+
+@pytest.mark.parametrize(("values", "message"), [
+    ({"redis": {"enabled": True}, "orchestrator": {"responseStore": {"url": "redis://elsewhere:6379/0"}}},
+     "set one of the two"),
+    ({"redis": {"enabled": True}, "orchestrator": {"responseStore": {"existingSecret": "disagg-store"}}},
+     "set one of the two"),
+    ({"orchestrator": {"config": {"response_store": {"url": "redis://:pw@redis:6379/0"}}}}, "in a ConfigMap"),
+    ({"orchestrator": {"config": {"response_store": {"backend": "redis"}}}}, "needs a URL"),
+], ids=["chart_redis_and_url", "chart_redis_and_secret", "url_in_configmap", "redis_backend_without_url"])
+def test_contradictory_store_settings_fail_the_render(values: dict[str, Any], message: str) -> None:
+    with pytest.raises(helm.HelmRenderError, match=message):
+        render(values)
+
+
 # -- the rendered system, run ---------------------------------------------------------------------------------
-def selected_deployment(resources: dict[tuple[str, str], dict[str, Any]], service: dict[str, Any]) -> str:
-    """The Deployment whose pods a Service selects (exactly one, in this chart)."""
+def selected_workload(resources: dict[tuple[str, str], dict[str, Any]], service: dict[str, Any]) -> tuple[str, str]:
+    """The (kind, name) of the Deployment or StatefulSet whose pods a Service selects (exactly one, in this chart)."""
     selector = service["spec"]["selector"].items()
-    [name] = [n for (kind, n), m in resources.items()
-              if kind == "Deployment" and selector <= m["spec"]["template"]["metadata"]["labels"].items()]
-    return name
+    [workload] = [(kind, n) for (kind, n), m in resources.items() if kind in ("Deployment", "StatefulSet")
+                  and selector <= m["spec"]["template"]["metadata"]["labels"].items()]
+    return workload
 
 
-def container_port(deployment: dict[str, Any], port: int | str) -> int:
+def container_port(workload: dict[str, Any], port: int | str) -> int:
     """A container port, by number or by name."""
     if isinstance(port, int):
         return port
-    [number] = [p["containerPort"] for p in container(deployment)["ports"] if p["name"] == port]
+    [number] = [p["containerPort"] for p in container(workload)["ports"] if p["name"] == port]
     return int(number)
 
 
@@ -247,16 +407,16 @@ def service_target(resources: dict[tuple[str, str], dict[str, Any]], deployment:
     """http://127.0.0.1:<local port> standing for <service>:<port>, as kube-proxy or cluster DNS would route it."""
     service = resources[("Service", service_name)]
     [entry] = [p for p in service["spec"]["ports"] if p["port"] == port]
-    name = selected_deployment(resources, service)
-    number = container_port(resources[("Deployment", name)], entry["targetPort"])
+    kind, name = selected_workload(resources, service)
+    number = container_port(resources[(kind, name)], entry["targetPort"])
     return f"http://127.0.0.1:{deployment.port(name, number)}"
 
 
-def local_environment(resources: dict[tuple[str, str], dict[str, Any]], name: str, deployment: LocalDeployment,
-                      secrets: dict[str, dict[str, str]]) -> dict[str, str]:
-    """A container's environment as the kubelet would give it, then mapped onto loopback."""
+def kubelet_environment(workload: dict[str, Any], secrets: dict[str, dict[str, str]]) -> dict[str, str]:
+    """A container's environment as the kubelet would give it (values, Secrets, the pod's IP on loopback)."""
     env: dict[str, str] = {}
-    for item in container(resources[("Deployment", name)])["env"]:
+    name = workload["metadata"]["name"]
+    for item in container(workload)["env"]:
         source = item.get("valueFrom")
         if source is None:
             env[item["name"]] = str(item["value"])
@@ -270,7 +430,94 @@ def local_environment(resources: dict[tuple[str, str], dict[str, Any]], name: st
                 env[item["name"]] = value
         else:
             raise AssertionError(f"{name}: no local equivalent for {item}")
-    return deployment.loopback_environment(name, {**Image.read().disagg_environment, **env}, hosts=set())
+    return env
+
+
+def local_environment(resources: dict[tuple[str, str], dict[str, Any]], name: str, deployment: LocalDeployment,
+                      secrets: dict[str, dict[str, str]], pod: str | None = None) -> dict[str, str]:
+    """A Deployment's container environment as the kubelet would give it to ``pod`` (default: its first pod, named
+    as the Deployment), then mapped onto loopback."""
+    env = kubelet_environment(resources[("Deployment", name)], secrets)
+    return deployment.loopback_environment(pod or name, {**Image.read().disagg_environment, **env}, hosts=set())
+
+
+def expand_kubelet_references(arg: str, env: dict[str, str]) -> str:
+    """$(VAR) in a container's args, as the kubelet expands it from the container's environment."""
+    return re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", lambda m: env.get(m.group(1), m.group(0)), arg)
+
+
+def start_chart_redis(resources: dict[tuple[str, str], dict[str, Any]], deployment: LocalDeployment,
+                      secrets: dict[str, dict[str, str]]) -> None:
+    """The chart's Redis StatefulSet's one pod: its arguments and environment as the kubelet gives them, run as a
+    local redis-server; waited for by its own readiness probe (redis-cli ping), which must fail before it answers
+    and with a wrong password."""
+    [name] = [n for kind, n in resources if kind == "StatefulSet"]
+    statefulset = resources[("StatefulSet", name)]
+    c = container(statefulset)
+    env = kubelet_environment(statefulset, secrets)
+    number = container_port(statefulset, "redis")
+    probe_env = {**env, "REDIS_PORT": str(deployment.port(name, number))}  # its port, mapped like DISAGG_PORT
+    readiness = c["readinessProbe"]["exec"]["command"]
+    assert not command_ok(readiness, probe_env), "the readiness probe passes with no Redis running"
+    args = [expand_kubelet_references(a, env) for a in c["args"]]
+    deployment.start_program(name, deployment.redis_arguments(name, args, number), {})
+    deployment.wait_until(name, functools.partial(command_ok, readiness, probe_env), 30, "ready")
+    assert command_ok(c["livenessProbe"]["exec"]["command"], probe_env), f"{name}: liveness fails when ready"
+    if "REDISCLI_AUTH" in env:
+        assert not command_ok(readiness, {**probe_env, "REDISCLI_AUTH": "not-the-password"}), \
+            "the readiness probe passes with a wrong password"
+
+
+def start_external_redis(url: str, deployment: LocalDeployment) -> None:
+    """The operator's own Redis that an existing Secret's URL names, standing in as a local redis-server."""
+    settings = redis_client_settings(url)
+    service = f"external-redis-{settings['host']}"
+    command = ["redis-server", "--save", "", "--port", str(settings["port"])]
+    if settings.get("password"):
+        command += ["--requirepass", settings["password"]]
+    deployment.start_program(service, deployment.redis_arguments(service, command, settings["port"]), {})
+    local = with_address(url, "127.0.0.1", deployment.port(service, settings["port"]))
+    deployment.wait_until(service, functools.partial(redis_answers, local), 30, "answering")
+
+
+def redis_answers(url: str) -> bool:
+    try:
+        with redis.Redis.from_url(url, socket_timeout=2) as client:
+            return bool(client.ping())
+    except (redis.RedisError, OSError):
+        return False
+
+
+def local_store_url(resources: dict[tuple[str, str], dict[str, Any]], deployment: LocalDeployment,
+                    url: str) -> str:
+    """The store URL the orchestrator got, mapped as cluster DNS and kube-proxy (the chart's Redis Service) or the
+    network (the operator's Redis) would route it."""
+    settings = redis_client_settings(url)
+    host, port = settings["host"], settings["port"]
+    if host.endswith(SERVICE_DOMAIN):
+        local = urlsplit(service_target(resources, deployment, host.removesuffix(SERVICE_DOMAIN), port))
+        assert local.port is not None
+        return with_address(url, "127.0.0.1", local.port)
+    return with_address(url, "127.0.0.1", deployment.port(f"external-redis-{host}", port))
+
+
+def converse(urls: list[str], api_key: str | None, model: str) -> None:
+    """A Responses API conversation whose every turn goes to the next orchestrator pod: each finds the turn before
+    (previous_response_id) and reads back what another pod stored."""
+    clients = [openai.OpenAI(base_url=url + "/v1", api_key=api_key or "unused", max_retries=0, timeout=60)
+               for url in urls]
+    try:
+        turns = [clients[0].responses.create(model=model, input="Hello", max_output_tokens=2)]
+        for n in range(1, 4):
+            turns.append(clients[n % len(clients)].responses.create(
+                model=model, input=f"And then {n}?", previous_response_id=turns[-1].id, max_output_tokens=2))
+        inputs = [turn.usage.input_tokens for turn in turns if turn.usage is not None]
+        assert len(inputs) == 4 and inputs == sorted(set(inputs)), inputs  # each turn carried the conversation
+        for n, turn in enumerate(turns):
+            assert clients[(n + 1) % len(clients)].responses.retrieve(turn.id).output_text == turn.output_text
+    finally:
+        for client in clients:
+            client.close()
 
 
 def mount_config(resources: dict[tuple[str, str], dict[str, Any]], name: str, env: dict[str, str],
@@ -296,14 +543,16 @@ def mount_config(resources: dict[tuple[str, str], dict[str, Any]], name: str, en
 
 
 def probe_passes(resources: dict[tuple[str, str], dict[str, Any]], name: str, deployment: LocalDeployment,
-                 kind: str) -> bool:
-    """One of the container's probes (httpGet or tcpSocket), as the kubelet runs it, against the local port."""
+                 kind: str, pod: str | None = None) -> bool:
+    """One of the container's probes (httpGet or tcpSocket), as the kubelet runs it, against the local port of
+    ``pod`` (default: the Deployment's first pod)."""
     manifest = resources[("Deployment", name)]
     probe = container(manifest)[kind]
+    pod = pod or name
     if "httpGet" in probe:
-        port = deployment.port(name, container_port(manifest, probe["httpGet"]["port"]))
+        port = deployment.port(pod, container_port(manifest, probe["httpGet"]["port"]))
         return http_ok(f"http://127.0.0.1:{port}{probe['httpGet']['path']}")
-    port = deployment.port(name, container_port(manifest, probe["tcpSocket"]["port"]))
+    port = deployment.port(pod, container_port(manifest, probe["tcpSocket"]["port"]))
     try:
         socket.create_connection(("127.0.0.1", port), timeout=2).close()
     except OSError:
@@ -312,30 +561,44 @@ def probe_passes(resources: dict[tuple[str, str], dict[str, Any]], name: str, de
 
 
 def run_chart(values: dict[str, Any] | None, tmp_path: Path, engine: str | None) -> None:
-    """Start every Deployment at once (as Kubernetes would), wait for every readiness probe, then ask the
-    orchestrator's Service. ``engine`` overrides DISAGG_ENGINE in the workers' environment, for speed."""
+    """Start every Deployment at once (as Kubernetes would), after the Redis its store names (the chart's
+    StatefulSet, or the operator's own), wait for every readiness probe, then ask the orchestrator's Service.
+    With a store URL the orchestrator runs as two pods, and a Responses conversation alternates between them.
+    ``engine`` overrides DISAGG_ENGINE in the workers' environment, for speed."""
     resources = by_kind(render(values))
-    secrets = {n: {k: base64.b64decode(v).decode() for k, v in m.get("data", {}).items()}
-               for (kind, n), m in resources.items() if kind == "Secret"} | EXISTING_SECRET
+    secrets = {n: decoded(m) for (kind, n), m in resources.items() if kind == "Secret"} | EXISTING_SECRET
     api_key = secrets.get((values or {}).get("auth", {}).get("existingSecret") or PREFIX, {}).get("api-key")
     deployments = [n for kind, n in resources if kind == "Deployment"]
+    orchestrator_name = f"{PREFIX}-orchestrator"
+    store_url = kubelet_environment(resources[("Deployment", orchestrator_name)], secrets).get(
+        "DISAGG_RESPONSE_STORE_URL")
+    pods = {name: [name, f"{name}-2"] if name == orchestrator_name and store_url else [name] for name in deployments}
     with local_deployment(tmp_path) as deployment:
+        if ("StatefulSet", f"{PREFIX}-redis") in resources:
+            start_chart_redis(resources, deployment, secrets)
+        elif store_url:
+            start_external_redis(store_url, deployment)
         for name in deployments:
-            env = local_environment(resources, name, deployment, secrets)
-            if engine and "DISAGG_ENGINE" in env:
-                env["DISAGG_ENGINE"] = engine
-            if "DISAGG_CONFIG" in env:
-                mount_config(resources, name, env, deployment)
-            deployment.start(name, Image.read().entrypoint, container(resources[("Deployment", name)])["args"],
-                             env)
+            for pod in pods[name]:
+                env = local_environment(resources, name, deployment, secrets, pod)
+                if engine and "DISAGG_ENGINE" in env:
+                    env["DISAGG_ENGINE"] = engine
+                if "DISAGG_CONFIG" in env:
+                    mount_config(resources, name, env, deployment)
+                if "DISAGG_RESPONSE_STORE_URL" in env:
+                    env["DISAGG_RESPONSE_STORE_URL"] = local_store_url(resources, deployment,
+                                                                       env["DISAGG_RESPONSE_STORE_URL"])
+                deployment.start(pod, Image.read().entrypoint, container(resources[("Deployment", name)])["args"],
+                                 env)
         for name in deployments:
-            deployment.wait_until(name, functools.partial(probe_passes, resources, name, deployment, "readinessProbe"),
-                                  90, "ready")
+            for pod in pods[name]:
+                deployment.wait_until(pod, functools.partial(probe_passes, resources, name, deployment,
+                                                             "readinessProbe", pod), 90, "ready")
         for name in deployments:
             for kind in ("startupProbe", "livenessProbe"):
                 if kind in container(resources[("Deployment", name)]):
                     assert probe_passes(resources, name, deployment, kind), f"{name}: {kind} fails when ready"
-        orchestrator = resources[("Service", f"{PREFIX}-orchestrator")]
+        orchestrator = resources[("Service", orchestrator_name)]
         url = service_target(resources, deployment, orchestrator["metadata"]["name"],
                              orchestrator["spec"]["ports"][0]["port"])
         model, _ = ask_capital(url, api_key)
@@ -347,6 +610,12 @@ def run_chart(values: dict[str, Any] | None, tmp_path: Path, engine: str | None)
         gen = service_target(resources, deployment, f"{PREFIX}-gen", 8002)
         paths = gen_prompt_paths(gen)  # one request, which reached GEN the way the config says
         assert paths == {"metadata_only" if metadata_only else "array": 1.0}, paths
+        number = container_port(resources[("Deployment", orchestrator_name)], "http")
+        converse([f"http://127.0.0.1:{deployment.port(pod, number)}" for pod in pods[orchestrator_name]], api_key,
+                 model)
+        if store_url:  # what the pods share is the Redis the chart pointed them at
+            with redis.Redis.from_url(local_store_url(resources, deployment, store_url)) as client:
+                assert any(client.scan_iter(match="*disagg:responses*")), "no stored response in the Redis"
 
 
 def test_default_values_serve(tmp_path: Path) -> None:
@@ -354,8 +623,13 @@ def test_default_values_serve(tmp_path: Path) -> None:
 
 
 def test_non_default_values_serve(tmp_path: Path) -> None:
-    """Metadata-only, an existing Secret's API key, other routers, a served model name, extra env."""
+    """Metadata-only, an existing Secret's API key and store URL (the operator's Redis), other routers, a served
+    model name, extra env."""
     run_chart(NON_DEFAULT, tmp_path, engine="synthetic")
+
+
+def test_the_charts_redis_serves_a_conversation_across_orchestrator_pods(tmp_path: Path) -> None:
+    run_chart(CHART_REDIS, tmp_path, engine="synthetic")
 
 
 def test_the_grafana_dashboard_is_an_opt_in_configmap_for_grafanas_sidecar() -> None:

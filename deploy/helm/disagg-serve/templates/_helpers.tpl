@@ -108,3 +108,91 @@ Services); everything else comes from .Values.orchestrator.config.
   emptyDir:
     sizeLimit: {{ .Values.tmpSizeLimit }}
 {{- end }}
+
+{{/*
+The Secret holding the orchestrator's Responses store URL (DISAGG_RESPONSE_STORE_URL), or "" when there is none
+(the store is then each process's memory): orchestrator.responseStore.existingSecret, else the chart-made one
+when orchestrator.responseStore.url is set or the chart runs Redis.
+*/}}
+{{- define "disagg-serve.responseStoreSecretName" -}}
+{{- $s := .Values.orchestrator.responseStore }}
+{{- if $s.existingSecret }}
+{{- $s.existingSecret }}
+{{- else if or $s.url .Values.redis.enabled }}
+{{- include "disagg-serve.componentName" (list . "response-store") }}
+{{- end }}
+{{- end }}
+
+{{/* The key of the URL in that Secret. */}}
+{{- define "disagg-serve.responseStoreSecretKey" -}}
+{{- if .Values.orchestrator.responseStore.existingSecret }}
+{{- .Values.orchestrator.responseStore.existingSecretKey }}
+{{- else }}
+{{- print "url" }}
+{{- end }}
+{{- end }}
+
+{{/*
+The chart's Redis password: redis.auth.password, else the one the chart-made Secret already holds (so an upgrade
+keeps it), else 32 new random letters and digits. Evaluate it once per template: each call may draw anew.
+*/}}
+{{- define "disagg-serve.redisPassword" -}}
+{{- if .Values.redis.auth.password }}
+{{- .Values.redis.auth.password }}
+{{- else }}
+{{- $existing := lookup "v1" "Secret" .Release.Namespace (include "disagg-serve.componentName" (list . "response-store")) }}
+{{- $held := "" }}
+{{- if $existing }}
+{{- $held = index ($existing.data | default dict) "redis-password" | default "" }}
+{{- end }}
+{{- if $held }}
+{{- $held | b64dec }}
+{{- else }}
+{{- randAlphaNum 32 }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* The chart's Redis Service, as the orchestrator reaches it: <release>-disagg-serve-redis.<namespace>.svc.<domain>. */}}
+{{- define "disagg-serve.redisHost" -}}
+{{- printf "%s.%s.svc.%s" (include "disagg-serve.componentName" (list . "redis")) .Release.Namespace .Values.clusterDomain }}
+{{- end }}
+
+{{/*
+What rolls the orchestrator and Redis pods when the store's settings change (the pods read the Secret only at
+start-up). The inputs, not the rendered Secret: a generated password would change the checksum on every render.
+*/}}
+{{- define "disagg-serve.responseStoreChecksum" -}}
+{{- toJson (dict "store" .Values.orchestrator.responseStore "redis" (pick .Values.redis "enabled" "auth" "port")) | sha256sum }}
+{{- end }}
+
+{{/*
+Settings that cannot work together stop the render with a message (helm install/upgrade/template fail).
+*/}}
+{{- define "disagg-serve.validateResponseStore" -}}
+{{- $s := .Values.orchestrator.responseStore }}
+{{- if and .Values.redis.enabled (or $s.existingSecret $s.url) }}
+{{- fail "redis.enabled runs a Redis for the orchestrator's Responses store, and orchestrator.responseStore names another: set one of the two" }}
+{{- end }}
+{{- $config := .Values.orchestrator.config.response_store | default dict }}
+{{- if and (kindIs "map" $config) $config.url }}
+{{- fail "orchestrator.config.response_store.url would put the store's URL (and its password) in a ConfigMap: set orchestrator.responseStore.url or .existingSecret instead" }}
+{{- end }}
+{{- if and (kindIs "map" $config) (eq (toString $config.backend) "redis") (not (include "disagg-serve.responseStoreSecretName" .)) }}
+{{- fail "orchestrator.config.response_store.backend: redis needs a URL: set orchestrator.responseStore.url or .existingSecret, or redis.enabled" }}
+{{- end }}
+{{- end }}
+
+{{/*
+Whether several orchestrator processes may run with no shared store (so that a follow-up can land where its turn
+is not): "true" or "". A store turned off (max_entries: 0) is off by design and counts as shared.
+*/}}
+{{- define "disagg-serve.unsharedResponseStore" -}}
+{{- $o := .Values.orchestrator }}
+{{- $config := $o.config.response_store | default dict }}
+{{- $off := and (kindIs "map" $config) (hasKey $config "max_entries") (eq (int $config.max_entries) 0) }}
+{{- $several := ternary (gt (int $o.autoscaling.maxReplicas) 1) (gt (int $o.replicas) 1) (eq $o.autoscaling.enabled true) }}
+{{- if and $several (not $off) (not (include "disagg-serve.responseStoreSecretName" .)) }}
+{{- print "true" }}
+{{- end }}
+{{- end }}
