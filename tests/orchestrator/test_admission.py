@@ -218,7 +218,7 @@ def test_prefills_past_a_ctx_workers_window_wait_at_the_orchestrator_by_class(
 
     with ThreadPoolExecutor(3) as pool:
         first = pool.submit(ask, "first batch", "batch")
-        assert eventually(lambda: len(ctx.recorder.exchanges) == 1)  # type: ignore[union-attr]
+        assert eventually(lambda: len(ctx.recorder.exchanges) == 1)
         second = pool.submit(ask, "second batch", "batch")
         assert eventually(lambda: prefill_waiting("batch"))
         urgent = pool.submit(ask, "urgent", "interactive")
