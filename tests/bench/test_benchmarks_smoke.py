@@ -164,10 +164,18 @@ def test_cancel_storm_runs_on_both_setups(tmp_path: Path) -> None:
     from tests.workers.engines.reference.tiny_model import write_tiny_model
 
     model = write_tiny_model(tmp_path / "tiny.gguf", seed=0)
-    result = cancel_storm.run(rounds=1, requests=2, long_words=64, short_words=8, cancel_after_s=0.05,
+    result = cancel_storm.run(rounds=2, requests=2, long_words=64, short_words=8, cancel_after_s=0.05,
                               model_path=str(model))
     assert set(result["setups"]) == {"aggregated", "disaggregated"}
+    assert result["method"]["target_p90_ratio"] == cancel_storm.TARGET_RATIO == 1.5
     for setup in result["setups"].values():
-        assert _positive(setup["idle_ttft_ms"]) and _positive(setup["after_storm_ttft_ms"])
-        assert _positive(setup["ratio"]) and setup["drain_after_short_s"] >= 0
+        assert len(setup["rounds"]) == 2
+        for key in ("idle_ttft_ms", "after_storm_ttft_ms"):
+            values = [r[key] for r in setup["rounds"]]
+            assert all(_positive(v) for v in values)
+            assert setup[key]["p50"] <= setup[key]["p90"] <= setup[key]["max"] == max(values)
+        assert _positive(setup["p50_ratio"]) and _positive(setup["p90_ratio"])
+        assert setup["p90_ratio"] == setup["after_storm_ttft_ms"]["p90"] / setup["idle_ttft_ms"]["p90"]
+        assert setup["within_target"] == (setup["p90_ratio"] <= 1.5)
+        assert all(r["drain_after_short_s"] >= 0 for r in setup["rounds"])
     assert "| aggregated |" in cancel_storm.tables(result)

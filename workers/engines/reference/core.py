@@ -88,7 +88,8 @@ class Core:
         self.channels_lock = threading.Lock()
         self.owner_of: dict[str, int] = {}  # request id -> channel id
         # Request ids whose abort a reader thread has seen and the main loop has not handled yet: the scheduler
-        # reads it between layers, so an abort cuts a long prefill chunk short instead of waiting it out.
+        # reads it within every layer, so an abort cuts a long prefill chunk short instead of waiting it out, and
+        # the loop reads it at a submit, so a request abandoned before the core got to it is never queued.
         self.aborts_pending: set[str] = set()
         self.ready_frame: Header | None = None
         self.stopping = threading.Event()
@@ -243,6 +244,10 @@ class Core:
         channel = self.channels.get(channel_id)
         if op == "submit":
             request_id = str(header.get("id"))
+            if request_id in self.aborts_pending or channel is None or not channel.open:
+                # Abandoned while its submit waited in the inbox (behind a prefill chunk, say): never queued, no
+                # KV, nothing answered; its abort frame (or the channel's close), handled next, finds nothing.
+                return True
             self.owner_of[request_id] = channel_id
             self.spans.submitted(header)
             try:

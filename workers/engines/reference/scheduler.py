@@ -91,7 +91,8 @@ class Scheduler:
         self.emit = emit
         self.wake = wake  # called from a fetch thread when its KV arrives
         # Whether an abort for this request has arrived but is not handled yet (the core's reader threads see
-        # it at once; the loop only between steps): a prefill chunk stops at its next layer when it says so.
+        # it at once; the loop only between steps): a prefill chunk stops within its layer when it says so, and a
+        # queued request it names is dropped before a step would start it.
         self.abort_pending = abort_pending
         self.vocab_size = model.config.vocab_size
         self.context = model.config.context_length
@@ -114,6 +115,7 @@ class Scheduler:
             return
         # Compiled before prefill: a schema that does not compile fails the submit, not a step.
         constraint = self._constraint(spec)
+        # The cache takes its memory at the first prefill chunk (KVCache), not here in the queue.
         seq = Sequence(spec, self.model.new_cache(int(spec.prompt.shape[0]) + 16), constraint=constraint)
         if self.prefix_cache is not None and spec.sampling.prompt_logprobs is None:
             seq.prefilled = seq.cached_tokens = self.prefix_cache.load_prefix(spec.prompt, seq.cache)
@@ -166,6 +168,9 @@ class Scheduler:
     # -- one step -----------------------------------------------------------------------------------------
     def step(self) -> None:
         self._admit_fetched()
+        # A queued request whose abort has arrived is not started: its abort frame, handled next, finds it gone.
+        while self._prefill_queue and self.abort_pending(self._prefill_queue[0].spec.request_id):
+            self._prefill_queue.popleft()
         if self._prefill_queue:
             self._prefill_chunk(self._prefill_queue[0])
         for key, seq in list(self._running.items()):
@@ -263,7 +268,7 @@ class Scheduler:
         spec = seq.spec
         start = seq.prefilled
         chunk = spec.prompt[start : start + self.config.prefill_chunk]
-        stop = lambda: self.abort_pending(spec.request_id)  # noqa: E731 - asked between layers
+        stop = lambda: self.abort_pending(spec.request_id)  # noqa: E731 - asked within every layer
         try:
             if spec.sampling.prompt_logprobs is not None:
                 all_logits = self.model.prefill_all_logits(chunk, seq.cache, stop)

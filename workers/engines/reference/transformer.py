@@ -24,26 +24,57 @@ _PREFILL_QUERY_BLOCK = 512
 _MIN_CAPACITY = 64
 
 StopCheck = Callable[[], bool]
+# Where a pass asks ``stop``, in every layer: before it, before attention, before the output projection, and
+# between the MLP's two matmuls. None of these splits an operation, so a finished pass computes exactly what it
+# would without asking; the longest stretch between two asks is one matmul (~20 ms for a 512-token chunk here).
+STOP_CHECKS_PER_LAYER = 4
 
 
 class Interrupted(Exception):
-    """``stop`` said so between two layers: the cache holds a partial pass and must be thrown away."""
+    """``stop`` said so inside the pass: the cache holds a partial pass and must be thrown away."""
+
+
+def _check(stop: StopCheck | None) -> None:
+    if stop is not None and stop():
+        raise Interrupted
 
 
 class KVCache:
-    """Per-layer K and V, each [n_kv_heads, capacity, head_dim] float32, filled up to `length`."""
+    """Per-layer K and V, each [n_kv_heads, capacity, head_dim] float32, filled up to `length`.
+
+    The arrays are made when first used, not with the cache: a request waiting in the scheduler's queue holds its
+    cache but not its memory (~46 KB per position; zeroing it for ten 2,000-token prompts took tens of ms of the
+    engine's loop), and one aborted there never takes any."""
 
     def __init__(self, config: ModelConfig, capacity: int = _MIN_CAPACITY) -> None:
         self.config = config
         self.length = 0
-        capacity = max(1, capacity)
-        shape = (config.n_kv_heads, capacity, config.head_dim)
-        self.k = [np.zeros(shape, np.float32) for _ in range(config.n_layers)]
-        self.v = [np.zeros(shape, np.float32) for _ in range(config.n_layers)]
+        self._capacity = max(1, capacity)
+        self._k: list[F32Array] | None = None
+        self._v: list[F32Array] | None = None
+
+    @property
+    def allocated(self) -> bool:
+        """Whether the arrays exist yet."""
+        return self._k is not None
+
+    def _allocate(self) -> tuple[list[F32Array], list[F32Array]]:
+        shape = (self.config.n_kv_heads, self._capacity, self.config.head_dim)
+        self._k = [np.zeros(shape, np.float32) for _ in range(self.config.n_layers)]
+        self._v = [np.zeros(shape, np.float32) for _ in range(self.config.n_layers)]
+        return self._k, self._v
+
+    @property
+    def k(self) -> list[F32Array]:
+        return self._k if self._k is not None else self._allocate()[0]
+
+    @property
+    def v(self) -> list[F32Array]:
+        return self._v if self._v is not None else self._allocate()[1]
 
     @property
     def capacity(self) -> int:
-        return self.k[0].shape[1]
+        return self._capacity
 
     def reserve(self, total: int) -> None:
         """Make room for `total` positions, doubling so appends cost amortised O(1)."""
@@ -52,12 +83,16 @@ class KVCache:
         if total <= self.capacity:
             return
         new_capacity = min(max(total, 2 * self.capacity), self.config.context_length)
+        if self._k is None:  # nothing in it yet: made at the new size when first used
+            self._capacity = new_capacity
+            return
         shape = (self.config.n_kv_heads, new_capacity, self.config.head_dim)
         for layer in range(self.config.n_layers):
             for store in (self.k, self.v):
                 grown = np.zeros(shape, np.float32)
                 grown[:, : self.length] = store[layer][:, : self.length]
                 store[layer] = grown
+        self._capacity = new_capacity
 
 
 def fork_kv(cache: KVCache) -> KVCache:
@@ -185,20 +220,23 @@ class Transformer:
             )
         return out.reshape(c.n_heads, t, c.head_dim).transpose(1, 0, 2).reshape(t, c.n_heads * c.head_dim)
 
-    def _mlp(self, x: F32Array, layer: int) -> F32Array:
+    def _mlp(self, x: F32Array, layer: int, stop: StopCheck | None = None) -> F32Array:
         lw = self.weights.layers[layer]
         h = _rms_norm(x, lw.ffn_norm, self.config.rms_eps)
         gate_up = h @ lw.w_gate_up.T
         act = _silu(gate_up[:, : lw.d_ff]) * gate_up[:, lw.d_ff :]
+        _check(stop)
         out: F32Array = act @ lw.w_down.T
         return out
 
     def _forward(self, token_ids: I32Array, cache: KVCache, stop: StopCheck | None = None) -> F32Array:
         """Run T new tokens through every layer, appending to the cache; returns final hidden (T, d).
 
-        ``stop`` is asked before each layer; when it answers True the pass ends with ``Interrupted``. A prefill
-        chunk of 512 tokens takes seconds on a busy CPU: this is what lets an abort land within one layer of it
-        rather than after the whole chunk. It never changes what a finished pass computes.
+        ``stop`` is asked ``STOP_CHECKS_PER_LAYER`` times in each layer (before it, before attention, before the
+        output projection, between the MLP's matmuls); when it answers True the pass ends with ``Interrupted``.
+        A prefill chunk of 512 tokens takes seconds on a busy CPU, one of its layers 50-80 ms: this is what lets an
+        abort land within one matmul of it rather than after the layer or the chunk. It never changes what a
+        finished pass computes.
         """
         c = self.config
         ids = np.asarray(token_ids, dtype=np.int32).reshape(-1)
@@ -212,16 +250,17 @@ class Transformer:
         positions = np.arange(start, start + t, dtype=np.int32)
         x = self.weights.token_embedding[ids]
         for layer in range(c.n_layers):
-            if stop is not None and stop():
-                raise Interrupted
+            _check(stop)
             lw = self.weights.layers[layer]
             q, k, v = self._qkv(_rms_norm(x, lw.attn_norm, c.rms_eps), layer, positions)
             cache.k[layer][:, start : start + t] = k
             cache.v[layer][:, start : start + t] = v
             end = start + t
+            _check(stop)
             attn = self._attend(q, cache.k[layer][:, :end], cache.v[layer][:, :end], start)
+            _check(stop)
             x = x + attn @ lw.wo.T
-            x = x + self._mlp(x, layer)
+            x = x + self._mlp(x, layer, stop)
         cache.length = start + t
         return _rms_norm(x, self.weights.output_norm, c.rms_eps)
 
