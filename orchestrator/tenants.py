@@ -32,6 +32,7 @@ from orchestrator.admission import PRIORITIES
 BYTES_PER_TOKEN = 4  # the estimate's ratio, as the routers' (orchestrator/routers.py: routing_key)
 _USAGE = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
 _EVENT = b"data: "
+LIMITS = ("concurrent", "requests_per_s", "prompt_tokens_per_s", "completion_tokens_per_s")  # the metric's label
 
 
 class TenantLimitError(OverloadedError):
@@ -105,6 +106,9 @@ class Tenants:
                 _bucket(config.prompt_tokens_per_s, config, process_share, clock),
                 _bucket(config.completion_tokens_per_s, config, process_share, clock)))
         self._refused = metrics.tenant_refusals
+        for tenant in self._tenants:  # exported at 0 from start-up, so rate() has its zero
+            for limit in LIMITS:
+                self._refused.labels(tenant=tenant.name, limit=limit)
 
     def __bool__(self) -> bool:
         return bool(self._tenants)

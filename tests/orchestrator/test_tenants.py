@@ -166,3 +166,11 @@ def test_a_header_may_lower_a_tenants_priority_but_not_raise_it(with_tenants: tu
              for p in ("interactive", "default", "batch")]
     assert [b - a for a, b in zip(before, after, strict=True)] == [0, 1, 1]
     assert (INTERACTIVE, DEFAULT, BATCH) == (0, 1, 2)
+
+
+def test_each_tenants_refusals_are_exported_at_zero_from_start_up() -> None:
+    metrics = Metrics()
+    tenants_of(FakeClock(), {"name": "a", "api_key_env": "KEY_A"}, metrics=metrics)
+    exported = {s.labels["limit"] for f in metrics.registry.collect() for s in f.samples
+                if s.name == "disagg_tenant_refusals_total" and s.labels.get("tenant") == "a"}
+    assert exported == {"concurrent", "requests_per_s", "prompt_tokens_per_s", "completion_tokens_per_s"}
