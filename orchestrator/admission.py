@@ -33,6 +33,7 @@ _BY_NAME = {name: n for n, name in enumerate(PRIORITIES)}
 OUTCOMES = ("admitted", "queued", "queue_full", "timed_out", "left", "no_worker")
 _DRAIN_WINDOW_S = 10.0  # the drain rate is of requests finished within this long
 _MAX_RETRY_AFTER_S = 60
+_RECHECK_S = 0.5  # how often a waiter at a moving limit looks at it again
 
 
 def priority_of(header: str | None) -> int:
@@ -128,7 +129,14 @@ class Admission:
         enqueued = self._clock()
         try:
             async with asyncio.timeout(self.config.queue_timeout_s):
-                await asyncio.shield(waiter.granted)
+                while not waiter.granted.done():
+                    if callable(self._limit):
+                        # A limit that moves without an event (a worker's circuit breaker turning half-open):
+                        # looked at again every so often, so no waiter is stranded while room has opened.
+                        await asyncio.wait([waiter.granted], timeout=_RECHECK_S)
+                        self._grant()
+                    else:
+                        await asyncio.shield(waiter.granted)
         except TimeoutError:
             if not waiter.granted.done():
                 self._leave(waiter, "timed_out")
@@ -179,8 +187,9 @@ class Admission:
 
     def _retry_after(self, priority: int) -> int:
         """Seconds until the queue ahead of a request of this class has drained, at the recent finishing rate."""
-        ahead = sum(len(self._queues[p]) for p in range(priority + 1)) + 1
+        ahead = sum(len(self._queues[p]) for p in range(priority + 1))
         rate = self._drain.per_second()
-        if rate <= 0:  # nothing finished lately: no rate to go by
-            return 1
+        if rate <= 0:  # nothing finished lately: a queue that does not move, or none to wait in
+            return min(_MAX_RETRY_AFTER_S, math.ceil(self.config.queue_timeout_s)) if ahead else 1
+        ahead += 1
         return min(_MAX_RETRY_AFTER_S, max(1, math.ceil(ahead / rate)))

@@ -6,15 +6,26 @@ store that is full). The breaker counts request outcomes instead: after ``failur
 ``cooldown_s``. Then it is half-open: one request may try it. If that one succeeds the breaker closes; if it fails
 the breaker opens again for twice as long (at most ``MAX_COOLDOWN_S``). A trial whose request ended without an
 outcome (the client left) gives the trial back.
+
+Each call's outcome is reported with the ``Trial`` its start returned, so an outcome is credited to the state it
+was started in: a call started before the breaker opened cannot close it by succeeding late, and only the trial
+itself decides (or gives back) the half-open state.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 CLOSED, HALF_OPEN, OPEN = 0, 1, 2  # disagg_worker_circuit_state's values
 MAX_COOLDOWN_S = 300.0
+
+
+@dataclass(frozen=True, slots=True)
+class Trial:
+    epoch: int  # the breaker's state changes before this call started
+    is_trial: bool  # the one call of a half-open breaker
 
 
 class CircuitBreaker:
@@ -25,6 +36,7 @@ class CircuitBreaker:
         self._clock = clock
         self._on_change = on_change
         self._state = CLOSED
+        self._epoch = 0
         self._in_a_row = 0
         self._cooldown_s = cooldown_s
         self._open_until = 0.0
@@ -41,37 +53,46 @@ class CircuitBreaker:
         state = self.state
         return state == CLOSED or (state == HALF_OPEN and not self._trial)
 
-    def started(self) -> None:
+    def started(self) -> Trial:
         """A request was given to the worker (in half-open: the trial)."""
-        if self.state == HALF_OPEN:
+        is_trial = self.state == HALF_OPEN and not self._trial
+        if is_trial:
             self._trial = True
+        return Trial(self._epoch, is_trial)
 
-    def succeeded(self) -> None:
+    def succeeded(self, trial: Trial) -> None:
+        if trial.epoch != self._epoch:
+            return  # started under another state: says nothing of this one
         self._in_a_row = 0
-        self._trial = False
-        if self._state != CLOSED:
+        if trial.is_trial:
+            self._trial = False
             self._cooldown_s = self.base_cooldown_s
             self._move(CLOSED)
 
-    def failed(self) -> None:
-        self._in_a_row += 1
-        state = self.state
-        if state == HALF_OPEN and self._trial:
+    def failed(self, trial: Trial) -> None:
+        if trial.epoch != self._epoch:
+            return
+        if trial.is_trial:
             self._trial = False
             self._cooldown_s = min(MAX_COOLDOWN_S, self._cooldown_s * 2)
             self._open()
-        elif state == CLOSED and self._in_a_row >= self.failures:
+            return
+        self._in_a_row += 1
+        if self._state == CLOSED and self._in_a_row >= self.failures:
             self._open()
 
-    def abandoned(self) -> None:
+    def abandoned(self, trial: Trial) -> None:
         """The request ended with no outcome for the worker (cancelled): a trial may be made again."""
-        self._trial = False
+        if trial.is_trial and trial.epoch == self._epoch:
+            self._trial = False
 
     def _open(self) -> None:
         self._open_until = self._clock() + self._cooldown_s
+        self._in_a_row = 0
         self._move(OPEN)
 
     def _move(self, state: int) -> None:
         self._state = state
+        self._epoch += 1
         if self._on_change is not None:
             self._on_change(state)

@@ -75,8 +75,8 @@ class DisaggFlow:
         # workers that take requests wait here, by priority, instead of in an engine's queue.
         window = config.context_servers.max_running_prefills
         self.prefill_gate = None if not window else Admission(
-            lambda: window * sum(w.accepting for w in ctx_pool.workers), config.admission, metrics,
-            has_workers=lambda: ctx_pool.has_healthy, gate="prefill")
+            lambda: window * sum(w.routable for w in ctx_pool.workers), config.admission, metrics,
+            has_workers=lambda: any(w.routable for w in ctx_pool.workers), gate="prefill")
         if self.prefill_gate is not None:
             ctx_pool.on_health_change.append(self.prefill_gate.poke)
 
@@ -170,9 +170,11 @@ class DisaggFlow:
 
         started = time.perf_counter()
         with tracing.span("ctx.call", request.span, headers=request.headers, client=True) as span:
+            # Past the prefill gate some worker has room in its window: those without are picked last.
+            full = [w for w in self.ctx_pool.workers if not w.has_room] if self.prefill_gate is not None else ()
             done = await self.retry.run(CTX_STEP, self.ctx_pool, request.key,
                                         lambda member: _post(self.ctx_pool, member, request, body_for(member),
-                                                             request.key))
+                                                             request.key), avoid=full)
             flow_tracing.called(span, done)
         request.ctx_worker = done.member.url
         self.ctx_latency(done.member.url).observe(time.perf_counter() - started)

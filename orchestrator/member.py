@@ -33,14 +33,14 @@ class PoolMember:
         self.max_running: int | None = None  # requests it may be given at once (a CTX worker's prefill window)
 
     @property
-    def accepting(self) -> bool:
-        """Healthy, and its circuit breaker lets a request through."""
+    def routable(self) -> bool:
+        """Whether a router may give it a request now: healthy, and its circuit breaker lets one through."""
         return self.healthy and self.breaker.allows()
 
     @property
-    def routable(self) -> bool:
-        """Whether a router may give it a request now: accepting, and with room in its window."""
-        return self.accepting and (self.max_running is None or self.inflight < self.max_running)
+    def has_room(self) -> bool:
+        """Below its window (``max_running``), if it has one."""
+        return self.max_running is None or self.inflight < self.max_running
 
     @property
     def engine_facts(self) -> GenEngineFacts:

@@ -54,9 +54,10 @@ class ResponseMemory:
         self.config = config
         self.store: ResponseStore = store if store is not None else MemoryResponseStore(config)
 
-    async def begin(self, body: dict[str, Any]) -> ResponsesTurn:
+    async def begin(self, body: dict[str, Any], owner: str = "") -> ResponsesTurn:
         """The turn ``body`` asks for: the body the workers get (the whole conversation when it continues a
-        stored one), and whether its answer is kept."""
+        stored one), and whether its answer is kept. ``owner``: the tenant asking ("" for none); it continues
+        only what it stored, and what it stores is its own."""
         previous_id = body.get("previous_response_id")
         store = body.get("store")
         if previous_id is not None and not isinstance(previous_id, str):
@@ -67,32 +68,33 @@ class ResponseMemory:
             self._refuse_when_off(previous_id, store)
         keep = self.config.enabled and (store if store is not None else self.config.store_by_default)
         if previous_id is None:
-            return ResponsesTurn(body, _items_of(body.get("input")), self.store if keep else None, 0)
+            return ResponsesTurn(body, _items_of(body.get("input")), self.store if keep else None, 0, owner=owner)
         new_items = [] if body.get("input") is None else _items_of(body["input"])
         if new_items is None:
             raise InvalidRequestError("'input' must be a string or a list of input items", param="input")
-        entry = await self._entry_of(previous_id)
+        entry = await self._entry_of(previous_id, owner)
         stored: list[Any] = orjson.loads(entry.conversation)
         continued = {name: value for name, value in body.items() if name != "previous_response_id"}
         continued["input"] = items = [*stored, *new_items]
         return ResponsesTurn(continued, items, self.store if keep else None, len(stored),
-                             entry.session or previous_id)
+                             entry.session or previous_id, owner)
 
-    async def stored(self, response_id: str) -> StoredResponse:
+    async def stored(self, response_id: str, owner: str = "") -> StoredResponse:
         """A stored response (``GET /v1/responses/{id}``); a 404 if unknown, evicted, expired or deleted."""
         entry = await self.store.get(response_id)
-        if entry is None:
+        if entry is None or entry.owner != owner:  # another tenant's is as unknown as one never stored
             raise ResponseNotFoundError(f"Response with id '{response_id}' not found.")
         return entry
 
-    async def _entry_of(self, previous_id: str) -> StoredResponse:
+    async def _entry_of(self, previous_id: str, owner: str) -> StoredResponse:
         entry = await self.store.get(previous_id)
-        if entry is None:
+        if entry is None or entry.owner != owner:
             raise ResponseNotFoundError(f"Previous response with id '{previous_id}' not found.",
                                         param="previous_response_id", code="previous_response_not_found")
         return entry
 
-    async def delete(self, response_id: str) -> None:
+    async def delete(self, response_id: str, owner: str = "") -> None:
+        await self.stored(response_id, owner)  # another tenant's: a 404, and nothing deleted
         if not await self.store.delete(response_id):
             raise ResponseNotFoundError(f"Response with id '{response_id}' not found.")
 
@@ -123,6 +125,7 @@ class ResponsesTurn:
     # The conversation's key for routing (its first response's id); None for a first turn, whose answer
     # starts one.
     session: str | None = None
+    owner: str = ""  # the tenant whose turn it is: its answer is stored as theirs
 
     async def answer(self, run: Callable[[], Awaitable[Answer]]) -> Answer:
         """``run``'s answer, kept once complete. A worker's error about an item names it as the client counted
@@ -189,7 +192,7 @@ class ResponsesTurn:
             return
         try:
             kept = await self.store.put(response_id, content, orjson.dumps([*self.input_items, *output]),
-                                        self.session or "")
+                                        self.session or "", self.owner)
         except ResponseStoreUnavailableError:
             return  # the answer is delivered all the same; the store logged and counted its failure
         if not kept:

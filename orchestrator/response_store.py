@@ -33,6 +33,7 @@ class StoredResponse:
     conversation: bytes  # a JSON list of input items: what a follow-up's input continues
     stored_at: float
     session: str = ""  # the conversation's key for routing: the id of its first response
+    owner: str = ""  # the tenant that stored it ("" for none): only its own key reads or continues it
 
     @property
     def size(self) -> int:
@@ -45,7 +46,8 @@ class ResponseStore(Protocol):
 
     limits: ResponseStoreConfig
 
-    async def put(self, response_id: str, response: bytes, conversation: bytes, session: str = "") -> bool:
+    async def put(self, response_id: str, response: bytes, conversation: bytes, session: str = "",
+                  owner: str = "") -> bool:
         """Keep the response (replacing one of the same id); False when it alone exceeds the byte bound."""
         ...
 
@@ -64,6 +66,10 @@ class ResponseStore(Protocol):
 
     @property
     def size_bytes(self) -> int:
+        ...
+
+    async def start(self) -> None:
+        """Called once the orchestrator starts (a shared store checks it can be reached)."""
         ...
 
     async def aclose(self) -> None:
@@ -88,9 +94,10 @@ class MemoryResponseStore:
     def size_bytes(self) -> int:
         return self._bytes
 
-    async def put(self, response_id: str, response: bytes, conversation: bytes, session: str = "") -> bool:
+    async def put(self, response_id: str, response: bytes, conversation: bytes, session: str = "",
+                  owner: str = "") -> bool:
         self._delete(response_id)
-        entry = StoredResponse(response_id, response, conversation, self._clock(), session or response_id)
+        entry = StoredResponse(response_id, response, conversation, self._clock(), session or response_id, owner)
         if entry.size > self.limits.max_bytes:
             return False
         self._expire()
@@ -110,6 +117,9 @@ class MemoryResponseStore:
 
     async def delete(self, response_id: str) -> bool:
         return self._delete(response_id)
+
+    async def start(self) -> None:
+        return None
 
     async def aclose(self) -> None:
         return None

@@ -8,7 +8,7 @@ Each call is one Lua script, which Redis runs whole while no other client's comm
 with its conversation and its bookkeeping, or not at all, and two processes that store at once cannot push the
 store past its bounds. The keys share one hash tag, so a Redis Cluster keeps them in one slot:
 
-- ``{prefix}:r:<id>``: a hash of the entry (response, conversation, session, stored_at), which also expires by
+- ``{prefix}:r:<id>``: a hash of the entry (response, conversation, session, stored_at, owner), which expires by
   itself ``ttl_s`` after it was stored, so Redis frees it even when no process writes again;
 - ``{prefix}:use``: ids by last use (a counter, not a clock: order is exact whichever process used them);
 - ``{prefix}:age``: ids by when they were stored (the orchestrators' wall clock, injectable for tests);
@@ -19,7 +19,8 @@ Failure is bounded and loud: a call that Redis does not answer within ``timeout_
 ``ResponseStoreUnavailableError`` (a 503 for the request that needed it), is counted by operation, and the first
 failure of an outage is logged once, as is the first success after it. The client reconnects by itself on the next
 call; a call that found its pooled connection dead (Redis restarted) is tried once more on a new one, which is
-safe: each script gives the same result when run twice.
+safe for a store or a read (each gives the same result run twice); a delete whose reply was lost and that ran
+again answers "not found" the second time.
 
 The client is redis-py's asyncio client: Redis' own, maintained with the server, speaks to Valkey alike, and does
 what this needs through public interfaces (a bounded blocking pool, scripts by SHA reloaded after a restart,
@@ -36,7 +37,7 @@ from urllib.parse import urlsplit
 import redis.asyncio as redis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
-from redis.exceptions import RedisError
+from redis.exceptions import RedisError, ResponseError
 
 from frontend.config import ResponseStoreConfig
 from frontend.errors import ResponseStoreUnavailableError
@@ -50,6 +51,13 @@ logger = logging.getLogger(__name__)
 MAX_CONNECTIONS = 64
 # Expired entries one call removes from the bookkeeping at most: a call stays short however long no one wrote.
 _EXPIRED_PER_CALL = 256
+_REFUSAL_LOG_EVERY_S = 60.0
+
+# Redis 7's script flags (the first line). A store refused by a Redis at its memory limit (maxmemory with
+# noeviction) is refused before its first command, so nothing of it is written; a read (it moves the entry in the
+# LRU) and a delete (it frees memory) run even then.
+_WRITES_WHOLE = "#!lua\n"
+_ALWAYS = "#!lua flags=allow-oom\n"
 
 # KEYS: use, age, sizes, bytes, tick, the entry's key. ARGV[1]: the entries' key prefix, ARGV[2]: the id.
 _DROP = """
@@ -70,9 +78,9 @@ local function counts()
 end
 """
 
-# ARGV: prefix, id, response, conversation, session, now, ttl_s, max_entries, max_bytes, expired_per_call.
+# ARGV: prefix, id, response, conversation, session, now, ttl_s, max_entries, max_bytes, expired_per_call, owner.
 # Returns {stored (1/0), entries, bytes}.
-_PUT = _DROP + """
+_PUT = _WRITES_WHOLE + _DROP + """
 local id, response, conversation = ARGV[2], ARGV[3], ARGV[4]
 local now, ttl = tonumber(ARGV[6]), tonumber(ARGV[7])
 local max_entries, max_bytes = tonumber(ARGV[8]), tonumber(ARGV[9])
@@ -86,7 +94,7 @@ if size > max_bytes then
   return {0, c[1], c[2]}
 end
 redis.call('HSET', entry, 'response', response, 'conversation', conversation, 'session', ARGV[5],
-           'stored_at', ARGV[6])
+           'stored_at', ARGV[6], 'owner', ARGV[11])
 redis.call('PEXPIRE', entry, math.ceil(ttl * 1000))
 redis.call('ZADD', use, redis.call('INCR', tick), id)
 redis.call('ZADD', age, now, id)
@@ -104,8 +112,8 @@ local c = counts()
 return {1, c[1], c[2]}
 """
 
-# ARGV: prefix, id, now, ttl_s. Returns {response, conversation, session, stored_at} or false.
-_GET = _DROP + """
+# ARGV: prefix, id, now, ttl_s. Returns {response, conversation, session, stored_at, owner} or false.
+_GET = _ALWAYS + _DROP + """
 local id = ARGV[2]
 local stored_at = redis.call('ZSCORE', age, id)
 if not stored_at then return false end
@@ -113,7 +121,7 @@ if tonumber(stored_at) <= tonumber(ARGV[3]) - tonumber(ARGV[4]) then
   drop(id)
   return false
 end
-local fields = redis.call('HMGET', entry, 'response', 'conversation', 'session', 'stored_at')
+local fields = redis.call('HMGET', entry, 'response', 'conversation', 'session', 'stored_at', 'owner')
 if not fields[1] then  -- gone by itself (its own expiry, or Redis evicted it): forget it
   drop(id)
   return false
@@ -123,7 +131,7 @@ return fields
 """
 
 # ARGV: prefix, id. Returns {deleted (1/0), entries, bytes}.
-_DELETE = _DROP + """
+_DELETE = _ALWAYS + _DROP + """
 local deleted = drop(ARGV[2])
 local c = counts()
 return {deleted, c[1], c[2]}
@@ -157,7 +165,8 @@ class RedisResponseStore:
         self._entry_prefix = f"{tag}:r:"
         self._entries = self._bytes = 0  # as the last call that changed them said
         self._down_since: float | None = None
-        self._metrics.response_store_up.set(1)
+        self._refusal_logged_at = -_REFUSAL_LOG_EVERY_S
+        self._metrics.response_store_up.set(0)  # until it answers (start())
         self._latency = {op: self._metrics.response_store_latency.labels(operation=op)
                          for op in RESPONSE_STORE_OPERATIONS}
 
@@ -169,22 +178,36 @@ class RedisResponseStore:
     def size_bytes(self) -> int:
         return self._bytes
 
-    async def put(self, response_id: str, response: bytes, conversation: bytes, session: str = "") -> bool:
+    async def put(self, response_id: str, response: bytes, conversation: bytes, session: str = "",
+                  owner: str = "") -> bool:
         stored, self._entries, self._bytes = await self._call(
             "put", self._put, response_id, response, conversation, session or response_id, repr(self._clock()),
-            repr(self.limits.ttl_s), self.limits.max_entries, self.limits.max_bytes, _EXPIRED_PER_CALL)
+            repr(self.limits.ttl_s), self.limits.max_entries, self.limits.max_bytes, _EXPIRED_PER_CALL, owner)
         return bool(stored)
 
     async def get(self, response_id: str) -> StoredResponse | None:
         fields = await self._call("get", self._get, response_id, repr(self._clock()), repr(self.limits.ttl_s))
         if not fields:
             return None
-        response, conversation, session, stored_at = fields
-        return StoredResponse(response_id, response, conversation, float(stored_at), session.decode())
+        response, conversation, session, stored_at, owner = fields
+        return StoredResponse(response_id, response, conversation, float(stored_at), session.decode(),
+                              owner.decode() if owner else "")
 
     async def delete(self, response_id: str) -> bool:
         deleted, self._entries, self._bytes = await self._call("delete", self._delete, response_id)
         return bool(deleted)
+
+    async def start(self) -> None:
+        """Ask Redis once, at start-up, so that a wrong URL or password shows at once (logged, ``up`` 0) rather
+        than at the first follow-up. The orchestrator serves either way: the store may come later."""
+        try:
+            async with asyncio.timeout(self.limits.timeout_s):
+                await self._redis.ping()
+        except (RedisError, OSError, TimeoutError) as exc:
+            self._went_down(exc)
+            return
+        self._metrics.response_store_up.set(1)
+        logger.info("the Responses store at %s answers", self._where)
 
     async def aclose(self) -> None:
         await self._redis.aclose()
@@ -197,20 +220,32 @@ class RedisResponseStore:
                                       args=[self._entry_prefix, response_id, *args])
         except (RedisError, OSError, TimeoutError) as exc:
             self._failed(operation, exc)
-            raise ResponseStoreUnavailableError(
-                f"the Responses store did not answer within {self.limits.timeout_s:g} s; try again") from exc
+            # The cause (unreachable, too slow, refused: a wrong password, out of memory) is in the log, once per
+            # outage; the client learns that the store cannot serve it now.
+            raise ResponseStoreUnavailableError("the Responses store is unavailable; try again") from exc
         self._latency[operation].observe(time.perf_counter() - started)
+        self._metrics.response_store_up.set(1)
         if self._down_since is not None:
             logger.warning("the Responses store at %s answers again, after %.1f s", self._where,
                            time.monotonic() - self._down_since)
             self._down_since = None
-            self._metrics.response_store_up.set(1)
         return result  # type: ignore[no-any-return]
 
     def _failed(self, operation: str, exc: BaseException) -> None:
         self._metrics.response_store_errors.labels(operation=operation).inc()
+        if isinstance(exc, ResponseError):
+            # Redis answered, with a refusal (out of memory, a wrong password, a read-only replica): it is not
+            # down, so no outage begins; the refusal is logged at most once a minute, not once per request.
+            now = time.monotonic()
+            if now - self._refusal_logged_at >= _REFUSAL_LOG_EVERY_S:
+                self._refusal_logged_at = now
+                logger.error("the Responses store at %s refused a %s: %s", self._where, operation, exc)
+            return
+        self._went_down(exc)
+
+    def _went_down(self, exc: BaseException) -> None:
+        self._metrics.response_store_up.set(0)
         if self._down_since is None:  # once per outage, not once per request
             self._down_since = time.monotonic()
-            self._metrics.response_store_up.set(0)
             logger.error("the Responses store at %s does not answer (%s: %s); requests that need it get 503 until "
                          "it does", self._where, type(exc).__name__, exc or "no answer within the timeout")

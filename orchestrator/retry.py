@@ -25,6 +25,7 @@ import orjson
 
 from frontend.errors import DETERMINISTIC_FAILURE_CODES, UpstreamError, UpstreamUnavailableError
 from frontend.metrics import Metrics
+from orchestrator.circuit_breaker import Trial
 from orchestrator.member import PoolMember
 from orchestrator.pool import WorkerPool
 from orchestrator.routers import RoutingKey
@@ -58,12 +59,14 @@ class RetryPolicy:
         key: RoutingKey,
         attempt: Callable[[PoolMember], Awaitable[AnswerT]],
         avoid: Collection[PoolMember] = (),
+        judges_workers: bool = True,
     ) -> Attempted[AnswerT]:
         """Run ``attempt`` on workers of ``pool`` until one answers (``step`` names it in errors and metrics).
 
         ``attempt`` must not leave a 5xx answer open: the policy drops it and moves on. ``avoid`` are workers that
         already failed this request in an earlier round (a health check may still find them fine): they are
-        picked only when no other worker is left.
+        picked only when no other worker is left. ``judges_workers``: whether outcomes feed the workers' circuit
+        breakers (not for a cheap GET that says nothing of how a worker serves requests).
         """
         tried: list[PoolMember] = []
         last: Attempted[AnswerT] | UpstreamError | None = None  # the failure that stands if no worker is left
@@ -79,11 +82,12 @@ class RetryPolicy:
                     raise
                 return last
             tried.append(member)
-            member.breaker.started()
+            breaker = member.breaker if judges_workers else _UNJUDGED
+            trial = breaker.started()
             try:
                 answer = await attempt(member)
             except UpstreamError as exc:
-                member.breaker.failed()
+                breaker.failed(trial)
                 if isinstance(exc, UpstreamUnavailableError):
                     member.mark_unreachable()
                 if self._out_of_retries(tried):
@@ -93,14 +97,14 @@ class RetryPolicy:
                 last = exc
                 continue
             except BaseException:  # cancelled (the client left): no outcome for the worker
-                member.breaker.abandoned()
+                breaker.abandoned(trial)
                 raise
             done = Attempted(answer, member, len(tried), tuple(tried[:-1]))
             worker_failed = answer.status_code >= 500 and not is_deterministic(answer)
             if worker_failed:
-                member.breaker.failed()
+                breaker.failed(trial)
             else:
-                member.breaker.succeeded()
+                breaker.succeeded(trial)
             if worker_failed and not self._out_of_retries(tried):
                 self.metrics.retries.labels(step=step, reason="status_5xx").inc()
                 last = done
@@ -109,6 +113,22 @@ class RetryPolicy:
 
     def _out_of_retries(self, tried: list[PoolMember]) -> bool:
         return len(tried) > self.max_retries
+
+
+class _Unjudged:
+    """The breaker of a call whose outcome says nothing of the worker: it records nothing."""
+
+    def started(self) -> Trial:
+        return Trial(0, False)
+
+    def failed(self, trial: Trial) -> None: ...
+
+    def succeeded(self, trial: Trial) -> None: ...
+
+    def abandoned(self, trial: Trial) -> None: ...
+
+
+_UNJUDGED = _Unjudged()
 
 
 def _pick(pool: WorkerPool, key: RoutingKey, tried: list[PoolMember], avoid: Collection[PoolMember]) -> PoolMember:

@@ -126,8 +126,9 @@ def create_orchestrator_app(
         tenants = Tenants(config.tenants, metrics, process_share=config.admission.process_share)
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
+    local_prefill = config.max_local_prefill_length > 0  # a short prompt needs no CTX worker
     admission_queue = Admission(config.max_concurrent_requests, config.admission, metrics,
-                                has_workers=lambda: ctx_pool.has_healthy or gen_pool.has_healthy)
+                                has_workers=lambda: gen_pool.has_healthy and (ctx_pool.has_healthy or local_prefill))
     lag_monitor = LoopLagMonitor(metrics.event_loop_lag, is_idle=lambda: inflight["count"] == 0)
     trimmer = IdleMemoryTrimmer(lambda: inflight["count"] == 0)
 
@@ -138,6 +139,7 @@ def create_orchestrator_app(
             discovery.start()
         # Every series whose labels are known now is exported at 0 from here on (orchestrator/metric_labels.py).
         export_known_series(metrics, [w.url for w in ctx_pool.workers], [w.url for w in gen_pool.workers])
+        await stored_responses.store.start()
         await monitor.check_now()
         monitor.start()
         lag_monitor.start()
@@ -250,7 +252,8 @@ def create_orchestrator_app(
             # string stays the bytes the client sent (orchestrator.client_body).
             body = parse_json_object(raw) if endpoint == "responses" else parse_client_body(raw)
             check_client_body(body)
-            turn = await stored_responses.begin(body) if endpoint == "responses" else None
+            turn = (await stored_responses.begin(body, tenant.name if tenant else "")
+                    if endpoint == "responses" else None)
             session = turn.session if turn is not None and turn.session else exchange.header(session_header)
             flow_request = flow.new_request(endpoint, turn.body if turn else body, started, headers, session)
             flow_request.span = span
@@ -286,20 +289,22 @@ def create_orchestrator_app(
 
     @app.get("/v1/responses/{response_id}")
     async def stored_response(request: Request, response_id: str) -> Response:
-        authenticate(request.headers.get("authorization"))
-        return JSONBytesResponse((await stored_responses.stored(response_id)).response)
+        tenant = authenticate(request.headers.get("authorization"))
+        owner = tenant.name if tenant else ""
+        return JSONBytesResponse((await stored_responses.stored(response_id, owner)).response)
 
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(request: Request, response_id: str) -> Response:
-        authenticate(request.headers.get("authorization"))
-        await stored_responses.delete(response_id)
+        tenant = authenticate(request.headers.get("authorization"))
+        await stored_responses.delete(response_id, tenant.name if tenant else "")
         return json_response({"id": response_id, "object": "response", "deleted": True})
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
         authenticate(request.headers.get("authorization"))
         done = await flow.retry.run(MODELS_STEP, ctx_pool, RoutingKey(),
-                                    lambda ctx: ctx.transport.get("/v1/models", config.connect_timeout_s))
+                                    lambda ctx: ctx.transport.get("/v1/models", config.connect_timeout_s),
+                                    judges_workers=False)
         return JSONBytesResponse(done.answer.content, status_code=done.answer.status_code)
 
     @app.get("/v1/models/{model_id:path}")
@@ -307,7 +312,8 @@ def create_orchestrator_app(
         """One model's card (the SDK's ``models.retrieve``): the CTX workers' card of that id, or a 404."""
         authenticate(request.headers.get("authorization"))
         done = await flow.retry.run(MODELS_STEP, ctx_pool, RoutingKey(),
-                                    lambda ctx: ctx.transport.get("/v1/models", config.connect_timeout_s))
+                                    lambda ctx: ctx.transport.get("/v1/models", config.connect_timeout_s),
+                                    judges_workers=False)
         if done.answer.status_code != 200:
             return JSONBytesResponse(done.answer.content, status_code=done.answer.status_code)
         return json_response(model_card(orjson.loads(done.answer.content), model_id))

@@ -30,7 +30,8 @@ from frontend.metrics import Metrics
 from orchestrator.admission import PRIORITIES
 
 BYTES_PER_TOKEN = 4  # the estimate's ratio, as the routers' (orchestrator/routers.py: routing_key)
-_USAGE = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
+# A whole answer's output tokens: chat and completions say completion_tokens, Responses say output_tokens.
+_USAGE = re.compile(rb'"(?:completion|output)_tokens"\s*:\s*(\d+)')
 _EVENT = b"data: "
 LIMITS = ("concurrent", "requests_per_s", "prompt_tokens_per_s", "completion_tokens_per_s")  # the metric's label
 
@@ -154,7 +155,8 @@ class Tenants:
 
     @staticmethod
     def spend_whole(tenant: Tenant, content: bytes) -> None:
-        """A whole answer's completion tokens, from its ``usage`` (every choice's, summed by the worker)."""
+        """A whole answer's completion tokens, from its ``usage`` (every choice's, summed by the worker; a
+        Responses answer's ``output_tokens``)."""
         if tenant.completion_tokens is not None and (found := _USAGE.search(content)) is not None:
             tenant.completion_tokens.spend(int(found[1]))
 

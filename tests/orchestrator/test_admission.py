@@ -228,3 +228,17 @@ def test_prefills_past_a_ctx_workers_window_wait_at_the_orchestrator_by_class(
              if exchange.path == "/v1/chat/completions"]
     assert order == ["first batch", "urgent", "second batch"]  # the interactive one went ahead of the waiting batch
     assert counted(orchestrator.metrics, "interactive", "queued", gate="prefill") == 1
+
+
+async def test_a_waiter_at_a_limit_that_grows_without_an_event_is_let_in() -> None:
+    # The prefill gate's limit moves when a worker's circuit breaker turns half-open: nothing announces it.
+    room = {"slots": 1}
+    admission = Admission(lambda: room["slots"], AdmissionConfig(), Metrics(), lambda: True, FakeClock())
+    await admission.admit(DEFAULT)
+    room["slots"] = 0  # the one worker's breaker opened
+    waiter = await queued(admission, DEFAULT)
+    admission.release(DEFAULT)
+    assert not waiter.done()
+    room["slots"] = 1  # its cool-down is over
+    assert await eventually_async(waiter.done)
+    assert admission.running == [0, 1, 0]

@@ -24,9 +24,9 @@ FAILED = Reply(503, b'{"error": {"message": "engine down", "type": "server_error
 def test_failures_in_a_row_open_it_and_a_success_between_them_does_not() -> None:
     breaker = CircuitBreaker(failures=3, cooldown_s=10, clock=FakeClock())
     for outcome in ("failed", "failed", "succeeded", "failed", "failed"):
-        getattr(breaker, outcome)()
+        getattr(breaker, outcome)(breaker.started())
     assert breaker.state == CLOSED and breaker.allows()
-    breaker.failed()
+    breaker.failed(breaker.started())
     assert breaker.state == OPEN and not breaker.allows()
 
 
@@ -34,26 +34,41 @@ def test_after_the_cool_down_one_trial_decides() -> None:
     clock = FakeClock()
     states: list[int] = []
     breaker = CircuitBreaker(failures=1, cooldown_s=10, clock=clock, on_change=states.append)
-    breaker.failed()
+    breaker.failed(breaker.started())
     clock.now += 10
     assert breaker.state == HALF_OPEN and breaker.allows()
-    breaker.started()
+    trial = breaker.started()
     assert not breaker.allows()  # one trial at a time
-    breaker.failed()  # the trial failed: open twice as long
+    breaker.failed(trial)  # the trial failed: open twice as long
     clock.now += 19
     assert breaker.state == OPEN
     clock.now += 1
     assert breaker.allows()
-    breaker.started()
-    breaker.abandoned()  # the client left: the trial is given back
+    breaker.abandoned(breaker.started())  # the client left: the trial is given back
     assert breaker.allows()
-    breaker.started()
-    breaker.succeeded()
+    breaker.succeeded(breaker.started())
     assert breaker.state == CLOSED
     assert states == [OPEN, HALF_OPEN, OPEN, HALF_OPEN, CLOSED]
-    breaker.failed()  # the cool-down is back to its base
+    breaker.failed(breaker.started())  # the cool-down is back to its base
     clock.now += 10
     assert breaker.state == HALF_OPEN
+
+
+def test_an_outcome_counts_only_for_the_state_its_call_started_in() -> None:
+    clock = FakeClock()
+    breaker = CircuitBreaker(failures=1, cooldown_s=10, clock=clock)
+    slow = breaker.started()  # a long call, started while closed
+    breaker.failed(breaker.started())  # another fails: open
+    breaker.succeeded(slow)  # the slow one succeeds late: the breaker stays open
+    assert breaker.state == OPEN
+    clock.now += 10
+    trial = breaker.started()
+    other = breaker.started()  # not a trial: the half-open breaker allows one
+    assert (trial.is_trial, other.is_trial) == (True, False)
+    breaker.abandoned(other)  # gives back nothing: it was not the trial
+    assert not breaker.allows()
+    breaker.succeeded(trial)
+    assert breaker.state == CLOSED
 
 
 async def test_a_worker_that_fails_every_request_is_routed_around_while_its_health_checks_pass() -> None:

@@ -58,6 +58,15 @@ async def test_a_stored_response_is_found_with_its_conversation(store_of: StoreF
     assert await store.get("resp_2") is None
 
 
+async def test_an_entry_keeps_the_tenant_that_stored_it(store_of: StoreFactory) -> None:
+    store = store_of()
+    await store.put("a", b"{}", b"[]", "a", "tenant-1")
+    await store.put("b", b"{}", b"[]")
+    entry_a, entry_b = await store.get("a"), await store.get("b")
+    assert entry_a is not None and entry_a.owner == "tenant-1"
+    assert entry_b is not None and entry_b.owner == ""
+
+
 async def test_a_first_turn_is_its_own_session(store_of: StoreFactory) -> None:
     store = store_of()
     await store.put("resp_1", b"{}", b"[]")

@@ -155,8 +155,8 @@ async def test_a_redis_that_stops_answering_costs_a_request_the_timeout_not_more
         with pytest.raises(ResponseStoreUnavailableError):
             await store.get("a")
         # Bounded, not measured: one timeout (a retry, if any, inside it), never a wait for the kernel's TCP
-        # timeout. 10x the timeout is far from both.
-        assert loop.time() - started < 3.0
+        # timeout (minutes). The bound is far from both, so a busy machine cannot fail it.
+        assert loop.time() - started < 20.0
     finally:
         own_redis.resume()
     assert await eventually_async(lambda: _answers(store))
@@ -250,3 +250,45 @@ async def test_a_byte_total_left_behind_by_hand_made_deletions_heals_instead_of_
         client.set("{disagg:responses}:bytes", 1000)
     assert await store.put("b", b"x" * 10, b"")
     assert await store.get("b") is not None
+
+
+async def test_at_redis_memory_limit_a_store_is_refused_whole_while_reads_and_deletes_go_on(
+    own_redis: RedisServer, stores: StoreFactory
+) -> None:
+    store = stores(own_redis.url, max_bytes=1 << 30)
+    await store.put("kept", b'{"id":"kept"}', b"[]")
+    with own_redis.client() as client:
+        used = int(client.info("memory")["used_memory"])
+        client.config_set("maxmemory-policy", "noeviction")
+        client.config_set("maxmemory", used + 256 * 1024)
+    try:
+        with pytest.raises(ResponseStoreUnavailableError):
+            for n in range(20):  # 64 KiB each: the limit is reached within a few
+                await store.put(f"big{n}", b"x" * 65536, b"[]")
+        entry = await store.get("kept")  # a read still moves it in the LRU
+        assert entry is not None and entry.response == b'{"id":"kept"}'
+        with own_redis.client() as client:  # nothing half-written: every entry whole, the total exact
+            sizes = {k.decode(): int(v) for k, v in client.hgetall("{disagg:responses}:sizes").items()}
+            entries = {k.decode().rsplit(":r:", 1)[1] for k in client.scan_iter("{disagg:responses}:r:*")}
+            assert set(sizes) == entries
+            assert int(client.get("{disagg:responses}:bytes") or 0) == sum(sizes.values())
+        assert await store.delete("kept")  # a delete frees memory, so it runs even now
+    finally:
+        with own_redis.client() as client:
+            client.config_set("maxmemory", 0)
+
+
+async def test_a_store_that_cannot_be_reached_at_start_up_says_so_once_and_serves_later(
+    own_redis: RedisServer, stores: StoreFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    metrics = Metrics()
+    store = stores(own_redis.url, metrics)
+    assert sample(metrics, "disagg_response_store_up") == 0  # not known to answer before it has
+    own_redis.kill()
+    caplog.set_level(logging.WARNING, logger="orchestrator.response_store_redis")
+    await store.start()
+    assert [r.levelname for r in caplog.records] == ["ERROR"]
+    assert sample(metrics, "disagg_response_store_up") == 0
+    own_redis.start()
+    assert await eventually_async(lambda: _answers(store))
+    assert sample(metrics, "disagg_response_store_up") == 1

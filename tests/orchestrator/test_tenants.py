@@ -15,7 +15,6 @@ import pytest
 from frontend.config import TenantConfig, parse_config
 from frontend.errors import OverloadedError
 from frontend.metrics import Metrics
-from orchestrator.admission import BATCH, DEFAULT, INTERACTIVE
 from orchestrator.server import create_orchestrator_app
 from orchestrator.tenants import Tenant, Tenants, TokenBucket
 from tests.cluster import MODEL, Cluster, sample
@@ -23,7 +22,7 @@ from tests.orchestrator.test_admission import counted
 from tests.orchestrator.test_response_store import FakeClock
 from tests.servers import running
 
-ENV = {"KEY_A": "key-of-a", "KEY_B": "key-of-b"}
+ENV = {"KEY_A": "key-of-a", "KEY_B": "key-of-b", "KEY_C": "key-of-c"}
 
 
 def tenants_of(clock: FakeClock, *configs: dict[str, Any], share: float = 1.0,
@@ -56,8 +55,8 @@ def test_a_key_names_its_tenant_and_an_unknown_key_none() -> None:
 
 
 def test_a_tenant_whose_key_is_not_in_the_environment_stops_start_up() -> None:
-    with pytest.raises(ValueError, match="KEY_C"):
-        tenants_of(FakeClock(), {"name": "c", "api_key_env": "KEY_C"})
+    with pytest.raises(ValueError, match="KEY_UNSET"):
+        tenants_of(FakeClock(), {"name": "c", "api_key_env": "KEY_UNSET"})
 
 
 @pytest.mark.parametrize(("limits", "body_bytes", "limit", "retry_after"), [
@@ -92,6 +91,14 @@ def test_streamed_completion_tokens_put_a_tenant_in_debt_until_its_rate_pays_it(
     tenants.admit(a, 10)
 
 
+def test_a_responses_answer_spends_its_output_tokens() -> None:
+    clock = FakeClock()
+    tenants = tenants_of(clock, {"name": "a", "api_key_env": "KEY_A", "completion_tokens_per_s": 10.0})
+    a = tenant(tenants)
+    tenants.spend_whole(a, b'{"usage": {"input_tokens": 3, "output_tokens": 4, "total_tokens": 7}}')
+    assert a.completion_tokens is not None and a.completion_tokens.level() == 6.0
+
+
 async def test_a_stream_spends_a_token_per_event_as_it_passes() -> None:
     clock = FakeClock()
     tenants = tenants_of(clock, {"name": "a", "api_key_env": "KEY_A", "completion_tokens_per_s": 5.0})
@@ -117,9 +124,11 @@ def test_each_of_n_processes_enforces_its_share() -> None:
 def with_tenants(cluster: Cluster) -> Iterator[tuple[str, Metrics]]:
     config = parse_config({
         "context_servers": {"urls": [cluster.ctx.url]}, "generation_servers": {"urls": [cluster.gen.url]},
-        "tenants": [{"name": "heavy", "api_key_env": "KEY_A", "requests_per_s": 1.0, "burst_s": 2.0,
+        # A burst of two that refills once in 1,000 s: the test's requests may take any time they need.
+        "tenants": [{"name": "heavy", "api_key_env": "KEY_A", "requests_per_s": 0.001, "burst_s": 2000.0,
                      "priority": "batch"},
-                    {"name": "light", "api_key_env": "KEY_B", "priority": "interactive"}],
+                    {"name": "light", "api_key_env": "KEY_B", "priority": "interactive"},
+                    {"name": "plain", "api_key_env": "KEY_C"}],
     })
     metrics = Metrics()
     with pytest.MonkeyPatch.context() as patch:
@@ -158,14 +167,14 @@ def test_a_header_may_lower_a_tenants_priority_but_not_raise_it(with_tenants: tu
     ask: dict[str, Any] = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     before = [counted(metrics, p, "admitted")
               for p in ("interactive", "default", "batch")]
-    for priority in ("batch", "default"):
+    # light (interactive) asks lower twice; plain (default) asks higher, and stays default.
+    for key, priority in (("key-of-b", "batch"), ("key-of-b", "default"), ("key-of-c", "interactive")):
         answer = httpx.post(url + "/v1/chat/completions", json=ask,
-                            headers={"authorization": "Bearer key-of-b", "x-priority": priority})
+                            headers={"authorization": f"Bearer {key}", "x-priority": priority})
         assert answer.status_code == 200
     after = [counted(metrics, p, "admitted")
              for p in ("interactive", "default", "batch")]
-    assert [b - a for a, b in zip(before, after, strict=True)] == [0, 1, 1]
-    assert (INTERACTIVE, DEFAULT, BATCH) == (0, 1, 2)
+    assert [b - a for a, b in zip(before, after, strict=True)] == [0, 2, 1]
 
 
 def test_each_tenants_refusals_are_exported_at_zero_from_start_up() -> None:
@@ -174,3 +183,21 @@ def test_each_tenants_refusals_are_exported_at_zero_from_start_up() -> None:
     exported = {s.labels["limit"] for f in metrics.registry.collect() for s in f.samples
                 if s.name == "disagg_tenant_refusals_total" and s.labels.get("tenant") == "a"}
     assert exported == {"concurrent", "requests_per_s", "prompt_tokens_per_s", "completion_tokens_per_s"}
+
+
+def test_a_tenant_reads_deletes_and_continues_only_its_own_stored_responses(with_tenants: tuple[str, Metrics]
+                                                                           ) -> None:
+    url, _ = with_tenants
+    light = openai.OpenAI(base_url=url + "/v1", api_key="key-of-b", max_retries=0)
+    plain = openai.OpenAI(base_url=url + "/v1", api_key="key-of-c", max_retries=0)
+    with contextlib.closing(light), contextlib.closing(plain):
+        first = light.responses.create(model=MODEL, input="Hello", max_output_tokens=2)
+        with pytest.raises(openai.NotFoundError):
+            plain.responses.retrieve(first.id)
+        with pytest.raises(openai.NotFoundError) as caught:
+            plain.responses.create(model=MODEL, input="Mine now?", previous_response_id=first.id)
+        assert caught.value.code == "previous_response_not_found"
+        with pytest.raises(openai.NotFoundError):
+            plain.responses.delete(first.id)
+        assert light.responses.retrieve(first.id).id == first.id  # still there, and still light's
+        light.responses.create(model=MODEL, input="And then?", previous_response_id=first.id, max_output_tokens=2)
