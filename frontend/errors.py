@@ -13,7 +13,10 @@
     ├── RequestTimeoutError           408 code=request_timeout (a request's body did not arrive in time)
     ├── PayloadTooLargeError          413
     ├── HeadTooLargeError             431 code=request_header_fields_too_large
-    ├── OverloadedError               429 with Retry-After
+    ├── OverloadedError               429 with Retry-After (the admission queue; a tenant's limit:
+    │                                 code=tenant_rate_limited, orchestrator/tenants.py)
+    ├── ResponseStoreUnavailableError 503 with Retry-After code=response_store_unavailable (a shared store that
+    │                                 does not answer)
     ├── EngineError                   500 (the engine failed; foreign errors are wrapped at the adapter)
     │   └── EngineRequestError        500 code=engine_request_failed (this request fails the engine on any
     │                                 worker: the orchestrator does not retry it)

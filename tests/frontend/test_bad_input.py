@@ -58,7 +58,10 @@ def nodes() -> Iterator[Nodes]:
         big_orchestrator = start_orchestrator(stack, [big_ctx.url], [big_gen.url])
         slow_worker = start_worker(stack, "both", SLOW, max_concurrent_requests=2)
         slow_gen = start_worker(stack, "generation", SLOW)
-        slow_orchestrator = start_orchestrator(stack, [big_ctx.url], [slow_gen.url], max_concurrent_requests=2)
+        # No admission queue: over the running limit, a 429 at once (tests/orchestrator/test_admission.py
+        # covers the queue).
+        slow_orchestrator = start_orchestrator(stack, [big_ctx.url], [slow_gen.url], max_concurrent_requests=2,
+                                               admission={"max_queued": 0})
         yield Nodes(orchestrator, worker, gen, big_gen, big_orchestrator, slow_worker, slow_orchestrator)
 
 

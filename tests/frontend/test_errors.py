@@ -20,6 +20,7 @@ from frontend.errors import (
     RelayedError,
     RequestTimeoutError,
     ResponseNotFoundError,
+    ResponseStoreUnavailableError,
     ServingError,
     TokenCodecError,
     UnsupportedParameterError,
@@ -55,7 +56,7 @@ TABLE: list[tuple[type[ServingError], int, str, str | None]] = [
 
 def test_the_table_covers_every_error_class() -> None:
     defined = {v for v in vars(errors).values() if isinstance(v, type) and issubclass(v, ServingError)}
-    assert defined == {row[0] for row in TABLE} | {OverloadedError, RelayedError}
+    assert defined == {row[0] for row in TABLE} | {OverloadedError, RelayedError, ResponseStoreUnavailableError}
 
 
 @pytest.mark.parametrize(("cls", "status", "error_type", "code"), TABLE, ids=[row[0].__name__ for row in TABLE])
@@ -75,6 +76,13 @@ def test_each_error_maps_to_its_status_and_openai_shape(
 def test_explicit_code_overrides_the_default() -> None:
     error = InvalidRequestError("no", param="p", code="metadata_only_refused")
     assert orjson.loads(error_body(error))["error"]["code"] == "metadata_only_refused"
+
+
+def test_an_unavailable_response_store_is_503_with_retry_after() -> None:
+    error = ResponseStoreUnavailableError("down")
+    assert (error.status_code, error.headers) == (503, {"Retry-After": "1"})
+    assert orjson.loads(error_body(error))["error"] == {"message": "down", "type": "service_unavailable",
+                                                       "param": None, "code": "response_store_unavailable"}
 
 
 def test_overloaded_is_429_with_retry_after() -> None:
