@@ -55,6 +55,7 @@ NON_DEFAULT: dict[str, Any] = {
     "orchestrator": {
         "contextRouter": "least_loaded",
         "generationRouter": "prefix_affinity",
+        "maxRunningPrefills": 2,
         "config": {"gen_tokids_metadata_only": True, "max_retries": 2},
         "autoscaling": {"enabled": True, "maxReplicas": 3},
         "podDisruptionBudget": {"enabled": True},
@@ -246,6 +247,7 @@ def test_non_default_values() -> None:
     assert (config.gen_tokids_metadata_only, config.max_retries) == (True, 2)
     assert (config.context_servers.router.type, config.generation_servers.router.type) == \
         ("least_loaded", "prefix_affinity")
+    assert config.context_servers.max_running_prefills == 2
     assert resources[("Service", f"{PREFIX}-orchestrator")]["spec"]["type"] == "LoadBalancer"
     assert "WARNING" not in notes(NON_DEFAULT)  # autoscaled orchestrators, and a store they share
     assert "the Redis named in Secret disagg-store (key redis-url)" in notes(NON_DEFAULT)

@@ -92,7 +92,8 @@ Services); everything else comes from .Values.orchestrator.config.
   "context_servers" (dict
     "discovery" (dict "dns_name" (include "disagg-serve.workerDNSName" (list . "ctx")) "port" (int .Values.ctx.port)
                       "scheme" "http" "interval_s" $o.discoveryIntervalSeconds)
-    "router" (dict "type" $o.contextRouter))
+    "router" (dict "type" $o.contextRouter)
+    "max_running_prefills" (int $o.maxRunningPrefills))
   "generation_servers" (dict
     "discovery" (dict "dns_name" (include "disagg-serve.workerDNSName" (list . "gen")) "port" (int .Values.gen.port)
                       "scheme" "http" "interval_s" $o.discoveryIntervalSeconds)
