@@ -224,9 +224,10 @@ def create_orchestrator_app(
                 bodies.release(reserved)
             # Its tenant's limits first (orchestrator/tenants.py); then, over the running limit, it waits by its
             # class (orchestrator/admission.py), its body read.
-            priority = priority_of(exchange.header(priority_header))
+            asked = exchange.header(priority_header)
+            priority = priority_of(asked)
             if tenant is not None:
-                priority = max(priority, tenant.priority) if exchange.header(priority_header) else tenant.priority
+                priority = max(priority, tenant.priority) if asked is not None else tenant.priority
                 tenants.admit(tenant, len(raw))
             try:
                 await admission_queue.admit(priority)

@@ -22,7 +22,7 @@ import os
 import re
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from frontend.config import TenantConfig
 from frontend.errors import OverloadedError
@@ -76,10 +76,10 @@ class Tenant:
     prompt_tokens: TokenBucket | None
     completion_tokens: TokenBucket | None
     running: int = 0
-    counts_completions: bool = field(init=False)
 
-    def __post_init__(self) -> None:
-        self.counts_completions = self.completion_tokens is not None
+    @property
+    def counts_completions(self) -> bool:
+        return self.completion_tokens is not None
 
 
 def _bucket(rate: float | None, config: TenantConfig, share: float, clock: Callable[[], float]) -> TokenBucket | None:
