@@ -25,6 +25,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from frontend.errors import InvalidRequestError, OverloadedError, PayloadTooLargeError, ServingError, error_body
 from frontend.logging_setup import request_id_var
+from frontend.sse import close_frames
 
 logger = logging.getLogger(__name__)
 
@@ -218,9 +219,7 @@ async def then_call(frames: AsyncIterator[bytes], done: Callable[[], None]) -> A
             yield frame
     finally:
         done()
-        aclose = getattr(frames, "aclose", None)
-        if aclose is not None:
-            await aclose()
+        await close_frames(frames)
 
 
 REQUEST_ID_HEADER = "X-Request-Id"

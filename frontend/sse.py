@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from typing import Any, Final
 
 import orjson
@@ -37,3 +38,11 @@ class FrameSplitter:
             return []
         *frames, self._buffer = self._buffer.split(b"\n\n")
         return [frame + b"\n\n" for frame in frames]
+
+
+async def close_frames(frames: AsyncIterator[bytes]) -> None:
+    """Close ``frames`` if it can be closed (an async generator): what every wrapper that relays a stream owes the
+    stream it wraps, however the relay ended."""
+    aclose = getattr(frames, "aclose", None)
+    if aclose is not None:
+        await aclose()

@@ -23,6 +23,8 @@ from contextlib import AbstractContextManager
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
+from frontend.sse import close_frames
+
 if TYPE_CHECKING:
     from opentelemetry.trace import Span, Tracer
 
@@ -156,9 +158,7 @@ async def _traced_frames(name: str, parent: Span, frames: AsyncIterator[bytes]) 
     finally:
         end(stream, {"disagg.stream.chunks": count, "disagg.stream.bytes": size, "disagg.client_left": left},
             failure)
-        aclose = getattr(frames, "aclose", None)
-        if aclose is not None:
-            await aclose()
+        await close_frames(frames)
 
 
 def set_attributes(span: Span | None, attributes: Mapping[str, Any]) -> None:

@@ -39,7 +39,7 @@ from frontend.errors import (
     ResponseStoreUnavailableError,
     UnsupportedParameterError,
 )
-from frontend.sse import FrameSplitter
+from frontend.sse import FrameSplitter, close_frames
 from orchestrator.flow_request import Answer, StreamedAnswer, WholeAnswer
 from orchestrator.response_store import MemoryResponseStore, ResponseStore, StoredResponse
 
@@ -169,9 +169,7 @@ class ResponsesTurn:
                         await self._keep_event(frame)
                 yield chunk
         finally:
-            aclose = getattr(frames, "aclose", None)
-            if aclose is not None:
-                await aclose()
+            await close_frames(frames)
 
     async def _keep_event(self, frame: bytes) -> None:
         try:

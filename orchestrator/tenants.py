@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from frontend.config import TenantConfig
 from frontend.errors import OverloadedError
 from frontend.metrics import Metrics
+from frontend.sse import close_frames
 from orchestrator.admission import PRIORITIES
 
 BYTES_PER_TOKEN = 4  # the estimate's ratio, as the routers' (orchestrator/routers.py: routing_key)
@@ -170,6 +171,4 @@ class Tenants:
                 bucket.spend(chunk.count(_EVENT))
                 yield chunk
         finally:
-            aclose = getattr(frames, "aclose", None)
-            if aclose is not None:
-                await aclose()
+            await close_frames(frames)
