@@ -2,10 +2,13 @@
 
 Run as ``python -m bench.loadgen --config CONFIG.json --out RESULT.json`` (bench.system_load does). Two modes:
 
-- ``orchestrator``: each client streams ``/v1/completions`` from the orchestrator;
+- ``orchestrator``: each client streams ``/v1/completions`` from the orchestrator (or whatever proxy ``url`` is);
 - ``direct``: each client does the orchestrator's work itself: CTX (context_only, stream false, asking for
   ``prompt_token_ids_b64``), then GEN's stream with the body the orchestrator would send (CTX's hand-off with
   request_type generation_only and the very b64 string relayed), so the difference is the orchestrator's hop.
+
+``"endpoint": "chat"`` in the config streams ``/v1/chat/completions`` instead, as chat clients send it: one user
+message whose content is the prompt text (``"completions"``, the default, sends it as ``prompt``).
 
 ``"client": "aiohttp"`` in the config drives both modes with aiohttp instead of httpx: a cheaper client, so that
 the direct client's own cost (one orjson parse and dump of CTX's ~700 KB answer at 131k tokens) does not hide the
@@ -34,11 +37,25 @@ from typing import Any
 import httpx
 import orjson
 
-from bench.bodies import client_completion_body
+from bench.bodies import SYNTHETIC_MODEL, client_completion_body, prompt_text
 from bench.common import cpu_seconds, finite, machine_busy_seconds, summarize, tree_cpu_seconds
 from entrypoints.bench.load import JSON_HEADERS, Record, StreamError, consume_stream, post_streamed, run_client
 
-_PATH = "/v1/completions"
+PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
+
+
+def endpoint_path(config: dict[str, Any]) -> str:
+    return PATHS[config.get("endpoint", "completions")]
+
+
+def client_body(endpoint: str, prompt_chars: int, max_tokens: int, stream: bool = True) -> dict[str, Any]:
+    """The client's body for ``endpoint``: the same prompt text, as ``prompt`` or as one user message."""
+    if endpoint == "chat":
+        return {"model": SYNTHETIC_MODEL, "messages": [{"role": "user", "content": prompt_text(prompt_chars)}],
+                "max_tokens": max_tokens, "temperature": 0, "stream": stream}
+    if endpoint != "completions":
+        raise ValueError(f"unknown endpoint {endpoint!r}")
+    return client_completion_body(prompt_chars, max_tokens, stream=stream)
 
 
 @dataclass
@@ -51,14 +68,15 @@ class State:
 
 
 async def via_orchestrator(client: httpx.AsyncClient, config: dict[str, Any], body: bytes, record: Record) -> None:
-    await post_streamed(client, config["url"] + _PATH, body, record)
+    await post_streamed(client, config["url"] + endpoint_path(config), body, record)
 
 
 async def direct(client: httpx.AsyncClient, config: dict[str, Any], body: dict[str, Any], record: Record) -> None:
-    reply = await client.post(config["ctx_url"] + _PATH, content=context_body(body), headers=JSON_HEADERS)
+    path = endpoint_path(config)
+    reply = await client.post(config["ctx_url"] + path, content=context_body(body), headers=JSON_HEADERS)
     if reply.status_code != 200:
         raise StreamError(f"CTX status {reply.status_code}: {reply.content[:200]!r}", f"http_{reply.status_code}")
-    async with client.stream("POST", config["gen_url"] + _PATH, content=gen_body_after(body, reply.content),
+    async with client.stream("POST", config["gen_url"] + path, content=gen_body_after(body, reply.content),
                              headers=JSON_HEADERS) as response:
         await consume_stream(response, record)
 
@@ -118,7 +136,8 @@ class AiohttpClient:
             if config["mode"] == "direct":
                 await self._direct(config, body, record)
             else:
-                async with self.session.post(config["url"] + _PATH, data=body_bytes, headers=JSON_HEADERS) as reply:
+                async with self.session.post(config["url"] + endpoint_path(config), data=body_bytes,
+                                             headers=JSON_HEADERS) as reply:
                     await self.consume(reply, record)
         except TimeoutError as exc:
             raise StreamError(str(exc) or "timed out", "timeout") from exc
@@ -126,12 +145,13 @@ class AiohttpClient:
             raise StreamError(f"{type(exc).__name__}: {exc}", "connection") from exc
 
     async def _direct(self, config: dict[str, Any], body: dict[str, Any], record: Record) -> None:
-        async with self.session.post(config["ctx_url"] + _PATH, data=context_body(body),
+        path = endpoint_path(config)
+        async with self.session.post(config["ctx_url"] + path, data=context_body(body),
                                      headers=JSON_HEADERS) as reply:
             content = await reply.read()
             if reply.status != 200:
                 raise StreamError(f"CTX status {reply.status}: {content[:200]!r}", f"http_{reply.status}")
-        async with self.session.post(config["gen_url"] + _PATH, data=gen_body_after(body, content),
+        async with self.session.post(config["gen_url"] + path, data=gen_body_after(body, content),
                                      headers=JSON_HEADERS) as response:
             await self.consume(response, record)
 
@@ -206,7 +226,7 @@ async def controller(config: dict[str, Any], state: State) -> dict[str, Any]:
 
 
 async def run(config: dict[str, Any]) -> dict[str, Any]:
-    body = client_completion_body(config["prompt_chars"], config["max_tokens"], stream=True)
+    body = client_body(config.get("endpoint", "completions"), config["prompt_chars"], config["max_tokens"])
     body_bytes = orjson.dumps(body)
     concurrency = config["concurrency"]
     limits = httpx.Limits(max_connections=2 * concurrency + 8, max_keepalive_connections=2 * concurrency + 8)
@@ -249,6 +269,7 @@ def summarize_run(config: dict[str, Any], state: State, window: dict[str, Any]) 
         cpu_util["other"] = max(0.0, cpu_util["machine"] - sum(v for k, v in cpu_util.items() if k != "machine"))
     return {
         "mode": config["mode"],
+        "endpoint": config.get("endpoint", "completions"),
         "concurrency": config["concurrency"],
         "prompt_tokens": config["prompt_chars"],
         "max_tokens": config["max_tokens"],

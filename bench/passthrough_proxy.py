@@ -1,7 +1,8 @@
 """The baseline of ``bench.orchestrator_cost``: a plain pass-through proxy that moves the same bytes as the
 orchestrator and does no JSON work at all.
 
-For each POST it forwards the client's body to CTX as it came, reads CTX's whole answer, forwards that answer as it
+For each POST (to whatever path it came to: ``/v1/chat/completions`` and ``/v1/completions`` alike, so chat bodies
+pass as they are) it forwards the client's body to CTX as it came, reads CTX's whole answer, forwards that answer as it
 came as GEN's body (the same ~700 KB of base64 at 131k tokens that the orchestrator relays), and streams GEN's
 answer back chunk by chunk. It runs on the orchestrator's own server stack (uvicorn, uvloop, httptools) as a bare
 ASGI app (no framework) and calls the upstreams with one pooled aiohttp session. It has no retries, no health
