@@ -1,37 +1,51 @@
-"""What the orchestrator process costs per request, beside a plain pass-through proxy moving the same bytes.
+"""What the orchestrator process costs per request, beside a plain pass-through proxy and the Rust gateways moving
+the same requests.
 
-``python -m bench.orchestrator_cost [--quick] [--docs]``. Mock CTX and GEN workers (``bench.mock_workers``) answer
-prebuilt bytes: CTX a context-only answer with the prompt as base64 int32 (1k / 40k / 131k tokens), GEN a stream of
-8 tokens. In front of them, side by side in one run, each point taking its turn:
+``python -m bench.orchestrator_cost [--quick] [--docs] [--endpoint chat|completions|both] [--no-gateways]``. Mock CTX
+and GEN workers (``bench.mock_workers``) answer prebuilt bytes: CTX a context-only answer with the prompt as base64
+int32 (1k / 40k / 131k tokens), GEN a stream of 8 tokens, paced 1 ms apart by default (``--frame-gap-ms``; a GEN
+that sends its whole stream in one burst lets a proxy read it in one wake-up, which hides what each frame costs). In
+front of them, side by side in one run, each point taking its turn:
 
 - ``orchestrator``: ``disagg-serve orchestrator`` as configured by default (relays CTX's b64 string to GEN);
 - ``metadata-only``: the same with ``gen_tokids_metadata_only: true``, GEN's hand-off carrying the prompt's tokens
   (so neither the b64 prompt nor the prompt text travels to GEN), at the largest prompt;
 - ``pass-through``: ``bench.passthrough_proxy``, the baseline: client body to CTX, CTX's answer to GEN, GEN's
   stream back, no JSON work;
+- ``vllm-router (Rust)`` and ``smg (Rust)``: vLLM's router and SGLang's Model Gateway from their PyPI wheels
+  (``bench.rust_gateways``: installed into a side venv on first use, skipped with the reason where they cannot be;
+  ``--no-gateways`` leaves them out), each in its prefill/decode mode in front of a CTX mock that answers in its own
+  P/D wire and the same GEN mock as everyone else;
 - ``direct``: the load generator itself calls CTX then GEN (no proxy), at concurrency 1, for the added latency.
 
 The load generator (``bench.loadgen``, its own process) runs closed loops of 1 / 16 / 64 streaming clients sending
-``/v1/completions`` with a prompt of 4 characters per token. CPU per request is the proxy process's utime + stime
-from ``/proc`` over the measurement window divided by the requests completed in it; idle CPU is the same over a few
-seconds with no request (health checks and every background loop included). Added latency is TTFT p50 through a
-proxy minus TTFT p50 of the direct client. ``--profile`` also records the orchestrator with py-spy at the largest
-prompt, concurrency 1.
+``/v1/chat/completions`` (one user message) and ``/v1/completions`` with a prompt of 4 characters per token, each
+endpoint its own cells. CPU per request is the proxy's process tree's utime + stime from ``/proc`` over the
+measurement window divided by the requests completed in it (for a gateway: its Python launcher and the Rust runtime
+in it); idle CPU is the same over a few seconds with no request (health checks and every background loop included).
+Each cell also counts the POSTs each mock leg answered, to show that both legs were called. Added latency is TTFT p50
+through a proxy minus TTFT p50 of the direct client. ``--profile`` also records the orchestrator with py-spy at the
+largest prompt, concurrency 1.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
+import os
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bench import rust_gateways
 from bench.common import (
     PYTHON,
     REPO_ROOT,
     Processes,
     Server,
+    StartupError,
     fmt,
     free_port,
     machine_info,
@@ -43,6 +57,7 @@ from bench.common import (
     wait_healthy,
     write_json,
 )
+from bench.loadgen import PATHS
 from bench.system_load import Phases, py_spy_path, py_spy_recording, run_loadgen, summarize_profile
 
 PROMPTS = (1_024, 40_000, 131_072)
@@ -51,6 +66,9 @@ MAX_TOKENS = 8
 CHARS_PER_TOKEN = 4
 TARGET_PROMPT = 131_072
 BASELINE = "pass-through"
+ENDPOINTS = ("chat", "completions")  # chat first: what clients send most
+FRAME_GAP_MS = 1.0  # between GEN's streamed frames
+GATEWAYS = tuple(g.name for g in rust_gateways.GATEWAYS)
 
 FULL = Phases(warmup_s=0.5, max_warmup_s=10.0, measure_s=2.5, max_measure_s=12.0, tail_s=20.0, max_total_s=45.0,
               quiet_wait_s=5.0)
@@ -79,15 +97,25 @@ def api_workers_setup(count: int) -> tuple[str, dict[str, Any]]:
 
 
 # -- the processes ------------------------------------------------------------------------------------------------
-def start_mocks(processes: Processes, prompt: int) -> tuple[Server, Server]:
-    servers = []
-    for role in ("ctx", "gen"):
+@dataclass
+class Mocks:
+    ctx: Server  # in our wire (TensorRT-LLM's): the orchestrator, the pass-through proxy and the direct client
+    gen: Server  # every set-up's GEN
+    flavoured: dict[str, Server] = field(default_factory=dict)  # a gateway's P/D wire -> its CTX
+
+
+def start_mocks(processes: Processes, prompt: int, frame_gap_ms: float = FRAME_GAP_MS,
+                flavours: tuple[str, ...] = ()) -> Mocks:
+    def mock(role: str, *extra: str) -> Server:
         port = free_port()
-        servers.append(processes.spawn(f"mock-{role}-{prompt}", [
-            PYTHON, "-m", "bench.mock_workers", "--role", role, "--port", str(port), "--prompt-tokens", str(prompt),
-            "--tokens", str(MAX_TOKENS)], f"http://127.0.0.1:{port}"))
-    wait_healthy(servers, 60)
-    return servers[0], servers[1]
+        return processes.spawn(f"mock-{role}-{prompt}", [
+            PYTHON, "-m", "bench.mock_workers", "--role", role.split("-")[0], "--port", str(port),
+            "--prompt-tokens", str(prompt), "--tokens", str(MAX_TOKENS), *extra], f"http://127.0.0.1:{port}")
+
+    mocks = Mocks(mock("ctx"), mock("gen", "--frame-gap-ms", str(frame_gap_ms)),
+                  {flavour: mock(f"ctx-{flavour}", "--flavour", flavour) for flavour in flavours})
+    wait_healthy([mocks.ctx, mocks.gen, *mocks.flavoured.values()], 60)
+    return mocks
 
 
 def start_proxies(processes: Processes, ctx: Server, gen: Server, setups: dict[str, dict[str, Any]]
@@ -109,6 +137,24 @@ def start_proxies(processes: Processes, ctx: Server, gen: Server, setups: dict[s
     return proxies
 
 
+def start_gateways(processes: Processes, mocks: Mocks, gateways: dict[str, rust_gateways.Gateway], venv: Path,
+                   policy: str, failed: dict[str, str]) -> dict[str, Server]:
+    """Each gateway in front of its own CTX mock and the shared GEN, once a request has streamed through it; one
+    that does not start is left out (``failed`` says why), not the benchmark."""
+    started: dict[str, Server] = {}
+    for name, gateway in gateways.items():
+        try:
+            server = rust_gateways.start(processes, gateway, mocks.flavoured[gateway.flavour].url, mocks.gen.url,
+                                         venv, policy)
+            rust_gateways.wait_ready(server)
+        except (StartupError, RuntimeError, OSError) as exc:
+            failed[name] = f"did not start: {str(exc)[:600]}"
+            print(f"[orchestrator_cost] skipping {name}: {failed[name]}", file=sys.stderr, flush=True)
+            continue
+        started[name] = server
+    return started
+
+
 def idle_cpu_ms_per_s(servers: dict[str, Server], seconds: float, settle_s: float = 3.0) -> dict[str, float]:
     """CPU each process burns per second with no request at all (health checks, background loops), measured from
     ``settle_s`` after they answer their health checks: a set-up of several front ends answers as soon as one of
@@ -122,16 +168,23 @@ def idle_cpu_ms_per_s(servers: dict[str, Server], seconds: float, settle_s: floa
 
 
 def measure(processes: Processes, setup: str, url: str, pid: int | None, ctx: Server, gen: Server, prompt: int,
-            concurrency: int, phases: Phases) -> dict[str, Any]:
+            concurrency: int, phases: Phases, endpoint: str = "completions",
+            legs: tuple[Server, Server] | None = None) -> dict[str, Any]:
+    """One cell: ``concurrency`` clients streaming ``endpoint`` through ``url`` (or directly, when ``pid`` is None).
+    ``legs``, the CTX and GEN mocks the proxy calls, are asked how many POSTs they answered meanwhile."""
     mode = "direct" if pid is None else "orchestrator"
-    config = {"mode": mode, "url": url, "ctx_url": ctx.url, "gen_url": gen.url,
+    config = {"mode": mode, "url": url, "ctx_url": ctx.url, "gen_url": gen.url, "endpoint": endpoint,
               "prompt_chars": prompt * CHARS_PER_TOKEN, "max_tokens": MAX_TOKENS, "concurrency": concurrency,
               "pids": {"proxy": pid} if pid is not None else {}, "client": "aiohttp",
               **phases.loadgen(concurrency)}
+    legs = legs or (ctx, gen)
     wait_for_quiet(phases.quiet_wait_s)
+    before = [rust_gateways.mock_posts(leg) for leg in legs]
     cell = run_loadgen(processes, config)
-    cell.update({"setup": setup, "prompt_tokens": prompt})
-    print(f"[orchestrator_cost] {setup:>14} prompt {prompt:>7,} c={concurrency:<3} "
+    after = [rust_gateways.mock_posts(leg) for leg in legs]
+    cell.update({"setup": setup, "prompt_tokens": prompt, "endpoint": endpoint,
+                 "legs": {"ctx_posts": after[0] - before[0], "gen_posts": after[1] - before[1]}})
+    print(f"[orchestrator_cost] {setup:>18} {endpoint:>11} prompt {prompt:>7,} c={concurrency:<3} "
           f"CPU {fmt(cell['cpu_ms_per_request'].get('proxy'))} ms/req  TTFT p50 {fmt(cell['ttft_ms']['p50'])} ms  "
           f"{cell['requests_per_s']:7.1f} req/s  errors {cell['errors']}", file=sys.stderr, flush=True)
     return cell
@@ -140,81 +193,114 @@ def measure(processes: Processes, setup: str, url: str, pid: int | None, ctx: Se
 # -- the benchmark -------------------------------------------------------------------------------------------------
 def run(prompts: tuple[int, ...] = PROMPTS, concurrency: tuple[int, ...] = CONCURRENCY, phases: Phases = FULL,
         idle_s: float = 10.0, metadata_only: bool = True, profile: bool = False,
-        setups: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
+        setups: dict[str, dict[str, Any]] | None = None, endpoints: tuple[str, ...] = ENDPOINTS,
+        gateways: bool = True, frame_gap_ms: float = FRAME_GAP_MS, gateways_venv: Path = rust_gateways.VENV_DIR,
+        install: bool = True, gateway_policy: str = "round_robin") -> dict[str, Any]:
     setups = dict(setups or ORCHESTRATORS)
     largest = max(prompts)
+    found = rust_gateways.prepare(gateways_venv, install) if gateways else {}
+    usable = {name: a.gateway for name, a in found.items() if a.available}
+    failed: dict[str, str] = {}
     result: dict[str, Any] = {
         "benchmark": "orchestrator_cost",
-        "method": {"max_tokens": MAX_TOKENS, "endpoint": "/v1/completions", "stream": True,
-                   "chars_per_token": CHARS_PER_TOKEN, "phases": phases.__dict__, "baseline": BASELINE,
-                   "setups": setups},
+        "method": {"max_tokens": MAX_TOKENS, "endpoints": {e: PATHS[e] for e in endpoints}, "stream": True,
+                   "chars_per_token": CHARS_PER_TOKEN, "frame_gap_ms": frame_gap_ms, "phases": phases.__dict__,
+                   "baseline": BASELINE, "setups": setups, "gateway_policy": gateway_policy},
+        "gateways": {name: a.as_dict() for name, a in found.items()},
         "cells": [], "idle_cpu_ms_per_s": {}, "machine": machine_info(),
     }
+    flavours = tuple(sorted({g.flavour for g in usable.values()}))
     for prompt in prompts:
         with Processes() as processes:
-            ctx, gen = start_mocks(processes, prompt)
+            mocks = start_mocks(processes, prompt, frame_gap_ms, flavours)
             chosen = dict(setups)
             if metadata_only and prompt == largest:
                 chosen[METADATA_ONLY] = {"gen_tokids_metadata_only": True}
-            proxies = start_proxies(processes, ctx, gen, chosen)
+            proxies = start_proxies(processes, mocks.ctx, mocks.gen, chosen)
+            gateway_servers = start_gateways(processes, mocks, {n: g for n, g in usable.items() if n not in failed},
+                                             gateways_venv, gateway_policy, failed)
+            proxies.update(gateway_servers)
+            legs = {name: (mocks.flavoured[usable[name].flavour], mocks.gen) for name in gateway_servers}
             if not result["idle_cpu_ms_per_s"]:
                 result["idle_cpu_ms_per_s"] = idle_cpu_ms_per_s(proxies, idle_s, settle_s=min(3.0, idle_s))
             for level in concurrency:
-                for name, proxy in proxies.items():
-                    if name == METADATA_ONLY and level not in (min(concurrency), max(concurrency)):
-                        continue
-                    if API_WORKERS in chosen.get(name, {}) and level != max(concurrency):
-                        continue
-                    result["cells"].append(measure(processes, name, proxy.url, proxy.pid, ctx, gen, prompt, level,
-                                                   phases))
-                if level == 1:
-                    result["cells"].append(measure(processes, "direct", "", None, ctx, gen, prompt, level, phases))
+                for endpoint in endpoints:
+                    for name, proxy in proxies.items():
+                        if name == METADATA_ONLY and level not in (min(concurrency), max(concurrency)):
+                            continue
+                        if API_WORKERS in chosen.get(name, {}) and level != max(concurrency):
+                            continue
+                        result["cells"].append(measure(processes, name, proxy.url, proxy.pid, mocks.ctx, mocks.gen,
+                                                       prompt, level, phases, endpoint, legs.get(name)))
+                    if level == 1:
+                        result["cells"].append(measure(processes, "direct", "", None, mocks.ctx, mocks.gen, prompt,
+                                                       level, phases, endpoint))
             if profile and prompt == largest:
-                result["profile"] = profile_orchestrator(processes, proxies["orchestrator"], ctx, gen, prompt, phases)
+                result["profile"] = profile_orchestrator(processes, proxies["orchestrator"], mocks.ctx, mocks.gen,
+                                                         prompt, phases, endpoints[0])
+    for name, why in failed.items():
+        result["gateways"][name].update({"available": False, "note": why})
     return result
 
 
 def profile_orchestrator(processes: Processes, orchestrator: Server, ctx: Server, gen: Server, prompt: int,
-                         phases: Phases) -> dict[str, Any]:
+                         phases: Phases, endpoint: str = "completions") -> dict[str, Any]:
     tool = py_spy_path()
     if tool is None:
         return {"available": False, "note": "py-spy is not installed (pip install '.[bench]')"}
     raw = processes.log_dir / f"py-spy-cost-{prompt}.txt"
     with py_spy_recording(processes, tool, orchestrator.pid, raw, int(phases.max_total_s)) as spy:
-        cell = measure(processes, "orchestrator", orchestrator.url, orchestrator.pid, ctx, gen, prompt, 1, phases)
+        cell = measure(processes, "orchestrator", orchestrator.url, orchestrator.pid, ctx, gen, prompt, 1, phases,
+                       endpoint)
     if not raw.exists():
         return {"available": False, "note": f"py-spy wrote nothing: {spy.log_tail()}"}
     summary = summarize_profile(raw.read_text())
-    summary.update({"available": True, "prompt_tokens": prompt, "concurrency": 1,
+    summary.update({"available": True, "prompt_tokens": prompt, "concurrency": 1, "endpoint": endpoint,
                     "cpu_ms_per_request": cell["cpu_ms_per_request"].get("proxy")})
     return summary
 
 
 # -- reporting -----------------------------------------------------------------------------------------------------
-def cell(result: dict[str, Any], setup: str, prompt: int, level: int) -> dict[str, Any] | None:
+def _endpoint(c: dict[str, Any]) -> str:
+    return str(c.get("endpoint", "completions"))  # results from before chat was measured drove completions only
+
+
+def cell(result: dict[str, Any], setup: str, prompt: int, level: int,
+         endpoint: str | None = None) -> dict[str, Any] | None:
+    """The cell of ``setup`` at ``prompt`` and ``level``, on ``endpoint`` (None: the first of any endpoint)."""
     return next((c for c in result["cells"] if c["setup"] == setup and c["prompt_tokens"] == prompt
-                 and c["concurrency"] == level), None)
+                 and c["concurrency"] == level and (endpoint is None or _endpoint(c) == endpoint)), None)
 
 
-def cpu_ms(result: dict[str, Any], setup: str, prompt: int, level: int) -> float | None:
-    found = cell(result, setup, prompt, level)
+def cpu_ms(result: dict[str, Any], setup: str, prompt: int, level: int, endpoint: str | None = None) -> float | None:
+    found = cell(result, setup, prompt, level, endpoint)
     value = found["cpu_ms_per_request"].get("proxy") if found else None
     return float(value) if value is not None else None
 
 
-def added_ms(result: dict[str, Any], setup: str, prompt: int) -> float | None:
-    through, direct = cell(result, setup, prompt, 1), cell(result, "direct", prompt, 1)
+def added_ms(result: dict[str, Any], setup: str, prompt: int, endpoint: str | None = None) -> float | None:
+    through = cell(result, setup, prompt, 1, endpoint)
+    direct = cell(result, "direct", prompt, 1, _endpoint(through) if through else endpoint)
     if through is None or direct is None:
         return None
     return float(through["ttft_ms"]["p50"] - direct["ttft_ms"]["p50"])
 
 
+def best_gateway(result: dict[str, Any], prompt: int, level: int, endpoint: str) -> tuple[str, float] | None:
+    """The Rust gateway with the least CPU per request at this point, and that CPU."""
+    measured = [(name, value) for name in GATEWAYS
+                if (value := cpu_ms(result, name, prompt, level, endpoint)) is not None and math.isfinite(value)]
+    return min(measured, key=lambda pair: pair[1]) if measured else None
+
+
 def setups_in(result: dict[str, Any]) -> list[str]:
+    """Ours first, then the Rust gateways, the pass-through baseline last."""
     seen: list[str] = []
     for c in result["cells"]:
         if c["setup"] not in seen and c["setup"] != "direct":
             seen.append(c["setup"])
-    return [s for s in seen if s != BASELINE] + [BASELINE]
+    ours = [s for s in seen if s != BASELINE and s not in GATEWAYS]
+    return ours + [s for s in GATEWAYS if s in seen] + ([BASELINE] if BASELINE in seen else [])
 
 
 def _sizes(result: dict[str, Any]) -> tuple[list[int], list[int]]:
@@ -222,38 +308,69 @@ def _sizes(result: dict[str, Any]) -> tuple[list[int], list[int]]:
     return sorted({c["prompt_tokens"] for c in cells}), sorted({c["concurrency"] for c in cells})
 
 
+def endpoints_in(result: dict[str, Any]) -> list[str]:
+    found = {_endpoint(c) for c in result["cells"]}
+    return [e for e in ENDPOINTS if e in found] + sorted(found - set(ENDPOINTS))
+
+
+def _reference_endpoint(result: dict[str, Any]) -> str:
+    """The endpoint the older targets (issue 14) were set on: completions, where it was measured."""
+    found = endpoints_in(result)
+    return "completions" if "completions" in found else (found[0] if found else "completions")
+
+
 def tables(result: dict[str, Any]) -> str:
     prompts, levels = _sizes(result)
     rows = []
     for prompt in prompts:
-        for level in levels:
-            base = cpu_ms(result, BASELINE, prompt, level)
-            for setup in setups_in(result):
-                found = cell(result, setup, prompt, level)
-                if found is None:
-                    continue
-                ours = cpu_ms(result, setup, prompt, level)
-                added = added_ms(result, setup, prompt) if level == 1 else None
-                rows.append([f"{prompt:,}", level, setup, fmt(ours), "–" if setup == BASELINE else
-                             f"{fmt(ratio(ours or 0.0, base or 0.0))}x", fmt(found["requests_per_s"], 1),
-                             fmt(found["ttft_ms"]["p50"]), fmt(added), found["errors"]])
-    main = markdown_table(["prompt tokens", "concurrency", "set-up", "CPU ms/req", "/ pass-through",
-                           "req/s", "TTFT p50 ms", "added TTFT p50 ms (vs direct)", "errors"], rows)
+        for endpoint in endpoints_in(result):
+            for level in levels:
+                base = cpu_ms(result, BASELINE, prompt, level, endpoint)
+                best = best_gateway(result, prompt, level, endpoint)
+                for setup in setups_in(result):
+                    found = cell(result, setup, prompt, level, endpoint)
+                    if found is None:
+                        continue
+                    ours = cpu_ms(result, setup, prompt, level, endpoint)
+                    added = added_ms(result, setup, prompt, endpoint) if level == 1 else None
+                    rows.append([f"{prompt:,}", endpoint, level, setup, fmt(ours),
+                                 "–" if setup == BASELINE else f"{fmt(ratio(ours or 0.0, base or 0.0))}x",
+                                 f"{fmt(ratio(ours or 0.0, best[1]))}x" if best else "–",
+                                 fmt(found["requests_per_s"], 1), fmt(found["ttft_ms"]["p50"]), fmt(added),
+                                 found["errors"]])
+    main = markdown_table(["prompt tokens", "endpoint", "concurrency", "set-up", "CPU ms/req", "/ pass-through",
+                           "/ best Rust gateway", "req/s", "TTFT p50 ms", "added TTFT p50 ms (vs direct)", "errors"],
+                          rows)
     flat_rows = []
     for setup in setups_in(result):
-        for prompt in prompts:
-            low, high = cpu_ms(result, setup, prompt, min(levels)), cpu_ms(result, setup, prompt, max(levels))
-            if low is not None and high is not None:
-                flat_rows.append([setup, f"{prompt:,}", fmt(low), fmt(high), f"{fmt(ratio(high, low))}x"])
-    flat = markdown_table(["set-up", "prompt tokens", f"CPU ms/req, c={min(levels)}", f"c={max(levels)}",
+        for endpoint in endpoints_in(result):
+            for prompt in prompts:
+                low = cpu_ms(result, setup, prompt, min(levels), endpoint)
+                high = cpu_ms(result, setup, prompt, max(levels), endpoint)
+                if low is not None and high is not None:
+                    flat_rows.append([setup, endpoint, f"{prompt:,}", fmt(low), fmt(high),
+                                      f"{fmt(ratio(high, low))}x"])
+    flat = markdown_table(["set-up", "endpoint", "prompt tokens", f"CPU ms/req, c={min(levels)}", f"c={max(levels)}",
                            f"c={max(levels)} / c={min(levels)}"], flat_rows)
     idle = result.get("idle_cpu_ms_per_s", {})
     idle_table = markdown_table(["process (idle)", "CPU ms per second"],
                                 [[name, fmt(value)] for name, value in idle.items()])
     parts = [main, "", flat, "", idle_table]
+    gateways = result.get("gateways", {})
+    if gateways:
+        def legs(name: str) -> str:
+            mine = [c["legs"] for c in result["cells"] if c["setup"] == name and "legs" in c]
+            if not mine:
+                return "–"
+            return f"{sum(leg['ctx_posts'] for leg in mine):,} / {sum(leg['gen_posts'] for leg in mine):,}"
+
+        parts += ["", markdown_table(["Rust gateway", "package", "measured", "POSTs its CTX / GEN answered", "note"], [
+            [name, g["package"], "yes" if g["available"] else "**skipped**", legs(name), g["note"]]
+            for name, g in gateways.items()])]
     profile = result.get("profile")
     if profile and profile.get("available"):
-        parts += ["", f"py-spy, orchestrator, prompt {profile['prompt_tokens']:,}, concurrency 1, "
+        parts += ["", f"py-spy, orchestrator, prompt {profile['prompt_tokens']:,}, "
+                      f"{profile.get('endpoint', 'completions')}, concurrency 1, "
                       f"{profile['samples']} samples ({fmt(profile.get('cpu_ms_per_request'))} ms CPU per request):",
                   "", markdown_table(["where (leaf frame's library)", "% of samples"],
                                      [[k, fmt(v, 1)] for k, v in profile["by_library_pct"].items()]),
@@ -263,31 +380,46 @@ def tables(result: dict[str, Any]) -> str:
 
 
 def targets(result: dict[str, Any], setup: str = "orchestrator") -> list[dict[str, Any]]:
-    """The issue's targets (issue 14) for ``setup``, as measured in this run."""
+    """The issues' targets for ``setup``, as measured in this run: issue 14's (on completions, where they were set)
+    and issue 31's, CPU per request at most the best Rust gateway's at every size, concurrency and endpoint."""
     prompts, levels = _sizes(result)
     out: list[dict[str, Any]] = []
 
     def add(target: str, value: float | None, limit: float, unit: str = " ms", at_least: bool = False) -> None:
-        met = None if value is None else (value >= limit if at_least else value <= limit)
+        met = None if value is None or not math.isfinite(value) else (value >= limit if at_least else value <= limit)
         out.append({"target": target, "measured": f"{fmt(value)}{unit}", "met": met})
 
     small, large = min(prompts), max(prompts)
-    add(f"CPU/req <= 2.0 ms at {large:,} tokens (b64 relay), c=1", cpu_ms(result, setup, large, 1), 2.0)
-    add(f"CPU/req <= 1.5 ms at {small:,} tokens, c=1", cpu_ms(result, setup, small, 1), 1.5)
-    add(f"CPU/req <= 1.0 ms at {large:,} tokens, metadata-only + tokens beside the KV, c=1",
-        cpu_ms(result, METADATA_ONLY, large, 1), 1.0)
-    add(f"added TTFT p50 <= 1.5 ms at {large:,} tokens, c=1", added_ms(result, setup, large), 1.5)
-    add(f"added TTFT p50 <= 0.7 ms at {small:,} tokens, c=1", added_ms(result, setup, small), 0.7)
-    low, high = cpu_ms(result, setup, large, 1), cpu_ms(result, setup, large, max(levels))
-    add(f"CPU/req at c={max(levels)} within 1.3x of c=1 ({large:,} tokens)",
+    ref = _reference_endpoint(result)
+    add(f"CPU/req <= 2.0 ms at {large:,} tokens (b64 relay), c=1, {ref}", cpu_ms(result, setup, large, 1, ref), 2.0)
+    add(f"CPU/req <= 1.5 ms at {small:,} tokens, c=1, {ref}", cpu_ms(result, setup, small, 1, ref), 1.5)
+    add(f"CPU/req <= 1.0 ms at {large:,} tokens, metadata-only + tokens beside the KV, c=1, {ref}",
+        cpu_ms(result, METADATA_ONLY, large, 1, ref), 1.0)
+    add(f"added TTFT p50 <= 1.5 ms at {large:,} tokens, c=1, {ref}", added_ms(result, setup, large, ref), 1.5)
+    add(f"added TTFT p50 <= 0.7 ms at {small:,} tokens, c=1, {ref}", added_ms(result, setup, small, ref), 0.7)
+    low, high = cpu_ms(result, setup, large, 1, ref), cpu_ms(result, setup, large, max(levels), ref)
+    add(f"CPU/req at c={max(levels)} within 1.3x of c=1 ({large:,} tokens, {ref})",
         ratio(high, low) if low and high else None, 1.3, "x")
     add("idle CPU <= 2 ms per second", result.get("idle_cpu_ms_per_s", {}).get(setup), 2.0, " ms/s")
     scaled = next((name for name in setups_in(result) if name.startswith(f"{setup} x")), None)
     if scaled is not None:
-        one, many = cell(result, setup, small, max(levels)), cell(result, scaled, small, max(levels))
-        add(f"req/s of `{scaled}` >= 1.7x one process at c={max(levels)} ({small:,} tokens; needs a core per "
-            "front end beside the mocks and the load generator)",
+        one, many = cell(result, setup, small, max(levels), ref), cell(result, scaled, small, max(levels), ref)
+        add(f"req/s of `{scaled}` >= 1.7x one process at c={max(levels)} ({small:,} tokens, {ref}; needs a core "
+            "per front end beside the mocks and the load generator)",
             ratio(many["requests_per_s"], one["requests_per_s"]) if one and many else None, 1.7, "x", at_least=True)
+    if not any(c["setup"] in GATEWAYS for c in result["cells"]):
+        skipped = "; ".join(f"{n}: {g['note']}" for n, g in result.get("gateways", {}).items() if not g["available"])
+        out.append({"target": "CPU/req <= the best Rust gateway's (issue 31): no Rust gateway measured"
+                              + (f" ({skipped})" if skipped else " (--no-gateways)"), "measured": "–", "met": None})
+        return out
+    for endpoint in endpoints_in(result):
+        for prompt in prompts:
+            for level in levels:
+                best = best_gateway(result, prompt, level, endpoint)
+                ours = cpu_ms(result, setup, prompt, level, endpoint)
+                value = ratio(ours, best[1]) if best and ours is not None else None
+                add(f"CPU/req <= best Rust gateway's ({best[0] if best else '–'}) at {prompt:,} tokens, c={level}, "
+                    f"{endpoint}", value, 1.0, "x")
     return out
 
 
@@ -295,37 +427,74 @@ def targets_table(result: dict[str, Any]) -> str:
     def verdict(flag: bool | None) -> str:
         return "–" if flag is None else ("met" if flag else "**missed**")
 
-    return markdown_table(["target (issue 14)", "measured", "verdict"],
+    return markdown_table(["target (issues 14, 31)", "measured", "verdict"],
                           [[t["target"], t["measured"], verdict(t["met"])] for t in targets(result)])
+
+
+def method_note(result: dict[str, Any]) -> str:
+    method = result.get("method", {})
+    endpoints = ", ".join(f"`{path}`" for path in method.get("endpoints", {"completions": PATHS["completions"]})
+                          .values())
+    gap = method.get("frame_gap_ms")
+    return (f"Clients stream {endpoints}; GEN's {method.get('max_tokens', MAX_TOKENS)} frames "
+            + (f"{gap:g} ms apart" if gap else "in one burst")
+            + (f"; the Rust gateways route with `--policy {method['gateway_policy']}`"
+               if result.get("gateways") and "gateway_policy" in method else "") + ".")
 
 
 def generated_block(result: dict[str, Any], plot: str) -> str:
     machine = result.get("machine", {})
     note = (f"{machine.get('cpu_model')}, {machine.get('nproc')} cores, load average at start "
             f"{machine.get('loadavg_at_start')}, {result.get('mode', 'full')} run")
-    return "\n".join([BEGIN, "", f"Measured on {note}.", "", targets_table(result), "", tables(result), "",
-                      f"![orchestrator cost per request]({plot})", "", END])
+    return "\n".join([BEGIN, "", f"Measured on {note}. {method_note(result)}", "", targets_table(result), "",
+                      tables(result), "", f"![orchestrator cost per request]({plot})", "", END])
 
 
 def plot(result: dict[str, Any], path: Path) -> Path:
+    """CPU per request against concurrency, on one endpoint (chat where it was measured: what clients send)."""
     from bench import plots
 
-    return plots.orchestrator_cost_plot(result, setups_in(result), path)
+    endpoint = endpoints_in(result)[0] if result["cells"] else "completions"
+    view = {**result, "cells": [c for c in result["cells"] if _endpoint(c) == endpoint]}
+    return plots.orchestrator_cost_plot(view, setups_in(view), path, machine_note=f" ({endpoint})")
+
+
+def scaling_command(api_workers: int, levels: tuple[int, ...], prompts: tuple[int, ...]) -> dict[str, Any]:
+    """What a machine with a core for each front end (beside the mocks and the load generator) should run to check
+    that ``--api-workers`` scales throughput, which a machine without spare cores cannot show."""
+    command = (f"python -m bench.orchestrator_cost --prompts {min(prompts)} --concurrency {max(levels)} "
+               f"--endpoint both --no-gateways --api-workers {api_workers}")
+    return {"command": command, "cores_needed": api_workers + 3, "cores_here": os.cpu_count(),
+            "note": f"needs {api_workers + 3} or more idle cores: {api_workers} front ends, the two mocks and the load "
+                    f"generator (this machine has {os.cpu_count()}); the target row `req/s of `orchestrator "
+                    f"x{api_workers}` >= 1.7x one process` is the check"}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     parser.add_argument("--prompts", type=int, nargs="+", default=list(PROMPTS))
     parser.add_argument("--concurrency", type=int, nargs="+", default=list(CONCURRENCY))
+    parser.add_argument("--endpoint", choices=("chat", "completions", "both"), default="both",
+                        help="what the clients stream: /v1/chat/completions, /v1/completions, or each in turn")
     parser.add_argument("--quick", action="store_true", help="short measurement windows")
     parser.add_argument("--profile", action="store_true", help="also py-spy the orchestrator (largest prompt, c=1)")
     parser.add_argument("--with-httpx", action="store_true",
                         help="also measure the orchestrator with upstream_client: httpx (the client it had before)")
     parser.add_argument("--api-workers", type=int, default=1,
                         help="also measure the orchestrator with this many front-end processes (--api-workers), at "
-                             "the highest concurrency")
+                             "the highest concurrency, and print the throughput check for a machine with spare cores")
     parser.add_argument("--compare-router", action="store_true",
                         help="also measure the orchestrator with the CTX router round_robin (no prefix chain)")
+    parser.add_argument("--no-gateways", action="store_true",
+                        help="leave out the Rust gateways (vLLM's router, SGLang's Model Gateway)")
+    parser.add_argument("--no-install", action="store_true",
+                        help="measure the Rust gateways only if already in the side venv (install nothing)")
+    parser.add_argument("--gateways-venv", type=Path, default=rust_gateways.VENV_DIR,
+                        help="the side venv the Rust gateways are installed into")
+    parser.add_argument("--gateway-policy", default="round_robin",
+                        help="the Rust gateways' --policy (round_robin: each one's cheapest)")
+    parser.add_argument("--frame-gap-ms", type=float, default=FRAME_GAP_MS,
+                        help="milliseconds between GEN's streamed frames (0: the whole stream in one burst)")
     parser.add_argument("--docs", action="store_true",
                         help="write docs/benchmarks/orchestrator_cost.{json,png} and the section of docs/benchmarks.md")
     args = parser.parse_args(argv)
@@ -335,10 +504,19 @@ def main(argv: list[str] | None = None) -> int:
     if args.api_workers > 1:
         name, options = api_workers_setup(args.api_workers)
         setups[name] = options
+    endpoints = ENDPOINTS if args.endpoint == "both" else (args.endpoint,)
     result = run(tuple(args.prompts), tuple(args.concurrency), QUICK if args.quick else FULL,
-                 profile=args.profile, setups=setups)
+                 profile=args.profile, setups=setups, endpoints=endpoints, gateways=not args.no_gateways,
+                 frame_gap_ms=args.frame_gap_ms, gateways_venv=args.gateways_venv, install=not args.no_install,
+                 gateway_policy=args.gateway_policy)
     result["mode"] = "quick" if args.quick else "full"
-    print(targets_table(result) + "\n\n" + tables(result))
+    if args.api_workers > 1:
+        result["scaling_check"] = scaling_command(args.api_workers, tuple(args.concurrency), tuple(args.prompts))
+    print(method_note(result) + "\n\n" + targets_table(result) + "\n\n" + tables(result))
+    if "scaling_check" in result:
+        check = result["scaling_check"]
+        print(f"\nThroughput scaling of --api-workers {args.api_workers} is left to a machine with spare cores "
+              f"({check['note']}):\n\n    {check['command']}")
     if args.docs:
         from bench import report
 

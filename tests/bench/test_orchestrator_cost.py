@@ -1,6 +1,7 @@
 """Smoke run of ``bench.orchestrator_cost`` at a tiny size: real subprocesses (mock workers, the orchestrator, the
-pass-through proxy, the load generator) on loopback. It asserts only that the benchmark runs end to end and returns
-well-formed results; the figures come from ``python -m bench.orchestrator_cost``."""
+pass-through proxy, the load generator) on loopback, on completions and on chat. It asserts only that the benchmark
+runs end to end and returns well-formed results; the figures come from ``python -m bench.orchestrator_cost``. The
+Rust gateways are left out here (tests/bench/test_rust_gateways.py measures them where they are installed)."""
 
 from __future__ import annotations
 
@@ -22,7 +23,15 @@ TINY = Phases(warmup_s=0.1, max_warmup_s=5.0, measure_s=0.3, max_measure_s=3.0, 
 def result() -> dict[str, Any]:
     name, options = orchestrator_cost.api_workers_setup(2)
     return orchestrator_cost.run((256,), (1, 2), TINY, idle_s=0.3,
-                                 setups={**orchestrator_cost.ORCHESTRATORS, name: options})
+                                 setups={**orchestrator_cost.ORCHESTRATORS, name: options},
+                                 endpoints=("completions",), gateways=False)
+
+
+@pytest.fixture(scope="module")
+def chat_result() -> dict[str, Any]:
+    return orchestrator_cost.run((256,), (1,), TINY, idle_s=0.3, metadata_only=False,
+                                 setups=dict(orchestrator_cost.ORCHESTRATORS), endpoints=("chat",), gateways=False,
+                                 frame_gap_ms=2.0)
 
 
 def test_every_setup_is_measured_beside_the_baseline(result: dict[str, Any]) -> None:
@@ -35,15 +44,19 @@ def test_every_setup_is_measured_beside_the_baseline(result: dict[str, Any]) -> 
         assert cell["ok_requests"] >= 1 and cell["ttft_ms"]["p50"] > 0
         if cell["setup"] != "direct":
             assert cell["cpu_ms_per_request"]["proxy"] >= 0
+        assert cell["endpoint"] == "completions" and cell["legs"]["gen_posts"] >= cell["ok_requests"]
     assert set(result["idle_cpu_ms_per_s"]) == {"orchestrator", "metadata-only", "pass-through", "orchestrator x2"}
+    assert result["gateways"] == {} and result["method"]["frame_gap_ms"] == orchestrator_cost.FRAME_GAP_MS
 
 
 def test_tables_targets_block_and_plot(result: dict[str, Any], tmp_path: Path) -> None:
     table = orchestrator_cost.tables(result)
-    assert "| 256 | 1 | orchestrator |" in table and "| 256 | 2 | pass-through |" in table
+    assert "| 256 | completions | 1 | orchestrator |" in table and "| 256 | completions | 2 | pass-through |" in table
     targets = orchestrator_cost.targets(result)
-    assert len(targets) == 8 and targets[-1]["target"].startswith("req/s of `orchestrator x2` >= 1.7x")
-    assert targets[-1]["met"] is not None
+    assert len(targets) == 9 and targets[7]["target"].startswith("req/s of `orchestrator x2` >= 1.7x")
+    assert targets[7]["met"] is not None
+    assert targets[-1]["target"].startswith("CPU/req <= the best Rust gateway's (issue 31): no Rust gateway measured")
+    assert targets[-1]["met"] is None
     block = orchestrator_cost.generated_block(result, "plot.png")
     doc = tmp_path / "benchmarks.md"
     doc.write_text("intro\n" + report.BEGIN + "\nother benchmarks\n" + report.END + "\n")
@@ -62,3 +75,25 @@ def test_the_mock_ctx_answer_is_one_gen_can_continue_from() -> None:
     assert len(pybase64.b64decode(answer["prompt_token_ids_b64"], validate=True)) == 4 * 1_000
     assert "prompt_token_ids_b64" not in orjson.loads(mock_workers.context_answer(1_000, with_b64=False))
     assert len(mock_workers.generation_frames(8)) == 10  # 8 tokens, [DONE], the last chunk
+
+
+def test_a_chat_cell_streams_chat_through_every_setup(chat_result: dict[str, Any]) -> None:
+    assert {(c["setup"], c["endpoint"]) for c in chat_result["cells"]} == {
+        ("orchestrator", "chat"), ("pass-through", "chat"), ("direct", "chat")}
+    for cell in chat_result["cells"]:
+        assert cell["errors"] == 0, cell["error_samples"]
+        assert cell["ok_requests"] >= 1 and cell["legs"]["ctx_posts"] >= 1 and cell["legs"]["gen_posts"] >= 1
+    assert chat_result["method"]["endpoints"] == {"chat": "/v1/chat/completions"}
+    assert chat_result["method"]["frame_gap_ms"] == 2.0
+    table = orchestrator_cost.tables(chat_result)
+    assert "| 256 | chat | 1 | orchestrator |" in table and "| 256 | chat | 1 | pass-through |" in table
+    targets = orchestrator_cost.targets(chat_result)
+    assert targets[0]["target"].endswith(", c=1, chat")  # no completions cells: the older targets read chat's
+    assert "2 ms apart" in orchestrator_cost.method_note(chat_result)
+
+
+def test_the_scaling_command_is_for_a_machine_with_spare_cores() -> None:
+    check = orchestrator_cost.scaling_command(2, (1, 16, 64), (1_024, 131_072))
+    assert check["command"] == ("python -m bench.orchestrator_cost --prompts 1024 --concurrency 64 --endpoint both "
+                                "--no-gateways --api-workers 2")
+    assert check["cores_needed"] == 5
