@@ -462,12 +462,13 @@ def plot(result: dict[str, Any], path: Path) -> Path:
 def scaling_command(api_workers: int, levels: tuple[int, ...], prompts: tuple[int, ...]) -> dict[str, Any]:
     """What a machine with a core for each front end (beside the mocks and the load generator) should run to check
     that ``--api-workers`` scales throughput, which a machine without spare cores cannot show."""
-    command = (f"python -m bench.orchestrator_cost --prompts {min(prompts)} --concurrency {max(levels)} "
+    level = max(*levels, *CONCURRENCY)  # many clients at once: one process alone must be the bottleneck
+    command = (f"python -m bench.orchestrator_cost --prompts {min(prompts)} --concurrency {level} "
                f"--endpoint both --no-gateways --api-workers {api_workers}")
     return {"command": command, "cores_needed": api_workers + 3, "cores_here": os.cpu_count(),
             "note": f"needs {api_workers + 3} or more idle cores: {api_workers} front ends, the two mocks and the load "
-                    f"generator (this machine has {os.cpu_count()}); the target row `req/s of `orchestrator "
-                    f"x{api_workers}` >= 1.7x one process` is the check"}
+                    f"generator (this machine has {os.cpu_count()}); its target row \"req/s of `orchestrator "
+                    f"x{api_workers}` >= 1.7x one process\" is the check"}
 
 
 def main(argv: list[str] | None = None) -> int:
