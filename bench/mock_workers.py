@@ -24,8 +24,9 @@ the prompt's tokens travel with the KV), so the orchestrator's health checks fin
 ``GET /server_info`` and ``/get_server_info``, ``/model_info`` and ``/get_model_info`` as an SGLang server would (SMG
 probes them at registration and takes a worker that answers them, and not ``/version``, for SGLang), and
 ``GET /mock_stats``: the POSTs answered so far (``{"posts": N}``), so that a benchmark can check that a gateway
-called both legs. Any other GET is a 404, and so is a POST to a ``.../render`` path (vLLM's prompt rendering, which
-vLLM's router asks both legs for before routing by its cache_aware policy; it falls back to the text without it).
+called both legs. Any other GET is a 404, and so is a POST to a ``.../render`` path, ``/tokenize`` or
+``/detokenize`` (vLLM's prompt rendering and tokenizing, which vLLM's router asks both legs for before routing by its
+cache_aware policy; without them it routes on the text): those are not counted.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from frontend.token_codec import TOKEN_DTYPE
 
 _NO_TOKENS_ASKED = b'"return_prompt_token_ids_b64":false'
 FLAVOURS = ("trtllm", "vllm", "sglang")
+_NOT_SERVED = (b"/render", b"/tokenize", b"/detokenize")  # POSTs a gateway may try that a leg does not answer
 MODEL = "mock"
 
 
@@ -209,7 +211,7 @@ class MockProtocol(asyncio.Protocol):
             transport.write(answers.stats() if path == b"/mock_stats" else answers.gets.get(path, answers.not_found))
             self.body = []
             return
-        if self.url.endswith(b"/render"):  # vLLM's prompt rendering (its router's cache_aware asks): not served
+        if self.url.endswith(_NOT_SERVED):  # vLLM's prompt rendering (its router's cache_aware asks): not served
             transport.write(answers.not_found)
             self.body = []
             return

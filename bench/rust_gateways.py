@@ -22,10 +22,10 @@ set-up:
 
 Both route with ``--policy round_robin`` by default (``policy=``): with one prefill and one decode every policy picks
 the same pair, and round_robin is each gateway's cheapest: vLLM's router's default, cache_aware, first asks both legs
-to render a chat prompt into tokens (``POST /v1/chat/completions/render``, two more round trips a request) and keeps
-a prefix tree. So the gateways are measured at their cheapest, against our orchestrator as configured by default.
-Both log at warning level, as our orchestrator does in the benchmark; their metrics listeners go on free loopback
-ports.
+to turn the prompt into tokens (``POST /v1/chat/completions/render``, then ``/tokenize``: more round trips a request,
+which the mocks answer 404, so that it routes on the text) and keeps a prefix tree. So the gateways are measured at
+their cheapest, against our orchestrator as configured by default. Both log at warning level, as our orchestrator
+does in the benchmark; their metrics listeners go on free loopback ports.
 
 ``python -m bench.rust_gateways [--check]`` installs (or finds) them and prints what it found; ``--check`` also
 streams one chat and one completions request through each gateway in front of the mocks and shows what each leg got.

@@ -149,6 +149,7 @@ def test_the_mock_counts_posts_and_answers_gateway_probes(paced_gen: Server) -> 
     status, body = _post(paced_gen, "/v1/completions", b'{"prompt":"hi","stream":true}')
     assert status == 200 and body.endswith(b"data: [DONE]\n\n")
     assert _post(paced_gen, "/v1/chat/completions/render", b"{}")[0] == 404  # vLLM's rendering: not a leg's POST
+    assert _post(paced_gen, "/tokenize", b"{}")[0] == 404
     assert orjson.loads(http_get(paced_gen.url, "/mock_stats")[1])["posts"] == before + 1
     status, info = http_get(paced_gen.url, "/server_info")
     assert status == 200 and orjson.loads(info)["disaggregation_mode"] == "decode"
