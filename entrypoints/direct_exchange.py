@@ -26,7 +26,7 @@ from typing import Any, Protocol
 
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, RequestResponseCycle
 
-from frontend.asgi_fast_path import Exchange, Handler, RawHeaders
+from frontend.asgi_fast_path import Exchange, Handler, PushedStream, RawHeaders
 from frontend.errors import ServingError, error_body
 from frontend.http import ClientDisconnected, too_large
 
@@ -140,6 +140,23 @@ class CycleExchange(Exchange):
             write(b"%x\r\n%b\r\n%b" % (len(body), body, _LAST_CHUNK) if body else _LAST_CHUNK)
         if not more:
             self._completed()
+
+    async def push(self, pushed: PushedStream, headers: RawHeaders) -> None:
+        """A 200 written piece by piece from the callback that read each piece (``PushedStream``)."""
+        self._started = True
+        await self._send_start(200, [*headers, (b"x-request-id", self.request_id.encode())])
+        await pushed.push(self._write_piece, self._writable)
+        self._complete = True
+        await self._send_body(b"", False)
+
+    def _write_piece(self, body: bytes) -> bool:
+        """``_send_body(body, True)`` without its wait: whether the client can take more is the answer."""
+        cycle = self._cycle
+        if cycle.disconnected:
+            return True  # the handler is being cancelled: the piece has nowhere to go
+        if body:
+            cycle.transport.write(b"%x\r\n%b\r\n" % (len(body), body) if cycle.chunked_encoding else body)
+        return not cycle.flow.write_paused
 
     async def _send_whole(self, status: int, headers: RawHeaders, body: bytes) -> None:
         if not await self._writable():

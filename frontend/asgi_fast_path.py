@@ -33,7 +33,7 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from contextlib import aclosing
 from functools import partial
-from typing import Any
+from typing import Any, Protocol
 
 from fastapi import FastAPI
 from starlette.datastructures import Headers
@@ -61,6 +61,23 @@ CLIENT_GONE = "disagg.client_gone"
 
 Handler = Callable[["Exchange"], Awaitable[None]]
 RawHeaders = list[tuple[bytes, bytes]]
+# Takes one piece of a streamed answer, written as it is; returns False when the client is behind (the writer should
+# wait for ``Drained`` before it sends more).
+ChunkWriter = Callable[[bytes], bool]
+Drained = Callable[[], Awaitable[object]]
+
+
+class PushedStream(Protocol):
+    """A streamed answer that can push its pieces to the client as they arrive, from the callback that read them,
+    instead of being iterated: a piece then costs no wake-up of the handler's coroutine chain (issue 31)."""
+
+    def frames(self) -> AsyncIterator[bytes]:
+        """The same pieces, as an iterator (for an exchange that cannot take pushes, or a wrapper that reads them)."""
+        ...
+
+    async def push(self, write: ChunkWriter, drained: Drained) -> None:
+        """Write every piece with ``write``, awaiting ``drained`` whenever it returns False; return at the end."""
+        ...
 
 _JSON_TYPE = (b"content-type", b"application/json")
 
@@ -165,6 +182,10 @@ class Exchange:
                 await self._send_body(chunk, True)
         self._complete = True
         await self._send_body(b"", False)
+
+    async def push(self, pushed: PushedStream, headers: RawHeaders) -> None:
+        """A 200 streamed as ``pushed`` writes it; an exchange that cannot take pushes iterates it (``stream``)."""
+        await self.stream(pushed.frames(), headers)
 
     def status_of(self, exc: BaseException) -> int:
         """The status a request ending in ``exc`` is counted with: ``answered_status``, and 499 for the

@@ -12,7 +12,7 @@ none goes further. A timeout is ``UpstreamTimeoutError``; a refused connection (
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, Iterator
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -21,7 +21,7 @@ from aiohttp.abc import AbstractStreamWriter
 from aiohttp.payload import Payload
 
 from frontend.errors import UpstreamError, UpstreamTimeoutError, UpstreamUnavailableError
-from orchestrator.transport import Body, Reply, WorkerTimeouts, body_length
+from orchestrator.transport import Body, Reply, WorkerTimeouts, body_length, pipe_chunks
 
 _JSON_HEADERS = {"Content-Type": "application/json"}
 # Neither is of use between the orchestrator and its workers, and each costs a header per request.
@@ -116,6 +116,9 @@ class AiohttpStream:
                     yield chunk
         finally:
             await self.aclose()
+
+    async def pipe(self, take: Callable[[bytes], bool], drained: Callable[[], Awaitable[object]]) -> None:
+        await pipe_chunks(self, take, drained)
 
     async def read(self) -> bytes:
         try:

@@ -42,7 +42,7 @@ from orchestrator.metric_labels import (
 )
 from orchestrator.pool import WorkerPool
 from orchestrator.protocols.registry import DEFAULT_PROTOCOL, build_protocols
-from orchestrator.relay import relay_stream
+from orchestrator.relay import RelayedStream
 from orchestrator.retry import Attempted, RetryPolicy
 from orchestrator.routers import CacheAwareRouter, RoutingKey, matched_tokens, routing_key
 from orchestrator.transport import Body, OpenStream, Reply
@@ -305,8 +305,11 @@ class DisaggFlow:
             if answer.status_code != 200:
                 raise RelayedError(answer.status_code, answer.content)
             return WholeAnswer(answer.content)
-        return StreamedAnswer(tracing.traced_frames("stream", request.span, relay_stream(
-            answer, done.member, key.prompt_tokens, request.endpoint, request.started, self.metrics)), answer.aclose)
+        relayed = RelayedStream(answer, done.member, key.prompt_tokens, request.endpoint, request.started,
+                                self.metrics)
+        if request.span is None:  # nothing reads the pieces on the way: they may be pushed
+            return StreamedAnswer(relayed.frames(), answer.aclose, pushed=relayed)
+        return StreamedAnswer(tracing.traced_frames("stream", request.span, relayed.frames()), answer.aclose)
 
 
 def _count_as_held(pool: WorkerPool, member: PoolMember, key: RoutingKey) -> None:

@@ -6,6 +6,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from frontend.asgi_fast_path import PushedStream
 from frontend.errors import InvalidRequestError
 from frontend.guardrail import BodyReading, read_body
 from frontend.openai_output import Endpoint
@@ -74,6 +75,9 @@ class StreamedAnswer:
     # the answer calls it however serving ended: ``frames`` is a chain of async generators, and one that was never
     # started (the client left while the status line was being sent) runs no ``finally`` when it is closed.
     close_upstream: Callable[[], Awaitable[None]] = _nothing_to_close
+    # The same stream as one that can be pushed (``frontend.asgi_fast_path.PushedStream``), while ``frames`` is its
+    # own iterator, unwrapped: whoever wraps ``frames`` drops it.
+    pushed: PushedStream | None = None
 
 
 Answer = WholeAnswer | StreamedAnswer

@@ -34,7 +34,7 @@ import contextlib
 import ssl
 import time
 from collections import deque
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import cast
 from urllib.parse import urlsplit
 
@@ -283,6 +283,13 @@ class HttptoolsStream:
         finally:
             await self.aclose()
 
+    async def pipe(self, take: Callable[[bytes], bool], drained: Callable[[], Awaitable[object]]) -> None:
+        try:
+            if self._connection is not None:
+                await self._connection.pipe(take, drained)
+        finally:
+            await self.aclose()
+
     async def read(self) -> bytes:
         try:
             if self._connection is None:
@@ -339,6 +346,7 @@ class _Connection(DeclaredBodyReads, asyncio.BufferedProtocol):
         self._declared = b""  # its Content-Length
         self.start_reads()  # a whole answer read past the parser is ``declared_body``
         self._waiter: asyncio.Future[None] | None = None
+        self._sink: Callable[[bytes], bool] | None = None  # while piped: takes each piece of the body (``pipe``)
         self._timer: asyncio.TimerHandle | None = None
         self._timer_due = 0.0  # loop time the armed timer fires at
         self._read_timeout_s = 0.0
@@ -409,6 +417,35 @@ class _Connection(DeclaredBodyReads, asyncio.BufferedProtocol):
         self._resume()
         return body[0] if len(body) == 1 else b"".join(body)
 
+    async def pipe(self, take: Callable[[bytes], bool], drained: Callable[[], Awaitable[object]]) -> None:
+        """The rest of the body handed to ``take`` from ``on_body`` as it is parsed: a piece wakes no coroutine.
+        When ``take`` says its client is behind, reading pauses until ``drained`` returns."""
+        self._hand_on(take)  # what came with the head, before the pipe was laid
+        self._sink = take
+        try:
+            while not self.complete:
+                if self._paused and self._transport is not None and self._failure is None:
+                    await drained()
+                    self._resume()
+                else:
+                    await self._wait()
+        finally:
+            self._sink = None
+        self._hand_on(take)
+
+    def _hand_on(self, take: Callable[[bytes], bool]) -> None:
+        """The pieces parsed from one read, to ``take`` in one piece; reading pauses if its client is behind."""
+        body = self._body
+        if not body:
+            return
+        self._body = []
+        self._buffered = 0
+        if not take(body[0] if len(body) == 1 else b"".join(body)) and not self._paused and \
+                self._transport is not None and not self.complete:
+            self._paused = True  # the client is behind: ``pipe`` waits for it, then reads on
+            self._transport.pause_reading()
+            self._wake()
+
     async def _wait(self) -> None:
         if self._failure is not None:
             raise self._failure
@@ -468,6 +505,8 @@ class _Connection(DeclaredBodyReads, asyncio.BufferedProtocol):
         except httptools.HttpParserUpgrade:  # a 101: ``on_headers_complete`` has failed the request
             self.close()
             return
+        if self._sink is not None and self._body:
+            self._hand_on(self._sink)
         if not self._headers_done and not self.complete:
             self._head_bytes += len(data)  # per read: at most one read (16 KiB) is parsed past the limit
             if self._head_bytes > _MAX_HEAD_BYTES:
@@ -538,6 +577,9 @@ class _Connection(DeclaredBodyReads, asyncio.BufferedProtocol):
             return
         if self.declared_body is not None:
             self.declared_body.take(body)  # what came with the head; the rest is read into the same bytes
+            return
+        if self._sink is not None:
+            self._body.append(body)  # handed on once the read is parsed (``data_received``): one write for it
             return
         self._body.append(body)
         self._buffered += len(body)

@@ -7,13 +7,13 @@ too; none goes further. Bodies are handed over as bytes already encoded with orj
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, Iterator
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator
 from contextlib import contextmanager
 
 import httpx
 
 from frontend.errors import UpstreamError, UpstreamTimeoutError, UpstreamUnavailableError
-from orchestrator.transport import Body, Reply, WorkerTimeouts, body_bytes
+from orchestrator.transport import Body, Reply, WorkerTimeouts, body_bytes, pipe_chunks
 
 _JSON_HEADERS = {"Content-Type": "application/json"}
 
@@ -83,6 +83,9 @@ class HttpxStream:
                     yield chunk
         finally:
             await self.aclose()
+
+    async def pipe(self, take: Callable[[bytes], bool], drained: Callable[[], Awaitable[object]]) -> None:
+        await pipe_chunks(self, take, drained)
 
     async def read(self) -> bytes:
         try:

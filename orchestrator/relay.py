@@ -2,7 +2,9 @@
 
 The bytes are passed on as they arrive; the frames are only watched for the stream's end marker, so a GEN that
 died mid-way (the connection broke, or ended before its last frame) still leaves the client a well-formed
-stream that says what went wrong.
+stream that says what went wrong. Served bare, the relay is pushed: each piece is written to the client from the
+callback that read it from GEN, with no coroutine woken per piece (``RelayedStream.push``); a wrapper that reads
+the pieces (tracing, a tenant's token count, a kept Responses answer) iterates them (``RelayedStream.frames``).
 """
 
 from __future__ import annotations
@@ -14,10 +16,11 @@ from contextlib import aclosing
 
 import orjson
 
+from frontend.asgi_fast_path import ChunkWriter, Drained
 from frontend.errors import UpstreamError
 from frontend.metrics import Metrics
 from frontend.openai_output import Endpoint, stream_error_frames
-from frontend.sse import DONE_FRAME, FrameSplitter
+from frontend.sse import DONE_FRAME
 from orchestrator.member import PoolMember
 from orchestrator.transport import OpenStream
 
@@ -26,46 +29,108 @@ logger = logging.getLogger(__name__)
 _STREAM_ENDS = (DONE_FRAME, b"event: response.completed", b"event: response.incomplete", b"event: error")
 
 
-async def relay_stream(
-    stream: OpenStream,
-    member: PoolMember,
-    prompt_tokens: int,
-    endpoint: Endpoint,
-    started: float,
-    metrics: Metrics,
-) -> AsyncGenerator[bytes, None]:
-    """Relay ``stream`` (GEN's 200 answer) and close it, however the relay ends; ``started`` is when the
-    client's request arrived (for time to first token)."""
-    splitter = FrameSplitter()
-    seen_end = False
-    last_frame: bytes | None = None  # the last whole frame GEN sent: a Responses error event numbers on from it
-    last: float | None = None
-    failure: UpstreamError | None = None
-    with member.carrying(prompt_tokens, 0):  # its first byte came: the prompt is computed
-        try:
-            async with aclosing(stream.chunks()) as chunks:
-                async for chunk in chunks:
-                    now = time.perf_counter()
-                    if last is None:
-                        metrics.time_to_first_token.observe(now - started)
-                    else:
-                        metrics.inter_token_latency.observe(now - last)
-                    last = now
-                    for frame in splitter.feed(chunk):
-                        last_frame = frame
-                        if frame.startswith(_STREAM_ENDS):
-                            seen_end = True
-                    yield chunk
-        except UpstreamError as exc:
-            failure = UpstreamError(f"the GEN stream broke: {exc.message}")
-        finally:
-            await stream.aclose()
-    if failure is None and not seen_end:
-        failure = UpstreamError("the GEN stream ended before it was complete")
-    if failure is not None:
-        logger.warning("%s (GEN worker %s)", failure.message, member.url)
-        for frame in stream_error_frames(endpoint, failure, next_sequence_number(last_frame)):
+class _Watch:
+    """What the relay watches in the bytes it passes on: time to first token, the gaps between pieces, and its
+    frames' end marker (and the last whole frame, which a Responses error event numbers on from). It looks at a
+    piece's tail only: the frames themselves are split only when a piece holds an end marker, which is at most
+    once a stream."""
+
+    __slots__ = ("last", "last_frame", "metrics", "pending", "seen_end", "started")
+
+    def __init__(self, started: float, metrics: Metrics) -> None:
+        self.started = started
+        self.metrics = metrics
+        self.last: float | None = None
+        self.pending = b""  # the frame begun and not yet ended
+        self.last_frame: bytes | None = None
+        self.seen_end = False
+
+    def feed(self, chunk: bytes) -> None:
+        now = time.perf_counter()
+        if self.last is None:
+            self.metrics.time_to_first_token.observe(now - self.started)
+        else:
+            self.metrics.inter_token_latency.observe(now - self.last)
+        self.last = now
+        data = self.pending + chunk if self.pending else chunk
+        cut = data.rfind(b"\n\n")
+        if cut < 0:
+            self.pending = data
+            return
+        whole, self.pending = data[:cut + 2], data[cut + 2:]
+        begins = whole.rfind(b"\n\n", 0, cut) + 2  # 0 - 1 + 2 when the piece holds one frame
+        self.last_frame = whole[begins if begins > 1 else 0:]
+        if not self.seen_end and any(marker in whole for marker in _STREAM_ENDS):
+            self.seen_end = any((frame + b"\n\n").startswith(_STREAM_ENDS)
+                                for frame in whole.split(b"\n\n")[:-1])
+
+
+class RelayedStream:
+    """GEN's 200 stream, relayed to the client byte for byte: pushed (``push``) or iterated (``frames``), closed
+    however the relay ends, and ended with an error event if GEN's stream broke."""
+
+    __slots__ = ("endpoint", "member", "metrics", "prompt_tokens", "started", "stream")
+
+    def __init__(self, stream: OpenStream, member: PoolMember, prompt_tokens: int, endpoint: Endpoint,
+                 started: float, metrics: Metrics) -> None:
+        self.stream = stream
+        self.member = member
+        self.prompt_tokens = prompt_tokens
+        self.endpoint = endpoint
+        self.started = started  # when the client's request arrived (for time to first token)
+        self.metrics = metrics
+
+    async def push(self, write: ChunkWriter, drained: Drained) -> None:
+        watch = _Watch(self.started, self.metrics)
+
+        def take(chunk: bytes) -> bool:
+            watch.feed(chunk)
+            return write(chunk)
+
+        failure: UpstreamError | None = None
+        with self.member.carrying(self.prompt_tokens, 0):  # its first byte came: the prompt is computed
+            try:
+                await self.stream.pipe(take, drained)
+            except UpstreamError as exc:
+                failure = exc
+            finally:
+                await self.stream.aclose()
+        for frame in self._ending(watch, failure):
+            if not write(frame):
+                await drained()
+
+    async def frames(self) -> AsyncGenerator[bytes, None]:
+        watch = _Watch(self.started, self.metrics)
+        failure: UpstreamError | None = None
+        with self.member.carrying(self.prompt_tokens, 0):
+            try:
+                async with aclosing(self.stream.chunks()) as chunks:
+                    async for chunk in chunks:
+                        watch.feed(chunk)
+                        yield chunk
+            except UpstreamError as exc:
+                failure = exc
+            finally:
+                await self.stream.aclose()
+        for frame in self._ending(watch, failure):
             yield frame
+
+    def _ending(self, watch: _Watch, broke: UpstreamError | None) -> list[bytes]:
+        """Nothing for a stream that ended well; else the error event (logged) that tells the client why not."""
+        if broke is not None:
+            failure = UpstreamError(f"the GEN stream broke: {broke.message}")
+        elif not watch.seen_end:
+            failure = UpstreamError("the GEN stream ended before it was complete")
+        else:
+            return []
+        logger.warning("%s (GEN worker %s)", failure.message, self.member.url)
+        return list(stream_error_frames(self.endpoint, failure, next_sequence_number(watch.last_frame)))
+
+
+def relay_stream(stream: OpenStream, member: PoolMember, prompt_tokens: int, endpoint: Endpoint, started: float,
+                 metrics: Metrics) -> AsyncGenerator[bytes, None]:
+    """``RelayedStream(...).frames()``: GEN's stream as an iterator."""
+    return RelayedStream(stream, member, prompt_tokens, endpoint, started, metrics).frames()
 
 
 def next_sequence_number(frame: bytes | None) -> int:

@@ -265,11 +265,13 @@ def create_orchestrator_app(
             answer = await (turn.answer(partial(flow.run, flow_request)) if turn else flow.run(flow_request))
             status = 200  # from here on the request counts as answered, whether or not the client reads it all
             if isinstance(answer, StreamedAnswer):
-                frames = answer.frames
-                if tenant is not None and tenant.counts_completions:
-                    frames = tenants.spend_streamed(tenant, frames)
                 try:
-                    await exchange.stream(frames, SSE_RAW_HEADERS)
+                    if tenant is not None and tenant.counts_completions:
+                        await exchange.stream(tenants.spend_streamed(tenant, answer.frames), SSE_RAW_HEADERS)
+                    elif answer.pushed is not None:
+                        await exchange.push(answer.pushed, SSE_RAW_HEADERS)
+                    else:
+                        await exchange.stream(answer.frames, SSE_RAW_HEADERS)
                 finally:
                     await answer.close_upstream()  # GEN stops even if the relay never started
             else:

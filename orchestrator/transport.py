@@ -19,7 +19,8 @@ Contract of every implementation:
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Awaitable, Callable
+from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
@@ -57,6 +58,12 @@ class OpenStream(Protocol):
         """The body as it arrives, unchanged; failures mid-way raise ``UpstreamError``; closes at the end."""
         ...
 
+    async def pipe(self, take: Callable[[bytes], bool], drained: Callable[[], Awaitable[object]]) -> None:
+        """``chunks`` pushed: each piece handed to ``take`` as it arrives (from the callback that read it, where the
+        client library allows), reading paused until ``drained`` returns whenever ``take`` returns False;
+        failures raise ``UpstreamError``; closes at the end."""
+        ...
+
     async def read(self) -> bytes:
         """The rest of the body, whole; then closed."""
         ...
@@ -84,6 +91,15 @@ class Transport(Protocol):
     async def aclose(self) -> None:
         """Close the connection pool; answers being streamed are cut."""
         ...
+
+
+async def pipe_chunks(stream: OpenStream, take: Callable[[bytes], bool],
+                      drained: Callable[[], Awaitable[object]]) -> None:
+    """``OpenStream.pipe`` for a client that can only be iterated."""
+    async with aclosing(stream.chunks()) as chunks:
+        async for chunk in chunks:
+            if not take(chunk):
+                await drained()
 
 
 def body_length(body: Body) -> int:

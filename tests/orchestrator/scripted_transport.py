@@ -7,11 +7,11 @@ content in one chunk), a ``ScriptedStream`` (a stream of given chunks, optionall
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 from frontend.errors import UpstreamError
-from orchestrator.transport import Body, Reply, WorkerTimeouts, body_bytes
+from orchestrator.transport import Body, Reply, WorkerTimeouts, body_bytes, pipe_chunks
 
 
 @dataclass
@@ -31,6 +31,9 @@ class ScriptedStream:
                 raise self.fails_with
         finally:
             await self.aclose()
+
+    async def pipe(self, take: Callable[[bytes], bool], drained: Callable[[], Awaitable[object]]) -> None:
+        await pipe_chunks(self, take, drained)
 
     async def read(self) -> bytes:
         await self.aclose()

@@ -1,8 +1,10 @@
-"""The streaming relay over scripted streams: bytes passed on untouched, a broken or truncated GEN stream ended
-with an error event, the load counted while it runs, and the stream closed however the relay ends."""
+"""The streaming relay over scripted streams, iterated and pushed: bytes passed on untouched, a broken or truncated
+GEN stream ended with an error event, the load counted while it runs, and the stream closed however the relay
+ends."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncGenerator
 
@@ -14,8 +16,9 @@ from frontend.metrics import Metrics
 from frontend.openai_output import Endpoint
 from frontend.sse import DONE_FRAME
 from orchestrator.member import PoolMember
-from orchestrator.relay import relay_stream
+from orchestrator.relay import RelayedStream, relay_stream
 from tests.orchestrator.scripted_transport import ScriptedStream, ScriptedTransport
+from tests.waiting import eventually_async
 
 CHAT = [b'data: {"choices": [{"delta": {"content": "Th"}}]}\n\n', b'data: {"choices": [{"delta": ', b'{}}]}\n\n',
         DONE_FRAME]
@@ -30,6 +33,28 @@ def member() -> PoolMember:
 
 def relay(stream: ScriptedStream, member: PoolMember, endpoint: Endpoint = "chat") -> AsyncGenerator[bytes, None]:
     return relay_stream(stream, member, 42, endpoint, time.perf_counter(), Metrics())
+
+
+@pytest.fixture(params=["iterated", "pushed"])
+def mode(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+async def relayed(stream: ScriptedStream, member: PoolMember, mode: str, endpoint: Endpoint = "chat") -> list[bytes]:
+    """Everything the client gets, the relay iterated or pushed."""
+    if mode == "iterated":
+        return [chunk async for chunk in relay(stream, member, endpoint)]
+    written: list[bytes] = []
+
+    def write(chunk: bytes) -> bool:
+        written.append(chunk)
+        return True
+
+    async def drained() -> None:
+        raise AssertionError("a client that keeps up is never waited for")
+
+    await RelayedStream(stream, member, 42, endpoint, time.perf_counter(), Metrics()).push(write, drained)
+    return written
 
 
 async def test_a_whole_stream_is_relayed_byte_for_byte_and_closed(member: PoolMember) -> None:
@@ -49,9 +74,9 @@ def error_of(frames: list[bytes]) -> dict[str, object]:
     return error
 
 
-async def test_a_stream_that_breaks_ends_with_an_error_then_done(member: PoolMember) -> None:
+async def test_a_stream_that_breaks_ends_with_an_error_then_done(member: PoolMember, mode: str) -> None:
     stream = ScriptedStream(200, CHAT[:1], fails_with=UpstreamError("worker http://gen:1 failed: ReadError"))
-    frames = [chunk async for chunk in relay(stream, member)]
+    frames = await relayed(stream, member, mode)
     assert frames[0] == CHAT[0]
     assert frames[-1] == DONE_FRAME
     error = error_of(frames)
@@ -61,31 +86,31 @@ async def test_a_stream_that_breaks_ends_with_an_error_then_done(member: PoolMem
     assert member.inflight == 0
 
 
-async def test_a_stream_that_ends_before_its_end_marker_ends_with_an_error(member: PoolMember) -> None:
+async def test_a_stream_that_ends_before_its_end_marker_ends_with_an_error(member: PoolMember, mode: str) -> None:
     stream = ScriptedStream(200, CHAT[:2])
-    frames = [chunk async for chunk in relay(stream, member)]
+    frames = await relayed(stream, member, mode)
     assert frames[:2] == CHAT[:2]
     assert error_of(frames)["message"] == "the GEN stream ended before it was complete"
 
 
-async def test_a_responses_stream_ends_with_an_error_event(member: PoolMember) -> None:
+async def test_a_responses_stream_ends_with_an_error_event(member: PoolMember, mode: str) -> None:
     stream = ScriptedStream(200, [b'event: response.created\ndata: {}\n\n'])
-    frames = [chunk async for chunk in relay(stream, member, "responses")]
+    frames = await relayed(stream, member, mode, "responses")
     assert frames[-1].startswith(b"event: error\n")
     completed = ScriptedStream(200, [b'event: response.completed\ndata: {}\n\n'])
-    assert [chunk async for chunk in relay(completed, member, "responses")] == completed.parts
+    assert await relayed(completed, member, mode, "responses") == completed.parts
 
 
 @pytest.mark.parametrize("broken", [False, True], ids=["ended-early", "broke"])
 async def test_a_responses_error_event_goes_on_with_the_streams_sequence_numbers(
-    member: PoolMember, broken: bool
+    member: PoolMember, broken: bool, mode: str
 ) -> None:
     sent = [b'event: response.created\ndata: {"type":"response.created","sequence_number":0}\n\n',
             b'event: response.in_progress\ndata: {"type":"response.in_progress","sequence_number":1}\n\n',
             b'event: response.output_text.delta\ndata: {"type":"response.output_text.delta","seq']  # cut short
     failure = UpstreamError("worker http://gen:1 failed: ReadError") if broken else None
     stream = ScriptedStream(200, sent, fails_with=failure)
-    frames = [chunk async for chunk in relay(stream, member, "responses")]
+    frames = await relayed(stream, member, mode, "responses")
     assert frames[:3] == sent
     error = orjson.loads(frames[-1].partition(b"data: ")[2])
     assert error["type"] == "error" and error["sequence_number"] == 2  # after GEN's last whole event, not 0
@@ -100,3 +125,69 @@ async def test_a_client_that_leaves_mid_stream_closes_the_upstream_stream(member
     assert stream.closed
     assert stream.iterated == CHAT[:1]
     assert member.inflight == 0
+
+
+async def test_a_pushed_relay_waits_for_a_client_that_is_behind_and_reads_on(member: PoolMember) -> None:
+    stream = ScriptedStream(200, CHAT)
+    written: list[bytes] = []
+    waits: list[int] = []
+
+    def write(chunk: bytes) -> bool:
+        written.append(chunk)
+        return len(written) % 2 == 1  # behind after every second piece
+
+    async def drained() -> None:
+        waits.append(len(written))
+
+    await RelayedStream(stream, member, 42, "chat", time.perf_counter(), Metrics()).push(write, drained)
+    assert written == CHAT
+    assert waits == [2, 4]
+    assert stream.closed and member.inflight == 0
+
+
+@pytest.mark.parametrize("parts", [
+    [b"data: {}\n\ndata: [DO", b"NE]\n\n"],  # the end marker split between two pieces
+    [b"data: {}\n\ndata: [DONE]\n\n"],  # in one piece behind another frame
+    [b"data: {}\n", b"\n", DONE_FRAME],  # a frame's blank line split
+], ids=["marker-split", "two-frames-one-piece", "blank-line-split"])
+async def test_the_end_marker_is_found_however_the_stream_is_cut(member: PoolMember, mode: str,
+                                                                 parts: list[bytes]) -> None:
+    assert await relayed(ScriptedStream(200, parts), member, mode) == parts
+
+
+async def test_an_end_marker_inside_a_frame_is_not_the_streams_end(member: PoolMember, mode: str) -> None:
+    parts = [b'data: {"text": "event: error data: [DONE]\n"}\n\n']
+    frames = await relayed(ScriptedStream(200, parts), member, mode)
+    assert error_of(frames)["message"] == "the GEN stream ended before it was complete"
+
+
+async def test_a_client_that_leaves_a_pushed_relay_closes_the_upstream_stream(member: PoolMember) -> None:
+    gate = asyncio.Event()
+
+    class Held(ScriptedStream):
+        async def chunks(self) -> AsyncGenerator[bytes, None]:
+            try:
+                yield self.parts[0]
+                await gate.wait()  # GEN has more to say, the client leaves first
+                yield self.parts[1]
+            finally:
+                await self.aclose()
+
+    stream = Held(200, CHAT)
+    written: list[bytes] = []
+
+    def write(chunk: bytes) -> bool:
+        written.append(chunk)
+        return True
+
+    async def drained() -> None:
+        pass
+
+    task = asyncio.ensure_future(RelayedStream(stream, member, 42, "chat", time.perf_counter(), Metrics())
+                                 .push(write, drained))
+    assert await eventually_async(lambda: written == CHAT[:1])
+    assert member.inflight == 1
+    task.cancel()  # what the exchange does when the client goes away
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert stream.closed and member.inflight == 0
