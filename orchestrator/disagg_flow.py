@@ -87,7 +87,8 @@ class DisaggFlow:
         return self.protocols[member.protocol if member is not None else DEFAULT_PROTOCOL]
 
     def new_request(self, endpoint: Endpoint, body: dict[str, Any], started: float,
-                    headers: dict[str, str] | None = None, session: str | None = None) -> FlowRequest:
+                    headers: dict[str, str] | None = None, session: str | None = None,
+                    conversation_id: str | None = None) -> FlowRequest:
         prefix_chars = self.config.context_servers.router.prefix_chars
         headers = headers if headers is not None else {}
         # Exact chains where a GEN worker may be sent a prompt to prefill alone: a sampled link could claim a
@@ -96,7 +97,7 @@ class DisaggFlow:
                           exact=self.config.max_local_prefill_length > 0)
         if key.chain.links:
             headers[CHAIN_HEADER] = key.chain.header_value()  # both workers record what they now hold under it
-        return FlowRequest(endpoint, body, key, started, headers)
+        return FlowRequest(endpoint, body, key, started, headers, conversation_id=conversation_id)
 
     async def run(self, request: FlowRequest) -> Answer:
         """The request's answer; a worker's own error answer is raised as ``RelayedError``."""
@@ -166,7 +167,8 @@ class DisaggFlow:
         return_tokens = self._ctx_returns_tokens(request)
 
         def body_for(ctx: PoolMember) -> Body:
-            return self.protocol_of(ctx).context_request(request.body, return_prompt_tokens=return_tokens)
+            return self.protocol_of(ctx).context_request(request.body, return_prompt_tokens=return_tokens,
+                                                       conversation_id=request.conversation_id)
 
         started = time.perf_counter()
         with tracing.span("ctx.call", request.span, headers=request.headers, client=True) as span:
@@ -232,7 +234,8 @@ class DisaggFlow:
             with tracing.span("handoff", request.span) as span:
                 carriage, reason = self.prompt_carriage(request, ctx, gen)
                 fallback = fallback or reason
-                body = self.protocol_of(gen).generation_request(request.body, ctx, carriage)
+                body = self.protocol_of(gen).generation_request(request.body, ctx, carriage,
+                                                                 conversation_id=request.conversation_id)
                 flow_tracing.handed_off(span, ctx, carriage, reason, body)
             return body
 

@@ -39,6 +39,7 @@ class FlowRequest:
     ctx_redone: bool = False
     span: Span | None = None  # the request's trace span (frontend.tracing); None when tracing is off
     priority: int = DEFAULT  # its class (orchestrator/admission.py), for the prefill gate
+    conversation_id: str | None = None  # told to workers whose wire carries one (orchestrator/conversation.py)
     _guardrail_reading: BodyReading | None = None
 
     @property

@@ -39,6 +39,7 @@ from frontend.sse import SSE_RAW_HEADERS
 from orchestrator.admission import Admission, priority_of
 from orchestrator.cache_index import CacheIndex
 from orchestrator.client_body import parse_client_body
+from orchestrator.conversation import header_order, read_conversation
 from orchestrator.disagg_flow import DisaggFlow
 from orchestrator.flow_request import PATHS, FlowRequest, StreamedAnswer, check_client_body
 from orchestrator.membership import DnsDiscovery
@@ -167,7 +168,8 @@ def create_orchestrator_app(
     # Label lookups made once, not per request (frontend.metrics.LabelledChildren says what they cost).
     inflight_gauge = metrics.engine_inflight.labels(role=ROLE)
     bodies = BodyBudget(config.max_body_bytes_reading)
-    session_header = config.context_servers.router.session_header.lower().encode("latin-1")
+    # The headers that name a conversation: the configured one, then TensorRT-LLM's (orchestrator/conversation.py).
+    conversation_headers = header_order(config.context_servers.router.session_header.lower().encode("latin-1"))
     priority_header = config.admission.priority_header.lower().encode("latin-1")
     requests_count, request_latency = LabelledChildren(metrics.requests), LabelledChildren(metrics.request_latency)
 
@@ -255,8 +257,10 @@ def create_orchestrator_app(
             check_client_body(body)
             turn = (await stored_responses.begin(body, tenant.name if tenant else "")
                     if endpoint == "responses" else None)
-            session = turn.session if turn is not None and turn.session else exchange.header(session_header)
-            flow_request = flow.new_request(endpoint, turn.body if turn else body, started, headers, session)
+            conversation = read_conversation(body, exchange.header, conversation_headers)
+            session = turn.session if turn is not None and turn.session else conversation.routing_id
+            flow_request = flow.new_request(endpoint, turn.body if turn else body, started, headers, session,
+                                            conversation.conversation_id)
             flow_request.span = span
             flow_request.priority = priority
             if admission is not None:

@@ -38,9 +38,11 @@ class ContextAnswer:
 
 
 class WorkerProtocol(Protocol):
-    def context_request(self, body: dict[str, Any], *, return_prompt_tokens: bool) -> Body:
+    def context_request(self, body: dict[str, Any], *, return_prompt_tokens: bool,
+                        conversation_id: str | None = None) -> Body:
         """The CTX step's body for the client's ``body``: a context-only, whole (not streamed) request (chunks when a
-        long prompt is kept as the client's bytes: ``orchestrator.client_body``)."""
+        long prompt is kept as the client's bytes: ``orchestrator.client_body``). ``conversation_id`` is the
+        request's conversation (``orchestrator.conversation``), for a wire that tells workers of it."""
         ...
 
     def read_context_answer(self, content: bytes) -> ContextAnswer:
@@ -51,7 +53,8 @@ class WorkerProtocol(Protocol):
         """CTX's answer as the client gets it when CTX finished the request: the hand-off fields removed."""
         ...
 
-    def generation_request(self, body: dict[str, Any], ctx: ContextAnswer, carriage: PromptCarriage) -> Body:
+    def generation_request(self, body: dict[str, Any], ctx: ContextAnswer, carriage: PromptCarriage, *,
+                           conversation_id: str | None = None) -> Body:
         """The GEN step's body: the client's ``body``, the hand-off from ``ctx``, and the prompt as ``carriage``
         says. ``CTX_TOKENS`` must put ``ctx.prompt_b64`` itself in the body, never a decoded or re-encoded copy
         (a view is sent as a chunk of its own)."""

@@ -30,7 +30,8 @@ RELEASE_PATH = "/v1/disagg/release"
 
 
 class NativeProtocol:
-    def context_request(self, body: dict[str, Any], *, return_prompt_tokens: bool) -> Body:
+    def context_request(self, body: dict[str, Any], *, return_prompt_tokens: bool,
+                        conversation_id: str | None = None) -> Body:
         ctx_body = dict(body)  # shallow: the prompt itself is not copied
         if body.get("stream") is True:
             # CTX answers whole whatever the client asked; stream_options belong to the client's stream. A
@@ -66,7 +67,8 @@ class NativeProtocol:
     def finished_response(self, ctx: ContextAnswer) -> dict[str, Any]:
         return without_handoff_fields(ctx.response)
 
-    def generation_request(self, body: dict[str, Any], ctx: ContextAnswer, carriage: PromptCarriage) -> Body:
+    def generation_request(self, body: dict[str, Any], ctx: ContextAnswer, carriage: PromptCarriage, *,
+                           conversation_id: str | None = None) -> Body:
         gen_body = dict(body)  # shallow: the prompt itself is not copied
         params = dict(ctx.handoff)
         params["request_type"] = "generation_only"

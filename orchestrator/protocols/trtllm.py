@@ -27,6 +27,7 @@ import orjson
 from frontend.errors import UnsupportedParameterError, UpstreamError
 from orchestrator.b64_splice import encode_with_b64, parse_with_b64_span
 from orchestrator.client_body import encode
+from orchestrator.conversation import body_conversation_id
 from orchestrator.transport import Body, Reply
 from orchestrator.worker_protocol import ContextAnswer, PromptCarriage, without_handoff_fields
 
@@ -45,7 +46,8 @@ class TrtllmProtocol:
     def __init__(self, *, strip_message_history: bool = False) -> None:
         self.strip_message_history = strip_message_history
 
-    def context_request(self, body: dict[str, Any], *, return_prompt_tokens: bool) -> Body:
+    def context_request(self, body: dict[str, Any], *, return_prompt_tokens: bool,
+                        conversation_id: str | None = None) -> Body:
         if "messages" not in body and "prompt" not in body:
             raise UnsupportedParameterError("TensorRT-LLM workers serve only chat and completions "
                                             "disaggregated, not /v1/responses", param="input")
@@ -54,7 +56,7 @@ class TrtllmProtocol:
             "request_type": "context_only",
             "disagg_request_id": random.getrandbits(63),
             "schedule_style": CONTEXT_FIRST,
-            "conversation_id": _conversation_id(body),
+            "conversation_id": conversation_id if conversation_id is not None else body_conversation_id(body),
             "return_prompt_token_ids_b64": return_prompt_tokens,
         }
         ctx_body["stream"] = False
@@ -84,12 +86,13 @@ class TrtllmProtocol:
     def finished_response(self, ctx: ContextAnswer) -> dict[str, Any]:
         return without_handoff_fields(ctx.response)
 
-    def generation_request(self, body: dict[str, Any], ctx: ContextAnswer, carriage: PromptCarriage) -> Body:
+    def generation_request(self, body: dict[str, Any], ctx: ContextAnswer, carriage: PromptCarriage, *,
+                           conversation_id: str | None = None) -> Body:
         gen_body = dict(body)  # shallow: the prompt itself is not copied
         params = {k: v for k, v in ctx.handoff.items() if k in DISAGGREGATED_PARAMS_FIELDS}
         params["request_type"] = "generation_only"
         params["schedule_style"] = CONTEXT_FIRST
-        params["conversation_id"] = _conversation_id(body)
+        params["conversation_id"] = conversation_id if conversation_id is not None else body_conversation_id(body)
         params["ctx_usage"] = ctx.response.get("usage")
         ctx_id = params.get("ctx_request_id")
         if isinstance(ctx_id, str) and ctx_id.isdigit():  # a disagg-serve CTX in a mixed fleet: ids are decimal
@@ -116,9 +119,3 @@ class TrtllmProtocol:
     def release_request(self, ctx: ContextAnswer) -> tuple[str, bytes] | None:
         return None  # no early release in protocol v0: the CTX worker frees the KV on its own timeout
 
-
-def _conversation_id(body: dict[str, Any]) -> str | None:
-    conversation = body.get("conversation_params")
-    if isinstance(conversation, dict) and isinstance(conversation.get("conversation_id"), str):
-        return str(conversation["conversation_id"])
-    return None

@@ -38,7 +38,8 @@ _CONTINUE_REASONS = ("length",)
 
 
 class VllmProtocol:
-    def context_request(self, body: dict[str, Any], *, return_prompt_tokens: bool) -> Body:
+    def context_request(self, body: dict[str, Any], *, return_prompt_tokens: bool,
+                        conversation_id: str | None = None) -> Body:
         # return_prompt_tokens is not asked of P: a vLLM server has no b64 token ids to give.
         p_body = dict(body)  # shallow: the prompt itself is not copied
         p_body.pop("stream_options", None)
@@ -73,7 +74,8 @@ class VllmProtocol:
         response.pop("kv_transfer_params", None)
         return response
 
-    def generation_request(self, body: dict[str, Any], ctx: ContextAnswer, carriage: PromptCarriage) -> Body:
+    def generation_request(self, body: dict[str, Any], ctx: ContextAnswer, carriage: PromptCarriage, *,
+                           conversation_id: str | None = None) -> Body:
         if carriage is not PromptCarriage.CLIENT_PROMPT:
             # P gave no token ids (prompt_b64 is None), so the flow only asks for these in metadata-only mode,
             # which the config refuses for vLLM groups; fail loudly rather than send D a body without a prompt.

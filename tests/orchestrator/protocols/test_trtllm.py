@@ -20,6 +20,7 @@ import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
 from orchestrator.protocols.trtllm import TrtllmProtocol
+from orchestrator.routers import _rendezvous
 from orchestrator.transport import body_bytes
 from orchestrator.worker_protocol import PromptCarriage
 from tests.cluster import start_orchestrator, start_worker
@@ -200,3 +201,43 @@ def test_a_mixed_fleet_speaks_to_each_worker_in_its_own_protocol(fleet: TrtllmFl
         our_ctx = ours.recorder.posts("/v1/chat/completions")
     assert len(our_ctx) == 1 and our_ctx[0].request_json()["disaggregated_params"]["native_extensions"] is True
     assert fleet.gen.refused == [] and len(fleet.gen.bodies) == seen + 2
+
+
+# -- conversations: ids read as TensorRT-LLM sends them, told to both legs, and the session key of routing -----
+def _conversation_ids(worker: TrtllmWorker, seen: int) -> list[str | None]:
+    return [orjson.loads(raw)["disaggregated_params"]["conversation_id"] for raw in worker.bodies[seen:]]
+
+
+@pytest.mark.parametrize("how", ["body", "x-correlation-id", "x-multi-turn-session-id"])
+def test_the_conversation_id_reaches_both_legs(fleet: TrtllmFleet, how: str) -> None:
+    extra: dict[str, Any] = {}
+    if how == "body":
+        extra["extra_body"] = {"conversation_params": {"conversation_id": "conv-7"}}
+        extra["extra_headers"] = {"X-Session-ID": "loses-to-the-body"}
+    else:
+        extra["extra_headers"] = {how: "conv-7"}
+    with orchestrator([fleet.ctx_url], [fleet.gen_url]) as client:
+        seen_ctx, seen_gen = len(fleet.ctx.bodies), len(fleet.gen.bodies)
+        reply = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8, **extra)
+    assert reply.choices[0].message.content == FIRST + REST
+    assert fleet.ctx.refused == [] and fleet.gen.refused == []
+    assert _conversation_ids(fleet.ctx, seen_ctx) == ["conv-7"] and _conversation_ids(fleet.gen, seen_gen) == ["conv-7"]
+
+
+def test_subagent_affinity_keys_session_routing_and_workers_hear_their_own_id(fleet: TrtllmFleet) -> None:
+    """Each sub-agent of one parent has its own conversation (what the workers are told), and every one of them
+    is routed by the parent's id: to the CTX worker that session affinity ranks first for it."""
+    other = TrtllmWorker("ctx")
+    with running(other.app()) as other_url:
+        ctx_urls = [fleet.ctx_url, other_url]
+        own = max(ctx_urls, key=lambda url: _rendezvous("parent-1", url))
+        workers = {fleet.ctx_url: fleet.ctx, other_url: other}
+        seen = {url: len(w.bodies) for url, w in workers.items()}
+        with orchestrator(ctx_urls, [fleet.gen_url],
+                          context_servers={"urls": ctx_urls, "router": {"type": "cache_aware"}}) as client:
+            for child in range(4):
+                client.chat.completions.create(
+                    model=MODEL, max_tokens=8, messages=[{"role": "user", "content": f"task {child}"}],
+                    extra_headers={"x-trtllm-subagent-affinity-id": "parent-1", "x-session-id": f"child-{child}"})
+    assert _conversation_ids(workers[own], seen[own]) == [f"child-{i}" for i in range(4)]
+    assert all(len(w.bodies) == seen[url] for url, w in workers.items() if url != own)

@@ -1,0 +1,53 @@
+"""A request's conversation id and routing id, read as TensorRT-LLM sends and reads them.
+
+TensorRT-LLM's disaggregated server (``tensorrt_llm/serve/conversation_id.py``) takes the body's
+``conversation_params.conversation_id`` first (the canonical place), else the first non-empty of its headers in its
+own order, case-insensitively. Sub-agent affinity (``x-trtllm-subagent-affinity-id``) names the parent
+conversation a sub-agent's requests should stay with: it becomes the *routing* id, ahead of the request's own
+conversation id, which is still what the workers are told (``disaggregated_params.conversation_id``).
+
+The routing id is the session key of our fleet routing's session affinity (``RoutingKey.session``, docs/routing.md);
+the configured ``session_header`` is read first among the headers, so a deployment that set its own keeps it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+# TensorRT-LLM's CONVERSATION_ID_HEADERS, in its priority order.
+CONVERSATION_ID_HEADERS = (b"x-session-id", b"x-correlation-id", b"x-session-affinity", b"x-multi-turn-session-id")
+SUBAGENT_AFFINITY_HEADER = b"x-trtllm-subagent-affinity-id"
+
+
+@dataclass(frozen=True, slots=True)
+class Conversation:
+    conversation_id: str | None  # what the workers are told
+    routing_id: str | None  # what session affinity keys on: the sub-agent's parent, else the conversation
+
+
+def header_order(session_header: bytes) -> tuple[bytes, ...]:
+    """The headers read for a conversation id, the configured one first (computed once per server)."""
+    return (session_header, *(h for h in CONVERSATION_ID_HEADERS if h != session_header))
+
+
+def read_conversation(body: dict[str, Any], header: Callable[[bytes], str | None],
+                      headers: tuple[bytes, ...] = CONVERSATION_ID_HEADERS) -> Conversation:
+    conversation_id = body_conversation_id(body)
+    if conversation_id is None:
+        conversation_id = next((v for v in (_stripped(header(name)) for name in headers) if v), None)
+    affinity = _stripped(header(SUBAGENT_AFFINITY_HEADER))
+    return Conversation(conversation_id, affinity or conversation_id)
+
+
+def body_conversation_id(body: dict[str, Any]) -> str | None:
+    conversation = body.get("conversation_params")
+    if isinstance(conversation, dict):
+        return _stripped(conversation.get("conversation_id")) or None
+    return None
+
+
+def _stripped(value: object) -> str | None:
+    # TensorRT-LLM strips the id and treats an empty one as absent.
+    return value.strip() if isinstance(value, str) else None
