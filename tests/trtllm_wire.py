@@ -13,7 +13,9 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, field_validator, model_validator
+
+from frontend.trtllm_lifecycle import TransceiverLifecycleAdvertisement, validate_identity_fields
 
 GEN_PENDING_FINISH_REASONS = ("length", "not_finished")
 
@@ -34,6 +36,9 @@ class UsageInfo(Strict):
 
 
 class DisaggregatedParams(Strict):
+    """Every field of the lifecycle-v1 snapshot (91c7f67) and of main (``resolved_thinking``): the union, since a
+    body of either must validate here; the lifecycle identities are checked as TensorRT-LLM checks them."""
+
     request_type: StrictStr
     first_gen_tokens: list[StrictInt] | None = None
     first_gen_log_probs: list[Any] | None = None
@@ -42,6 +47,18 @@ class DisaggregatedParams(Strict):
     encoded_opaque_state: StrictStr | None = None
     draft_tokens: list[StrictInt] | None = None
     disagg_request_id: StrictInt | None = None
+    # lifecycle v1: the attempt identity, the admitted GEN endpoint, the CTX's control endpoint and advertisement
+    logical_request_id: StrictInt | None = None
+    prefill_artifact_id: StrictStr | None = None
+    artifact_version: StrictInt | None = None
+    handoff_attempt_uuid: StrictStr | None = None
+    consumer_grant_id: StrictStr | None = None
+    transfer_session_id: StrictStr | None = None
+    generation_endpoint_name: StrictStr | None = None
+    generation_endpoint_rank: StrictInt | None = None
+    generation_endpoint_incarnation: StrictStr | None = None
+    context_control_endpoint: StrictStr | None = None
+    context_transceiver_lifecycle: TransceiverLifecycleAdvertisement | None = None
     ctx_dp_rank: StrictInt | None = None
     ctx_info_endpoint: StrictStr | None = None
     schedule_style: Literal[0, 1] | None = None
@@ -50,6 +67,11 @@ class DisaggregatedParams(Strict):
     return_prompt_token_ids_b64: StrictBool = False
     resolved_thinking: StrictBool | None = None
 
+    @model_validator(mode="after")
+    def _lifecycle_identity(self) -> DisaggregatedParams:
+        validate_identity_fields(self.__dict__)
+        return self
+
 
 class StreamOptions(Strict):
     include_usage: bool | None = True
@@ -57,7 +79,18 @@ class StreamOptions(Strict):
 
 
 class ConversationParams(Strict):
+    """``conversation_params`` of a client body; ``subagent_affinity_id`` is server-private (never serialised: it
+    travels as the ``x-trtllm-subagent-affinity-id`` header)."""
+
     conversation_id: StrictStr
+    subagent_affinity_id: StrictStr | None = Field(default=None, exclude=True)
+
+    @field_validator("conversation_id", mode="before")
+    @classmethod
+    def _non_empty(cls, value: Any) -> Any:
+        if value is None or (isinstance(value, str) and not value.strip()):
+            raise ValueError("conversation_id must be non-empty")
+        return value.strip() if isinstance(value, str) else value
 
 
 class _Sampling(Strict):
@@ -87,6 +120,7 @@ class CompletionRequest(_Sampling):
     prompt: list[StrictInt] | list[list[StrictInt]] | str | list[str]  # required, as TensorRT-LLM has it
     logprobs: StrictInt | None = None
     echo: bool | None = False
+    conversation_params: ConversationParams | None = None
 
 
 class ChatMessage(Strict):
