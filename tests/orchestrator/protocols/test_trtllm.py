@@ -241,3 +241,22 @@ def test_subagent_affinity_keys_session_routing_and_workers_hear_their_own_id(fl
                     extra_headers={"x-trtllm-subagent-affinity-id": "parent-1", "x-session-id": f"child-{child}"})
     assert _conversation_ids(workers[own], seen[own]) == [f"child-{i}" for i in range(4)]
     assert all(len(w.bodies) == seen[url] for url, w in workers.items() if url != own)
+
+
+# -- PR #15309: after a CTX retry, GEN waits on the id of the CTX answer that succeeded --------------------------
+def test_after_a_ctx_retry_gen_carries_the_id_of_the_ctx_that_answered(fleet: TrtllmFleet) -> None:
+    """Each CTX attempt is a new body with a new ``disagg_request_id`` (the failed attempt's id may still be live
+    on its worker); GEN must get the one the succeeding CTX answered with, or it waits on a KV that never comes."""
+    flaky = TrtllmWorker("ctx", fail_next=2)  # round robin: whichever request reaches it first fails there once
+    with running(flaky.app()) as flaky_url:
+        ctx_urls = [flaky_url, fleet.ctx_url]
+        with orchestrator(ctx_urls, [fleet.gen_url],
+                          context_servers={"urls": ctx_urls, "router": {"type": "round_robin"}}) as client:
+            seen_ctx, seen_gen = len(fleet.ctx.bodies), len(fleet.gen.bodies)
+            for _ in range(2):
+                assert _text(client, True, False, max_tokens=8) == FIRST + REST
+    failed = [orjson.loads(raw)["disaggregated_params"]["disagg_request_id"] for raw in flaky.bodies]
+    answered = [orjson.loads(raw)["disaggregated_params"]["disagg_request_id"] for raw in fleet.ctx.bodies[seen_ctx:]]
+    gen = [orjson.loads(raw)["disaggregated_params"]["disagg_request_id"] for raw in fleet.gen.bodies[seen_gen:]]
+    assert failed and not set(failed) & set(answered)  # a retry is a new attempt with a new id
+    assert gen == answered and fleet.gen.refused == []

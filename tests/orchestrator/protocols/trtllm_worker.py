@@ -35,6 +35,7 @@ class TrtllmWorker:
     role: str  # "ctx" or "gen"
     bodies: list[bytes] = field(default_factory=list)  # every generation body, as received
     refused: list[str] = field(default_factory=list)  # why each refused body would fail at TensorRT-LLM
+    fail_next: int = 0  # answer this many generation requests 503, as a worker that lost its engine for a moment
     _ids: itertools.count[int] = field(default_factory=lambda: itertools.count(1000))
 
     def app(self) -> Starlette:
@@ -49,6 +50,10 @@ class TrtllmWorker:
     async def _generate(self, request: Request) -> Response:
         raw = await request.body()
         self.bodies.append(raw)
+        if self.fail_next > 0:
+            self.fail_next -= 1
+            return JSONResponse({"object": "error", "message": "engine unavailable", "type": "ServiceUnavailable",
+                                 "param": None, "code": 503}, status_code=503)
         path = request.url.path
         try:
             body = request_model(path).model_validate_json(raw)
