@@ -60,7 +60,8 @@ class _Watch:
         whole, self.pending = data[:cut + 2], data[cut + 2:]
         begins = whole.rfind(b"\n\n", 0, cut) + 2  # 0 - 1 + 2 when the piece holds one frame
         self.last_frame = whole[begins if begins > 1 else 0:]
-        if not self.seen_end and any(marker in whole for marker in _STREAM_ENDS):
+        if not self.seen_end and (DONE_FRAME in whole or b"event: response.completed" in whole
+                                  or b"event: response.incomplete" in whole or b"event: error" in whole):
             self.seen_end = any((frame + b"\n\n").startswith(_STREAM_ENDS)
                                 for frame in whole.split(b"\n\n")[:-1])
 

@@ -29,6 +29,7 @@ from frontend.http import (
     parse_json_object,
     read_body,
 )
+from frontend.logging_setup import RequestLines
 from frontend.loop_monitor import LoopLagMonitor
 from frontend.memory import IdleMemoryTrimmer
 from frontend.metrics import METRICS_CONTENT_TYPE, LabelledChildren, Metrics
@@ -171,6 +172,7 @@ def create_orchestrator_app(
     # The headers that name a conversation: the configured one, then TensorRT-LLM's (orchestrator/conversation.py).
     conversation_headers = header_order(config.context_servers.router.session_header.lower().encode("latin-1"))
     priority_header = config.admission.priority_header.lower().encode("latin-1")
+    request_lines = RequestLines(logger)
     requests_count, request_latency = LabelledChildren(metrics.requests), LabelledChildren(metrics.request_latency)
 
     def authenticate(authorization: str | None) -> Tenant | None:
@@ -197,11 +199,11 @@ def create_orchestrator_app(
             tracing.end(span, {"http.status_code": status}, f"status {status}" if status >= 500 else None)
         requests_count(ROLE, endpoint, str(status)).inc()
         request_latency(endpoint).observe(elapsed)
-        if logger.isEnabledFor(logging.INFO):  # the line's fields are not built for a level that drops it
-            logger.info("request done", extra={"event": "request", "endpoint": endpoint, "status": status,
-                                               "latency_ms": round(elapsed * 1000, 2),
-                                               "ctx_worker": flow_request.ctx_worker if flow_request else None,
-                                               "gen_worker": flow_request.gen_worker if flow_request else None})
+        if request_lines.enabled():  # the line's fields are not built for a level that drops it
+            request_lines.write("request done", {"event": "request", "endpoint": endpoint, "status": status,
+                                                 "latency_ms": round(elapsed * 1000, 2),
+                                                 "ctx_worker": flow_request.ctx_worker if flow_request else None,
+                                                 "gen_worker": flow_request.gen_worker if flow_request else None})
 
     async def handle(exchange: Exchange, endpoint: Endpoint) -> None:
         """The hot path, served bare (``frontend.asgi_fast_path``): admit -> read -> flow -> answer or stream.
