@@ -160,6 +160,24 @@ class TenantConfig(_Frozen):
     burst_s: Annotated[float, Field(gt=0)] = 1.0  # each rate's bucket holds this many seconds of it
 
 
+class TrtllmConfig(_Frozen):
+    """How our orchestrator speaks to trtllm-serve workers (orchestrator/protocols/trtllm*.py, docs/interop.md)."""
+
+    # "auto": lifecycle v1 with a CTX/GEN pair whose GET /server_info advertises it, v0 otherwise; "v0": never v1.
+    lifecycle_protocol: Literal["auto", "v0"] = "auto"
+    # Generation grants (TensorRT-LLM's TRTLLM_DISAGG_GEN_GRANT_TTL_S / _RENEW_INTERVAL_S; renewed every
+    # min(interval, remaining / 3)) and the bound on one grant call (TRTLLM_DISAGG_LIFECYCLE_ADMISSION_TIMEOUT_S).
+    grant_ttl_s: Annotated[float, Field(gt=0)] = 600.0
+    grant_renew_interval_s: Annotated[float, Field(gt=0)] = 200.0
+    admission_timeout_s: Annotated[float, Field(gt=0)] = 30.0
+
+    @model_validator(mode="after")
+    def _renewed_within_the_ttl(self) -> TrtllmConfig:
+        if self.grant_renew_interval_s >= self.grant_ttl_s:
+            raise ValueError("trtllm.grant_renew_interval_s must be below grant_ttl_s")
+        return self
+
+
 class OrchestratorConfig(_Frozen):
     hostname: str = "127.0.0.1"
     port: Annotated[int, Field(ge=0, le=65535)] = 8000
@@ -188,6 +206,7 @@ class OrchestratorConfig(_Frozen):
     # Conditional disaggregation: prompts estimated under this many tokens go to GEN alone (0 = always split).
     max_local_prefill_length: Annotated[int, Field(ge=0)] = 0
     response_store: ResponseStoreConfig = ResponseStoreConfig()
+    trtllm: TrtllmConfig = TrtllmConfig()
     # Secrets come from the environment (DISAGG_API_KEY, DISAGG_ADMIN_KEY) or the command line, not this file.
 
     @model_validator(mode="after")

@@ -83,6 +83,11 @@ class Metrics:
         self.metadata_only_fallback = Counter(
             "disagg_metadata_only_fallback", "Metadata-only mode not taken, by reason", ["reason"], registry=r
         )
+        self.trtllm_lifecycle = Counter(
+            "disagg_trtllm_lifecycle_events", "TensorRT-LLM lifecycle v1 control calls to trtllm-serve workers, by "
+            "event (grant_accepted, grant_refused, grant_ambiguous, grant_renew_failed, grant_aborted, "
+            "artifact_aborted, echo_mismatch, and *_failed for a clean-up call that failed)", ["event"], registry=r,
+        )
         self.retries = Counter(
             "disagg_upstream_retries", "Orchestrator retries, by step and reason", ["step", "reason"], registry=r
         )

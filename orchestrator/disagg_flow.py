@@ -10,17 +10,19 @@ the wire is the ``WorkerProtocol``'s business; which worker, and what happens wh
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import replace
-from typing import Any
+from functools import partial
+from typing import Any, TypeVar
 
 import orjson
 
 from frontend import tracing
 from frontend.config import OrchestratorConfig
-from frontend.errors import RelayedError, UpstreamError
+from frontend.errors import RelayedError, UpstreamError, UpstreamUnavailableError
 from frontend.guardrail import FallbackReason, decide_for_reading
 from frontend.metrics import LabelledChildren, Metrics
 from frontend.openai_output import Endpoint, replay_as_stream
@@ -42,6 +44,8 @@ from orchestrator.metric_labels import (
 )
 from orchestrator.pool import WorkerPool
 from orchestrator.protocols.registry import DEFAULT_PROTOCOL, build_protocols
+from orchestrator.protocols.trtllm import TrtllmProtocol, new_request_id
+from orchestrator.protocols.trtllm_lifecycle import Attempt, LifecycleClient, SettledStream
 from orchestrator.relay import RelayedStream
 from orchestrator.retry import Attempted, RetryPolicy
 from orchestrator.routers import CacheAwareRouter, RoutingKey, matched_tokens, routing_key
@@ -50,6 +54,7 @@ from orchestrator.worker_protocol import ContextAnswer, PromptCarriage, WorkerPr
 
 logger = logging.getLogger(__name__)
 
+T = TypeVar("T")
 GenAnswer = Reply | OpenStream  # a whole answer, or a 200 stream whose body is still to come
 
 
@@ -65,6 +70,8 @@ class DisaggFlow:
         self.retry = RetryPolicy(config.max_retries, metrics)
         self.retry_once = RetryPolicy(0, metrics)  # one worker, the one chosen: for a prompt only it holds
         self.releaser = HandoffReleaser(ctx_pool, self.protocol_of)
+        self.trtllm = TrtllmProtocol(strip_message_history=config.gen_strip_message_history)
+        self.lifecycle = LifecycleClient(config.trtllm, metrics)  # lifecycle v1 to trtllm-serve pairs that offer it
         self.ctx_latency = LabelledChildren(metrics.ctx_latency)  # by worker, looked up once per worker
         self.gen_first_byte = LabelledChildren(metrics.gen_first_byte)
         # The prefix chain costs one pass over the prompt: computed only where something reads it.
@@ -122,8 +129,12 @@ class DisaggFlow:
         ctx = await self.run_context_step(request)
         if ctx.finished:
             self.metrics.ctx_finished.inc()
+            if request.lifecycle is not None:
+                await self.lifecycle.settle(request.lifecycle, ok=True, reason="")  # CTX holds nothing for GEN
             return self.answer_from_context(request, ctx)
         try:
+            if request.lifecycle is not None:
+                return await self.run_generation_step_v1(request, ctx, request.lifecycle)
             return await self.run_generation_step(request, ctx)
         except BaseException:
             # GEN refused the request, no GEN could take it, or the client left: free CTX's parked KV now.
@@ -175,15 +186,51 @@ class DisaggFlow:
             # Past the prefill gate some worker has room in its window: those without are picked last.
             full = [w for w in self.ctx_pool.workers if not w.has_room] if self.prefill_gate is not None else ()
             done = await self.retry.run(CTX_STEP, self.ctx_pool, request.key,
-                                        lambda member: _post(self.ctx_pool, member, request, body_for(member),
-                                                             request.key), avoid=full)
+                                        lambda member: self._ctx_attempt(request, member, body_for, return_tokens),
+                                        avoid=full)
             flow_tracing.called(span, done)
         request.ctx_worker = done.member.url
         self.ctx_latency(done.member.url).observe(time.perf_counter() - started)
         if done.answer.status_code != 200:
             raise RelayedError(done.answer.status_code, done.answer.content)
         request.ctx = self.protocol_of(done.member).read_context_answer(done.answer.content)
+        if request.lifecycle is not None:
+            try:
+                self.lifecycle.verify_echo(request.lifecycle, request.lifecycle.identity["logical_request_id"],
+                                           request.ctx.handoff)
+            except UpstreamError:
+                await self.lifecycle.settle(request.lifecycle, ok=False, reason="context-first coordinator "
+                                            "request failed")
+                raise
         return request.ctx
+
+    def _speaks_v1(self, ctx: PoolMember) -> bool:
+        """Lifecycle v1 for a CTX that advertises it, with a GEN that does (else v0: its models refuse v1's
+        fields)."""
+        return (self.config.trtllm.lifecycle_protocol == "auto" and self.fixed_protocol is None
+                and ctx.protocol == "trtllm" and ctx.lifecycle is not None
+                and any(_gen_speaks_v1(w) and w.routable for w in self.gen_pool.workers))
+
+    async def _ctx_attempt(self, request: FlowRequest, member: PoolMember, body_for: Callable[[PoolMember], Body],
+                           return_tokens: bool) -> Reply:
+        if not self._speaks_v1(member):
+            request.lifecycle = None
+            return await _post(self.ctx_pool, member, request, body_for(member), request.key)
+        # A new attempt, a new identity: a v1 body is never sent twice (TensorRT-LLM refuses to retry one).
+        request_id = new_request_id()
+        attempt = request.lifecycle = self.lifecycle.begin(member, request_id)
+        body = self.trtllm.context_request(request.body, return_prompt_tokens=return_tokens,
+                                           conversation_id=request.conversation_id, disagg_request_id=request_id,
+                                           lifecycle=attempt.ctx_params())
+        attempt.ctx_sent = True
+        try:
+            reply = await _post(self.ctx_pool, member, request, body, request.key)
+        except BaseException:
+            await self.lifecycle.settle(attempt, ok=False, reason="context-first coordinator request failed")
+            raise
+        if reply.status_code != 200:
+            await self.lifecycle.settle(attempt, ok=False, reason="context-first coordinator request failed")
+        return reply
 
     def _ctx_returns_tokens(self, request: FlowRequest) -> bool:
         """Ask CTX for the b64 prompt only if GEN may need it: in metadata-only mode, only if some healthy GEN
@@ -262,6 +309,58 @@ class DisaggFlow:
             if fallback is not None:
                 self.metrics.metadata_only_fallback.labels(reason=fallback.value).inc()
 
+    async def run_generation_step_v1(self, request: FlowRequest, ctx: ContextAnswer, attempt: Attempt) -> Answer:
+        """GEN under lifecycle v1: a grant on the chosen GEN first (one other GEN if it refuses, then an error),
+        renewed while the request lives; GEN's request is sent once, never retried; any failure, the client's
+        leaving included, aborts the grant and CTX's artifact."""
+        key = replace(request.key, only=None, prefill_tokens={})
+        key.prefill_tokens.update((w.url, 0) for w in self.gen_pool.workers)
+        reason = "context-first coordinator request failed"
+        try:
+            gen = await self._admit_gen(attempt, key)
+            carriage, fallback = self.prompt_carriage(request, ctx, gen)
+            if fallback is not None:
+                self.metrics.metadata_only_fallback.labels(reason=fallback.value).inc()
+            body = self.trtllm.generation_request(request.body, ctx, carriage, conversation_id=request.conversation_id,
+                                                  generation_endpoint=attempt.endpoint)
+            request.gen_worker = gen.url
+            lost = asyncio.get_running_loop().create_future()
+            if not request.streaming:
+                self.lifecycle.start_renewal(attempt, partial(_resolve, lost))
+                reply = await _until_lost(_post(self.gen_pool, gen, request, body, key), lost)
+                if reply.status_code != 200:
+                    raise RelayedError(reply.status_code, reply.content)
+                await self.lifecycle.settle(attempt, ok=True, reason="")
+                return WholeAnswer(reply.content)
+            _count_as_held(self.gen_pool, gen, key)
+            started = time.perf_counter()
+            self.lifecycle.start_renewal(attempt, partial(_resolve, lost))
+            opened = await _until_lost(gen.transport.open_stream(request.path, body, request.headers), lost)
+            if opened.status_code != 200:
+                raise RelayedError(opened.status_code, await opened.read())
+            self.gen_first_byte(gen.url).observe(time.perf_counter() - started)
+            reason = "generation stream was abandoned"
+            stream = SettledStream(opened, lambda ok: self.lifecycle.settle(attempt, ok=ok, reason=reason), lost)
+            return self._gen_answer(request, Attempted(stream, gen, 1, ()), key)
+        except BaseException:
+            await self.lifecycle.settle(attempt, ok=False, reason=reason)
+            raise
+
+    async def _admit_gen(self, attempt: Attempt, key: RoutingKey) -> PoolMember:
+        """The GEN that granted ``attempt``: the router's choice among v1 GEN workers, or one other if it refused."""
+        excluded = [w for w in self.gen_pool.workers if not _gen_speaks_v1(w)]
+        tried: list[PoolMember] = []
+        for _ in range(2):
+            try:
+                gen = self.gen_pool.pick(key, [*excluded, *tried])
+            except UpstreamUnavailableError:
+                break
+            tried.append(gen)
+            if await self.lifecycle.admit(attempt, gen):
+                return gen
+        raise UpstreamError("the GEN step failed: no GEN worker granted the request "
+                            f"(tried {', '.join(w.url for w in tried) or 'none'})")
+
     async def run_on_gen_alone(self, request: FlowRequest, key: RoutingKey | None = None,
                                retry: RetryPolicy | None = None) -> Answer:
         """Conditional disaggregation: a short prompt, or a short uncached remainder on the GEN worker ``key``
@@ -313,6 +412,28 @@ class DisaggFlow:
         if request.span is None:  # nothing reads the pieces on the way: they may be pushed
             return StreamedAnswer(relayed.frames(), answer.aclose, pushed=relayed)
         return StreamedAnswer(tracing.traced_frames("stream", request.span, relayed.frames()), answer.aclose)
+
+
+def _gen_speaks_v1(worker: PoolMember) -> bool:
+    return worker.protocol == "trtllm" and worker.lifecycle is not None
+
+
+def _resolve(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
+async def _until_lost(call: Awaitable[T], lost: asyncio.Future[None]) -> T:
+    """``call``'s result, unless the grant is lost first (its renewal failed): then the call is dropped."""
+    task = asyncio.ensure_future(call)
+    try:
+        await asyncio.wait((task, lost), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not task.done():
+            task.cancel()
+    if not task.done() or task.cancelled():
+        raise UpstreamError("the GEN step failed: the generation grant could not be renewed")
+    return task.result()
 
 
 def _count_as_held(pool: WorkerPool, member: PoolMember, key: RoutingKey) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 from types import TracebackType
 
 from frontend.guardrail import GenEngineFacts
+from frontend.trtllm_lifecycle import TransceiverLifecycleAdvertisement
 from orchestrator.circuit_breaker import CircuitBreaker
 from orchestrator.transport import Transport
 
@@ -22,6 +23,8 @@ class PoolMember:
         self.healthy = False
         self.facts: GenEngineFacts | None = None  # from the worker's /v1/models, once it is healthy
         self.protocol = "native"  # the wire it speaks (orchestrator.protocols.registry), read with the facts
+        # A trtllm-serve worker's lifecycle v1 advertisement (its GET /server_info), read with the facts; None: v0.
+        self.lifecycle: TransceiverLifecycleAdvertisement | None = None
         self.inflight = 0
         self.inflight_prompt_tokens = 0
         self.inflight_prefill_tokens = 0  # of those, the ones a cache-aware router expects it to compute

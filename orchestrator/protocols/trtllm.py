@@ -20,11 +20,13 @@ sent; its workers have no early hand-off release and no "hand-off lost" answer.
 from __future__ import annotations
 
 import random
+from collections.abc import Mapping
 from typing import Any
 
 import orjson
 
 from frontend.errors import UnsupportedParameterError, UpstreamError
+from frontend.trtllm_lifecycle import LIFECYCLE_FIELDS
 from orchestrator.b64_splice import encode_with_b64, parse_with_b64_span
 from orchestrator.client_body import encode
 from orchestrator.conversation import body_conversation_id
@@ -39,7 +41,12 @@ DISAGGREGATED_PARAMS_FIELDS = frozenset({
     "request_type", "first_gen_tokens", "first_gen_log_probs", "first_gen_logits", "ctx_request_id",
     "encoded_opaque_state", "draft_tokens", "disagg_request_id", "ctx_dp_rank", "ctx_info_endpoint",
     "schedule_style", "conversation_id", "ctx_usage", "return_prompt_token_ids_b64", "resolved_thinking",
+    *LIFECYCLE_FIELDS,  # lifecycle v1: CTX's echo of the attempt, relayed to GEN as TensorRT-LLM does
 })
+
+
+def new_request_id() -> int:
+    return random.getrandbits(63)
 
 
 class TrtllmProtocol:
@@ -47,17 +54,21 @@ class TrtllmProtocol:
         self.strip_message_history = strip_message_history
 
     def context_request(self, body: dict[str, Any], *, return_prompt_tokens: bool,
-                        conversation_id: str | None = None) -> Body:
+                        conversation_id: str | None = None, disagg_request_id: int | None = None,
+                        lifecycle: Mapping[str, Any] | None = None) -> Body:
+        """``lifecycle``: lifecycle v1's fields of this attempt (``trtllm_lifecycle.Attempt.ctx_params``), sent under
+        ``disagg_request_id`` (its ``logical_request_id``); v0 without."""
         if "messages" not in body and "prompt" not in body:
             raise UnsupportedParameterError("TensorRT-LLM workers serve only chat and completions "
                                             "disaggregated, not /v1/responses", param="input")
         ctx_body = dict(body)  # shallow: the prompt itself is not copied
         ctx_body["disaggregated_params"] = {
             "request_type": "context_only",
-            "disagg_request_id": random.getrandbits(63),
+            "disagg_request_id": disagg_request_id if disagg_request_id is not None else new_request_id(),
             "schedule_style": CONTEXT_FIRST,
             "conversation_id": conversation_id if conversation_id is not None else body_conversation_id(body),
             "return_prompt_token_ids_b64": return_prompt_tokens,
+            **(lifecycle or {}),
         }
         ctx_body["stream"] = False
         ctx_body["stream_options"] = None
@@ -87,13 +98,17 @@ class TrtllmProtocol:
         return without_handoff_fields(ctx.response)
 
     def generation_request(self, body: dict[str, Any], ctx: ContextAnswer, carriage: PromptCarriage, *,
-                           conversation_id: str | None = None) -> Body:
+                           conversation_id: str | None = None,
+                           generation_endpoint: Mapping[str, Any] | None = None) -> Body:
+        """``generation_endpoint``: lifecycle v1's ``generation_endpoint_*`` of the grant GEN accepted."""
         gen_body = dict(body)  # shallow: the prompt itself is not copied
         params = {k: v for k, v in ctx.handoff.items() if k in DISAGGREGATED_PARAMS_FIELDS}
         params["request_type"] = "generation_only"
         params["schedule_style"] = CONTEXT_FIRST
         params["conversation_id"] = conversation_id if conversation_id is not None else body_conversation_id(body)
         params["ctx_usage"] = ctx.response.get("usage")
+        if generation_endpoint:
+            params.update(generation_endpoint)
         ctx_id = params.get("ctx_request_id")
         if isinstance(ctx_id, str) and ctx_id.isdigit():  # a disagg-serve CTX in a mixed fleet: ids are decimal
             params["ctx_request_id"] = int(ctx_id)
