@@ -78,6 +78,7 @@ def run_worker(args: argparse.Namespace, argv: Sequence[str]) -> int:
     from workers.engines.factory import EngineOptions, create_engine
     from workers.engines.options import SimulatedConfig, VllmConfig
     from workers.engines.synthetic import SyntheticConfig
+    from workers.lifecycle import lifecycle_settings_from_env
     from workers.registration import Registration
     from workers.server import create_worker_app
     from workers.serving import WorkerSettings
@@ -114,6 +115,18 @@ def run_worker(args: argparse.Namespace, argv: Sequence[str]) -> int:
         # Each front-end process would start its own AsyncLLM, i.e. a whole vLLM instance with its own KV cache.
         print("disagg-serve: --engine vllm serves one front end per vLLM instance (--api-workers 1)", file=sys.stderr)
         return 2
+    try:
+        lifecycle = lifecycle_settings_from_env(os.environ, args.lifecycle_protocol_version,
+                                                grant_ttl_s=args.generation_grant_ttl_s,
+                                                artifact_ttl_s=args.artifact_ttl_s,
+                                                max_live_grants=args.max_concurrent_requests)
+    except ValueError as exc:
+        print(f"disagg-serve: {exc}", file=sys.stderr)
+        return 2
+    if args.api_workers > 1 and lifecycle.enabled:
+        # Grants and artifacts live in one process's memory: a renew reaching another front end would find none.
+        print("disagg-serve: lifecycle protocol v1 needs --api-workers 1", file=sys.stderr)
+        return 2
     if args.api_workers > 1:
         return _supervise(args, argv, options if args.engine == "reference" else None)
     engine = create_engine(args.engine, options)
@@ -121,7 +134,7 @@ def run_worker(args: argparse.Namespace, argv: Sequence[str]) -> int:
     settings = WorkerSettings(role=args.role, max_body_bytes=args.max_body_bytes,
                               max_concurrent_requests=args.max_concurrent_requests,
                               admin_key=args.admin_key or None,
-                              kv_events_endpoint=events, kv_events_replay_endpoint=replay)
+                              kv_events_endpoint=events, kv_events_replay_endpoint=replay, lifecycle=lifecycle)
     registration = None
     if args.register:
         advertise = args.advertise_url or f"http://{args.host}:{args.port}"

@@ -24,6 +24,7 @@ from frontend.openai_parameters import (
     refuse_unsupported,
 )
 from frontend.responses_items import ResponsesInput, chat_turns
+from frontend.trtllm_lifecycle import TransceiverLifecycleAdvertisement, validate_identity_fields
 
 __all__ = ["UNSUPPORTED_PARAMETERS", "refuse_unsupported_parameters"]
 
@@ -84,13 +85,46 @@ class DisaggregatedParams(WireModel):
     conversation_id: str | None = None
     ctx_usage: dict[str, Any] | None = None
     resolved_thinking: bool | None = None
+    # TensorRT-LLM's lifecycle protocol v1 (frontend/trtllm_lifecycle.py): the attempt identity, the admitted GEN
+    # endpoint, CTX's control endpoint and advertisement. Checked as TensorRT-LLM checks them; what a worker makes
+    # of them depends on its protocol version (workers/lifecycle.py).
+    logical_request_id: StrictInt | None = None
+    prefill_artifact_id: str | None = None
+    artifact_version: StrictInt | None = None
+    handoff_attempt_uuid: str | None = None
+    consumer_grant_id: str | None = None
+    transfer_session_id: str | None = None
+    generation_endpoint_name: str | None = None
+    generation_endpoint_rank: StrictInt | None = None
+    generation_endpoint_incarnation: str | None = None
+    context_control_endpoint: str | None = None
+    context_transceiver_lifecycle: TransceiverLifecycleAdvertisement | None = None
 
     @model_validator(mode="after")
-    def _context_first_only(self) -> DisaggregatedParams:
-        if self.schedule_style not in (None, 0):
-            raise UnsupportedParameterError("only schedule_style 0 (context first) is supported",
+    def _lifecycle_identity(self) -> DisaggregatedParams:
+        if self.schedule_style not in (None, 0, 1):
+            raise UnsupportedParameterError("schedule_style is 0 (context first) or 1 (generation first)",
                                             param="disaggregated_params.schedule_style")
+        validate_identity_fields(self.__dict__)
         return self
+
+
+class ConversationParams(WireModel):
+    """TensorRT-LLM's ``conversation_params``: the conversation a request belongs to (routing affinity only; a
+    worker reads nothing else from it)."""
+
+    conversation_id: Annotated[str, Field(min_length=1)]
+
+    @model_validator(mode="before")
+    @classmethod
+    def _stripped(cls, value: Any) -> Any:
+        if isinstance(value, dict):
+            cid = value.get("conversation_id")
+            if cid is None or (isinstance(cid, str) and not cid.strip()):
+                raise ValueError("conversation_id must be non-empty")
+            if isinstance(cid, str):
+                value = {**value, "conversation_id": cid.strip()}
+        return value
 
 
 class TextContentPart(WireModel):
@@ -243,6 +277,7 @@ class SamplingFields(WireModel):
     n: Annotated[int, Field(ge=1, le=MAX_N)] | None = None
     # Disaggregation extensions (TensorRT-LLM field names).
     disaggregated_params: DisaggregatedParams | None = None
+    conversation_params: ConversationParams | None = None  # TensorRT-LLM's field: accepted, used for nothing here
     prompt_token_ids: list[StrictInt] | None = None
     prompt_token_ids_b64: str | None = None
 

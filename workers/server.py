@@ -11,6 +11,7 @@ from typing import Any
 
 import pybase64
 from fastapi import FastAPI, Request
+from pydantic import BaseModel, ValidationError
 from starlette.responses import Response, StreamingResponse
 
 from frontend import tracing
@@ -41,6 +42,18 @@ from frontend.openai_models import (
 from frontend.openapi import install_body_schemas, json_body
 from frontend.prefix_chain import CHAIN_HEADER
 from frontend.sse import SSE_HEADERS, SSE_MEDIA_TYPE
+from frontend.trtllm_lifecycle import (
+    CONTEXT_ARTIFACT_ABORT_PATH,
+    CONTROL_UNAVAILABLE,
+    GENERATION_GRANT_ABORT_PATH,
+    GENERATION_GRANT_PATH,
+    GENERATION_GRANT_RENEW_PATH,
+    SERVER_INFO_PATH,
+    ContextArtifactAbortRequest,
+    GenerationGrantAbortRequest,
+    GenerationGrantRenewRequest,
+    GenerationGrantRequest,
+)
 from workers import worker_tracing
 from workers.engines.base import (
     HANDOFF_TOTALS,
@@ -51,6 +64,8 @@ from workers.engines.base import (
     ReportsKvCapacity,
 )
 from workers.engines.request import Phase, PromptPath
+from workers.generation_first import HANDOFF_PATH
+from workers.lifecycle import LifecycleConflict
 from workers.prefix_holdings import PrefixHoldings
 from workers.registration import Registration
 from workers.request_body import parse_request_body
@@ -86,6 +101,7 @@ def create_worker_app(
             raise
         lag_monitor.start()
         trimmer.start()
+        service.lifecycle.start()
         ready["engine"] = True
         if registration is not None:
             registration.start()
@@ -97,6 +113,7 @@ def create_worker_app(
                 await registration.leave()
             await lag_monitor.stop()
             await trimmer.stop()
+            await service.lifecycle.aclose()
             await kv_events.aclose()
             await engine.aclose()
 
@@ -210,6 +227,88 @@ def create_worker_app(
                                       param="encoded_opaque_state") from exc
         released = isinstance(engine, KVHandoffStore) and await engine.release_handoff(ctx_id, raw_state)
         return json_response({"released": released})
+
+    # -- TensorRT-LLM's lifecycle protocol v1 (workers/lifecycle.py) -------------------------------------------
+    control = service.lifecycle
+
+    @app.get(SERVER_INFO_PATH)
+    async def server_info(request: Request) -> Response:
+        """What TensorRT-LLM's router reads of a worker before sending it anything: where CTX's hand-offs are
+        asked for (generation first) and, in v1 only, the lifecycle advertisement."""
+        params: dict[str, Any] = {"ctx_dp_rank": 0, "ctx_info_endpoint": [str(request.base_url).rstrip("/")]}
+        if control.advertisement is not None:
+            params["context_transceiver_lifecycle"] = control.advertisement.to_dict()
+        return json_response({"disaggregated_params": params,
+                              "max_batch_size": settings.lifecycle.max_live_grants})
+
+    async def control_body(request: Request, model: type[BaseModel]) -> BaseModel | Response:
+        """The body of a control call, or TensorRT-LLM's answer to a bad one (400 ``{"error": ...}``); with v1
+        off, its 404."""
+        if not control.enabled:
+            return json_response({"detail": CONTROL_UNAVAILABLE}, status_code=404)
+        try:
+            return model.model_validate(parse_json_object(await read_body(request, 64 * 1024)))
+        except (ValidationError, InvalidRequestError) as error:
+            return json_response({"error": str(error)}, status_code=400)
+
+    def conflict(error: LifecycleConflict) -> Response:
+        return json_response({"detail": str(error)}, status_code=409)
+
+    if settings.role == "generation":
+        @app.post(GENERATION_GRANT_PATH)
+        async def generation_grant(request: Request) -> Response:
+            body = await control_body(request, GenerationGrantRequest)
+            if isinstance(body, Response):
+                return body
+            assert isinstance(body, GenerationGrantRequest)
+            try:
+                decision = control.issue(body, request.url.netloc)
+            except LifecycleConflict as error:
+                return conflict(error)
+            return json_response(decision.model_dump(mode="json"))
+
+        @app.post(GENERATION_GRANT_RENEW_PATH)
+        async def generation_grant_renew(request: Request) -> Response:
+            body = await control_body(request, GenerationGrantRenewRequest)
+            if isinstance(body, Response):
+                return body
+            assert isinstance(body, GenerationGrantRenewRequest)
+            try:
+                return json_response(control.renew(body))
+            except LifecycleConflict as error:
+                return conflict(error)
+
+        @app.post(GENERATION_GRANT_ABORT_PATH)
+        async def generation_grant_abort(request: Request) -> Response:
+            body = await control_body(request, GenerationGrantAbortRequest)
+            if isinstance(body, Response):
+                return body
+            assert isinstance(body, GenerationGrantAbortRequest)
+            try:
+                return json_response(control.abort(body))
+            except LifecycleConflict as error:
+                return conflict(error)
+
+    if settings.role == "context":
+        @app.post(CONTEXT_ARTIFACT_ABORT_PATH)
+        async def context_artifact_abort(request: Request) -> Response:
+            body = await control_body(request, ContextArtifactAbortRequest)
+            if isinstance(body, Response):
+                return body
+            assert isinstance(body, ContextArtifactAbortRequest)
+            try:
+                return json_response(await control.abort_artifact(body))
+            except LifecycleConflict as error:
+                return conflict(error)
+
+        @app.get(HANDOFF_PATH)
+        async def generation_first_handoff(disagg_request_id: int, wait_s: float = 30.0) -> Response:
+            """Generation first: a GEN that came first asks here for the hand-off of its request; answered as
+            soon as this CTX has parked it (404 if that does not happen within ``wait_s``)."""
+            params = await service.board.claim(disagg_request_id, min(max(wait_s, 0.0), 300.0))
+            if params is None:
+                return json_response({"detail": "no hand-off for this request"}, status_code=404)
+            return json_response(params)
 
     def model_card() -> dict[str, Any]:
         info = engine.info

@@ -11,6 +11,7 @@ import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
+from uuid import UUID
 
 import pybase64
 
@@ -41,9 +42,11 @@ from frontend.prefix_chain import PrefixChain
 from frontend.structured_output import output_constraint
 from frontend.token_codec import TokenArray, encode_prompt_tokens
 from frontend.tool_calls import as_tool_call_message, tool_calls_from_text
-from workers.engines.base import Engine, ProvidesTokenizer, Tokenizer
+from workers.engines.base import Engine, KVHandoffStore, ProvidesTokenizer, Tokenizer
 from workers.engines.outputs import FinishReason, TokenLogprob
 from workers.engines.request import GenerationRequest, Phase
+from workers.generation_first import HandoffBoard, pull_handoff
+from workers.lifecycle import LifecycleControl, LifecycleSettings, check_request
 from workers.prefix_holdings import PrefixHoldings
 from workers.prompt_logprobs import echo_logprob_infos, token_logprob_info, vllm_prompt_logprobs
 from workers.request_builder import (
@@ -81,6 +84,8 @@ class WorkerSettings:
     # None: no events / no replay. Published only by an engine that reuses KV (``ReportsKvCapacity``).
     kv_events_endpoint: str | None = "tcp://127.0.0.1:0"
     kv_events_replay_endpoint: str | None = "tcp://127.0.0.1:0"
+    # TensorRT-LLM's lifecycle protocol (workers/lifecycle.py): v0 unless turned on, as in TensorRT-LLM.
+    lifecycle: LifecycleSettings = field(default_factory=LifecycleSettings)
 
 
 @dataclass(slots=True)
@@ -94,6 +99,7 @@ class PreparedGeneration:
     tool_call: bool = False  # the output is a forced tool call, answered as message.tool_calls
     answered_at_context: bool = False  # CTX's first tokens used up max_tokens: they are the whole answer
     chain: PrefixChain | None = None  # the prompt's prefix chain, recorded once the engine holds its KV
+    grant: UUID | None = None  # lifecycle v1: the generation grant this GEN request runs under
 
 
 @dataclass(slots=True)
@@ -132,6 +138,12 @@ class CollectedOutput:
         return sum(len(choice.token_ids) for choice in self.choices)
 
 
+def _comes_first(disagg: DisaggregatedParams | None) -> bool:
+    """A generation-first GEN request sent before CTX answered: it carries no hand-off yet."""
+    return (disagg is not None and disagg.request_type == "generation_only" and disagg.schedule_style == 1
+            and disagg.encoded_opaque_state is None and disagg.first_gen_tokens is None)
+
+
 class WorkerService:
     def __init__(self, engine: Engine, settings: WorkerSettings, metrics: Metrics) -> None:
         if not isinstance(engine, ProvidesTokenizer):
@@ -144,6 +156,13 @@ class WorkerService:
         self.inflight = 0
         self._inflight_gauge = metrics.engine_inflight.labels(role=settings.role)
         self.holdings: PrefixHoldings | None = None  # set while KV events are published (workers/server.py)
+        self.lifecycle = LifecycleControl(settings.role, settings.lifecycle, abort_request=engine.abort,
+                                          release_handoff=self._release_handoff)
+        self.board = HandoffBoard(settings.lifecycle.artifact_ttl_s, settings.lifecycle.clock)
+
+    async def _release_handoff(self, ctx_request_id: str, state: bytes) -> bool:
+        engine = self.engine
+        return isinstance(engine, KVHandoffStore) and await engine.release_handoff(ctx_request_id, state)
 
     # -- admission and parsing -------------------------------------------------------------------------
     async def prepare(self, body: dict[str, Any], wire_model: type[GenerationWireRequest],
@@ -158,6 +177,42 @@ class WorkerService:
         disagg = wire.disaggregated_params
         phase = phase_of(disagg)
         self._check_role(phase)
+        check_request(disagg, self.settings.role, self.lifecycle)
+        request_id = new_request_id(disagg)
+        grant = None
+        if self.lifecycle.enabled and phase is Phase.GENERATION_ONLY:
+            assert disagg is not None
+            grant = self.lifecycle.bind(disagg, request_id)
+        try:
+            if _comes_first(disagg):
+                assert disagg is not None
+                disagg = await self._pull_generation_first(disagg, grant)
+            prepared = await self._prepare(wire, disagg, phase, request_id, chain_header)
+        except BaseException:
+            if grant is not None:
+                self.lifecycle.finish(grant, ok=False)
+            raise
+        prepared.grant = grant
+        return prepared
+
+    async def _pull_generation_first(self, disagg: DisaggregatedParams, grant: UUID | None) -> DisaggregatedParams:
+        """GEN came first: wait (bounded) for CTX's hand-off by ``disagg_request_id`` and continue from it."""
+        endpoint = disagg.ctx_info_endpoint
+        if isinstance(endpoint, list):
+            endpoint = endpoint[0] if endpoint else None
+        if not endpoint or disagg.disagg_request_id is None:
+            raise InvalidRequestError("a generation-first generation_only request needs ctx_info_endpoint and "
+                                      "disagg_request_id", param="disaggregated_params.ctx_info_endpoint")
+        params = await pull_handoff(endpoint, disagg.disagg_request_id,
+                                    self.settings.lifecycle.generation_first_wait_s)
+        if grant is not None:
+            self.lifecycle.ensure_live(grant)  # aborted or expired while it waited: the KV is freed, not taken
+        return disagg.model_copy(update={k: params.get(k) for k in (
+            "first_gen_tokens", "first_gen_log_probs", "ctx_request_id", "encoded_opaque_state")})
+
+    async def _prepare(self, wire: GenerationWireRequest, disagg: DisaggregatedParams | None, phase: Phase,
+                       request_id: str, chain_header: str | None) -> PreparedGeneration:
+        info = self.engine.info
         constraint = output_constraint(wire)
         sampling = sampling_params_from(wire, info, constraint)
         if sampling.n > 1 and phase is not Phase.AGGREGATED and answers_trtllm(disagg):
@@ -172,7 +227,6 @@ class WorkerService:
         if answered_at_context:
             phase = Phase.AGGREGATED  # nothing to continue from: answered from CTX's first tokens (_text_steps)
         handoff = None if answered_at_context else handoff_from(disagg, info.vocab_size, sampling.n)
-        request_id = new_request_id(disagg)
         if prompt.token_list is not None:
             request = GenerationRequest.from_token_list(
                 request_id, prompt.token_list, prompt.tokens, sampling, phase=phase, handoff=handoff
@@ -237,18 +291,33 @@ class WorkerService:
         """Run to the end and return the whole response body (CTX adds its hand-off fields)."""
         collected = CollectedOutput([CollectedChoice() for _ in range(prepared.request.sampling.n)])
         unheld = prepared.chain is not None
+        ok = False
         try:
             async for step in self._text_steps(prepared):
+                self._took_handoff(prepared)
                 if unheld:
                     unheld = False
                     self._hold(prepared)
                 collected.add(step)
+            ok = all(choice.finish_reason not in (None, "abort") for choice in collected.choices)
         except ServingError:
             raise
         except Exception as exc:  # an adapter bug must still answer in OpenAI's shape
             logger.exception("engine failure on %s", prepared.request.request_id)
             raise EngineError(f"the engine failed: {type(exc).__name__}") from exc
+        finally:
+            self._finish_grant(prepared, ok)
         return self._render_whole(prepared, collected)
+
+    def _took_handoff(self, prepared: PreparedGeneration) -> None:
+        """The first output of a GEN request: its engine holds the KV, CTX no longer does."""
+        if prepared.grant is not None:
+            self.lifecycle.handoff_taken(prepared.grant)
+
+    def _finish_grant(self, prepared: PreparedGeneration, ok: bool) -> None:
+        grant, prepared.grant = prepared.grant, None
+        if grant is not None:
+            self.lifecycle.finish(grant, ok)
 
     def _text_steps(self, prepared: PreparedGeneration) -> AsyncGenerator[TextStep, None]:
         if prepared.answered_at_context:
@@ -295,6 +364,10 @@ class WorkerService:
         if answers_trtllm(disagg) and "choices" in body:  # n is 1 here: prepare refuses more for this wire
             add_context_fields(body, request, disagg, first.token_ids, first.logprobs if with_logprobs else None,
                                state, prepared.ident.endpoint)
+            if self.lifecycle.enabled:  # v1: the parked KV is now this attempt's artifact
+                self.lifecycle.park(disagg, request.request_id, out.handoff_state if state is not None else None)
+            if disagg.schedule_style == 1 and disagg.disagg_request_id is not None:
+                self.board.post(disagg.disagg_request_id, body["choices"][0]["disaggregated_params"])
             return
         params: dict[str, Any] = {
             "request_type": "context_only",
@@ -339,15 +412,19 @@ class WorkerService:
             first = None
         except ServingError:
             await steps.aclose()
+            self._finish_grant(prepared, False)
             raise
         except Exception as exc:  # an adapter bug before the first byte: still an OpenAI-shaped engine error
             await steps.aclose()
+            self._finish_grant(prepared, False)
             logger.exception("engine failure on %s", prepared.request.request_id)
             raise EngineError(f"the engine failed: {type(exc).__name__}") from exc
         except BaseException:
             await steps.aclose()
+            self._finish_grant(prepared, False)
             raise
         if first is not None:
+            self._took_handoff(prepared)
             self._hold(prepared)
         return self._frames(prepared, renderer, steps, first)
 
@@ -363,6 +440,7 @@ class WorkerService:
         per_choice = prepared.ident.endpoint != "responses"  # chat and completions end each choice apart
         completion_tokens = cached_tokens = 0
         finishes: dict[int, FinishReason | None] = {}
+        ok = False
         try:
             for frame in renderer.begin(n):
                 yield frame
@@ -402,6 +480,7 @@ class WorkerService:
                 ends = renderer.finish(finishes.get(0), usage)
             for frame in ends:
                 yield frame
+            ok = len(finishes) == n and "abort" not in finishes.values()
         except ServingError as exc:
             for frame in renderer.error(exc):
                 yield frame
@@ -410,6 +489,7 @@ class WorkerService:
             for frame in renderer.error(EngineError(f"the engine failed: {type(exc).__name__}")):
                 yield frame
         finally:
+            self._finish_grant(prepared, ok)
             await steps.aclose()
 
     @staticmethod

@@ -22,6 +22,7 @@ from typing import Any
 from frontend.errors import HandoffError
 from frontend.openai_models import DisaggregatedParams
 from frontend.token_codec import encode_prompt_tokens
+from frontend.trtllm_lifecycle import LIFECYCLE_FIELDS, has_identity
 from workers.engines.base import Tokenizer
 from workers.engines.outputs import TokenLogprob
 from workers.engines.request import GenerationRequest
@@ -58,6 +59,7 @@ def add_context_fields(body: dict[str, Any], request: GenerationRequest, disagg:
     }
     if logprobs is not None:
         params["first_gen_log_probs"] = [[lp.token_id, lp.logprob, [list(t) for t in lp.top]] for lp in logprobs]
+    params.update(lifecycle_echo(disagg))
     choice["disaggregated_params"] = params
     if handoff_state is not None:
         choice["finish_reason"] = NOT_FINISHED
@@ -66,6 +68,19 @@ def add_context_fields(body: dict[str, Any], request: GenerationRequest, disagg:
         body["prompt_token_ids_b64"] = encode_prompt_tokens(request.prompt_token_ids_i32)
     else:
         body["prompt_token_ids"] = request.prompt_token_ids  # TensorRT-LLM's list path: a list it reads back
+
+
+def lifecycle_echo(disagg: DisaggregatedParams) -> dict[str, Any]:
+    """Lifecycle v1: the CTX answer repeats the request's lifecycle contract, field for field (TensorRT-LLM's
+    orchestrator fails the request on any difference, a missing ``schedule_style`` included). Nothing for v0."""
+    if not has_identity(disagg.__dict__):
+        return {}
+    echoed: dict[str, Any] = {}
+    for name in (*LIFECYCLE_FIELDS, "schedule_style", "ctx_dp_rank"):
+        value = getattr(disagg, name)
+        if value is not None:
+            echoed[name] = value.to_dict() if name == "context_transceiver_lifecycle" else value
+    return echoed
 
 
 def strip_to_trtllm_fields(body: dict[str, Any]) -> None:

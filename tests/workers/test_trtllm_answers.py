@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import random
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from typing import Any
 
 import httpx
@@ -24,6 +26,7 @@ from tests.trtllm_wire import (
     trtllm_context_body,
     trtllm_generation_body,
 )
+from tests.waiting import eventually
 from tests.workers.engines.reference.cluster import RefCluster, reference_cluster
 from tests.workers.engines.reference.tiny_model import write_tiny_model
 from workers.engines.reference.options import ReferenceOptions
@@ -143,14 +146,48 @@ def test_every_trtllm_field_is_accepted(cluster: RefCluster) -> None:
     ChatCompletionResponse.model_validate(reply.json())
 
 
-def test_generation_first_is_refused_by_name(cluster: RefCluster) -> None:
+@pytest.mark.parametrize("path", [CHAT, COMPLETIONS], ids=["chat", "completions"])
+def test_generation_first_gen_sent_before_ctx(cluster: RefCluster, path: str) -> None:
+    """TensorRT-LLM's v0 generation first: GEN gets its request first, with CTX's ``ctx_info_endpoint`` from
+    CTX's /server_info; it waits for CTX's hand-off, which comes once the CTX request (sent after) has prefilled."""
+    body = client_body(path, cluster.model)
+    info = httpx.get(cluster.ctx.url + "/server_info", timeout=30).json()["disaggregated_params"]
+    disagg_request_id = random.getrandbits(63)
+    gen_body = {**body, "disaggregated_params": {
+        "request_type": "generation_only", "ctx_request_id": disagg_request_id, "disagg_request_id": disagg_request_id,
+        "schedule_style": 1, "ctx_info_endpoint": info["ctx_info_endpoint"][0], "ctx_dp_rank": info["ctx_dp_rank"]}}
+    board = cluster.ctx.app.state.service.board
+    with ThreadPoolExecutor(1) as pool:
+        gen_reply = pool.submit(post, cluster.gen.url + path, gen_body)
+        assert eventually(lambda: board.waiting(disagg_request_id) or gen_reply.done())  # GEN is there first
+        assert not gen_reply.done(), gen_reply.result().text
+        ctx_body = trtllm_context_body(path, body, disagg_request_id, True)
+        ctx_body["disaggregated_params"]["schedule_style"] = 1
+        ctx_reply = post(cluster.ctx.url + path, ctx_body)
+        assert ctx_reply.status_code == 200, ctx_reply.text
+        assert needs_generation(response_model(path).model_validate(ctx_reply.json()))
+        reply = gen_reply.result()
+    assert reply.status_code == 200, reply.text
+    answer = response_model(path).model_validate(reply.json())
+    choice = answer.choices[0]
+    text = choice.message.content if isinstance(answer, ChatCompletionResponse) else choice.text  # type: ignore[union-attr]
+    assert text == aggregated_text(cluster, path, body)
+
+
+def test_generation_first_without_a_ctx_answer_is_a_clear_error(cluster: RefCluster) -> None:
     body = client_body(CHAT, cluster.model)
-    reply = post(cluster.ctx.url + CHAT, {**body, "disaggregated_params": {"request_type": "context_only",
-                                                                            "schedule_style": 1}})
-    assert reply.status_code == 400
-    error = reply.json()["error"]
-    assert error["param"] == "disaggregated_params.schedule_style" and "context first" in error["message"]
-    assert post(cluster.ctx.url + CHAT, body).status_code == 200  # and the worker keeps serving
+    service = cluster.gen.app.state.service
+    service.settings = replace(service.settings, lifecycle=replace(service.settings.lifecycle,
+                                                                   generation_first_wait_s=0.0))
+    try:
+        reply = post(cluster.gen.url + CHAT, {**body, "disaggregated_params": {
+            "request_type": "generation_only", "disagg_request_id": 5, "schedule_style": 1,
+            "ctx_info_endpoint": cluster.ctx.url}})
+    finally:
+        service.settings = replace(service.settings, lifecycle=replace(service.settings.lifecycle,
+                                                                       generation_first_wait_s=30.0))
+    assert reply.status_code == 400, reply.text
+    assert "no hand-off for disagg_request_id 5" in reply.json()["error"]["message"]
 
 
 @pytest.mark.parametrize("path", [CHAT, COMPLETIONS], ids=["chat", "completions"])
