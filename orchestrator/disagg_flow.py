@@ -204,16 +204,15 @@ class DisaggFlow:
                 raise
         return request.ctx
 
-    def _speaks_v1(self, ctx: PoolMember) -> bool:
-        """Lifecycle v1 for a CTX that advertises it, with a GEN that does (else v0: its models refuse v1's
-        fields)."""
+    def _ctx_speaks_v1(self, ctx: PoolMember) -> bool:
+        """Lifecycle v1 for a CTX that advertises it (a v1 worker refuses a v0 request); its GEN is then one that
+        advertises v1 too. TensorRT-LLM has no per-request downgrade: a fleet is set up consistently."""
         return (self.config.trtllm.lifecycle_protocol == "auto" and self.fixed_protocol is None
-                and ctx.protocol == "trtllm" and ctx.lifecycle is not None
-                and any(_gen_speaks_v1(w) and w.routable for w in self.gen_pool.workers))
+                and _speaks_v1(ctx))
 
     async def _ctx_attempt(self, request: FlowRequest, member: PoolMember, body_for: Callable[[PoolMember], Body],
                            return_tokens: bool) -> Reply:
-        if not self._speaks_v1(member):
+        if not self._ctx_speaks_v1(member):
             request.lifecycle = None
             return await _post(self.ctx_pool, member, request, body_for(member), request.key)
         # A new attempt, a new identity: a v1 body is never sent twice (TensorRT-LLM refuses to retry one).
@@ -348,7 +347,7 @@ class DisaggFlow:
 
     async def _admit_gen(self, attempt: Attempt, key: RoutingKey) -> PoolMember:
         """The GEN that granted ``attempt``: the router's choice among v1 GEN workers, or one other if it refused."""
-        excluded = [w for w in self.gen_pool.workers if not _gen_speaks_v1(w)]
+        excluded = [w for w in self.gen_pool.workers if not _speaks_v1(w)]
         tried: list[PoolMember] = []
         for _ in range(2):
             try:
@@ -414,7 +413,7 @@ class DisaggFlow:
         return StreamedAnswer(tracing.traced_frames("stream", request.span, relayed.frames()), answer.aclose)
 
 
-def _gen_speaks_v1(worker: PoolMember) -> bool:
+def _speaks_v1(worker: PoolMember) -> bool:
     return worker.protocol == "trtllm" and worker.lifecycle is not None
 
 
