@@ -67,13 +67,14 @@ class HandoffBoard:
             self._posted.popitem(last=False)
 
 
-async def pull_handoff(ctx_info_endpoint: str, disagg_request_id: int, wait_s: float) -> dict[str, Any]:
-    """GEN's side: the hand-off CTX parked for ``disagg_request_id`` (first tokens, KV reference, CTX id)."""
+async def pull_handoff(client: httpx.AsyncClient, ctx_info_endpoint: str, disagg_request_id: int,
+                       wait_s: float) -> dict[str, Any]:
+    """GEN's side: the hand-off CTX parked for ``disagg_request_id`` (first tokens, KV reference, CTX id), asked
+    on the worker's one pooled client."""
     base = ctx_info_endpoint if ctx_info_endpoint.startswith(("http://", "https://")) else "http://" + ctx_info_endpoint
     url = base.rstrip("/") + HANDOFF_PATH.format(disagg_request_id=disagg_request_id)
     try:
-        async with httpx.AsyncClient(timeout=wait_s + 10.0) as client:
-            reply = await client.get(url, params={"wait_s": wait_s})
+        reply = await client.get(url, params={"wait_s": wait_s}, timeout=wait_s + 10.0)
     except httpx.HTTPError as error:
         raise UpstreamUnavailableError(f"the context worker at {base} could not be asked for the hand-off: "
                                        f"{error}") from error

@@ -297,15 +297,19 @@ class LifecycleControl:
         body = ContextArtifactAbortRequest(
             lifecycle_protocol_version=1, **{name: getattr(request, name) for name in IDENTITY_FIELDS},
             context_endpoint_incarnation=request.context_transceiver_lifecycle.incarnation, reason=reason)
-        if self._client is None:
-            self._client = httpx.AsyncClient(timeout=10.0)
         try:
-            reply = await self._client.post(url + CONTEXT_ARTIFACT_ABORT_PATH, json=body.model_dump(mode="json"))
+            reply = await self.http().post(url + CONTEXT_ARTIFACT_ABORT_PATH, json=body.model_dump(mode="json"))
             if reply.status_code != 200:
                 logger.warning("context artifact abort at %s answered %d: %s", url, reply.status_code,
                                reply.text[:200])
         except httpx.HTTPError as error:  # CTX's own artifact TTL frees it anyway
             logger.warning("context artifact abort at %s failed: %s", url, error)
+
+    def http(self) -> httpx.AsyncClient:
+        """The worker's one pooled client to its peers (artifact aborts, generation-first hand-offs)."""
+        if self._client is None:
+            self._client = httpx.AsyncClient(timeout=10.0)
+        return self._client
 
     def _spawn(self, work: Awaitable[Any]) -> None:
         task = asyncio.ensure_future(work)

@@ -203,7 +203,7 @@ class WorkerService:
         if not endpoint or disagg.disagg_request_id is None:
             raise InvalidRequestError("a generation-first generation_only request needs ctx_info_endpoint and "
                                       "disagg_request_id", param="disaggregated_params.ctx_info_endpoint")
-        params = await pull_handoff(endpoint, disagg.disagg_request_id,
+        params = await pull_handoff(self.lifecycle.http(), endpoint, disagg.disagg_request_id,
                                     self.settings.lifecycle.generation_first_wait_s)
         if grant is not None:
             self.lifecycle.ensure_live(grant)  # aborted or expired while it waited: the KV is freed, not taken
