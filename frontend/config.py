@@ -170,6 +170,10 @@ class TrtllmConfig(_Frozen):
     grant_ttl_s: Annotated[float, Field(gt=0)] = 600.0
     grant_renew_interval_s: Annotated[float, Field(gt=0)] = 200.0
     admission_timeout_s: Annotated[float, Field(gt=0)] = 30.0
+    # generation_first: GEN is admitted and sent its request first, CTX right after (TensorRT-LLM's
+    # DisaggScheduleStyle.GENERATION_FIRST), for trtllm-serve pairs: v1 ones that advertise GENERATION_FIRST, v0
+    # ones on this setting alone. Other workers, and v1 pairs without the capability, stay context-first.
+    schedule_style: Literal["context_first", "generation_first"] = "context_first"
 
     @model_validator(mode="after")
     def _renewed_within_the_ttl(self) -> TrtllmConfig:

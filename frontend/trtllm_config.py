@@ -50,9 +50,12 @@ def from_trtllm(raw: dict[str, Any]) -> dict[str, Any]:
         if out.get(key) is not None:
             raise ValueError(f"'{key}': {why}")
         out.pop(key, None)
-    style = out.pop("schedule_style", "context_first")
-    if style != "context_first":
-        raise ValueError(f"'schedule_style': only 'context_first' is supported, not {style!r}")
+    style = out.pop("schedule_style", None)
+    if style is not None:  # ours lives with the other trtllm-serve settings (frontend/config.py: TrtllmConfig)
+        if style not in ("context_first", "generation_first"):
+            raise ValueError(f"'schedule_style' is 'context_first' or 'generation_first', not {style!r}")
+        trtllm = out.get("trtllm")
+        out["trtllm"] = {**(trtllm if isinstance(trtllm, dict) else {}), "schedule_style": style}
     if out.pop("allow_request_chat_template", False):
         raise ValueError("'allow_request_chat_template': per-request chat templates are not supported")
     conditional = out.pop("conditional_disagg_config", None)

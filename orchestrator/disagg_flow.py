@@ -11,6 +11,7 @@ the wire is the ``WorkerProtocol``'s business; which worker, and what happens wh
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -27,6 +28,7 @@ from frontend.guardrail import FallbackReason, decide_for_reading
 from frontend.metrics import LabelledChildren, Metrics
 from frontend.openai_output import Endpoint, replay_as_stream
 from frontend.prefix_chain import CHAIN_HEADER, MAX_LINKS
+from frontend.trtllm_lifecycle import ScheduleStyle
 from orchestrator import flow_tracing
 from orchestrator.admission import Admission
 from orchestrator.client_body import encode
@@ -126,6 +128,10 @@ class DisaggFlow:
                     self.prefill_placement(ON_GEN_CACHED).inc()
                     return answer
         self.prefill_placement(ON_CTX).inc()
+        if self.config.trtllm.schedule_style == "generation_first" and self.fixed_protocol is None:
+            first = await self.run_generation_first(request)
+            if first is not None:
+                return first
         ctx = await self.run_context_step(request)
         if ctx.finished:
             self.metrics.ctx_finished.inc()
@@ -345,6 +351,82 @@ class DisaggFlow:
             await self.lifecycle.settle(attempt, ok=False, reason=reason)
             raise
 
+    # -- generation first: GEN admitted and sent first, CTX right after ------------------------------------
+    async def run_generation_first(self, request: FlowRequest) -> Answer | None:
+        """TensorRT-LLM's generation-first schedule for a trtllm-serve pair, None where it does not apply (the
+        request then goes context-first): GEN gets its request (after its grant under v1) before CTX, so that its
+        admission and KV reservation hide behind the prefill. The two legs are bound to each other: neither is
+        retried on another worker."""
+        ctx = self.ctx_pool.pick(request.key)
+        if ctx.protocol != "trtllm":
+            return None
+        v1 = self._ctx_speaks_v1(ctx)
+        if v1 and (ctx.lifecycle is None or "GENERATION_FIRST" not in ctx.lifecycle.capabilities):
+            return None  # a v1 CTX that cannot take part in generation first
+        key = replace(request.key, only=None, prefill_tokens={})
+        request_id = new_request_id()
+        attempt = request.lifecycle = (self.lifecycle.begin(ctx, request_id, ScheduleStyle.GENERATION_FIRST)
+                                       if v1 else None)
+        reason = "generation-first coordinator request failed"
+        tasks: list[asyncio.Future[Any]] = []
+        lost = asyncio.get_running_loop().create_future()
+        try:
+            if attempt is not None:
+                gen = await self._admit_gen(attempt, key)
+                self.lifecycle.start_renewal(attempt, partial(_resolve, lost))
+            else:
+                gen = self.gen_pool.pick(key, [w for w in self.gen_pool.workers if w.protocol != "trtllm"])
+            request.ctx_worker, request.gen_worker = ctx.url, gen.url
+            ctx_body, gen_body = self.trtllm.generation_first_requests(
+                request.body, disagg_request_id=request_id, conversation_id=request.conversation_id,
+                ctx_info=ctx.disagg_info, lifecycle=attempt.ctx_params() if attempt is not None else None)
+            started = time.perf_counter()
+            gen_call = (gen.transport.open_stream(request.path, gen_body, request.headers) if request.streaming
+                        else _post(self.gen_pool, gen, request, gen_body, key))
+            tasks.append(asyncio.ensure_future(gen_call))
+            await asyncio.sleep(0)  # GEN's request goes out first (TensorRT-LLM yields once here too)
+            if attempt is not None:
+                attempt.ctx_sent = True
+            tasks.append(asyncio.ensure_future(_post(self.ctx_pool, ctx, request, ctx_body, request.key)))
+            ctx_reply = await _until_lost(tasks[1], lost)
+            self.ctx_latency(ctx.url).observe(time.perf_counter() - started)
+            if ctx_reply.status_code != 200:
+                raise RelayedError(ctx_reply.status_code, ctx_reply.content)
+            answer = request.ctx = self.trtllm.read_context_answer(ctx_reply.content)
+            if attempt is not None:
+                self.lifecycle.verify_echo(attempt, request_id, answer.handoff)
+            if answer.finished:  # CTX finished the request alone: GEN's is dropped
+                self.metrics.ctx_finished.inc()
+                reason = "context finished the request"
+                raise _CtxFinished(self.answer_from_context(request, answer))
+            gen_answer = await _until_lost(tasks[0], lost)
+            if isinstance(gen_answer, Reply):
+                if gen_answer.status_code != 200:
+                    raise RelayedError(gen_answer.status_code, gen_answer.content)
+                if attempt is not None:
+                    await self.lifecycle.settle(attempt, ok=True, reason="")
+                return WholeAnswer(gen_answer.content)
+            if gen_answer.status_code != 200:
+                raise RelayedError(gen_answer.status_code, await gen_answer.read())
+            self.gen_first_byte(gen.url).observe(time.perf_counter() - started)
+            stream: OpenStream = gen_answer
+            if attempt is not None:
+                reason = "generation stream was abandoned"
+                stream = SettledStream(gen_answer, lambda ok: self.lifecycle.settle(attempt, ok=ok, reason=reason),
+                                       lost)
+            return self._gen_answer(request, Attempted(stream, gen, 1, ()), key)
+        except _CtxFinished as finished:
+            await _drop(tasks[0])
+            if attempt is not None:
+                await self.lifecycle.settle(attempt, ok=False, reason=reason)
+            return finished.answer
+        except BaseException:
+            for task in tasks:
+                await _drop(task)
+            if attempt is not None:
+                await self.lifecycle.settle(attempt, ok=False, reason=reason)
+            raise
+
     async def _admit_gen(self, attempt: Attempt, key: RoutingKey) -> PoolMember:
         """The GEN that granted ``attempt``: the router's choice among v1 GEN workers, or one other if it refused."""
         excluded = [w for w in self.gen_pool.workers if not _speaks_v1(w)]
@@ -415,6 +497,21 @@ class DisaggFlow:
 
 def _speaks_v1(worker: PoolMember) -> bool:
     return worker.protocol == "trtllm" and worker.lifecycle is not None
+
+
+class _CtxFinished(Exception):
+    def __init__(self, answer: Answer) -> None:
+        self.answer = answer
+
+
+async def _drop(task: asyncio.Future[Any]) -> None:
+    """A leg no longer wanted: cancelled, or its opened stream closed."""
+    if not task.done():
+        task.cancel()
+    with contextlib.suppress(BaseException):
+        result = await task
+        if hasattr(result, "aclose"):
+            await result.aclose()
 
 
 def _resolve(future: asyncio.Future[None]) -> None:

@@ -6,6 +6,7 @@ The transport only moves bytes; everything a router or the guardrail reads about
 from __future__ import annotations
 
 from types import TracebackType
+from typing import Any
 
 from frontend.guardrail import GenEngineFacts
 from frontend.trtllm_lifecycle import TransceiverLifecycleAdvertisement
@@ -25,6 +26,7 @@ class PoolMember:
         self.protocol = "native"  # the wire it speaks (orchestrator.protocols.registry), read with the facts
         # A trtllm-serve worker's lifecycle v1 advertisement (its GET /server_info), read with the facts; None: v0.
         self.lifecycle: TransceiverLifecycleAdvertisement | None = None
+        self.disagg_info: dict[str, Any] | None = None  # its GET /server_info's disaggregated_params
         self.inflight = 0
         self.inflight_prompt_tokens = 0
         self.inflight_prefill_tokens = 0  # of those, the ones a cache-aware router expects it to compute

@@ -20,7 +20,7 @@ from orchestrator.cache_index import CacheIndex, EventSource
 from orchestrator.circuit_breaker import CLOSED, CircuitBreaker
 from orchestrator.member import UNKNOWN_ENGINE_FACTS, PoolMember
 from orchestrator.protocols.registry import DEFAULT_PROTOCOL, detect_protocol
-from orchestrator.protocols.trtllm_lifecycle import read_advertisement
+from orchestrator.protocols.trtllm_lifecycle import read_server_info
 from orchestrator.routers import Router, RoutingKey
 from orchestrator.transport import Transport, WorkerTimeouts, make_transport
 
@@ -151,7 +151,8 @@ class WorkerPool:
             ok = reply.status_code == 200
             if ok and worker.facts is None:
                 worker.facts, worker.protocol = await self._describe(worker)
-                worker.lifecycle = await read_advertisement(worker) if worker.protocol == "trtllm" else None
+                if worker.protocol == "trtllm":
+                    await read_server_info(worker)
         except UpstreamError:
             ok = False
         was_healthy = worker.healthy

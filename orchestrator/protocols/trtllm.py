@@ -34,6 +34,7 @@ from orchestrator.transport import Body, Reply
 from orchestrator.worker_protocol import ContextAnswer, PromptCarriage, without_handoff_fields
 
 CONTEXT_FIRST = 0  # TensorRT-LLM's DisaggScheduleStyle.CONTEXT_FIRST, an int on the wire
+GENERATION_FIRST = 1
 GEN_PENDING_FINISH_REASONS = ("length", "not_finished")
 
 # TensorRT-LLM's DisaggregatedParams fields: all a GEN may get, whoever's CTX wrote the hand-off.
@@ -127,6 +128,37 @@ class TrtllmProtocol:
         elif tokens is not None:
             gen_body["prompt"] = tokens
         return encode(gen_body)
+
+    def generation_first_requests(self, body: dict[str, Any], *, disagg_request_id: int,
+                                  conversation_id: str | None, ctx_info: Mapping[str, Any] | None,
+                                  lifecycle: Mapping[str, Any] | None = None) -> tuple[Body, Body]:
+        """(CTX's body, GEN's body) of a generation-first request, as TensorRT-LLM writes them: GEN gets the
+        client's prompt and waits on ``disagg_request_id`` at the CTX that ``ctx_info`` (that CTX's
+        ``/server_info`` ``disaggregated_params``) names, since no CTX answer exists yet when it is sent;
+        ``lifecycle``: v1's identity, control endpoint, advertisement and admitted GEN endpoint, on both legs."""
+        if "messages" not in body and "prompt" not in body:
+            raise UnsupportedParameterError("TensorRT-LLM workers serve only chat and completions "
+                                            "disaggregated, not /v1/responses", param="input")
+        conversation = conversation_id if conversation_id is not None else body_conversation_id(body)
+        common = {"disagg_request_id": disagg_request_id, "schedule_style": GENERATION_FIRST,
+                  "conversation_id": conversation, **(lifecycle or {})}
+        ctx_body = dict(body)  # shallow: the prompt itself is not copied
+        ctx_body["disaggregated_params"] = {"request_type": "context_only", **common}
+        ctx_body["stream"] = False
+        ctx_body["stream_options"] = None
+        gen_params: dict[str, Any] = {"request_type": "generation_only", "ctx_request_id": disagg_request_id,
+                                      **common}
+        info = ctx_info or {}
+        endpoint = info.get("ctx_info_endpoint")
+        if isinstance(endpoint, list):  # a list in /server_info, one string in the request
+            endpoint = endpoint[0] if endpoint else None
+        if isinstance(endpoint, str):
+            gen_params["ctx_info_endpoint"] = endpoint
+        if isinstance(info.get("ctx_dp_rank"), int):
+            gen_params["ctx_dp_rank"] = info["ctx_dp_rank"]
+        gen_body = dict(body)
+        gen_body["disaggregated_params"] = gen_params
+        return encode(ctx_body), encode(gen_body)
 
     def handoff_lost(self, reply: Reply) -> bool:
         return False  # a trtllm-serve GEN has no answer that says so: its failure is an ordinary error

@@ -60,15 +60,21 @@ from orchestrator.transport import OpenStream, Reply
 
 logger = logging.getLogger(__name__)
 
-async def read_advertisement(member: PoolMember, timeout_s: float = 5.0) -> TransceiverLifecycleAdvertisement | None:
-    """``member``'s lifecycle v1 advertisement from its ``GET /server_info``; None for a v0 worker (one that
-    advertises none, a v0 one, or one that does not answer): it is then spoken to in v0."""
+async def read_server_info(member: PoolMember, timeout_s: float = 5.0) -> None:
+    """``member``'s ``disaggregated_params`` from its ``GET /server_info`` (``member.disagg_info``: where a
+    generation-first GEN finds its CTX) and its lifecycle v1 advertisement (``member.lifecycle``; None for a v0
+    worker: one that advertises none or a v0 one, or does not answer, is spoken to in v0)."""
     try:
         reply = await member.transport.get(SERVER_INFO_PATH, timeout_s)
-        raw = orjson.loads(reply.content)["disaggregated_params"]["context_transceiver_lifecycle"] \
-            if reply.status_code == 200 else None
+        info = orjson.loads(reply.content)["disaggregated_params"] if reply.status_code == 200 else None
     except (UpstreamError, orjson.JSONDecodeError, KeyError, TypeError):
-        raw = None
+        info = None
+    member.disagg_info = info if isinstance(info, dict) else None
+    member.lifecycle = _advertisement(member, member.disagg_info or {})
+
+
+def _advertisement(member: PoolMember, info: dict[str, Any]) -> TransceiverLifecycleAdvertisement | None:
+    raw = info.get("context_transceiver_lifecycle")
     if raw is None:
         return None
     try:

@@ -76,8 +76,8 @@ def test_every_trtllm_router_type_maps_to_one_of_ours(tmp_path: pathlib.Path, ro
                      ["context_servers.router.no_such_router_key"], id="unknown-router-key"),
         pytest.param(TRTLLM.replace("type: kv_cache_aware", "type: random"), ["context_servers.router.type"],
                      id="unknown-router-type"),
-        pytest.param(TRTLLM + "schedule_style: generation_first\n", ["schedule_style", "context_first"],
-                     id="generation-first"),
+        pytest.param(TRTLLM + "schedule_style: decode_first\n", ["schedule_style", "generation_first"],
+                     id="unknown-schedule-style"),
         pytest.param(TRTLLM + "disagg_cluster_config: {cluster_uri: 'etcd://x'}\n", ["disagg_cluster_config"],
                      id="cluster-store"),
         pytest.param(TRTLLM.replace("max_local_prefill_length: 128", "max_local_prefill_length: 128\n  other: 1"),
@@ -89,3 +89,18 @@ def test_what_cannot_be_honoured_stops_start_up_by_name(tmp_path: pathlib.Path, 
         load_config(write(tmp_path, text))
     for name in names:
         assert name in str(caught.value)
+
+
+@pytest.mark.parametrize("style", ["context_first", "generation_first"])
+def test_schedule_style_is_read_into_the_trtllm_settings(tmp_path: pathlib.Path, style: str) -> None:
+    config = load_config(write(tmp_path, TRTLLM + f"schedule_style: {style}\n"))
+    assert config.trtllm.schedule_style == style
+
+
+def test_our_own_file_sets_lifecycle_and_schedule(tmp_path: pathlib.Path) -> None:
+    config = load_config(write(tmp_path, TRTLLM + "trtllm: {lifecycle_protocol: v0, grant_ttl_s: 30, "
+                                                  "grant_renew_interval_s: 10}\nschedule_style: generation_first\n"))
+    assert (config.trtllm.lifecycle_protocol, config.trtllm.grant_ttl_s, config.trtllm.schedule_style) == (
+        "v0", 30, "generation_first")
+    with pytest.raises(ConfigError, match="grant_renew_interval_s"):
+        load_config(write(tmp_path, TRTLLM + "trtllm: {grant_ttl_s: 10, grant_renew_interval_s: 10}\n"))

@@ -261,3 +261,46 @@ def test_every_control_body_fails_trtllm_models_with_a_field_dropped_or_renamed(
             if model.model_fields[name].is_required():
                 with pytest.raises(ValidationError):
                     model.model_validate({k: v for k, v in body.items() if k != name})
+
+
+# -- generation first -----------------------------------------------------------------------------------------
+GEN_FIRST = {"trtllm": {"schedule_style": "generation_first"}}
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+@pytest.mark.parametrize("lifecycle", [False, True], ids=["v0", "v1"])
+def test_generation_first_sends_gen_first_and_ctx_after(stream: bool, lifecycle: bool) -> None:
+    order: list[str] = []
+    ctx = TrtllmWorker("ctx", lifecycle_v1=lifecycle, order=order)
+    gen = TrtllmWorker("gen", lifecycle_v1=lifecycle, order=order)
+    with fleet([ctx], [gen], **GEN_FIRST) as (client, _):
+        assert chat(client, stream) == FIRST + REST
+    assert ctx.refused == [] and gen.refused == []
+    sent_ctx, sent_gen = params(ctx.bodies[0]), params(gen.bodies[0])
+    assert sent_ctx["schedule_style"] == sent_gen["schedule_style"] == 1
+    assert sent_gen["ctx_request_id"] == sent_gen["disagg_request_id"] == sent_ctx["disagg_request_id"]
+    assert sent_gen["ctx_info_endpoint"] == "tcp://context:9000"  # the CTX's /server_info, list to string
+    assert orjson.loads(gen.bodies[0])["messages"] == [dict(m) for m in MESSAGES]  # the client's prompt
+    if lifecycle:
+        # The grant before anything is sent; CTX carries the admitted GEN's identity.
+        assert order[0] == f"gen {GENERATION_GRANT_PATH}" and gen.calls[0][1]["schedule_style"] == 1
+        assert sent_ctx["generation_endpoint_incarnation"] == gen.instance_id
+        assert identity(sent_ctx) == identity(sent_gen) and gen.control_paths().count(GENERATION_GRANT_ABORT_PATH) == 0
+        assert ctx.calls == []
+    else:
+        assert gen.calls == [] and "consumer_grant_id" not in sent_gen
+
+
+def test_generation_first_with_a_gen_that_cannot_is_refused_before_ctx_is_sent() -> None:
+    ctx, gen = v1("ctx"), v1("gen", generation_first=False)
+    with fleet([ctx], [gen], **GEN_FIRST) as (client, _), pytest.raises(openai.APIStatusError) as failed:
+        chat(client, False)
+    assert failed.value.status_code == 502 and ctx.bodies == [] and ctx.calls == [] and gen.bodies == []
+
+
+def test_generation_first_where_ctx_finishes_alone_drops_gen_and_its_grant() -> None:
+    ctx, gen = v1("ctx"), v1("gen")
+    with fleet([ctx], [gen], **GEN_FIRST) as (client, _):
+        reply = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=1)
+        assert reply.choices[0].message.content == FIRST
+        assert eventually(lambda: GENERATION_GRANT_ABORT_PATH in gen.control_paths())

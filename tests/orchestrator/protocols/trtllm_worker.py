@@ -75,6 +75,7 @@ class TrtllmWorker:
     corrupt_echo: bool = False  # CTX echoes a different prefill_artifact_id
     hold_streams: bool = False  # GEN's stream stops after its first piece until ``release`` is set
     calls: list[tuple[str, dict[str, Any]]] = field(default_factory=list)  # every control call: (path, body)
+    order: list[str] = field(default_factory=list)  # "<role> <path>" of each call; one list may serve a fleet
     grants: dict[str, str] = field(default_factory=dict)  # consumer_grant_id -> ACTIVE / REVOKED / RELEASED
     instance_id: str = field(default_factory=lambda: str(uuid.uuid4()))
     _release: asyncio.Event | None = None  # set by the test (from its thread, through ``release_streams``)
@@ -144,6 +145,7 @@ class TrtllmWorker:
             self.refused.append(str(exc))
             return JSONResponse({"error": str(exc)}, status_code=400)
         self.calls.append((request.url.path, orjson.loads(raw)))
+        self.order.append(f"{self.role} {request.url.path}")
         return body
 
     def _endpoint(self) -> dict[str, Any]:
@@ -241,6 +243,7 @@ class TrtllmWorker:
     async def _generate(self, request: Request) -> Response:
         raw = await request.body()
         self.bodies.append(raw)
+        self.order.append(f"{self.role} {request.url.path}")
         if self.fail_next > 0:
             self.fail_next -= 1
             return JSONResponse({"object": "error", "message": "engine unavailable", "type": "ServiceUnavailable",
@@ -260,7 +263,11 @@ class TrtllmWorker:
             if body.stream:
                 return self._refuse("a context_only request must not stream")
             return JSONResponse(self._context_answer(path, body.model_dump(exclude_unset=True), params))
-        if not isinstance(params.ctx_request_id, int) or params.encoded_opaque_state is None:
+        if params.schedule_style == 1:
+            # Generation first: no CTX answer exists yet; GEN finds its CTX by endpoint and request id.
+            if params.ctx_info_endpoint is None or params.ctx_request_id != params.disagg_request_id:
+                return self._refuse(f"generation-first generation_only without its CTX: {params}")
+        elif not isinstance(params.ctx_request_id, int) or params.encoded_opaque_state is None:
             return self._refuse(f"generation_only without a hand-off: {params}")
         text = FIRST + REST
         grant = str(params.consumer_grant_id) if self.lifecycle_v1 else None
