@@ -508,9 +508,14 @@ async def _drop(task: asyncio.Future[Any]) -> None:
     """A leg no longer wanted: cancelled, or its opened stream closed."""
     if not task.done():
         task.cancel()
-    with contextlib.suppress(BaseException):
-        result = await task
-        if hasattr(result, "aclose"):
+    # ``wait``, not ``await task``: the leg's own failure or cancellation is not ours to raise, while a cancellation
+    # of the caller (its client left) still ends the caller.
+    await asyncio.wait([task])
+    if task.cancelled() or task.exception() is not None:
+        return
+    result = task.result()
+    if hasattr(result, "aclose"):
+        with contextlib.suppress(Exception):  # closing a stream nobody reads: a failure there changes nothing
             await result.aclose()
 
 
