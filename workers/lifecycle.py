@@ -118,6 +118,7 @@ class _Grant:
     request_id: str | None = None  # the engine request bound to it
     handoff_taken: bool = False  # the bound request has its KV: CTX holds nothing more for it
     retain_until: float = 0.0
+    ended: asyncio.Event | None = None  # set when the grant ends: wakes a request waiting under it
 
 
 @dataclass(slots=True)
@@ -282,6 +283,8 @@ class LifecycleControl:
     def _retire_grant(self, grant: _Grant, state: GrantState, reason: str) -> None:
         grant.state, grant.reason = state, reason
         grant.retain_until = self.clock() + self.settings.replay_horizon_s
+        if grant.ended is not None:
+            grant.ended.set()
         if state is GrantState.RELEASED:
             return
         if grant.request_id is not None:
@@ -321,7 +324,14 @@ class LifecycleControl:
         ``check_request``); returns the grant's id for ``finish``."""
         grant = self._live_grant(params)
         grant.request_id = request_id
+        grant.ended = asyncio.Event()
         return grant.request.consumer_grant_id
+
+    async def until_ended(self, grant_id: UUID) -> None:
+        """Returns once the grant is no longer active (aborted, expired, released)."""
+        grant = self.grants.get(grant_id)
+        if grant is not None and grant.ended is not None and grant.state is GrantState.ACTIVE:
+            await grant.ended.wait()
 
     def _live_grant(self, params: DisaggregatedParams) -> _Grant:
         grant_id = UUID(str(params.consumer_grant_id))

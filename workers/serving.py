@@ -7,6 +7,7 @@ included. A plain request (role ``both``) is ordinary aggregated serving.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass, field
@@ -203,10 +204,18 @@ class WorkerService:
         if not endpoint or disagg.disagg_request_id is None:
             raise InvalidRequestError("a generation-first generation_only request needs ctx_info_endpoint and "
                                       "disagg_request_id", param="disaggregated_params.ctx_info_endpoint")
-        params = await pull_handoff(self.lifecycle.http(), endpoint, disagg.disagg_request_id,
-                                    self.settings.lifecycle.generation_first_wait_s)
-        if grant is not None:
+        pull = asyncio.ensure_future(pull_handoff(self.lifecycle.http(), endpoint, disagg.disagg_request_id,
+                                                  self.settings.lifecycle.generation_first_wait_s))
+        if grant is not None:  # a grant that ends while GEN waits ends the wait too
+            ended = asyncio.ensure_future(self.lifecycle.until_ended(grant))
+            try:
+                await asyncio.wait({pull, ended}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                ended.cancel()
+                if not pull.done():
+                    pull.cancel()
             self.lifecycle.ensure_live(grant)  # aborted or expired while it waited: the KV is freed, not taken
+        params = await pull
         return disagg.model_copy(update={k: params.get(k) for k in (
             "first_gen_tokens", "first_gen_log_probs", "ctx_request_id", "encoded_opaque_state")})
 

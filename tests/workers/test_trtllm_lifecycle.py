@@ -479,3 +479,24 @@ def test_v1_generation_first_gen_sent_before_ctx(cluster: V1Cluster, path: str) 
     assert answer_text(path, reply) == aggregated_text(cluster, path, body)
     assert ctx_id(attempt) not in parked(cluster.ctx)
     assert eventually(lambda: obligation(attempt.renew(1)).state == "RELEASED")
+
+
+def test_a_grant_aborted_while_gen_waits_ends_the_wait_and_refuses_ctx(cluster: V1Cluster) -> None:
+    """Generation first, the client gone before CTX ran: the abort wakes the waiting GEN (400) and leaves CTX a
+    tombstone, so the CTX request that comes later parks nothing."""
+    body = client_body(CHAT, cluster.model)
+    attempt = Attempt(cluster, CHAT, body, schedule_style=1)
+    assert attempt.admit().accepted
+    gen_body = {**body, "disaggregated_params": {
+        "request_type": "generation_only", "ctx_request_id": attempt.disagg_request_id,
+        "disagg_request_id": attempt.disagg_request_id, "schedule_style": 1, "ctx_info_endpoint": cluster.ctx.url,
+        "context_control_endpoint": cluster.ctx.netloc, "context_transceiver_lifecycle": attempt.ctx_lifecycle,
+        **attempt.identity, **attempt.endpoint}}
+    board = cluster.ctx.app.state.service.board
+    with ThreadPoolExecutor(1) as pool:
+        gen_reply = pool.submit(post, cluster.gen.url + CHAT, gen_body)
+        assert eventually(lambda: board.waiting(attempt.disagg_request_id) or gen_reply.done())
+        assert obligation(attempt.abort()).state == "REVOKED"
+        _refused(gen_reply.result(), "generation grant is no longer active: client went away")
+    assert eventually(lambda: post(cluster.ctx.url + CHAT, attempt.ctx_body()).status_code == 400)
+    _refused(post(cluster.ctx.url + CHAT, attempt.ctx_body()), "context artifact is ABANDONED: client went away")
