@@ -17,10 +17,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bench import gen_http, plots, prompt_path, reference, report, system_load
+from bench import gen_http, generation_first, plots, prompt_path, reference, report, system_load
 from bench.common import REPO_ROOT, loadavg, machine_info, wait_for_quiet, write_json
 
-NAMES = ("prompt_path", "gen_http", "system_load", "reference")
+NAMES = ("prompt_path", "gen_http", "system_load", "reference", "generation_first")
+# Benchmarks the generated block of docs/benchmarks.md leaves out: their tables are printed here (their page is
+# their own: generation_first's is docs/interop.md).
+OWN_PAGE_TABLES = {"generation_first": generation_first.tables}
 DOCS_DIR = REPO_ROOT / "docs" / "benchmarks"
 DOC_PAGE = REPO_ROOT / "docs" / "benchmarks.md"
 
@@ -32,12 +35,14 @@ def runners(quick: bool) -> dict[str, Callable[[], dict[str, Any]]]:
             "gen_http": lambda: gen_http.run(gen_http.SIZES, batches=2, min_batch_s=0.2, warmups=2),
             "system_load": lambda: system_load.run((1_024, 131_072), (1, 16), system_load.QUICK, idle_s=1.0),
             "reference": lambda: reference.run((128,), runs=1, max_tokens=8),
+            "generation_first": lambda: generation_first.run((64,), concurrency=(1,), rounds=2, lifecycles=("v0",)),
         }
     return {
         "prompt_path": lambda: prompt_path.run(prompt_path.SIZES, warmups=5, runs=9, ops=10),
         "gen_http": lambda: gen_http.run(gen_http.SIZES, batches=5, min_batch_s=0.5, warmups=5),
         "system_load": lambda: system_load.run(system_load.PROMPTS, system_load.CONCURRENCY, system_load.FULL),
         "reference": lambda: reference.run(reference.PROMPT_TOKENS, runs=3, max_tokens=reference.MAX_TOKENS),
+        "generation_first": generation_first.run,
     }
 
 
@@ -104,6 +109,9 @@ def main(argv: list[str] | None = None) -> int:
     block = report.generated_block(results, machine, mode, elapsed if set(args.only) == set(NAMES) else None,
                                    _relative(out, DOC_PAGE.parent))
     print(block.replace(report.BEGIN, "").replace(report.END, ""))
+    for name, tables in OWN_PAGE_TABLES.items():
+        if name in results:
+            print(f"### {name}\n\n{tables(results[name])}\n")
     if update_docs:
         report.update_docs(DOC_PAGE, block)
         print(f"[bench] updated {DOC_PAGE}", file=sys.stderr)
