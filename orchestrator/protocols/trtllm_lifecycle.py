@@ -46,6 +46,7 @@ from frontend.trtllm_lifecycle import (
     GenerationGrantDecisionResponse,
     GenerationGrantRenewRequest,
     GenerationGrantRequest,
+    GrantState,
     LifecycleNegotiationError,
     ObligationResponse,
     ScheduleStyle,
@@ -223,6 +224,11 @@ class LifecycleClient:
             try:
                 reply = await self._post(attempt.gen, GENERATION_GRANT_RENEW_PATH, request)
                 answer = ObligationResponse.model_validate_json(reply.content) if reply.status_code == 200 else None
+                if answer is not None and not answer.accepted and answer.state == GrantState.RELEASED:
+                    # GEN finished the request and released its grant (its answer may still be on the way to a
+                    # slow client): nothing is left to renew, and nothing was lost.
+                    logger.debug("generation grant on %s was released: renewal stops", attempt.gen.url)
+                    return
                 why = (f"status {reply.status_code}" if answer is None else
                        f"{answer.state} {answer.reason}".strip() if not answer.accepted or answer.ttl_s is None
                        else None)

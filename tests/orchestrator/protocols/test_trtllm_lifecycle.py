@@ -177,6 +177,19 @@ def test_the_grant_is_renewed_while_the_stream_lives() -> None:
     assert ctx.calls == []
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_a_renewal_answered_released_stops_renewing_and_the_answer_arrives_whole(stream: bool) -> None:
+    """GEN finished and released its grant while its answer is still on the way (a slow client, a paused relay):
+    a renewal then answers accepted: false, RELEASED, which is no lost grant. Renewal stops; nothing is cut."""
+    ctx, gen = v1("ctx"), v1("gen", grant_ttl_s=0.6, release_early_s=1.0)  # renewed every 0.2 s
+    with fleet([ctx], [gen]) as (client, node):
+        assert chat(client, stream) == FIRST + REST
+        assert events(node, "grant_renew_failed") == 0 and events(node, "grant_aborted") == 0
+    assert gen.control_paths().count(GENERATION_GRANT_RENEW_PATH) == 1  # the one answered RELEASED, then none
+    assert GENERATION_GRANT_ABORT_PATH not in gen.control_paths() and ctx.calls == []
+    assert list(gen.grants.values()) == ["RELEASED"]
+
+
 def test_a_grant_that_cannot_be_renewed_ends_the_stream_and_frees_both() -> None:
     ctx, gen = v1("ctx"), v1("gen", grant_ttl_s=0.6, hold_streams=True, refuse_renewals=True)
     with fleet([ctx], [gen]) as (client, node):

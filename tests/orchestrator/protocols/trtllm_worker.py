@@ -74,6 +74,7 @@ class TrtllmWorker:
     refuse_renewals: bool = False  # answer renewals accepted: false, REVOKED
     corrupt_echo: bool = False  # CTX echoes a different prefill_artifact_id
     hold_streams: bool = False  # GEN's stream stops after its first piece until ``release`` is set
+    release_early_s: float = 0.0  # GEN finishes (releases its grant) this long before its answer's rest arrives
     calls: list[tuple[str, dict[str, Any]]] = field(default_factory=list)  # every control call: (path, body)
     order: list[str] = field(default_factory=list)  # "<role> <path>" of each call; one list may serve a fleet
     grants: dict[str, str] = field(default_factory=dict)  # consumer_grant_id -> ACTIVE / REVOKED / RELEASED
@@ -191,8 +192,10 @@ class TrtllmWorker:
         if (conflict := self._known(body)) is not None:
             return conflict
         state = self.grants[str(body.consumer_grant_id)]
+        if state == "RELEASED":  # GEN finished the request: nothing left to renew
+            return _obligation(accepted=False, state="RELEASED", reason="generation grant was already released")
         if self.refuse_renewals or state != "ACTIVE":
-            self.grants[str(body.consumer_grant_id)] = "REVOKED" if state == "ACTIVE" else state
+            self.grants[str(body.consumer_grant_id)] = "REVOKED"
             return _obligation(accepted=False, state="REVOKED", reason="generation intent grant expired")
         return _obligation(accepted=True, state="ACTIVE", ttl_s=self.grant_ttl_s)
 
@@ -274,6 +277,7 @@ class TrtllmWorker:
         if body.stream:
             return StreamingResponse(self._stream(path, grant), media_type="text/event-stream")
         self._finished(grant)
+        await asyncio.sleep(self.release_early_s)
         return JSONResponse(_answer(path, text, "length", 2, {}))
 
     def _finished(self, grant: str | None) -> None:
@@ -288,6 +292,9 @@ class TrtllmWorker:
             chunk = {"id": "c", "object": "chat.completion.chunk" if chat else "text_completion", "created": 0,
                      "model": MODEL, "choices": [choice]}
             yield b"data: " + orjson.dumps(chunk) + b"\n\n"
+            if self.release_early_s and finish is None:
+                self._finished(grant)  # done on GEN's side; what is left of its answer is still on the way
+                await asyncio.sleep(self.release_early_s)
             if self.hold_streams and finish is None:
                 await self._held()
                 if grant is not None and self.grants.get(grant) != "ACTIVE":
