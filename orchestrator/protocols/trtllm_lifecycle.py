@@ -157,7 +157,8 @@ class LifecycleClient:
     async def admit(self, attempt: Attempt, gen: PoolMember) -> bool:
         """Issue the grant on ``gen``: True once accepted (``attempt`` then names it), False if ``gen`` refused it
         (another GEN may be asked). An answer lost on the way is replayed once and an accepted replay aborted;
-        that raises ``UpstreamError``, as TensorRT-LLM re-raises its original error."""
+        that raises ``UpstreamError``, as TensorRT-LLM re-raises its original error. A cancellation (the client
+        left) with the call in flight is settled the same way, then re-raised."""
         request = self._grant_request(attempt)
         try:
             reply = await self._post(gen, GENERATION_GRANT_PATH, request)
@@ -167,6 +168,13 @@ class LifecycleClient:
             logger.warning("generation grant on %s is ambiguous (%s): replaying it to settle it", gen.url, exc)
             await self._settle_ambiguous(gen, request)
             raise UpstreamError(f"the GEN admission on {gen.url} failed: {exc}") from exc
+        except asyncio.CancelledError:
+            # The client left with the grant call in flight: GEN may have made the grant, and ``attempt`` does
+            # not name it yet, so it is settled like any ambiguous admission (shielded: we are being cancelled).
+            self.count("grant_ambiguous")
+            logger.warning("generation grant on %s is ambiguous (cancelled): replaying it to settle it", gen.url)
+            await asyncio.shield(self._settle_ambiguous(gen, request))
+            raise
         if decision is None or not decision.accepted:
             self.count("grant_refused")
             logger.warning("GEN worker %s refused the generation grant: %s", gen.url,

@@ -10,8 +10,10 @@ TensorRT-LLM's models when a field is dropped or renamed.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import socket
+from collections.abc import Callable, Iterator
 from typing import Any
+from urllib.parse import urlsplit
 
 import openai
 import orjson
@@ -158,6 +160,32 @@ def test_an_ambiguous_admission_is_replayed_by_consumer_grant_id_then_aborted() 
     assert again == grant and identity(aborted) == identity(grant)  # the same body, the same grant
     assert gen.grants == {grant["consumer_grant_id"]: "REVOKED"} and gen.bodies == []
     assert [path for path, _ in ctx.calls] == [CONTEXT_ARTIFACT_ABORT_PATH]
+
+
+def _leave_during(node: Node, body: dict[str, Any], waiting: Callable[[], bool]) -> None:
+    """A client that sends ``body`` and leaves (closes its connection) once ``waiting`` holds."""
+    address = urlsplit(node.url)
+    raw = orjson.dumps(body)
+    with socket.create_connection((address.hostname, address.port)) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                     b"content-length: %d\r\n\r\n%s" % (len(raw), raw))
+        assert eventually(waiting)
+
+
+def test_a_client_gone_while_the_grant_is_in_flight_replays_and_aborts_it() -> None:
+    """Cancelled mid-admission, the grant may exist on GEN: the admission is ambiguous, replayed and aborted."""
+    ctx, gen = v1("ctx"), v1("gen", hold_grant_answers=1)
+    with fleet([ctx], [gen]) as (_, node):
+        body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 8}
+        _leave_during(node, body, lambda: GENERATION_GRANT_PATH in gen.control_paths())
+        assert eventually(lambda: GENERATION_GRANT_ABORT_PATH in gen.control_paths())
+        assert eventually(lambda: events(node, "grant_aborted") == 1 and events(node, "grant_ambiguous") == 1)
+        gen.release_streams()
+    (first, grant), (replay, again), (abort, aborted) = gen.calls
+    assert (first, replay, abort) == (GENERATION_GRANT_PATH, GENERATION_GRANT_PATH, GENERATION_GRANT_ABORT_PATH)
+    assert again == grant and identity(aborted) == identity(grant)
+    assert gen.grants == {grant["consumer_grant_id"]: "REVOKED"} and gen.bodies == []
+    assert eventually(lambda: ctx.control_paths() == [CONTEXT_ARTIFACT_ABORT_PATH])
 
 
 # -- the grant while the request lives ------------------------------------------------------------------------

@@ -13,7 +13,7 @@ its ``context_transceiver_lifecycle`` in ``GET /server_info``, serves its role's
 by the shared strict models (``frontend.trtllm_lifecycle``; 400 ``{"error": ...}`` for a bad body, 409 for a
 conflict, 404 with v1 off, as trtllm-serve answers), refuses a cross-side request without an identity (and a v0
 worker one with), grants by ``consumer_grant_id`` (a replay returns the same grant), and records every control
-call in ``calls``. Scripted faults: refused grants, a grant whose answer is lost (made, then 503), refused
+call in ``calls``. Scripted faults: refused grants, a grant whose answer is lost (made, then 503) or held, refused
 renewals, a GEN stream held after its first piece, a CTX echo that changes a field.
 """
 
@@ -71,6 +71,7 @@ class TrtllmWorker:
     grant_ttl_s: float = 600.0  # the worker's own TTL: what a grant and a renewal answer
     refuse_grants: int = 0  # answer this many grant requests accepted: false
     lose_grant_answers: int = 0  # make this many grants, then answer 503 (the answer lost: the admission ambiguous)
+    hold_grant_answers: int = 0  # make this many grants, then hold each answer until ``release_streams``
     refuse_renewals: bool = False  # answer renewals accepted: false, REVOKED
     corrupt_echo: bool = False  # CTX echoes a different prefill_artifact_id
     hold_streams: bool = False  # GEN's stream stops after its first piece until ``release`` is set
@@ -169,6 +170,9 @@ class TrtllmWorker:
         if self.grants.get(grant, "ACTIVE") != "ACTIVE":
             return _decision(accepted=False, reason="generation grant is already terminal")
         self.grants[grant] = "ACTIVE"  # a replay of one consumer_grant_id is the same grant
+        if self.hold_grant_answers > 0:
+            self.hold_grant_answers -= 1
+            await self._held()
         if self.lose_grant_answers > 0:
             self.lose_grant_answers -= 1
             return Response(status_code=503)
