@@ -152,8 +152,10 @@ class CycleExchange(Exchange):
     def _write_piece(self, body: bytes) -> bool:
         """``_send_body(body, True)`` without its wait: whether the client can take more is the answer."""
         cycle = self._cycle
-        if cycle.disconnected:
-            return True  # the handler is being cancelled: the piece has nowhere to go
+        # The handler is being cancelled (uvicorn marks only a connection's newest cycle disconnected, so with a
+        # pipelined request queued the closing transport says so): the piece has nowhere to go.
+        if cycle.disconnected or self._cut is not None or cycle.transport.is_closing():
+            return True
         if body:
             cycle.transport.write(b"%x\r\n%b\r\n" % (len(body), body) if cycle.chunked_encoding else body)
         return not cycle.flow.write_paused

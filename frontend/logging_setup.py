@@ -98,9 +98,15 @@ class RequestLines:
             pairs = " ".join(f"{key}={value}" for key, value in fields.items() if value is not None)
             line = (f"{self._stamp},{int(now * 1000) % 1000:03d} INFO {self.logger.name}: {message}"
                     f"{' request_id=' + request_id if request_id else ''} {pairs}")
-        stream = handler.stream
-        stream.write(line + handler.terminator)
-        stream.flush()
+        handler.acquire()  # another thread may log at the same time (an exporter's, say)
+        try:
+            stream = handler.stream
+            stream.write(line + handler.terminator)
+            stream.flush()
+        except Exception:  # a closed or broken stream: logging's own error handling reports it, as for any line
+            self.logger.info(message, extra=fields)
+        finally:
+            handler.release()
 
 
 def configure_logging(level: str = "info", log_format: LogFormat = "text") -> None:

@@ -22,10 +22,14 @@ FIELDS: dict[str, object] = {"event": "request", "endpoint": "chat", "status": 2
 def restore_logging() -> Iterator[None]:
     root = logging.getLogger()
     handlers, level, installed = root.handlers[:], root.level, logging_setup._installed
+    flags = (logging._srcfile, logging.logThreads, logging.logProcesses, logging.logMultiprocessing)
+    httpx_level = logging.getLogger("httpx").level
     yield
     root.handlers[:] = handlers
     root.setLevel(level)
     logging_setup._installed = installed
+    logging._srcfile, logging.logThreads, logging.logProcesses, logging.logMultiprocessing = flags
+    logging.getLogger("httpx").setLevel(httpx_level)
 
 
 def installed_stream(log_format: logging_setup.LogFormat) -> io.StringIO:
@@ -82,3 +86,13 @@ def test_under_another_logging_set_up_the_line_goes_through_logging(restore_logg
 def test_a_level_above_info_turns_request_lines_off(restore_logging: None) -> None:
     configure_logging("warning", "text")
     assert not RequestLines(logging.getLogger("disagg_serve.test")).enabled()
+
+
+def test_a_stream_that_fails_sends_the_line_through_logging_and_the_request_goes_on(restore_logging: None) -> None:
+    stream = installed_stream("text")
+    stream.close()  # a closed stream: writing to it raises
+    errors: list[logging.LogRecord] = []
+    handler = logging.getLogger().handlers[0]
+    handler.handleError = errors.append  # type: ignore[method-assign,assignment]  # what logging does with a failed line
+    RequestLines(logging.getLogger("disagg_serve.test")).write("request done", FIELDS)
+    assert [record.getMessage() for record in errors] == ["request done"]
