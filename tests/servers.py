@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 import threading
 import time
+import urllib.parse
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -58,3 +60,18 @@ def running(app: Any) -> Iterator[str]:
         yield url
     finally:
         server.stop()
+
+
+@contextlib.contextmanager
+def open_post(url: str, path: str, body: bytes) -> Iterator[socket.socket]:
+    """A POST of a JSON ``body`` sent on a raw connection and left unanswered until the block ends, when the
+    connection is closed: the client that hangs up mid-request, which httpx cannot play."""
+    parts = urllib.parse.urlsplit(url)
+    assert parts.hostname is not None and parts.port is not None
+    sock = socket.create_connection((parts.hostname, parts.port), timeout=60)
+    try:
+        sock.sendall(f"POST {path} HTTP/1.1\r\nHost: {parts.netloc}\r\nContent-Type: application/json\r\n"
+                     f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode() + body)
+        yield sock
+    finally:
+        sock.close()

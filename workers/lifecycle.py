@@ -11,7 +11,13 @@ of one attempt) on every failure path. What this module guarantees, and what the
   KV at once, an artifact nobody aborted is freed after the artifact TTL (a GEN takes it within moments, since
   ours pulls the KV the moment its request starts) — the KV store's own TTL stays the backstop;
 - every terminal outcome leaves a tombstone for the replay horizon, so a replayed call answers the same and an
-  abort that arrives before its request (cancel before create) refuses that request when it comes.
+  abort that arrives before its request (cancel before create) refuses that request when it comes. Entries, live and
+  tombstones, are capped at ``replay_filter_capacity`` (TensorRT-LLM's, 262144): past it a new grant, artifact or
+  abort-before-create is refused ("replay protection is saturated"), never a tombstone forgotten early.
+
+Each collection is kept in order of expiry (one TTL for all, a monotonic clock; a renewed grant moves to the end),
+so the sweeper and every new entry pop only what has expired, from the front, and the live grants are counted
+without a scan.
 
 Timekeeping uses one injectable clock, so a test moves time instead of sleeping.
 """
@@ -23,6 +29,7 @@ import contextlib
 import logging
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -30,7 +37,7 @@ from uuid import UUID
 
 import httpx
 
-from frontend.errors import InvalidRequestError
+from frontend.errors import InvalidRequestError, OverloadedError
 from frontend.openai_models import DisaggregatedParams
 from frontend.trtllm_lifecycle import (
     ARTIFACT_TTL_ENV,
@@ -64,6 +71,9 @@ Role = Literal["context", "generation", "both"]
 
 GRANT_EXPIRED = "generation intent grant expired"
 ARTIFACT_EXPIRED = "context artifact expired"
+GRANT_SATURATED = "generation grant identity is terminal or replay protection is saturated"  # TensorRT-LLM's words
+ARTIFACT_SATURATED = "context artifact identity is terminal or replay protection is saturated"
+DEFAULT_REPLAY_FILTER_CAPACITY = 262144  # TensorRT-LLM's replay_filter_capacity
 
 # What this worker does, in TensorRT-LLM's capability names (docs/interop.md says how each is met). Not advertised:
 # IN_FLIGHT_CANCELLATION of a KV transfer already running (ours is one HTTP read, not cancellable mid-way),
@@ -80,6 +90,7 @@ class LifecycleSettings:
     grant_ttl_s: float = DEFAULT_GRANT_TTL_S
     artifact_ttl_s: float = DEFAULT_ARTIFACT_TTL_S
     max_live_grants: int = 512
+    replay_filter_capacity: int = DEFAULT_REPLAY_FILTER_CAPACITY  # live entries and tombstones, each role
     sweep_interval_s: float = 1.0
     generation_first_wait_s: float = 30.0  # how long a GEN that came first waits for its CTX's hand-off
     clock: Callable[[], float] = time.monotonic
@@ -157,8 +168,13 @@ class LifecycleControl:
         if settings.enabled:
             self.advertisement = make_advertisement(protocol_version=GENERATION_SAFE, capabilities=CAPABILITIES,
                                                     instance_id=str(uuid.uuid4()))
+        # Every entry, live or tombstone, for lookup; the live ones and the tombstones again, each in order of expiry.
         self.grants: dict[UUID, _Grant] = {}
+        self._live_grants: OrderedDict[UUID, _Grant] = OrderedDict()
+        self._grant_tombstones: OrderedDict[UUID, _Grant] = OrderedDict()
         self.artifacts: dict[str, _Artifact] = {}  # by prefill_artifact_id
+        self._live_artifacts: OrderedDict[str, _Artifact] = OrderedDict()
+        self._artifact_tombstones: OrderedDict[str, _Artifact] = OrderedDict()
         self._tasks: set[asyncio.Task[Any]] = set()
         self._sweeper: asyncio.Task[None] | None = None
         self._client: httpx.AsyncClient | None = None
@@ -166,6 +182,15 @@ class LifecycleControl:
     @property
     def enabled(self) -> bool:
         return self.advertisement is not None
+
+    @property
+    def live_grants(self) -> int:
+        """Grants active now (what ``max_live_grants`` limits), counted as they are issued and retired."""
+        return len(self._live_grants)
+
+    @property
+    def live_artifacts(self) -> int:
+        return len(self._live_artifacts)
 
     @property
     def incarnation(self) -> UUID:
@@ -197,18 +222,31 @@ class LifecycleControl:
                 logger.exception("lifecycle sweep failed")
 
     async def sweep(self) -> None:
-        """Revoke expired grants, free expired artifacts, forget tombstones past the replay horizon."""
+        """Revoke expired grants, free expired artifacts, forget tombstones past the replay horizon: each from the
+        front of its expiry order, so a sweep costs what has expired, not what is held."""
         now = self.clock()
-        for grant in list(self.grants.values()):
-            if grant.state is GrantState.ACTIVE and now >= grant.expires_at:
-                self._retire_grant(grant, GrantState.REVOKED, GRANT_EXPIRED)
-            elif grant.state is not GrantState.ACTIVE and now >= grant.retain_until:
-                self.grants.pop(grant.request.consumer_grant_id, None)
-        for key, artifact in list(self.artifacts.items()):
-            if artifact.state is ArtifactState.ACTIVE and now >= artifact.expires_at:
-                await self._retire_artifact(artifact, ArtifactState.ABANDONED, ARTIFACT_EXPIRED)
-            elif artifact.state is not ArtifactState.ACTIVE and now >= artifact.retain_until:
-                self.artifacts.pop(key, None)
+        while self._live_grants:
+            grant = next(iter(self._live_grants.values()))
+            if now < grant.expires_at:
+                break
+            self._retire_grant(grant, GrantState.REVOKED, GRANT_EXPIRED)
+        while self._live_artifacts:
+            artifact = next(iter(self._live_artifacts.values()))
+            if now < artifact.expires_at:
+                break
+            await self._retire_artifact(artifact, ArtifactState.ABANDONED, ARTIFACT_EXPIRED)
+        self._forget_tombstones(now)
+
+    def _forget_tombstones(self, now: float) -> None:
+        _forget_expired(self._grant_tombstones, self.grants, now)
+        _forget_expired(self._artifact_tombstones, self.artifacts, now)
+
+    def _saturated(self, entries: Mapping[Any, Any]) -> bool:
+        """No room for one more entry, once what has expired is forgotten: refuse rather than forget early."""
+        if len(entries) < self.settings.replay_filter_capacity:
+            return False
+        self._forget_tombstones(self.clock())
+        return len(entries) >= self.settings.replay_filter_capacity
 
     # -- GEN: grants ------------------------------------------------------------------------------------------
     def issue(self, request: GenerationGrantRequest, endpoint_name: str) -> GenerationGrantDecisionResponse:
@@ -233,13 +271,16 @@ class LifecycleControl:
                     lifecycle_protocol_version=1, accepted=False,
                     reason=existing.reason or "generation grant is already terminal")
             return self._decision(existing, endpoint_name, now)  # a replay: the same grant, its original expiry
-        live = sum(1 for g in self.grants.values() if g.state is GrantState.ACTIVE)
-        if live >= self.settings.max_live_grants:
+        if self._saturated(self.grants):
+            return GenerationGrantDecisionResponse(lifecycle_protocol_version=1, accepted=False,
+                                                   reason=GRANT_SATURATED)
+        if self.live_grants >= self.settings.max_live_grants:
             return GenerationGrantDecisionResponse(lifecycle_protocol_version=1, accepted=False,
                                                    reason="generation admission credit is exhausted")
         # The worker's own TTL, not the one asked for: only the worker decides how long it holds credit.
         grant = _Grant(request, now + self.settings.grant_ttl_s)
         self.grants[request.consumer_grant_id] = grant
+        self._live_grants[request.consumer_grant_id] = grant  # the latest expiry: the end of the order
         return self._decision(grant, endpoint_name, now)
 
     def _decision(self, grant: _Grant, endpoint_name: str, now: float) -> GenerationGrantDecisionResponse:
@@ -268,6 +309,7 @@ class LifecycleControl:
         if request.sequence > grant.last_sequence:  # an older or repeated sequence changes nothing
             grant.last_sequence = request.sequence
             grant.expires_at = now + self.settings.grant_ttl_s
+            self._live_grants.move_to_end(request.consumer_grant_id)  # now the latest expiry
         return {"lifecycle_protocol_version": 1, "accepted": True, "state": GrantState.ACTIVE.value,
                 "reason": "", "ttl_s": max(grant.expires_at - now, 1e-6)}
 
@@ -281,8 +323,13 @@ class LifecycleControl:
                 "reason": grant.reason}
 
     def _retire_grant(self, grant: _Grant, state: GrantState, reason: str) -> None:
+        if grant.state is not GrantState.ACTIVE:
+            return
+        grant_id = grant.request.consumer_grant_id
+        self._live_grants.pop(grant_id, None)
         grant.state, grant.reason = state, reason
         grant.retain_until = self.clock() + self.settings.replay_horizon_s
+        self._grant_tombstones[grant_id] = grant
         if grant.ended is not None:
             grant.ended.set()
         if state is GrantState.RELEASED:
@@ -387,6 +434,8 @@ class LifecycleControl:
         if artifact is not None and artifact.state is not ArtifactState.ACTIVE:
             raise InvalidRequestError(f"context artifact is {artifact.state.value}: {artifact.reason}",
                                       param="disaggregated_params.prefill_artifact_id")
+        if artifact is None and self._saturated(self.artifacts):  # refused before the prefill runs
+            raise OverloadedError(ARTIFACT_SATURATED)
 
     def park(self, params: DisaggregatedParams, ctx_request_id: str, handoff_state: bytes | None) -> None:
         """The CTX answer parked a hand-off for this attempt: it is now the attempt's artifact. An abort that came
@@ -398,8 +447,15 @@ class LifecycleControl:
                 self._spawn(self._release_handoff(ctx_request_id, handoff_state))
             raise InvalidRequestError(f"context artifact is {artifact.state.value}: {artifact.reason}",
                                       param="disaggregated_params.prefill_artifact_id")
-        self.artifacts[key] = _Artifact(_identity_of(params), ctx_request_id, handoff_state,
-                                        self.clock() + self.settings.artifact_ttl_s)
+        if artifact is None and self._saturated(self.artifacts):  # filled while this prefill ran
+            if handoff_state is not None:
+                self._spawn(self._release_handoff(ctx_request_id, handoff_state))
+            raise OverloadedError(ARTIFACT_SATURATED)
+        artifact = _Artifact(_identity_of(params), ctx_request_id, handoff_state,
+                             self.clock() + self.settings.artifact_ttl_s)
+        self.artifacts[key] = artifact
+        self._live_artifacts.pop(key, None)  # a repeat of a live key: its new expiry is the latest
+        self._live_artifacts[key] = artifact
 
     async def abort_artifact(self, request: ContextArtifactAbortRequest) -> dict[str, Any]:
         if request.context_endpoint_incarnation != self.incarnation:
@@ -407,9 +463,13 @@ class LifecycleControl:
         key = str(request.prefill_artifact_id)
         artifact = self.artifacts.get(key)
         if artifact is None:  # before its request came (or after it was forgotten): a tombstone refuses it
+            if self._saturated(self.artifacts):
+                return {"lifecycle_protocol_version": 1, "accepted": False, "state": ArtifactState.ABANDONED.value,
+                        "reason": ARTIFACT_SATURATED, "context_endpoint_incarnation": str(self.incarnation)}
             artifact = self.artifacts[key] = _Artifact(_identity_of(request))
             artifact.state, artifact.reason = ArtifactState.ABANDONED, request.reason
             artifact.retain_until = self.clock() + self.settings.replay_horizon_s
+            self._artifact_tombstones[key] = artifact
         elif _attempt(artifact.identity) != _attempt(request):
             raise LifecycleConflict("context artifact abort does not match the artifact's transfer session")
         elif artifact.state is ArtifactState.ACTIVE:
@@ -419,12 +479,29 @@ class LifecycleControl:
                 "context_endpoint_incarnation": str(self.incarnation)}
 
     async def _retire_artifact(self, artifact: _Artifact, state: ArtifactState, reason: str) -> None:
+        if artifact.state is not ArtifactState.ACTIVE:
+            return
+        key = str(artifact.identity["prefill_artifact_id"])
+        if self._live_artifacts.get(key) is artifact:
+            del self._live_artifacts[key]
         artifact.state, artifact.reason = state, reason
         artifact.retain_until = self.clock() + self.settings.replay_horizon_s
+        self._artifact_tombstones[key] = artifact
         state_bytes, artifact.handoff_state = artifact.handoff_state, None
         if artifact.ctx_request_id is not None and state_bytes is not None:
             # False when a GEN already took it: nothing left to free, which is fine.
             await self._release_handoff(artifact.ctx_request_id, state_bytes)
+
+
+def _forget_expired(tombstones: OrderedDict[Any, Any], entries: dict[Any, Any], now: float) -> None:
+    """Pop the tombstones past their replay horizon, from the front of their order of expiry."""
+    while tombstones:
+        key, entry = next(iter(tombstones.items()))
+        if now < entry.retain_until:
+            return
+        del tombstones[key]
+        if entries.get(key) is entry:
+            del entries[key]
 
 
 def _identity_of(fields: Any) -> dict[str, Any]:

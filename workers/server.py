@@ -151,7 +151,10 @@ def create_worker_app(
 
         try:
             body = parse_request_body(raw, request.headers)
-            prepared = await service.prepare(body, wire_model, request.headers.get(CHAIN_HEADER))
+            # Under the disconnect watch too: a generation-first GEN waits here for its hand-off (up to
+            # generation_first_wait_s), and one whose orchestrator left must free its slot and stop asking for it.
+            prepared = await cancel_on_disconnect(
+                request, lambda: service.prepare(body, wire_model, request.headers.get(CHAIN_HEADER)))
             worker_tracing.prepared(span, prepared)
             # CTX always answers whole: the orchestrator needs its hand-off fields, not a stream.
             if prepared.wire.stream and prepared.request.phase is not Phase.CONTEXT_ONLY:
@@ -302,10 +305,13 @@ def create_worker_app(
                 return conflict(error)
 
         @app.get(HANDOFF_PATH)
-        async def generation_first_handoff(disagg_request_id: int, wait_s: float = 30.0) -> Response:
+        async def generation_first_handoff(request: Request, disagg_request_id: int,
+                                           wait_s: float = 30.0) -> Response:
             """Generation first: a GEN that came first asks here for the hand-off of its request; answered as
-            soon as this CTX has parked it (404 if that does not happen within ``wait_s``)."""
-            params = await service.board.claim(disagg_request_id, min(max(wait_s, 0.0), 300.0))
+            soon as this CTX has parked it (404 if that does not happen within ``wait_s``). A GEN that hangs up
+            stops waiting here too: the hand-off is then left on the board for a GEN that asks again."""
+            params = await cancel_on_disconnect(
+                request, lambda: service.board.claim(disagg_request_id, min(max(wait_s, 0.0), 300.0)))
             if params is None:
                 return json_response({"detail": "no hand-off for this request"}, status_code=404)
             return json_response(params)

@@ -19,6 +19,7 @@ import msgspec
 import orjson
 import pytest
 
+from tests.servers import open_post
 from tests.trtllm_wire import (
     ChatCompletionResponse,
     needs_generation,
@@ -172,6 +173,28 @@ def test_generation_first_gen_sent_before_ctx(cluster: RefCluster, path: str) ->
     choice = answer.choices[0]
     text = choice.message.content if isinstance(answer, ChatCompletionResponse) else choice.text  # type: ignore[union-attr]
     assert text == aggregated_text(cluster, path, body)
+
+
+def test_a_generation_first_gen_whose_client_hangs_up_while_waiting_frees_its_slot(cluster: RefCluster) -> None:
+    """The orchestrator drops a generation-first GEN request while it waits for CTX's hand-off: GEN stops waiting
+    at once (not after generation_first_wait_s, made far longer than the wait here), frees its admission slot and
+    hangs up on CTX, whose long poll stops too; the hand-off CTX parks later is claimed by nobody."""
+    body = client_body(CHAT, cluster.model)
+    service = cluster.gen.app.state.service
+    board = cluster.ctx.app.state.service.board
+    disagg_request_id = random.getrandbits(63)
+    gen_body = {**body, "disaggregated_params": {
+        "request_type": "generation_only", "ctx_request_id": disagg_request_id, "disagg_request_id": disagg_request_id,
+        "schedule_style": 1, "ctx_info_endpoint": cluster.ctx.url}}
+    lifecycle = service.settings.lifecycle
+    service.settings = replace(service.settings, lifecycle=replace(lifecycle, generation_first_wait_s=300.0))
+    try:
+        with open_post(cluster.gen.url, CHAT, orjson.dumps(gen_body)):
+            assert eventually(lambda: board.waiting(disagg_request_id))  # GEN holds its slot and asks CTX
+            assert service.inflight == 1
+        assert eventually(lambda: service.inflight == 0 and not board.waiting(disagg_request_id))
+    finally:
+        service.settings = replace(service.settings, lifecycle=lifecycle)
 
 
 def test_generation_first_without_a_ctx_answer_is_a_clear_error(cluster: RefCluster) -> None:

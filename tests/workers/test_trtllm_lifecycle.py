@@ -15,22 +15,30 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any
+from uuid import UUID
 
 import httpx
 import msgspec
 import orjson
 import pytest
 
+from frontend.errors import InvalidRequestError, OverloadedError
+from frontend.openai_models import DisaggregatedParams
 from frontend.trtllm_lifecycle import (
     CONTEXT_ARTIFACT_ABORT_PATH,
     GENERATION_GRANT_ABORT_PATH,
     GENERATION_GRANT_PATH,
     GENERATION_GRANT_RENEW_PATH,
+    ContextArtifactAbortRequest,
+    GenerationGrantAbortRequest,
     GenerationGrantDecisionResponse,
+    GenerationGrantRenewRequest,
+    GenerationGrantRequest,
     ObligationResponse,
+    make_advertisement,
     negotiate,
 )
-from tests.servers import running
+from tests.servers import open_post, running
 from tests.trtllm_wire import (
     ChatCompletionResponse,
     needs_generation,
@@ -44,7 +52,13 @@ from tests.workers.engines.reference.tiny_model import write_tiny_model
 from workers.engines.reference.engine import ReferenceEngine
 from workers.engines.reference.options import ReferenceOptions
 from workers.engines.synthetic import SyntheticEngine
-from workers.lifecycle import LifecycleSettings
+from workers.lifecycle import (
+    ARTIFACT_SATURATED,
+    CAPABILITIES,
+    GRANT_SATURATED,
+    LifecycleControl,
+    LifecycleSettings,
+)
 from workers.server import create_worker_app
 from workers.serving import Role, WorkerSettings
 
@@ -500,3 +514,185 @@ def test_a_grant_aborted_while_gen_waits_ends_the_wait_and_refuses_ctx(cluster: 
         _refused(gen_reply.result(), "generation grant is no longer active: client went away")
     assert eventually(lambda: post(cluster.ctx.url + CHAT, attempt.ctx_body()).status_code == 400)
     _refused(post(cluster.ctx.url + CHAT, attempt.ctx_body()), "context artifact is ABANDONED: client went away")
+
+
+
+def test_a_generation_first_gen_whose_client_hangs_up_while_waiting_revokes_its_grant(cluster: V1Cluster) -> None:
+    """v1 generation first, the orchestrator gone while GEN waits for the hand-off: the wait ends at once, the
+    grant is revoked (its slot free) and CTX is told, so the CTX request that comes later parks nothing."""
+    body = client_body(CHAT, cluster.model)
+    attempt = Attempt(cluster, CHAT, body, schedule_style=1)
+    assert attempt.admit().accepted
+    gen_body = {**body, "disaggregated_params": {
+        "request_type": "generation_only", "ctx_request_id": attempt.disagg_request_id,
+        "disagg_request_id": attempt.disagg_request_id, "schedule_style": 1, "ctx_info_endpoint": cluster.ctx.url,
+        "context_control_endpoint": cluster.ctx.netloc, "context_transceiver_lifecycle": attempt.ctx_lifecycle,
+        **attempt.identity, **attempt.endpoint}}
+    board = cluster.ctx.app.state.service.board
+    control = cluster.gen.app.state.service.lifecycle
+    with open_post(cluster.gen.url, CHAT, orjson.dumps(gen_body)):
+        assert eventually(lambda: board.waiting(attempt.disagg_request_id))
+        assert control.live_grants >= 1
+    assert eventually(lambda: not board.waiting(attempt.disagg_request_id))
+    assert obligation(attempt.renew(1)).state == "REVOKED"
+    assert eventually(lambda: post(cluster.ctx.url + CHAT, attempt.ctx_body()).status_code == 400)
+    _refused(post(cluster.ctx.url + CHAT, attempt.ctx_body()), "context artifact is ABANDONED")
+
+# -- the bookkeeping: live grants counted, tombstones in order of expiry and capped ------------------------------
+def _identity() -> dict[str, Any]:
+    return {"logical_request_id": random.getrandbits(63), "prefill_artifact_id": str(uuid.uuid4()),
+            "artifact_version": 0, "handoff_attempt_uuid": str(uuid.uuid4()),
+            "consumer_grant_id": str(uuid.uuid4()), "transfer_session_id": str(uuid.uuid4())}
+
+
+class _Alone:
+    """A LifecycleControl on its own, on a fake clock: no HTTP, no engine (a grant without a context control
+    endpoint aborts nothing at CTX)."""
+
+    def __init__(self, role: Role, **settings: Any) -> None:
+        self.clock = FakeClock()
+        self.aborted: list[str] = []
+        self.released: list[str] = []
+
+        async def abort_request(request_id: str) -> None:
+            self.aborted.append(request_id)
+
+        async def release_handoff(ctx_request_id: str, state: bytes) -> bool:
+            self.released.append(ctx_request_id)
+            return True
+
+        self.control = LifecycleControl(role, LifecycleSettings(protocol_version=1, clock=self.clock, **settings),
+                                        abort_request=abort_request, release_handoff=release_handoff)
+        ctx = make_advertisement(protocol_version=1, capabilities=CAPABILITIES, instance_id=str(uuid.uuid4()))
+        self.ctx_lifecycle = ctx.to_dict()
+
+    def issue(self) -> tuple[dict[str, Any], GenerationGrantDecisionResponse]:
+        identity = _identity()
+        request = GenerationGrantRequest.model_validate({
+            "lifecycle_protocol_version": 1, **identity, "ttl_s": 600.0,
+            "context_transceiver_lifecycle": self.ctx_lifecycle, "schedule_style": 0, "ctx_dp_rank": None})
+        return identity, self.control.issue(request, "gen:1")
+
+    def grant_identity(self, identity: dict[str, Any]) -> dict[str, Any]:
+        return {"lifecycle_protocol_version": 1, **identity, "generation_endpoint_name": "gen:1",
+                "generation_endpoint_rank": 0, "generation_endpoint_incarnation": str(self.control.incarnation)}
+
+    def abort(self, identity: dict[str, Any]) -> dict[str, Any]:
+        return self.control.abort(GenerationGrantAbortRequest.model_validate(
+            {**self.grant_identity(identity), "reason": "client went away"}))
+
+    def renew(self, identity: dict[str, Any], sequence: int) -> dict[str, Any]:
+        return self.control.renew(GenerationGrantRenewRequest.model_validate(
+            {**self.grant_identity(identity), "ttl_s": 600.0, "sequence": sequence}))
+
+    async def abort_artifact(self, identity: dict[str, Any]) -> dict[str, Any]:
+        return await self.control.abort_artifact(ContextArtifactAbortRequest.model_validate(
+            {"lifecycle_protocol_version": 1, **identity,
+             "context_endpoint_incarnation": str(self.control.incarnation), "reason": "client went away"}))
+
+    def artifact_params(self, identity: dict[str, Any]) -> DisaggregatedParams:
+        return DisaggregatedParams.model_validate({"request_type": "context_only", **identity})
+
+
+async def test_the_live_grant_count_follows_issue_abort_expiry_and_release() -> None:
+    alone = _Alone("generation", grant_ttl_s=30.0, max_live_grants=3)
+    control, clock = alone.control, alone.clock
+    try:
+        first, decision = alone.issue()
+        assert decision.accepted and control.live_grants == 1
+        assert alone.issue()[1].accepted and control.live_grants == 2  # a second attempt
+        assert control.issue(GenerationGrantRequest.model_validate({  # a replay of the first is no new grant
+            "lifecycle_protocol_version": 1, **first, "ttl_s": 600.0,
+            "context_transceiver_lifecycle": alone.ctx_lifecycle, "schedule_style": 0}), "gen:1").accepted
+        assert control.live_grants == 2
+        assert alone.abort(first)["state"] == "REVOKED" and control.live_grants == 1
+        assert alone.abort(first)["state"] == "REVOKED" and control.live_grants == 1  # a replayed abort
+        third, decision = alone.issue()
+        fourth, decision4 = alone.issue()
+        assert decision.accepted and decision4.accepted and control.live_grants == 3
+        refused = alone.issue()[1]
+        assert not refused.accepted and refused.reason == "generation admission credit is exhausted"
+        clock.now += 20.0
+        assert alone.renew(fourth, 1)["accepted"]  # renewed: it outlives the others
+        grant_id = UUID(third["consumer_grant_id"])
+        control.bind(DisaggregatedParams.model_validate({"request_type": "generation_only", **third}), "req-3")
+        control.finish(grant_id, ok=True)
+        assert control.live_grants == 2
+        clock.now += 15.0  # past the second's TTL, not the renewed one's
+        await control.sweep()
+        assert control.live_grants == 1
+        assert alone.renew(fourth, 2)["accepted"]
+        clock.now += 31.0
+        await control.sweep()
+        assert control.live_grants == 0
+        assert alone.renew(fourth, 3)["state"] == "REVOKED"
+        assert alone.issue()[1].accepted and control.live_grants == 1
+    finally:
+        await control.aclose()
+
+
+async def test_grant_tombstones_expire_in_order_after_the_replay_horizon() -> None:
+    alone = _Alone("generation", grant_ttl_s=30.0, artifact_ttl_s=30.0)  # replay horizon 60 s
+    control, clock = alone.control, alone.clock
+    try:
+        early, _ = alone.issue()
+        alone.abort(early)
+        clock.now += 40.0
+        late, _ = alone.issue()
+        alone.abort(late)
+        assert len(control.grants) == 2
+        clock.now += 30.0  # the first's horizon has passed, not the second's
+        await control.sweep()
+        assert UUID(early["consumer_grant_id"]) not in control.grants
+        assert alone.abort(late)["state"] == "REVOKED"  # still remembered: a replay answers the same
+        clock.now += 30.0
+        await control.sweep()
+        assert control.grants == {} and control.live_grants == 0
+    finally:
+        await control.aclose()
+
+
+async def test_past_the_replay_filter_capacity_a_grant_is_refused_never_a_tombstone_forgotten() -> None:
+    alone = _Alone("generation", grant_ttl_s=30.0, artifact_ttl_s=30.0, replay_filter_capacity=2)
+    control, clock = alone.control, alone.clock
+    try:
+        first, _ = alone.issue()
+        alone.abort(first)
+        assert alone.issue()[1].accepted
+        refused = alone.issue()[1]
+        assert not refused.accepted and refused.reason == GRANT_SATURATED
+        assert control.live_grants == 1
+        assert alone.abort(first)["state"] == "REVOKED"  # the tombstone is still there
+        clock.now += 60.0  # the first's tombstone is past its horizon (the second expired meanwhile: no sweep yet)
+        assert alone.issue()[1].accepted and UUID(first["consumer_grant_id"]) not in control.grants
+    finally:
+        await control.aclose()
+
+
+async def test_ctx_tombstones_are_capped_and_expire() -> None:
+    alone = _Alone("context", artifact_ttl_s=30.0, grant_ttl_s=30.0, replay_filter_capacity=2)
+    control, clock = alone.control, alone.clock
+    try:
+        before = [_identity(), _identity()]
+        for identity in before:  # cancel before create: tombstones
+            assert (await alone.abort_artifact(identity))["accepted"]
+        third = _identity()
+        answer = await alone.abort_artifact(third)
+        assert not answer["accepted"] and answer["reason"] == ARTIFACT_SATURATED
+        with pytest.raises(OverloadedError, match="replay protection is saturated"):
+            control.check_artifact(alone.artifact_params(third))
+        with pytest.raises(InvalidRequestError, match="context artifact is ABANDONED"):
+            control.check_artifact(alone.artifact_params(before[0]))  # still refused: nothing was forgotten
+        clock.now += 60.0
+        await control.sweep()
+        assert control.artifacts == {}
+        control.check_artifact(alone.artifact_params(third))
+        control.park(alone.artifact_params(third), "ctx-3", b"state")
+        assert control.live_artifacts == 1
+        clock.now += 30.0
+        await control.sweep()  # unclaimed past the artifact TTL: freed, a tombstone left
+        assert control.live_artifacts == 0 and alone.released == ["ctx-3"]
+        with pytest.raises(InvalidRequestError, match="context artifact expired"):
+            control.check_artifact(alone.artifact_params(third))
+    finally:
+        await control.aclose()
