@@ -5,9 +5,9 @@ from __future__ import annotations
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, TypeVar
 
 import pybase64
 from fastapi import FastAPI, Request
@@ -70,6 +70,8 @@ from workers.prefix_holdings import PrefixHoldings
 from workers.registration import Registration
 from workers.request_body import parse_request_body
 from workers.serving import Role, WorkerService, WorkerSettings
+
+Body = TypeVar("Body", bound=BaseModel)  # a lifecycle control call's body model
 
 logger = logging.getLogger(__name__)
 
@@ -244,65 +246,43 @@ def create_worker_app(
         return json_response({"disaggregated_params": params,
                               "max_batch_size": settings.lifecycle.max_live_grants})
 
-    async def control_body(request: Request, model: type[BaseModel]) -> BaseModel | Response:
-        """The body of a control call, or TensorRT-LLM's answer to a bad one (400 ``{"error": ...}``); with v1
-        off, its 404."""
-        if not control.enabled:
-            return json_response({"detail": CONTROL_UNAVAILABLE}, status_code=404)
-        try:
-            return model.model_validate(parse_json_object(await read_body(request, 64 * 1024)))
-        except (ValidationError, InvalidRequestError) as error:
-            return json_response({"error": str(error)}, status_code=400)
+    def control_route(path: str, model: type[Body], call: Callable[[Body, Request], Awaitable[Any]]) -> None:
+        """A control call's route: its body read as ``model`` (TensorRT-LLM's 400 ``{"error": ...}`` for a bad
+        one, its 404 with v1 off), ``call``'s answer as JSON, a ``LifecycleConflict`` its 409."""
+        async def route(request: Request) -> Response:
+            if not control.enabled:
+                return json_response({"detail": CONTROL_UNAVAILABLE}, status_code=404)
+            try:
+                body = model.model_validate(parse_json_object(await read_body(request, 64 * 1024)))
+            except (ValidationError, InvalidRequestError) as error:
+                return json_response({"error": str(error)}, status_code=400)
+            try:
+                answer = await call(body, request)
+            except LifecycleConflict as error:
+                return json_response({"detail": str(error)}, status_code=409)
+            return json_response(answer.model_dump(mode="json") if isinstance(answer, BaseModel) else answer)
 
-    def conflict(error: LifecycleConflict) -> Response:
-        return json_response({"detail": str(error)}, status_code=409)
+        app.post(path, name=path.removeprefix("/_internal/").replace("/", "_"))(route)
+
+    async def issue(body: GenerationGrantRequest, request: Request) -> Any:
+        return control.issue(body, request.url.netloc)
+
+    async def renew(body: GenerationGrantRenewRequest, _: Request) -> Any:
+        return control.renew(body)
+
+    async def abort(body: GenerationGrantAbortRequest, _: Request) -> Any:
+        return control.abort(body)
+
+    async def abort_artifact(body: ContextArtifactAbortRequest, _: Request) -> Any:
+        return await control.abort_artifact(body)
 
     if settings.role == "generation":
-        @app.post(GENERATION_GRANT_PATH)
-        async def generation_grant(request: Request) -> Response:
-            body = await control_body(request, GenerationGrantRequest)
-            if isinstance(body, Response):
-                return body
-            assert isinstance(body, GenerationGrantRequest)
-            try:
-                decision = control.issue(body, request.url.netloc)
-            except LifecycleConflict as error:
-                return conflict(error)
-            return json_response(decision.model_dump(mode="json"))
-
-        @app.post(GENERATION_GRANT_RENEW_PATH)
-        async def generation_grant_renew(request: Request) -> Response:
-            body = await control_body(request, GenerationGrantRenewRequest)
-            if isinstance(body, Response):
-                return body
-            assert isinstance(body, GenerationGrantRenewRequest)
-            try:
-                return json_response(control.renew(body))
-            except LifecycleConflict as error:
-                return conflict(error)
-
-        @app.post(GENERATION_GRANT_ABORT_PATH)
-        async def generation_grant_abort(request: Request) -> Response:
-            body = await control_body(request, GenerationGrantAbortRequest)
-            if isinstance(body, Response):
-                return body
-            assert isinstance(body, GenerationGrantAbortRequest)
-            try:
-                return json_response(control.abort(body))
-            except LifecycleConflict as error:
-                return conflict(error)
+        control_route(GENERATION_GRANT_PATH, GenerationGrantRequest, issue)
+        control_route(GENERATION_GRANT_RENEW_PATH, GenerationGrantRenewRequest, renew)
+        control_route(GENERATION_GRANT_ABORT_PATH, GenerationGrantAbortRequest, abort)
 
     if settings.role == "context":
-        @app.post(CONTEXT_ARTIFACT_ABORT_PATH)
-        async def context_artifact_abort(request: Request) -> Response:
-            body = await control_body(request, ContextArtifactAbortRequest)
-            if isinstance(body, Response):
-                return body
-            assert isinstance(body, ContextArtifactAbortRequest)
-            try:
-                return json_response(await control.abort_artifact(body))
-            except LifecycleConflict as error:
-                return conflict(error)
+        control_route(CONTEXT_ARTIFACT_ABORT_PATH, ContextArtifactAbortRequest, abort_artifact)
 
         @app.get(HANDOFF_PATH)
         async def generation_first_handoff(request: Request, disagg_request_id: int,
