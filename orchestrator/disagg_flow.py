@@ -388,7 +388,7 @@ class DisaggFlow:
             if attempt is not None:
                 attempt.ctx_sent = True
             tasks.append(asyncio.ensure_future(_post(self.ctx_pool, ctx, request, ctx_body, request.key)))
-            ctx_reply = await _until_lost(tasks[1], lost)
+            ctx_reply = await _ctx_unless_gen_fails(tasks[0], tasks[1], lost)
             self.ctx_latency(ctx.url).observe(time.perf_counter() - started)
             if ctx_reply.status_code != 200:
                 raise RelayedError(ctx_reply.status_code, ctx_reply.content)
@@ -535,6 +535,25 @@ async def _until_lost(call: Awaitable[T], lost: asyncio.Future[None]) -> T:
     if not task.done() or task.cancelled():
         raise UpstreamError("the GEN step failed: the generation grant could not be renewed")
     return task.result()
+
+
+async def _ctx_unless_gen_fails(gen: asyncio.Future[GenAnswer], ctx: asyncio.Future[Reply],
+                                lost: asyncio.Future[None]) -> Reply:
+    """Generation first: CTX's answer, unless GEN's leg fails first (refused, an error answer, a broken
+    connection: its error ends the request now, not once CTX has prefilled) or the grant is lost."""
+    pending: set[asyncio.Future[Any]] = {gen, ctx, lost}
+    while True:
+        await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+        if ctx.done():
+            return ctx.result()
+        if lost.done():
+            raise UpstreamError("the GEN step failed: the generation grant could not be renewed")
+        if gen.done() and gen in pending:
+            pending.discard(gen)
+            answer = gen.result()  # GEN's own failure, raised
+            if answer.status_code != 200:
+                raise RelayedError(answer.status_code,
+                                   answer.content if isinstance(answer, Reply) else await answer.read())
 
 
 def _count_as_held(pool: WorkerPool, member: PoolMember, key: RoutingKey) -> None:

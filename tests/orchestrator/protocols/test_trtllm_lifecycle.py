@@ -345,3 +345,21 @@ def test_generation_first_where_ctx_finishes_alone_drops_gen_and_its_grant() -> 
         reply = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=1)
         assert reply.choices[0].message.content == FIRST
         assert eventually(lambda: GENERATION_GRANT_ABORT_PATH in gen.control_paths())
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+@pytest.mark.parametrize("lifecycle", [False, True], ids=["v0", "v1"])
+def test_generation_first_fails_at_once_when_gen_fails_before_ctx_answers(lifecycle: bool, stream: bool) -> None:
+    """GEN's leg failed while CTX still prefills: the request ends with GEN's error now, not when CTX answers;
+    CTX's leg is dropped and, under v1, the grant and the artifact aborted."""
+    ctx = TrtllmWorker("ctx", lifecycle_v1=lifecycle, hold_context=True)
+    gen = TrtllmWorker("gen", lifecycle_v1=lifecycle, fail_next=1)
+    with fleet([ctx], [gen], **GEN_FIRST) as (client, _):
+        with pytest.raises(openai.APIStatusError) as failed:
+            client.with_options(timeout=10).chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8,
+                                                                    stream=stream)
+        assert failed.value.status_code == 503 and "engine unavailable" in failed.value.message
+        if lifecycle:
+            assert eventually(lambda: GENERATION_GRANT_ABORT_PATH in gen.control_paths())
+            assert eventually(lambda: CONTEXT_ARTIFACT_ABORT_PATH in ctx.control_paths())
+        ctx.release_streams()

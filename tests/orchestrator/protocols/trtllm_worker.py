@@ -14,7 +14,7 @@ by the shared strict models (``frontend.trtllm_lifecycle``; 400 ``{"error": ...}
 conflict, 404 with v1 off, as trtllm-serve answers), refuses a cross-side request without an identity (and a v0
 worker one with), grants by ``consumer_grant_id`` (a replay returns the same grant), and records every control
 call in ``calls``. Scripted faults: refused grants, a grant whose answer is lost (made, then 503) or held, refused
-renewals, a GEN stream held after its first piece, a CTX echo that changes a field.
+renewals, a CTX answer held, a GEN stream held after its first piece, a CTX echo that changes a field.
 """
 
 from __future__ import annotations
@@ -74,6 +74,7 @@ class TrtllmWorker:
     hold_grant_answers: int = 0  # make this many grants, then hold each answer until ``release_streams``
     refuse_renewals: bool = False  # answer renewals accepted: false, REVOKED
     corrupt_echo: bool = False  # CTX echoes a different prefill_artifact_id
+    hold_context: bool = False  # CTX holds its answer until ``release_streams``
     hold_streams: bool = False  # GEN's stream stops after its first piece until ``release`` is set
     release_early_s: float = 0.0  # GEN finishes (releases its grant) this long before its answer's rest arrives
     calls: list[tuple[str, dict[str, Any]]] = field(default_factory=list)  # every control call: (path, body)
@@ -269,6 +270,8 @@ class TrtllmWorker:
         if self.role == "ctx":
             if body.stream:
                 return self._refuse("a context_only request must not stream")
+            if self.hold_context:
+                await self._held()
             return JSONResponse(self._context_answer(path, body.model_dump(exclude_unset=True), params))
         if params.schedule_style == 1:
             # Generation first: no CTX answer exists yet; GEN finds its CTX by endpoint and request id.
