@@ -20,7 +20,6 @@ the shared models in ``frontend.trtllm_lifecycle``.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -262,14 +261,22 @@ class LifecycleClient:
         if attempt.settled:
             return
         attempt.settled = True
-        if attempt.renewal is not None:
-            attempt.renewal.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await attempt.renewal
-        if ok:
-            return
-        # Shielded: a client that left cancels the request's task, and the clean-up must still reach the workers.
-        await asyncio.shield(self._abort_all(attempt, reason))
+        renewal = attempt.renewal
+        if renewal is not None:
+            renewal.cancel()
+        try:
+            if not ok:
+                # First, and shielded: a client that left cancels the request's task, and the clean-up must still
+                # reach the workers whatever became of the renewal.
+                await asyncio.shield(self._abort_all(attempt, reason))
+        finally:
+            if renewal is not None:
+                # ``wait``, not ``await renewal``: the renewal's own end is not ours to raise, while a cancellation
+                # of the caller still ends the caller.
+                await asyncio.wait([renewal])
+                if not renewal.cancelled() and (failure := renewal.exception()) is not None:
+                    logger.error("the renewal of the generation grant on %s failed", attempt.gen and attempt.gen.url,
+                                 exc_info=failure)
 
     async def _abort_all(self, attempt: Attempt, reason: str) -> None:
         calls = []

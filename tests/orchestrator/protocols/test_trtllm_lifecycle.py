@@ -9,9 +9,10 @@ TensorRT-LLM's models when a field is dropped or renamed.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import socket
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -20,6 +21,8 @@ import orjson
 import pytest
 from pydantic import BaseModel, ValidationError
 
+from frontend.config import TrtllmConfig
+from frontend.metrics import Metrics
 from frontend.trtllm_lifecycle import (
     CONTEXT_ARTIFACT_ABORT_PATH,
     GENERATION_GRANT_ABORT_PATH,
@@ -31,11 +34,14 @@ from frontend.trtllm_lifecycle import (
     GenerationGrantRenewRequest,
     GenerationGrantRequest,
 )
+from orchestrator.member import PoolMember
+from orchestrator.protocols.trtllm_lifecycle import Attempt, LifecycleClient, read_server_info
+from orchestrator.transport import WorkerTimeouts, make_transport
 from tests.cluster import Node, sample, start_orchestrator
 from tests.orchestrator.protocols.test_trtllm import MESSAGES
 from tests.orchestrator.protocols.trtllm_worker import FIRST, MODEL, REST, TrtllmWorker
 from tests.servers import running
-from tests.waiting import eventually
+from tests.waiting import eventually, eventually_async
 
 EVENTS = "disagg_trtllm_lifecycle_events_total"
 
@@ -244,6 +250,62 @@ def test_a_client_gone_mid_stream_aborts_the_grant_and_the_artifact() -> None:
         gen.release_streams()
     (_, grant), (_, abort) = gen.calls
     assert identity(abort) == identity(grant) and gen.grants[grant["consumer_grant_id"]] == "REVOKED"
+
+
+@contextlib.asynccontextmanager
+async def _admitted(ctx: TrtllmWorker, gen: TrtllmWorker) -> AsyncIterator[tuple[LifecycleClient, Attempt]]:
+    """A real grant on ``gen`` for an attempt whose CTX request was sent, both workers over HTTP."""
+    with running(ctx.app()) as ctx_url, running(gen.app()) as gen_url:
+        members = [PoolMember(make_transport(url, WorkerTimeouts())) for url in (ctx_url, gen_url)]
+        try:
+            for member in members:
+                await read_server_info(member)
+            client = LifecycleClient(TrtllmConfig(), Metrics())
+            attempt = client.begin(members[0], 7)
+            assert await client.admit(attempt, members[1])
+            attempt.ctx_sent = True
+            yield client, attempt
+        finally:
+            for member in members:
+                await member.transport.aclose()
+
+
+async def test_settle_aborts_both_even_when_the_renewal_died_of_an_unexpected_error() -> None:
+    ctx, gen = v1("ctx"), v1("gen")
+    async with _admitted(ctx, gen) as (client, attempt):
+        async def broken() -> None:
+            raise RuntimeError("a bug in the renewal")
+
+        attempt.renewal = asyncio.get_running_loop().create_task(broken())
+        await asyncio.sleep(0)
+        await client.settle(attempt, ok=False, reason="test")
+    assert gen.control_paths() == [GENERATION_GRANT_PATH, GENERATION_GRANT_ABORT_PATH]
+    assert ctx.control_paths() == [CONTEXT_ARTIFACT_ABORT_PATH]
+
+
+async def test_settle_aborts_both_and_keeps_the_callers_own_cancellation() -> None:
+    ctx, gen = v1("ctx"), v1("gen")
+    async with _admitted(ctx, gen) as (client, attempt):
+        ending, end = asyncio.Event(), asyncio.Event()
+
+        async def slow_to_stop() -> None:  # a renewal whose POST takes a while to give up
+            try:
+                await asyncio.sleep(60)
+            except asyncio.CancelledError:
+                ending.set()
+                await end.wait()
+                raise
+
+        attempt.renewal = asyncio.get_running_loop().create_task(slow_to_stop())
+        await asyncio.sleep(0)
+        settling = asyncio.get_running_loop().create_task(client.settle(attempt, ok=False, reason="test"))
+        await ending.wait()
+        assert await eventually_async(lambda: CONTEXT_ARTIFACT_ABORT_PATH in ctx.control_paths())
+        settling.cancel()  # the client leaves while settle waits on the renewal
+        end.set()
+        await asyncio.wait([settling])
+        assert settling.cancelled()
+    assert gen.control_paths() == [GENERATION_GRANT_PATH, GENERATION_GRANT_ABORT_PATH]
 
 
 # -- CTX fails ----------------------------------------------------------------------------------------------------
