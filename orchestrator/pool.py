@@ -150,9 +150,12 @@ class WorkerPool:
             reply = await worker.transport.get("/health", self.timeouts.health_s)
             ok = reply.status_code == 200
             if ok and worker.facts is None:
-                worker.facts, worker.protocol = await self._describe(worker)
-                if worker.protocol == "trtllm":
-                    await read_server_info(worker)
+                facts, worker.protocol = await self._describe(worker)
+                # A trtllm-serve worker whose /server_info could not be read is not taken for a v0 one (a v1
+                # worker refuses v0 requests): its facts stay unset, it is not healthy yet, the next check retries.
+                ok = worker.protocol != "trtllm" or await read_server_info(worker)
+                if ok:
+                    worker.facts = facts
         except UpstreamError:
             ok = False
         was_healthy = worker.healthy

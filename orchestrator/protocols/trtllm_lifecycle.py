@@ -60,17 +60,25 @@ from orchestrator.transport import OpenStream, Reply
 
 logger = logging.getLogger(__name__)
 
-async def read_server_info(member: PoolMember, timeout_s: float = 5.0) -> None:
+async def read_server_info(member: PoolMember, timeout_s: float = 5.0) -> bool:
     """``member``'s ``disaggregated_params`` from its ``GET /server_info`` (``member.disagg_info``: where a
     generation-first GEN finds its CTX) and its lifecycle v1 advertisement (``member.lifecycle``; None for a v0
-    worker: one that advertises none or a v0 one, or does not answer, is spoken to in v0)."""
+    worker: one that advertises none or a v0 one, or has no such route, is spoken to in v0). False, with
+    nothing set, where the read failed (no answer, a timeout, a 5xx, a body that is not JSON): it is read again
+    later, never taken for a v0 worker."""
     try:
         reply = await member.transport.get(SERVER_INFO_PATH, timeout_s)
-        info = orjson.loads(reply.content)["disaggregated_params"] if reply.status_code == 200 else None
-    except (UpstreamError, orjson.JSONDecodeError, KeyError, TypeError):
-        info = None
-    member.disagg_info = info if isinstance(info, dict) else None
+        if reply.status_code >= 500:
+            raise UpstreamError(f"status {reply.status_code}")
+        info = orjson.loads(reply.content) if reply.status_code == 200 else {}
+    except (UpstreamError, TimeoutError, orjson.JSONDecodeError) as exc:
+        logger.warning("worker %s: GET %s failed (%s); read again at the next health check", member.url,
+                       SERVER_INFO_PATH, exc)
+        return False
+    params = info.get("disaggregated_params") if isinstance(info, dict) else None
+    member.disagg_info = params if isinstance(params, dict) else None
     member.lifecycle = _advertisement(member, member.disagg_info or {})
+    return True
 
 
 def _advertisement(member: PoolMember, info: dict[str, Any]) -> TransceiverLifecycleAdvertisement | None:

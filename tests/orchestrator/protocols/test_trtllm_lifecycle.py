@@ -112,6 +112,20 @@ def test_workers_that_do_not_advertise_v1_are_spoken_to_in_v0() -> None:
     assert ctx.refused == [] and gen.refused == []
 
 
+@pytest.mark.parametrize("role", ["ctx", "gen"])
+def test_a_server_info_that_failed_is_read_again_not_taken_for_v0(role: str) -> None:
+    """A failed ``GET /server_info`` leaves the worker undescribed (not healthy yet): the next health check reads it
+    again, and the pair is spoken to in v1, never in v0 because of one failed read."""
+    ctx, gen = v1("ctx", fail_server_info=int(role == "ctx")), v1("gen", fail_server_info=int(role == "gen"))
+    with fleet([ctx], [gen], health_check_interval_s=0.1) as (client, node):
+        flow = node.app.state.flow
+        assert eventually(lambda: all(w.healthy and w.lifecycle is not None
+                                      for pool in (flow.ctx_pool, flow.gen_pool) for w in pool.workers))
+        assert chat(client, False) == FIRST + REST
+        assert events(node, "grant_accepted") == 1
+    assert ctx.refused == [] and gen.refused == []
+
+
 def test_a_v1_ctx_without_a_v1_gen_fails_cleanly() -> None:
     """A v1 worker refuses a v0 request, and a v0 one refuses v1's fields (TensorRT-LLM has no per-request
     downgrade: a fleet is set up consistently): the request fails, and CTX's artifact is aborted."""

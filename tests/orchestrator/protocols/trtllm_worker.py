@@ -74,6 +74,7 @@ class TrtllmWorker:
     hold_grant_answers: int = 0  # make this many grants, then hold each answer until ``release_streams``
     refuse_renewals: bool = False  # answer renewals accepted: false, REVOKED
     corrupt_echo: bool = False  # CTX echoes a different prefill_artifact_id
+    fail_server_info: int = 0  # answer this many GET /server_info 503 (a worker still starting, say)
     hold_context: bool = False  # CTX holds its answer until ``release_streams``
     hold_streams: bool = False  # GEN's stream stops after its first piece until ``release`` is set
     release_early_s: float = 0.0  # GEN finishes (releases its grant) this long before its answer's rest arrives
@@ -132,6 +133,9 @@ class TrtllmWorker:
         return [path for path, _ in self.calls]
 
     async def _server_info(self, _: Request) -> Response:
+        if self.fail_server_info > 0:
+            self.fail_server_info -= 1
+            return JSONResponse({"detail": "not ready"}, status_code=503)
         params: dict[str, Any] = {"ctx_dp_rank": 0, "ctx_info_endpoint": ["tcp://context:9000"]}
         if self.advertisement is not None:
             params["context_transceiver_lifecycle"] = self.advertisement
