@@ -363,6 +363,8 @@ class DisaggFlow:
         v1 = self._ctx_speaks_v1(ctx)
         if v1 and (ctx.lifecycle is None or "GENERATION_FIRST" not in ctx.lifecycle.capabilities):
             return None  # a v1 CTX that cannot take part in generation first
+        if v1 and not any(w.routable and _generation_first_capable(w) for w in self.gen_pool.workers):
+            return None  # no v1 GEN that can: the pair stays context-first
         key = replace(request.key, only=None, prefill_tokens={})
         request_id = new_request_id()
         attempt = request.lifecycle = (self.lifecycle.begin(ctx, request_id, ScheduleStyle.GENERATION_FIRST)
@@ -372,7 +374,7 @@ class DisaggFlow:
         lost = asyncio.get_running_loop().create_future()
         try:
             if attempt is not None:
-                gen = await self._admit_gen(attempt, key)
+                gen = await self._admit_gen(attempt, key, generation_first=True)
                 self.lifecycle.start_renewal(attempt, partial(_resolve, lost))
             else:
                 gen = self.gen_pool.pick(key, [w for w in self.gen_pool.workers if w.protocol != "trtllm"])
@@ -427,9 +429,11 @@ class DisaggFlow:
                 await self.lifecycle.settle(attempt, ok=False, reason=reason)
             raise
 
-    async def _admit_gen(self, attempt: Attempt, key: RoutingKey) -> PoolMember:
-        """The GEN that granted ``attempt``: the router's choice among v1 GEN workers, or one other if it refused."""
-        excluded = [w for w in self.gen_pool.workers if not _speaks_v1(w)]
+    async def _admit_gen(self, attempt: Attempt, key: RoutingKey, generation_first: bool = False) -> PoolMember:
+        """The GEN that granted ``attempt``: the router's choice among v1 GEN workers (for generation first, those
+        that advertise GENERATION_FIRST), or one other if it refused."""
+        capable = _generation_first_capable if generation_first else _speaks_v1
+        excluded = [w for w in self.gen_pool.workers if not capable(w)]
         tried: list[PoolMember] = []
         for _ in range(2):
             try:
@@ -497,6 +501,10 @@ class DisaggFlow:
 
 def _speaks_v1(worker: PoolMember) -> bool:
     return worker.protocol == "trtllm" and worker.lifecycle is not None
+
+
+def _generation_first_capable(worker: PoolMember) -> bool:
+    return _speaks_v1(worker) and worker.lifecycle is not None and "GENERATION_FIRST" in worker.lifecycle.capabilities
 
 
 class _CtxFinished(Exception):

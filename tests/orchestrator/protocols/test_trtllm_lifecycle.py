@@ -408,11 +408,23 @@ def test_generation_first_sends_gen_first_and_ctx_after(stream: bool, lifecycle:
         assert gen.calls == [] and "consumer_grant_id" not in sent_gen
 
 
-def test_generation_first_with_a_gen_that_cannot_is_refused_before_ctx_is_sent() -> None:
+def test_generation_first_with_a_gen_that_cannot_stays_context_first() -> None:
+    """A v1 GEN without GENERATION_FIRST is never chosen for generation first; with no other, context first."""
     ctx, gen = v1("ctx"), v1("gen", generation_first=False)
-    with fleet([ctx], [gen], **GEN_FIRST) as (client, _), pytest.raises(openai.APIStatusError) as failed:
-        chat(client, False)
-    assert failed.value.status_code == 502 and ctx.bodies == [] and ctx.calls == [] and gen.bodies == []
+    with fleet([ctx], [gen], **GEN_FIRST) as (client, _):
+        assert chat(client, False) == FIRST + REST
+    assert ctx.refused == [] and gen.refused == [] and ctx.calls == []
+    assert params(ctx.bodies[0])["schedule_style"] == 0 and "generation_endpoint_name" not in params(ctx.bodies[0])
+    assert gen.control_paths() == [GENERATION_GRANT_PATH] and gen.calls[0][1]["schedule_style"] == 0
+
+
+def test_generation_first_passes_over_a_gen_that_cannot() -> None:
+    ctx, unable, able = v1("ctx"), v1("gen", generation_first=False), v1("gen")
+    with fleet([ctx], [unable, able], **GEN_FIRST) as (client, _):
+        for _ in range(2):  # round robin: one of the two starts at the GEN that cannot
+            assert chat(client, False) == FIRST + REST
+    assert unable.calls == [] and unable.bodies == [] and len(able.bodies) == 2
+    assert all(params(raw)["schedule_style"] == 1 for raw in ctx.bodies)
 
 
 def test_generation_first_where_ctx_finishes_alone_drops_gen_and_its_grant() -> None:
