@@ -108,10 +108,10 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--lifecycle-protocol-version", type=int, choices=(0, 1), default=None,
                         help="TensorRT-LLM's disaggregated lifecycle protocol this worker answers (1: generation "
                              "grants, artifact abort; default: TRTLLM_DISAGG_LIFECYCLE_PROTOCOL_VERSION, else 0)")
-    worker.add_argument("--generation-grant-ttl-s", type=float, default=None,
+    worker.add_argument("--generation-grant-ttl-s", type=_seconds, default=None,
                         help="lifecycle v1: how long a generation grant lives unrenewed (default "
                              "TRTLLM_DISAGG_GEN_GRANT_TTL_S, else 600)")
-    worker.add_argument("--artifact-ttl-s", type=float, default=None,
+    worker.add_argument("--artifact-ttl-s", type=_seconds, default=None,
                         help="lifecycle v1: how long CTX keeps an attempt's KV that no one aborted (default "
                              "TRTLLM_DISAGG_ARTIFACT_TTL_S, else 60)")
     _add_front_end_arguments(worker)

@@ -67,7 +67,7 @@ from frontend.trtllm_lifecycle import (
 
 logger = logging.getLogger(__name__)
 
-Role = Literal["context", "generation", "both"]
+Role = Literal["context", "generation", "both"]  # a worker's role (workers.serving uses this one)
 
 GRANT_EXPIRED = "generation intent grant expired"
 ARTIFACT_EXPIRED = "context artifact expired"

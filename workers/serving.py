@@ -11,7 +11,7 @@ import asyncio
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 from uuid import UUID
 
 import pybase64
@@ -48,6 +48,7 @@ from workers.engines.outputs import FinishReason, TokenLogprob
 from workers.engines.request import GenerationRequest, Phase
 from workers.generation_first import HandoffBoard, pull_handoff
 from workers.lifecycle import LifecycleControl, LifecycleSettings, check_request
+from workers.lifecycle import Role as Role  # defined once, where the lifecycle checks need it; imported from here
 from workers.prefix_holdings import PrefixHoldings
 from workers.prompt_logprobs import echo_logprob_infos, token_logprob_info, vllm_prompt_logprobs
 from workers.request_builder import (
@@ -70,7 +71,6 @@ from workers.trtllm_answers import (
 
 logger = logging.getLogger(__name__)
 
-Role = Literal["context", "generation", "both"]
 _ID_PREFIX = {"chat": "chatcmpl-", "completions": "cmpl-", "responses": "resp_"}
 
 
