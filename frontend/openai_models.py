@@ -24,7 +24,8 @@ from frontend.openai_parameters import (
     refuse_unsupported,
 )
 from frontend.responses_items import ResponsesInput, chat_turns
-from frontend.trtllm_lifecycle import TransceiverLifecycleAdvertisement, validate_identity_fields
+from frontend.trtllm_identity import validate_identity_fields
+from frontend.trtllm_lifecycle import TransceiverLifecycleAdvertisement
 
 __all__ = ["UNSUPPORTED_PARAMETERS", "refuse_unsupported_parameters"]
 

@@ -39,6 +39,7 @@ import httpx
 
 from frontend.errors import InvalidRequestError, OverloadedError
 from frontend.openai_models import DisaggregatedParams
+from frontend.trtllm_identity import IDENTITY_FIELDS, has_identity
 from frontend.trtllm_lifecycle import (
     ARTIFACT_TTL_ENV,
     CONTEXT_ARTIFACT_ABORT_PATH,
@@ -46,7 +47,6 @@ from frontend.trtllm_lifecycle import (
     DEFAULT_GRANT_TTL_S,
     GENERATION_SAFE,
     GRANT_TTL_ENV,
-    IDENTITY_FIELDS,
     PROTOCOL_V1_REQUIRED_CAPABILITIES,
     ArtifactState,
     ContextArtifactAbortRequest,
@@ -59,7 +59,6 @@ from frontend.trtllm_lifecycle import (
     LifecycleNegotiationError,
     ScheduleStyle,
     TransceiverLifecycleAdvertisement,
-    has_identity,
     make_advertisement,
     negotiate,
     protocol_version_from_env,

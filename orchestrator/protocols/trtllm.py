@@ -26,7 +26,7 @@ from typing import Any
 import orjson
 
 from frontend.errors import UnsupportedParameterError, UpstreamError
-from frontend.trtllm_lifecycle import LIFECYCLE_FIELDS
+from frontend.trtllm_identity import LIFECYCLE_FIELDS
 from orchestrator.b64_splice import encode_with_b64, parse_with_b64_span
 from orchestrator.client_body import encode
 from orchestrator.conversation import body_conversation_id

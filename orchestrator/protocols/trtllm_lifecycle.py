@@ -32,13 +32,12 @@ from pydantic import BaseModel
 from frontend.config import TrtllmConfig
 from frontend.errors import UpstreamError
 from frontend.metrics import Metrics
+from frontend.trtllm_identity import GENERATION_ENDPOINT_FIELDS, IDENTITY_FIELDS, new_identity
 from frontend.trtllm_lifecycle import (
     CONTEXT_ARTIFACT_ABORT_PATH,
-    GENERATION_ENDPOINT_FIELDS,
     GENERATION_GRANT_ABORT_PATH,
     GENERATION_GRANT_PATH,
     GENERATION_GRANT_RENEW_PATH,
-    IDENTITY_FIELDS,
     SERVER_INFO_PATH,
     ContextArtifactAbortRequest,
     GenerationGrantAbortRequest,
@@ -51,7 +50,6 @@ from frontend.trtllm_lifecycle import (
     ScheduleStyle,
     TransceiverLifecycleAdvertisement,
     negotiate,
-    new_identity,
     validate_generation_safe_advertisement,
 )
 from orchestrator.client_body import encode

@@ -22,7 +22,6 @@ from frontend.trtllm_lifecycle import (
     TransceiverLifecycleAdvertisement,
     negotiate,
     protocol_version_from_env,
-    validate_identity_fields,
 )
 from tests import trtllm_wire
 
@@ -108,24 +107,6 @@ def test_renaming_a_field_fails(name: str, field: str) -> None:
     renamed = {(k + "_x" if k == field else k): v for k, v in body.items()}
     with pytest.raises(ValidationError):
         model.model_validate(renamed)
-
-
-@pytest.mark.parametrize(("change", "message"), [
-    ({"prefill_artifact_id": "6F9619FF-8B86-D011-B42D-00C04FC964FF"}, "canonical non-nil UUID"),
-    ({"consumer_grant_id": "00000000-0000-0000-0000-000000000000"}, "canonical non-nil UUID"),
-    ({"logical_request_id": -1}, "non-negative integer"),
-    ({"artifact_version": True}, "non-negative integer"),
-    ({"transfer_session_id": None}, "must be provided together; missing: transfer_session_id"),
-])
-def test_identity_validation_has_tensorrt_llms_messages(change: dict[str, Any], message: str) -> None:
-    with pytest.raises(ValueError, match=message):
-        validate_identity_fields({**identity(), **change})
-
-
-def test_identity_uuids_must_be_distinct() -> None:
-    same = uid()
-    with pytest.raises(ValueError, match="must be distinct"):
-        validate_identity_fields({**identity(), "prefill_artifact_id": same, "consumer_grant_id": same})
 
 
 @pytest.mark.parametrize(("change", "message"), [

@@ -34,14 +34,13 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from frontend.trtllm_identity import IDENTITY_FIELDS, LIFECYCLE_FIELDS, has_identity
 from frontend.trtllm_lifecycle import (
     CONTEXT_ARTIFACT_ABORT_PATH,
     CONTROL_UNAVAILABLE,
     GENERATION_GRANT_ABORT_PATH,
     GENERATION_GRANT_PATH,
     GENERATION_GRANT_RENEW_PATH,
-    IDENTITY_FIELDS,
-    LIFECYCLE_FIELDS,
     PROTOCOL_V1_REQUIRED_CAPABILITIES,
     ContextArtifactAbortRequest,
     GenerationGrantAbortRequest,
@@ -50,7 +49,6 @@ from frontend.trtllm_lifecycle import (
     GenerationGrantRequest,
     LifecycleNegotiationError,
     ObligationResponse,
-    has_identity,
     make_advertisement,
     negotiate,
 )
