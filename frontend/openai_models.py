@@ -1,21 +1,20 @@
-"""OpenAI request wire models (chat, completions, responses) plus the disaggregation extensions.
+"""OpenAI request wire models (chat, completions, responses), with the disaggregation extensions
+(``frontend.disaggregated_params``) and a chat's messages (``frontend.chat_messages``) that they take.
 
-Pydantic lives only here, at the wire. Unknown fields are refused (``extra="forbid"``) so that a misspelt or
+Pydantic lives only here, at the wire. Unknown fields are refused (``frontend.wire_model``) so that a misspelt or
 unsupported parameter is a clear 400 instead of being silently ignored; parameters that OpenAI defines but this
 server does not implement are listed in ``frontend.openai_parameters``: a null or otherwise neutral value of one is
 accepted and dropped, any other is refused with a message that says so.
-
-Chat messages take every field the official SDK can put in one (``model_dump()`` of a reply included): an
-assistant's ``tool_calls`` and ``function_call`` and a tool message's ``tool_call_id`` are rendered into the chat
-template; ``refusal``, ``annotations`` and ``reasoning_content`` are read as history and ``audio`` must be null.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, model_validator
+from pydantic import ConfigDict, Field, StrictBool, StrictInt, model_validator
 
+from frontend.chat_messages import ChatMessage
+from frontend.disaggregated_params import ConversationParams, DisaggregatedParams
 from frontend.errors import InvalidRequestError, UnsupportedParameterError
 from frontend.openai_parameters import (
     UNSUPPORTED_PARAMETERS,
@@ -24,186 +23,13 @@ from frontend.openai_parameters import (
     refuse_unsupported,
 )
 from frontend.responses_items import ResponsesInput, chat_turns
-from frontend.trtllm_identity import validate_identity_fields
-from frontend.trtllm_lifecycle import TransceiverLifecycleAdvertisement
+from frontend.wire_model import WireModel
 
 __all__ = ["UNSUPPORTED_PARAMETERS", "refuse_unsupported_parameters"]
 
 # A 64-bit signed integer, as OpenAI and vLLM take it.
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 MAX_N = 128  # OpenAI's own limit on n
-
-
-class WireModel(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-# context_and_generation is TensorRT-LLM's name for an ordinary aggregated request.
-RequestType = Literal["context_only", "generation_only", "context_and_generation"]
-
-
-class FirstTokenLogprob(WireModel):
-    """The logprob of a token CTX chose, so GEN can report it (an extension beside ``first_gen_tokens``)."""
-
-    token_id: StrictInt
-    logprob: float
-    top: list[tuple[StrictInt, float]] = []
-
-
-class MoreSequenceStart(WireModel):
-    """The first token(s) CTX chose for one more sequence of an n > 1 request (``first_gen_tokens`` is sequence
-    0's): an extension, absent when n is 1."""
-
-    first_gen_tokens: Annotated[list[StrictInt], Field(min_length=1)]
-    first_gen_logprobs: list[FirstTokenLogprob] | None = None
-
-
-class DisaggregatedParams(WireModel):
-    """The hand-off fields between the orchestrator, CTX and GEN: every field of TensorRT-LLM's
-    ``DisaggregatedParams`` (docs/interop.md), plus this project's own (``first_gen_logprobs``, ``prompt_len``,
-    ``more_sequences``, ``cached_tokens``), which a disagg-serve orchestrator announces with ``native_extensions``
-    (a CTX answers with them only then, and echoes the flag to GEN)."""
-
-    request_type: RequestType
-    disagg_request_id: int | None = None
-    ctx_request_id: str | int | None = None
-    first_gen_tokens: list[StrictInt] | None = None
-    first_gen_logprobs: list[FirstTokenLogprob] | None = None
-    encoded_opaque_state: str | None = None
-    prompt_len: Annotated[int, Field(ge=1)] | None = None
-    return_prompt_token_ids_b64: bool = False
-    more_sequences: list[MoreSequenceStart] | None = None  # sequences 1..n-1, by index
-    cached_tokens: Annotated[int, Field(ge=0)] | None = None  # prompt tokens CTX reused from its KV blocks
-    native_extensions: bool = False
-    # TensorRT-LLM's fields that mean nothing to this engine are accepted and left unread: draft tokens are a
-    # speculative hint, the rank / endpoint / usage / thinking fields describe TensorRT-LLM's own engines.
-    first_gen_log_probs: list[Any] | None = None  # written and read as [[token_id, logprob, [[id, logprob]..]]..]
-    first_gen_logits: list[Any] | None = None
-    draft_tokens: list[StrictInt] | None = None
-    ctx_dp_rank: int | None = None
-    ctx_info_endpoint: str | list[str] | None = None
-    schedule_style: int | None = None
-    conversation_id: str | None = None
-    ctx_usage: dict[str, Any] | None = None
-    resolved_thinking: bool | None = None
-    # TensorRT-LLM's lifecycle protocol v1 (frontend/trtllm_lifecycle.py): the attempt identity, the admitted GEN
-    # endpoint, CTX's control endpoint and advertisement. Checked as TensorRT-LLM checks them; what a worker makes
-    # of them depends on its protocol version (workers/lifecycle.py).
-    logical_request_id: StrictInt | None = None
-    prefill_artifact_id: str | None = None
-    artifact_version: StrictInt | None = None
-    handoff_attempt_uuid: str | None = None
-    consumer_grant_id: str | None = None
-    transfer_session_id: str | None = None
-    generation_endpoint_name: str | None = None
-    generation_endpoint_rank: StrictInt | None = None
-    generation_endpoint_incarnation: str | None = None
-    context_control_endpoint: str | None = None
-    context_transceiver_lifecycle: TransceiverLifecycleAdvertisement | None = None
-
-    @model_validator(mode="after")
-    def _lifecycle_identity(self) -> DisaggregatedParams:
-        if self.schedule_style not in (None, 0, 1):
-            raise UnsupportedParameterError("schedule_style is 0 (context first) or 1 (generation first)",
-                                            param="disaggregated_params.schedule_style")
-        validate_identity_fields(self.__dict__)
-        return self
-
-
-class ConversationParams(WireModel):
-    """TensorRT-LLM's ``conversation_params``: the conversation a request belongs to (routing affinity only; a
-    worker reads nothing else from it)."""
-
-    conversation_id: Annotated[str, Field(min_length=1)]
-
-    @model_validator(mode="before")
-    @classmethod
-    def _stripped(cls, value: Any) -> Any:
-        if isinstance(value, dict):
-            cid = value.get("conversation_id")
-            if cid is None or (isinstance(cid, str) and not cid.strip()):
-                raise ValueError("conversation_id must be non-empty")
-            if isinstance(cid, str):
-                value = {**value, "conversation_id": cid.strip()}
-        return value
-
-
-class TextContentPart(WireModel):
-    type: Literal["text", "input_text", "output_text"]
-    text: str
-
-
-class ImageContentPart(WireModel):
-    type: Literal["image_url", "input_image"]
-    image_url: Any = None
-
-
-class AudioContentPart(WireModel):
-    type: Literal["input_audio"]
-    input_audio: Any = None
-
-
-class FileContentPart(WireModel):
-    type: Literal["file"]
-    file: Any = None
-
-
-class RefusalContentPart(WireModel):
-    """An assistant turn's refusal, as the SDK writes it back into the history."""
-
-    type: Literal["refusal"]
-    refusal: str
-
-
-ContentPart = Annotated[
-    TextContentPart | ImageContentPart | AudioContentPart | FileContentPart | RefusalContentPart,
-    Field(discriminator="type"),
-]
-_TEXT_PARTS = (TextContentPart, RefusalContentPart)
-
-
-class FunctionCall(WireModel):
-    name: str
-    arguments: str
-
-
-class ToolCall(WireModel):
-    id: str | None = None
-    type: Literal["function"] = "function"
-    function: FunctionCall
-
-
-class ChatMessage(WireModel):
-    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
-    content: str | list[ContentPart] | None = None
-    name: str | None = None
-    # Assistant history, as ``reply.choices[0].message.model_dump()`` gives it back.
-    refusal: str | None = None
-    tool_calls: list[ToolCall] | None = None
-    function_call: FunctionCall | None = None
-    audio: dict[str, Any] | None = None  # a reference to generated audio: only null can be honoured
-    annotations: list[Any] | None = None  # citations of the answer: output only, nothing to render
-    reasoning_content: str | None = None  # vLLM's reasoning field: earlier reasoning is not fed back
-    reasoning: str | None = None
-    # A tool's answer.
-    tool_call_id: str | None = None
-
-    @property
-    def has_media(self) -> bool:
-        return isinstance(self.content, list) and any(not isinstance(p, _TEXT_PARTS) for p in self.content)
-
-    def text(self) -> str:
-        if self.content is None:
-            return self.refusal or ""
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(p.text if isinstance(p, TextContentPart) else p.refusal
-                       for p in self.content if isinstance(p, _TEXT_PARTS))
-
-    def calls(self) -> list[FunctionCall]:
-        """The function calls this (assistant) message made, the deprecated ``function_call`` included."""
-        calls = [call.function for call in self.tool_calls or ()]
-        return [*calls, self.function_call] if self.function_call is not None else calls
 
 
 class JsonSchemaFormat(WireModel):

@@ -37,8 +37,8 @@ from uuid import UUID
 
 import httpx
 
+from frontend.disaggregated_params import DisaggregatedParams
 from frontend.errors import InvalidRequestError, OverloadedError
-from frontend.openai_models import DisaggregatedParams
 from frontend.trtllm_identity import IDENTITY_FIELDS, has_identity
 from frontend.trtllm_lifecycle import (
     ARTIFACT_TTL_ENV,

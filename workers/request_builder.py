@@ -20,18 +20,11 @@ from dataclasses import dataclass
 import orjson
 import pybase64
 
+from frontend.chat_messages import ChatMessage, FunctionCall
+from frontend.disaggregated_params import DisaggregatedParams, FirstTokenLogprob
 from frontend.errors import ContextLengthError, HandoffError, InvalidRequestError, UnsupportedParameterError
 from frontend.guardrail import GenEngineFacts, PromptFacts, is_harmony, metadata_only_decision
-from frontend.openai_models import (
-    ChatCompletionRequest,
-    ChatMessage,
-    CompletionRequest,
-    DisaggregatedParams,
-    FirstTokenLogprob,
-    FunctionCall,
-    GenerationWireRequest,
-    ResponsesRequest,
-)
+from frontend.openai_models import ChatCompletionRequest, CompletionRequest, GenerationWireRequest, ResponsesRequest
 from frontend.openai_output import Endpoint
 from frontend.sampling import SamplingParams, sampling_from_request
 from frontend.structured_output import OutputConstraint, tools_in_prompt

@@ -16,6 +16,7 @@ from uuid import UUID
 
 import pybase64
 
+from frontend.disaggregated_params import DisaggregatedParams
 from frontend.errors import (
     EngineError,
     InvalidRequestError,
@@ -26,11 +27,7 @@ from frontend.errors import (
 )
 from frontend.http import DEFAULT_MAX_BODY_BYTES_READING, validate_wire
 from frontend.metrics import Metrics
-from frontend.openai_models import (
-    DisaggregatedParams,
-    GenerationWireRequest,
-    refuse_unsupported_parameters,
-)
+from frontend.openai_models import GenerationWireRequest, refuse_unsupported_parameters
 from frontend.openai_output import (
     ChoiceOutput,
     ResponseIdentity,

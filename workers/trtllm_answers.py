@@ -19,8 +19,8 @@ import uuid
 from collections.abc import AsyncGenerator
 from typing import Any
 
+from frontend.disaggregated_params import DisaggregatedParams
 from frontend.errors import HandoffError
-from frontend.openai_models import DisaggregatedParams
 from frontend.token_codec import encode_prompt_tokens
 from frontend.trtllm_identity import LIFECYCLE_FIELDS, has_identity
 from workers.engines.base import Tokenizer

@@ -9,7 +9,6 @@ from frontend.http import validate_wire
 from frontend.openai_models import (
     UNSUPPORTED_PARAMETERS,
     ChatCompletionRequest,
-    ChatMessage,
     CompletionRequest,
     ResponsesRequest,
     refuse_unsupported_parameters,
@@ -107,22 +106,3 @@ def test_responses_input_becomes_chat_messages() -> None:
     })
     messages = wire.chat_messages()
     assert [(m.role, m.text()) for m in messages] == [("system", "Be terse."), ("user", "ab")]
-
-
-def test_media_detection() -> None:
-    text_only = ChatMessage(role="user", content=[{"type": "text", "text": "x"}])  # type: ignore[list-item]
-    image = ChatMessage(role="user", content=[{"type": "image_url", "image_url": {"url": "u"}}])  # type: ignore[list-item]
-    assert text_only.has_media is False
-    assert image.has_media is True
-    assert image.text() == ""
-    assert ChatMessage(role="assistant").text() == ""
-
-
-def test_disaggregated_params_are_validated() -> None:
-    with pytest.raises(InvalidRequestError) as caught:
-        validate_wire(ChatCompletionRequest, {**CHAT, "disaggregated_params": {"request_type": "both"}})
-    assert caught.value.param == "disaggregated_params.request_type"
-    with pytest.raises(InvalidRequestError) as bad_len:
-        validate_wire(ChatCompletionRequest, {**CHAT, "disaggregated_params": {"request_type": "generation_only",
-                                                                                "prompt_len": 0}})
-    assert bad_len.value.param == "disaggregated_params.prompt_len"

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from pydantic import BaseModel, ValidationError
 
-from frontend.openai_models import DisaggregatedParams
+from frontend.disaggregated_params import DisaggregatedParams
 from frontend.trtllm_lifecycle import (
     PROTOCOL_V1_REQUIRED_CAPABILITIES,
     ContextArtifactAbortRequest,

@@ -6,16 +6,11 @@ import numpy as np
 import pybase64
 import pytest
 
+from frontend.chat_messages import ChatMessage
+from frontend.disaggregated_params import DisaggregatedParams
 from frontend.errors import ContextLengthError, HandoffError, InvalidRequestError, UnsupportedParameterError
 from frontend.http import validate_wire
-from frontend.openai_models import (
-    ChatCompletionRequest,
-    ChatMessage,
-    CompletionRequest,
-    DisaggregatedParams,
-    GenerationWireRequest,
-    ResponsesRequest,
-)
+from frontend.openai_models import ChatCompletionRequest, CompletionRequest, GenerationWireRequest, ResponsesRequest
 from frontend.sampling import SamplingParams
 from frontend.token_codec import encode_prompt_tokens
 from workers.engines.outputs import EngineInfo

@@ -22,8 +22,8 @@ import msgspec
 import orjson
 import pytest
 
+from frontend.disaggregated_params import DisaggregatedParams
 from frontend.errors import InvalidRequestError, OverloadedError
-from frontend.openai_models import DisaggregatedParams
 from frontend.trtllm_lifecycle import (
     CONTEXT_ARTIFACT_ABORT_PATH,
     GENERATION_GRANT_ABORT_PATH,
