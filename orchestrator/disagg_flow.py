@@ -6,57 +6,52 @@ and sends those very bytes to GEN as a chunk of GEN's body (``b64_splice``). Sho
 remainder is that short on a GEN worker that holds the rest (a conversation's next turn, where GEN decoded the
 last one: conditional disaggregation on what is cached, not on the prompt's length). How each step is written on
 the wire is the ``WorkerProtocol``'s business; which worker, and what happens when one fails, is the ``RetryPolicy``'s.
+
+Around the flow, each in its own module: which GEN worker holds most of a prompt (``conditional_disagg``), one call
+to a worker (``worker_call``), GEN under TensorRT-LLM's lifecycle v1 grant (``generation_grant``) and its
+generation-first schedule (``generation_first``).
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
-from functools import partial
-from typing import Any, TypeVar
+from typing import Any
 
 import orjson
 
 from frontend import tracing
 from frontend.config import OrchestratorConfig
-from frontend.errors import RelayedError, UpstreamError, UpstreamUnavailableError
+from frontend.errors import RelayedError, UpstreamError
 from frontend.guardrail import FallbackReason, decide_for_reading
 from frontend.metrics import LabelledChildren, Metrics
 from frontend.openai_output import Endpoint, replay_as_stream
-from frontend.prefix_chain import CHAIN_HEADER, MAX_LINKS
-from frontend.trtllm_lifecycle import ScheduleStyle
+from frontend.prefix_chain import CHAIN_HEADER
 from orchestrator import flow_tracing
 from orchestrator.admission import Admission
 from orchestrator.client_body import encode
+from orchestrator.conditional_disagg import gen_holding_prefix
 from orchestrator.flow_request import Answer, FlowRequest, StreamedAnswer, WholeAnswer
+from orchestrator.generation_first import run_generation_first
+from orchestrator.generation_grant import run_generation_step_v1, speaks_v1
 from orchestrator.handoff_release import HandoffReleaser
 from orchestrator.member import PoolMember
-from orchestrator.metric_labels import (
-    CTX_STEP,
-    GEN_POOL_NAME,
-    GEN_STEP,
-    HANDOFF_LOST,
-    ON_CTX,
-    ON_GEN_CACHED,
-    ON_GEN_SHORT,
-)
+from orchestrator.metric_labels import CTX_STEP, GEN_STEP, HANDOFF_LOST, ON_CTX, ON_GEN_CACHED, ON_GEN_SHORT
 from orchestrator.pool import WorkerPool
 from orchestrator.protocols.registry import DEFAULT_PROTOCOL, build_protocols
 from orchestrator.protocols.trtllm import TrtllmProtocol, new_request_id
-from orchestrator.protocols.trtllm_lifecycle import Attempt, LifecycleClient, SettledStream
+from orchestrator.protocols.trtllm_lifecycle import LifecycleClient
 from orchestrator.relay import RelayedStream
 from orchestrator.retry import Attempted, RetryPolicy
-from orchestrator.routers import CacheAwareRouter, RoutingKey, matched_tokens, routing_key
+from orchestrator.routers import CacheAwareRouter, RoutingKey, routing_key
 from orchestrator.transport import Body, OpenStream, Reply
+from orchestrator.worker_call import count_as_held, post
 from orchestrator.worker_protocol import ContextAnswer, PromptCarriage, WorkerProtocol
 
 logger = logging.getLogger(__name__)
 
-T = TypeVar("T")
 GenAnswer = Reply | OpenStream  # a whole answer, or a 200 stream whose body is still to come
 
 
@@ -116,7 +111,7 @@ class DisaggFlow:
             self.prefill_placement(ON_GEN_SHORT).inc()
             return await self.run_on_gen_alone(request)
         if threshold:
-            holder = self._gen_holding_prefix(request.key, threshold)
+            holder = gen_holding_prefix(self.gen_pool, request.key, threshold)
             if holder is not None:
                 try:
                     answer = await self.run_on_gen_alone(request, holder, self.retry_once)
@@ -129,7 +124,7 @@ class DisaggFlow:
                     return answer
         self.prefill_placement(ON_CTX).inc()
         if self.config.trtllm.schedule_style == "generation_first" and self.fixed_protocol is None:
-            first = await self.run_generation_first(request)
+            first = await run_generation_first(self, request)
             if first is not None:
                 return first
         ctx = await self.run_context_step(request)
@@ -140,34 +135,12 @@ class DisaggFlow:
             return self.answer_from_context(request, ctx)
         try:
             if request.lifecycle is not None:
-                return await self.run_generation_step_v1(request, ctx, request.lifecycle)
+                return await run_generation_step_v1(self, request, ctx, request.lifecycle)
             return await self.run_generation_step(request, ctx)
         except BaseException:
             # GEN refused the request, no GEN could take it, or the client left: free CTX's parked KV now.
             self.releaser.release(request.ctx, request.ctx_worker, request.headers)
             raise
-
-    def _gen_holding_prefix(self, key: RoutingKey, threshold: int) -> RoutingKey | None:
-        """A key that sends the request to the GEN worker holding all but fewer than ``threshold`` of its prompt
-        tokens, by that worker's own KV events (a guess from what was sent there is not enough to prefill a long
-        prompt on GEN); None if no GEN worker does."""
-        index = self.gen_pool.index
-        best, best_matched = None, 0
-        for worker in self.gen_pool.workers:
-            if worker.healthy and index.publishes(worker.url):
-                matched = matched_tokens(index, worker, key, events_only=True)
-                if matched > best_matched or (matched == best_matched and best is not None
-                                              and worker.inflight < best.inflight):
-                    best, best_matched = worker, matched
-        # A prompt's tail shorter than its link is never named, so a follow-up's held part ends up to one link
-        # before the previous prompt's end: allowed for, up to 512 B (a long prompt's tail, up to 32 KiB, is
-        # not: that many tokens are more than the threshold means to let GEN prefill).
-        tail = min(512, key.chain.link_bytes(min(len(key.chain.links), MAX_LINKS - 1)))
-        allowance = key.prompt_tokens * tail // key.chain.total_bytes if key.chain.total_bytes else 0
-        uncached = key.prompt_tokens - best_matched
-        if best is None or not best_matched or uncached - allowance >= threshold:
-            return None
-        return replace(key, only=best.url, prefill_tokens={best.url: max(1, uncached)})
 
     # -- step 1: CTX --------------------------------------------------------------------------------------
     async def run_context_step(self, request: FlowRequest) -> ContextAnswer:
@@ -210,17 +183,17 @@ class DisaggFlow:
                 raise
         return request.ctx
 
-    def _ctx_speaks_v1(self, ctx: PoolMember) -> bool:
+    def ctx_speaks_v1(self, ctx: PoolMember) -> bool:
         """Lifecycle v1 for a CTX that advertises it (a v1 worker refuses a v0 request); its GEN is then one that
         advertises v1 too. TensorRT-LLM has no per-request downgrade: a fleet is set up consistently."""
         return (self.config.trtllm.lifecycle_protocol == "auto" and self.fixed_protocol is None
-                and _speaks_v1(ctx))
+                and speaks_v1(ctx))
 
     async def _ctx_attempt(self, request: FlowRequest, member: PoolMember, body_for: Callable[[PoolMember], Body],
                            return_tokens: bool) -> Reply:
-        if not self._ctx_speaks_v1(member):
+        if not self.ctx_speaks_v1(member):
             request.lifecycle = None
-            return await _post(self.ctx_pool, member, request, body_for(member), request.key)
+            return await post(self.ctx_pool, member, request, body_for(member), request.key)
         # A new attempt, a new identity: a v1 body is never sent twice (TensorRT-LLM refuses to retry one).
         request_id = new_request_id()
         attempt = request.lifecycle = self.lifecycle.begin(member, request_id)
@@ -229,7 +202,7 @@ class DisaggFlow:
                                            lifecycle=attempt.ctx_params())
         attempt.ctx_sent = True
         try:
-            reply = await _post(self.ctx_pool, member, request, body, request.key)
+            reply = await post(self.ctx_pool, member, request, body, request.key)
         except BaseException:
             await self.lifecycle.settle(attempt, ok=False, reason="context-first coordinator request failed")
             raise
@@ -300,7 +273,7 @@ class DisaggFlow:
                 key.prefill_tokens.update((w.url, 0) for w in self.gen_pool.workers)
                 done = await self._call_gen(request, key, body_for, avoid=failed)
                 if not self._handoff_lost(request, done):
-                    return self._gen_answer(request, done, key)
+                    return self.gen_answer(request, done, key)
                 if request.ctx_redone:
                     # Lost twice: failing GEN workers, not the client's request. Once only, so a flapping GEN
                     # pool cannot make CTX prefill forever.
@@ -314,138 +287,6 @@ class DisaggFlow:
             if fallback is not None:
                 self.metrics.metadata_only_fallback.labels(reason=fallback.value).inc()
 
-    async def run_generation_step_v1(self, request: FlowRequest, ctx: ContextAnswer, attempt: Attempt) -> Answer:
-        """GEN under lifecycle v1: a grant on the chosen GEN first (one other GEN if it refuses, then an error),
-        renewed while the request lives; GEN's request is sent once, never retried; any failure, the client's
-        leaving included, aborts the grant and CTX's artifact."""
-        key = replace(request.key, only=None, prefill_tokens={})
-        key.prefill_tokens.update((w.url, 0) for w in self.gen_pool.workers)
-        reason = "context-first coordinator request failed"
-        try:
-            gen = await self._admit_gen(attempt, key)
-            carriage, fallback = self.prompt_carriage(request, ctx, gen)
-            if fallback is not None:
-                self.metrics.metadata_only_fallback.labels(reason=fallback.value).inc()
-            body = self.trtllm.generation_request(request.body, ctx, carriage, conversation_id=request.conversation_id,
-                                                  generation_endpoint=attempt.endpoint)
-            request.gen_worker = gen.url
-            lost = asyncio.get_running_loop().create_future()
-            if not request.streaming:
-                self.lifecycle.start_renewal(attempt, partial(_resolve, lost))
-                reply = await _until_lost(_post(self.gen_pool, gen, request, body, key), lost)
-                if reply.status_code != 200:
-                    raise RelayedError(reply.status_code, reply.content)
-                await self.lifecycle.settle(attempt, ok=True, reason="")
-                return WholeAnswer(reply.content)
-            _count_as_held(self.gen_pool, gen, key)
-            started = time.perf_counter()
-            self.lifecycle.start_renewal(attempt, partial(_resolve, lost))
-            opened = await _until_lost(gen.transport.open_stream(request.path, body, request.headers), lost)
-            if opened.status_code != 200:
-                raise RelayedError(opened.status_code, await opened.read())
-            self.gen_first_byte(gen.url).observe(time.perf_counter() - started)
-            reason = "generation stream was abandoned"
-            stream = SettledStream(opened, lambda ok: self.lifecycle.settle(attempt, ok=ok, reason=reason), lost)
-            return self._gen_answer(request, Attempted(stream, gen, 1, ()), key)
-        except BaseException:
-            await self.lifecycle.settle(attempt, ok=False, reason=reason)
-            raise
-
-    # -- generation first: GEN admitted and sent first, CTX right after ------------------------------------
-    async def run_generation_first(self, request: FlowRequest) -> Answer | None:
-        """TensorRT-LLM's generation-first schedule for a trtllm-serve pair, None where it does not apply (the
-        request then goes context-first): GEN gets its request (after its grant under v1) before CTX, so that its
-        admission and KV reservation hide behind the prefill. The two legs are bound to each other: neither is
-        retried on another worker."""
-        ctx = self.ctx_pool.pick(request.key)
-        if ctx.protocol != "trtllm":
-            return None
-        v1 = self._ctx_speaks_v1(ctx)
-        if v1 and (ctx.lifecycle is None or "GENERATION_FIRST" not in ctx.lifecycle.capabilities):
-            return None  # a v1 CTX that cannot take part in generation first
-        if v1 and not any(w.routable and _generation_first_capable(w) for w in self.gen_pool.workers):
-            return None  # no v1 GEN that can: the pair stays context-first
-        key = replace(request.key, only=None, prefill_tokens={})
-        request_id = new_request_id()
-        attempt = request.lifecycle = (self.lifecycle.begin(ctx, request_id, ScheduleStyle.GENERATION_FIRST)
-                                       if v1 else None)
-        reason = "generation-first coordinator request failed"
-        tasks: list[asyncio.Future[Any]] = []
-        lost = asyncio.get_running_loop().create_future()
-        try:
-            if attempt is not None:
-                gen = await self._admit_gen(attempt, key, generation_first=True)
-                self.lifecycle.start_renewal(attempt, partial(_resolve, lost))
-            else:
-                gen = self.gen_pool.pick(key, [w for w in self.gen_pool.workers if w.protocol != "trtllm"])
-            request.ctx_worker, request.gen_worker = ctx.url, gen.url
-            ctx_body, gen_body = self.trtllm.generation_first_requests(
-                request.body, disagg_request_id=request_id, conversation_id=request.conversation_id,
-                ctx_info=ctx.disagg_info, lifecycle=attempt.ctx_params() if attempt is not None else None)
-            started = time.perf_counter()
-            gen_call = (gen.transport.open_stream(request.path, gen_body, request.headers) if request.streaming
-                        else _post(self.gen_pool, gen, request, gen_body, key))
-            tasks.append(asyncio.ensure_future(gen_call))
-            await asyncio.sleep(0)  # GEN's request goes out first (TensorRT-LLM yields once here too)
-            if attempt is not None:
-                attempt.ctx_sent = True
-            tasks.append(asyncio.ensure_future(_post(self.ctx_pool, ctx, request, ctx_body, request.key)))
-            ctx_reply = await _ctx_unless_gen_fails(tasks[0], tasks[1], lost)
-            self.ctx_latency(ctx.url).observe(time.perf_counter() - started)
-            if ctx_reply.status_code != 200:
-                raise RelayedError(ctx_reply.status_code, ctx_reply.content)
-            answer = request.ctx = self.trtllm.read_context_answer(ctx_reply.content)
-            if attempt is not None:
-                self.lifecycle.verify_echo(attempt, request_id, answer.handoff)
-            if answer.finished:  # CTX finished the request alone: GEN's is dropped
-                self.metrics.ctx_finished.inc()
-                reason = "context finished the request"
-                raise _CtxFinished(self.answer_from_context(request, answer))
-            gen_answer = await _until_lost(tasks[0], lost)
-            if isinstance(gen_answer, Reply):
-                if gen_answer.status_code != 200:
-                    raise RelayedError(gen_answer.status_code, gen_answer.content)
-                if attempt is not None:
-                    await self.lifecycle.settle(attempt, ok=True, reason="")
-                return WholeAnswer(gen_answer.content)
-            if gen_answer.status_code != 200:
-                raise RelayedError(gen_answer.status_code, await gen_answer.read())
-            self.gen_first_byte(gen.url).observe(time.perf_counter() - started)
-            stream: OpenStream = gen_answer
-            if attempt is not None:
-                reason = "generation stream was abandoned"
-                stream = SettledStream(gen_answer, lambda ok: self.lifecycle.settle(attempt, ok=ok, reason=reason),
-                                       lost)
-            return self._gen_answer(request, Attempted(stream, gen, 1, ()), key)
-        except _CtxFinished as finished:
-            await _drop(tasks[0])
-            if attempt is not None:
-                await self.lifecycle.settle(attempt, ok=False, reason=reason)
-            return finished.answer
-        except BaseException:
-            for task in tasks:
-                await _drop(task)
-            if attempt is not None:
-                await self.lifecycle.settle(attempt, ok=False, reason=reason)
-            raise
-
-    async def _admit_gen(self, attempt: Attempt, key: RoutingKey, generation_first: bool = False) -> PoolMember:
-        """The GEN that granted ``attempt``: the router's choice among v1 GEN workers (for generation first, those
-        that advertise GENERATION_FIRST), or one other if it refused."""
-        capable = _generation_first_capable if generation_first else _speaks_v1
-        excluded = [w for w in self.gen_pool.workers if not capable(w)]
-        tried: list[PoolMember] = []
-        for _ in range(2):
-            try:
-                gen = self.gen_pool.pick(key, [*excluded, *tried])
-            except UpstreamUnavailableError:
-                break
-            tried.append(gen)
-            if await self.lifecycle.admit(attempt, gen):
-                return gen
-        raise UpstreamError("the GEN step failed: no GEN worker granted the request "
-                            f"(tried {', '.join(w.url for w in tried) or 'none'})")
-
     async def run_on_gen_alone(self, request: FlowRequest, key: RoutingKey | None = None,
                                retry: RetryPolicy | None = None) -> Answer:
         """Conditional disaggregation: a short prompt, or a short uncached remainder on the GEN worker ``key``
@@ -453,7 +294,7 @@ class DisaggFlow:
         body = encode(request.body)
         key = key or request.key
         done = await self._call_gen(request, key, lambda _: body, retry=retry)
-        return self._gen_answer(request, done, key)
+        return self.gen_answer(request, done, key)
 
     async def _call_gen(self, request: FlowRequest, key: RoutingKey, body_for: Callable[[PoolMember], Body],
                         avoid: tuple[PoolMember, ...] = (), retry: RetryPolicy | None = None
@@ -461,11 +302,11 @@ class DisaggFlow:
         """GEN's answer: whole, or (streaming) opened, moving to another GEN on a failure before the first byte."""
         async def whole(gen: PoolMember) -> GenAnswer:
             request.gen_worker = gen.url
-            return await _post(self.gen_pool, gen, request, body_for(gen), key)
+            return await post(self.gen_pool, gen, request, body_for(gen), key)
 
         async def streamed(gen: PoolMember) -> GenAnswer:
             request.gen_worker = gen.url
-            _count_as_held(self.gen_pool, gen, key)
+            count_as_held(self.gen_pool, gen, key)
             stream = await gen.transport.open_stream(request.path, body_for(gen), request.headers)
             if stream.status_code == 200:
                 return stream
@@ -486,7 +327,7 @@ class DisaggFlow:
         return (isinstance(done.answer, Reply) and (done.attempts >= 2 or request.ctx_redone)
                 and self.protocol_of(done.member).handoff_lost(done.answer))
 
-    def _gen_answer(self, request: FlowRequest, done: Attempted[GenAnswer], key: RoutingKey) -> Answer:
+    def gen_answer(self, request: FlowRequest, done: Attempted[GenAnswer], key: RoutingKey) -> Answer:
         answer = done.answer
         if isinstance(answer, Reply):
             if answer.status_code != 200:
@@ -497,87 +338,6 @@ class DisaggFlow:
         if request.span is None:  # nothing reads the pieces on the way: they may be pushed
             return StreamedAnswer(relayed.frames(), answer.aclose, pushed=relayed)
         return StreamedAnswer(tracing.traced_frames("stream", request.span, relayed.frames()), answer.aclose)
-
-
-def _speaks_v1(worker: PoolMember) -> bool:
-    return worker.protocol == "trtllm" and worker.lifecycle is not None
-
-
-def _generation_first_capable(worker: PoolMember) -> bool:
-    return _speaks_v1(worker) and worker.lifecycle is not None and "GENERATION_FIRST" in worker.lifecycle.capabilities
-
-
-class _CtxFinished(Exception):
-    def __init__(self, answer: Answer) -> None:
-        self.answer = answer
-
-
-async def _drop(task: asyncio.Future[Any]) -> None:
-    """A leg no longer wanted: cancelled, or its opened stream closed."""
-    if not task.done():
-        task.cancel()
-    # ``wait``, not ``await task``: the leg's own failure or cancellation is not ours to raise, while a cancellation
-    # of the caller (its client left) still ends the caller.
-    await asyncio.wait([task])
-    if task.cancelled() or task.exception() is not None:
-        return
-    result = task.result()
-    if hasattr(result, "aclose"):
-        with contextlib.suppress(Exception):  # closing a stream nobody reads: a failure there changes nothing
-            await result.aclose()
-
-
-def _resolve(future: asyncio.Future[None]) -> None:
-    if not future.done():
-        future.set_result(None)
-
-
-async def _until_lost(call: Awaitable[T], lost: asyncio.Future[None]) -> T:
-    """``call``'s result, unless the grant is lost first (its renewal failed): then the call is dropped."""
-    task = asyncio.ensure_future(call)
-    try:
-        await asyncio.wait((task, lost), return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        if not task.done():
-            task.cancel()
-    if not task.done() or task.cancelled():
-        raise UpstreamError("the GEN step failed: the generation grant could not be renewed")
-    return task.result()
-
-
-async def _ctx_unless_gen_fails(gen: asyncio.Future[GenAnswer], ctx: asyncio.Future[Reply],
-                                lost: asyncio.Future[None]) -> Reply:
-    """Generation first: CTX's answer, unless GEN's leg fails first (refused, an error answer, a broken
-    connection: its error ends the request now, not once CTX has prefilled) or the grant is lost."""
-    pending: set[asyncio.Future[Any]] = {gen, ctx, lost}
-    while True:
-        await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-        if ctx.done():
-            return ctx.result()
-        if lost.done():
-            raise UpstreamError("the GEN step failed: the generation grant could not be renewed")
-        if gen.done() and gen in pending:
-            pending.discard(gen)
-            answer = gen.result()  # GEN's own failure, raised
-            if answer.status_code != 200:
-                raise RelayedError(answer.status_code,
-                                   answer.content if isinstance(answer, Reply) else await answer.read())
-
-
-def _count_as_held(pool: WorkerPool, member: PoolMember, key: RoutingKey) -> None:
-    """Until its events say so, ``member`` counts as holding the prompt it is sent. Not a GEN worker that
-    publishes no events: whether it keeps a handed-off prompt is its engine's business, and a wrong guess would
-    make it prefill a long prompt by itself."""
-    if not key.chain.links or (member.facts is not None and not member.facts.kv_block_reuse):
-        return  # a worker that says it reuses no KV holds nothing for anyone
-    if pool.name != GEN_POOL_NAME or pool.index.publishes(member.url):
-        pool.index.note_sent(member.url, key.chain)
-
-
-async def _post(pool: WorkerPool, member: PoolMember, request: FlowRequest, body: Body, key: RoutingKey) -> Reply:
-    _count_as_held(pool, member, key)
-    with member.carrying(key.prompt_tokens, key.prefill_at(member.url)):
-        return await member.transport.post(request.path, body, request.headers)
 
 
 async def _iterate(frames: list[bytes]) -> AsyncIterator[bytes]:

@@ -1,0 +1,142 @@
+"""TensorRT-LLM's generation-first schedule (``trtllm.schedule_style: generation_first``) for a trtllm-serve pair,
+v0 or lifecycle v1: ``run_generation_first``, and how its two legs are waited on and dropped (a GEN that fails
+first ends the request with its error; a CTX that finishes the request alone drops GEN's leg)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from dataclasses import replace
+from functools import partial
+from typing import TYPE_CHECKING, Any
+
+from frontend.errors import RelayedError, UpstreamError
+from frontend.trtllm_lifecycle import ScheduleStyle
+from orchestrator.flow_request import Answer, FlowRequest, WholeAnswer
+from orchestrator.generation_grant import admit_gen, generation_first_capable, resolve, until_lost
+from orchestrator.protocols.trtllm import new_request_id
+from orchestrator.protocols.trtllm_lifecycle import SettledStream
+from orchestrator.retry import Attempted
+from orchestrator.transport import OpenStream, Reply
+from orchestrator.worker_call import post
+
+if TYPE_CHECKING:
+    from orchestrator.disagg_flow import DisaggFlow, GenAnswer
+
+
+async def run_generation_first(flow: DisaggFlow, request: FlowRequest) -> Answer | None:
+    """TensorRT-LLM's generation-first schedule for a trtllm-serve pair, None where it does not apply (the
+    request then goes context-first): GEN gets its request (after its grant under v1) before CTX, so that its
+    admission and KV reservation hide behind the prefill. The two legs are bound to each other: neither is
+    retried on another worker."""
+    ctx = flow.ctx_pool.pick(request.key)
+    if ctx.protocol != "trtllm":
+        return None
+    v1 = flow.ctx_speaks_v1(ctx)
+    if v1 and (ctx.lifecycle is None or "GENERATION_FIRST" not in ctx.lifecycle.capabilities):
+        return None  # a v1 CTX that cannot take part in generation first
+    if v1 and not any(w.routable and generation_first_capable(w) for w in flow.gen_pool.workers):
+        return None  # no v1 GEN that can: the pair stays context-first
+    key = replace(request.key, only=None, prefill_tokens={})
+    request_id = new_request_id()
+    attempt = request.lifecycle = (flow.lifecycle.begin(ctx, request_id, ScheduleStyle.GENERATION_FIRST)
+                                   if v1 else None)
+    reason = "generation-first coordinator request failed"
+    tasks: list[asyncio.Future[Any]] = []
+    lost = asyncio.get_running_loop().create_future()
+    try:
+        if attempt is not None:
+            gen = await admit_gen(flow.gen_pool, flow.lifecycle, attempt, key, generation_first=True)
+            flow.lifecycle.start_renewal(attempt, partial(resolve, lost))
+        else:
+            gen = flow.gen_pool.pick(key, [w for w in flow.gen_pool.workers if w.protocol != "trtllm"])
+        request.ctx_worker, request.gen_worker = ctx.url, gen.url
+        ctx_body, gen_body = flow.trtllm.generation_first_requests(
+            request.body, disagg_request_id=request_id, conversation_id=request.conversation_id,
+            ctx_info=ctx.disagg_info, lifecycle=attempt.ctx_params() if attempt is not None else None)
+        started = time.perf_counter()
+        gen_call = (gen.transport.open_stream(request.path, gen_body, request.headers) if request.streaming
+                    else post(flow.gen_pool, gen, request, gen_body, key))
+        tasks.append(asyncio.ensure_future(gen_call))
+        await asyncio.sleep(0)  # GEN's request goes out first (TensorRT-LLM yields once here too)
+        if attempt is not None:
+            attempt.ctx_sent = True
+        tasks.append(asyncio.ensure_future(post(flow.ctx_pool, ctx, request, ctx_body, request.key)))
+        ctx_reply = await _ctx_unless_gen_fails(tasks[0], tasks[1], lost)
+        flow.ctx_latency(ctx.url).observe(time.perf_counter() - started)
+        if ctx_reply.status_code != 200:
+            raise RelayedError(ctx_reply.status_code, ctx_reply.content)
+        answer = request.ctx = flow.trtllm.read_context_answer(ctx_reply.content)
+        if attempt is not None:
+            flow.lifecycle.verify_echo(attempt, request_id, answer.handoff)
+        if answer.finished:  # CTX finished the request alone: GEN's is dropped
+            flow.metrics.ctx_finished.inc()
+            reason = "context finished the request"
+            raise _CtxFinished(flow.answer_from_context(request, answer))
+        gen_answer = await until_lost(tasks[0], lost)
+        if isinstance(gen_answer, Reply):
+            if gen_answer.status_code != 200:
+                raise RelayedError(gen_answer.status_code, gen_answer.content)
+            if attempt is not None:
+                await flow.lifecycle.settle(attempt, ok=True, reason="")
+            return WholeAnswer(gen_answer.content)
+        if gen_answer.status_code != 200:
+            raise RelayedError(gen_answer.status_code, await gen_answer.read())
+        flow.gen_first_byte(gen.url).observe(time.perf_counter() - started)
+        stream: OpenStream = gen_answer
+        if attempt is not None:
+            reason = "generation stream was abandoned"
+            stream = SettledStream(gen_answer, lambda ok: flow.lifecycle.settle(attempt, ok=ok, reason=reason),
+                                   lost)
+        return flow.gen_answer(request, Attempted(stream, gen, 1, ()), key)
+    except _CtxFinished as finished:
+        await _drop(tasks[0])
+        if attempt is not None:
+            await flow.lifecycle.settle(attempt, ok=False, reason=reason)
+        return finished.answer
+    except BaseException:
+        for task in tasks:
+            await _drop(task)
+        if attempt is not None:
+            await flow.lifecycle.settle(attempt, ok=False, reason=reason)
+        raise
+
+
+class _CtxFinished(Exception):
+    def __init__(self, answer: Answer) -> None:
+        self.answer = answer
+
+
+async def _drop(task: asyncio.Future[Any]) -> None:
+    """A leg no longer wanted: cancelled, or its opened stream closed."""
+    if not task.done():
+        task.cancel()
+    # ``wait``, not ``await task``: the leg's own failure or cancellation is not ours to raise, while a cancellation
+    # of the caller (its client left) still ends the caller.
+    await asyncio.wait([task])
+    if task.cancelled() or task.exception() is not None:
+        return
+    result = task.result()
+    if hasattr(result, "aclose"):
+        with contextlib.suppress(Exception):  # closing a stream nobody reads: a failure there changes nothing
+            await result.aclose()
+
+
+async def _ctx_unless_gen_fails(gen: asyncio.Future[GenAnswer], ctx: asyncio.Future[Reply],
+                                lost: asyncio.Future[None]) -> Reply:
+    """Generation first: CTX's answer, unless GEN's leg fails first (refused, an error answer, a broken
+    connection: its error ends the request now, not once CTX has prefilled) or the grant is lost."""
+    pending: set[asyncio.Future[Any]] = {gen, ctx, lost}
+    while True:
+        await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+        if ctx.done():
+            return ctx.result()
+        if lost.done():
+            raise UpstreamError("the GEN step failed: the generation grant could not be renewed")
+        if gen.done() and gen in pending:
+            pending.discard(gen)
+            answer = gen.result()  # GEN's own failure, raised
+            if answer.status_code != 200:
+                raise RelayedError(answer.status_code,
+                                   answer.content if isinstance(answer, Reply) else await answer.read())
