@@ -31,7 +31,8 @@ import uvloop
 
 from entrypoints import cli
 from entrypoints.arguments import build_parser
-from entrypoints.http_protocol import ClientLimits, guarded_protocol
+from entrypoints.client_limits import ClientLimits
+from entrypoints.http_protocol import guarded_protocol
 from entrypoints.quiet_server import QuietServer
 from frontend.client_timeouts import with_send_timeout
 from frontend.logging_setup import configure_logging

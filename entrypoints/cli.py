@@ -18,7 +18,8 @@ from typing import Any
 import uvicorn
 
 from entrypoints.arguments import build_parser
-from entrypoints.http_protocol import ClientLimits, guarded_protocol
+from entrypoints.client_limits import ClientLimits
+from entrypoints.http_protocol import guarded_protocol
 from entrypoints.quiet_server import QuietServer
 from frontend import tracing
 from frontend.client_timeouts import with_send_timeout

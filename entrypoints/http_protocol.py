@@ -21,6 +21,9 @@ What uvicorn (0.54) leaves unbounded, and this protocol bounds, each cut-off log
 - an HTTP/1.0 client gets no ``100 Continue`` and no chunked encoding (its answer's end is the connection's);
 - trailers of a chunked request body never join the request's headers.
 
+The clocks, and the ways a connection is ended, are the protocol's base class (``entrypoints/client_limits.py``);
+the rules of an answer sent through ASGI are its cycle's (``entrypoints/guarded_cycle.py``).
+
 Given the ``FastPathApp`` it serves, the protocol starts a POST to a fast route on its cycle itself
 (``entrypoints/direct_exchange.py``); a request served through ASGI gets in its scope the ``ABORT_CONNECTION``
 extension that ``frontend/client_timeouts.py`` uses, and the ``CLIENT_GONE`` one through which
@@ -41,32 +44,21 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
-import socket
-import struct
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import httptools
 import uvicorn
 from uvicorn.protocols.http.flow_control import HIGH_WATER_LIMIT
-from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol, RequestResponseCycle
+from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
 
-from entrypoints.direct_exchange import CycleExchange, default_header_lines
+from entrypoints.client_limits import ClientCutoffs, ClientLimits
+from entrypoints.direct_exchange import CycleExchange
+from entrypoints.guarded_cycle import GuardedCycle
 from frontend.asgi_fast_path import CLIENT_GONE, FastPathApp
-from frontend.client_timeouts import (
-    ABORT_CONNECTION,
-    DEFAULT_BODY_TIMEOUT_S,
-    DEFAULT_HEADER_TIMEOUT_S,
-    DEFAULT_MAX_HEAD_BYTES,
-    TIMER_SLACK_S,
-)
-from frontend.errors import HeadTooLargeError, InvalidRequestError, RequestTimeoutError, ServingError, error_body
-from frontend.http import request_id_of
+from frontend.client_timeouts import ABORT_CONNECTION
+from frontend.errors import HeadTooLargeError, InvalidRequestError, ServingError
 from frontend.read_buffers import DeclaredBody, DeclaredBodyReads
-
-logger = logging.getLogger(__name__)
 
 # The uvicorn releases whose protocol and cycle internals this module (and ``direct_exchange``) mirror: each was
 # read, and the suite passed on it. Another release may have renamed a field or stopped calling a hook, which would
@@ -75,12 +67,6 @@ MIRRORED_UVICORN = ("0.54.0",)
 
 # A request body of a declared length up to this is read whole before the app is woken (below).
 WHOLE_BODY_UP_TO = 16 * 1024 * 1024
-# How long a connection closed before its request's body was read keeps reading (and dropping) what the client
-# still sends, so that its close does not reset the connection before the client has read the answer.
-LINGER_S = 5.0
-# ... and only while the client keeps sending: a pause this long means it has nothing more (or has read the answer
-# and stopped), so the close loses nothing.
-LINGER_PAUSE_S = 0.5
 
 
 def check_uvicorn_version(version: str = uvicorn.__version__) -> None:
@@ -93,16 +79,7 @@ def check_uvicorn_version(version: str = uvicorn.__version__) -> None:
             f"pip install 'uvicorn[standard]=={MIRRORED_UVICORN[-1]}'")
 
 
-@dataclass(frozen=True, slots=True)
-class ClientLimits:
-    """What one client may make a front end wait for or hold (docs/reliability.md)."""
-
-    header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S
-    body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
-    max_head_bytes: int = DEFAULT_MAX_HEAD_BYTES
-
-
-def guarded_protocol(limits: ClientLimits = ClientLimits(), app: Any = None,
+def guarded_protocol(limits: ClientLimits = ClientLimits(), app: Any = None,  # noqa: B008 (frozen: shared safely)
                      count_cut: Callable[[str], None] | None = None) -> type[BufferedReads]:
     """A protocol class for uvicorn's ``http=`` (a factory called with uvicorn's options): an ``HttpToolsProtocol``
     holding clients to ``limits``, its socket read by ``BufferedReads``. ``app``: the ``FastPathApp`` served, whose
@@ -159,13 +136,8 @@ class _Refused(Exception):
     """Raised from a parser callback to stop parsing a request the protocol refuses (``_refusal`` says why)."""
 
 
-class _GuardedProtocol(HttpToolsProtocol, DeclaredBodyReads):
-    limits = ClientLimits()
+class _GuardedProtocol(ClientCutoffs, DeclaredBodyReads):
     direct_app: FastPathApp | None = None
-
-    @staticmethod
-    def count_cut(reason: str) -> None:
-        """Counts a connection cut on a limit (``guarded_protocol`` gives the server's metric)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -321,7 +293,7 @@ class _GuardedProtocol(HttpToolsProtocol, DeclaredBodyReads):
         extensions = cycle.scope.setdefault("extensions", {})
         extensions[ABORT_CONNECTION] = {"abort": self.reset}
         extensions[CLIENT_GONE] = {"callbacks": self._client_gone}
-        cycle.__class__ = _GuardedCycle  # its send, for early answers and HTTP/1.0 (no field to initialise)
+        cycle.__class__ = GuardedCycle  # its send, for early answers and HTTP/1.0 (no field to initialise)
         cycle.connection = self  # type: ignore[attr-defined]
         super()._start_asgi_task(cycle, app)
 
@@ -348,39 +320,6 @@ class _GuardedProtocol(HttpToolsProtocol, DeclaredBodyReads):
         if whole is not None and not self.cycle.response_complete:
             self.cycle.body = whole.whole()  # type: ignore[assignment]
         super().on_message_complete()
-
-    # -- keep-alive: one timer per connection, moved on when it fires ------------------------------------------
-    # uvicorn makes a keep-alive timer as each answer completes and cancels it at the next request's first byte:
-    # a timer made and cancelled per request. Here the connection keeps one while it is idle, which finds out when
-    # it fires whether the connection was idle for ``timeout_keep_alive`` since its last answer.
-    def on_response_complete(self) -> None:
-        # uvicorn's, but for the timer.
-        self.server_state.total_requests += 1
-        if self.transport.is_closing() or self._dropping:
-            return
-        self.flow.resume_reading()
-        if self.pipeline:
-            cycle, app = self.pipeline.pop()
-            if cycle.more_body and self._body_due is None:
-                self._start_body_clock(cycle)  # its body is read from now on
-            self._start_asgi_task(cycle, app)
-            return
-        self._idle_since = self.loop.time()
-        if self.timeout_keep_alive_task is None:
-            self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive, self._keep_alive_due)
-
-    def _unset_keepalive_if_required(self) -> None:
-        self._idle_since = None  # bytes came: busy (an armed timer finds it so, and stops)
-
-    def _keep_alive_due(self) -> None:
-        self.timeout_keep_alive_task = None
-        if self._idle_since is None:
-            return  # armed again when the request in progress is answered
-        due = self._idle_since + self.timeout_keep_alive
-        if self.loop.time() < due - TIMER_SLACK_S:
-            self.timeout_keep_alive_task = self.loop.call_at(due, self._keep_alive_due)
-            return
-        self.timeout_keep_alive_handler()
 
     def _replace_parser(self) -> None:
         """A parser made as uvicorn makes its own (its leniency too: it answers the first of pipelined requests
@@ -409,183 +348,3 @@ class _GuardedProtocol(HttpToolsProtocol, DeclaredBodyReads):
     @property
     def client_gone(self) -> set[Callable[[], None]]:
         return self._client_gone
-
-    def reset(self) -> None:
-        """Close with a reset (SO_LINGER 0): a plain close leaves the unsent answer with the kernel, which keeps
-        the connection half-open for as long as the client keeps its window shut. (Only ever for a client that
-        stopped reading an answer.)"""
-        if not self.transport.is_closing():
-            logger.warning("reset the connection of %s: it stopped reading its answer", _peer(self.client))
-            self.count_cut("send_stalled")
-        sock = self.transport.get_extra_info("socket")
-        if sock is not None:
-            with contextlib.suppress(OSError):
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-        self.transport.abort()
-
-    def close_unread(self) -> None:
-        """Close a connection whose client may still be sending a body no one will read. A plain close with
-        unread bytes in the socket resets the connection, and the client may lose the answer it was sent: so our
-        side is shut first (the client reads the answer, then its end), and what still comes is read and dropped
-        until the client closes or pauses for ``LINGER_PAUSE_S``, or for ``LINGER_S`` at most."""
-        transport = self.transport
-        if transport.is_closing() or self._dropping:
-            return
-        self._dropping = True
-        self.declared_body = None
-        self._stop_header_timer()
-        self._stop_body_timer()
-        if not transport.can_write_eof():  # (TLS): no half-close to offer
-            transport.close()
-            return
-        transport.write_eof()
-        now = self.loop.time()
-        self._linger_until, self._dropped_at = now + LINGER_S, now
-        self._linger = self.loop.call_at(now + LINGER_PAUSE_S, self._linger_due)
-
-    def _linger_due(self) -> None:
-        """Close a lingering connection once the client paused ``LINGER_PAUSE_S``, or at ``LINGER_S``."""
-        due = min(self._linger_until, self._dropped_at + LINGER_PAUSE_S)
-        if self.loop.time() < due - TIMER_SLACK_S:
-            self._linger = self.loop.call_at(due, self._linger_due)
-            return
-        self._linger = None
-        self.transport.close()
-
-    # -- refusals and timers ------------------------------------------------------------------------------------
-    def _refuse(self, error: ServingError, reason: str) -> None:
-        """Answer ``error`` to a request the protocol will not parse further, and close."""
-        self.count_cut(reason)
-        logger.warning("refused a request from %s (%s): %s", _peer(self.client), error.status_code, error.message)
-        self._end_with(error, None)
-
-    def _end_with(self, error: ServingError, request_id: str | None) -> None:
-        """Answer ``error`` in place of the request in progress, unless its answer has started; tell its handler,
-        as for a client that left; close."""
-        cycle = self.cycle
-        if self.pipeline:
-            # ``cycle`` waits behind an earlier request whose answer is in progress: an answer now would be read
-            # as that one's. Nothing can be answered in order: the connection is dropped.
-            self.transport.abort()
-            return
-        if cycle is None or cycle.response_complete or not cycle.response_started:
-            self.transport.write(self._error_answer(error, request_id))
-        if cycle is not None and not cycle.response_complete:
-            cycle.response_started = cycle.response_complete = True
-            cycle.disconnected = True  # the handler waiting on the body stops
-            cycle.message_event.set()
-        self.close_unread()
-
-    def _error_answer(self, error: ServingError, request_id: str | None) -> bytes:
-        body = error_body(error)
-        lines = [STATUS_LINE[error.status_code]]
-        lines.append(default_header_lines(self.server_state.default_headers))
-        lines.append(b"content-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n" % len(body))
-        if request_id is not None:
-            lines.append(b"x-request-id: %b\r\n" % request_id.encode())
-        lines += (b"\r\n", body)
-        return b"".join(lines)
-
-    def _start_body_clock(self, cycle: RequestResponseCycle) -> None:
-        """The body must be in within ``body_timeout_s`` of now, and as long again for each MiB it declares past
-        the first (at least 32 KiB/s, so that a long upload that keeps coming is not cut off)."""
-        declared = 0
-        for name, value in cycle.scope["headers"]:
-            if name == b"content-length":
-                declared = int(value) if value.isdigit() else 0
-                break
-        timeout_s = self.limits.body_timeout_s * max(1.0, declared / (1024 * 1024))
-        self._body_due = self.loop.time() + timeout_s
-        if self._body_timer is None:
-            self._body_timer = self.loop.call_at(self._body_due, self._body_timer_fired)
-
-    def _body_timer_fired(self) -> None:
-        self._body_timer = None
-        due = self._body_due
-        if due is None:
-            return  # the body came: armed again for the next one that does not come with its head
-        if self.loop.time() < due - TIMER_SLACK_S:
-            self._body_timer = self.loop.call_at(due, self._body_timer_fired)
-            return
-        self._body_due = None
-        self._body_too_slow()
-
-    def _body_too_slow(self) -> None:
-        """The request's body is not in by its clock's due time. The client gets a 408 (if nothing was answered
-        yet), the handler is told as of a client that left, and the connection closes."""
-        cycle = self.cycle
-        if cycle is None or not cycle.more_body or self.transport.is_closing():
-            return
-        request_id = request_id_of(list(cycle.scope["headers"]))
-        logger.warning("request %s on %s %s from %s: its body did not arrive in time; connection closed",
-                       request_id, cycle.scope["method"], cycle.scope["path"], _peer(self.client))
-        self.count_cut("body_timeout")
-        self._end_with(RequestTimeoutError("the request's body did not arrive in time"), request_id)
-
-    def _stop_body_timer(self) -> None:
-        self._body_due = None
-        if self._body_timer is not None:
-            self._body_timer.cancel()
-            self._body_timer = None
-
-    def _start_header_timer(self) -> None:
-        self._stop_header_timer()
-        self._header_timer = self.loop.call_later(self.limits.header_timeout_s, self._headers_too_slow)
-
-    def _stop_header_timer(self) -> None:
-        if self._header_timer is not None:
-            self._header_timer.cancel()
-            self._header_timer = None
-
-    def _headers_too_slow(self) -> None:
-        self._header_timer = None
-        if not self.transport.is_closing():
-            logger.warning("closed a connection from %s: no complete request headers within %s s",
-                           _peer(self.client), self.limits.header_timeout_s)
-            self.count_cut("head_timeout")
-            self.transport.close()
-
-
-class _GuardedCycle(RequestResponseCycle):
-    """uvicorn's cycle for a request served through ASGI, with ``send`` made to keep two rules: an answer that
-    starts before the request's body is in closes the connection after it (``close_unread``), and an answer to an
-    HTTP/1.0 client of no declared length is its body up to the connection's end, not chunks."""
-
-    connection: _GuardedProtocol
-    unframed = False  # an HTTP/1.0 answer of no declared length: sent as it is, the connection's end its end
-
-    async def send(self, message: Any) -> None:
-        if not self.response_started and message["type"] == "http.response.start":
-            if self.more_body:
-                self.keep_alive = False  # uvicorn writes ``connection: close``, then closes: through close_unread
-                self.transport = _ClosingUnread(self.transport, self.connection)  # type: ignore[assignment]
-            if self.scope["http_version"] == "1.0" and not any(
-                    name.lower() in _FRAMING for name, _ in message.get("headers", ())):
-                self.chunked_encoding = False
-                self.unframed = True
-        elif self.unframed and message["type"] == "http.response.body":
-            self.expected_content_length = len(message.get("body", b""))  # what uvicorn counts down to 0
-        await super().send(message)
-
-
-_FRAMING = (b"content-length", b"transfer-encoding")
-
-
-class _ClosingUnread:
-    """A cycle's transport whose ``close`` is the protocol's ``close_unread``."""
-
-    __slots__ = ("_connection", "_transport")
-
-    def __init__(self, transport: asyncio.Transport, connection: _GuardedProtocol) -> None:
-        self._transport = transport
-        self._connection = connection
-
-    def close(self) -> None:
-        self._connection.close_unread()
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._transport, name)
-
-
-def _peer(client: tuple[str, int] | None) -> str:
-    return f"{client[0]}:{client[1]}" if client else "a client"

@@ -4,10 +4,14 @@ What uvicorn already bounds, and what ``entrypoints/cli.py: _serve`` adds (docs/
 clients"): a client that stops reading is cut off after ``--client-send-timeout-s`` with the server's memory
 bounded by flow control; a client that sends its headers a byte at a time is cut off after ``--header-timeout-s``;
 1,000 idle keep-alive connections do not stop another client from being served.
+
+Then the clocks of ``entrypoints/client_limits.py`` on the guarded protocol alone (a real uvicorn server in a
+thread, raw client sockets): each request's own header clock, and one keep-alive timer per connection.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import socket
 import subprocess
@@ -15,10 +19,16 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
+import uvloop
 
+from entrypoints.client_limits import ClientLimits
+from entrypoints.http_protocol import guarded_protocol
+from tests.entrypoints.test_http_protocol import Recorder, connected, head, read_answer
+from tests.servers import ServerThread
 from tests.waiting import eventually
 
 SEND_TIMEOUT_S = 2.0
@@ -144,3 +154,98 @@ def test_a_thousand_idle_keep_alive_connections_do_not_stop_others(
     finally:
         for sock in idle:
             sock.close()
+
+
+# -- the guarded protocol's clocks ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("event_loop", [asyncio.new_event_loop, uvloop.new_event_loop], ids=["asyncio", "uvloop"])
+def test_the_next_request_on_a_kept_connection_gets_its_own_header_clock(event_loop: Any) -> None:
+    thread = ServerThread(Recorder(), event_loop=event_loop, http=guarded_protocol(ClientLimits(header_timeout_s=0.5)),
+                          lifespan="off")
+    port = int(thread.start().rsplit(":", 1)[1])
+    try:
+        with connected(port) as sock:
+            sock.sendall(head(3) + b"abc")  # a whole head in one read: served, no clock left running
+            assert read_answer(sock) == b"3"
+            sock.sendall(b"P")  # the next request's first byte, and nothing more: its clock runs out
+            assert sock.recv(1) == b""  # closed by the server, without an answer
+    finally:
+        thread.stop()
+
+
+def test_a_websocket_upgrade_on_a_kept_connection_is_not_cut_off_by_the_header_clock() -> None:
+    thread = ServerThread(Recorder(), http=guarded_protocol(ClientLimits(header_timeout_s=0.3)), lifespan="off")
+    port = int(thread.start().rsplit(":", 1)[1])
+    upgrade = (b"GET /ws HTTP/1.1\r\nHost: t\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+               b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n")
+    try:
+        with connected(port) as sock:
+            sock.sendall(head(3) + b"abc")
+            assert read_answer(sock) == b"3"
+            sock.sendall(upgrade)
+            switched = b""
+            while b"\r\n\r\n" not in switched:
+                switched += sock.recv(4096)
+            assert switched.startswith(b"HTTP/1.1 101")
+            # Past the header clock (0.3 s) three times over: a clock started for the upgrade's read would have
+            # closed the connection by now; waiting is the only way to see that something does not happen.
+            time.sleep(1.0)
+            sock.setblocking(False)
+            with pytest.raises(BlockingIOError):
+                sock.recv(1)  # nothing to read, and not closed (a closed socket reads b"")
+    finally:
+        thread.stop()
+
+
+@contextlib.contextmanager
+def kept_connection(timeout_keep_alive_s: float) -> Iterator[socket.socket]:
+    """A connection to a server closing idle keep-alive connections after ``timeout_keep_alive_s``, one request
+    already answered on it (its keep-alive timer is running)."""
+    thread = ServerThread(Recorder(), http=guarded_protocol(), timeout_keep_alive=timeout_keep_alive_s,
+                          lifespan="off")
+    port = int(thread.start().rsplit(":", 1)[1])
+    try:
+        with connected(port) as sock:
+            sock.sendall(head(3) + b"abc")
+            assert read_answer(sock) == b"3"
+            yield sock
+    finally:
+        thread.stop()
+
+
+def read_until(sock: socket.socket, end: bytes, closed: str) -> None:
+    """Read until what came ends with ``end``; a connection closed before that fails the test with ``closed``."""
+    received = b""
+    while not received.endswith(end):
+        chunk = sock.recv(65536)
+        assert chunk, closed
+        received += chunk
+
+
+def test_an_idle_kept_connection_is_closed_once_the_keep_alive_timeout_passes() -> None:
+    with kept_connection(0.3) as sock:
+        assert sock.recv(1) == b""  # closed by the server, idle
+
+
+def test_a_connection_in_use_outlives_the_keep_alive_timeout_of_its_first_answer() -> None:
+    """One keep-alive timer per connection, moved on when it fires: requests that keep coming within the timeout
+    keep the connection however long they go on."""
+    with kept_connection(1.0) as sock:
+        started = time.monotonic()
+        while time.monotonic() - started < 2.5:  # the first answer's timeout two and a half times over
+            sock.sendall(head(3) + b"abc")
+            read_until(sock, b"\r\n\r\n3", f"closed a connection in use, {time.monotonic() - started:.2f} s in")
+            time.sleep(0.02)  # the client's pace: 50 times inside the timeout, so a busy machine's pauses fit
+        assert sock.recv(1) == b""  # then idle: closed
+
+
+def test_a_request_in_progress_longer_than_the_keep_alive_timeout_is_not_cut_off() -> None:
+    """The keep-alive timer armed by the first answer fires while the second request's body is still coming: the
+    connection is busy, not idle, and must not be closed."""
+    with kept_connection(0.3) as sock:
+        sock.sendall(head(6) + b"abc")  # half a body: a request in progress
+        # Past the keep-alive timeout three times over; waiting is the only way to see that it does not fire.
+        time.sleep(1.0)
+        sock.sendall(b"def")
+        read_until(sock, b"\r\n\r\n6", "the server closed a connection with a request in progress")

@@ -9,7 +9,6 @@ import asyncio
 import contextlib
 import socket
 import threading
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -17,7 +16,7 @@ import pytest
 import uvloop
 
 from entrypoints import http_protocol
-from entrypoints.http_protocol import ClientLimits, guarded_protocol
+from entrypoints.http_protocol import guarded_protocol
 from frontend import read_buffers
 from tests.servers import ServerThread
 from tests.waiting import eventually
@@ -236,21 +235,6 @@ def test_a_body_answered_before_it_is_read_is_dropped_and_the_connection_closes_
     assert app.messages == []  # nor did the request after the body reach the app: what followed was dropped
 
 
-@pytest.mark.parametrize("event_loop", [asyncio.new_event_loop, uvloop.new_event_loop], ids=["asyncio", "uvloop"])
-def test_the_next_request_on_a_kept_connection_gets_its_own_header_clock(event_loop: Any) -> None:
-    thread = ServerThread(Recorder(), event_loop=event_loop, http=guarded_protocol(ClientLimits(header_timeout_s=0.5)),
-                          lifespan="off")
-    port = int(thread.start().rsplit(":", 1)[1])
-    try:
-        with connected(port) as sock:
-            sock.sendall(head(3) + b"abc")  # a whole head in one read: served, no clock left running
-            assert read_answer(sock) == b"3"
-            sock.sendall(b"P")  # the next request's first byte, and nothing more: its clock runs out
-            assert sock.recv(1) == b""  # closed by the server, without an answer
-    finally:
-        thread.stop()
-
-
 def test_after_a_long_body_a_pipelined_request_that_closes_is_still_answered(server: tuple[Recorder, int]) -> None:
     # uvicorn's parser is lenient about bytes after a request that says Connection: close (it answers that one);
     # the parser that replaces it after a body read past it must be too.
@@ -262,80 +246,3 @@ def test_after_a_long_body_a_pipelined_request_that_closes_is_still_answered(ser
         sock.sendall(closing + head(3) + b"def")
         assert read_answer(sock) == b"3"
         assert sock.recv(1) == b""  # then closed: the request after it is not served
-
-
-def test_a_websocket_upgrade_on_a_kept_connection_is_not_cut_off_by_the_header_clock() -> None:
-    thread = ServerThread(Recorder(), http=guarded_protocol(ClientLimits(header_timeout_s=0.3)), lifespan="off")
-    port = int(thread.start().rsplit(":", 1)[1])
-    upgrade = (b"GET /ws HTTP/1.1\r\nHost: t\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
-               b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n")
-    try:
-        with connected(port) as sock:
-            sock.sendall(head(3) + b"abc")
-            assert read_answer(sock) == b"3"
-            sock.sendall(upgrade)
-            switched = b""
-            while b"\r\n\r\n" not in switched:
-                switched += sock.recv(4096)
-            assert switched.startswith(b"HTTP/1.1 101")
-            # Past the header clock (0.3 s) three times over: a clock started for the upgrade's read would have
-            # closed the connection by now; waiting is the only way to see that something does not happen.
-            time.sleep(1.0)
-            sock.setblocking(False)
-            with pytest.raises(BlockingIOError):
-                sock.recv(1)  # nothing to read, and not closed (a closed socket reads b"")
-    finally:
-        thread.stop()
-
-
-@contextlib.contextmanager
-def kept_connection(timeout_keep_alive_s: float) -> Iterator[socket.socket]:
-    """A connection to a server closing idle keep-alive connections after ``timeout_keep_alive_s``, one request
-    already answered on it (its keep-alive timer is running)."""
-    thread = ServerThread(Recorder(), http=guarded_protocol(), timeout_keep_alive=timeout_keep_alive_s,
-                          lifespan="off")
-    port = int(thread.start().rsplit(":", 1)[1])
-    try:
-        with connected(port) as sock:
-            sock.sendall(head(3) + b"abc")
-            assert read_answer(sock) == b"3"
-            yield sock
-    finally:
-        thread.stop()
-
-
-def read_until(sock: socket.socket, end: bytes, closed: str) -> None:
-    """Read until what came ends with ``end``; a connection closed before that fails the test with ``closed``."""
-    received = b""
-    while not received.endswith(end):
-        chunk = sock.recv(65536)
-        assert chunk, closed
-        received += chunk
-
-
-def test_an_idle_kept_connection_is_closed_once_the_keep_alive_timeout_passes() -> None:
-    with kept_connection(0.3) as sock:
-        assert sock.recv(1) == b""  # closed by the server, idle
-
-
-def test_a_connection_in_use_outlives_the_keep_alive_timeout_of_its_first_answer() -> None:
-    """One keep-alive timer per connection, moved on when it fires: requests that keep coming within the timeout
-    keep the connection however long they go on."""
-    with kept_connection(1.0) as sock:
-        started = time.monotonic()
-        while time.monotonic() - started < 2.5:  # the first answer's timeout two and a half times over
-            sock.sendall(head(3) + b"abc")
-            read_until(sock, b"\r\n\r\n3", f"closed a connection in use, {time.monotonic() - started:.2f} s in")
-            time.sleep(0.02)  # the client's pace: 50 times inside the timeout, so a busy machine's pauses fit
-        assert sock.recv(1) == b""  # then idle: closed
-
-
-def test_a_request_in_progress_longer_than_the_keep_alive_timeout_is_not_cut_off() -> None:
-    """The keep-alive timer armed by the first answer fires while the second request's body is still coming: the
-    connection is busy, not idle, and must not be closed."""
-    with kept_connection(0.3) as sock:
-        sock.sendall(head(6) + b"abc")  # half a body: a request in progress
-        # Past the keep-alive timeout three times over; waiting is the only way to see that it does not fire.
-        time.sleep(1.0)
-        sock.sendall(b"def")
-        read_until(sock, b"\r\n\r\n6", "the server closed a connection with a request in progress")

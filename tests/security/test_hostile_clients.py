@@ -18,7 +18,8 @@ import httpx
 import pytest
 import uvloop
 
-from entrypoints.http_protocol import ClientLimits, check_uvicorn_version, guarded_protocol
+from entrypoints.client_limits import ClientLimits
+from entrypoints.http_protocol import check_uvicorn_version, guarded_protocol
 from frontend.config import parse_config
 from frontend.metrics import Metrics
 from orchestrator.server import create_orchestrator_app

@@ -1,0 +1,240 @@
+"""What one client may make a front end wait for or hold (``ClientLimits``, docs/reliability.md), and the part of
+the guarded protocol (``entrypoints/http_protocol.py``) that holds it to them: the clocks of a request's head, of
+its body and of an idle kept connection, and the ways a connection is ended: a refusal answered in OpenAI's error
+shape, a reset, a close that first reads and drops what the client still sends. Each cut-off is logged and counted
+(``disagg_http_connections_cut{reason}``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+import struct
+from dataclasses import dataclass
+
+from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol, RequestResponseCycle
+
+from entrypoints.direct_exchange import default_header_lines
+from frontend.client_timeouts import (
+    DEFAULT_BODY_TIMEOUT_S,
+    DEFAULT_HEADER_TIMEOUT_S,
+    DEFAULT_MAX_HEAD_BYTES,
+    TIMER_SLACK_S,
+)
+from frontend.errors import RequestTimeoutError, ServingError, error_body
+from frontend.http import request_id_of
+from frontend.read_buffers import DeclaredBody
+
+# The HTTP layer's logger, as it was before this module was split out of it: what an operator's filters name.
+logger = logging.getLogger("entrypoints.http_protocol")
+
+# How long a connection closed before its request's body was read keeps reading (and dropping) what the client
+# still sends, so that its close does not reset the connection before the client has read the answer.
+LINGER_S = 5.0
+# ... and only while the client keeps sending: a pause this long means it has nothing more (or has read the answer
+# and stopped), so the close loses nothing.
+LINGER_PAUSE_S = 0.5
+
+
+@dataclass(frozen=True, slots=True)
+class ClientLimits:
+    """What one client may make a front end wait for or hold (docs/reliability.md)."""
+
+    header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S
+    body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
+    max_head_bytes: int = DEFAULT_MAX_HEAD_BYTES
+
+
+class ClientCutoffs(HttpToolsProtocol):
+    """The guarded protocol's clocks and ends of a connection (its subclass in ``entrypoints/http_protocol.py`` is
+    the one uvicorn runs, and its ``__init__`` sets the state below: one per connection)."""
+
+    limits = ClientLimits()
+    _header_timer: asyncio.TimerHandle | None
+    _body_timer: asyncio.TimerHandle | None
+    _body_due: float | None
+    _linger: asyncio.TimerHandle | None
+    _linger_until: float
+    _dropped_at: float
+    _dropping: bool
+    _idle_since: float | None
+    declared_body: DeclaredBody | None
+
+    @staticmethod
+    def count_cut(reason: str) -> None:
+        """Counts a connection cut on a limit (``guarded_protocol`` gives the server's metric)."""
+
+    # -- how a connection ends (``reset``, ``close_unread``: what an exchange may do, ``direct_exchange.Connection``)
+    def reset(self) -> None:
+        """Close with a reset (SO_LINGER 0): a plain close leaves the unsent answer with the kernel, which keeps
+        the connection half-open for as long as the client keeps its window shut. (Only ever for a client that
+        stopped reading an answer.)"""
+        if not self.transport.is_closing():
+            logger.warning("reset the connection of %s: it stopped reading its answer", _peer(self.client))
+            self.count_cut("send_stalled")
+        sock = self.transport.get_extra_info("socket")
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        self.transport.abort()
+
+    def close_unread(self) -> None:
+        """Close a connection whose client may still be sending a body no one will read. A plain close with
+        unread bytes in the socket resets the connection, and the client may lose the answer it was sent: so our
+        side is shut first (the client reads the answer, then its end), and what still comes is read and dropped
+        until the client closes or pauses for ``LINGER_PAUSE_S``, or for ``LINGER_S`` at most."""
+        transport = self.transport
+        if transport.is_closing() or self._dropping:
+            return
+        self._dropping = True
+        self.declared_body = None
+        self._stop_header_timer()
+        self._stop_body_timer()
+        if not transport.can_write_eof():  # (TLS): no half-close to offer
+            transport.close()
+            return
+        transport.write_eof()
+        now = self.loop.time()
+        self._linger_until, self._dropped_at = now + LINGER_S, now
+        self._linger = self.loop.call_at(now + LINGER_PAUSE_S, self._linger_due)
+
+    def _linger_due(self) -> None:
+        """Close a lingering connection once the client paused ``LINGER_PAUSE_S``, or at ``LINGER_S``."""
+        due = min(self._linger_until, self._dropped_at + LINGER_PAUSE_S)
+        if self.loop.time() < due - TIMER_SLACK_S:
+            self._linger = self.loop.call_at(due, self._linger_due)
+            return
+        self._linger = None
+        self.transport.close()
+
+    # -- refusals and timers ------------------------------------------------------------------------------------
+    def _refuse(self, error: ServingError, reason: str) -> None:
+        """Answer ``error`` to a request the protocol will not parse further, and close."""
+        self.count_cut(reason)
+        logger.warning("refused a request from %s (%s): %s", _peer(self.client), error.status_code, error.message)
+        self._end_with(error, None)
+
+    def _end_with(self, error: ServingError, request_id: str | None) -> None:
+        """Answer ``error`` in place of the request in progress, unless its answer has started; tell its handler,
+        as for a client that left; close."""
+        cycle = self.cycle
+        if self.pipeline:
+            # ``cycle`` waits behind an earlier request whose answer is in progress: an answer now would be read
+            # as that one's. Nothing can be answered in order: the connection is dropped.
+            self.transport.abort()
+            return
+        if cycle is None or cycle.response_complete or not cycle.response_started:
+            self.transport.write(self._error_answer(error, request_id))
+        if cycle is not None and not cycle.response_complete:
+            cycle.response_started = cycle.response_complete = True
+            cycle.disconnected = True  # the handler waiting on the body stops
+            cycle.message_event.set()
+        self.close_unread()
+
+    def _error_answer(self, error: ServingError, request_id: str | None) -> bytes:
+        body = error_body(error)
+        lines = [STATUS_LINE[error.status_code]]
+        lines.append(default_header_lines(self.server_state.default_headers))
+        lines.append(b"content-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n" % len(body))
+        if request_id is not None:
+            lines.append(b"x-request-id: %b\r\n" % request_id.encode())
+        lines += (b"\r\n", body)
+        return b"".join(lines)
+
+    def _start_body_clock(self, cycle: RequestResponseCycle) -> None:
+        """The body must be in within ``body_timeout_s`` of now, and as long again for each MiB it declares past
+        the first (at least 32 KiB/s, so that a long upload that keeps coming is not cut off)."""
+        declared = 0
+        for name, value in cycle.scope["headers"]:
+            if name == b"content-length":
+                declared = int(value) if value.isdigit() else 0
+                break
+        timeout_s = self.limits.body_timeout_s * max(1.0, declared / (1024 * 1024))
+        self._body_due = self.loop.time() + timeout_s
+        if self._body_timer is None:
+            self._body_timer = self.loop.call_at(self._body_due, self._body_timer_fired)
+
+    def _body_timer_fired(self) -> None:
+        self._body_timer = None
+        due = self._body_due
+        if due is None:
+            return  # the body came: armed again for the next one that does not come with its head
+        if self.loop.time() < due - TIMER_SLACK_S:
+            self._body_timer = self.loop.call_at(due, self._body_timer_fired)
+            return
+        self._body_due = None
+        self._body_too_slow()
+
+    def _body_too_slow(self) -> None:
+        """The request's body is not in by its clock's due time. The client gets a 408 (if nothing was answered
+        yet), the handler is told as of a client that left, and the connection closes."""
+        cycle = self.cycle
+        if cycle is None or not cycle.more_body or self.transport.is_closing():
+            return
+        request_id = request_id_of(list(cycle.scope["headers"]))
+        logger.warning("request %s on %s %s from %s: its body did not arrive in time; connection closed",
+                       request_id, cycle.scope["method"], cycle.scope["path"], _peer(self.client))
+        self.count_cut("body_timeout")
+        self._end_with(RequestTimeoutError("the request's body did not arrive in time"), request_id)
+
+    def _stop_body_timer(self) -> None:
+        self._body_due = None
+        if self._body_timer is not None:
+            self._body_timer.cancel()
+            self._body_timer = None
+
+    def _start_header_timer(self) -> None:
+        self._stop_header_timer()
+        self._header_timer = self.loop.call_later(self.limits.header_timeout_s, self._headers_too_slow)
+
+    def _stop_header_timer(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+
+    def _headers_too_slow(self) -> None:
+        self._header_timer = None
+        if not self.transport.is_closing():
+            logger.warning("closed a connection from %s: no complete request headers within %s s",
+                           _peer(self.client), self.limits.header_timeout_s)
+            self.count_cut("head_timeout")
+            self.transport.close()
+
+    # -- keep-alive: one timer per connection, moved on when it fires ------------------------------------------
+    # uvicorn makes a keep-alive timer as each answer completes and cancels it at the next request's first byte:
+    # a timer made and cancelled per request. Here the connection keeps one while it is idle, which finds out when
+    # it fires whether the connection was idle for ``timeout_keep_alive`` since its last answer.
+    def on_response_complete(self) -> None:
+        # uvicorn's, but for the timer.
+        self.server_state.total_requests += 1
+        if self.transport.is_closing() or self._dropping:
+            return
+        self.flow.resume_reading()
+        if self.pipeline:
+            cycle, app = self.pipeline.pop()
+            if cycle.more_body and self._body_due is None:
+                self._start_body_clock(cycle)  # its body is read from now on
+            self._start_asgi_task(cycle, app)
+            return
+        self._idle_since = self.loop.time()
+        if self.timeout_keep_alive_task is None:
+            self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive, self._keep_alive_due)
+
+    def _unset_keepalive_if_required(self) -> None:
+        self._idle_since = None  # bytes came: busy (an armed timer finds it so, and stops)
+
+    def _keep_alive_due(self) -> None:
+        self.timeout_keep_alive_task = None
+        if self._idle_since is None:
+            return  # armed again when the request in progress is answered
+        due = self._idle_since + self.timeout_keep_alive
+        if self.loop.time() < due - TIMER_SLACK_S:
+            self.timeout_keep_alive_task = self.loop.call_at(due, self._keep_alive_due)
+            return
+        self.timeout_keep_alive_handler()
+
+
+def _peer(client: tuple[str, int] | None) -> str:
+    return f"{client[0]}:{client[1]}" if client else "a client"
