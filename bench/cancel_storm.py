@@ -23,19 +23,11 @@ from typing import Any
 
 import httpx
 
-from bench.common import (
-    Processes,
-    Server,
-    fmt,
-    http_get,
-    loadavg,
-    markdown_table,
-    open_raw_post,
-    percentile,
-    print_and_save,
-    ratio,
-)
+from bench.common import Processes, Server, http_get, open_raw_post
+from bench.figures import percentile, ratio
+from bench.machine import loadavg
 from bench.reference import prompt_of, start_reference_system, stream_once
+from bench.report import fmt, markdown_table, print_and_save
 
 STORM_REQUESTS = 10
 LONG_WORDS = 2_000

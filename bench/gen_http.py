@@ -20,18 +20,10 @@ from typing import Any
 import orjson
 
 from bench.bodies import GEN_KINDS, gen_body, random_tokens
-from bench.common import (
-    LOOPBACK,
-    Processes,
-    cpu_seconds,
-    fmt,
-    free_port,
-    markdown_table,
-    print_and_save,
-    ratio,
-    wait_healthy,
-    worker_args,
-)
+from bench.common import LOOPBACK, Processes, free_port, wait_healthy, worker_args
+from bench.figures import ratio
+from bench.machine import cpu_seconds
+from bench.report import fmt, markdown_table, print_and_save
 
 SIZES = (40_000, 131_072, 290_000)
 TARGET_SIZE = 131_072

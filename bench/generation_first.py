@@ -24,9 +24,11 @@ from typing import Any
 import orjson
 from openai import AsyncOpenAI
 
-from bench import common
-from bench.common import Processes, Server, fmt, percentile, ratio
+from bench import common, report
+from bench.common import Processes, Server
+from bench.figures import percentile, ratio
 from bench.reference import prompt_of
+from bench.report import fmt
 
 MODES = ("context_first", "generation_first")
 PROMPT_WORDS = (64, 1_024)
@@ -157,7 +159,7 @@ def tables(result: dict[str, Any]) -> str:
              fmt(p["generation_first"]["ttft_ms_p50"], 0), fmt(p["generation_first"]["ttft_ms_p90"], 0),
              f"{fmt(p['p50_ratio'])}x", f"{fmt(p['p90_ratio'])}x", "yes" if p["identical_output"] else "**no**"]
             for p in result["points"]]
-    return common.markdown_table(["lifecycle", "prompt tokens", "concurrency", "ctx-first p50 ms", "ctx-first p90 ms",
+    return report.markdown_table(["lifecycle", "prompt tokens", "concurrency", "ctx-first p50 ms", "ctx-first p90 ms",
                            "gen-first p50 ms", "gen-first p90 ms", "p50 gen/ctx", "p90 gen/ctx",
                            "same answers"], rows)
 
@@ -170,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     lifecycles = ("v0",) if args.v0_only else ("v0", "v1")
     result = run(concurrency=(1,) if args.quick else (1, 4), rounds=3 if args.quick else 5, lifecycles=lifecycles)
-    code = common.print_and_save(result, tables, args.out)
+    code = report.print_and_save(result, tables, args.out)
     return code if result["all_identical"] else 1
 
 

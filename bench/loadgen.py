@@ -38,7 +38,8 @@ import httpx
 import orjson
 
 from bench.bodies import SYNTHETIC_MODEL, client_completion_body, prompt_text
-from bench.common import cpu_seconds, finite, machine_busy_seconds, summarize, tree_cpu_seconds
+from bench.figures import finite, summarize
+from bench.machine import cpu_seconds, machine_busy_seconds, tree_cpu_seconds
 from entrypoints.bench.load import JSON_HEADERS, Record, StreamError, consume_stream, post_streamed, run_client
 
 PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}

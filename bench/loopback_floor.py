@@ -16,7 +16,7 @@ import os
 import socket
 import sys
 
-from bench.common import markdown_table
+from bench.report import markdown_table
 
 SIZES = {"metadata-only at 131k (524 KB in, 524 KB out)": 524_366,
          "b64 relay at 131k (1.2 MB in, 1.2 MB out)": 524_366 + 699_052}

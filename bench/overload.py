@@ -27,22 +27,10 @@ from typing import Any
 
 import httpx
 
-from bench.common import (
-    Processes,
-    Server,
-    child_env,
-    cpu_seconds,
-    fmt,
-    free_port,
-    markdown_table,
-    median,
-    orchestrator_config,
-    percentile,
-    print_and_save,
-    ratio,
-    wait_healthy,
-    worker_args,
-)
+from bench.common import Processes, Server, child_env, free_port, orchestrator_config, wait_healthy, worker_args
+from bench.figures import median, percentile, ratio
+from bench.machine import cpu_seconds
+from bench.report import fmt, markdown_table, print_and_save
 
 MODEL = "simulated"
 KEYS = {"heavy": "heavy-key", "light": "light-key"}

@@ -11,7 +11,7 @@ matplotlib.use("Agg")
 
 import matplotlib.pyplot as plt
 
-from bench.common import fmt
+from bench.report import fmt
 
 _COLOURS = {"list": "#d62728", "array": "#1f77b4", "floor": "#2ca02c", "metadata": "#9467bd"}
 

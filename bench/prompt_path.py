@@ -32,7 +32,8 @@ import orjson
 import pybase64
 
 from bench.bodies import gen_body, random_tokens
-from bench.common import fmt, markdown_table, print_and_save, ratio
+from bench.figures import ratio
+from bench.report import fmt, markdown_table, print_and_save
 from frontend.http import parse_json_object, validate_wire
 from frontend.metrics import Metrics
 from frontend.openai_models import CompletionRequest, refuse_unsupported_parameters

@@ -25,18 +25,8 @@ from typing import Any
 import httpx
 import orjson
 
-from bench.common import (
-    Processes,
-    Server,
-    fmt,
-    free_port,
-    http_get,
-    markdown_table,
-    orchestrator_config,
-    print_and_save,
-    wait_healthy,
-    worker_args,
-)
+from bench.common import Processes, Server, free_port, http_get, orchestrator_config, wait_healthy, worker_args
+from bench.report import fmt, markdown_table, print_and_save
 
 PROMPT_TOKENS = (128, 512, 2048)
 MAX_TOKENS = 16

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import percentile
+from bench.figures import percentile
 from bench.redis_server import RedisMissingError, redis_running
 from frontend.config import ResponseStoreConfig
 from orchestrator.response_store import MemoryResponseStore, ResponseStore

@@ -18,14 +18,15 @@ from pathlib import Path
 from typing import Any
 
 from bench import gen_http, generation_first, plots, prompt_path, reference, report, system_load
-from bench.common import REPO_ROOT, loadavg, machine_info, wait_for_quiet, write_json
+from bench.machine import loadavg, machine_info, wait_for_quiet
+from bench.report import markdown_table, verdict, write_json
 
 NAMES = ("prompt_path", "gen_http", "system_load", "reference", "generation_first")
 # Benchmarks the generated block of docs/benchmarks.md leaves out: their tables are printed here (their page is
 # their own: generation_first's is docs/interop.md).
 OWN_PAGE_TABLES = {"generation_first": generation_first.tables}
-DOCS_DIR = REPO_ROOT / "docs" / "benchmarks"
-DOC_PAGE = REPO_ROOT / "docs" / "benchmarks.md"
+DOCS_DIR = report.DOCS_DIR
+DOC_PAGE = report.DOC_PAGE
 
 
 def runners(quick: bool) -> dict[str, Callable[[], dict[str, Any]]]:
@@ -58,6 +59,59 @@ def make_plots(results: dict[str, dict[str, Any]], out: Path, note: str) -> list
     if "reference" in results:
         written.append(plots.reference_plot(results["reference"], out / "reference.png", note))
     return written
+
+
+# -- the page's generated block ---------------------------------------------------------------------------------
+def machine_section(machine: dict[str, Any], mode: str, elapsed_s: float | None) -> str:
+    versions = ", ".join(f"{k} {v}" for k, v in machine.get("versions", {}).items())
+    rows: list[list[Any]] = [
+        ["CPU", machine.get("cpu_model")],
+        ["cores (nproc)", machine.get("nproc")],
+        ["memory", f"{machine.get('mem_gib')} GiB"],
+        ["kernel", machine.get("kernel")],
+        ["Python", f"{machine.get('python')} ({machine.get('python_impl')})"],
+        ["libraries", versions],
+        ["load average at start", machine.get("loadavg_at_start")],
+        ["mode", mode + (f", {elapsed_s / 60:.1f} min in all" if elapsed_s else "")],
+    ]
+    return markdown_table(["", "this run"], rows)
+
+
+def targets_section(results: dict[str, dict[str, Any]]) -> tuple[str, list[dict[str, Any]]]:
+    collected: list[dict[str, Any]] = []
+    modules = {"prompt_path": prompt_path, "gen_http": gen_http, "system_load": system_load}
+    for name, module in modules.items():
+        if name in results:
+            collected += module.targets(results[name])
+
+    rows = [[t["target"], t["measured"], verdict(t["met"]), verdict(t.get("aim_met"))] for t in collected]
+    return markdown_table(["target", "measured", "issue figure", "DESIGN aim"], rows), collected
+
+
+def generated_block(results: dict[str, dict[str, Any]], machine: dict[str, Any], mode: str,
+                    elapsed_s: float | None, plot_dir: str) -> str:
+    parts = [report.BEGIN, "", "### The machine", "", machine_section(machine, mode, elapsed_s), ""]
+    targets_table, _ = targets_section(results)
+    parts += ["### Targets", "", targets_table, ""]
+    if "prompt_path" in results:
+        parts += ["### 1. The prompt path: list vs array vs floor (in-process)", "",
+                  prompt_path.tables(results["prompt_path"]), "",
+                  f"![list vs array vs floor]({plot_dir}/prompt_path.png)", ""]
+    if "gen_http" in results:
+        parts += ["### 2. A GEN worker over HTTP: whole-process CPU per request", "",
+                  gen_http.tables(results["gen_http"]), "",
+                  f"![CPU per request vs prompt length]({plot_dir}/cpu_per_request.png)", ""]
+    if "system_load" in results:
+        parts += ["### 3. The whole system under load (synthetic engine, streaming)", "",
+                  system_load.tables(results["system_load"]), "",
+                  f"![latency vs concurrency]({plot_dir}/load_latency.png)", ""]
+    if "reference" in results:
+        parts += ["### 4. The reference engine: disaggregated vs aggregated (BLAS 1 thread)", "",
+                  reference.tables(results["reference"]), "",
+                  f"![reference engine]({plot_dir}/reference.png)", ""]
+    parts.append(report.END)
+    return "\n".join(parts)
+
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -103,10 +157,10 @@ def main(argv: list[str] | None = None) -> int:
     elapsed = time.perf_counter() - started
 
     written = make_plots(results, out, note)
-    _targets_table, targets = report.targets_section(results)
+    _targets_table, targets = targets_section(results)
     write_json(out / "summary.json", {"machine": machine, "mode": mode, "durations_s": durations,
                                       "elapsed_s": elapsed, "loadavg_at_end": loadavg(), "targets": targets})
-    block = report.generated_block(results, machine, mode, elapsed if set(args.only) == set(NAMES) else None,
+    block = generated_block(results, machine, mode, elapsed if set(args.only) == set(NAMES) else None,
                                    _relative(out, DOC_PAGE.parent))
     print(block.replace(report.BEGIN, "").replace(report.END, ""))
     for name, tables in OWN_PAGE_TABLES.items():

@@ -27,17 +27,15 @@ from bench.common import (
     Processes,
     Server,
     child_env,
-    fmt,
     free_port,
-    markdown_table,
     orchestrator_config,
     orchestrator_help,
-    print_and_save,
-    summarize,
-    wait_for_quiet,
     wait_healthy,
     worker_args,
 )
+from bench.figures import summarize
+from bench.machine import wait_for_quiet
+from bench.report import fmt, markdown_table, print_and_save
 
 PROMPTS = (1_024, 40_000, 131_072)
 CONCURRENCY = (1, 16, 64, 256)
@@ -324,7 +322,7 @@ def ctx_reply_cost(ctx: Server, prompt: int, with_b64: bool, seconds: float = 1.
     import http.client
 
     from bench.bodies import client_completion_body
-    from bench.common import cpu_seconds
+    from bench.machine import cpu_seconds
 
     body = client_completion_body(prompt, MAX_TOKENS, stream=False)
     body["disaggregated_params"] = {"request_type": "context_only", "disagg_request_id": 1,

@@ -16,7 +16,9 @@ from typing import Any
 import pytest
 
 from bench import cancel_storm, gen_http, plots, prompt_path, reference, report, run_all, system_load
-from bench.common import Processes, descendants, percentile, summarize
+from bench.common import Processes
+from bench.figures import percentile, summarize
+from bench.machine import descendants
 
 TINY = system_load.Phases(warmup_s=0.1, max_warmup_s=5.0, measure_s=0.3, max_measure_s=3.0, tail_s=5.0,
                           max_total_s=20.0, quiet_wait_s=0.0)
@@ -118,7 +120,7 @@ def test_report_and_plots_from_the_smoke_results(tmp_path: Path, prompt_path_res
     assert {p.name for p in written} == {"prompt_path.png", "cpu_per_request.png", "load_latency.png"}
     for png in written:
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 1000
-    block = report.generated_block(results, {"cpu_model": "test", "versions": {}}, "smoke", 1.0, ".")
+    block = run_all.generated_block(results, {"cpu_model": "test", "versions": {}}, "smoke", 1.0, ".")
     assert block.startswith(report.BEGIN) and block.endswith(report.END)
     doc = tmp_path / "benchmarks.md"
     doc.write_text("# Benchmarks\n\nintro\n\n" + report.BEGIN + "\nold\n" + report.END + "\n\nanalysis\n")
