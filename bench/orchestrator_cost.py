@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench import report, rust_gateways
+from bench import py_spy, report, rust_gateways
 from bench.common import (
     PYTHON,
     Processes,
@@ -50,10 +50,10 @@ from bench.common import (
     wait_healthy,
 )
 from bench.figures import ratio
+from bench.load_point import Phases, run_loadgen
 from bench.loadgen import PATHS
 from bench.machine import machine_info, tree_cpu_seconds, wait_for_quiet
 from bench.report import fmt, markdown_table
-from bench.system_load import Phases, py_spy_path, py_spy_recording, run_loadgen, summarize_profile
 
 PROMPTS = (1_024, 40_000, 131_072)
 CONCURRENCY = (1, 16, 64)
@@ -237,17 +237,13 @@ def run(prompts: tuple[int, ...] = PROMPTS, concurrency: tuple[int, ...] = CONCU
 
 def profile_orchestrator(processes: Processes, orchestrator: Server, ctx: Server, gen: Server, prompt: int,
                          phases: Phases, endpoint: str = "completions") -> dict[str, Any]:
-    tool = py_spy_path()
-    if tool is None:
-        return {"available": False, "note": "py-spy is not installed (pip install '.[bench]')"}
     raw = processes.log_dir / f"py-spy-cost-{prompt}.txt"
-    with py_spy_recording(processes, tool, orchestrator.pid, raw, int(phases.max_total_s)) as spy:
-        cell = measure(processes, "orchestrator", orchestrator.url, orchestrator.pid, ctx, gen, prompt, 1, phases,
-                       endpoint)
-    if not raw.exists():
-        return {"available": False, "note": f"py-spy wrote nothing: {spy.log_tail()}"}
-    summary = summarize_profile(raw.read_text())
-    summary.update({"available": True, "prompt_tokens": prompt, "concurrency": 1, "endpoint": endpoint,
+    summary, cell = py_spy.profile(processes, orchestrator.pid, raw, int(phases.max_total_s),
+                                   lambda: measure(processes, "orchestrator", orchestrator.url, orchestrator.pid, ctx,
+                                                   gen, prompt, 1, phases, endpoint))
+    if cell is None or not summary["available"]:
+        return summary
+    summary.update({"prompt_tokens": prompt, "concurrency": 1, "endpoint": endpoint,
                     "cpu_ms_per_request": cell["cpu_ms_per_request"].get("proxy")})
     return summary
 
@@ -364,10 +360,7 @@ def tables(result: dict[str, Any]) -> str:
         parts += ["", f"py-spy, orchestrator, prompt {profile['prompt_tokens']:,}, "
                       f"{profile.get('endpoint', 'completions')}, concurrency 1, "
                       f"{profile['samples']} samples ({fmt(profile.get('cpu_ms_per_request'))} ms CPU per request):",
-                  "", markdown_table(["where (leaf frame's library)", "% of samples"],
-                                     [[k, fmt(v, 1)] for k, v in profile["by_library_pct"].items()]),
-                  "", markdown_table(["leaf frame (self time)", "% of samples"],
-                                     [[f"`{f}`", fmt(v, 1)] for f, v in profile["top_self_pct"][:12]])]
+                  *py_spy.profile_tables(profile)]
     return "\n".join(parts)
 
 

@@ -10,30 +10,23 @@ is then run once more under py-spy (sampling the orchestrator) to say where its 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import shutil
-import subprocess
 import sys
 import time
-from collections import Counter
-from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
+from bench import py_spy
 from bench.common import (
-    PYTHON,
     Processes,
     Server,
-    child_env,
     free_port,
     orchestrator_config,
     orchestrator_help,
     wait_healthy,
     worker_args,
 )
-from bench.figures import summarize
+from bench.load_point import Phases, lag_in_window, run_loadgen, start_prober, stop_prober
 from bench.machine import wait_for_quiet
 from bench.report import fmt, markdown_table, print_and_save
 
@@ -41,23 +34,6 @@ PROMPTS = (1_024, 40_000, 131_072)
 CONCURRENCY = (1, 16, 64, 256)
 MAX_TOKENS = 8
 TARGET_PROMPT = 131_072
-_PROBER_START_S = 120.0  # a bound on a start-up that takes 0.2 s alone and seconds on a busy machine
-
-
-@dataclass(frozen=True)
-class Phases:
-    warmup_s: float = 1.5
-    max_warmup_s: float = 30.0
-    measure_s: float = 6.0
-    max_measure_s: float = 25.0
-    tail_s: float = 60.0
-    max_total_s: float = 110.0
-    quiet_wait_s: float = 10.0  # before each point, wait this long at most for other users' load to go away
-
-    def loadgen(self, concurrency: int) -> dict[str, Any]:
-        return {"warmup_s": self.warmup_s, "max_warmup_s": self.max_warmup_s, "measure_s": self.measure_s,
-                "min_requests": max(20, concurrency), "max_measure_s": self.max_measure_s,
-                "tail_s": self.tail_s, "max_total_s": self.max_total_s}
 
 
 FULL = Phases()
@@ -100,58 +76,6 @@ def start_orchestrator(processes: Processes, ctx: Server, gen: Server, name: str
     return orchestrator
 
 
-def run_loadgen(processes: Processes, config: dict[str, Any]) -> dict[str, Any]:
-    workdir = processes.log_dir
-    stamp = f"{config['mode']}-{config['prompt_chars']}-{config['concurrency']}-{time.monotonic_ns()}"
-    config_path, out_path = workdir / f"loadgen-{stamp}.json", workdir / f"loadgen-{stamp}.out.json"
-    config_path.write_text(json.dumps(config))
-    log_path = workdir / f"loadgen-{stamp}.log"
-    with open(log_path, "wb") as log:
-        try:
-            subprocess.run([PYTHON, "-m", "bench.loadgen", "--config", str(config_path), "--out", str(out_path)],
-                           stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=child_env(),
-                           cwd=Path(__file__).resolve().parent.parent, timeout=config["max_total_s"] + 60,
-                           check=True)
-        except (subprocess.TimeoutExpired, subprocess.CalledProcessError) as exc:
-            raise RuntimeError(f"the load generator failed ({exc}):\n{log_path.read_text()[-3000:]}") from exc
-    result: dict[str, Any] = json.loads(out_path.read_text())
-    return result
-
-
-def start_prober(processes: Processes, targets: dict[str, str], out: Path, max_s: float,
-                 samples: int | None = None) -> Server:
-    """Start the prober and return once it is probing (it says so with a file), however slow its start-up."""
-    ready = out.with_suffix(".ready")
-    argv = [PYTHON, "-m", "bench.prober", "--out", str(out), "--interval-ms", "20", "--max-s", str(max_s),
-            "--ready-file", str(ready)]
-    if samples is not None:
-        argv += ["--samples", str(samples)]
-    for name, url in targets.items():
-        argv += ["--target", f"{name}={url}"]
-    prober = processes.spawn(f"prober-{out.stem}", argv)
-    deadline = time.monotonic() + _PROBER_START_S
-    while not ready.exists():
-        if prober.process.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError(f"the prober did not start:\n{prober.log_tail()}")
-        time.sleep(0.01)
-    return prober
-
-
-def stop_prober(processes: Processes, prober: Server, out: Path) -> dict[str, list[list[float | None]]]:
-    processes.stop([prober])
-    samples: dict[str, list[list[float | None]]] = json.loads(out.read_text()) if out.exists() else {}
-    return samples
-
-
-def lag_in_window(samples: dict[str, list[list[float | None]]], window: tuple[float, float]) -> dict[str, Any]:
-    stats: dict[str, Any] = {}
-    for name, series in samples.items():
-        inside = [s for s in series if window[0] <= (s[0] or 0) <= window[1]]
-        values = [float(s[1]) for s in inside if s[1] is not None]
-        stats[name] = {**summarize(values), "failed": sum(1 for s in inside if s[1] is None)}
-    return stats
-
-
 def run_cell(processes: Processes, cluster: Cluster, mode: str, prompt: int, concurrency: int,
              phases: Phases) -> dict[str, Any]:
     config = {"mode": mode, "url": cluster.orchestrator.url, "ctx_url": cluster.ctx.url, "gen_url": cluster.gen.url,
@@ -184,97 +108,17 @@ def idle_probe(processes: Processes, cluster: Cluster, seconds: float) -> dict[s
     return lag_in_window(samples, (0.0, float("inf")))
 
 
-# -- the profile -----------------------------------------------------------------------------------------------
-def py_spy_path() -> str | None:
-    beside = Path(PYTHON).parent / "py-spy"
-    if beside.exists():
-        return str(beside)
-    return shutil.which("py-spy")
-
-
 def profile_cell(processes: Processes, cluster: Cluster, prompt: int, concurrency: int,
                  phases: Phases) -> dict[str, Any]:
-    tool = py_spy_path()
-    if tool is None:
-        return {"available": False, "note": "py-spy is not installed (pip install '.[bench]')"}
     raw = processes.log_dir / f"py-spy-{prompt}-{concurrency}.txt"
-    with py_spy_recording(processes, tool, cluster.orchestrator.pid, raw, int(phases.max_total_s)) as spy:
-        result = run_cell(processes, cluster, "orchestrator", prompt, concurrency, phases)
-    if not raw.exists():
-        return {"available": False, "note": f"py-spy wrote nothing: {spy.log_tail()}"}
-    summary = summarize_profile(raw.read_text())
-    summary.update({"available": True, "prompt_tokens": prompt, "concurrency": concurrency,
+    summary, result = py_spy.profile(processes, cluster.orchestrator.pid, raw, int(phases.max_total_s),
+                                     lambda: run_cell(processes, cluster, "orchestrator", prompt, concurrency, phases))
+    if result is None or not summary["available"]:
+        return summary
+    summary.update({"prompt_tokens": prompt, "concurrency": concurrency,
                     "requests_per_s": result["requests_per_s"], "ttft_ms": result["ttft_ms"],
                     "cpu_ms_per_request": result["cpu_ms_per_request"]})
     return summary
-
-
-@contextlib.contextmanager
-def py_spy_recording(processes: Processes, tool: str, pid: int, raw: Path, duration_s: int) -> Iterator[Server]:
-    """py-spy samples ``pid`` at 250 Hz into ``raw`` (collapsed stacks) while the block runs."""
-    spy = processes.spawn("py-spy", [tool, "record", "--pid", str(pid), "--rate", "250", "--nonblocking",
-                                     "--format", "raw", "--output", str(raw), "--duration", str(duration_s)])
-    time.sleep(1.0)  # let py-spy attach before the load starts
-    try:
-        yield spy
-    finally:
-        if spy.process.poll() is None:
-            spy.process.send_signal(2)  # SIGINT: py-spy writes what it has and exits
-            try:
-                spy.process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                processes.stop([spy])
-
-
-_CATEGORIES = (
-    ("orjson / json", ("orjson", "json/")),
-    ("project: orchestrator/", ("orchestrator/",)),
-    ("project: frontend/", ("frontend/",)),
-    ("httpx / httpcore / h11 (client side)", ("httpx/", "httpcore/", "h11/")),
-    ("uvicorn / httptools (server side)", ("uvicorn/", "httptools")),
-    ("starlette / fastapi", ("starlette/", "fastapi/")),
-    ("anyio", ("anyio/",)),
-    ("asyncio / uvloop", ("asyncio/", "uvloop")),
-    ("prometheus_client", ("prometheus_client/",)),
-    ("pydantic", ("pydantic",)),
-)
-
-
-def _category(frame: str) -> str:
-    for name, needles in _CATEGORIES:
-        if any(needle in frame for needle in needles):
-            return name
-    return "other"
-
-
-def summarize_profile(text: str, top: int = 15) -> dict[str, Any]:
-    """py-spy's raw (collapsed) stacks -> shares of samples by leaf frame, by library, and inclusive."""
-    leaf: Counter[str] = Counter()
-    category: Counter[str] = Counter()
-    inclusive: Counter[str] = Counter()
-    total = 0
-    for line in text.splitlines():
-        stack, _, count_text = line.rstrip().rpartition(" ")
-        if not stack or not count_text.isdigit():
-            continue
-        count = int(count_text)
-        frames = [f for f in stack.split(";") if f and not f.startswith(("process ", "thread "))]
-        if not frames:
-            continue
-        total += count
-        leaf[frames[-1]] += count
-        category[_category(frames[-1])] += count
-        for frame in set(frames):
-            inclusive[frame] += count
-    share = (lambda n: 100.0 * n / total) if total else (lambda n: 0.0)
-    project = [(f, n) for f, n in inclusive.most_common()
-               if ("orchestrator/" in f or "frontend/" in f) and "entrypoints/cli.py" not in f]
-    return {
-        "samples": total,
-        "by_library_pct": {name: share(n) for name, n in category.most_common()},
-        "top_self_pct": [[frame, share(n)] for frame, n in leaf.most_common(top)],
-        "top_project_inclusive_pct": [[frame, share(n)] for frame, n in project[:top]],
-    }
 
 
 # -- the whole benchmark -----------------------------------------------------------------------------------------
@@ -488,10 +332,7 @@ def tables(result: dict[str, Any]) -> str:
             parts += ["", f"Profile of the orchestrator at {label}: py-spy, {profile['samples']} samples, prompt "
                           f"{profile['prompt_tokens']:,}, concurrency {profile['concurrency']}, "
                           f"{fmt(profile['cpu_ms_per_request'].get('orchestrator'))} ms orchestrator CPU per request:",
-                      "", markdown_table(["where (leaf frame's library)", "% of samples"],
-                                         [[k, fmt(v, 1)] for k, v in profile["by_library_pct"].items()]),
-                      "", markdown_table(["leaf frame (self time)", "% of samples"],
-                                         [[f"`{f}`", fmt(v, 1)] for f, v in profile["top_self_pct"][:12]]),
+                      *py_spy.profile_tables(profile),
                       "", markdown_table(["project frame (inclusive)", "% of samples"],
                                          [[f"`{f}`", fmt(v, 1)]
                                           for f, v in profile["top_project_inclusive_pct"][:10]])]

@@ -8,19 +8,15 @@ report and the plots can be made from them. The figures themselves come from ``p
 from __future__ import annotations
 
 import math
-import os
-import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from bench import cancel_storm, gen_http, plots, prompt_path, reference, report, run_all, system_load
-from bench.common import Processes
-from bench.figures import percentile, summarize
-from bench.machine import descendants
+from bench.load_point import Phases
 
-TINY = system_load.Phases(warmup_s=0.1, max_warmup_s=5.0, measure_s=0.3, max_measure_s=3.0, tail_s=5.0,
+TINY = Phases(warmup_s=0.1, max_warmup_s=5.0, measure_s=0.3, max_measure_s=3.0, tail_s=5.0,
                           max_total_s=20.0, quiet_wait_s=0.0)
 
 
@@ -135,31 +131,6 @@ def test_reference_plot_from_a_made_up_result(tmp_path: Path) -> None:
              ("aggregated", "disaggregated")}
     png = plots.reference_plot({"points": [point]}, tmp_path / "reference.png")
     assert png.read_bytes()[:4] == b"\x89PNG"
-
-
-def test_profile_summary_reads_py_spy_collapsed_stacks() -> None:
-    text = ("main (entrypoints/cli.py:1);run (orchestrator/disagg_flow.py:10);send (anyio/_backends/_asyncio.py:5) 3\n"
-            "main (entrypoints/cli.py:1);loads (orchestrator/disagg_flow.py:12) 1\n")
-    summary = system_load.summarize_profile(text)
-    assert summary["samples"] == 4
-    assert summary["by_library_pct"] == {"anyio": 75.0, "project: orchestrator/": 25.0}
-    assert summary["top_project_inclusive_pct"][0] == ["run (orchestrator/disagg_flow.py:10)", 75.0]
-
-
-def test_statistics_helpers() -> None:
-    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
-    assert math.isnan(percentile([], 99))
-    assert summarize([5.0])["p99"] == 5.0
-
-
-def test_processes_are_stopped_whatever_happens() -> None:
-    with pytest.raises(RuntimeError), Processes() as processes:
-        sleeper = processes.spawn("sleeper", ["sleep", "60"])
-        raise RuntimeError("boom")
-    assert sleeper.process.poll() is not None
-    assert processes.log_dir.exists()  # kept after a failure, for whoever reads the traceback
-    shutil.rmtree(processes.log_dir)
-    assert os.getpid() in descendants(os.getpid())
 
 
 def test_cancel_storm_runs_on_both_setups(tmp_path: Path) -> None:

@@ -13,7 +13,7 @@ import pybase64
 import pytest
 
 from bench import mock_workers, orchestrator_cost, report
-from bench.system_load import Phases
+from bench.load_point import Phases
 
 TINY = Phases(warmup_s=0.1, max_warmup_s=5.0, measure_s=0.3, max_measure_s=3.0, tail_s=5.0, max_total_s=20.0,
               quiet_wait_s=0.0)

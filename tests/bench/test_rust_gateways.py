@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from bench import orchestrator_cost, rust_gateways
-from bench.system_load import Phases
+from bench.load_point import Phases
 
 TINY = Phases(warmup_s=0.1, max_warmup_s=5.0, measure_s=0.3, max_measure_s=3.0, tail_s=5.0, max_total_s=20.0,
               quiet_wait_s=0.0)
