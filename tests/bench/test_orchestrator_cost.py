@@ -12,7 +12,7 @@ import orjson
 import pybase64
 import pytest
 
-from bench import mock_workers, orchestrator_cost, report
+from bench import mock_workers, orchestrator_cost, orchestrator_cost_report, report
 from bench.load_point import Phases
 
 TINY = Phases(warmup_s=0.1, max_warmup_s=5.0, measure_s=0.3, max_measure_s=3.0, tail_s=5.0, max_total_s=20.0,
@@ -50,21 +50,22 @@ def test_every_setup_is_measured_beside_the_baseline(result: dict[str, Any]) -> 
 
 
 def test_tables_targets_block_and_plot(result: dict[str, Any], tmp_path: Path) -> None:
-    table = orchestrator_cost.tables(result)
+    table = orchestrator_cost_report.tables(result)
     assert "| 256 | completions | 1 | orchestrator |" in table and "| 256 | completions | 2 | pass-through |" in table
-    targets = orchestrator_cost.targets(result)
+    targets = orchestrator_cost_report.targets(result)
     assert len(targets) == 9 and targets[7]["target"].startswith("req/s of `orchestrator x2` >= 1.7x")
     assert targets[7]["met"] is not None
     assert targets[-1]["target"].startswith("CPU/req <= the best Rust gateway's (issue 31): no Rust gateway measured")
     assert targets[-1]["met"] is None
-    block = orchestrator_cost.generated_block(result, "plot.png")
+    block = orchestrator_cost_report.generated_block(result, "plot.png")
     doc = tmp_path / "benchmarks.md"
     doc.write_text("intro\n" + report.BEGIN + "\nother benchmarks\n" + report.END + "\n")
-    report.update_docs(doc, block, orchestrator_cost.BEGIN, orchestrator_cost.END)
-    report.update_docs(doc, block, orchestrator_cost.BEGIN, orchestrator_cost.END)  # replaced, not appended
+    begin, end = orchestrator_cost_report.BEGIN, orchestrator_cost_report.END
+    report.update_docs(doc, block, begin, end)
+    report.update_docs(doc, block, begin, end)  # replaced, not appended
     text = doc.read_text()
-    assert text.count(orchestrator_cost.BEGIN) == 1 and "other benchmarks" in text
-    png = orchestrator_cost.plot(result, tmp_path / "cost.png")
+    assert text.count(orchestrator_cost_report.BEGIN) == 1 and "other benchmarks" in text
+    png = orchestrator_cost_report.plot(result, tmp_path / "cost.png")
     assert png.read_bytes()[:4] == b"\x89PNG"
 
 
@@ -85,11 +86,11 @@ def test_a_chat_cell_streams_chat_through_every_setup(chat_result: dict[str, Any
         assert cell["ok_requests"] >= 1 and cell["legs"]["ctx_posts"] >= 1 and cell["legs"]["gen_posts"] >= 1
     assert chat_result["method"]["endpoints"] == {"chat": "/v1/chat/completions"}
     assert chat_result["method"]["frame_gap_ms"] == 2.0
-    table = orchestrator_cost.tables(chat_result)
+    table = orchestrator_cost_report.tables(chat_result)
     assert "| 256 | chat | 1 | orchestrator |" in table and "| 256 | chat | 1 | pass-through |" in table
-    targets = orchestrator_cost.targets(chat_result)
+    targets = orchestrator_cost_report.targets(chat_result)
     assert targets[0]["target"].endswith(", c=1, chat")  # no completions cells: the older targets read chat's
-    assert "2 ms apart" in orchestrator_cost.method_note(chat_result)
+    assert "2 ms apart" in orchestrator_cost_report.method_note(chat_result)
 
 
 def test_the_scaling_command_is_for_a_machine_with_spare_cores() -> None:

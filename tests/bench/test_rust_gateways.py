@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from bench import orchestrator_cost, rust_gateways
+from bench import orchestrator_cost, orchestrator_cost_report, rust_gateways
 from bench.load_point import Phases
 
 TINY = Phases(warmup_s=0.1, max_warmup_s=5.0, measure_s=0.3, max_measure_s=3.0, tail_s=5.0, max_total_s=20.0,
@@ -113,13 +113,13 @@ def test_orchestrator_cost_measures_the_gateways_beside_ours(measured: dict[str,
     for cell in measured["cells"]:
         assert cell["errors"] == 0 and cell["endpoint"] == "chat", cell["error_samples"]
         assert cell["legs"]["ctx_posts"] >= 1 and cell["legs"]["gen_posts"] >= 1
-        if cell["setup"] in orchestrator_cost.GATEWAYS:
+        if cell["setup"] in orchestrator_cost_report.GATEWAYS:
             assert cell["cpu_ms_per_request"]["proxy"] >= 0
             assert abs(cell["legs"]["ctx_posts"] - cell["legs"]["gen_posts"]) <= 1  # a prefill for each decode
     assert all(g["available"] for g in measured["gateways"].values())
-    table = orchestrator_cost.tables(measured)
+    table = orchestrator_cost_report.tables(measured)
     assert "| 256 | chat | 1 | vllm-router (Rust) |" in table and "| 256 | chat | 1 | smg (Rust) |" in table
     assert "/ best Rust gateway" in table and "| smg (Rust) | smg==1.13.0 | yes |" in table
-    rows = [t for t in orchestrator_cost.targets(measured) if "best Rust gateway" in t["target"]]
+    rows = [t for t in orchestrator_cost_report.targets(measured) if "best Rust gateway" in t["target"]]
     assert len(rows) == 1 and rows[0]["target"].endswith("at 256 tokens, c=1, chat")
     assert rows[0]["met"] is not None
