@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
-from bench import fleet, report
+from bench import fleet, fleet_report, fleet_work, report
 
-TINY_CHAT = replace(fleet.CHAT, system_tokens=1_500, session_rate=4.0, window_s=1.0, turns=2,
+TINY_CHAT = replace(fleet_work.CHAT, system_tokens=1_500, session_rate=4.0, window_s=1.0, turns=2,
                     turn_tokens=(100, 300), think_mean_s=0.05, max_tokens=4)
 TINY = fleet.Settings(ctx_workers=2, gen_workers=1, engine=fleet.Engine(cache_tokens=4_096), workloads=(TINY_CHAT,),
                       quiet_wait_s=0.0, seed=3)  # seed 3: three conversations in the window
@@ -32,7 +32,7 @@ def test_one_router_measured_and_a_refused_one_skipped(result: dict[str, Any]) -
     assert refused["router"] == "refused" and refused["skipped"]
     assert measured["router"] == "round_robin" and measured["workload"] == "chat"
     assert measured["errors"] == 0, measured["error_samples"]
-    sessions = fleet.sessions(TINY_CHAT, TINY.seed)
+    sessions = fleet_work.sessions(TINY_CHAT, TINY.seed)
     assert measured["requests"] == sum(len(s.turns) for s in sessions) >= 2
     assert measured["ttft_ms"]["p50"] > 0 and measured["ttft_ms"]["n"] == measured["requests"]
     assert len(measured["ctx_workers"]) == 2 and len(measured["gen_workers"]) == 1
@@ -45,21 +45,21 @@ def test_one_router_measured_and_a_refused_one_skipped(result: dict[str, Any]) -
 
 
 def test_tables_targets_block_and_plot(result: dict[str, Any], tmp_path: Path) -> None:
-    table = fleet.tables(result)
+    table = fleet_report.tables(result)
     assert "| chat | round_robin |" in table and "refused (chat)" in table
-    assert fleet.targets(result) == []  # no cache_aware run here
-    block = fleet.generated_block(result, "fleet.png")
+    assert fleet_report.targets(result) == []  # no cache_aware run here
+    block = fleet_report.generated_block(result, "fleet.png")
     doc = tmp_path / "benchmarks.md"
     doc.write_text("intro\n" + report.BEGIN + "\nother benchmarks\n" + report.END + "\n")
-    report.update_docs(doc, block, fleet.BEGIN, fleet.END)
-    report.update_docs(doc, block, fleet.BEGIN, fleet.END)  # replaced, not appended
+    report.update_docs(doc, block, fleet_report.BEGIN, fleet_report.END)
+    report.update_docs(doc, block, fleet_report.BEGIN, fleet_report.END)  # replaced, not appended
     text = doc.read_text()
-    assert text.count(fleet.BEGIN) == 1 and "other benchmarks" in text
-    assert fleet.plot(result, tmp_path / "fleet.png").read_bytes()[:4] == b"\x89PNG"
+    assert text.count(fleet_report.BEGIN) == 1 and "other benchmarks" in text
+    assert fleet_report.plot(result, tmp_path / "fleet.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_every_router_gets_the_same_work() -> None:
-    assert fleet.sessions(fleet.CHAT, 7) == fleet.sessions(fleet.CHAT, 7)
-    chat = fleet.sessions(fleet.CHAT, 7)
-    assert len({s.system for s in chat}) == 2 and all(len(s.turns) == fleet.CHAT.turns for s in chat)
-    assert all(s.system is None and len(s.turns) == 1 for s in fleet.sessions(fleet.UNRELATED, 7))
+    assert fleet_work.sessions(fleet_work.CHAT, 7) == fleet_work.sessions(fleet_work.CHAT, 7)
+    chat = fleet_work.sessions(fleet_work.CHAT, 7)
+    assert len({s.system for s in chat}) == 2 and all(len(s.turns) == fleet_work.CHAT.turns for s in chat)
+    assert all(s.system is None and len(s.turns) == 1 for s in fleet_work.sessions(fleet_work.UNRELATED, 7))

@@ -1,0 +1,181 @@
+"""bench.fleet's report: per workload and router the hit ratio against the oracle, TTFT, how evenly CTX was used,
+the set-up, the targets, the generated block of docs/benchmarks.md and the plot."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from bench import report
+from bench.report import fmt, machine_note, markdown_table, verdict
+
+BEGIN, END = report.markers("fleet")
+
+
+def _cells(result: dict[str, Any]) -> list[dict[str, Any]]:
+    return [c for c in result["cells"] if "skipped" not in c]
+
+
+def tables(result: dict[str, Any]) -> str:
+    rows = []
+    for c in _cells(result):
+        orch = c["orchestrator"]
+        skipped = orch.get("skipped_ctx")
+        rows.append([c["workload"], c["router"], f"{c['requests']} ({c['errors']})", fmt(c["requests_per_s"], 1),
+                     fmt(c["hit_ratio"], 3), fmt(c["oracle_hit_ratio"], 3),
+                     fmt(c["oracle_hit_ratio"] - c["hit_ratio"], 3), fmt(c["ttft_ms"]["p50"], 0),
+                     fmt(c["ttft_ms"]["p99"], 0),
+                     f"{c['ctx_prefills']['min']:.0f} / {c['ctx_prefills']['max']:.0f}",
+                     f"{fmt(c['ctx_busy_s']['min'], 1)} / {fmt(c['ctx_busy_s']['max'], 1)}",
+                     "–" if skipped is None else f"{skipped:.0f}", fmt(c.get("busy_cores"), 2)])
+    main = markdown_table(["workload", "router", "requests (errors)", "req/s (mean)", "hit ratio", "oracle",
+                           "oracle − hit", "TTFT p50 ms", "TTFT p99 ms", "CTX prefills min / max",
+                           "CTX busy s min / max", "skipped CTX", "cores busy"], rows)
+    parts = [main]
+    decisions = [c for c in _cells(result) if any(c["orchestrator"].get("routing_decisions", {}).values())]
+    if decisions:
+        names = sorted({d for c in decisions for d in c["orchestrator"]["routing_decisions"]})
+        parts += ["", markdown_table(["workload", "router", *(f"CTX routing: {n}" for n in names)],
+                                     [[c["workload"], c["router"],
+                                       *(f"{c['orchestrator']['routing_decisions'].get(n, 0):.0f}" for n in names)]
+                                      for c in decisions])]
+    skipped = [c for c in result["cells"] if "skipped" in c]
+    if skipped:
+        parts += ["", "Skipped (the orchestrator refused the router at start-up):", ""]
+        parts += [f"- {c['router']} ({c['workload']}): `{c['skipped'][:200]}`" for c in skipped]
+    errors = [c for c in _cells(result) if c["errors"]]
+    if errors:
+        parts += ["", "Errors:", ""]
+        parts += [f"- {c['router']} ({c['workload']}): {c['errors_by_kind']}; e.g. `{(c['error_samples'] or [''])[0]}`"
+                  for c in errors]
+    parts += ["", parameters_table(result)]
+    return "\n".join(parts)
+
+
+def parameters_table(result: dict[str, Any]) -> str:
+    s = result["settings"]
+    e = s["engine"]
+    rows = [["fleet", f"{s['ctx_workers']} CTX + {s['gen_workers']} GEN simulated workers (one host process), "
+                      "one orchestrator per run, fresh workers for every run"],
+            ["engine", f"prefill {e['prefill_base_ms']:g} ms + uncached tokens / {e['prefill_tokens_per_s']:,.0f} "
+                       f"tok/s, one at a time; LRU prefix cache {e['cache_tokens']:,} tokens per worker (16-token "
+                       f"blocks); decode {e['itl_ms']:g} ms/token"]]
+    for w in s["workloads"]:
+        shared = (f"{w['systems']} shared prompt(s) of {w['system_tokens']:,} tokens" if w["systems"]
+                  else "nothing shared")
+        rows.append([f"workload {w['name']}",
+                     f"{shared}; sessions open-loop at {w['session_rate']:g}/s for {w['window_s']:g} s, "
+                     f"{w['turns']} turn(s) of {w['turn_tokens'][0]:,}-{w['turn_tokens'][1]:,} tokens, think "
+                     f"{w['think_mean_s']:g} s (mean); max_tokens {w['max_tokens']}; "
+                     f"~{w['session_rate'] * w['turns']:.0f} req/s offered"])
+    rows.append(["routers (CTX pool)", ", ".join(f"{name} `{orjson.dumps(cfg).decode()}`"
+                                                  for name, cfg in s["router_configs"].items()
+                                                  if name in result["routers"])])
+    return markdown_table(["", "set-up"], rows)
+
+
+def targets(result: dict[str, Any], router: str = "cache_aware") -> list[dict[str, Any]]:
+    """The fleet aims for ``router``, per workload: a hit ratio within 0.02 of the oracle; on the chat work
+    (issue 27), TTFT p50 and p99 at least 1.3x better than round robin's and prefix_affinity's, same run."""
+    out = []
+    cells = _cells(result)
+    by = {(c["workload"], c["router"]): c for c in cells}
+    for c in cells:
+        if c["router"] != router:
+            continue
+        gap = c["oracle_hit_ratio"] - c["hit_ratio"]
+        out.append({"target": f"{router}, {c['workload']}: hit ratio within 0.02 of the oracle",
+                    "measured": f"{fmt(c['hit_ratio'], 3)} vs {fmt(c['oracle_hit_ratio'], 3)} "
+                                f"(gap {fmt(gap, 3)})",
+                    "met": bool(gap <= 0.02) if math.isfinite(gap) else None})
+        if c["workload"] != "chat":
+            continue
+        for other in ("round_robin", "prefix_affinity"):
+            base = by.get((c["workload"], other))
+            if base is None:
+                continue
+            for q in ("p50", "p99"):
+                mine, theirs = c["ttft_ms"][q], base["ttft_ms"][q]
+                better = theirs / mine if mine else math.nan
+                out.append({"target": f"{router}, chat: TTFT {q} >= 1.3x better than {other}",
+                            "measured": f"{fmt(mine, 0)} vs {fmt(theirs, 0)} ms ({fmt(better, 2)}x)",
+                            "met": bool(better >= 1.3) if math.isfinite(better) else None})
+    return out
+
+
+def targets_table(result: dict[str, Any]) -> str:
+    rows = [[t["target"], t["measured"], verdict(t["met"])] for t in targets(result)]
+    if not rows:
+        return "No cache_aware run in this result: the DESIGN's fleet target is not measured."
+    return markdown_table(["target (DESIGN, fleet)", "measured", "verdict"], rows)
+
+
+def generated_block(result: dict[str, Any], plot_path: str) -> str:
+    note = (f"{machine_note(result)}, {result.get('mode', 'full')} run, "
+            f"{result.get('duration_s', 0) / 60:.1f} min")
+    return "\n".join([BEGIN, "", f"Measured on {note}.", "", targets_table(result), "", tables(result), "",
+                      f"![routers on a simulated fleet]({plot_path})", "", END])
+
+
+def plot(result: dict[str, Any], path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cells = _cells(result)
+    workloads = list(dict.fromkeys(c["workload"] for c in cells))
+    routers = [r for r in result["routers"] if any(c["router"] == r for c in cells)]
+    by = {(c["workload"], c["router"]): c for c in cells}
+    figure, (hits, ttft) = plt.subplots(1, 2, figsize=(12, 4.8))
+    width = 0.8 / max(1, len(routers))
+    palette = plt.get_cmap("tab10")
+    for r_index, router in enumerate(routers):
+        xs, ratios, p50s, p99s = [], [], [], []
+        for w_index, workload in enumerate(workloads):
+            c = by.get((workload, router))
+            if c is None:
+                continue
+            xs.append(w_index + (r_index - (len(routers) - 1) / 2) * width)
+            ratios.append(c["hit_ratio"])
+            p50s.append(c["ttft_ms"]["p50"])
+            p99s.append(c["ttft_ms"]["p99"])
+        colour = palette(r_index)
+        hits.bar(xs, ratios, width, label=router, color=colour)
+        ttft.bar(xs, p50s, width, label=f"{router} p50", color=colour)
+        ttft.scatter(xs, p99s, marker="v", color=colour, edgecolors="black", zorder=3,
+                     label=f"{router} p99")
+    for w_index, workload in enumerate(workloads):
+        oracle = next((by[(workload, r)]["oracle_hit_ratio"] for r in routers if (workload, r) in by), None)
+        if oracle is not None:
+            hits.hlines(oracle, w_index - 0.45, w_index + 0.45, colors="black", linestyles="--",
+                        label="oracle (best any cache could do)" if w_index == 0 else None)
+    for axis in (hits, ttft):
+        axis.set_xticks(range(len(workloads)))
+        axis.set_xticklabels(workloads)
+        axis.grid(axis="y", alpha=0.3)
+    hits.set_ylim(0, 1.2)
+    hits.set_ylabel("prefix-cache hit ratio (fleet, token-weighted)")
+    hits.set_title("hit ratio per router vs the oracle", fontsize=10)
+    hits.legend(fontsize=7, loc="upper center", ncol=3)
+    if any(c["ttft_ms"]["p50"] and c["ttft_ms"]["p50"] > 0 for c in cells):
+        from matplotlib.ticker import ScalarFormatter
+
+        ttft.set_yscale("log")
+        ttft.yaxis.set_major_formatter(ScalarFormatter())
+        ttft.yaxis.set_minor_formatter(ScalarFormatter())
+    ttft.set_ylabel("TTFT ms (client): bar p50, marker p99")
+    ttft.set_title("time to first token", fontsize=10)
+    ttft.legend(fontsize=6, ncol=2)
+    machine = result.get("machine", {})
+    figure.suptitle(f"Routers on a simulated fleet ({result['settings']['ctx_workers']} CTX + "
+                    f"{result['settings']['gen_workers']} GEN; {machine.get('cpu_model')}, {machine.get('nproc')} "
+                    f"cores, {result.get('mode', 'full')} run)", fontsize=10)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return path
