@@ -20,34 +20,28 @@ import argparse
 import asyncio
 import contextlib
 import json
-import os
 import random
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httpx
-import orjson
 import yaml
 
+from bench.machine import open_fds, rss_mb
+from bench.soak_load import Outcome, Settings, one_request
+from bench.soak_report import summarize_run, table
 from entrypoints.launcher import free_port
 from frontend.process_lifetime import die_with_parent
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-MODEL = "synthetic"
-SYNTHETIC_TEXT = b"The quick brown fox jumps over the lazy dog. "
 HEALTH_INTERVAL_S = 0.5
 STOP_GRACE_S = 40.0
-
-
-def synthetic_text(n: int) -> str:
-    return bytes(SYNTHETIC_TEXT[i % len(SYNTHETIC_TEXT)] for i in range(n)).decode()
 
 
 # -- processes --------------------------------------------------------------------------------------------------
@@ -107,21 +101,6 @@ class Proc:
         return ""
 
 
-def rss_mb(pid: int) -> float | None:
-    with contextlib.suppress(OSError, ValueError, IndexError):
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return None
-
-
-def open_fds(pid: int) -> int | None:
-    try:
-        return len(os.listdir(f"/proc/{pid}/fd"))
-    except OSError:
-        return None
-
-
 def gauges(url: str) -> dict[str, float]:
     """The in-flight and KV-store gauges a process reports at /metrics (absent ones are left out)."""
     text = httpx.get(url + "/metrics", timeout=10).text
@@ -133,16 +112,7 @@ def gauges(url: str) -> dict[str, float]:
     return found
 
 
-# -- the load ---------------------------------------------------------------------------------------------------
-@dataclass
-class Outcome:
-    started: float
-    ended: float
-    kind: str  # ok | cancelled | error
-    detail: str = ""
-    streaming: bool = False
-
-
+# -- the run ----------------------------------------------------------------------------------------------------
 @dataclass
 class RestartWindow:
     sigterm_at: float | None = None
@@ -158,80 +128,6 @@ class RestartWindow:
         return started <= end and ended >= self.sigterm_at
 
 
-@dataclass
-class Settings:
-    duration_s: float
-    concurrency: int
-    itl_ms: float
-    disconnect_fraction: float
-    stream_fraction: float
-    restart_at: float
-    sample_every_s: float
-    settle_s: float
-    seed: int
-
-
-async def one_request(client: httpx.AsyncClient, url: str, rng: random.Random, settings: Settings) -> Outcome:
-    streaming = rng.random() < settings.stream_fraction
-    disconnect = rng.random() < settings.disconnect_fraction
-    max_tokens = rng.randint(4, 48)
-    words = rng.randint(5, 400)
-    content = " ".join(rng.choice(("alpha", "beta", "gamma", "delta", "ünïcödé")) for _ in range(words))
-    body = {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
-            "stream": streaming}
-    started = time.monotonic()
-    try:
-        if streaming:
-            return await _streamed(client, url, body, max_tokens, disconnect, started, rng)
-        if disconnect:
-            # The client gives up before the answer: the task is cancelled, its connection closed.
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(client.post(url + "/v1/chat/completions", content=orjson.dumps(body)),
-                                       timeout=rng.uniform(0.001, 0.03))
-            return Outcome(started, time.monotonic(), "cancelled")
-        reply = await client.post(url + "/v1/chat/completions", content=orjson.dumps(body))
-        if reply.status_code != 200:
-            return Outcome(started, time.monotonic(), "error", f"HTTP {reply.status_code}: {reply.text[:200]}")
-        text = reply.json()["choices"][0]["message"]["content"]
-        if text != synthetic_text(max_tokens):
-            return Outcome(started, time.monotonic(), "error", f"wrong text {text[:60]!r}")
-        return Outcome(started, time.monotonic(), "ok")
-    except httpx.HTTPError as exc:
-        return Outcome(started, time.monotonic(), "error", f"{type(exc).__name__}: {exc}", streaming)
-
-
-async def _streamed(client: httpx.AsyncClient, url: str, body: dict[str, Any], max_tokens: int, disconnect: bool,
-                    started: float, rng: random.Random) -> Outcome:
-    leave_after = rng.randint(1, 4) if disconnect else None
-    parts: list[str] = []
-    frames = 0
-    buffer = b""
-    async with client.stream("POST", url + "/v1/chat/completions", content=orjson.dumps(body)) as response:
-        if response.status_code != 200:
-            text = (await response.aread()).decode(errors="replace")
-            return Outcome(started, time.monotonic(), "error", f"HTTP {response.status_code}: {text[:200]}", True)
-        async for chunk in response.aiter_raw():
-            buffer += chunk
-            while b"\n\n" in buffer:
-                frame, buffer = buffer.split(b"\n\n", 1)
-                frames += 1
-                if frame == b"data: [DONE]":
-                    text = "".join(parts)
-                    if text != synthetic_text(max_tokens):
-                        return Outcome(started, time.monotonic(), "error", f"wrong text {text[:60]!r}", True)
-                    return Outcome(started, time.monotonic(), "ok", streaming=True)
-                payload = orjson.loads(frame.removeprefix(b"data: "))
-                if "error" in payload:
-                    return Outcome(started, time.monotonic(), "error",
-                                   f"stream error event: {payload['error'].get('message', '')[:200]}", True)
-                if payload.get("choices"):
-                    parts.append(payload["choices"][0]["delta"].get("content") or "")
-            if leave_after is not None and frames >= leave_after:
-                return Outcome(started, time.monotonic(), "cancelled", streaming=True)  # leaves: closes the stream
-    return Outcome(started, time.monotonic(), "error", "the stream ended without [DONE]", True)
-
-
-# -- the run ----------------------------------------------------------------------------------------------------
 @dataclass
 class Run:
     settings: Settings
@@ -373,90 +269,7 @@ def soak(settings: Settings, log_dir: Path) -> dict[str, Any]:
     finally:
         for role in ("orchestrator", "gen", "ctx"):
             processes[role].stop()
-    return _report(run, end_gauges, fds_end, rss_end)
-
-
-def _quarter_median(samples: list[dict[str, Any]], role: str, low: float, high: float, length: float) -> float | None:
-    values = [s["rss_mb"] for s in samples
-              if s["role"] == role and s["rss_mb"] is not None and low * length <= s["t"] < high * length]
-    return round(statistics.median(values), 1) if values else None
-
-
-def _report(run: Run, end_gauges: dict[str, dict[str, float]], fds_end: dict[str, int | None],
-            rss_end: dict[str, float | None]) -> dict[str, Any]:
-    slack = 2 * HEALTH_INTERVAL_S + 1.0
-    counts = {"ok": 0, "cancelled": 0, "expected_errors": 0, "unexpected_errors": 0}
-    unexpected: list[str] = []
-    unexpected_at: list[float] = []
-    expected: list[str] = []
-    for outcome in run.outcomes:
-        if outcome.kind in ("ok", "cancelled"):
-            counts[outcome.kind] += 1
-        elif run.restart.covers(outcome.started, outcome.ended, slack) and not outcome.detail.startswith("wrong"):
-            counts["expected_errors"] += 1
-            expected.append(outcome.detail)
-        else:
-            counts["unexpected_errors"] += 1
-            unexpected.append(outcome.detail)
-            unexpected_at.append(round(outcome.started - run.load_started, 3))
-    length = run.load_ended - run.load_started
-    rss = {}
-    for role in run.processes:
-        q2 = _quarter_median(run.samples, role, 0.25, 0.5, length)
-        q4 = _quarter_median(run.samples, role, 0.75, 1.01, length)
-        growth = round(100 * (q4 - q2) / q2, 1) if q2 and q4 else None
-        rss[role] = {"q2_median_mb": q2, "q4_median_mb": q4, "growth_pct": growth, "end_mb": rss_end[role]}
-    fds: dict[str, dict[str, int | None]] = {}
-    for role, proc in run.processes.items():
-        start, end = proc.fds_at_start, fds_end[role]
-        fds[role] = {"pid": proc.pid, "start": start, "end": end,
-                     "growth": end - start if end is not None and start is not None else None}
-    restart = asdict(run.restart)
-    for key in ("sigterm_at", "healthy_at"):
-        if restart[key] is not None:
-            restart[key] = round(restart[key] - run.load_started, 3)
-    return {
-        "settings": asdict(run.settings),
-        "duration_s": round(length, 2),
-        "requests": len(run.outcomes),
-        "requests_per_s": round(len(run.outcomes) / length, 1) if length else None,
-        "streaming_share": round(sum(o.streaming for o in run.outcomes) / max(1, len(run.outcomes)), 3),
-        **counts,
-        "expected_error_samples": sorted(set(expected))[:10],
-        "unexpected_error_samples": sorted(set(unexpected))[:10],
-        "unexpected_error_times_s": sorted(unexpected_at)[:100],
-        "gen_restart": restart,
-        "end_gauges": end_gauges,
-        "end_gauges_all_zero": all(v == 0 for g in end_gauges.values() for v in g.values()),
-        "rss_mb": rss,
-        "open_fds": fds,
-        "samples": run.samples,
-    }
-
-
-def table(result: dict[str, Any]) -> str:
-    lines = [
-        f"soak: {result['duration_s']} s at concurrency {result['settings']['concurrency']}, "
-        f"{result['requests']} requests ({result['requests_per_s']}/s, {result['streaming_share']:.0%} streamed)",
-        "",
-        "| outcome | count |", "| --- | --- |",
-        *(f"| {k.replace('_', ' ')} | {result[k]} |"
-          for k in ("ok", "cancelled", "expected_errors", "unexpected_errors")),
-        "",
-        "| process | RSS Q2 median MB | RSS Q4 median MB | growth % | fds start | fds end |",
-        "| --- | --- | --- | --- | --- | --- |",
-    ]
-    for role, rss in result["rss_mb"].items():
-        fds = result["open_fds"][role]
-        lines.append(f"| {role} | {rss['q2_median_mb']} | {rss['q4_median_mb']} | {rss['growth_pct']} | "
-                     f"{fds['start']} | {fds['end']} |")
-    restart = result["gen_restart"]
-    lines += ["", f"GEN restart: SIGTERM at {restart['sigterm_at']} s (exit {restart['exit_status']}), healthy again "
-                  f"at {restart['healthy_at']} s (pid {restart['old_pid']} -> {restart['new_pid']})",
-              "end gauges: " + ", ".join(f"{k} {v:g}" for g in result["end_gauges"].values() for k, v in g.items())]
-    if result["unexpected_error_samples"]:
-        lines += ["unexpected errors:", *(f"  {e}" for e in result["unexpected_error_samples"])]
-    return "\n".join(lines)
+    return summarize_run(run, end_gauges, fds_end, rss_end, slack=2 * HEALTH_INTERVAL_S + 1.0)
 
 
 def main(argv: list[str] | None = None) -> int:
