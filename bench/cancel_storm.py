@@ -17,13 +17,12 @@ the JSON. A median alone hides the tail a user meets one request in ten.
 
 from __future__ import annotations
 
-import argparse
 import time
 from typing import Any
 
 import httpx
 
-from bench.common import Processes, Server, http_get, open_raw_post
+from bench.common import Processes, Server, arguments, http_get, open_raw_post
 from bench.figures import percentile, ratio
 from bench.machine import loadavg
 from bench.reference import prompt_of, start_reference_system, stream_once
@@ -127,7 +126,7 @@ def tables(result: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = arguments(__doc__)
     parser.add_argument("--rounds", type=int, default=ROUNDS)
     parser.add_argument("--json", default="bench-results/cancel_storm.json", help="write the result here")
     args = parser.parse_args(argv)

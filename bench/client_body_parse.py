@@ -11,7 +11,6 @@ estimate), and CTX's body (the native protocol's).
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from collections.abc import Callable
@@ -20,6 +19,7 @@ from typing import Any
 import orjson
 
 from bench.bodies import SYNTHETIC_MODEL, prompt_text
+from bench.common import arguments
 from bench.report import markdown_table
 from frontend.http import parse_json_object
 from orchestrator.client_body import parse_client_body
@@ -68,7 +68,7 @@ def measure(text: str, rounds: int = ROUNDS) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser = arguments(__doc__)
     parser.add_argument("--chars", type=int, default=CHARS)
     parser.add_argument("--rounds", type=int, default=ROUNDS)
     args = parser.parse_args(argv)

@@ -4,6 +4,7 @@ that check on them. The machine they run on is bench.machine; what they report i
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import http.client
 import os
@@ -193,3 +194,16 @@ def orchestrator_help() -> str:
     except subprocess.TimeoutExpired:
         return ""
     return done.stdout
+
+
+# -- the command line every benchmark has ----------------------------------------------------------------------
+def arguments(doc: str | None) -> argparse.ArgumentParser:
+    """A benchmark's (or a helper process's) parser, described by the first paragraph of its module docstring."""
+    return argparse.ArgumentParser(description=doc.split("\n\n")[0] if doc else None)
+
+
+def add_docs_flag(parser: argparse.ArgumentParser, name: str) -> None:
+    """``--docs``: write docs/benchmarks/<name>.{json,png} and its section of docs/benchmarks.md
+    (``bench.report.publish``)."""
+    parser.add_argument("--docs", action="store_true",
+                        help=f"write docs/benchmarks/{name}.{{json,png}} and the section of docs/benchmarks.md")

@@ -14,7 +14,6 @@ and ``sum by (...) (gauge)``; rates over a 10 s window) and drawn with matplotli
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import re
@@ -28,7 +27,16 @@ from pathlib import Path
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.common import PYTHON, REPO_ROOT, Processes, free_port, orchestrator_config, wait_healthy, worker_args
+from bench.common import (
+    PYTHON,
+    REPO_ROOT,
+    Processes,
+    arguments,
+    free_port,
+    orchestrator_config,
+    wait_healthy,
+    worker_args,
+)
 
 DASHBOARD = REPO_ROOT / "deploy" / "grafana" / "disagg-serve.json"
 MAIN_PANELS = ("Request rate by endpoint and status", "Errors by endpoint and status", "In flight per process",
@@ -231,7 +239,7 @@ def draw(scrapes: list[Scrape], out: Path) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser = arguments(__doc__)
     parser.add_argument("--seconds", type=float, default=30.0, help="load time per rate (default 30)")
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "docs" / "images" / "dashboard.png")
     args = parser.parse_args(argv)

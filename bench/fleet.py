@@ -24,7 +24,6 @@ orchestrator refuses at start-up is skipped with a note.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import math
 import sys
@@ -37,7 +36,18 @@ from typing import Any
 import orjson
 
 from bench import report
-from bench.common import LOOPBACK, PYTHON, Processes, Server, StartupError, free_port, http_get, wait_healthy
+from bench.common import (
+    LOOPBACK,
+    PYTHON,
+    Processes,
+    Server,
+    StartupError,
+    add_docs_flag,
+    arguments,
+    free_port,
+    http_get,
+    wait_healthy,
+)
 from bench.figures import percentile
 from bench.fleet_client import Record, drive
 from bench.fleet_metrics import orchestrator_counters, worker_counters
@@ -242,7 +252,7 @@ def _settings_dict(settings: Settings) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser = arguments(__doc__)
     parser.add_argument("--quick", action="store_true", help="a quarter of each workload's arrival window")
     parser.add_argument("--routers", nargs="+", choices=tuple(ROUTERS), default=list(ROUTERS))
     parser.add_argument("--workloads", nargs="+", choices=tuple(WORKLOADS), default=None)
@@ -253,8 +263,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="scale each workload's arrival window: longer runs make the fleet's warm-up (each "
                              "worker's first prefill of each shared prompt) a smaller share of the requests")
     parser.add_argument("--json", default=None, help="also write the result here")
-    parser.add_argument("--docs", action="store_true",
-                        help="write docs/benchmarks/fleet.{json,png} and the section of docs/benchmarks.md")
+    add_docs_flag(parser, "fleet")
     args = parser.parse_args(argv)
     settings = QUICK if args.quick else FULL
     if args.cache_tokens is not None:

@@ -29,6 +29,7 @@ import orjson
 import uvicorn
 import uvloop
 
+from bench.common import arguments
 from entrypoints import cli
 from entrypoints.arguments import build_parser
 from entrypoints.client_limits import ClientLimits
@@ -99,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     if "--" in raw:
         cut = raw.index("--")
         raw, engine_flags = raw[:cut], raw[cut + 1 :]
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser = arguments(__doc__)
     parser.add_argument("--control-port", type=int, required=True)
     parser.add_argument("--worker", action="append", default=[], metavar="ROLE:PORT",
                         help="a worker to serve (context, generation or both), once per worker")

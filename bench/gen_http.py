@@ -10,7 +10,6 @@ the process spends on a request. Clock ticks are 10 ms, so each batch runs long 
 
 from __future__ import annotations
 
-import argparse
 import http.client
 import statistics
 import sys
@@ -20,7 +19,7 @@ from typing import Any
 import orjson
 
 from bench.bodies import GEN_KINDS, gen_body, random_tokens
-from bench.common import LOOPBACK, Processes, free_port, wait_healthy, worker_args
+from bench.common import LOOPBACK, Processes, arguments, free_port, wait_healthy, worker_args
 from bench.figures import ratio
 from bench.machine import cpu_seconds
 from bench.report import fmt, markdown_table, print_and_save
@@ -144,7 +143,7 @@ def tables(result: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser = arguments(__doc__)
     parser.add_argument("--sizes", type=int, nargs="+", default=list(SIZES))
     parser.add_argument("--batches", type=int, default=5)
     parser.add_argument("--json", default=None)

@@ -15,7 +15,6 @@ under both schedules (a benchmark that also asserts correctness).
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import sys
 import time
@@ -25,7 +24,7 @@ import orjson
 from openai import AsyncOpenAI
 
 from bench import common, report
-from bench.common import Processes, Server
+from bench.common import Processes, Server, arguments
 from bench.figures import percentile, ratio
 from bench.reference import prompt_of
 from bench.report import fmt
@@ -165,7 +164,7 @@ def tables(result: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser = arguments(__doc__)
     parser.add_argument("--quick", action="store_true", help="concurrency 1 only, 3 rounds")
     parser.add_argument("--v0-only", action="store_true", help="leave out the lifecycle-v1 pair")
     parser.add_argument("--out", default=None, help="write the JSON here (e.g. bench-results/generation_first.json)")

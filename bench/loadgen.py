@@ -23,7 +23,6 @@ both ends of the window.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import os
@@ -38,6 +37,7 @@ import httpx
 import orjson
 
 from bench.bodies import SYNTHETIC_MODEL, client_completion_body, prompt_text
+from bench.common import arguments
 from bench.figures import finite, summarize
 from bench.machine import cpu_seconds, machine_busy_seconds, tree_cpu_seconds
 from entrypoints.bench.load import JSON_HEADERS, Record, StreamError, consume_stream, post_streamed, run_client
@@ -291,7 +291,7 @@ def summarize_run(config: dict[str, Any], state: State, window: dict[str, Any]) 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser = arguments(__doc__)
     parser.add_argument("--config", required=True, help="JSON file with the run's settings")
     parser.add_argument("--out", required=True, help="where to write the JSON result")
     args = parser.parse_args(argv)

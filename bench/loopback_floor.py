@@ -11,11 +11,11 @@ relay moves ~1.2 MB in (the body, then CTX's 699 KB answer) and ~1.2 MB out (to 
 
 from __future__ import annotations
 
-import argparse
 import os
 import socket
 import sys
 
+from bench.common import arguments
 from bench.report import markdown_table
 
 SIZES = {"metadata-only at 131k (524 KB in, 524 KB out)": 524_366,
@@ -86,7 +86,7 @@ def measure(size: int, rounds: int = ROUNDS) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser = arguments(__doc__)
     parser.add_argument("--rounds", type=int, default=ROUNDS)
     args = parser.parse_args(argv)
     rows = [[name, f"{size:,}", f"{measure(size, args.rounds):.2f}"] for name, size in SIZES.items()]

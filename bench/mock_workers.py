@@ -31,7 +31,6 @@ cache_aware policy; without them it routes on the text): those are not counted.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import sys
 from collections.abc import Callable
@@ -41,6 +40,7 @@ import httptools
 import orjson
 
 from bench.bodies import random_tokens
+from bench.common import arguments
 from frontend.token_codec import TOKEN_DTYPE
 
 _NO_TOKENS_ASKED = b'"return_prompt_token_ids_b64":false'
@@ -238,7 +238,7 @@ async def serve(role: str, port: int, prompt_tokens: int, tokens: int, flavour: 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser = arguments(__doc__)
     parser.add_argument("--role", choices=("ctx", "gen"), required=True)
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--prompt-tokens", type=int, default=1_024)

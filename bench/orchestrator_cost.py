@@ -30,7 +30,6 @@ largest prompt, concurrency 1.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
@@ -44,6 +43,8 @@ from bench.common import (
     Processes,
     Server,
     StartupError,
+    add_docs_flag,
+    arguments,
     free_port,
     orchestrator_config,
     wait_healthy,
@@ -264,7 +265,7 @@ def scaling_command(api_workers: int, levels: tuple[int, ...], prompts: tuple[in
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser = arguments(__doc__)
     parser.add_argument("--prompts", type=int, nargs="+", default=list(PROMPTS))
     parser.add_argument("--concurrency", type=int, nargs="+", default=list(CONCURRENCY))
     parser.add_argument("--endpoint", choices=("chat", "completions", "both"), default="both",
@@ -288,8 +289,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="the Rust gateways' --policy (round_robin: each one's cheapest)")
     parser.add_argument("--frame-gap-ms", type=float, default=FRAME_GAP_MS,
                         help="milliseconds between GEN's streamed frames (0: the whole stream in one burst)")
-    parser.add_argument("--docs", action="store_true",
-                        help="write docs/benchmarks/orchestrator_cost.{json,png} and the section of docs/benchmarks.md")
+    add_docs_flag(parser, "orchestrator_cost")
     args = parser.parse_args(argv)
     setups = {**ORCHESTRATORS, **({HTTPX: {"upstream_client": "httpx"}} if args.with_httpx else {})}
     if args.compare_router:

@@ -18,7 +18,6 @@ two tenants: ``heavy`` (batch class, at most ``heavy_concurrent`` requests at on
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import time
 from dataclasses import asdict, dataclass
@@ -27,7 +26,16 @@ from typing import Any
 
 import httpx
 
-from bench.common import Processes, Server, child_env, free_port, orchestrator_config, wait_healthy, worker_args
+from bench.common import (
+    Processes,
+    Server,
+    arguments,
+    child_env,
+    free_port,
+    orchestrator_config,
+    wait_healthy,
+    worker_args,
+)
 from bench.figures import median, percentile, ratio
 from bench.machine import cpu_seconds
 from bench.report import fmt, markdown_table, print_and_save
@@ -248,7 +256,7 @@ def tables(result: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = arguments(__doc__)
     parser.add_argument("--seconds", type=float, default=Settings.burst_s, help="how long the burst lasts")
     parser.add_argument("--json", default="bench-results/overload.json", help="write the result here")
     args = parser.parse_args(argv)

@@ -14,12 +14,13 @@ Run as ``python -m bench.passthrough_proxy --port P --ctx URL --gen URL``.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from typing import Any
 
 import aiohttp
 import uvicorn
+
+from bench.common import arguments
 
 _JSON = {"Content-Type": "application/json"}
 _SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
@@ -74,7 +75,7 @@ async def _read_body(receive: Any) -> bytes:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser = arguments(__doc__)
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--ctx", required=True, help="the CTX worker's URL")
     parser.add_argument("--gen", required=True, help="the GEN worker's URL")

@@ -11,7 +11,6 @@ and a SIGTERM would be honoured: a caller waits for it instead of guessing how l
 
 from __future__ import annotations
 
-import argparse
 import http.client
 import json
 import signal
@@ -19,6 +18,8 @@ import sys
 import threading
 import time
 from pathlib import Path
+
+from bench.common import arguments
 
 
 def probe(url: str, interval_s: float, stop: threading.Event, samples: list[list[float | None]],
@@ -52,7 +53,7 @@ def probe(url: str, interval_s: float, stop: threading.Event, samples: list[list
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser = arguments(__doc__)
     parser.add_argument("--target", action="append", default=[], help="NAME=http://127.0.0.1:PORT")
     parser.add_argument("--interval-ms", type=float, default=20.0)
     parser.add_argument("--max-s", type=float, default=600.0)

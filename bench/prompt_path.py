@@ -16,7 +16,6 @@ Peak Python allocation comes from tracemalloc, in separate passes so tracing nev
 
 from __future__ import annotations
 
-import argparse
 import functools
 import gc
 import pickle
@@ -32,6 +31,7 @@ import orjson
 import pybase64
 
 from bench.bodies import gen_body, random_tokens
+from bench.common import arguments
 from bench.figures import ratio
 from bench.report import fmt, markdown_table, print_and_save
 from frontend.http import parse_json_object, validate_wire
@@ -329,7 +329,7 @@ def _pickle_round_trip(request: GenerationRequest) -> object:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser = arguments(__doc__)
     parser.add_argument("--sizes", type=int, nargs="+", default=list(SIZES))
     parser.add_argument("--runs", type=int, default=9)
     parser.add_argument("--json", default=None, help="write the result here")

@@ -14,7 +14,6 @@ ITL and decode rate leave that first gap out.
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import statistics
 import sys
@@ -25,7 +24,16 @@ from typing import Any
 import httpx
 import orjson
 
-from bench.common import Processes, Server, free_port, http_get, orchestrator_config, wait_healthy, worker_args
+from bench.common import (
+    Processes,
+    Server,
+    arguments,
+    free_port,
+    http_get,
+    orchestrator_config,
+    wait_healthy,
+    worker_args,
+)
 from bench.report import fmt, markdown_table, print_and_save
 
 PROMPT_TOKENS = (128, 512, 2048)
@@ -226,7 +234,7 @@ def tables(result: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser = arguments(__doc__)
     parser.add_argument("--prompt-tokens", type=int, nargs="+", default=list(PROMPT_TOKENS))
     parser.add_argument("--runs", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=MAX_TOKENS)

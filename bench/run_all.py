@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import gen_http, generation_first, plots, prompt_path, reference, report, system_load
+from bench.common import arguments
 from bench.machine import loadavg, machine_info, wait_for_quiet
 from bench.report import markdown_table, verdict, write_json
 
@@ -115,7 +116,7 @@ def generated_block(results: dict[str, dict[str, Any]], machine: dict[str, Any],
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser = arguments(__doc__)
     parser.add_argument("--quick", action="store_true", help="small matrices, under ~2 minutes")
     parser.add_argument("--out", type=Path, default=None,
                         help="folder for JSON and PNG (default: docs/benchmarks, or a temp folder with --quick)")

@@ -33,7 +33,6 @@ streams one chat and one completions request through each gateway in front of th
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import http.client
 import os
@@ -47,7 +46,7 @@ from typing import Any
 import orjson
 
 from bench.bodies import SYNTHETIC_MODEL
-from bench.common import LOOPBACK, PYTHON, REPO_ROOT, Processes, Server, free_port, http_get, wait_healthy
+from bench.common import LOOPBACK, PYTHON, REPO_ROOT, Processes, Server, arguments, free_port, http_get, wait_healthy
 from bench.mock_workers import MODEL as MOCK_MODEL
 
 VENV_DIR = REPO_ROOT / "bench-results" / "gateways-venv"
@@ -283,7 +282,7 @@ def check(venv: Path = VENV_DIR, install: bool = True) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser = arguments(__doc__)
     parser.add_argument("--venv", type=Path, default=VENV_DIR, help="the side virtual environment")
     parser.add_argument("--no-install", action="store_true", help="only look for the gateways, install nothing")
     parser.add_argument("--check", action="store_true",

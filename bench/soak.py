@@ -16,7 +16,6 @@ happened.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import json
@@ -33,6 +32,7 @@ from typing import Any
 import httpx
 import yaml
 
+from bench.common import arguments
 from bench.machine import open_fds, rss_mb
 from bench.soak_load import Outcome, Settings, one_request
 from bench.soak_report import summarize_run, table
@@ -273,7 +273,7 @@ def soak(settings: Settings, log_dir: Path) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser = arguments(__doc__)
     parser.add_argument("--minutes", type=float, default=3.0)
     parser.add_argument("--seconds", type=float, default=None, help="overrides --minutes")
     parser.add_argument("--concurrency", type=int, default=64)

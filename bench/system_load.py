@@ -9,7 +9,6 @@ is then run once more under py-spy (sampling the orchestrator) to say where its 
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
@@ -20,6 +19,7 @@ from bench import py_spy
 from bench.common import (
     Processes,
     Server,
+    arguments,
     free_port,
     orchestrator_config,
     orchestrator_help,
@@ -241,7 +241,7 @@ def api_workers_scenario(prompts: tuple[int, ...], concurrency: tuple[int, ...],
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser = arguments(__doc__)
     parser.add_argument("--prompts", type=int, nargs="+", default=list(PROMPTS))
     parser.add_argument("--concurrency", type=int, nargs="+", default=list(CONCURRENCY))
     parser.add_argument("--quick", action="store_true")

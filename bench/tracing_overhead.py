@@ -11,7 +11,6 @@ CPU time is this thread's only (the SDK exports from its own), i.e. what the eve
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
 import sys
@@ -20,6 +19,7 @@ from collections.abc import AsyncIterator
 from types import SimpleNamespace
 from typing import Any
 
+from bench.common import arguments
 from frontend import tracing
 from orchestrator import flow_tracing
 
@@ -83,7 +83,7 @@ async def _measure(requests: int) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser = arguments(__doc__)
     parser.add_argument("--requests", type=int, default=200_000)
     args = parser.parse_args(argv)
     result = asyncio.run(_measure(args.requests))
