@@ -17,7 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bench import gen_http, generation_first, plots, prompt_path, reference, report, system_load
+from bench import gen_http, generation_first, plots, prompt_path, reference, report, system_load, system_load_report
 from bench.common import arguments
 from bench.machine import loadavg, machine_info, wait_for_quiet
 from bench.report import markdown_table, verdict, write_json
@@ -80,7 +80,7 @@ def machine_section(machine: dict[str, Any], mode: str, elapsed_s: float | None)
 
 def targets_section(results: dict[str, dict[str, Any]]) -> tuple[str, list[dict[str, Any]]]:
     collected: list[dict[str, Any]] = []
-    modules = {"prompt_path": prompt_path, "gen_http": gen_http, "system_load": system_load}
+    modules = {"prompt_path": prompt_path, "gen_http": gen_http, "system_load": system_load_report}
     for name, module in modules.items():
         if name in results:
             collected += module.targets(results[name])
@@ -104,7 +104,7 @@ def generated_block(results: dict[str, dict[str, Any]], machine: dict[str, Any],
                   f"![CPU per request vs prompt length]({plot_dir}/cpu_per_request.png)", ""]
     if "system_load" in results:
         parts += ["### 3. The whole system under load (synthetic engine, streaming)", "",
-                  system_load.tables(results["system_load"]), "",
+                  system_load_report.tables(results["system_load"]), "",
                   f"![latency vs concurrency]({plot_dir}/load_latency.png)", ""]
     if "reference" in results:
         parts += ["### 4. The reference engine: disaggregated vs aggregated (BLAS 1 thread)", "",

@@ -29,9 +29,7 @@ from bench.common import (
 from bench.load_point import Phases, lag_in_window, run_loadgen, start_prober, stop_prober
 from bench.machine import wait_for_quiet
 from bench.report import print_and_save
-from bench.system_load_report import TARGET_PROMPT
-from bench.system_load_report import tables as tables
-from bench.system_load_report import targets as targets
+from bench.system_load_report import TARGET_PROMPT, tables
 
 PROMPTS = (1_024, 40_000, 131_072)
 CONCURRENCY = (1, 16, 64, 256)

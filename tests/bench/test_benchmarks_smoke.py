@@ -13,7 +13,17 @@ from typing import Any
 
 import pytest
 
-from bench import cancel_storm, gen_http, plots, prompt_path, reference, report, run_all, system_load
+from bench import (
+    cancel_storm,
+    gen_http,
+    plots,
+    prompt_path,
+    reference,
+    report,
+    run_all,
+    system_load,
+    system_load_report,
+)
 from bench.load_point import Phases
 
 TINY = Phases(warmup_s=0.1, max_warmup_s=5.0, measure_s=0.3, max_measure_s=3.0, tail_s=5.0,
@@ -83,7 +93,7 @@ def test_system_under_load_runs_every_scenario(system_load_result: dict[str, Any
     api = system_load_result["api_workers"]
     if api["available"]:
         assert {r["api_workers"] for r in api["runs"]} == {1, 2}
-    table = system_load.tables(system_load_result)
+    table = system_load_report.tables(system_load_result)
     assert "| 256 | 1 |" in table and "| 256 | 2 |" in table
 
 
