@@ -121,61 +121,6 @@ def generated_block(result: dict[str, Any], plot_path: str) -> str:
 
 
 def plot(result: dict[str, Any], path: Path) -> Path:
-    import matplotlib
+    from bench import plots
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    cells = _cells(result)
-    workloads = list(dict.fromkeys(c["workload"] for c in cells))
-    routers = [r for r in result["routers"] if any(c["router"] == r for c in cells)]
-    by = {(c["workload"], c["router"]): c for c in cells}
-    figure, (hits, ttft) = plt.subplots(1, 2, figsize=(12, 4.8))
-    width = 0.8 / max(1, len(routers))
-    palette = plt.get_cmap("tab10")
-    for r_index, router in enumerate(routers):
-        xs, ratios, p50s, p99s = [], [], [], []
-        for w_index, workload in enumerate(workloads):
-            c = by.get((workload, router))
-            if c is None:
-                continue
-            xs.append(w_index + (r_index - (len(routers) - 1) / 2) * width)
-            ratios.append(c["hit_ratio"])
-            p50s.append(c["ttft_ms"]["p50"])
-            p99s.append(c["ttft_ms"]["p99"])
-        colour = palette(r_index)
-        hits.bar(xs, ratios, width, label=router, color=colour)
-        ttft.bar(xs, p50s, width, label=f"{router} p50", color=colour)
-        ttft.scatter(xs, p99s, marker="v", color=colour, edgecolors="black", zorder=3,
-                     label=f"{router} p99")
-    for w_index, workload in enumerate(workloads):
-        oracle = next((by[(workload, r)]["oracle_hit_ratio"] for r in routers if (workload, r) in by), None)
-        if oracle is not None:
-            hits.hlines(oracle, w_index - 0.45, w_index + 0.45, colors="black", linestyles="--",
-                        label="oracle (best any cache could do)" if w_index == 0 else None)
-    for axis in (hits, ttft):
-        axis.set_xticks(range(len(workloads)))
-        axis.set_xticklabels(workloads)
-        axis.grid(axis="y", alpha=0.3)
-    hits.set_ylim(0, 1.2)
-    hits.set_ylabel("prefix-cache hit ratio (fleet, token-weighted)")
-    hits.set_title("hit ratio per router vs the oracle", fontsize=10)
-    hits.legend(fontsize=7, loc="upper center", ncol=3)
-    if any(c["ttft_ms"]["p50"] and c["ttft_ms"]["p50"] > 0 for c in cells):
-        from matplotlib.ticker import ScalarFormatter
-
-        ttft.set_yscale("log")
-        ttft.yaxis.set_major_formatter(ScalarFormatter())
-        ttft.yaxis.set_minor_formatter(ScalarFormatter())
-    ttft.set_ylabel("TTFT ms (client): bar p50, marker p99")
-    ttft.set_title("time to first token", fontsize=10)
-    ttft.legend(fontsize=6, ncol=2)
-    machine = result.get("machine", {})
-    figure.suptitle(f"Routers on a simulated fleet ({result['settings']['ctx_workers']} CTX + "
-                    f"{result['settings']['gen_workers']} GEN; {machine.get('cpu_model')}, {machine.get('nproc')} "
-                    f"cores, {result.get('mode', 'full')} run)", fontsize=10)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
-    return path
+    return plots.fleet_plot(result, path)
