@@ -17,7 +17,17 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bench import gen_http, generation_first, plots, prompt_path, reference, report, system_load, system_load_report
+from bench import (
+    gen_http,
+    generation_first,
+    plots,
+    prompt_path,
+    prompt_path_report,
+    reference,
+    report,
+    system_load,
+    system_load_report,
+)
 from bench.common import arguments
 from bench.machine import loadavg, machine_info, wait_for_quiet
 from bench.report import markdown_table, verdict, write_json
@@ -80,7 +90,7 @@ def machine_section(machine: dict[str, Any], mode: str, elapsed_s: float | None)
 
 def targets_section(results: dict[str, dict[str, Any]]) -> tuple[str, list[dict[str, Any]]]:
     collected: list[dict[str, Any]] = []
-    modules = {"prompt_path": prompt_path, "gen_http": gen_http, "system_load": system_load_report}
+    modules = {"prompt_path": prompt_path_report, "gen_http": gen_http, "system_load": system_load_report}
     for name, module in modules.items():
         if name in results:
             collected += module.targets(results[name])
@@ -96,7 +106,7 @@ def generated_block(results: dict[str, dict[str, Any]], machine: dict[str, Any],
     parts += ["### Targets", "", targets_table, ""]
     if "prompt_path" in results:
         parts += ["### 1. The prompt path: list vs array vs floor (in-process)", "",
-                  prompt_path.tables(results["prompt_path"]), "",
+                  prompt_path_report.tables(results["prompt_path"]), "",
                   f"![list vs array vs floor]({plot_dir}/prompt_path.png)", ""]
     if "gen_http" in results:
         parts += ["### 2. A GEN worker over HTTP: whole-process CPU per request", "",

@@ -18,6 +18,7 @@ from bench import (
     gen_http,
     plots,
     prompt_path,
+    prompt_path_report,
     reference,
     report,
     run_all,
@@ -59,8 +60,8 @@ def test_prompt_path_runs_and_is_well_formed(prompt_path_result: dict[str, Any])
     assert size["pickle"]["list"]["identical_tokens"] and size["pickle"]["array"]["identical_tokens"]
     assert size["pickle"]["array"]["array_path_built_list_when_pickled"] is False
     assert set(size["stages_ms"]["list"]) == set(size["stages_ms"]["array"])
-    assert prompt_path.targets(prompt_path_result) == []  # no 131,072-token point at this size
-    assert "| 1,000 |" in prompt_path.tables(prompt_path_result)
+    assert prompt_path_report.targets(prompt_path_result) == []  # no 131,072-token point at this size
+    assert "| 1,000 |" in prompt_path_report.tables(prompt_path_result)
 
 
 def test_gen_worker_cpu_per_request_runs(gen_http_result: dict[str, Any]) -> None:
