@@ -56,10 +56,3 @@ def test_tables_targets_block_and_plot(result: dict[str, Any], tmp_path: Path) -
     text = doc.read_text()
     assert text.count(fleet_report.BEGIN) == 1 and "other benchmarks" in text
     assert fleet_report.plot(result, tmp_path / "fleet.png").read_bytes()[:4] == b"\x89PNG"
-
-
-def test_every_router_gets_the_same_work() -> None:
-    assert fleet_work.sessions(fleet_work.CHAT, 7) == fleet_work.sessions(fleet_work.CHAT, 7)
-    chat = fleet_work.sessions(fleet_work.CHAT, 7)
-    assert len({s.system for s in chat}) == 2 and all(len(s.turns) == fleet_work.CHAT.turns for s in chat)
-    assert all(s.system is None and len(s.turns) == 1 for s in fleet_work.sessions(fleet_work.UNRELATED, 7))
