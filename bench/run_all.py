@@ -99,27 +99,27 @@ def targets_section(results: dict[str, dict[str, Any]]) -> tuple[str, list[dict[
     return markdown_table(["target", "measured", "issue figure", "DESIGN aim"], rows), collected
 
 
+# The page's sections, in order: benchmark, heading, its tables, the plot's alt text and file.
+PAGE_SECTIONS: tuple[tuple[str, str, Callable[[dict[str, Any]], str], str, str], ...] = (
+    ("prompt_path", "### 1. The prompt path: list vs array vs floor (in-process)", prompt_path_report.tables,
+     "list vs array vs floor", "prompt_path.png"),
+    ("gen_http", "### 2. A GEN worker over HTTP: whole-process CPU per request", gen_http.tables,
+     "CPU per request vs prompt length", "cpu_per_request.png"),
+    ("system_load", "### 3. The whole system under load (synthetic engine, streaming)", system_load_report.tables,
+     "latency vs concurrency", "load_latency.png"),
+    ("reference", "### 4. The reference engine: disaggregated vs aggregated (BLAS 1 thread)", reference.tables,
+     "reference engine", "reference.png"),
+)
+
+
 def generated_block(results: dict[str, dict[str, Any]], machine: dict[str, Any], mode: str,
                     elapsed_s: float | None, plot_dir: str) -> str:
     parts = [report.BEGIN, "", "### The machine", "", machine_section(machine, mode, elapsed_s), ""]
     targets_table, _ = targets_section(results)
     parts += ["### Targets", "", targets_table, ""]
-    if "prompt_path" in results:
-        parts += ["### 1. The prompt path: list vs array vs floor (in-process)", "",
-                  prompt_path_report.tables(results["prompt_path"]), "",
-                  f"![list vs array vs floor]({plot_dir}/prompt_path.png)", ""]
-    if "gen_http" in results:
-        parts += ["### 2. A GEN worker over HTTP: whole-process CPU per request", "",
-                  gen_http.tables(results["gen_http"]), "",
-                  f"![CPU per request vs prompt length]({plot_dir}/cpu_per_request.png)", ""]
-    if "system_load" in results:
-        parts += ["### 3. The whole system under load (synthetic engine, streaming)", "",
-                  system_load_report.tables(results["system_load"]), "",
-                  f"![latency vs concurrency]({plot_dir}/load_latency.png)", ""]
-    if "reference" in results:
-        parts += ["### 4. The reference engine: disaggregated vs aggregated (BLAS 1 thread)", "",
-                  reference.tables(results["reference"]), "",
-                  f"![reference engine]({plot_dir}/reference.png)", ""]
+    for name, heading, tables, alt, png in PAGE_SECTIONS:
+        if name in results:
+            parts += [heading, "", tables(results[name]), "", f"![{alt}]({plot_dir}/{png})", ""]
     parts.append(report.END)
     return "\n".join(parts)
 
