@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from frontend import tracing
 from workers.engines.request import Phase
-from workers.serving import PreparedGeneration
+from workers.prepared_generation import PreparedGeneration
 
 if TYPE_CHECKING:
     from opentelemetry.trace import Span

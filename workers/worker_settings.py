@@ -1,0 +1,23 @@
+"""A worker's settings: one immutable value, built once at start-up (``entrypoints/cli.py``) and passed in."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from frontend.http import DEFAULT_MAX_BODY_BYTES_READING
+from workers.lifecycle import LifecycleSettings, Role
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerSettings:
+    role: Role = "both"
+    max_body_bytes: int = 64 * 1024 * 1024
+    max_concurrent_requests: int = 512
+    max_body_bytes_reading: int = DEFAULT_MAX_BODY_BYTES_READING  # frontend/http.py: BodyBudget
+    admin_key: str | None = None  # guards the worker's admin endpoints (the hand-off ledger); None: they answer 403
+    # KV events (workers/prefix_holdings.py): where the publisher binds (ZMQ; port 0: any) and its replay socket.
+    # None: no events / no replay. Published only by an engine that reuses KV (``ReportsKvCapacity``).
+    kv_events_endpoint: str | None = "tcp://127.0.0.1:0"
+    kv_events_replay_endpoint: str | None = "tcp://127.0.0.1:0"
+    # TensorRT-LLM's lifecycle protocol (workers/lifecycle.py): v0 unless turned on, as in TensorRT-LLM.
+    lifecycle: LifecycleSettings = field(default_factory=LifecycleSettings)
