@@ -79,7 +79,7 @@ def run_worker(args: argparse.Namespace, argv: Sequence[str]) -> int:
     from workers.engines.factory import EngineOptions, create_engine
     from workers.engines.options import SimulatedConfig, VllmConfig
     from workers.engines.synthetic import SyntheticConfig
-    from workers.lifecycle import lifecycle_settings_from_env
+    from workers.lifecycle_settings import lifecycle_settings_from_env
     from workers.registration import Registration
     from workers.server import create_worker_app
     from workers.serving import WorkerSettings

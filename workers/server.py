@@ -65,7 +65,7 @@ from workers.engines.base import (
 )
 from workers.engines.request import Phase, PromptPath
 from workers.generation_first import HANDOFF_PATH
-from workers.lifecycle import LifecycleConflict
+from workers.lifecycle_entries import LifecycleConflict
 from workers.prefix_holdings import PrefixHoldings
 from workers.registration import Registration
 from workers.request_body import parse_request_body

@@ -32,8 +32,9 @@ from frontend.structured_output import output_constraint
 from workers.engines.base import Engine, KVHandoffStore, ProvidesTokenizer, Tokenizer
 from workers.engines.request import GenerationRequest, Phase
 from workers.generation_first import HandoffBoard, pull_handoff
-from workers.lifecycle import LifecycleControl, check_request
-from workers.lifecycle import Role as Role  # defined once, where the lifecycle checks need it; imported from here
+from workers.lifecycle import LifecycleControl
+from workers.lifecycle_checks import check_request
+from workers.lifecycle_settings import Role as Role  # defined once, where the lifecycle needs it; public from here
 from workers.prefix_holdings import PrefixHoldings
 from workers.prepared_generation import CollectedChoice, CollectedOutput, PreparedGeneration
 from workers.request_builder import (

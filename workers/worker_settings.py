@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from frontend.http import DEFAULT_MAX_BODY_BYTES_READING
-from workers.lifecycle import LifecycleSettings, Role
+from workers.lifecycle_settings import LifecycleSettings, Role
 
 
 @dataclass(frozen=True, slots=True)

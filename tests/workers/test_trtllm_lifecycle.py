@@ -49,16 +49,12 @@ from tests.trtllm_wire import (
 from tests.waiting import eventually
 from tests.workers.engines.reference.ledger import ADMIN_KEY
 from tests.workers.engines.reference.tiny_model import write_tiny_model
+from workers.context_artifacts import ARTIFACT_SATURATED
 from workers.engines.reference.engine import ReferenceEngine
 from workers.engines.reference.options import ReferenceOptions
 from workers.engines.synthetic import SyntheticEngine
-from workers.lifecycle import (
-    ARTIFACT_SATURATED,
-    CAPABILITIES,
-    GRANT_SATURATED,
-    LifecycleControl,
-    LifecycleSettings,
-)
+from workers.lifecycle import CAPABILITIES, GRANT_SATURATED, LifecycleControl
+from workers.lifecycle_settings import LifecycleSettings
 from workers.server import create_worker_app
 from workers.serving import Role, WorkerSettings
 
