@@ -1,17 +1,16 @@
-"""The worker's HTTP front end: thin routes over ``WorkerService`` (parse -> call -> serialise)."""
+"""The worker's HTTP front end: thin routes over ``WorkerService`` (parse -> call -> serialise); the lifecycle
+protocol's routes are in ``workers.lifecycle_routes``, the KV events in ``workers.kv_event_publishing``."""
 
 from __future__ import annotations
 
 import logging
-import secrets
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any, TypeVar
+from typing import Any
 
 import pybase64
 from fastapi import FastAPI, Request
-from pydantic import BaseModel, ValidationError
 from starlette.responses import Response, StreamingResponse
 
 from frontend import tracing
@@ -29,7 +28,6 @@ from frontend.http import (
     read_body,
     then_call,
 )
-from frontend.kv_events import PREFIX_CHAIN_TOPIC, EventPublisher
 from frontend.loop_monitor import LoopLagMonitor
 from frontend.memory import IdleMemoryTrimmer
 from frontend.metrics import METRICS_CONTENT_TYPE, Metrics
@@ -42,36 +40,21 @@ from frontend.openai_models import (
 from frontend.openapi import install_body_schemas, json_body
 from frontend.prefix_chain import CHAIN_HEADER
 from frontend.sse import SSE_HEADERS, SSE_MEDIA_TYPE
-from frontend.trtllm_lifecycle import (
-    CONTEXT_ARTIFACT_ABORT_PATH,
-    CONTROL_UNAVAILABLE,
-    GENERATION_GRANT_ABORT_PATH,
-    GENERATION_GRANT_PATH,
-    GENERATION_GRANT_RENEW_PATH,
-    SERVER_INFO_PATH,
-    ContextArtifactAbortRequest,
-    GenerationGrantAbortRequest,
-    GenerationGrantRenewRequest,
-    GenerationGrantRequest,
-)
 from workers import worker_tracing
 from workers.engines.base import (
-    HANDOFF_TOTALS,
     Engine,
     ExposesMetrics,
     HealthCheck,
     KVHandoffStore,
-    ReportsKvCapacity,
 )
-from workers.engines.request import Phase, PromptPath
-from workers.generation_first import HANDOFF_PATH
-from workers.lifecycle_entries import LifecycleConflict
-from workers.prefix_holdings import PrefixHoldings
+from workers.engines.request import Phase
+from workers.handoff_counts import LedgerCounts, export_known_series
+from workers.kv_event_publishing import KvEventPublishing
+from workers.lifecycle_routes import install_lifecycle_routes
 from workers.registration import Registration
 from workers.request_body import parse_request_body
-from workers.serving import Role, WorkerService, WorkerSettings
-
-Body = TypeVar("Body", bound=BaseModel)  # a lifecycle control call's body model
+from workers.serving import WorkerService
+from workers.worker_settings import WorkerSettings
 
 logger = logging.getLogger(__name__)
 
@@ -87,11 +70,11 @@ def create_worker_app(
     lag_monitor = LoopLagMonitor(metrics.event_loop_lag)
     trimmer = IdleMemoryTrimmer(lambda: service.inflight == 0)
     ready = {"engine": False}
-    counted = _LedgerCounts(metrics)
-    _export_known_series(metrics, engine, settings.role)
+    counted = LedgerCounts(metrics)
+    export_known_series(metrics, engine, settings.role)
     span_names = {e: f"{settings.role} {e}" for e in ("chat", "completions", "responses")}  # not per request
     bodies = BodyBudget(settings.max_body_bytes_reading)
-    kv_events = _KvEvents(engine, settings, service)
+    kv_events = KvEventPublishing(engine, settings, service)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -233,68 +216,7 @@ def create_worker_app(
         released = isinstance(engine, KVHandoffStore) and await engine.release_handoff(ctx_id, raw_state)
         return json_response({"released": released})
 
-    # -- TensorRT-LLM's lifecycle protocol v1 (workers/lifecycle.py) -------------------------------------------
-    control = service.lifecycle
-
-    @app.get(SERVER_INFO_PATH)
-    async def server_info(request: Request) -> Response:
-        """What TensorRT-LLM's router reads of a worker before sending it anything: where CTX's hand-offs are
-        asked for (generation first) and, in v1 only, the lifecycle advertisement."""
-        params: dict[str, Any] = {"ctx_dp_rank": 0, "ctx_info_endpoint": [str(request.base_url).rstrip("/")]}
-        if control.advertisement is not None:
-            params["context_transceiver_lifecycle"] = control.advertisement.to_dict()
-        return json_response({"disaggregated_params": params,
-                              "max_batch_size": settings.lifecycle.max_live_grants})
-
-    def control_route(path: str, model: type[Body], call: Callable[[Body, Request], Awaitable[Any]]) -> None:
-        """A control call's route: its body read as ``model`` (TensorRT-LLM's 400 ``{"error": ...}`` for a bad
-        one, its 404 with v1 off), ``call``'s answer as JSON, a ``LifecycleConflict`` its 409."""
-        async def route(request: Request) -> Response:
-            if not control.enabled:
-                return json_response({"detail": CONTROL_UNAVAILABLE}, status_code=404)
-            try:
-                body = model.model_validate(parse_json_object(await read_body(request, 64 * 1024)))
-            except (ValidationError, InvalidRequestError) as error:
-                return json_response({"error": str(error)}, status_code=400)
-            try:
-                answer = await call(body, request)
-            except LifecycleConflict as error:
-                return json_response({"detail": str(error)}, status_code=409)
-            return json_response(answer.model_dump(mode="json") if isinstance(answer, BaseModel) else answer)
-
-        app.post(path, name=path.removeprefix("/_internal/").replace("/", "_"))(route)
-
-    async def issue(body: GenerationGrantRequest, request: Request) -> Any:
-        return control.issue(body, request.url.netloc)
-
-    async def renew(body: GenerationGrantRenewRequest, _: Request) -> Any:
-        return control.renew(body)
-
-    async def abort(body: GenerationGrantAbortRequest, _: Request) -> Any:
-        return control.abort(body)
-
-    async def abort_artifact(body: ContextArtifactAbortRequest, _: Request) -> Any:
-        return await control.abort_artifact(body)
-
-    if settings.role == "generation":
-        control_route(GENERATION_GRANT_PATH, GenerationGrantRequest, issue)
-        control_route(GENERATION_GRANT_RENEW_PATH, GenerationGrantRenewRequest, renew)
-        control_route(GENERATION_GRANT_ABORT_PATH, GenerationGrantAbortRequest, abort)
-
-    if settings.role == "context":
-        control_route(CONTEXT_ARTIFACT_ABORT_PATH, ContextArtifactAbortRequest, abort_artifact)
-
-        @app.get(HANDOFF_PATH)
-        async def generation_first_handoff(request: Request, disagg_request_id: int,
-                                           wait_s: float = 30.0) -> Response:
-            """Generation first: a GEN that came first asks here for the hand-off of its request; answered as
-            soon as this CTX has parked it (404 if that does not happen within ``wait_s``). A GEN that hangs up
-            stops waiting here too: the hand-off is then left on the board for a GEN that asks again."""
-            params = await cancel_on_disconnect(
-                request, lambda: service.board.claim(disagg_request_id, min(max(wait_s, 0.0), 300.0)))
-            if params is None:
-                return json_response({"detail": "no hand-off for this request"}, status_code=404)
-            return json_response(params)
+    install_lifecycle_routes(app, settings, service)
 
     def model_card() -> dict[str, Any]:
         info = engine.info
@@ -352,72 +274,3 @@ def create_worker_app(
         return Response(body, media_type=METRICS_CONTENT_TYPE)
 
     return app
-
-
-def _export_known_series(metrics: Metrics, engine: Engine, role: Role) -> None:
-    """Create the child of every label combination this worker can count, so each series is exported at 0 from
-    start-up: left to its first event, a fresh worker's hand-off ledger and GEN prompt paths are absent, and a
-    dashboard shows "No data" where the truth is "none so far"."""
-    if isinstance(engine, KVHandoffStore):  # only a store that parks hand-offs counts how they leave it
-        for outcome in HANDOFF_TOTALS:
-            metrics.kv_handoffs.labels(outcome=outcome)
-    if role != "context":  # the roles that take generation_only requests, the ones counted by prompt path
-        for path in PromptPath:
-            metrics.gen_prompt_path.labels(path=path.value)
-
-
-class _KvEvents:
-    """The worker's KV events: while the app runs, a publisher and the record of what the engine holds
-    (``workers.prefix_holdings``), for an engine that reuses KV across requests (``ReportsKvCapacity`` with a
-    positive capacity); for any other engine, or with the endpoint off, nothing."""
-
-    def __init__(self, engine: Engine, settings: WorkerSettings, service: WorkerService) -> None:
-        self.engine = engine
-        self.settings = settings
-        self.service = service
-        self.publisher: EventPublisher | None = None
-        self.card: dict[str, Any] | None = None  # engine_info["kv_events"] while publishing
-
-    def start(self) -> None:
-        endpoint = self.settings.kv_events_endpoint
-        if endpoint is None or not isinstance(self.engine, ReportsKvCapacity):
-            return
-        capacity = self.engine.kv_capacity_tokens()
-        if not capacity or capacity <= 0:
-            return  # the engine reuses no KV: there is nothing to route by
-        service = self.service
-        publisher = EventPublisher(endpoint, self.settings.kv_events_replay_endpoint,
-                                   snapshot=lambda: service.holdings.snapshot() if service.holdings else [])
-        publisher.start()
-        self.publisher = publisher
-        self.service.holdings = PrefixHoldings(capacity, publisher)
-        # A new incarnation each start: a subscriber that sees it change knows the picture starts again.
-        self.card = {"endpoint": publisher.endpoint, "replay_endpoint": publisher.replay_endpoint,
-                     "topic": PREFIX_CHAIN_TOPIC.decode(), "incarnation": secrets.token_hex(8),
-                     "capacity_tokens": capacity}
-        logger.info("KV events on %s (replay %s): up to %d tokens of prompt KV", publisher.endpoint,
-                    publisher.replay_endpoint, capacity)
-
-    async def aclose(self) -> None:
-        self.service.holdings = None
-        self.card = None
-        publisher, self.publisher = self.publisher, None
-        if publisher is not None:
-            await publisher.aclose()
-
-
-class _LedgerCounts:
-    """Moves the engine's running totals into the Prometheus counters: each scrape adds what is new. A restarted
-    engine core starts its totals again from zero; what it counts then is new too."""
-
-    def __init__(self, metrics: Metrics) -> None:
-        self.metrics = metrics
-        self.seen: dict[str, int] = {}
-
-    def bring_up_to(self, totals: Mapping[str, int]) -> None:
-        for outcome, total in totals.items():
-            before = self.seen.get(outcome, 0)
-            added = total - before if total >= before else total
-            if added:
-                self.metrics.kv_handoffs.labels(outcome=outcome).inc(added)
-            self.seen[outcome] = total

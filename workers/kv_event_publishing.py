@@ -1,0 +1,55 @@
+"""A worker's KV events while its app runs: the publisher and the record of the prompt KV its engine holds."""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from typing import Any
+
+from frontend.kv_events import PREFIX_CHAIN_TOPIC, EventPublisher
+from workers.engines.base import Engine, ReportsKvCapacity
+from workers.prefix_holdings import PrefixHoldings
+from workers.serving import WorkerService
+from workers.worker_settings import WorkerSettings
+
+logger = logging.getLogger(__name__)
+
+
+class KvEventPublishing:
+    """The worker's KV events: while the app runs, a publisher and the record of what the engine holds
+    (``workers.prefix_holdings``), for an engine that reuses KV across requests (``ReportsKvCapacity`` with a
+    positive capacity); for any other engine, or with the endpoint off, nothing."""
+
+    def __init__(self, engine: Engine, settings: WorkerSettings, service: WorkerService) -> None:
+        self.engine = engine
+        self.settings = settings
+        self.service = service
+        self.publisher: EventPublisher | None = None
+        self.card: dict[str, Any] | None = None  # engine_info["kv_events"] while publishing
+
+    def start(self) -> None:
+        endpoint = self.settings.kv_events_endpoint
+        if endpoint is None or not isinstance(self.engine, ReportsKvCapacity):
+            return
+        capacity = self.engine.kv_capacity_tokens()
+        if not capacity or capacity <= 0:
+            return  # the engine reuses no KV: there is nothing to route by
+        service = self.service
+        publisher = EventPublisher(endpoint, self.settings.kv_events_replay_endpoint,
+                                   snapshot=lambda: service.holdings.snapshot() if service.holdings else [])
+        publisher.start()
+        self.publisher = publisher
+        self.service.holdings = PrefixHoldings(capacity, publisher)
+        # A new incarnation each start: a subscriber that sees it change knows the picture starts again.
+        self.card = {"endpoint": publisher.endpoint, "replay_endpoint": publisher.replay_endpoint,
+                     "topic": PREFIX_CHAIN_TOPIC.decode(), "incarnation": secrets.token_hex(8),
+                     "capacity_tokens": capacity}
+        logger.info("KV events on %s (replay %s): up to %d tokens of prompt KV", publisher.endpoint,
+                    publisher.replay_endpoint, capacity)
+
+    async def aclose(self) -> None:
+        self.service.holdings = None
+        self.card = None
+        publisher, self.publisher = self.publisher, None
+        if publisher is not None:
+            await publisher.aclose()

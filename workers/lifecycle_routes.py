@@ -1,0 +1,98 @@
+"""The worker's routes for TensorRT-LLM's lifecycle protocol v1 (``workers.lifecycle``): the server info its
+router reads first, the control calls (grants on GEN, artifact aborts on CTX), and CTX's generation-first hand-off.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+from fastapi import FastAPI, Request
+from pydantic import BaseModel, ValidationError
+from starlette.responses import Response
+
+from frontend.errors import InvalidRequestError
+from frontend.http import cancel_on_disconnect, json_response, parse_json_object, read_body
+from frontend.trtllm_lifecycle import (
+    CONTEXT_ARTIFACT_ABORT_PATH,
+    CONTROL_UNAVAILABLE,
+    GENERATION_GRANT_ABORT_PATH,
+    GENERATION_GRANT_PATH,
+    GENERATION_GRANT_RENEW_PATH,
+    SERVER_INFO_PATH,
+    ContextArtifactAbortRequest,
+    GenerationGrantAbortRequest,
+    GenerationGrantRenewRequest,
+    GenerationGrantRequest,
+)
+from workers.generation_first import HANDOFF_PATH
+from workers.lifecycle_entries import LifecycleConflict
+from workers.serving import WorkerService
+from workers.worker_settings import WorkerSettings
+
+Body = TypeVar("Body", bound=BaseModel)  # a lifecycle control call's body model
+
+
+def install_lifecycle_routes(app: FastAPI, settings: WorkerSettings, service: WorkerService) -> None:
+    """The routes this worker's role answers (the control calls answer 404 while v1 is off)."""
+    control = service.lifecycle
+
+    @app.get(SERVER_INFO_PATH)
+    async def server_info(request: Request) -> Response:
+        """What TensorRT-LLM's router reads of a worker before sending it anything: where CTX's hand-offs are
+        asked for (generation first) and, in v1 only, the lifecycle advertisement."""
+        params: dict[str, Any] = {"ctx_dp_rank": 0, "ctx_info_endpoint": [str(request.base_url).rstrip("/")]}
+        if control.advertisement is not None:
+            params["context_transceiver_lifecycle"] = control.advertisement.to_dict()
+        return json_response({"disaggregated_params": params,
+                              "max_batch_size": settings.lifecycle.max_live_grants})
+
+    def control_route(path: str, model: type[Body], call: Callable[[Body, Request], Awaitable[Any]]) -> None:
+        """A control call's route: its body read as ``model`` (TensorRT-LLM's 400 ``{"error": ...}`` for a bad
+        one, its 404 with v1 off), ``call``'s answer as JSON, a ``LifecycleConflict`` its 409."""
+        async def route(request: Request) -> Response:
+            if not control.enabled:
+                return json_response({"detail": CONTROL_UNAVAILABLE}, status_code=404)
+            try:
+                body = model.model_validate(parse_json_object(await read_body(request, 64 * 1024)))
+            except (ValidationError, InvalidRequestError) as error:
+                return json_response({"error": str(error)}, status_code=400)
+            try:
+                answer = await call(body, request)
+            except LifecycleConflict as error:
+                return json_response({"detail": str(error)}, status_code=409)
+            return json_response(answer.model_dump(mode="json") if isinstance(answer, BaseModel) else answer)
+
+        app.post(path, name=path.removeprefix("/_internal/").replace("/", "_"))(route)
+
+    async def issue(body: GenerationGrantRequest, request: Request) -> Any:
+        return control.issue(body, request.url.netloc)
+
+    async def renew(body: GenerationGrantRenewRequest, _: Request) -> Any:
+        return control.renew(body)
+
+    async def abort(body: GenerationGrantAbortRequest, _: Request) -> Any:
+        return control.abort(body)
+
+    async def abort_artifact(body: ContextArtifactAbortRequest, _: Request) -> Any:
+        return await control.abort_artifact(body)
+
+    if settings.role == "generation":
+        control_route(GENERATION_GRANT_PATH, GenerationGrantRequest, issue)
+        control_route(GENERATION_GRANT_RENEW_PATH, GenerationGrantRenewRequest, renew)
+        control_route(GENERATION_GRANT_ABORT_PATH, GenerationGrantAbortRequest, abort)
+
+    if settings.role == "context":
+        control_route(CONTEXT_ARTIFACT_ABORT_PATH, ContextArtifactAbortRequest, abort_artifact)
+
+        @app.get(HANDOFF_PATH)
+        async def generation_first_handoff(request: Request, disagg_request_id: int,
+                                           wait_s: float = 30.0) -> Response:
+            """Generation first: a GEN that came first asks here for the hand-off of its request; answered as
+            soon as this CTX has parked it (404 if that does not happen within ``wait_s``). A GEN that hangs up
+            stops waiting here too: the hand-off is then left on the board for a GEN that asks again."""
+            params = await cancel_on_disconnect(
+                request, lambda: service.board.claim(disagg_request_id, min(max(wait_s, 0.0), 300.0)))
+            if params is None:
+                return json_response({"detail": "no hand-off for this request"}, status_code=404)
+            return json_response(params)
