@@ -35,7 +35,8 @@ from workers.engines.reference.kv_store import KVStore, KVTransferServer
 from workers.engines.reference.model_file import load_model_file
 from workers.engines.reference.prefix_cache import capacity_tokens
 from workers.engines.reference.sampler import check_sampling
-from workers.engines.reference.scheduler import Scheduler, SchedulerConfig, SubmitSpec
+from workers.engines.reference.scheduler import Scheduler, SchedulerConfig
+from workers.engines.reference.sequences import SubmitSpec
 from workers.engines.reference.tokenizer import GGUFTokenizer
 from workers.engines.reference.transformer import Transformer
 

@@ -17,13 +17,12 @@ import collections
 import logging
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import orjson
 
-from frontend.sampling import SamplingParams
 from frontend.token_codec import TokenArray
 from workers.engines.reference.grammar import GrammarCompiler, GrammarError, TokenConstraint
 from workers.engines.reference.kv_fetch import FetchedHandoff, HandoffUnavailable, HandoffUnreachable, fetch_handoff
@@ -31,43 +30,12 @@ from workers.engines.reference.kv_handoff import KVHandoff, encode_handoff
 from workers.engines.reference.kv_store import KVStore, KVStoreFull
 from workers.engines.reference.prefix_cache import PrefixCache
 from workers.engines.reference.sampler import Sampler, log_softmax, top_logprobs
-from workers.engines.reference.transformer import Interrupted, KVCache, Transformer, export_kv, fork_kv
+from workers.engines.reference.sequences import Sequence, SubmitSpec
+from workers.engines.reference.transformer import Interrupted, Transformer, export_kv, fork_kv
 
 logger = logging.getLogger(__name__)
 
 Emit = Callable[..., None]  # (header, payload=b"") -> None
-
-
-@dataclass(slots=True)
-class SubmitSpec:
-    request_id: str
-    phase: str  # "aggregated" | "context_only" | "generation_only"
-    prompt: TokenArray
-    placeholder: bool
-    max_tokens: int  # the request's output budget, resolved by the worker
-    sampling: SamplingParams
-    first_gen_tokens: tuple[int, ...] = ()
-    handoff_state: bytes | None = None
-    more_first_gen_tokens: tuple[tuple[int, ...], ...] = ()  # sequences 1..n-1 of a hand-off
-
-    @property
-    def starts(self) -> tuple[tuple[int, ...], ...]:
-        """Each sequence's first token(s) from the hand-off, by index."""
-        return (self.first_gen_tokens, *self.more_first_gen_tokens)
-
-
-@dataclass(slots=True)
-class Sequence:
-    spec: SubmitSpec
-    cache: KVCache
-    index: int = 0  # which of the request's n sequences
-    cached_tokens: int = 0  # prompt tokens loaded from the prefix cache instead of prefilled
-    sampler: Sampler | None = None
-    prefilled: int = 0
-    produced: int = 0
-    last_token: int = -1
-    prompt_logprobs: list[Any] = field(default_factory=list)
-    constraint: TokenConstraint | None = None  # structured output: the grammar's state over this sequence's output
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,7 +16,8 @@ from tests.workers.engines.reference.conftest import Engine
 from workers.engines.reference.core import Channel, Core
 from workers.engines.reference.frames import submit_frame
 from workers.engines.reference.kv_store import KVStore
-from workers.engines.reference.scheduler import Scheduler, SchedulerConfig, SubmitSpec
+from workers.engines.reference.scheduler import Scheduler, SchedulerConfig
+from workers.engines.reference.sequences import SubmitSpec
 from workers.engines.reference.transformer import STOP_CHECKS_PER_LAYER, Interrupted
 from workers.engines.request import GenerationRequest
 

@@ -12,7 +12,8 @@ from frontend.sampling import SamplingParams
 from frontend.token_codec import TOKEN_DTYPE
 from tests.workers.engines.reference.conftest import Engine
 from workers.engines.reference.kv_store import KVStore
-from workers.engines.reference.scheduler import Scheduler, SchedulerConfig, SubmitSpec
+from workers.engines.reference.scheduler import Scheduler, SchedulerConfig
+from workers.engines.reference.sequences import SubmitSpec
 from workers.engines.reference.transformer import fork_kv
 
 PROMPT = np.arange(3, 40, dtype=TOKEN_DTYPE)
