@@ -130,7 +130,7 @@ def run_phase(setup: str, processes: Processes, checkpoint: Path, model: str, se
 
 def run(settings: Settings = FULL, partial: Path | None = None) -> dict[str, Any]:
     """Every phase in turn; with ``partial``, the result so far is written there after each phase."""
-    from workers.engines.vllm.engine import resolve_model
+    from workers.engines.vllm.served_model import resolve_model
 
     served = resolve_model(None, None)  # the packaged SmolLM2, converted once into a checkpoint folder
     checkpoint, model = served.folder, served.name

