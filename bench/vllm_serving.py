@@ -24,7 +24,7 @@ prompt is a Python ``list[int]`` from the moment the body is parsed, as a naive 
 forms GEN already accepts, so no switch in the product is needed. Sent straight to GEN (``max_tokens`` 2: one
 decode step), in alternating batches; the figure is the GEN worker process's own utime + stime (``/proc/<pid>/stat``,
 not vLLM's engine-core child) per request. The same bodies also go through GEN's parse path in this process (
-``WorkerService.prepare`` on a synthetic engine, then the vLLM adapter's own ``_vllm_prompt``), which resolves what
+``WorkerService.prepare`` on a synthetic engine, then the vLLM adapter's own ``vllm_prompt``), which resolves what
 10 ms clock ticks cannot, and the adapter's one unavoidable ``tolist()`` is timed alone.
 
 The orchestrator's CPU per request (phases 3 and 4): chat, streamed, 8 tokens, one ~1k-token prompt repeated (the

@@ -181,7 +181,7 @@ def gen_prompt_path_in_process(bodies: dict[str, bytes], settings: Settings) -> 
     """The same bodies through GEN's own parse path and the vLLM adapter's prompt conversion, in this process.
 
     A synthetic engine stands in for vLLM (``WorkerService.prepare`` reads only its vocabulary and context size,
-    and the bodies are re-encoded with its model name); ``_vllm_prompt`` is the adapter's own function, given a
+    and the bodies are re-encoded with its model name); ``vllm_prompt`` is the adapter's own function, given a
     ``TokensPrompt`` that is a plain dict (vLLM's is a TypedDict: a dict too).
     """
     from bench.prompt_path import run_to_completion, time_interleaved
@@ -189,7 +189,7 @@ def gen_prompt_path_in_process(bodies: dict[str, bytes], settings: Settings) -> 
     from frontend.metrics import Metrics
     from frontend.openai_models import CompletionRequest
     from workers.engines.synthetic import SyntheticEngine
-    from workers.engines.vllm.vllm_api import vllm_prompt as _vllm_prompt
+    from workers.engines.vllm.vllm_api import vllm_prompt
     from workers.serving import WorkerService, WorkerSettings
 
     engine = SyntheticEngine()
@@ -201,13 +201,13 @@ def gen_prompt_path_in_process(bodies: dict[str, bytes], settings: Settings) -> 
         request = run_to_completion(service.prepare(parse_json_object(body), CompletionRequest)).request
         assert request.handoff is not None
         first = np.asarray(request.handoff.first_gen_tokens, dtype=np.int32)
-        return _vllm_prompt(vllm, np.concatenate([request.prompt_token_ids_i32, first]))
+        return vllm_prompt(vllm, np.concatenate([request.prompt_token_ids_i32, first]))
 
     whole = to_vllm(local["array"])["prompt_token_ids"]
     if to_vllm(local["list"])["prompt_token_ids"] != whole:
         raise RuntimeError("the list and array bodies do not give vLLM the same prompt")
     prompt = np.asarray(whole, dtype=np.int32)
     timing = time_interleaved({"list": lambda: to_vllm(local["list"]), "array": lambda: to_vllm(local["array"]),
-                               "tolist": lambda: _vllm_prompt(vllm, prompt)},
+                               "tolist": lambda: vllm_prompt(vllm, prompt)},
                               warmups=5, runs=settings.inprocess_runs, ops=settings.inprocess_ops)
     return {kind: {"us": t["ms"] * 1e3, "cpu_us": t["cpu_ms"] * 1e3} for kind, t in timing.items()}
