@@ -79,7 +79,6 @@ QUICK = Phases(warmup_s=0.2, max_warmup_s=5.0, measure_s=0.8, max_measure_s=5.0,
 
 # The orchestrator set-ups measured beside the baseline: name -> extra orchestrator config.
 ORCHESTRATORS: dict[str, dict[str, Any]] = {"orchestrator": {}}
-HTTPX = "orchestrator, httpx"
 API_WORKERS = "api_workers"  # a set-up's front-end processes (``--api-workers``): a flag, not a config key
 CTX_ROUTER = "ctx_router"  # a set-up's CTX router type (context_servers.router.type), written into its config
 ROUND_ROBIN = "orchestrator, round_robin"  # --compare-router: beside the default (cache_aware), the prefix
@@ -272,8 +271,6 @@ def main(argv: list[str] | None = None) -> int:
                         help="what the clients stream: /v1/chat/completions, /v1/completions, or each in turn")
     parser.add_argument("--quick", action="store_true", help="short measurement windows")
     parser.add_argument("--profile", action="store_true", help="also py-spy the orchestrator (largest prompt, c=1)")
-    parser.add_argument("--with-httpx", action="store_true",
-                        help="also measure the orchestrator with upstream_client: httpx (the client it had before)")
     parser.add_argument("--api-workers", type=int, default=1,
                         help="also measure the orchestrator with this many front-end processes (--api-workers), at "
                              "the highest concurrency, and print the throughput check for a machine with spare cores")
@@ -291,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="milliseconds between GEN's streamed frames (0: the whole stream in one burst)")
     add_docs_flag(parser, "orchestrator_cost")
     args = parser.parse_args(argv)
-    setups = {**ORCHESTRATORS, **({HTTPX: {"upstream_client": "httpx"}} if args.with_httpx else {})}
+    setups = dict(ORCHESTRATORS)
     if args.compare_router:
         setups[ROUND_ROBIN] = {CTX_ROUTER: "round_robin"}
     if args.api_workers > 1:

@@ -195,7 +195,7 @@ class OrchestratorConfig(_Frozen):
     connect_timeout_s: Annotated[float, Field(gt=0)] = 5.0
     max_retries: Annotated[int, Field(ge=0, le=10)] = 1
     # The HTTP client of the calls to workers (orchestrator/transport.py: make_transport).
-    upstream_client: Literal["httptools", "aiohttp", "httpx"] = "httptools"
+    upstream_client: Literal["httptools", "aiohttp"] = "httptools"
     health_check_interval_s: Annotated[float, Field(gt=0)] = 2.0
     max_body_bytes: Annotated[int, Field(ge=1024)] = DEFAULT_MAX_BODY_BYTES
     max_concurrent_requests: Annotated[int, Field(ge=1)] = 1024  # running at once; more wait (admission)
@@ -212,6 +212,13 @@ class OrchestratorConfig(_Frozen):
     response_store: ResponseStoreConfig = ResponseStoreConfig()
     trtllm: TrtllmConfig = TrtllmConfig()
     # Secrets come from the environment (DISAGG_API_KEY, DISAGG_ADMIN_KEY) or the command line, not this file.
+
+    @field_validator("upstream_client", mode="before")
+    @classmethod
+    def _httpx_is_gone(cls, value: object) -> object:
+        if value == "httpx":
+            raise ValueError("the httpx client was removed: use httptools (the default) or aiohttp")
+        return value
 
     @model_validator(mode="after")
     def _prefill_window_on_ctx(self) -> OrchestratorConfig:

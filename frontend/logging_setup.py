@@ -127,5 +127,6 @@ def configure_logging(level: str = "info", log_format: LogFormat = "text") -> No
     global _installed
     _installed = (handler, log_format)
     root.setLevel(level.upper())
-    # httpx logs every request at INFO: with health checks every few seconds that drowns everything else.
+    # httpx logs every request at INFO: a worker's calls with it (registration, a hand-off pulled from CTX) would
+    # drown everything else.
     logging.getLogger("httpx").setLevel(logging.WARNING)

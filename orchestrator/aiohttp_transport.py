@@ -1,13 +1,15 @@
-"""``Transport`` over aiohttp: the orchestrator's default client, and the only module that imports aiohttp.
+"""``Transport`` over aiohttp: the fallback to the default client (``upstream_client: aiohttp``), and the only
+module that imports aiohttp.
 
-Why aiohttp: its HTTP parser is C (llhttp) and it runs straight on asyncio's protocols, where httpx goes through
-httpcore, h11 (pure Python) and anyio; measured against mock workers (docs/benchmarks.md, orchestrator cost) that
-layer was 60% of the orchestrator's samples. A body given as chunks (``Body``) is written chunk by chunk under one
-``Content-Length``, so GEN's body around CTX's b64 prompt is never joined here either.
+Why aiohttp, and not httpx, as the general client to fall back on: its HTTP parser is C (llhttp) and it runs
+straight on asyncio's protocols, where httpx goes through httpcore, h11 (pure Python) and anyio; measured against
+mock workers (docs/benchmarks.md, orchestrator cost) that layer was 60% of the orchestrator's samples. A body
+given as chunks (``Body``) is written chunk by chunk under one ``Content-Length``, so GEN's body around CTX's b64
+prompt is never joined here either.
 
 aiohttp's exceptions are translated in one place, ``_translated``, around every call and around stream iteration;
 none goes further. A timeout is ``UpstreamTimeoutError``; a refused connection (``ClientConnectorError``) is
-``UpstreamUnavailableError``; anything else is ``UpstreamError``, as in ``httpx_transport``.
+``UpstreamUnavailableError``; anything else is ``UpstreamError``, as in ``httptools_transport``.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ class AiohttpTransport:
     def __init__(self, url: str, timeouts: WorkerTimeouts) -> None:
         self.url = url
         self._timeouts = timeouts
-        # Between reads at most request_s (a stream may run long; a stalled one fails), as with httpx.
+        # Between reads at most request_s (a stream may run long; a stalled one fails), as with httptools.
         self._timeout = aiohttp.ClientTimeout(total=None, connect=timeouts.connect_s, sock_read=timeouts.request_s)
         self._session: aiohttp.ClientSession | None = None
 

@@ -44,7 +44,7 @@ from frontend.errors import UpstreamError, UpstreamTimeoutError, UpstreamUnavail
 from frontend.read_buffers import DeclaredBody, DeclaredBodyReads
 from orchestrator.transport import Body, Reply, WorkerTimeouts, body_length
 
-_MAX_CONNECTIONS = 1024  # per worker, as the aiohttp and httpx transports
+_MAX_CONNECTIONS = 1024  # per worker, as the aiohttp transport
 _IDLE_S = 30.0  # a worker (uvicorn) closes an idle keep-alive connection after 75 s; we close ours first
 # A stream the consumer has not read yet: past this many bytes the socket is paused until it catches up.
 _PAUSE_AT = 4 * 1024 * 1024

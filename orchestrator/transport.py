@@ -26,7 +26,7 @@ from typing import Literal, Protocol
 
 # A request body: bytes, or chunks (GEN's body around CTX's b64 prompt, a view of CTX's answer: b64_splice.py).
 Body = bytes | tuple[bytes | memoryview, ...]
-Client = Literal["httptools", "aiohttp", "httpx"]
+Client = Literal["httptools", "aiohttp"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,12 +115,8 @@ def body_bytes(body: Body) -> bytes:
 def make_transport(url: str, timeouts: WorkerTimeouts, client: Client = "httptools") -> Transport:
     """The one place that chooses the HTTP client: our own on httptools by default (a pooled keep-alive POST and
     nothing else: about half aiohttp's CPU per request at 1k tokens, docs/benchmarks.md, orchestrator cost), aiohttp
-    or httpx on request (``upstream_client``)."""
+    on request (``upstream_client``), the general client to fall back on (docs/architecture.md says why these two)."""
     # Imported here, not at the top: these modules import this one.
-    if client == "httpx":
-        from orchestrator.httpx_transport import HttpxTransport
-
-        return HttpxTransport(url, timeouts)
     if client == "aiohttp":
         from orchestrator.aiohttp_transport import AiohttpTransport
 

@@ -1,5 +1,5 @@
 """aiohttp's exceptions, translated to the project's own errors in one place (the behaviour against real workers is
-in test_httpx_transport.py, run for every transport)."""
+in test_transport.py, run for every transport)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The httptools transport's own machinery, against raw asyncio servers that misbehave on purpose: the keep-alive
 pool, the stale-connection retry, the connection limit, an abandoned stream closing its connection, flow control,
 answers framed every way HTTP allows, and the same under uvloop (the orchestrator's loop). What every transport
-does against real workers is in test_httpx_transport.py."""
+does against real workers is in test_transport.py."""
 
 from __future__ import annotations
 

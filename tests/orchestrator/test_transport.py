@@ -1,5 +1,6 @@
-"""Every transport (httpx, aiohttp, httptools) against real workers on loopback: whole and streamed answers,
-bodies sent as chunks, and every failure arriving as the project's own error, stream iteration included."""
+"""The ``Transport`` contract, run for every transport (httptools, the default, and aiohttp) against real workers on
+loopback: whole and streamed answers, bodies sent as chunks, and every failure arriving as the project's own error,
+stream iteration included; and the one place that chooses the client, which the configuration feeds."""
 
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ import pathlib
 import socket
 from collections.abc import AsyncIterator, Iterator
 
-import httpx
 import orjson
 import pytest
 from starlette.applications import Starlette
@@ -19,10 +19,10 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 import orchestrator
-from frontend.errors import UpstreamError, UpstreamTimeoutError, UpstreamUnavailableError
+from frontend.config import ConfigError, parse_config
+from frontend.errors import UpstreamTimeoutError, UpstreamUnavailableError
 from orchestrator.aiohttp_transport import AiohttpTransport
 from orchestrator.httptools_transport import HttptoolsTransport
-from orchestrator.httpx_transport import HttpxTransport, translate_http_error
 from orchestrator.transport import Transport, WorkerTimeouts, make_transport
 from tests.cluster import MODEL, Cluster, start_worker
 from tests.servers import running
@@ -41,37 +41,17 @@ def slow_worker_url() -> Iterator[str]:
         yield start_worker(stack, "both", SyntheticConfig(time_to_first_token_s=10)).url
 
 
-@pytest.mark.parametrize(
-    ("error", "expected"),
-    [
-        (httpx.ConnectTimeout("t"), UpstreamTimeoutError),
-        (httpx.ReadTimeout("t"), UpstreamTimeoutError),
-        (httpx.PoolTimeout("t"), UpstreamTimeoutError),
-        (httpx.ConnectError("c"), UpstreamUnavailableError),
-        # A connection lost under a request is an upstream failure, but not proof the worker is gone.
-        (httpx.RemoteProtocolError("r"), UpstreamError),
-        (httpx.ReadError("r"), UpstreamError),
-        (httpx.WriteError("w"), UpstreamError),
-        (httpx.DecodingError("d"), UpstreamError),
-    ],
-)
-def test_httpx_errors_are_translated(error: httpx.HTTPError, expected: type[UpstreamError]) -> None:
-    translated = translate_http_error(error, "http://w:1")
-    assert type(translated) is expected
-    assert "http://w:1" in translated.message
+TransportClass = type[AiohttpTransport] | type[HttptoolsTransport]
 
 
-TransportClass = type[HttpxTransport] | type[AiohttpTransport] | type[HttptoolsTransport]
-
-
-@pytest.fixture(params=[HttpxTransport, AiohttpTransport, HttptoolsTransport], ids=["httpx", "aiohttp", "httptools"])
+@pytest.fixture(params=[AiohttpTransport, HttptoolsTransport], ids=["aiohttp", "httptools"])
 def transport_class(request: pytest.FixtureRequest) -> TransportClass:
     cls: TransportClass = request.param
     return cls
 
 
 async def test_the_transport_is_chosen_in_one_place() -> None:
-    for client, cls in (("aiohttp", AiohttpTransport), ("httpx", HttpxTransport), ("httptools", HttptoolsTransport)):
+    for client, cls in (("aiohttp", AiohttpTransport), ("httptools", HttptoolsTransport)):
         transport: Transport = make_transport("http://w:1", WorkerTimeouts(), client)  # type: ignore[arg-type]
         try:
             assert isinstance(transport, cls)
@@ -81,6 +61,15 @@ async def test_the_transport_is_chosen_in_one_place() -> None:
     default = make_transport("http://w:1", WorkerTimeouts())
     assert isinstance(default, HttptoolsTransport)
     await default.aclose()
+
+
+def test_a_config_that_names_the_removed_httpx_client_fails_at_load_naming_what_to_use() -> None:
+    servers = {"context_servers": {"urls": ["http://c:1"]}, "generation_servers": {"urls": ["http://g:1"]}}
+    with pytest.raises(ConfigError, match=r"bad value for 'upstream_client': .*httpx client was removed: use "
+                                          r"httptools \(the default\) or aiohttp"):
+        parse_config({**servers, "upstream_client": "httpx"})
+    assert parse_config({**servers, "upstream_client": "aiohttp"}).upstream_client == "aiohttp"
+    assert parse_config(servers).upstream_client == "httptools"
 
 
 async def test_post_stream_and_get_against_a_real_worker(cluster: Cluster, transport_class: TransportClass) -> None:
@@ -171,16 +160,13 @@ def test_each_http_client_stays_inside_its_module() -> None:
         imported = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import)
                     for alias in node.names}
         imported |= {(node.module or "").split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
-        if source.name != "httpx_transport.py":
-            assert not {"httpx", "httpcore", "h11"} & imported, f"{source.relative_to(root)} imports the HTTP client"
+        assert not {"httpx", "httpcore", "h11"} & imported, f"{source.relative_to(root)} imports an HTTP client"
         if source.name != "aiohttp_transport.py":
             assert "aiohttp" not in imported, f"{source.relative_to(root)} imports the HTTP client"
         if source.name != "httptools_transport.py":
             assert "httptools" not in imported, f"{source.relative_to(root)} imports the HTTP parser"
         called = {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)}
         assert not {"__aenter__", "__aexit__"} & called, f"{source.relative_to(root)} drives a context by hand"
-        if source.name != "httpx_transport.py":
-            assert "translate_http_error" not in source.read_text()
         if source.name != "aiohttp_transport.py":
             assert "translate_aiohttp_error" not in source.read_text()
 
