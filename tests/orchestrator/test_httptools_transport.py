@@ -17,7 +17,7 @@ import uvloop
 
 from frontend import read_buffers
 from frontend.errors import UpstreamError, UpstreamTimeoutError
-from orchestrator import httptools_transport
+from orchestrator import httptools_transport, worker_connection
 from orchestrator.httptools_transport import HttptoolsTransport
 from orchestrator.transport import WorkerTimeouts
 from tests.waiting import eventually_async
@@ -220,7 +220,7 @@ async def test_an_abandoned_stream_closes_its_connection_so_the_worker_stops() -
 
 async def test_a_stream_read_slower_than_it_arrives_pauses_the_socket_and_loses_nothing(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(httptools_transport, "_PAUSE_AT", 64)
+    monkeypatch.setattr(worker_connection, "_PAUSE_AT", 64)
     frames = [b"%04d" % i * 8 for i in range(200)]
     all_written, finish = asyncio.Event(), asyncio.Event()
 
@@ -256,7 +256,7 @@ async def test_a_stream_that_ends_while_paused_is_pooled_reading_and_serves_the_
         monkeypatch: pytest.MonkeyPatch) -> None:
     """The read that passes _PAUSE_AT also carries the answer's end: the connection is complete while paused. Given
     back like that, the next request's answer would never be read."""
-    monkeypatch.setattr(httptools_transport, "_PAUSE_AT", 64)
+    monkeypatch.setattr(worker_connection, "_PAUSE_AT", 64)
     everything = b"".join(b"%x\r\n%s\r\n" % (len(f), f) for f in [b"x" * 100] * 5) + b"0\r\n\r\n"
 
     async def at_once(worker: RawWorker, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -464,13 +464,13 @@ async def long_answers_then_more_on_the_same_connection(parsed: list[int]) -> No
 def parsed(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """The size of every piece the answer parser is handed."""
     sizes: list[int] = []
-    feed = httptools_transport._Connection.data_received
+    feed = worker_connection.WorkerConnection.data_received
 
-    def counted(self: httptools_transport._Connection, data: bytes) -> None:
+    def counted(self: worker_connection.WorkerConnection, data: bytes) -> None:
         sizes.append(len(data))
         feed(self, data)
 
-    monkeypatch.setattr(httptools_transport._Connection, "data_received", counted)
+    monkeypatch.setattr(worker_connection.WorkerConnection, "data_received", counted)
     return sizes
 
 
@@ -600,7 +600,7 @@ async def test_a_101_is_an_upstream_error_and_the_connection_is_dropped() -> Non
 async def test_an_answer_head_over_the_limit_is_an_upstream_error() -> None:
     async def huge_head(worker: RawWorker, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await worker.read_request(reader)
-        writer.write(b"HTTP/1.1 200 OK\r\nX-Big: " + b"a" * (httptools_transport._MAX_HEAD_BYTES * 4))
+        writer.write(b"HTTP/1.1 200 OK\r\nX-Big: " + b"a" * (worker_connection._MAX_HEAD_BYTES * 4))
         await writer.drain()
         await reader.read()
 

@@ -163,7 +163,7 @@ def test_each_http_client_stays_inside_its_module() -> None:
         assert not {"httpx", "httpcore", "h11"} & imported, f"{source.relative_to(root)} imports an HTTP client"
         if source.name != "aiohttp_transport.py":
             assert "aiohttp" not in imported, f"{source.relative_to(root)} imports the HTTP client"
-        if source.name != "httptools_transport.py":
+        if source.name != "worker_connection.py":
             assert "httptools" not in imported, f"{source.relative_to(root)} imports the HTTP parser"
         called = {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)}
         assert not {"__aenter__", "__aexit__"} & called, f"{source.relative_to(root)} drives a context by hand"
