@@ -12,8 +12,10 @@ Contract of every implementation:
 - a failure to connect, send or read raises ``UpstreamUnavailableError`` (the worker refused the connection: it is
   gone), ``UpstreamTimeoutError`` or ``UpstreamError``, naming the worker's URL; an HTTP error status is not a
   failure: it comes back as a status like any other;
-- a keep-alive connection the worker closed just as it was reused is retried once on a fresh connection (a race
-  with the worker's idle timeout, not a broken worker), before any error is raised;
+- a keep-alive connection the worker closed while it was idle is not used for a request; what happens to a request
+  written and then met by a close on a reused connection differs: the default client never sends it again (the
+  worker may have run it: the caller's retry policy decides, on another worker), aiohttp retries it once on a
+  fresh connection;
 - one connection pool per worker, kept until ``aclose``.
 """
 
