@@ -5,7 +5,7 @@ Why: a ``Protocol``'s reads cost a long body three copies after the kernel's: in
 ``data_received``, into the ``bytes`` httptools hands ``on_body``, and into the join of the pieces. Read as a
 ``BufferedProtocol`` into the body's own ``bytes``, it is none: a 524 KB prompt (the server,
 ``entrypoints/http_protocol.py``) or CTX's 700 KB answer (the orchestrator's client,
-``orchestrator/httptools_transport.py``) reaches its reader as the very object the kernel wrote into.
+``orchestrator/worker_connection.py``) reaches its reader as the very object the kernel wrote into.
 """
 
 from __future__ import annotations
