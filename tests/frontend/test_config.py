@@ -146,3 +146,12 @@ def test_a_bad_store_setting_is_named_without_echoing_the_url(tmp_path: pathlib.
     with pytest.raises(ConfigError, match=named) as caught:
         load_config(write(tmp_path, VALID + f"response_store: {store}\n"))
     assert "secret" not in str(caught.value)
+
+
+def test_a_config_that_names_the_removed_httpx_client_fails_at_load_naming_what_to_use() -> None:
+    servers = {"context_servers": {"urls": ["http://c:1"]}, "generation_servers": {"urls": ["http://g:1"]}}
+    with pytest.raises(ConfigError, match=r"bad value for 'upstream_client': .*httpx client was removed: use "
+                                          r"httptools \(the default\) or aiohttp"):
+        parse_config({**servers, "upstream_client": "httpx"})
+    assert parse_config({**servers, "upstream_client": "aiohttp"}).upstream_client == "aiohttp"
+    assert parse_config(servers).upstream_client == "httptools"

@@ -19,7 +19,6 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 import orchestrator
-from frontend.config import ConfigError, parse_config
 from frontend.errors import UpstreamTimeoutError, UpstreamUnavailableError
 from orchestrator.aiohttp_transport import AiohttpTransport
 from orchestrator.httptools_transport import HttptoolsTransport
@@ -61,15 +60,6 @@ async def test_the_transport_is_chosen_in_one_place() -> None:
     default = make_transport("http://w:1", WorkerTimeouts())
     assert isinstance(default, HttptoolsTransport)
     await default.aclose()
-
-
-def test_a_config_that_names_the_removed_httpx_client_fails_at_load_naming_what_to_use() -> None:
-    servers = {"context_servers": {"urls": ["http://c:1"]}, "generation_servers": {"urls": ["http://g:1"]}}
-    with pytest.raises(ConfigError, match=r"bad value for 'upstream_client': .*httpx client was removed: use "
-                                          r"httptools \(the default\) or aiohttp"):
-        parse_config({**servers, "upstream_client": "httpx"})
-    assert parse_config({**servers, "upstream_client": "aiohttp"}).upstream_client == "aiohttp"
-    assert parse_config(servers).upstream_client == "httptools"
 
 
 async def test_post_stream_and_get_against_a_real_worker(cluster: Cluster, transport_class: TransportClass) -> None:
