@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import socket
 import sys
+from typing import Any
 
 from bench.common import arguments
 from bench.report import markdown_table
@@ -85,12 +86,22 @@ def measure(size: int, rounds: int = ROUNDS) -> float:
     return result
 
 
+def run(rounds: int = ROUNDS) -> dict[str, Any]:
+    """The floor at every size: the middle process's CPU ms per request."""
+    return {"benchmark": "loopback_floor", "rounds": rounds,
+            "sizes": [{"name": name, "bytes": size, "cpu_ms": measure(size, rounds)} for name, size in SIZES.items()]}
+
+
+def tables(result: dict[str, Any]) -> str:
+    rows = [[s["name"], f"{s['bytes']:,}", f"{s['cpu_ms']:.2f}"] for s in result["sizes"]]
+    return markdown_table(["bytes moved", "bytes each way", "CPU ms per request (floor)"], rows)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = arguments(__doc__)
     parser.add_argument("--rounds", type=int, default=ROUNDS)
     args = parser.parse_args(argv)
-    rows = [[name, f"{size:,}", f"{measure(size, args.rounds):.2f}"] for name, size in SIZES.items()]
-    print(markdown_table(["bytes moved", "bytes each way", "CPU ms per request (floor)"], rows))
+    print(tables(run(args.rounds)))
     return 0
 
 

@@ -272,6 +272,20 @@ def soak(settings: Settings, log_dir: Path) -> dict[str, Any]:
     return summarize_run(run, end_gauges, fds_end, rss_end, slack=2 * HEALTH_INTERVAL_S + 1.0)
 
 
+def settings(duration_s: float, concurrency: int = 64, itl_ms: float = 1.0, disconnect_fraction: float = 0.1,
+             stream_fraction: float = 0.5, restart_at: float = 0.5, settle_s: float = 7.0, seed: int = 1) -> Settings:
+    """A run's settings, the command's defaults unless given; RSS is sampled about 80 times a run."""
+    return Settings(duration_s=duration_s, concurrency=concurrency, itl_ms=itl_ms,
+                    disconnect_fraction=disconnect_fraction, stream_fraction=stream_fraction, restart_at=restart_at,
+                    sample_every_s=min(2.0, max(0.25, duration_s / 80)), settle_s=settle_s, seed=seed)
+
+
+def run(settings: Settings) -> dict[str, Any]:
+    """One soak, its processes' logs in a temporary folder."""
+    with tempfile.TemporaryDirectory(prefix="disagg-soak-") as log_dir:
+        return soak(settings, Path(log_dir))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = arguments(__doc__)
     parser.add_argument("--minutes", type=float, default=3.0)
@@ -286,12 +300,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, default=REPO_ROOT / "bench-results" / "soak.json")
     args = parser.parse_args(argv)
     duration = args.seconds if args.seconds is not None else args.minutes * 60
-    settings = Settings(duration_s=duration, concurrency=args.concurrency, itl_ms=args.itl_ms,
-                        disconnect_fraction=args.disconnect_fraction, stream_fraction=args.stream_fraction,
-                        restart_at=args.restart_at, sample_every_s=min(2.0, max(0.25, duration / 80)),
-                        settle_s=args.settle_s, seed=args.seed)
-    with tempfile.TemporaryDirectory(prefix="disagg-soak-") as log_dir:
-        result = soak(settings, Path(log_dir))
+    result = run(settings(duration, concurrency=args.concurrency, itl_ms=args.itl_ms,
+                          disconnect_fraction=args.disconnect_fraction, stream_fraction=args.stream_fraction,
+                          restart_at=args.restart_at, settle_s=args.settle_s, seed=args.seed))
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=1) + "\n")
     print(table(result))
