@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import run_all
+from bench import loopback_floor, run_all
 
 BENCH_DIR = Path(run_all.__file__).parent
 
@@ -54,7 +54,7 @@ def test_a_benchmark_off_the_page_runs_quick_through_run_all(tmp_path: Path,
     assert run_all.main(["--quick", "--no-docs", "--out", str(tmp_path), "--only", "loopback_floor"]) == 0
     result = json.loads((tmp_path / "loopback_floor.json").read_text())
     assert result["mode"] == "quick" and result["rounds"] == 30
-    assert [s["bytes"] for s in result["sizes"]] == list(run_all.loopback_floor.SIZES.values())
+    assert [s["bytes"] for s in result["sizes"]] == list(loopback_floor.SIZES.values())
     assert all(s["cpu_ms"] >= 0 for s in result["sizes"])
     out = capsys.readouterr().out
     assert "### loopback_floor" in out and "| metadata-only at 131k (524 KB in, 524 KB out) | 524,366 |" in out
