@@ -3,9 +3,9 @@ immediate.
 
 uvicorn (0.54) wakes its main loop every 100 ms to look at ``should_exit`` and, every tenth time, to renew the
 ``Date`` header. Idle, those ten wake-ups a second were the largest part of what an orchestrator with no request
-burns (docs/benchmarks.md, orchestrator cost: idle CPU). Here the loop waits up to a second on an event that
-setting ``should_exit`` sets, from a signal handler or from another thread alike, so a stop is as prompt as
-before and the ``Date`` header is renewed as often as before.
+burns (docs/performance-history.md; idle CPU today: docs/benchmarks.md). Here the loop waits up to a second on
+an event that setting ``should_exit`` sets, from a signal handler or from another thread alike, so a stop is as
+prompt as before and the ``Date`` header is renewed as often as before.
 """
 
 from __future__ import annotations

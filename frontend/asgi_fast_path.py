@@ -1,7 +1,7 @@
 """A bare-ASGI path for a server's few hot routes, in front of its FastAPI app, with what that stack gives a route.
 
 Why: at 1k tokens most of the orchestrator's CPU per request was per-request machinery, not its work
-(docs/benchmarks.md, orchestrator cost): FastAPI's routing, three ASGI middlewares each wrapping ``send``,
+(docs/performance-history.md): FastAPI's routing, three ASGI middlewares each wrapping ``send``,
 ``cancel_on_disconnect``'s two tasks, ``asyncio.wait_for``'s task per ``send`` (Python 3.11), and starlette's
 ``StreamingResponse`` with its anyio task group and disconnect listener. Here one ``Exchange`` per request does all
 of it from the handler's own coroutine: no task, no wrapper around ``send``, the stream written to ``send`` as it

@@ -179,7 +179,7 @@ class LabelledChildren(Generic[MetricT]):
     """``metric.labels(*values)``, made once per set of label values and then looked up in a dict.
 
     prometheus_client's ``labels()`` checks the values and takes a lock on every call: measured 21 µs for one label
-    against 2 µs for the child's own ``inc()`` on the busy 2-core machine (docs/benchmarks.md, orchestrator cost),
+    against 2 µs for the child's own ``inc()`` on the busy 2-core machine (docs/performance-history.md),
     and the orchestrator's hot path calls it six times per request. Values are positional, in the order of the
     metric's label names.
     """

@@ -12,7 +12,8 @@ from workers.prefix_holdings import PrefixHoldings
 from workers.serving import WorkerService
 from workers.worker_settings import WorkerSettings
 
-logger = logging.getLogger(__name__)
+# The logger of the module this was split out of, as it was: what an operator's filters name.
+logger = logging.getLogger("workers.server")
 
 
 class KvEventPublishing:

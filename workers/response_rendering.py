@@ -27,7 +27,8 @@ from workers.prompt_logprobs import echo_logprob_infos, token_logprob_info, vllm
 from workers.text_stream import TextStep
 from workers.trtllm_answers import add_context_fields, answers_trtllm, strip_to_trtllm_fields
 
-logger = logging.getLogger(__name__)
+# The logger of the module this was split out of, as it was: what an operator's filters name.
+logger = logging.getLogger("workers.serving")
 
 
 class ResponseRendering:
