@@ -13,12 +13,9 @@ from typing import Any
 import httpx
 import orjson
 
+from workers.engines.synthetic import synthetic_text
+
 MODEL = "synthetic"
-SYNTHETIC_TEXT = b"The quick brown fox jumps over the lazy dog. "
-
-
-def synthetic_text(n: int) -> str:
-    return bytes(SYNTHETIC_TEXT[i % len(SYNTHETIC_TEXT)] for i in range(n)).decode()
 
 
 @dataclass

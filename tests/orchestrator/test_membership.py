@@ -20,17 +20,13 @@ from orchestrator.server import create_orchestrator_app
 from tests.cluster import MODEL, Node, Recorder, RecordingEngine, start_worker
 from tests.servers import ServerThread, running
 from tests.waiting import eventually
-from workers.engines.synthetic import SYNTHETIC_TEXT
+from workers.engines.synthetic import synthetic_text
 from workers.registration import Registration
 from workers.server import create_worker_app
 from workers.serving import WorkerSettings
 
 ADMIN_KEY = "admin-secret"
 MESSAGES: Any = [{"role": "user", "content": "hello"}]
-
-
-def synthetic_text(n: int) -> str:
-    return bytes(SYNTHETIC_TEXT[i % len(SYNTHETIC_TEXT)] for i in range(n)).decode()
 
 
 def _orchestrator(stack: contextlib.ExitStack, raw: dict[str, Any], admin_key: str | None) -> Node:

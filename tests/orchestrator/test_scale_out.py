@@ -13,13 +13,9 @@ import pytest
 
 from tests.cluster import MODEL, Node, sample, start_orchestrator, start_worker
 from tests.waiting import eventually
-from workers.engines.synthetic import SYNTHETIC_TEXT
+from workers.engines.synthetic import synthetic_text
 
 LOCAL_LIMIT = 100  # tokens, as the orchestrator estimates them (~4 characters a token)
-
-
-def synthetic_text(n: int) -> str:
-    return bytes(SYNTHETIC_TEXT[i % len(SYNTHETIC_TEXT)] for i in range(n)).decode()
 
 
 @dataclass

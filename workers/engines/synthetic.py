@@ -20,7 +20,7 @@ from workers.engines.options import EngineOptions, SyntheticConfig
 from workers.engines.outputs import EngineInfo, EngineOutput, FinishReason, TokenLogprob
 from workers.engines.request import GenerationRequest, Phase
 
-__all__ = ["EOS_TOKEN_ID", "SYNTHETIC_TEXT", "SyntheticConfig", "SyntheticEngine", "create"]
+__all__ = ["EOS_TOKEN_ID", "SYNTHETIC_TEXT", "SyntheticConfig", "SyntheticEngine", "create", "synthetic_text"]
 
 SYNTHETIC_TEXT = b"The quick brown fox jumps over the lazy dog. "
 EOS_TOKEN_ID = BYTE_TOKENS  # 256
@@ -40,6 +40,11 @@ def token_at(position: int, output_tokens: int | None) -> int:
     if output_tokens is not None and position >= output_tokens:
         return EOS_TOKEN_ID
     return SYNTHETIC_TEXT[position % len(SYNTHETIC_TEXT)]
+
+
+def synthetic_text(tokens: int) -> str:
+    """The text of an answer ``tokens`` long: what a client that checks the relay expects, byte for byte."""
+    return bytes(SYNTHETIC_TEXT[i % len(SYNTHETIC_TEXT)] for i in range(tokens)).decode()
 
 
 def certain_logprobs(token: int, top: int | None) -> tuple[TokenLogprob, ...]:
