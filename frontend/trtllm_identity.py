@@ -41,26 +41,25 @@ def _non_negative_int(name: str, value: object) -> None:
         raise ValueError(f"{name} must be a non-negative integer")
 
 
+def _all_or_none(fields: Mapping[str, Any], names: tuple[str, ...], what: str) -> bool:
+    """Whether ``names`` are all given; ``ValueError`` naming the missing ones when only some are."""
+    present = [name for name in names if fields.get(name) is not None]
+    if present and len(present) != len(names):
+        missing = sorted(set(names) - set(present))
+        raise ValueError(f"{what} must be provided together; missing: {', '.join(missing)}")
+    return bool(present)
+
+
 def validate_identity_fields(fields: Mapping[str, Any]) -> None:
     """TensorRT-LLM's ``_validate_lifecycle_identity_fields`` over a mapping of ``disaggregated_params`` values
     (absent and None alike): two all-or-none tuples, canonical distinct UUIDs, a non-empty control endpoint."""
-    present = [name for name in IDENTITY_FIELDS if fields.get(name) is not None]
-    if present:
-        if len(present) != len(IDENTITY_FIELDS):
-            missing = sorted(set(IDENTITY_FIELDS) - set(present))
-            raise ValueError("Disaggregated lifecycle identity fields must be provided together; "
-                             f"missing: {', '.join(missing)}")
+    if _all_or_none(fields, IDENTITY_FIELDS, "Disaggregated lifecycle identity fields"):
         _non_negative_int("logical_request_id", fields["logical_request_id"])
         _non_negative_int("artifact_version", fields["artifact_version"])
         uuids = [parse_canonical_uuid(name, fields[name]) for name in IDENTITY_UUID_FIELDS]
         if len(set(uuids)) != len(uuids):
             raise ValueError("Disaggregated lifecycle UUID fields must be distinct")
-    endpoint = [name for name in GENERATION_ENDPOINT_FIELDS if fields.get(name) is not None]
-    if endpoint:
-        if len(endpoint) != len(GENERATION_ENDPOINT_FIELDS):
-            missing = sorted(set(GENERATION_ENDPOINT_FIELDS) - set(endpoint))
-            raise ValueError("Generation endpoint identity fields must be provided together; "
-                             f"missing: {', '.join(missing)}")
+    if _all_or_none(fields, GENERATION_ENDPOINT_FIELDS, "Generation endpoint identity fields"):
         name = fields["generation_endpoint_name"]
         if not isinstance(name, str) or not name.strip():
             raise ValueError("generation_endpoint_name must be a non-empty string")
