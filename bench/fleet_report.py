@@ -123,4 +123,4 @@ def generated_block(result: dict[str, Any], plot_path: str) -> str:
 def plot(result: dict[str, Any], path: Path) -> Path:
     from bench import plots
 
-    return plots.fleet_plot(result, path)
+    return plots.fleet_plot(result, _cells(result), path)

@@ -232,9 +232,9 @@ def vllm_serving_plot(result: dict[str, Any], path: Path) -> Path:
     return _save(figure, path)
 
 
-def fleet_plot(result: dict[str, Any], path: Path) -> Path:
-    """Hit ratio per router against the oracle, and TTFT p50 / p99, per workload (bench.fleet)."""
-    cells = [c for c in result["cells"] if "skipped" not in c]
+def fleet_plot(result: dict[str, Any], cells: list[dict[str, Any]], path: Path) -> Path:
+    """Hit ratio per router against the oracle, and TTFT p50 / p99, per workload (bench.fleet), over ``cells``: the
+    measured ones (``bench.fleet_report`` leaves out the skipped)."""
     workloads = list(dict.fromkeys(c["workload"] for c in cells))
     routers = [r for r in result["routers"] if any(c["router"] == r for c in cells)]
     by = {(c["workload"], c["router"]): c for c in cells}

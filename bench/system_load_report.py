@@ -3,6 +3,7 @@ per request per process, the event-loop lag, the profiles and the two extra scen
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 from bench import py_spy
@@ -52,44 +53,47 @@ def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
+def _measured_points(cells: list[dict[str, Any]], prompts: list[int], levels: list[int]
+                     ) -> Iterator[tuple[int, int, dict[str, Any], dict[str, Any] | None]]:
+    """Each (prompt, concurrency) the orchestrator was measured at, with its cell and the direct client's."""
+    for prompt in prompts:
+        for level in levels:
+            orch, direct = _pair(cells, prompt, level)
+            if orch is not None:
+                yield prompt, level, orch, direct
+
+
 def tables(result: dict[str, Any]) -> str:
     cells = result["cells"]
     prompts = sorted({c["prompt_tokens"] for c in cells})
     levels = sorted({c["concurrency"] for c in cells})
+    points = list(_measured_points(cells, prompts, levels))
     rows = []
-    for prompt in prompts:
-        for level in levels:
-            orch, direct = _pair(cells, prompt, level)
-            if orch is None:
-                continue
-            lag = orch["event_loop_lag_ms"]
-            rows.append([
-                f"{prompt:,}", level, fmt(orch["requests_per_s"], 1),
-                fmt(orch["ttft_ms"]["p50"], 1), fmt(orch["ttft_ms"]["p99"], 1),
-                fmt(direct["requests_per_s"], 1) if direct else None,
-                fmt(direct["ttft_ms"]["p50"], 1) if direct else None,
-                fmt(direct["ttft_ms"]["p99"], 1) if direct else None,
-                fmt(added_latency_ms(cells, prompt, level), 2),
-                fmt(lag.get("orchestrator", {}).get("p99"), 1), fmt(lag.get("ctx", {}).get("p99"), 1),
-                fmt(lag.get("gen", {}).get("p99"), 1),
-                orch["errors"] + (direct["errors"] if direct else 0),
-            ])
+    for prompt, level, orch, direct in points:
+        lag = orch["event_loop_lag_ms"]
+        rows.append([
+            f"{prompt:,}", level, fmt(orch["requests_per_s"], 1),
+            fmt(orch["ttft_ms"]["p50"], 1), fmt(orch["ttft_ms"]["p99"], 1),
+            fmt(direct["requests_per_s"], 1) if direct else None,
+            fmt(direct["ttft_ms"]["p50"], 1) if direct else None,
+            fmt(direct["ttft_ms"]["p99"], 1) if direct else None,
+            fmt(added_latency_ms(cells, prompt, level), 2),
+            fmt(lag.get("orchestrator", {}).get("p99"), 1), fmt(lag.get("ctx", {}).get("p99"), 1),
+            fmt(lag.get("gen", {}).get("p99"), 1),
+            orch["errors"] + (direct["errors"] if direct else 0),
+        ])
     main = markdown_table(
         ["prompt tokens", "concurrency", "req/s", "TTFT p50 ms", "TTFT p99 ms", "direct req/s",
          "direct TTFT p50", "direct TTFT p99", "orchestrator added ms (p50, concurrency <= 16)", "orch loop lag p99 ms",
          "CTX lag p99 ms", "GEN lag p99 ms", "errors"], rows)
     cpu_rows = []
-    for prompt in prompts:
-        for level in levels:
-            orch, direct = _pair(cells, prompt, level)
-            if orch is None:
-                continue
-            cpu = orch["cpu_ms_per_request"]
-            util = orch["cpu_utilisation"]
-            cpu_rows.append([f"{prompt:,}", level, fmt(cpu.get("orchestrator")), fmt(cpu.get("ctx")),
-                             fmt(cpu.get("gen")), fmt(cpu.get("loadgen")),
-                             " / ".join(fmt(util.get(n), 2) for n in ("orchestrator", "ctx", "gen", "loadgen")),
-                             fmt(util.get("other"), 2)])
+    for prompt, level, orch, _direct in points:
+        cpu = orch["cpu_ms_per_request"]
+        util = orch["cpu_utilisation"]
+        cpu_rows.append([f"{prompt:,}", level, fmt(cpu.get("orchestrator")), fmt(cpu.get("ctx")),
+                         fmt(cpu.get("gen")), fmt(cpu.get("loadgen")),
+                         " / ".join(fmt(util.get(n), 2) for n in ("orchestrator", "ctx", "gen", "loadgen")),
+                         fmt(util.get("other"), 2)])
     cpu_table = markdown_table(
         ["prompt tokens", "concurrency", "orchestrator CPU ms/req", "CTX CPU ms/req", "GEN CPU ms/req",
          "load generator CPU ms/req", "cores busy: orch / CTX / GEN / loadgen",
