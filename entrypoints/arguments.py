@@ -181,6 +181,10 @@ def _add_front_end_arguments(parser: argparse.ArgumentParser) -> None:
                         help="HTTP front-end processes sharing the port (SO_REUSEPORT) and, for a worker, one "
                              "engine core (default 1)")
     parser.add_argument("--reuse-port", action="store_true", help=argparse.SUPPRESS)  # set by the supervisor
+    parser.add_argument("--listen-fd", type=int, default=None, metavar="FD",
+                        help="serve on the bound TCP socket this process inherited as file descriptor FD instead "
+                             "of binding --host/--port (`up` hands its children their ports this way; also for a "
+                             "supervisor that binds ports itself)")
     parser.add_argument("--front-ends", type=int, default=1, help=argparse.SUPPRESS)  # how many, by the supervisor
     parser.add_argument("--client-send-timeout-s", type=_seconds, default=DEFAULT_SEND_TIMEOUT_S,
                         help="cut off a client that reads nothing of an answer for this long (default 60)")

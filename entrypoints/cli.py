@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import socket
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -20,6 +21,7 @@ import uvicorn
 from entrypoints.arguments import build_parser
 from entrypoints.client_limits import ClientLimits
 from entrypoints.http_protocol import guarded_protocol
+from entrypoints.listening_socket import address, bound_socket, inherited_socket
 from entrypoints.quiet_server import QuietServer
 from frontend import tracing
 from frontend.client_timeouts import with_send_timeout
@@ -31,13 +33,28 @@ logger = logging.getLogger("disagg_serve")
 STARTUP_FAILED = 3  # uvicorn's own exit status for an app whose start-up failed (uvicorn.run exits with it)
 
 
-def _serve(app: Any, args: argparse.Namespace, host: str, port: int) -> int:
-    """Serve ``app`` with the limits every front end gets against slow and hostile clients (docs/reliability.md):
-    a head of at most ``--max-head-bytes`` within ``--header-timeout-s``, a body within ``--body-timeout-s``, each
-    piece of an answer taken within ``--client-send-timeout-s`` (uvicorn's flow control already caps what a
-    non-reading client makes us buffer), idle keep-alive 75 s."""
+def _listener(args: argparse.Namespace, host: str, port: int) -> socket.socket | None:
+    """The socket to serve on, bound now, before the engine or the app starts (entrypoints/listening_socket.py):
+    the one ``--listen-fd`` names, else ``host:port``. None, with the reason printed, where it cannot be had."""
+    try:
+        if args.listen_fd is not None:
+            return inherited_socket(args.listen_fd)
+        return bound_socket(host, port, reuse_port=args.reuse_port)
+    except ValueError as exc:
+        print(f"disagg-serve: {exc}", file=sys.stderr)
+    except OSError as exc:
+        print(f"disagg-serve: cannot listen on {host}:{port}: {exc.strerror}", file=sys.stderr)
+    return None
+
+
+def _serve(app: Any, args: argparse.Namespace, listener: socket.socket) -> int:
+    """Serve ``app`` on ``listener`` with the limits every front end gets against slow and hostile clients
+    (docs/reliability.md): a head of at most ``--max-head-bytes`` within ``--header-timeout-s``, a body within
+    ``--body-timeout-s``, each piece of an answer taken within ``--client-send-timeout-s`` (uvicorn's flow control
+    already caps what a non-reading client makes us buffer), idle keep-alive 75 s."""
     limits = ClientLimits(args.header_timeout_s, args.body_timeout_s, args.max_head_bytes)
     cuts = app.state.metrics.connections_cut
+    host, port = address(listener)
     config = uvicorn.Config(with_send_timeout(app, args.client_send_timeout_s), host=host, port=port,
                             log_level=args.log_level, loop="uvloop",
                             # uvicorn calls ``http`` as a protocol factory; its hint names only asyncio.Protocol
@@ -45,12 +62,7 @@ def _serve(app: Any, args: argparse.Namespace, host: str, port: int) -> int:
                                                   lambda reason: cuts.labels(reason=reason).inc()),
                             timeout_graceful_shutdown=30, timeout_keep_alive=75, access_log=False, log_config=None)
     server = QuietServer(config)
-    if args.reuse_port:
-        from entrypoints.front_ends import reuse_port_socket
-
-        server.run(sockets=[reuse_port_socket(host, port)])
-    else:
-        server.run()
+    server.run(sockets=[listener])
     # An engine that failed to start (its error is already logged) must not look like a clean stop to whatever
     # started the process: ``up``, a container runtime, a supervisor.
     return 0 if server.started else STARTUP_FAILED
@@ -62,6 +74,9 @@ def _supervise(args: argparse.Namespace, argv: Sequence[str], engine_options: An
 
     if args.port == 0:
         print("disagg-serve: --api-workers needs a fixed --port (the front ends share it)", file=sys.stderr)
+        return 2
+    if args.listen_fd is not None:
+        print("disagg-serve: --listen-fd serves one front end (--api-workers 1)", file=sys.stderr)
         return 2
     core_command_for, core_env = None, None
     if engine_options is not None:
@@ -130,6 +145,10 @@ def run_worker(args: argparse.Namespace, argv: Sequence[str]) -> int:
         return 2
     if args.api_workers > 1:
         return _supervise(args, argv, options if args.engine == "reference" else None)
+    listener = _listener(args, args.host, args.port)
+    if listener is None:
+        return STARTUP_FAILED
+    args.port = address(listener)[1]  # the port it got, for --port 0 (what --register advertises)
     engine = create_engine(args.engine, options)
     events, replay = kv_events_endpoints(args)
     settings = WorkerSettings(role=args.role, max_body_bytes=args.max_body_bytes,
@@ -142,7 +161,7 @@ def run_worker(args: argparse.Namespace, argv: Sequence[str]) -> int:
         registration = Registration(args.register, advertise, args.role, args.admin_key)
     tracing.configure(f"disagg-serve-{args.role}", args.role)
     app = create_worker_app(engine, settings, registration=registration)
-    return _serve(app, args, args.host, args.port)
+    return _serve(app, args, listener)
 
 
 def kv_events_endpoints(args: argparse.Namespace) -> tuple[str | None, str | None]:
@@ -191,12 +210,16 @@ def run_orchestrator(args: argparse.Namespace, argv: Sequence[str]) -> int:
     # An empty key (DISAGG_API_KEY="") means no key, not "the empty string is the key".
     tracing.configure("disagg-serve-orchestrator", "orchestrator")
     keep_request_buffers_on_the_heap()  # frontend.memory: no page faults per request for a long prompt's body
+    listener = _listener(args, config.hostname, config.port)
+    if listener is None:
+        return STARTUP_FAILED
     try:
         app = create_orchestrator_app(config, api_key=args.api_key or None, admin_key=args.admin_key or None)
     except ConfigError as exc:  # e.g. a tenant whose key's environment variable is not set
         print(f"disagg-serve orchestrator: {exc}", file=sys.stderr)
+        listener.close()
         return 2
-    return _serve(app, args, config.hostname, config.port)
+    return _serve(app, args, listener)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -14,7 +14,6 @@ import os
 import select
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -27,15 +26,6 @@ from frontend.process_lifetime import die_with_parent
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 _DRAIN_S = 35.0  # a little over uvicorn's graceful shutdown, so streams in flight can finish
 _WATCH_S = 5.0  # the watch loop's longest sleep: it is woken at once by any signal, a child's exit included
-
-
-def reuse_port_socket(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-    sock.bind((host, port))
-    return sock
 
 
 class FrontEndSupervisor:

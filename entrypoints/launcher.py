@@ -1,5 +1,9 @@
 """``disagg-serve up``: one CTX, one GEN and the orchestrator as child processes on loopback.
 
+``up`` binds the three ports itself before anything starts, and hands each child its socket (``--listen-fd``): a
+port taken by the time a worker's engine has loaded (by the other worker's vLLM, say) cannot happen, and a port
+already in use (``--port``) is reported at once, not after the engines have loaded.
+
 Shutdown is explicit and ordered: on Ctrl-C or SIGTERM the orchestrator stops first (no new requests), then the
 workers; each child gets SIGTERM and a grace period, then SIGKILL. Children also get PR_SET_PDEATHSIG, so even a
 SIGKILLed launcher leaves no orphans behind.
@@ -22,6 +26,7 @@ import httpx
 import yaml
 
 from entrypoints.arguments import engine_arguments
+from entrypoints.listening_socket import address, bound_socket
 from frontend.process_lifetime import die_with_parent
 
 _GRACE_S = 15.0
@@ -44,10 +49,22 @@ class StartupFailed(Exception):
     pass
 
 
-def _spawn(name: str, argv: list[str], url: str) -> Child:
-    command = [sys.executable, "-m", "entrypoints.cli", *argv]
-    process = subprocess.Popen(command, preexec_fn=die_with_parent)
-    return Child(name, url, process)
+def _spawn(name: str, argv: list[str], listener: socket.socket) -> Child:
+    """Starts ``disagg-serve ARGV`` serving on ``listener``, which from then on only the child holds: the port is
+    free again once the child is gone."""
+    host, port = address(listener)
+    command = [sys.executable, "-m", "entrypoints.cli", *argv, "--listen-fd", str(listener.fileno()),
+               "--port", str(port)]
+    try:
+        process = subprocess.Popen(command, preexec_fn=die_with_parent, pass_fds=(listener.fileno(),))
+    finally:
+        listener.close()
+    reachable = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)  # a wildcard address is served on loopback
+    return Child(name, _url(reachable, port), process)
+
+
+def _url(host: str, port: int) -> str:
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
 def _wait_healthy(children: list[Child], timeout_s: float) -> None:
@@ -112,36 +129,44 @@ def _run_up(args: argparse.Namespace, workdir: Path) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
 
-    ctx_port, gen_port = free_port(), free_port()
+    try:
+        front = bound_socket(args.host, args.port)
+    except OSError as exc:
+        print(f"disagg-serve up: cannot listen on {args.host}:{args.port}: {exc.strerror}", file=sys.stderr)
+        return 2
+    with front, bound_socket("127.0.0.1", 0) as ctx_socket, bound_socket("127.0.0.1", 0) as gen_socket:
+        return _serve_all(args, workdir, front, ctx_socket, gen_socket, stop_requested)
+
+
+def _serve_all(args: argparse.Namespace, workdir: Path, front: socket.socket, ctx_socket: socket.socket,
+               gen_socket: socket.socket, stop_requested: dict[str, int]) -> int:
+    ctx_port, gen_port, port = address(ctx_socket)[1], address(gen_socket)[1], address(front)[1]
     engine_argv = worker_engine_arguments(args)
     log = ["--log-level", args.log_level]
     config_path = workdir / "orchestrator.yaml"
     config_path.write_text(yaml.safe_dump({
         "hostname": args.host,
-        "port": args.port,
+        "port": port,
         "context_servers": {"urls": [f"http://127.0.0.1:{ctx_port}"]},
         "generation_servers": {"urls": [f"http://127.0.0.1:{gen_port}"]},
         "gen_tokids_metadata_only": bool(args.metadata_only),
     }))
     print(f"disagg-serve up: engine={args.engine}, starting CTX, GEN and the orchestrator ...", flush=True)
     workers = [
-        _spawn("ctx", [*log, "worker", "--role", "context", *engine_argv, "--port", str(ctx_port)],
-               f"http://127.0.0.1:{ctx_port}"),
-        _spawn("gen", [*log, "worker", "--role", "generation", *engine_argv, "--port", str(gen_port)],
-               f"http://127.0.0.1:{gen_port}"),
+        _spawn("ctx", [*log, "worker", "--role", "context", *engine_argv], ctx_socket),
+        _spawn("gen", [*log, "worker", "--role", "generation", *engine_argv], gen_socket),
     ]
     children = list(workers)
     try:
         _wait_healthy(workers, args.startup_timeout)
-        orchestrator_url = f"http://{args.host}:{args.port}"
-        orchestrator = _spawn("orchestrator", [*log, "orchestrator", "--config", str(config_path)],
-                              orchestrator_url.replace("0.0.0.0", "127.0.0.1"))
+        orchestrator = _spawn("orchestrator", [*log, "orchestrator", "--config", str(config_path)], front)
         children.insert(0, orchestrator)
         _wait_healthy([orchestrator], args.startup_timeout)
     except StartupFailed as exc:
         print(f"disagg-serve up: {exc}; stopping", file=sys.stderr, flush=True)
         _stop(children)
         return 1
+    orchestrator_url = _url(args.host, port)
     model = _served_model(orchestrator.url)
     print(f"\nServing on {orchestrator_url}  (model '{model}')\nTry:\n"
           f"  curl {orchestrator_url}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
