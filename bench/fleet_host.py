@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import signal
+import socket
 import sys
 import threading
 from collections.abc import Awaitable, Callable, MutableMapping
@@ -45,22 +46,24 @@ Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
 Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
 
 
-def build_worker(role: str, port: int, engine_flags: list[str], log_level: str) -> tuple[Any, argparse.Namespace]:
-    """The app ``disagg-serve worker`` would serve for these flags, and its parsed arguments."""
+def build_worker(role: str, port: int, engine_flags: list[str], log_level: str
+                 ) -> tuple[Any, argparse.Namespace, socket.socket]:
+    """The app ``disagg-serve worker`` would serve for these flags, its parsed arguments, and the socket it bound."""
     argv = ["--log-level", log_level, "worker", "--role", role, "--host", LOOPBACK, "--port", str(port),
             *engine_flags]
     args = build_parser().parse_args(argv)
     built: list[Any] = []
 
-    def keep(app: Any, _args: argparse.Namespace, _host: str, _port: int) -> int:
-        built.append(app)
+    def keep(app: Any, _args: argparse.Namespace, listener: socket.socket) -> int:
+        built.append((app, listener))
         return 0
 
     with mock.patch.object(cli, "_serve", keep):
         status = cli.run_worker(args, argv)
     if status != 0 or len(built) != 1:
         raise SystemExit(f"fleet_host: the {role} worker on port {port} was not built (status {status})")
-    return built[0], args
+    app, listener = built[0]
+    return app, args, listener
 
 
 def worker_server(app: Any, args: argparse.Namespace) -> QuietServer:
@@ -109,14 +112,17 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging(args.log_level, "text")
     ledger = enable_fleet_ledger()  # before any engine exists: every prefill of this process is recorded
     servers: list[QuietServer] = []
+    listeners: list[socket.socket | None] = []
     for spec in args.worker:
         role, _, port = spec.partition(":")
-        app, worker_args = build_worker(role, int(port), engine_flags, args.log_level)
+        app, worker_args, listener = build_worker(role, int(port), engine_flags, args.log_level)
         servers.append(worker_server(app, worker_args))
+        listeners.append(listener)
     control = QuietServer(uvicorn.Config(control_app(ledger, servers), host=LOOPBACK, port=args.control_port,
                                          log_level=args.log_level, loop="none", lifespan="off",
                                          access_log=False, log_config=None))
     everything = [*servers, control]
+    listeners.append(None)  # the control server binds its own port
 
     def stop(*_: object) -> None:
         for server in everything:
@@ -129,7 +135,8 @@ def main(argv: list[str] | None = None) -> int:
         asyncio.set_event_loop(loop)
 
         async def run() -> None:
-            await asyncio.gather(*(server.serve() for server in everything))
+            await asyncio.gather(*(server.serve(sockets=[listener] if listener is not None else None)
+                                   for server, listener in zip(everything, listeners, strict=True)))
 
         try:
             loop.run_until_complete(run())
