@@ -327,14 +327,16 @@ class DisaggFlow:
         return (isinstance(done.answer, Reply) and (done.attempts >= 2 or request.ctx_redone)
                 and self.protocol_of(done.member).handoff_lost(done.answer))
 
-    def gen_answer(self, request: FlowRequest, done: Attempted[GenAnswer], key: RoutingKey) -> Answer:
+    def gen_answer(self, request: FlowRequest, done: Attempted[GenAnswer], key: RoutingKey,
+                   on_end: Callable[[], None] | None = None) -> Answer:
+        """GEN's answer for the client; a stream is relayed, and ``on_end`` told when its end marker has passed."""
         answer = done.answer
         if isinstance(answer, Reply):
             if answer.status_code != 200:
                 raise RelayedError(answer.status_code, answer.content)
             return WholeAnswer(answer.content)
         relayed = RelayedStream(answer, done.member, key.prompt_tokens, request.endpoint, request.started,
-                                self.metrics)
+                                self.metrics, on_end)
         if request.span is None:  # nothing reads the pieces on the way: they may be pushed
             return StreamedAnswer(relayed.frames(), answer.aclose, pushed=relayed)
         return StreamedAnswer(tracing.traced_frames("stream", request.span, relayed.frames()), answer.aclose)

@@ -68,7 +68,7 @@ async def run_generation_step_v1(flow: DisaggFlow, request: FlowRequest, ctx: Co
         flow.gen_first_byte(gen.url).observe(time.perf_counter() - started)
         reason = "generation stream was abandoned"
         stream = SettledStream(opened, lambda ok: flow.lifecycle.settle(attempt, ok=ok, reason=reason), lost)
-        return flow.gen_answer(request, Attempted(stream, gen, 1, ()), key)
+        return flow.gen_answer(request, Attempted(stream, gen, 1, ()), key, on_end=stream.answered)
     except BaseException:
         await flow.lifecycle.settle(attempt, ok=False, reason=reason)
         raise

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from contextlib import aclosing
 
 import orjson
@@ -33,13 +33,14 @@ class _Watch:
     """What the relay watches in the bytes it passes on: time to first token, the gaps between pieces, and its
     frames' end marker (and the last whole frame, which a Responses error event numbers on from). It looks at a
     piece's tail only: the frames themselves are split only when a piece holds an end marker, which is at most
-    once a stream."""
+    once a stream. ``on_end`` is told once the end marker has passed."""
 
-    __slots__ = ("last", "last_frame", "metrics", "pending", "seen_end", "started")
+    __slots__ = ("last", "last_frame", "metrics", "on_end", "pending", "seen_end", "started")
 
-    def __init__(self, started: float, metrics: Metrics) -> None:
+    def __init__(self, started: float, metrics: Metrics, on_end: Callable[[], None] | None = None) -> None:
         self.started = started
         self.metrics = metrics
+        self.on_end = on_end
         self.last: float | None = None
         self.pending = b""  # the frame begun and not yet ended
         self.last_frame: bytes | None = None
@@ -64,17 +65,22 @@ class _Watch:
                                   or b"event: response.incomplete" in whole or b"event: error" in whole):
             self.seen_end = any((frame + b"\n\n").startswith(_STREAM_ENDS)
                                 for frame in whole.split(b"\n\n")[:-1])
+            if self.seen_end and self.on_end is not None:
+                self.on_end()
 
 
 class RelayedStream:
     """GEN's 200 stream, relayed to the client byte for byte: pushed (``push``) or iterated (``frames``), closed
-    however the relay ends, and ended with an error event if GEN's stream broke."""
+    however the relay ends, and ended with an error event if GEN's stream broke. ``on_end`` is told when the
+    stream's end marker has passed to the client: the answer is whole, even if the client then hangs up before
+    GEN's last bytes (the end of its chunked body) are read, as the openai SDK does right after ``[DONE]``."""
 
-    __slots__ = ("endpoint", "member", "metrics", "prompt_tokens", "started", "stream")
+    __slots__ = ("endpoint", "member", "metrics", "on_end", "prompt_tokens", "started", "stream")
 
     def __init__(self, stream: OpenStream, member: PoolMember, prompt_tokens: int, endpoint: Endpoint,
-                 started: float, metrics: Metrics) -> None:
+                 started: float, metrics: Metrics, on_end: Callable[[], None] | None = None) -> None:
         self.stream = stream
+        self.on_end = on_end
         self.member = member
         self.prompt_tokens = prompt_tokens
         self.endpoint = endpoint
@@ -82,7 +88,7 @@ class RelayedStream:
         self.metrics = metrics
 
     async def push(self, write: ChunkWriter, drained: Drained) -> None:
-        watch = _Watch(self.started, self.metrics)
+        watch = _Watch(self.started, self.metrics, self.on_end)
 
         def take(chunk: bytes) -> bool:
             watch.feed(chunk)
@@ -101,7 +107,7 @@ class RelayedStream:
                 await drained()
 
     async def frames(self) -> AsyncGenerator[bytes, None]:
-        watch = _Watch(self.started, self.metrics)
+        watch = _Watch(self.started, self.metrics, self.on_end)
         failure: UpstreamError | None = None
         with self.member.carrying(self.prompt_tokens, 0):
             try:

@@ -341,9 +341,10 @@ def _granted_endpoint(decision: GenerationGrantDecisionResponse) -> dict[str, An
 
 
 class SettledStream:
-    """GEN's stream under v1 (an ``OpenStream``): its end settles the attempt. Read to its end, the request
-    succeeded (GEN releases its own grant); closed before that (the client left, GEN broke, the grant was lost),
-    the grant and CTX's artifact are aborted. A lost grant closes the stream under the reader."""
+    """GEN's stream under v1 (an ``OpenStream``): its end settles the attempt. Read to its end, or its end marker
+    relayed (``answered``), the request succeeded (GEN releases its own grant); closed before that (the client
+    left, GEN broke, the grant was lost), the grant and CTX's artifact are aborted. A lost grant closes the stream
+    under the reader."""
 
     def __init__(self, stream: OpenStream, settle: Callable[[bool], Awaitable[None]],
                  lost: asyncio.Future[None]) -> None:
@@ -360,6 +361,12 @@ class SettledStream:
     @property
     def status_code(self) -> int:
         return self.stream.status_code
+
+    def answered(self) -> None:
+        """The relay passed the stream's end marker to the client: GEN finished the request and released its
+        grant, so a close from here on (a client that hangs up at ``[DONE]``, before GEN's last bytes are read)
+        aborts nothing."""
+        self._completed = not self._lost.done()
 
     async def chunks(self) -> AsyncGenerator[bytes, None]:
         async for chunk in self.stream.chunks():

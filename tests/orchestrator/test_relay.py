@@ -191,3 +191,43 @@ async def test_a_client_that_leaves_a_pushed_relay_closes_the_upstream_stream(me
     with pytest.raises(asyncio.CancelledError):
         await task
     assert stream.closed and member.inflight == 0
+
+
+async def _never_behind() -> None:
+    raise AssertionError("a client that keeps up is never waited for")
+
+
+@pytest.mark.parametrize("parts", [
+    [b"data: {}\n\ndata: [DO", b"NE]\n\n"],
+    [b"data: {}\n\n", DONE_FRAME],
+], ids=["marker-split", "marker-alone"])
+async def test_the_end_marker_is_told_once_as_it_passes(member: PoolMember, mode: str, parts: list[bytes]) -> None:
+    """``on_end`` says the answer is whole as soon as its end marker has passed, before GEN's stream itself has
+    ended: a client may hang up at ``[DONE]`` (the openai SDK does) before the rest is read."""
+    written: list[bytes] = []
+    told: list[int] = []
+
+    def write(chunk: bytes) -> bool:
+        written.append(chunk)
+        return True
+
+    relayed = RelayedStream(ScriptedStream(200, parts), member, 42, "chat", time.perf_counter(), Metrics(),
+                            lambda: told.append(len(written)))
+    if mode == "iterated":
+        async for chunk in relayed.frames():
+            written.append(chunk)
+    else:
+        await relayed.push(write, _never_behind)
+    assert written == parts
+    assert told == [len(parts) - 1]  # once, while the piece with the marker was on its way to the client
+
+
+async def test_a_stream_without_its_end_marker_is_never_told_whole(member: PoolMember, mode: str) -> None:
+    told: list[int] = []
+    relayed = RelayedStream(ScriptedStream(200, [b"data: {}\n\n"]), member, 42, "chat", time.perf_counter(),
+                            Metrics(), lambda: told.append(1))
+    if mode == "iterated":
+        _ = [chunk async for chunk in relayed.frames()]
+    else:
+        await relayed.push(lambda _: True, _never_behind)
+    assert told == []

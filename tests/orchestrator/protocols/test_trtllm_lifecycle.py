@@ -37,7 +37,7 @@ from frontend.trtllm_lifecycle import (
 from orchestrator.member import PoolMember
 from orchestrator.protocols.trtllm_lifecycle import Attempt, LifecycleClient, read_server_info
 from orchestrator.transport import WorkerTimeouts, make_transport
-from tests.cluster import Node, sample, start_orchestrator
+from tests.cluster import Node, sample, start_orchestrator, total
 from tests.orchestrator.protocols.test_trtllm import MESSAGES
 from tests.orchestrator.protocols.trtllm_worker import FIRST, MODEL, REST, TrtllmWorker
 from tests.servers import running
@@ -227,6 +227,22 @@ def test_the_grant_is_renewed_while_the_stream_lives() -> None:
     assert [r["sequence"] for r in renewals] == list(range(len(renewals)))
     assert all(r["ttl_s"] == 600 and r["generation_endpoint_incarnation"] == gen.instance_id for r in renewals)
     assert ctx.calls == []
+
+
+def test_a_client_that_hangs_up_at_done_aborts_nothing() -> None:
+    """The openai SDK closes the connection as soon as it reads ``[DONE]``, often before the orchestrator has read
+    the end of GEN's body. The answer was whole and GEN released its grant: neither it nor CTX's artifact is
+    aborted (they were, when only the end of GEN's body counted as the stream's end)."""
+    ctx, gen = v1("ctx"), v1("gen", hold_end=True)  # GEN's body stays open after [DONE] until released
+    with fleet([ctx], [gen]) as (client, node):
+        assert chat(client, stream=True) == FIRST + REST
+        # The request is counted once its stream is closed and settled, aborts (if any) sent.
+        assert eventually(lambda: total(node.app.state.metrics, "disagg_requests_total") == 1)
+        gen.release_streams()
+        assert events(node, "artifact_aborted") == events(node, "grant_aborted") == 0
+        assert events(node, "artifact_aborted_failed") == events(node, "grant_aborted_failed") == 0
+    assert ctx.calls == [] and GENERATION_GRANT_ABORT_PATH not in gen.control_paths()
+    assert list(gen.grants.values()) == ["RELEASED"]
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])

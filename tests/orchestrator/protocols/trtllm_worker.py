@@ -75,6 +75,7 @@ class TrtllmWorker:
     fail_server_info: int = 0  # answer this many GET /server_info 503 (a worker still starting, say)
     hold_context: bool = False  # CTX holds its answer until ``release_streams``
     hold_streams: bool = False  # GEN's stream stops after its first piece until ``release`` is set
+    hold_end: bool = False  # GEN's stream stays open after ``[DONE]`` (its body not ended) until ``release`` is set
     release_early_s: float = 0.0  # GEN finishes (releases its grant) this long before its answer's rest arrives
     calls: list[tuple[str, dict[str, Any]]] = field(default_factory=list)  # every control call: (path, body)
     order: list[str] = field(default_factory=list)  # "<role> <path>" of each call; one list may serve a fleet
@@ -310,6 +311,8 @@ class TrtllmWorker:
                     return  # the grant was aborted or revoked: GEN aborts the request, the stream just ends
         self._finished(grant)
         yield b"data: [DONE]\n\n"
+        if self.hold_end:
+            await self._held()
 
     def _context_answer(self, path: str, body: dict[str, Any], params: DisaggregatedParams) -> dict[str, Any]:
         prompt = _prompt_text(body)
