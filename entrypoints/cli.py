@@ -37,14 +37,18 @@ def _listener(args: argparse.Namespace, host: str, port: int) -> socket.socket |
     """The socket to serve on, bound now, before the engine or the app starts (entrypoints/listening_socket.py):
     the one ``--listen-fd`` names, else ``host:port``. None, with the reason printed, where it cannot be had."""
     try:
-        if args.listen_fd is not None:
-            return inherited_socket(args.listen_fd)
-        return bound_socket(host, port, reuse_port=args.reuse_port)
+        listener = inherited_socket(args.listen_fd) if args.listen_fd is not None else \
+            bound_socket(host, port, reuse_port=args.reuse_port)
     except ValueError as exc:
         print(f"disagg-serve: {exc}", file=sys.stderr)
+        return None
     except OSError as exc:
         print(f"disagg-serve: cannot listen on {host}:{port}: {exc.strerror}", file=sys.stderr)
-    return None
+        return None
+    # vLLM forks its engine core (no exec, so close-on-exec cannot help): a forked child must not keep the port
+    # bound, or a worker that dies leaves a port that accepts connections no one answers.
+    os.register_at_fork(after_in_child=listener.close)
+    return listener
 
 
 def _serve(app: Any, args: argparse.Namespace, listener: socket.socket) -> int:
@@ -62,7 +66,15 @@ def _serve(app: Any, args: argparse.Namespace, listener: socket.socket) -> int:
                                                   lambda reason: cuts.labels(reason=reason).inc()),
                             timeout_graceful_shutdown=30, timeout_keep_alive=75, access_log=False, log_config=None)
     server = QuietServer(config)
-    server.run(sockets=[listener])
+    try:
+        server.run(sockets=[listener])
+    except OSError as exc:
+        if server.started:
+            raise
+        # Bound, but another socket that shares the port (SO_REUSEADDR, entrypoints/listening_socket.py) listened
+        # on it first.
+        print(f"disagg-serve: cannot listen on {host}:{port}: {exc.strerror}", file=sys.stderr)
+        return STARTUP_FAILED
     # An engine that failed to start (its error is already logged) must not look like a clean stop to whatever
     # started the process: ``up``, a container runtime, a supervisor.
     return 0 if server.started else STARTUP_FAILED

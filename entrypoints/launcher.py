@@ -53,13 +53,15 @@ def _spawn(name: str, argv: list[str], listener: socket.socket) -> Child:
     """Starts ``disagg-serve ARGV`` serving on ``listener``, which from then on only the child holds: the port is
     free again once the child is gone."""
     host, port = address(listener)
+    # One front end each, whatever DISAGG_API_WORKERS says: a socket handed over serves one process.
     command = [sys.executable, "-m", "entrypoints.cli", *argv, "--listen-fd", str(listener.fileno()),
-               "--port", str(port)]
+               "--port", str(port), "--api-workers", "1"]
     try:
         process = subprocess.Popen(command, preexec_fn=die_with_parent, pass_fds=(listener.fileno(),))
     finally:
         listener.close()
-    reachable = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)  # a wildcard address is served on loopback
+    # A wildcard address is served on loopback too (IPv4's: "::" is dual-stack, and ::1 may be off in a container).
+    reachable = "127.0.0.1" if host in ("0.0.0.0", "::") else host
     return Child(name, _url(reachable, port), process)
 
 

@@ -47,7 +47,7 @@ def inherited_socket(fd: int) -> socket.socket:
     if sock.getsockname()[1] == 0:
         sock.detach()
         raise ValueError(f"--listen-fd {fd}: the socket is not bound")
-    sock.set_inheritable(False)  # an engine core this process starts must not hold the port open after it
+    sock.set_inheritable(False)  # a process this one starts (and execs) must not hold the port open after it
     return sock
 
 

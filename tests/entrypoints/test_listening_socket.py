@@ -15,6 +15,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from entrypoints import cli
+from entrypoints.arguments import build_parser
+from entrypoints.cli import main
 from entrypoints.listening_socket import address, bound_socket, inherited_socket
 from tests.waiting import eventually
 
@@ -71,8 +74,10 @@ def test_an_inherited_socket_is_the_parents_socket_and_is_not_passed_on() -> Non
 
 
 def test_what_is_not_a_bound_tcp_socket_is_refused_by_name() -> None:
-    with pytest.raises(ValueError, match="--listen-fd 987: not an open socket"):
-        inherited_socket(987)
+    closed = os.dup(0)
+    os.close(closed)
+    with pytest.raises(ValueError, match=f"--listen-fd {closed}: not an open socket"):
+        inherited_socket(closed)
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as udp:
         udp.bind(("127.0.0.1", 0))
         with pytest.raises(ValueError, match="not a TCP socket"):
@@ -86,6 +91,33 @@ def test_what_is_not_a_bound_tcp_socket_is_refused_by_name() -> None:
     finally:
         os.close(read_end)
         os.close(write_end)
+
+
+def test_a_socket_handed_over_serves_one_front_end(capsys: pytest.CaptureFixture[str]) -> None:
+    with bound_socket("127.0.0.1", 0) as handed:
+        port = str(address(handed)[1])
+        assert main(["worker", "--engine", "synthetic", "--api-workers", "2", "--port", port,
+                     "--listen-fd", str(handed.fileno())]) == 2
+    assert "--listen-fd serves one front end (--api-workers 1)" in capsys.readouterr().err
+
+
+def test_a_forked_child_of_a_server_does_not_keep_its_port() -> None:
+    """vLLM forks its engine core without exec: the child closes its copy of the socket at once."""
+    listener = cli._listener(build_parser().parse_args(["worker", "--port", "0"]), "127.0.0.1", 0)
+    assert listener is not None
+    with listener:
+        read_end, write_end = os.pipe()
+        child = os.fork()
+        if child == 0:  # the child: report whether its copy is closed, and leave without running anything else
+            os.write(write_end, b"closed" if listener.fileno() == -1 else b"open")
+            os._exit(0)
+        os.close(write_end)
+        try:
+            assert os.read(read_end, 16) == b"closed"
+        finally:
+            os.close(read_end)
+            os.waitpid(child, 0)
+        assert listener.fileno() != -1  # the parent's is untouched
 
 
 def _worker(*argv: str, pass_fds: tuple[int, ...] = ()) -> subprocess.Popen[bytes]:
