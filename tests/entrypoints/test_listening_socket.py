@@ -17,7 +17,6 @@ import pytest
 
 from entrypoints import cli
 from entrypoints.arguments import build_parser
-from entrypoints.cli import main
 from entrypoints.listening_socket import address, bound_socket, inherited_socket
 from tests.waiting import eventually
 
@@ -93,12 +92,16 @@ def test_what_is_not_a_bound_tcp_socket_is_refused_by_name() -> None:
         os.close(write_end)
 
 
-def test_a_socket_handed_over_serves_one_front_end(capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_socket_handed_over_serves_one_front_end() -> None:
+    # A process of its own: ``main`` sets up the root logger, which must not change under the rest of the suite.
     with bound_socket("127.0.0.1", 0) as handed:
-        port = str(address(handed)[1])
-        assert main(["worker", "--engine", "synthetic", "--api-workers", "2", "--port", port,
-                     "--listen-fd", str(handed.fileno())]) == 2
-    assert "--listen-fd serves one front end (--api-workers 1)" in capsys.readouterr().err
+        done = subprocess.run([sys.executable, "-m", "entrypoints.cli", "worker", "--engine", "synthetic",
+                               "--api-workers", "2", "--port", str(address(handed)[1]),
+                               "--listen-fd", str(handed.fileno())],
+                              cwd=REPO, env=_clean_env(), pass_fds=(handed.fileno(),), capture_output=True,
+                              text=True, timeout=120)
+    assert done.returncode == 2
+    assert "--listen-fd serves one front end (--api-workers 1)" in done.stderr
 
 
 def test_a_forked_child_of_a_server_does_not_keep_its_port() -> None:
