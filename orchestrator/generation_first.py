@@ -18,7 +18,7 @@ from orchestrator.generation_grant import admit_gen, generation_first_capable, r
 from orchestrator.protocols.trtllm import new_request_id
 from orchestrator.protocols.trtllm_lifecycle import SettledStream
 from orchestrator.retry import Attempted
-from orchestrator.transport import OpenStream, Reply
+from orchestrator.transport import Reply
 from orchestrator.worker_call import post
 
 if TYPE_CHECKING:
@@ -84,12 +84,11 @@ async def run_generation_first(flow: DisaggFlow, request: FlowRequest) -> Answer
         if gen_answer.status_code != 200:
             raise RelayedError(gen_answer.status_code, await gen_answer.read())
         flow.gen_first_byte(gen.url).observe(time.perf_counter() - started)
-        stream: OpenStream = gen_answer
-        if attempt is not None:
-            reason = "generation stream was abandoned"
-            stream = SettledStream(gen_answer, lambda ok: flow.lifecycle.settle(attempt, ok=ok, reason=reason),
-                                   lost)
-        return flow.gen_answer(request, Attempted(stream, gen, 1, ()), key)
+        if attempt is None:
+            return flow.gen_answer(request, Attempted(gen_answer, gen, 1, ()), key)
+        reason = "generation stream was abandoned"
+        settled = SettledStream(gen_answer, lambda ok: flow.lifecycle.settle(attempt, ok=ok, reason=reason), lost)
+        return flow.gen_answer(request, Attempted(settled, gen, 1, ()), key, on_end=settled.answered)
     except _CtxFinished as finished:
         await _drop(tasks[0])
         if attempt is not None:

@@ -39,7 +39,7 @@ async def run_generation_step_v1(flow: DisaggFlow, request: FlowRequest, ctx: Co
                                  ) -> Answer:
     """GEN under lifecycle v1: a grant on the chosen GEN first (one other GEN if it refuses, then an error),
     renewed while the request lives; GEN's request is sent once, never retried; any failure, the client's
-    leaving included, aborts the grant and CTX's artifact."""
+    leaving before GEN sent the stream's end marker included, aborts the grant and CTX's artifact."""
     key = replace(request.key, only=None, prefill_tokens={})
     key.prefill_tokens.update((w.url, 0) for w in flow.gen_pool.workers)
     reason = "context-first coordinator request failed"

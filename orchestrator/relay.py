@@ -33,7 +33,7 @@ class _Watch:
     """What the relay watches in the bytes it passes on: time to first token, the gaps between pieces, and its
     frames' end marker (and the last whole frame, which a Responses error event numbers on from). It looks at a
     piece's tail only: the frames themselves are split only when a piece holds an end marker, which is at most
-    once a stream. ``on_end`` is told once the end marker has passed."""
+    once a stream. ``on_end`` is told once GEN has sent the end marker (it is handed on in the same piece)."""
 
     __slots__ = ("last", "last_frame", "metrics", "on_end", "pending", "seen_end", "started")
 
@@ -71,9 +71,10 @@ class _Watch:
 
 class RelayedStream:
     """GEN's 200 stream, relayed to the client byte for byte: pushed (``push``) or iterated (``frames``), closed
-    however the relay ends, and ended with an error event if GEN's stream broke. ``on_end`` is told when the
-    stream's end marker has passed to the client: the answer is whole, even if the client then hangs up before
-    GEN's last bytes (the end of its chunked body) are read, as the openai SDK does right after ``[DONE]``."""
+    however the relay ends, and ended with an error event if GEN's stream broke. ``on_end`` is told when GEN has
+    sent the stream's end marker, which the relay hands on to the client: the answer is whole, even if the client
+    then hangs up before GEN's last bytes (the end of its chunked body) are read, as the openai SDK does right
+    after ``[DONE]``."""
 
     __slots__ = ("endpoint", "member", "metrics", "on_end", "prompt_tokens", "started", "stream")
 

@@ -342,7 +342,7 @@ def _granted_endpoint(decision: GenerationGrantDecisionResponse) -> dict[str, An
 
 class SettledStream:
     """GEN's stream under v1 (an ``OpenStream``): its end settles the attempt. Read to its end, or its end marker
-    relayed (``answered``), the request succeeded (GEN releases its own grant); closed before that (the client
+    sent (``answered``), the request succeeded (GEN releases its own grant); closed before that (the client
     left, GEN broke, the grant was lost), the grant and CTX's artifact are aborted. A lost grant closes the stream
     under the reader."""
 
@@ -363,23 +363,23 @@ class SettledStream:
         return self.stream.status_code
 
     def answered(self) -> None:
-        """The relay passed the stream's end marker to the client: GEN finished the request and released its
-        grant, so a close from here on (a client that hangs up at ``[DONE]``, before GEN's last bytes are read)
-        aborts nothing."""
-        self._completed = not self._lost.done()
+        """GEN sent the stream's end marker (the relay hands it on to the client): GEN finished the request and
+        released its grant, so a close from here on (a client that hangs up at ``[DONE]``, before GEN's last bytes
+        are read) aborts nothing. A grant lost before this still counts as lost."""
+        self._completed = self._completed or not self._lost.done()
 
     async def chunks(self) -> AsyncGenerator[bytes, None]:
         async for chunk in self.stream.chunks():
             yield chunk
-        self._completed = not self._lost.done()
+        self._completed = self._completed or not self._lost.done()
 
     async def pipe(self, take: Callable[[bytes], bool], drained: Callable[[], Awaitable[object]]) -> None:
         await self.stream.pipe(take, drained)
-        self._completed = not self._lost.done()
+        self._completed = self._completed or not self._lost.done()
 
     async def read(self) -> bytes:
         content = await self.stream.read()
-        self._completed = not self._lost.done()
+        self._completed = self._completed or not self._lost.done()
         return content
 
     async def aclose(self) -> None:

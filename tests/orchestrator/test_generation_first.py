@@ -12,7 +12,14 @@ import pytest
 
 from frontend.trtllm_lifecycle import CONTEXT_ARTIFACT_ABORT_PATH, GENERATION_GRANT_ABORT_PATH, GENERATION_GRANT_PATH
 from tests.orchestrator.protocols.test_trtllm import MESSAGES
-from tests.orchestrator.protocols.test_trtllm_lifecycle import chat, fleet, identity, params, v1
+from tests.orchestrator.protocols.test_trtllm_lifecycle import (
+    chat,
+    fleet,
+    hang_up_at_done_and_find_nothing_aborted,
+    identity,
+    params,
+    v1,
+)
 from tests.orchestrator.protocols.trtllm_worker import FIRST, MODEL, REST, TrtllmWorker
 from tests.waiting import eventually
 
@@ -86,3 +93,9 @@ def test_generation_first_fails_at_once_when_gen_fails_before_ctx_answers(lifecy
             assert eventually(lambda: GENERATION_GRANT_ABORT_PATH in gen.control_paths())
             assert eventually(lambda: CONTEXT_ARTIFACT_ABORT_PATH in ctx.control_paths())
         ctx.release_streams()
+
+
+def test_generation_first_where_the_client_hangs_up_at_done_aborts_nothing() -> None:
+    """GEN's stream, sent first under its grant, is settled like a context-first one: its end marker sent, the
+    request succeeded, even if the client leaves before the end of GEN's body is read."""
+    hang_up_at_done_and_find_nothing_aborted(**GEN_FIRST)

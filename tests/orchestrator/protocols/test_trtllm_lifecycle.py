@@ -35,11 +35,12 @@ from frontend.trtllm_lifecycle import (
     GenerationGrantRequest,
 )
 from orchestrator.member import PoolMember
-from orchestrator.protocols.trtllm_lifecycle import Attempt, LifecycleClient, read_server_info
+from orchestrator.protocols.trtllm_lifecycle import Attempt, LifecycleClient, SettledStream, read_server_info
 from orchestrator.transport import WorkerTimeouts, make_transport
 from tests.cluster import Node, sample, start_orchestrator, total
 from tests.orchestrator.protocols.test_trtllm import MESSAGES
 from tests.orchestrator.protocols.trtllm_worker import FIRST, MODEL, REST, TrtllmWorker
+from tests.orchestrator.scripted_transport import ScriptedStream
 from tests.servers import running
 from tests.waiting import eventually, eventually_async
 
@@ -233,8 +234,12 @@ def test_a_client_that_hangs_up_at_done_aborts_nothing() -> None:
     """The openai SDK closes the connection as soon as it reads ``[DONE]``, often before the orchestrator has read
     the end of GEN's body. The answer was whole and GEN released its grant: neither it nor CTX's artifact is
     aborted (they were, when only the end of GEN's body counted as the stream's end)."""
+    hang_up_at_done_and_find_nothing_aborted()
+
+
+def hang_up_at_done_and_find_nothing_aborted(**options: Any) -> None:
     ctx, gen = v1("ctx"), v1("gen", hold_end=True)  # GEN's body stays open after [DONE] until released
-    with fleet([ctx], [gen]) as (client, node):
+    with fleet([ctx], [gen], **options) as (client, node):
         assert chat(client, stream=True) == FIRST + REST
         # The request is counted once its stream is closed and settled, aborts (if any) sent.
         assert eventually(lambda: total(node.app.state.metrics, "disagg_requests_total") == 1)
@@ -341,6 +346,26 @@ async def test_settle_aborts_both_and_keeps_the_callers_own_cancellation() -> No
         await asyncio.wait([settling])
         assert settling.cancelled()
     assert gen.control_paths() == [GENERATION_GRANT_PATH, GENERATION_GRANT_ABORT_PATH]
+
+
+@pytest.mark.parametrize("answered", [False, True], ids=["unanswered", "answered"])
+async def test_a_grant_lost_after_the_end_marker_leaves_the_stream_a_success(answered: bool) -> None:
+    """``answered`` is final: a renewal that fails once GEN sent its end marker (GEN had released the grant) does
+    not turn the request into a failure when the stream is then read to its end; before the marker, it does."""
+    settled: list[bool] = []
+
+    async def settle(ok: bool) -> None:
+        settled.append(ok)
+
+    lost: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    gen = ScriptedStream(200, [b"data: [DONE]\n\n"])
+    stream = SettledStream(gen, settle, lost)
+    if answered:
+        stream.answered()
+    lost.set_result(None)
+    assert [chunk async for chunk in stream.chunks()] == [b"data: [DONE]\n\n"]
+    await stream.aclose()
+    assert settled == [answered]
 
 
 # -- CTX fails ----------------------------------------------------------------------------------------------------
