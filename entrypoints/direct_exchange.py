@@ -56,12 +56,13 @@ class Connection(Protocol):
 class CycleExchange(Exchange):
     """An exchange over a uvicorn ``RequestResponseCycle`` on ``connection``."""
 
-    __slots__ = ("_connection", "_cycle")
+    __slots__ = ("_connection", "_cycle", "_held")
 
     def __init__(self, cycle: RequestResponseCycle, connection: Connection, send_timeout_s: float | None) -> None:
         super().__init__(cycle.scope, send_timeout_s)  # type: ignore[arg-type]  # uvicorn's HTTPScope is a dict
         self._cycle = cycle
         self._connection = connection
+        self._held = b""  # a pushed answer's head, not yet written: it goes out with the first piece
 
     async def run(self, handler: Handler) -> None:
         """``serve``, then what uvicorn's ``run_asgi`` does after an app: an answer never started is a 500 and one
@@ -126,39 +127,69 @@ class CycleExchange(Exchange):
             self._cycle.transport.write(self._head(status, headers, chunked=True))
 
     async def _send_body(self, body: bytes, more: bool) -> None:
+        if self._cycle.response_complete:
+            return  # a pushed answer its stream already ended (``_finish``)
         if not await self._writable():
             return
-        write = self._cycle.transport.write
+        write = self._write  # (a pushed answer's head first, if no piece has taken it yet)
         if not self._cycle.chunked_encoding:  # an HTTP/1.0 client: the body as it is, its end the connection's
-            if body:
+            if body or self._held:
                 write(body)
         elif more:
             if body:
                 write(b"%x\r\n%b\r\n" % (len(body), body))
             return
         else:
-            write(b"%x\r\n%b\r\n%b" % (len(body), body, _LAST_CHUNK) if body else _LAST_CHUNK)
+            write(_last_chunk(body))
         if not more:
             self._completed()
 
     async def push(self, pushed: PushedStream, headers: RawHeaders) -> None:
-        """A 200 written piece by piece from the callback that read each piece (``PushedStream``)."""
+        """A 200 written piece by piece from the callback that read each piece (``PushedStream``), with a send
+        fewer at each end (issue 31): the head goes out with the first piece when it is already there (``pipe``
+        hands on what came with GEN's head before it waits), else at the loop's next turn; and the piece with the
+        stream's end marker goes out with the end of the answer (``_finish``), not a send of its own after GEN's
+        stream is read to its end."""
         self._started = True
-        await self._send_start(200, [*headers, (b"x-request-id", self.request_id.encode())])
-        await pushed.push(self._write_piece, self._writable)
+        if await self._writable():
+            self._held = self._head(200, [*headers, (b"x-request-id", self.request_id.encode())], chunked=True)
+            asyncio.get_running_loop().call_soon(self._write_held)
+        await pushed.push(self._write_piece, self._writable, self._finish)
         self._complete = True
         await self._send_body(b"", False)
 
     def _write_piece(self, body: bytes) -> bool:
         """``_send_body(body, True)`` without its wait: whether the client can take more is the answer."""
         cycle = self._cycle
-        # The handler is being cancelled (uvicorn marks only a connection's newest cycle disconnected, so with a
-        # pipelined request queued the closing transport says so): the piece has nowhere to go.
-        if cycle.disconnected or self._cut is not None or cycle.transport.is_closing():
+        if self._nowhere_to_write():
             return True
         if body:
-            cycle.transport.write(b"%x\r\n%b\r\n" % (len(body), body) if cycle.chunked_encoding else body)
+            self._write(b"%x\r\n%b\r\n" % (len(body), body) if cycle.chunked_encoding else body)
         return not cycle.flow.write_paused
+
+    def _finish(self, body: bytes) -> None:
+        """The pushed answer's last piece and its end, in one send; whatever is written after it is dropped."""
+        if self._nowhere_to_write():
+            return
+        self._complete = True  # a client that hangs up now cuts nothing short
+        self._write(_last_chunk(body) if self._cycle.chunked_encoding else body)
+        self._completed()
+
+    def _nowhere_to_write(self) -> bool:
+        cycle = self._cycle
+        # The handler is being cancelled (uvicorn marks only a connection's newest cycle disconnected, so with a
+        # pipelined request queued the closing transport says so), or the answer has ended: a piece has nowhere
+        # to go.
+        return cycle.disconnected or self._cut is not None or cycle.transport.is_closing() or cycle.response_complete
+
+    def _write(self, data: bytes) -> None:
+        held, self._held = self._held, b""
+        self._cycle.transport.write(held + data if held else data)
+
+    def _write_held(self) -> None:
+        """The head of a pushed answer whose first piece did not come with GEN's head: written on its own."""
+        if self._held and not self._nowhere_to_write():
+            self._write(b"")
 
     async def _send_whole(self, status: int, headers: RawHeaders, body: bytes) -> None:
         if not await self._writable():
@@ -227,6 +258,11 @@ class CycleExchange(Exchange):
 
 def _nothing() -> None:
     pass
+
+
+def _last_chunk(body: bytes) -> bytes:
+    """``body`` as the last chunk of a chunked answer, with the chunked body's end."""
+    return b"%x\r\n%b\r\n%b" % (len(body), body, _LAST_CHUNK) if body else _LAST_CHUNK
 
 
 # The server's default headers (date, server) as header lines, made once per list: uvicorn replaces the list when

@@ -65,6 +65,9 @@ RawHeaders = list[tuple[bytes, bytes]]
 # wait for ``Drained`` before it sends more).
 ChunkWriter = Callable[[bytes], bool]
 Drained = Callable[[], Awaitable[object]]
+# Takes a streamed answer's last piece and ends the answer with it, in one send; any piece written after it is
+# dropped (nothing may follow a stream's end marker).
+LastChunkWriter = Callable[[bytes], None]
 
 
 class PushedStream(Protocol):
@@ -75,8 +78,9 @@ class PushedStream(Protocol):
         """The same pieces, as an iterator (for an exchange that cannot take pushes, or a wrapper that reads them)."""
         ...
 
-    async def push(self, write: ChunkWriter, drained: Drained) -> None:
-        """Write every piece with ``write``, awaiting ``drained`` whenever it returns False; return at the end."""
+    async def push(self, write: ChunkWriter, drained: Drained, finish: LastChunkWriter) -> None:
+        """Write every piece with ``write``, awaiting ``drained`` whenever it returns False, and the piece that holds
+        the stream's end marker with ``finish``; return at the end of what was read."""
         ...
 
 _JSON_TYPE = (b"content-type", b"application/json")

@@ -16,7 +16,7 @@ from contextlib import aclosing
 
 import orjson
 
-from frontend.asgi_fast_path import ChunkWriter, Drained
+from frontend.asgi_fast_path import ChunkWriter, Drained, LastChunkWriter
 from frontend.errors import UpstreamError
 from frontend.metrics import Metrics
 from frontend.openai_output import Endpoint, stream_error_frames
@@ -27,15 +27,17 @@ from orchestrator.transport import OpenStream
 logger = logging.getLogger(__name__)
 
 _STREAM_ENDS = (DONE_FRAME, b"event: response.completed", b"event: response.incomplete", b"event: error")
+_ERROR_EVENT = b"event: error"  # an end marker that another engine's Responses stream may follow with more events
 
 
 class _Watch:
     """What the relay watches in the bytes it passes on: time to first token, the gaps between pieces, and its
     frames' end marker (and the last whole frame, which a Responses error event numbers on from). It looks at a
     piece's tail only: the frames themselves are split only when a piece holds an end marker, which is at most
-    once a stream. ``on_end`` is told once GEN has sent the end marker (it is handed on in the same piece)."""
+    once a stream. ``on_end`` is told once GEN has sent the end marker (it is handed on in the same piece);
+    ``final`` says that marker is one nothing may follow (``[DONE]``, a Responses stream's completion)."""
 
-    __slots__ = ("last", "last_frame", "metrics", "on_end", "pending", "seen_end", "started")
+    __slots__ = ("final", "last", "last_frame", "metrics", "on_end", "pending", "seen_end", "started")
 
     def __init__(self, started: float, metrics: Metrics, on_end: Callable[[], None] | None = None) -> None:
         self.started = started
@@ -45,6 +47,7 @@ class _Watch:
         self.pending = b""  # the frame begun and not yet ended
         self.last_frame: bytes | None = None
         self.seen_end = False
+        self.final = False
 
     def feed(self, chunk: bytes) -> None:
         now = time.perf_counter()
@@ -63,8 +66,9 @@ class _Watch:
         self.last_frame = whole[begins if begins > 1 else 0:]
         if not self.seen_end and (DONE_FRAME in whole or b"event: response.completed" in whole
                                   or b"event: response.incomplete" in whole or b"event: error" in whole):
-            self.seen_end = any((frame + b"\n\n").startswith(_STREAM_ENDS)
-                                for frame in whole.split(b"\n\n")[:-1])
+            ends = [frame for frame in whole.split(b"\n\n")[:-1] if (frame + b"\n\n").startswith(_STREAM_ENDS)]
+            self.seen_end = bool(ends)
+            self.final = any(not frame.startswith(_ERROR_EVENT) for frame in ends)
             if self.seen_end and self.on_end is not None:
                 self.on_end()
 
@@ -88,11 +92,19 @@ class RelayedStream:
         self.started = started  # when the client's request arrived (for time to first token)
         self.metrics = metrics
 
-    async def push(self, write: ChunkWriter, drained: Drained) -> None:
+    async def push(self, write: ChunkWriter, drained: Drained, finish: LastChunkWriter) -> None:
+        """Each piece to ``write`` as it is read, the one that holds a final end marker (``_Watch.final``) to
+        ``finish`` (which ends the client's answer with it, in one send) and nothing after it; a stream that ends
+        without one ends with the error event, as ``frames``."""
         watch = _Watch(self.started, self.metrics, self.on_end)
 
         def take(chunk: bytes) -> bool:
+            if watch.final:
+                return True  # past the end marker: nothing for the client
             watch.feed(chunk)
+            if watch.final:
+                finish(chunk)  # the client's answer ends with this piece, in its send
+                return True
             return write(chunk)
 
         failure: UpstreamError | None = None
@@ -103,7 +115,10 @@ class RelayedStream:
                 failure = exc
             finally:
                 await self.stream.aclose()
-        for frame in self._ending(watch, failure):
+        ending = self._ending(watch, failure)
+        if watch.final:
+            return  # the client's answer was whole, however GEN's stream went on after its end marker
+        for frame in ending:
             if not write(frame):
                 await drained()
 

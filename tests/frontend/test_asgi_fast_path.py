@@ -25,7 +25,7 @@ from starlette.responses import Response, StreamingResponse
 
 from entrypoints.client_limits import ClientLimits
 from entrypoints.http_protocol import guarded_protocol
-from frontend.asgi_fast_path import Exchange, FastPathApp
+from frontend.asgi_fast_path import ChunkWriter, Drained, Exchange, FastPathApp, LastChunkWriter
 from frontend.client_timeouts import with_send_timeout
 from frontend.errors import OverloadedError, UpstreamError
 from frontend.http import error_response, install_error_handlers, install_request_ids, json_response, read_body
@@ -49,6 +49,7 @@ class Probe:
         self.streamed: dict[str, int] = {}
         self.survived: set[str] = set()
         self.clean_up = threading.Event()  # set by the test: the handler's clean-up may end
+        self.first_piece = threading.Event()  # set by the test: a late pushed stream's first piece may come
 
     def add(self, kind: set[str], request_id: str) -> None:
         with self.lock:
@@ -111,6 +112,14 @@ def make_app(probe: Probe) -> FastPathApp:
             raise
         probe.add(probe.survived, exchange.request_id)
 
+    async def pushed(exchange: Exchange) -> None:
+        await exchange.read_body(LIMIT)
+        await exchange.push(_Pushed(), SSE_RAW_HEADERS)
+
+    async def pushed_late(exchange: Exchange) -> None:
+        await exchange.read_body(LIMIT)
+        await exchange.push(_Pushed(probe, exchange.request_id), SSE_RAW_HEADERS)
+
     async def kind(exchange: Exchange) -> None:
         await exchange.answer(orjson.dumps(type(exchange).__name__))
 
@@ -118,7 +127,7 @@ def make_app(probe: Probe) -> FastPathApp:
                           ("/breaks-mid-stream", breaks_mid_stream),
                           ("/echo", echo), ("/fail", fail), ("/busy", busy), ("/upstream", upstream),
                           ("/hang", hang), ("/stream", stream), ("/stream-then-hang", stream_then_hang),
-                          ("/stream-forever", stream_forever)):
+                          ("/stream-forever", stream_forever), ("/pushed", pushed), ("/pushed-late", pushed_late)):
         app.fast_post(path, handler)
 
     # The same answers served by FastAPI's own stack, to compare with byte for byte.
@@ -144,6 +153,34 @@ def make_app(probe: Probe) -> FastPathApp:
 async def _frames() -> AsyncIterator[bytes]:
     for frame in FRAMES:
         yield frame
+
+
+class _Pushed:
+    """``FRAMES`` pushed as the orchestrator's relay pushes GEN's stream (``frontend.asgi_fast_path.PushedStream``):
+    the first piece at once (as one that came with GEN's head), or once the test lets it come (``late``); each
+    next one after the loop has turned (another read of GEN's); the last one ending the answer."""
+
+    def __init__(self, probe: Probe | None = None, request_id: str = "") -> None:
+        self.probe = probe
+        self.request_id = request_id
+
+    async def frames(self) -> AsyncIterator[bytes]:
+        await self._first_piece()
+        for frame in FRAMES:
+            yield frame
+
+    async def push(self, write: ChunkWriter, drained: Drained, finish: LastChunkWriter) -> None:
+        await self._first_piece()
+        for frame in FRAMES[:-1]:
+            if not write(frame):
+                await drained()
+            await asyncio.sleep(0)
+        finish(FRAMES[-1])
+
+    async def _first_piece(self) -> None:
+        if self.probe is not None:
+            self.probe.add(self.probe.waiting, self.request_id)
+            assert await asyncio.to_thread(self.probe.first_piece.wait, 60)
 
 
 async def _first_then_fail() -> AsyncIterator[bytes]:
@@ -251,6 +288,66 @@ def test_answers_are_byte_identical_to_the_fastapi_stacks(server: tuple[str, int
     assert _exchange(server, f"/{name}", body) == _exchange(server, f"/slow/{name}", body)
 
 
+def test_a_pushed_answer_is_byte_identical_to_the_streamed_one(server: tuple[str, int]) -> None:
+    assert _exchange(server, "/pushed") == _exchange(server, "/slow/stream")
+
+
+class RecordedSends:
+    """A connection's transport that records each send before it makes it (everything else is the transport's)."""
+
+    def __init__(self, transport: Any) -> None:
+        self._transport = transport
+        self.sends: list[bytes] = []
+
+    def write(self, data: bytes) -> None:
+        self.sends.append(bytes(data))
+        self._transport.write(data)
+
+    def writelines(self, pieces: Any) -> None:
+        pieces = list(pieces)
+        self.sends.append(b"".join(pieces))
+        self._transport.writelines(pieces)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
+
+
+def test_a_pushed_answer_sends_its_head_with_its_first_piece_and_its_end_with_its_last(served: Served) -> None:
+    """One send per piece and none more (issue 31): the head goes with a first piece that is already there, the end
+    of the chunked body with the piece that ends the stream."""
+    if served.protocol != "direct":
+        pytest.skip("through ASGI, the sends are the server's own")
+    connections = served.thread.server.server_state.connections
+    with socket.create_connection(served.address, timeout=30) as sock:
+        client = sock.getsockname()
+        assert eventually(lambda: any(getattr(c, "client", None) == client for c in list(connections)))
+        (connection,) = [c for c in list(connections) if getattr(c, "client", None) == client]
+        recorded = RecordedSends(connection.transport)
+        connection.transport = recorded  # type: ignore[assignment]  # the next request's cycle takes it
+        sock.sendall(_raw_request("/pushed", request_id="counted"))
+        (answer,) = _read_answers(sock, 1)
+    head, _, _ = answer.partition(b"\r\n\r\n")
+    chunks = [b"%x\r\n%b\r\n" % (len(frame), frame) for frame in FRAMES]
+    assert recorded.sends == [head + b"\r\n\r\n" + chunks[0], *chunks[1:-1], chunks[-1] + b"0\r\n\r\n"]
+
+
+def test_a_pushed_answer_whose_first_piece_is_late_sends_its_head_at_once(server: tuple[str, int],
+                                                                        probe: Probe) -> None:
+    with socket.create_connection(server, timeout=30) as sock:
+        sock.sendall(_raw_request("/pushed-late", request_id="late"))
+        assert eventually(lambda: "late" in probe.waiting)
+        received = b""
+        while b"\r\n\r\n" not in received:  # the head, while the stream has nothing yet
+            chunk = sock.recv(65536)
+            assert chunk, f"connection closed after {received!r}"
+            received += chunk
+        assert received.startswith(b"HTTP/1.1 200") and received.endswith(b"\r\n\r\n")
+        probe.first_piece.set()
+        (answer,) = _read_answers(sock, 1, received)
+    chunks = [b"%x\r\n%b\r\n" % (len(frame), frame) for frame in FRAMES]
+    assert answer.partition(b"\r\n\r\n")[2] == b"".join(chunks) + b"0\r\n\r\n"
+
+
 def test_a_stream_is_framed_as_it_was_yielded(url: str) -> None:
     with httpx.Client(timeout=30) as http, http.stream("POST", url + "/stream", content=b"{}") as reply:
         assert reply.headers["content-type"] == "text/event-stream; charset=utf-8"
@@ -262,9 +359,10 @@ def test_the_projects_protocol_serves_the_fast_routes_itself_once_it_is_given_th
     assert httpx.post(served.url + "/kind", content=b"{}", timeout=30).json() == expected
 
 
-def _read_answers(sock: socket.socket, count: int) -> list[bytes]:
-    """``count`` answers read off ``sock``, each its head and body (a stream's chunks still framed)."""
-    received, answers = b"", list[bytes]()
+def _read_answers(sock: socket.socket, count: int, received: bytes = b"") -> list[bytes]:
+    """``count`` answers read off ``sock`` (after the ``received`` start), each its head and body (a stream's
+    chunks still framed)."""
+    answers = list[bytes]()
     while len(answers) < count:
         head, found, rest = received.partition(b"\r\n\r\n")
         if found and b"transfer-encoding: chunked" in head.lower() and b"0\r\n\r\n" in rest:

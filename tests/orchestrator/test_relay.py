@@ -40,21 +40,37 @@ def mode(request: pytest.FixtureRequest) -> str:
     return str(request.param)
 
 
+class Client:
+    """What a pushed relay hands the client's answer: its pieces, and the one it ended the answer with."""
+
+    def __init__(self, behind_every: int = 0) -> None:
+        self.written: list[bytes] = []
+        self.last: bytes | None = None
+        self.behind_every = behind_every  # say "behind" after every so many pieces (0: never)
+
+    def write(self, chunk: bytes) -> bool:
+        assert self.last is None, "a piece written after the answer ended"
+        self.written.append(chunk)
+        return not self.behind_every or len(self.written) % self.behind_every != 0
+
+    def finish(self, chunk: bytes) -> None:
+        assert self.last is None, "the answer ended twice"
+        self.written.append(chunk)
+        self.last = chunk
+
+
+async def _never_behind() -> None:
+    raise AssertionError("a client that keeps up is never waited for")
+
+
 async def relayed(stream: ScriptedStream, member: PoolMember, mode: str, endpoint: Endpoint = "chat") -> list[bytes]:
     """Everything the client gets, the relay iterated or pushed."""
     if mode == "iterated":
         return [chunk async for chunk in relay(stream, member, endpoint)]
-    written: list[bytes] = []
-
-    def write(chunk: bytes) -> bool:
-        written.append(chunk)
-        return True
-
-    async def drained() -> None:
-        raise AssertionError("a client that keeps up is never waited for")
-
-    await RelayedStream(stream, member, 42, endpoint, time.perf_counter(), Metrics()).push(write, drained)
-    return written
+    client = Client()
+    await RelayedStream(stream, member, 42, endpoint, time.perf_counter(), Metrics()).push(
+        client.write, _never_behind, client.finish)
+    return client.written
 
 
 async def test_a_whole_stream_is_relayed_byte_for_byte_and_closed(member: PoolMember) -> None:
@@ -129,19 +145,16 @@ async def test_a_client_that_leaves_mid_stream_closes_the_upstream_stream(member
 
 async def test_a_pushed_relay_waits_for_a_client_that_is_behind_and_reads_on(member: PoolMember) -> None:
     stream = ScriptedStream(200, CHAT)
-    written: list[bytes] = []
+    client = Client(behind_every=2)
     waits: list[int] = []
 
-    def write(chunk: bytes) -> bool:
-        written.append(chunk)
-        return len(written) % 2 == 1  # behind after every second piece
-
     async def drained() -> None:
-        waits.append(len(written))
+        waits.append(len(client.written))
 
-    await RelayedStream(stream, member, 42, "chat", time.perf_counter(), Metrics()).push(write, drained)
-    assert written == CHAT
-    assert waits == [2, 4]
+    await RelayedStream(stream, member, 42, "chat", time.perf_counter(), Metrics()).push(
+        client.write, drained, client.finish)
+    assert client.written == CHAT
+    assert waits == [2]  # (the last piece ends the answer: nothing is written after it to wait for)
     assert stream.closed and member.inflight == 0
 
 
@@ -174,27 +187,19 @@ async def test_a_client_that_leaves_a_pushed_relay_closes_the_upstream_stream(me
                 await self.aclose()
 
     stream = Held(200, CHAT)
-    written: list[bytes] = []
-
-    def write(chunk: bytes) -> bool:
-        written.append(chunk)
-        return True
+    client = Client()
 
     async def drained() -> None:
         pass
 
     task = asyncio.ensure_future(RelayedStream(stream, member, 42, "chat", time.perf_counter(), Metrics())
-                                 .push(write, drained))
-    assert await eventually_async(lambda: written == CHAT[:1])
+                                 .push(client.write, drained, client.finish))
+    assert await eventually_async(lambda: client.written == CHAT[:1])
     assert member.inflight == 1
     task.cancel()  # what the exchange does when the client goes away
     with pytest.raises(asyncio.CancelledError):
         await task
     assert stream.closed and member.inflight == 0
-
-
-async def _never_behind() -> None:
-    raise AssertionError("a client that keeps up is never waited for")
 
 
 @pytest.mark.parametrize("parts", [
@@ -204,20 +209,16 @@ async def _never_behind() -> None:
 async def test_the_end_marker_is_told_once_as_it_passes(member: PoolMember, mode: str, parts: list[bytes]) -> None:
     """``on_end`` says the answer is whole as soon as its end marker has passed, before GEN's stream itself has
     ended: a client may hang up at ``[DONE]`` (the openai SDK does) before the rest is read."""
-    written: list[bytes] = []
+    client = Client()
+    written = client.written
     told: list[int] = []
-
-    def write(chunk: bytes) -> bool:
-        written.append(chunk)
-        return True
-
     relayed = RelayedStream(ScriptedStream(200, parts), member, 42, "chat", time.perf_counter(), Metrics(),
                             lambda: told.append(len(written)))
     if mode == "iterated":
         async for chunk in relayed.frames():
             written.append(chunk)
     else:
-        await relayed.push(write, _never_behind)
+        await relayed.push(client.write, _never_behind, client.finish)
     assert written == parts
     assert told == [len(parts) - 1]  # once, while the piece with the marker was on its way to the client
 
@@ -229,5 +230,39 @@ async def test_a_stream_without_its_end_marker_is_never_told_whole(member: PoolM
     if mode == "iterated":
         _ = [chunk async for chunk in relayed.frames()]
     else:
-        await relayed.push(lambda _: True, _never_behind)
+        client = Client()
+        await relayed.push(client.write, _never_behind, client.finish)
+        assert client.last is None
     assert told == []
+
+
+@pytest.mark.parametrize(("parts", "last"), [
+    ([b"data: {}\n\n", DONE_FRAME], DONE_FRAME),
+    ([b"data: {}\n\ndata: [DONE]\n\n"], b"data: {}\n\ndata: [DONE]\n\n"),
+    ([b"data: {}\n\ndata: [DO", b"NE]\n\n"], b"NE]\n\n"),
+    ([b"event: response.created\ndata: {}\n\n", b"event: response.completed\ndata: {}\n\n"],
+     b"event: response.completed\ndata: {}\n\n"),
+], ids=["done", "done-behind-a-frame", "done-split", "responses-completed"])
+async def test_a_pushed_relay_ends_the_answer_with_the_piece_that_holds_the_end_marker(
+    member: PoolMember, parts: list[bytes], last: bytes
+) -> None:
+    """The piece with the end marker goes to ``finish`` (the exchange ends the answer in that piece's send), and
+    what GEN sends after it reaches the client no more than a break after it does: the answer was whole."""
+    after = [b"data: {}\n\n"]  # nothing may follow the end marker: not relayed
+    stream = ScriptedStream(200, [*parts, *after], fails_with=UpstreamError("worker http://gen:1 failed: ReadError"))
+    client = Client()
+    await RelayedStream(stream, member, 42, "chat", time.perf_counter(), Metrics()).push(
+        client.write, _never_behind, client.finish)
+    assert client.last == last
+    assert client.written == parts
+    assert stream.closed and member.inflight == 0
+
+
+async def test_a_responses_error_event_does_not_end_a_pushed_answer(member: PoolMember) -> None:
+    """An ``event: error`` ends the stream as far as the relay's check goes, but another engine's Responses stream
+    may follow it with more events: they are relayed, and the answer ends when GEN's stream does."""
+    parts = [b"event: error\ndata: {}\n\n", b"event: response.failed\ndata: {}\n\n"]
+    client = Client()
+    await RelayedStream(ScriptedStream(200, parts), member, 42, "responses", time.perf_counter(), Metrics()).push(
+        client.write, _never_behind, client.finish)
+    assert client.written == parts and client.last is None
