@@ -114,11 +114,8 @@ def make_app(probe: Probe) -> FastPathApp:
 
     async def pushed(exchange: Exchange) -> None:
         await exchange.read_body(LIMIT)
-        await exchange.push(_Pushed(), SSE_RAW_HEADERS)
-
-    async def pushed_late(exchange: Exchange) -> None:
-        await exchange.read_body(LIMIT)
-        await exchange.push(_Pushed(probe, exchange.request_id), SSE_RAW_HEADERS)
+        late = exchange.scope["path"] == "/pushed-late"
+        await exchange.push(_Pushed(probe, exchange.request_id) if late else _Pushed(), SSE_RAW_HEADERS)
 
     async def kind(exchange: Exchange) -> None:
         await exchange.answer(orjson.dumps(type(exchange).__name__))
@@ -127,7 +124,7 @@ def make_app(probe: Probe) -> FastPathApp:
                           ("/breaks-mid-stream", breaks_mid_stream),
                           ("/echo", echo), ("/fail", fail), ("/busy", busy), ("/upstream", upstream),
                           ("/hang", hang), ("/stream", stream), ("/stream-then-hang", stream_then_hang),
-                          ("/stream-forever", stream_forever), ("/pushed", pushed), ("/pushed-late", pushed_late)):
+                          ("/stream-forever", stream_forever), ("/pushed", pushed), ("/pushed-late", pushed)):
         app.fast_post(path, handler)
 
     # The same answers served by FastAPI's own stack, to compare with byte for byte.
