@@ -56,13 +56,14 @@ class Connection(Protocol):
 class CycleExchange(Exchange):
     """An exchange over a uvicorn ``RequestResponseCycle`` on ``connection``."""
 
-    __slots__ = ("_connection", "_cycle", "_held")
+    __slots__ = ("_connection", "_cycle", "_finished", "_held")
 
     def __init__(self, cycle: RequestResponseCycle, connection: Connection, send_timeout_s: float | None) -> None:
         super().__init__(cycle.scope, send_timeout_s)  # type: ignore[arg-type]  # uvicorn's HTTPScope is a dict
         self._cycle = cycle
         self._connection = connection
         self._held = b""  # a pushed answer's head, not yet written: it goes out with the first piece
+        self._finished = False  # a pushed answer's end is written (``_finish``)
 
     async def run(self, handler: Handler) -> None:
         """``serve``, then what uvicorn's ``run_asgi`` does after an app: an answer never started is a 500 and one
@@ -93,6 +94,11 @@ class CycleExchange(Exchange):
 
     def _end_broken(self) -> None:
         cycle = self._cycle
+        if cycle.response_complete:
+            return  # ended whole at its end marker (``_finish``): the connection may be serving its next request
+        if self._held:  # a pushed answer's head, never sent: a 500 can still be answered
+            self._held = b""
+            cycle.response_started = False
         if cycle.response_started or cycle.disconnected or cycle.transport.is_closing():
             cycle.transport.close()
             return
@@ -156,7 +162,10 @@ class CycleExchange(Exchange):
             asyncio.get_running_loop().call_soon(self._write_held)
         await pushed.push(self._write_piece, self._writable, self._finish)
         self._complete = True
-        await self._send_body(b"", False)
+        if self._cycle.response_complete or not self._finished:
+            await self._send_body(b"", False)
+        elif await self._writable():  # the end went out to a client that was behind: complete once it took it
+            self._completed()
 
     def _write_piece(self, body: bytes) -> bool:
         """``_send_body(body, True)`` without its wait: whether the client can take more is the answer."""
@@ -172,15 +181,19 @@ class CycleExchange(Exchange):
         if self._nowhere_to_write():
             return
         self._complete = True  # a client that hangs up now cuts nothing short
+        self._finished = True
         self._write(_last_chunk(body) if self._cycle.chunked_encoding else body)
-        self._completed()
+        if not self._cycle.flow.write_paused:
+            self._completed()
+        # (else the end of ``push`` completes it once the client has taken it, cutting off one that does not)
 
     def _nowhere_to_write(self) -> bool:
         cycle = self._cycle
         # The handler is being cancelled (uvicorn marks only a connection's newest cycle disconnected, so with a
         # pipelined request queued the closing transport says so), or the answer has ended: a piece has nowhere
         # to go.
-        return cycle.disconnected or self._cut is not None or cycle.transport.is_closing() or cycle.response_complete
+        return cycle.disconnected or self._cut is not None or cycle.transport.is_closing() or cycle.response_complete \
+            or self._finished
 
     def _write(self, data: bytes) -> None:
         held, self._held = self._held, b""

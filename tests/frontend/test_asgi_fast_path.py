@@ -48,8 +48,10 @@ class Probe:
         self.cancelled: set[str] = set()
         self.streamed: dict[str, int] = {}
         self.survived: set[str] = set()
+        self.failed: set[str] = set()  # raised past its answer's end (what follows in the same loop step)
         self.clean_up = threading.Event()  # set by the test: the handler's clean-up may end
         self.first_piece = threading.Event()  # set by the test: a late pushed stream's first piece may come
+        self.fail_after_end = threading.Event()  # set by the test: a pushed stream past its end may fail
 
     def add(self, kind: set[str], request_id: str) -> None:
         with self.lock:
@@ -114,8 +116,8 @@ def make_app(probe: Probe) -> FastPathApp:
 
     async def pushed(exchange: Exchange) -> None:
         await exchange.read_body(LIMIT)
-        late = exchange.scope["path"] == "/pushed-late"
-        await exchange.push(_Pushed(probe, exchange.request_id) if late else _Pushed(), SSE_RAW_HEADERS)
+        mode = exchange.scope["path"].removeprefix("/pushed").removeprefix("-")
+        await exchange.push(_Pushed(probe, exchange.request_id, mode), SSE_RAW_HEADERS)
 
     async def kind(exchange: Exchange) -> None:
         await exchange.answer(orjson.dumps(type(exchange).__name__))
@@ -124,7 +126,8 @@ def make_app(probe: Probe) -> FastPathApp:
                           ("/breaks-mid-stream", breaks_mid_stream),
                           ("/echo", echo), ("/fail", fail), ("/busy", busy), ("/upstream", upstream),
                           ("/hang", hang), ("/stream", stream), ("/stream-then-hang", stream_then_hang),
-                          ("/stream-forever", stream_forever), ("/pushed", pushed), ("/pushed-late", pushed)):
+                          ("/stream-forever", stream_forever), ("/pushed", pushed), ("/pushed-late", pushed),
+                          ("/pushed-then-fails", pushed)):
         app.fast_post(path, handler)
 
     # The same answers served by FastAPI's own stack, to compare with byte for byte.
@@ -155,11 +158,13 @@ async def _frames() -> AsyncIterator[bytes]:
 class _Pushed:
     """``FRAMES`` pushed as the orchestrator's relay pushes GEN's stream (``frontend.asgi_fast_path.PushedStream``):
     the first piece at once (as one that came with GEN's head), or once the test lets it come (``late``); each
-    next one after the loop has turned (another read of GEN's); the last one ending the answer."""
+    next one after the loop has turned (another read of GEN's); the last one ending the answer; and, ``then-fails``,
+    a piece after it and a failure once the test says so, as a GEN stream that breaks after its end marker."""
 
-    def __init__(self, probe: Probe | None = None, request_id: str = "") -> None:
+    def __init__(self, probe: Probe, request_id: str, mode: str) -> None:
         self.probe = probe
         self.request_id = request_id
+        self.mode = mode
 
     async def frames(self) -> AsyncIterator[bytes]:
         await self._first_piece()
@@ -173,9 +178,15 @@ class _Pushed:
                 await drained()
             await asyncio.sleep(0)
         finish(FRAMES[-1])
+        if self.mode == "then-fails":
+            write(b"data: after the end\n\n")
+            self.probe.add(self.probe.waiting, self.request_id)
+            assert await asyncio.to_thread(self.probe.fail_after_end.wait, 60)
+            self.probe.add(self.probe.failed, self.request_id)  # the exchange's handling of it runs in this step
+            raise RuntimeError("the upstream broke after its end marker")
 
     async def _first_piece(self) -> None:
-        if self.probe is not None:
+        if self.mode == "late":
             self.probe.add(self.probe.waiting, self.request_id)
             assert await asyncio.to_thread(self.probe.first_piece.wait, 60)
 
@@ -326,6 +337,26 @@ def test_a_pushed_answer_sends_its_head_with_its_first_piece_and_its_end_with_it
     head, _, _ = answer.partition(b"\r\n\r\n")
     chunks = [b"%x\r\n%b\r\n" % (len(frame), frame) for frame in FRAMES]
     assert recorded.sends == [head + b"\r\n\r\n" + chunks[0], *chunks[1:-1], chunks[-1] + b"0\r\n\r\n"]
+
+
+def test_a_pushed_answer_ended_at_its_end_marker_leaves_its_connection_to_the_next_request(served: Served) -> None:
+    """Ended whole with its last piece, the answer frees the connection while its handler still reads: what the
+    handler writes or raises after that touches neither the next answer nor the connection."""
+    if served.protocol != "direct":
+        pytest.skip("through ASGI, an answer ends with its handler")
+    with socket.create_connection(served.address, timeout=30) as sock:
+        sock.sendall(_raw_request("/pushed-then-fails", request_id="ends-early"))
+        (first,) = _read_answers(sock, 1)
+        assert eventually(lambda: "ends-early" in served.probe.waiting)  # its handler runs on
+        chunks = [b"%x\r\n%b\r\n" % (len(frame), frame) for frame in FRAMES]
+        assert first.partition(b"\r\n\r\n")[2] == b"".join(chunks) + b"0\r\n\r\n"
+        sock.sendall(_raw_request("/echo", b'{"next": 1}', "next"))
+        (second,) = _read_answers(sock, 1)
+        served.probe.fail_after_end.set()
+        assert eventually(lambda: "ends-early" in served.probe.failed)  # the next request is read after it
+        sock.sendall(_raw_request("/echo", b'{"then": 2}', "then"))
+        (third,) = _read_answers(sock, 1)
+    assert second.endswith(b'{"next": 1}') and third.endswith(b'{"then": 2}')
 
 
 def test_a_pushed_answer_whose_first_piece_is_late_sends_its_head_at_once(server: tuple[str, int],
