@@ -133,8 +133,6 @@ class CycleExchange(Exchange):
             self._cycle.transport.write(self._head(status, headers, chunked=True))
 
     async def _send_body(self, body: bytes, more: bool) -> None:
-        if self._cycle.response_complete:
-            return  # a pushed answer its stream already ended (``_finish``)
         if not await self._writable():
             return
         write = self._write  # (a pushed answer's head first, if no piece has taken it yet)
@@ -162,10 +160,10 @@ class CycleExchange(Exchange):
             asyncio.get_running_loop().call_soon(self._write_held)
         await pushed.push(self._write_piece, self._writable, self._finish)
         self._complete = True
-        if self._cycle.response_complete or not self._finished:
+        if not self._finished:
             await self._send_body(b"", False)
-        elif await self._writable():  # the end went out to a client that was behind: complete once it took it
-            self._completed()
+        elif not self._cycle.response_complete and await self._writable():
+            self._completed()  # the end went to a client that was behind: complete once it has taken it
 
     def _write_piece(self, body: bytes) -> bool:
         """``_send_body(body, True)`` without its wait: whether the client can take more is the answer."""

@@ -26,8 +26,8 @@ from orchestrator.transport import OpenStream
 
 logger = logging.getLogger(__name__)
 
-_STREAM_ENDS = (DONE_FRAME, b"event: response.completed", b"event: response.incomplete", b"event: error")
 _ERROR_EVENT = b"event: error"  # an end marker that another engine's Responses stream may follow with more events
+_STREAM_ENDS = (DONE_FRAME, b"event: response.completed", b"event: response.incomplete", _ERROR_EVENT)
 
 
 class _Watch:
@@ -65,7 +65,7 @@ class _Watch:
         begins = whole.rfind(b"\n\n", 0, cut) + 2  # 0 - 1 + 2 when the piece holds one frame
         self.last_frame = whole[begins if begins > 1 else 0:]
         if not self.seen_end and (DONE_FRAME in whole or b"event: response.completed" in whole
-                                  or b"event: response.incomplete" in whole or b"event: error" in whole):
+                                  or b"event: response.incomplete" in whole or _ERROR_EVENT in whole):
             ends = [frame for frame in whole.split(b"\n\n")[:-1] if (frame + b"\n\n").startswith(_STREAM_ENDS)]
             self.seen_end = bool(ends)
             self.final = any(not frame.startswith(_ERROR_EVENT) for frame in ends)
@@ -115,7 +115,7 @@ class RelayedStream:
                 failure = exc
             finally:
                 await self.stream.aclose()
-        ending = self._ending(watch, failure)
+        ending = self._ending(watch, failure)  # (which logs a break, after the end marker too)
         if watch.final:
             return  # the client's answer was whole, however GEN's stream went on after its end marker
         for frame in ending:

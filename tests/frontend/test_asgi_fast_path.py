@@ -37,6 +37,7 @@ LIMIT = 1024
 SEND_TIMEOUT_S = 1.0
 FRAMES = [b'data: {"n": 1}\n\n', b'data: {"n": 2}\n\n', b"data: [DONE]\n\n"]
 BIG_FRAME = b"data: " + b"x" * 65_536 + b"\n\n"
+CHUNKS = [b"%x\r\n%b\r\n" % (len(frame), frame) for frame in FRAMES]  # FRAMES as a chunked body frames them
 
 
 class Probe:
@@ -335,8 +336,7 @@ def test_a_pushed_answer_sends_its_head_with_its_first_piece_and_its_end_with_it
         sock.sendall(_raw_request("/pushed", request_id="counted"))
         (answer,) = _read_answers(sock, 1)
     head, _, _ = answer.partition(b"\r\n\r\n")
-    chunks = [b"%x\r\n%b\r\n" % (len(frame), frame) for frame in FRAMES]
-    assert recorded.sends == [head + b"\r\n\r\n" + chunks[0], *chunks[1:-1], chunks[-1] + b"0\r\n\r\n"]
+    assert recorded.sends == [head + b"\r\n\r\n" + CHUNKS[0], *CHUNKS[1:-1], CHUNKS[-1] + b"0\r\n\r\n"]
 
 
 def test_a_pushed_answer_ended_at_its_end_marker_leaves_its_connection_to_the_next_request(served: Served) -> None:
@@ -348,8 +348,7 @@ def test_a_pushed_answer_ended_at_its_end_marker_leaves_its_connection_to_the_ne
         sock.sendall(_raw_request("/pushed-then-fails", request_id="ends-early"))
         (first,) = _read_answers(sock, 1)
         assert eventually(lambda: "ends-early" in served.probe.waiting)  # its handler runs on
-        chunks = [b"%x\r\n%b\r\n" % (len(frame), frame) for frame in FRAMES]
-        assert first.partition(b"\r\n\r\n")[2] == b"".join(chunks) + b"0\r\n\r\n"
+        assert first.partition(b"\r\n\r\n")[2] == b"".join(CHUNKS) + b"0\r\n\r\n"
         sock.sendall(_raw_request("/echo", b'{"next": 1}', "next"))
         (second,) = _read_answers(sock, 1)
         served.probe.fail_after_end.set()
@@ -372,8 +371,7 @@ def test_a_pushed_answer_whose_first_piece_is_late_sends_its_head_at_once(server
         assert received.startswith(b"HTTP/1.1 200") and received.endswith(b"\r\n\r\n")
         probe.first_piece.set()
         (answer,) = _read_answers(sock, 1, received)
-    chunks = [b"%x\r\n%b\r\n" % (len(frame), frame) for frame in FRAMES]
-    assert answer.partition(b"\r\n\r\n")[2] == b"".join(chunks) + b"0\r\n\r\n"
+    assert answer.partition(b"\r\n\r\n")[2] == b"".join(CHUNKS) + b"0\r\n\r\n"
 
 
 def test_a_stream_is_framed_as_it_was_yielded(url: str) -> None:
