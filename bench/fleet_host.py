@@ -67,11 +67,11 @@ def build_worker(role: str, port: int, engine_flags: list[str], log_level: str
 
 
 def worker_server(app: Any, args: argparse.Namespace) -> QuietServer:
-    """As ``entrypoints.cli._serve`` configures it: the same head, body and send limits, uvloop, httptools."""
+    """As ``entrypoints.cli._serve`` configures it: the same protocol, head, body and send limits."""
     limits = ClientLimits(args.header_timeout_s, args.body_timeout_s, args.max_head_bytes)
     cuts = app.state.metrics.connections_cut
     config = uvicorn.Config(with_send_timeout(app, args.client_send_timeout_s), host=args.host, port=args.port,
-                            log_level=args.log_level, loop="none",
+                            log_level=args.log_level, loop="none", ws="none",
                             http=guarded_protocol(limits, app,  # type: ignore[arg-type]
                                                   lambda reason: cuts.labels(reason=reason).inc()),
                             timeout_graceful_shutdown=5, timeout_keep_alive=75, access_log=False, log_config=None)

@@ -54,15 +54,17 @@ def _listener(args: argparse.Namespace, host: str, port: int) -> socket.socket |
 def _serve(app: Any, args: argparse.Namespace, listener: socket.socket) -> int:
     """Serve ``app`` on ``listener`` with the limits every front end gets against slow and hostile clients
     (docs/reliability.md): a head of at most ``--max-head-bytes`` within ``--header-timeout-s``, a body within
-    ``--body-timeout-s``, each piece of an answer taken within ``--client-send-timeout-s`` (uvicorn's flow control
+    ``--body-timeout-s``, each piece of an answer taken within ``--client-send-timeout-s`` (the protocol's flow control
     already caps what a non-reading client makes us buffer), idle keep-alive 75 s."""
     limits = ClientLimits(args.header_timeout_s, args.body_timeout_s, args.max_head_bytes)
     cuts = app.state.metrics.connections_cut
     host, port = address(listener)
     config = uvicorn.Config(with_send_timeout(app, args.client_send_timeout_s), host=host, port=port,
                             log_level=args.log_level, loop="uvloop",
-                            # uvicorn calls ``http`` as a protocol factory; its hint names only asyncio.Protocol
-                            http=guarded_protocol(limits, app,  # type: ignore[arg-type]
+                            # The project's own protocol (entrypoints/http_protocol.py), which offers no upgrade:
+                            # no WebSocket protocol is loaded. (uvicorn calls ``http`` as a protocol factory; its
+                            # hint names only asyncio.Protocol.)
+                            ws="none", http=guarded_protocol(limits, app,  # type: ignore[arg-type]
                                                   lambda reason: cuts.labels(reason=reason).inc()),
                             timeout_graceful_shutdown=30, timeout_keep_alive=75, access_log=False, log_config=None)
     server = QuietServer(config)

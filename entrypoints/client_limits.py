@@ -12,11 +12,11 @@ import contextlib
 import logging
 import socket
 import struct
+from collections import deque
 from dataclasses import dataclass
+from typing import Any
 
-from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol, RequestResponseCycle
-
-from entrypoints.direct_exchange import default_header_lines
+from entrypoints.request_cycle import STATUS_LINE, FlowControl, RequestCycle, default_header_lines
 from frontend.client_timeouts import (
     DEFAULT_BODY_TIMEOUT_S,
     DEFAULT_HEADER_TIMEOUT_S,
@@ -47,11 +47,20 @@ class ClientLimits:
     max_head_bytes: int = DEFAULT_MAX_HEAD_BYTES
 
 
-class ClientCutoffs(HttpToolsProtocol):
+class ClientCutoffs:
     """The guarded protocol's clocks and ends of a connection (its subclass in ``entrypoints/http_protocol.py`` is
-    the one uvicorn runs, and its ``__init__`` sets the state below: one per connection)."""
+    the protocol the server runs, and its ``__init__`` sets the state below: one per connection)."""
 
     limits = ClientLimits()
+    loop: asyncio.AbstractEventLoop
+    transport: asyncio.Transport
+    flow: FlowControl
+    client: tuple[str, int] | None
+    server_state: Any
+    cycle: RequestCycle | None
+    pipeline: deque[tuple[RequestCycle, Any]]
+    timeout_keep_alive: float
+    timeout_keep_alive_task: asyncio.TimerHandle | None
     _header_timer: asyncio.TimerHandle | None
     _body_timer: asyncio.TimerHandle | None
     _body_due: float | None
@@ -143,7 +152,7 @@ class ClientCutoffs(HttpToolsProtocol):
         lines += (b"\r\n", body)
         return b"".join(lines)
 
-    def _start_body_clock(self, cycle: RequestResponseCycle) -> None:
+    def _start_body_clock(self, cycle: RequestCycle) -> None:
         """The body must be in within ``body_timeout_s`` of now, and as long again for each MiB it declares past
         the first (at least 32 KiB/s, so that a long upload that keeps coming is not cut off)."""
         declared = 0
@@ -203,11 +212,11 @@ class ClientCutoffs(HttpToolsProtocol):
             self.transport.close()
 
     # -- keep-alive: one timer per connection, moved on when it fires ------------------------------------------
-    # uvicorn makes a keep-alive timer as each answer completes and cancels it at the next request's first byte:
-    # a timer made and cancelled per request. Here the connection keeps one while it is idle, which finds out when
-    # it fires whether the connection was idle for ``timeout_keep_alive`` since its last answer.
+    # A timer made as each answer completes and cancelled at the next request's first byte would be one made and
+    # cancelled per request. Here the connection keeps one while it is idle, which finds out when it fires whether
+    # the connection was idle for ``timeout_keep_alive`` since its last answer.
     def on_response_complete(self) -> None:
-        # uvicorn's, but for the timer.
+        """The answer in progress is complete: the next pipelined request starts, or the connection is idle."""
         self.server_state.total_requests += 1
         if self.transport.is_closing() or self._dropping:
             return
@@ -222,9 +231,6 @@ class ClientCutoffs(HttpToolsProtocol):
         if self.timeout_keep_alive_task is None:
             self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive, self._keep_alive_due)
 
-    def _unset_keepalive_if_required(self) -> None:
-        self._idle_since = None  # bytes came: busy (an armed timer finds it so, and stops)
-
     def _keep_alive_due(self) -> None:
         self.timeout_keep_alive_task = None
         if self._idle_since is None:
@@ -234,6 +240,12 @@ class ClientCutoffs(HttpToolsProtocol):
             self.timeout_keep_alive_task = self.loop.call_at(due, self._keep_alive_due)
             return
         self.timeout_keep_alive_handler()
+
+    def _start_asgi_task(self, cycle: RequestCycle, app: Any) -> None:
+        raise NotImplementedError  # the protocol's
+
+    def timeout_keep_alive_handler(self) -> None:
+        raise NotImplementedError  # the protocol's
 
 
 def _peer(client: tuple[str, int] | None) -> str:

@@ -1,20 +1,19 @@
-"""A fast route's exchange written on uvicorn's connection itself: no ASGI messages, no app stack in between.
+"""A fast route's exchange written on the connection itself: no ASGI messages, no app stack in between.
 
-Why: behind ``frontend.asgi_fast_path`` the orchestrator's hot routes still paid, per request, for uvicorn's
-``run_asgi`` wrapper, its proxy-headers middleware, the fast path's dispatch, a ``receive`` message for the body,
-and for every piece of the answer a message dict that uvicorn's ``send`` takes apart again, checking each header
-against two regular expressions; and one send timer per request. Here the project's protocol
-(``entrypoints/http_protocol.py``) starts the handler on the request's ``RequestResponseCycle`` directly: the body
-is the one the protocol parsed, the answer's head is written in one piece with the server's default headers, a
-whole answer goes out with its head in one send, and a timer exists only while a send waits for a client that
-does not read.
+Why: served through ASGI, the orchestrator's hot routes paid, per request, for a ``run_asgi`` wrapper, a
+proxy-headers middleware, the fast path's dispatch, a ``receive`` message for the body, and for every piece of the
+answer a message dict that ``send`` takes apart again, checking each header against two regular expressions; and
+one send timer per request. Here the project's protocol (``entrypoints/http_protocol.py``) starts the handler on
+the request's ``RequestCycle`` directly: the body is the one the protocol parsed, the answer's head is written in
+one piece with the server's default headers (its names are the handler's own, not a client's), a whole answer goes
+out with its head in one send, and a timer exists only while a send waits for a client that does not read.
 
-It does for these routes what uvicorn's ``receive``, ``send`` and ``run_asgi`` (0.54) do, on the same fields of
-the cycle, so that uvicorn's protocol around it (keep-alive, pipelining, flow control, graceful shutdown) cannot
-tell the difference: ``100 Continue`` before the body is read, reading resumed while the body is awaited, the
-response marked started and complete, ``connection: close`` when the connection is not kept, ``on_response``
-called once the answer is complete, and after the handler: a 500 if nothing was answered, the connection closed
-if an answer was cut short.
+It keeps, on the same fields of the cycle, the rules ``RequestCycle``'s ``receive`` and ``send`` keep
+(``entrypoints/request_cycle.py``), so that the connection around it (keep-alive, pipelining, flow control,
+graceful shutdown) cannot tell the difference: ``100 Continue`` before the body is read, reading resumed while the
+body is awaited, the response marked started and complete, ``connection: close`` when the connection is not kept,
+the cycle ended once the answer is complete, and after the handler: a 500 if nothing was answered, the connection
+closed if an answer was cut short.
 """
 
 from __future__ import annotations
@@ -24,18 +23,14 @@ import logging
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from uvicorn.protocols.http.httptools_impl import STATUS_LINE, RequestResponseCycle
-
+from entrypoints.request_cycle import CONTINUE, LAST_CHUNK, STATUS_LINE, RequestCycle, default_header_lines
 from frontend.asgi_fast_path import Exchange, Handler, PushedStream, RawHeaders
-from frontend.errors import ServingError, error_body
 from frontend.http import ClientDisconnected, too_large
 
 logger = logging.getLogger(__name__)
 
-_CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 _CHUNKED = b"transfer-encoding: chunked\r\n"
 _CLOSE = b"connection: close\r\n"
-_LAST_CHUNK = b"0\r\n\r\n"
 _JOIN_UP_TO = 64 * 1024  # a whole answer up to this goes out joined to its head; a longer one beside it
 
 
@@ -49,25 +44,22 @@ class Connection(Protocol):
     def reset(self) -> None:
         """Drop the connection at once, unsent answer and all (a client that stopped reading)."""
 
-    def close_unread(self) -> None:
-        """Close once the answer is out, while the client may still be sending a body no one will read."""
-
 
 class CycleExchange(Exchange):
-    """An exchange over a uvicorn ``RequestResponseCycle`` on ``connection``."""
+    """An exchange over a ``RequestCycle`` on ``connection``."""
 
     __slots__ = ("_connection", "_cycle", "_finished", "_held")
 
-    def __init__(self, cycle: RequestResponseCycle, connection: Connection, send_timeout_s: float | None) -> None:
-        super().__init__(cycle.scope, send_timeout_s)  # type: ignore[arg-type]  # uvicorn's HTTPScope is a dict
+    def __init__(self, cycle: RequestCycle, connection: Connection, send_timeout_s: float | None) -> None:
+        super().__init__(cycle.scope, send_timeout_s)
         self._cycle = cycle
         self._connection = connection
         self._held = b""  # a pushed answer's head, not yet written: it goes out with the first piece
         self._finished = False  # a pushed answer's end is written (``_finish``)
 
     async def run(self, handler: Handler) -> None:
-        """``serve``, then what uvicorn's ``run_asgi`` does after an app: an answer never started is a 500 and one
-        never completed a closed connection, each logged with the request's id."""
+        """``serve``, then what ``RequestCycle.run_asgi`` does after an app: an answer never started is a 500 and
+        one never completed a closed connection, each logged with the request's id."""
         cycle = self._cycle
         try:
             await self.serve(handler)
@@ -83,35 +75,27 @@ class CycleExchange(Exchange):
                          self.scope["path"], exc, exc_info=exc)
             self._end_broken()
         else:
-            # (A client that left or stalled was cut off: nothing to answer. uvicorn marks only the connection's
+            # (A client that left or stalled was cut off: nothing to answer. A lost connection marks only its
             # newest cycle disconnected, so with a pipelined request queued this one may not say so itself.)
             if not cycle.response_complete and not cycle.disconnected and self._cut is None:
                 logger.error("request %s on POST %s: the handler returned without completing its answer",
                              self.request_id, self.scope["path"])
                 self._end_broken()
         finally:
-            cycle.on_response = _nothing  # as uvicorn: the connection's next request is not this one's to start
+            cycle.on_response = _nothing  # the connection's next request is not this one's to start
 
     def _end_broken(self) -> None:
         cycle = self._cycle
-        if cycle.response_complete:
-            return  # ended whole at its end marker (``_finish``): the connection may be serving its next request
-        if self._held:  # a pushed answer's head, never sent: a 500 can still be answered
-            self._held = b""
+        if self._held and not cycle.response_complete:  # a pushed answer's head, never sent: a 500 can still be
+            self._held = b""                              # answered
             cycle.response_started = False
-        if cycle.response_started or cycle.disconnected or cycle.transport.is_closing():
-            cycle.transport.close()
-            return
-        cycle.keep_alive = False
-        body = error_body(ServingError("internal server error"))
-        cycle.transport.write(self._head(500, self._whole_headers(body), chunked=False) + body)
-        self._completed()
+        cycle.end_broken(self.request_id)
 
     # -- the request ---------------------------------------------------------------------------------------------
     async def _read(self, max_bytes: int) -> bytes:
         cycle = self._cycle
         if cycle.waiting_for_100_continue and not cycle.transport.is_closing():
-            cycle.transport.write(_CONTINUE)
+            cycle.transport.write(CONTINUE)
             cycle.waiting_for_100_continue = False
         while cycle.more_body and not cycle.disconnected:
             if len(cycle.body) > max_bytes:
@@ -187,7 +171,7 @@ class CycleExchange(Exchange):
 
     def _nowhere_to_write(self) -> bool:
         cycle = self._cycle
-        # The handler is being cancelled (uvicorn marks only a connection's newest cycle disconnected, so with a
+        # The handler is being cancelled (a lost connection marks only its newest cycle disconnected, so with a
         # pipelined request queued the closing transport says so), or the answer has ended: a piece has nowhere
         # to go.
         return cycle.disconnected or self._cut is not None or cycle.transport.is_closing() or cycle.response_complete \
@@ -213,7 +197,7 @@ class CycleExchange(Exchange):
         self._completed()
 
     def _head(self, status: int, headers: RawHeaders, chunked: bool) -> bytes:
-        """The status line and headers, as uvicorn's ``send`` writes them: the server's default headers first."""
+        """The status line and headers, as ``RequestCycle.send`` writes them: the server's default headers first."""
         cycle = self._cycle
         cycle.response_started = True
         cycle.waiting_for_100_continue = False
@@ -233,14 +217,7 @@ class CycleExchange(Exchange):
         return b"".join(lines)
 
     def _completed(self) -> None:
-        cycle = self._cycle
-        cycle.response_complete = True
-        cycle.message_event.set()
-        if cycle.more_body:
-            self._connection.close_unread()
-        elif not cycle.keep_alive:
-            cycle.transport.close()
-        cycle.on_response()
+        self._cycle.end()
 
     async def _writable(self) -> bool:
         """Whether the answer can still be written, after waiting (at most ``send_timeout_s``) for a client that is
@@ -273,18 +250,4 @@ def _nothing() -> None:
 
 def _last_chunk(body: bytes) -> bytes:
     """``body`` as the last chunk of a chunked answer, with the chunked body's end."""
-    return b"%x\r\n%b\r\n%b" % (len(body), body, _LAST_CHUNK) if body else _LAST_CHUNK
-
-
-# The server's default headers (date, server) as header lines, made once per list: uvicorn replaces the list when
-# the date changes, once a second.
-_default_cache: tuple[list[tuple[bytes, bytes]], bytes] = ([], b"")
-
-
-def default_header_lines(defaults: list[tuple[bytes, bytes]]) -> bytes:
-    global _default_cache
-    cached, lines = _default_cache
-    if cached is not defaults:
-        lines = b"".join(b"%b: %b\r\n" % pair for pair in defaults)
-        _default_cache = (defaults, lines)
-    return lines
+    return b"%x\r\n%b\r\n%b" % (len(body), body, LAST_CHUNK) if body else LAST_CHUNK

@@ -134,7 +134,7 @@ async def _served_by_the_fast_path() -> Response:
 class Exchange:
     """One request and its answer, served from the handler's coroutine. How the bytes move is a subclass's:
     ``AsgiExchange`` through ASGI's ``receive`` and ``send``, or a server's own (``entrypoints/direct_exchange.py``
-    writes to uvicorn's connection directly)."""
+    writes to the connection directly)."""
 
     __slots__ = ("_complete", "_cut", "_send_timeout_s", "_started", "_task", "request_id", "scope")
 

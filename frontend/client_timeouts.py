@@ -1,6 +1,6 @@
 """Slow clients: an answer whose client stops reading is cut off after ``send_timeout_s``.
 
-uvicorn already bounds what one connection buffers: once the transport holds more than its high-water mark
+The server already bounds what one connection buffers: once the transport holds more than its high-water mark
 (64 KiB) it stops the app's ``send`` until the client reads (flow control), so a client that does not read costs
 the server at most that plus the kernel's socket buffers. What it does not bound is the *time*: the app waits in
 ``send`` for ever, holding its engine sequence (or, in the orchestrator, a GEN stream) all the while. This

@@ -24,7 +24,8 @@ class ServerThread:
         # ``uvloop.new_event_loop`` for what production runs. ``options``: more of uvicorn's settings, or other
         # values for these (e.g. ``http``: a protocol class).
         config = uvicorn.Config(app, **{"host": "127.0.0.1", "port": port, "log_level": "warning", "lifespan": "on",
-                                        "loop": "uvloop", "http": "httptools", "timeout_graceful_shutdown": 5,
+                                        "loop": "uvloop", "http": "httptools", "ws": "none",
+                                        "timeout_graceful_shutdown": 5,
                                         **options})
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self._run, daemon=True)

@@ -7,6 +7,7 @@ contract bites: the same configuration over a small tree that breaks each rule r
 
 from __future__ import annotations
 
+import ast
 import os
 import subprocess
 import sys
@@ -64,3 +65,35 @@ def test_the_contract_reports_each_kind_of_break(tmp_path: Path) -> None:
     for broken in ("frontend.shared -> workers.server", "orchestrator.flow -> workers.engines.engine",
                    "workers.engines.engine -> entrypoints.cli", "workers.engines.engine -> workers.server"):
         assert broken in result.stdout, result.stdout
+
+
+# What a module may import of uvicorn: its public ``Config`` and ``Server`` (through ``import uvicorn``). Its
+# protocol and cycle classes are private code (DESIGN.md, HTTP): the connection is the project's own protocol's.
+_UVICORN_ALLOWED = {"uvicorn"}
+
+
+def uvicorn_imports(source: str) -> list[str]:
+    """The uvicorn modules ``source`` imports, by name."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found += [alias.name for alias in node.names if alias.name.split(".")[0] == "uvicorn"]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "uvicorn":
+            found.append(node.module)
+    return found
+
+
+def test_no_module_imports_uvicorns_internals() -> None:
+    offending = {}
+    for package in ("entrypoints", "frontend", "orchestrator", "workers", "bench", "tests"):
+        for path in (REPO / package).rglob("*.py"):
+            names = [name for name in uvicorn_imports(path.read_text()) if name not in _UVICORN_ALLOWED]
+            if names:
+                offending[str(path.relative_to(REPO))] = names
+    assert offending == {}
+
+
+def test_the_uvicorn_import_check_sees_each_form() -> None:
+    assert uvicorn_imports("import uvicorn\nfrom uvicorn.protocols.http.httptools_impl import STATUS_LINE\n"
+                           "import uvicorn.server as s\nfrom uvicorn import Config\nimport json\n") == \
+        ["uvicorn", "uvicorn.protocols.http.httptools_impl", "uvicorn.server", "uvicorn"]

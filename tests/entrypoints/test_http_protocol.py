@@ -32,12 +32,6 @@ class Recorder:
         self.refuse_over: int | None = None
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] == "websocket":  # accepted, then held open until the client goes
-            await receive()
-            await send({"type": "websocket.accept"})
-            while (await receive())["type"] != "websocket.disconnect":
-                pass
-            return
         if scope["type"] != "http":
             return
         declared = dict(scope["headers"]).get(b"content-length", b"0")
@@ -174,13 +168,13 @@ def test_a_client_gone_mid_body_is_a_disconnect_not_a_body(server: tuple[Recorde
 def parsed(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """The size of every piece the HTTP parser is handed."""
     sizes: list[int] = []
-    feed = http_protocol._GuardedProtocol.data_received
+    feed = http_protocol.GuardedProtocol.data_received
 
     def counted(self: Any, data: bytes) -> None:
         sizes.append(len(data))
         feed(self, data)
 
-    monkeypatch.setattr(http_protocol._GuardedProtocol, "data_received", counted)
+    monkeypatch.setattr(http_protocol.GuardedProtocol, "data_received", counted)
     return sizes
 
 

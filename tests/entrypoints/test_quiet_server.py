@@ -29,7 +29,8 @@ def start(server: QuietServer) -> threading.Thread:
 
 def counted_server() -> tuple[QuietServer, list[int]]:
     """A server, and the counters its ticks were called with, in order."""
-    server = QuietServer(uvicorn.Config(hello, host="127.0.0.1", port=0, log_level="warning", lifespan="off"))
+    server = QuietServer(uvicorn.Config(hello, host="127.0.0.1", port=0, log_level="warning", lifespan="off",
+                                          ws="none"))
     ticks: list[int] = []
     on_tick = server.on_tick
 
