@@ -354,7 +354,7 @@ class GuardedProtocol(ClientCutoffs, DeclaredBodyReads, asyncio.BufferedProtocol
         """A POST to one of ``direct_app``'s fast routes is served on its cycle directly; anything else through
         ASGI."""
         direct = self.direct_app
-        if direct is not None and app is self.app and cycle.scope["method"] == "POST" and not self._fresh_context:
+        if direct is not None and cycle.scope["method"] == "POST" and not self._fresh_context:
             handler = direct.fast_routes.get(cycle.scope["path"])
             if handler is not None:
                 exchange = CycleExchange(cycle, self, direct.send_timeout_s)

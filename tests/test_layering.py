@@ -2,7 +2,8 @@
 
 Entry points on top may import everything; ``orchestrator`` and ``workers`` never import each other; the shared
 layer (``frontend``) imports neither; ``workers.engines`` imports no HTTP server module. A second test proves the
-contract bites: the same configuration over a small tree that breaks each rule reports every break.
+contract bites: the same configuration over a small tree that breaks each rule reports every break. And no module
+imports uvicorn's submodules (its protocol and cycle classes are private code: DESIGN.md, HTTP).
 """
 
 from __future__ import annotations
