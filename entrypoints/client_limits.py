@@ -98,6 +98,7 @@ class ClientCutoffs:
         if transport.is_closing() or self._dropping:
             return
         self._dropping = True
+        self.flow.resume_reading()  # (paused for a body read piece by piece: what is left of it must be drained)
         self.declared_body = None
         self._stop_header_timer()
         self._stop_body_timer()
@@ -138,6 +139,7 @@ class ClientCutoffs:
             self.transport.write(self._error_answer(error, request_id))
         if cycle is not None and not cycle.response_complete:
             cycle.response_started = cycle.response_complete = True
+            cycle.waiting_for_100_continue = False  # our side is shut: nothing more goes to the client
             cycle.disconnected = True  # the handler waiting on the body stops
             cycle.message_event.set()
         self.close_unread()

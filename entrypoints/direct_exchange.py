@@ -69,14 +69,13 @@ class CycleExchange(Exchange):
                          self.scope["path"])
             self._end_broken()
             raise
-        except Exception as exc:
-            # What ``serve`` could not answer: a failure after the answer started.
-            logger.error("request %s on POST %s failed after its answer started: %s", self.request_id,
-                         self.scope["path"], exc, exc_info=exc)
+        except BaseException as exc:  # (a SystemExit or an exception group too: the server keeps serving)
+            # What ``serve`` could not answer: a failure after the answer started, or one that is no Exception.
+            logger.error("request %s on POST %s failed: %s", self.request_id, self.scope["path"], exc,
+                         exc_info=exc)
             self._end_broken()
         else:
-            # (A client that left or stalled was cut off: nothing to answer. A lost connection marks only its
-            # newest cycle disconnected, so with a pipelined request queued this one may not say so itself.)
+            # (A client that left or stalled was cut off: nothing to answer.)
             if not cycle.response_complete and not cycle.disconnected and self._cut is None:
                 logger.error("request %s on POST %s: the handler returned without completing its answer",
                              self.request_id, self.scope["path"])
@@ -94,7 +93,7 @@ class CycleExchange(Exchange):
     # -- the request ---------------------------------------------------------------------------------------------
     async def _read(self, max_bytes: int) -> bytes:
         cycle = self._cycle
-        if cycle.waiting_for_100_continue and not cycle.transport.is_closing():
+        if cycle.waiting_for_100_continue and not cycle.transport.is_closing() and not cycle.response_complete:
             cycle.transport.write(CONTINUE)
             cycle.waiting_for_100_continue = False
         while cycle.more_body and not cycle.disconnected:
@@ -171,9 +170,8 @@ class CycleExchange(Exchange):
 
     def _nowhere_to_write(self) -> bool:
         cycle = self._cycle
-        # The handler is being cancelled (a lost connection marks only its newest cycle disconnected, so with a
-        # pipelined request queued the closing transport says so), or the answer has ended: a piece has nowhere
-        # to go.
+        # The client left, was cut off or its connection is closing (the handler is being cancelled), or the
+        # answer has ended: a piece has nowhere to go.
         return cycle.disconnected or self._cut is not None or cycle.transport.is_closing() or cycle.response_complete \
             or self._finished
 

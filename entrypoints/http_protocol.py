@@ -119,6 +119,7 @@ class GuardedProtocol(ClientCutoffs, DeclaredBodyReads, asyncio.BufferedProtocol
         self.scheme = "http"
         self.pipeline: deque[tuple[RequestCycle, Any]] = deque()  # requests parsed while one is answered
         self.cycle: RequestCycle | None = None  # the newest request's
+        self._answering: RequestCycle | None = None  # the request being answered (the newest, unless pipelined)
         # The request whose head is being parsed.
         self.url = b""
         self.headers: list[tuple[bytes, bytes]] = []
@@ -168,11 +169,13 @@ class GuardedProtocol(ClientCutoffs, DeclaredBodyReads, asyncio.BufferedProtocol
             self.timeout_keep_alive_task.cancel()
             self.timeout_keep_alive_task = None
         self.declared_body = None  # what it held of a body is no one's now
-        cycle = self.cycle
-        if cycle is not None:
-            if not cycle.response_complete:
-                cycle.disconnected = True
-            cycle.message_event.set()
+        # Every request still on the connection is told: the one being answered (its handler may wait for
+        # ``http.disconnect`` to stop its work) as well as the newest and those queued behind it.
+        for cycle in {self.cycle, self._answering, *(queued for queued, _ in self.pipeline)}:
+            if cycle is not None:
+                if not cycle.response_complete:
+                    cycle.disconnected = True
+                cycle.message_event.set()
         if self.flow is not None:
             self.flow.resume_writing()  # a send waiting for the client returns, and finds it gone
         callbacks = list(self._client_gone)
@@ -353,6 +356,7 @@ class GuardedProtocol(ClientCutoffs, DeclaredBodyReads, asyncio.BufferedProtocol
     def _start_asgi_task(self, cycle: RequestCycle, app: Any) -> None:
         """A POST to one of ``direct_app``'s fast routes is served on its cycle directly; anything else through
         ASGI."""
+        self._answering = cycle
         direct = self.direct_app
         if direct is not None and cycle.scope["method"] == "POST" and not self._fresh_context:
             handler = direct.fast_routes.get(cycle.scope["path"])

@@ -156,7 +156,7 @@ class RequestCycle:
             self._log_error("cancelled by the server's shutdown", None)
             self.end_broken()
             raise
-        except Exception as exc:
+        except BaseException as exc:  # (a SystemExit or an exception group too: the server keeps serving)
             self._log_error("failed", exc)
             self.end_broken()
         else:
@@ -191,7 +191,7 @@ class RequestCycle:
         self.end()
 
     async def receive(self) -> dict[str, Any]:
-        if self.waiting_for_100_continue and not self.transport.is_closing():
+        if self.waiting_for_100_continue and not self.transport.is_closing() and not self.response_complete:
             self.transport.write(CONTINUE)
             self.waiting_for_100_continue = False
         if not self.disconnected and not self.response_complete:
@@ -234,6 +234,8 @@ class RequestCycle:
                 raise RuntimeError(f"invalid value of header {raw_name!r}")
             name = raw_name.lower()
             if name == b"content-length" and self.chunked_encoding is None:
+                if not value.isdigit():
+                    raise RuntimeError(f"invalid content-length {value!r}")
                 self.expected_content_length = int(value)
                 self.chunked_encoding = False
             elif name == b"transfer-encoding" and value.lower() == b"chunked":
