@@ -239,6 +239,8 @@ class RequestCycle:
                 self.expected_content_length = int(value)
                 self.chunked_encoding = False
             elif name == b"transfer-encoding" and value.lower() == b"chunked":
+                if self.scope["http_version"] == "1.0":
+                    continue  # no chunks for HTTP/1.0, even if the app asks: sent unframed (below)
                 self.expected_content_length = 0
                 self.chunked_encoding = True
             elif name == b"connection" and b"close" in (token.strip().lower() for token in value.split(b",")):

@@ -65,6 +65,11 @@ class Answers:
     async def fails(self, scope: Message, receive: Any, send: Any) -> None:
         raise RuntimeError("the app failed before answering")
 
+    async def chunked(self, scope: Message, receive: Any, send: Any) -> None:
+        await self._start(send, headers=[(b"transfer-encoding", b"chunked")])
+        await send({"type": "http.response.body", "body": b"one ", "more_body": True})
+        await send({"type": "http.response.body", "body": b"two"})
+
     async def exits(self, scope: Message, receive: Any, send: Any) -> None:
         raise SystemExit("an app that asked the process to exit")
 
@@ -285,3 +290,18 @@ def test_a_graceful_shutdown_lets_the_answer_in_progress_finish_then_closes(
         received += read_until_closed(sock)
     assert received.endswith(b"6\r\nsecond\r\n0\r\n\r\n")
     assert received.count(b"HTTP/1.1 ") == 1
+
+
+def test_an_http_1_0_client_gets_no_chunks_even_where_the_app_asks_for_them(
+        served: tuple[Answers, ServerThread, int]) -> None:
+    _, _, port = served
+    with connected(port) as sock:
+        sock.sendall(b"GET /chunked HTTP/1.0\r\n\r\n")
+        head, body = split(read_until_closed(sock))
+    assert header(head, b"transfer-encoding") is None
+    assert body == b"one two"
+    with connected(port) as sock:  # and an HTTP/1.1 client gets the chunks the app asked for
+        sock.sendall(get(b"/chunked", extra=b"Connection: close\r\n"))
+        head, body = split(read_until_closed(sock))
+    assert header(head, b"transfer-encoding") == b"chunked"
+    assert body == b"4\r\none \r\n3\r\ntwo\r\n0\r\n\r\n"
