@@ -23,14 +23,12 @@ import logging
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from entrypoints.request_cycle import CONTINUE, LAST_CHUNK, STATUS_LINE, RequestCycle, default_header_lines
+from entrypoints.request_cycle import CHUNKED, CLOSE, STATUS_LINE, RequestCycle, default_header_lines, last_chunk
 from frontend.asgi_fast_path import Exchange, Handler, PushedStream, RawHeaders
 from frontend.http import ClientDisconnected, too_large
 
 logger = logging.getLogger(__name__)
 
-_CHUNKED = b"transfer-encoding: chunked\r\n"
-_CLOSE = b"connection: close\r\n"
 _JOIN_UP_TO = 64 * 1024  # a whole answer up to this goes out joined to its head; a longer one beside it
 
 
@@ -81,21 +79,19 @@ class CycleExchange(Exchange):
                              self.request_id, self.scope["path"])
                 self._end_broken()
         finally:
-            cycle.on_response = _nothing  # the connection's next request is not this one's to start
+            cycle.detach()
 
     def _end_broken(self) -> None:
         cycle = self._cycle
-        if self._held and not cycle.response_complete:  # a pushed answer's head, never sent: a 500 can still be
-            self._held = b""                              # answered
+        if self._held and not cycle.response_complete:
+            self._held = b""  # a pushed answer's head, never sent: a 500 can still be answered
             cycle.response_started = False
         cycle.end_broken(self.request_id)
 
     # -- the request ---------------------------------------------------------------------------------------------
     async def _read(self, max_bytes: int) -> bytes:
         cycle = self._cycle
-        if cycle.waiting_for_100_continue and not cycle.transport.is_closing() and not cycle.response_complete:
-            cycle.transport.write(CONTINUE)
-            cycle.waiting_for_100_continue = False
+        cycle.continue_if_awaited()
         while cycle.more_body and not cycle.disconnected:
             if len(cycle.body) > max_bytes:
                 raise too_large(max_bytes)
@@ -127,9 +123,9 @@ class CycleExchange(Exchange):
                 write(b"%x\r\n%b\r\n" % (len(body), body))
             return
         else:
-            write(_last_chunk(body))
+            write(last_chunk(body))
         if not more:
-            self._completed()
+            self._cycle.end()
 
     async def push(self, pushed: PushedStream, headers: RawHeaders) -> None:
         """A 200 written piece by piece from the callback that read each piece (``PushedStream``), with a send
@@ -146,7 +142,7 @@ class CycleExchange(Exchange):
         if not self._finished:
             await self._send_body(b"", False)
         elif not self._cycle.response_complete and await self._writable():
-            self._completed()  # the end went to a client that was behind: complete once it has taken it
+            self._cycle.end()  # the end went to a client that was behind: complete once it has taken it
 
     def _write_piece(self, body: bytes) -> bool:
         """``_send_body(body, True)`` without its wait: whether the client can take more is the answer."""
@@ -163,9 +159,9 @@ class CycleExchange(Exchange):
             return
         self._complete = True  # a client that hangs up now cuts nothing short
         self._finished = True
-        self._write(_last_chunk(body) if self._cycle.chunked_encoding else body)
+        self._write(last_chunk(body) if self._cycle.chunked_encoding else body)
         if not self._cycle.flow.write_paused:
-            self._completed()
+            self._cycle.end()
         # (else the end of ``push`` completes it once the client has taken it, cutting off one that does not)
 
     def _nowhere_to_write(self) -> bool:
@@ -192,7 +188,7 @@ class CycleExchange(Exchange):
             self._cycle.transport.write(head + body)  # one send for the answer
         else:
             self._cycle.transport.writelines((head, body))
-        self._completed()
+        self._cycle.end()
 
     def _head(self, status: int, headers: RawHeaders, chunked: bool) -> bytes:
         """The status line and headers, as ``RequestCycle.send`` writes them: the server's default headers first."""
@@ -208,14 +204,11 @@ class CycleExchange(Exchange):
         for name, value in headers:
             lines += (name, b": ", value, b"\r\n")
         if not cycle.keep_alive:
-            lines.append(_CLOSE)
+            lines.append(CLOSE)
         if chunked:
-            lines.append(_CHUNKED)
+            lines.append(CHUNKED)
         lines.append(b"\r\n")
         return b"".join(lines)
-
-    def _completed(self) -> None:
-        self._cycle.end()
 
     async def _writable(self) -> bool:
         """Whether the answer can still be written, after waiting (at most ``send_timeout_s``) for a client that is
@@ -240,12 +233,3 @@ class CycleExchange(Exchange):
 
     def _unwatch(self) -> None:
         self._connection.client_gone.discard(self._client_left)
-
-
-def _nothing() -> None:
-    pass
-
-
-def _last_chunk(body: bytes) -> bytes:
-    """``body`` as the last chunk of a chunked answer, with the chunked body's end."""
-    return b"%x\r\n%b\r\n%b" % (len(body), body, LAST_CHUNK) if body else LAST_CHUNK

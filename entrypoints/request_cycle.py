@@ -38,8 +38,8 @@ HIGH_WATER_LIMIT = 64 * 1024
 
 CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 LAST_CHUNK = b"0\r\n\r\n"
-_CLOSE = b"connection: close\r\n"
-_CHUNKED = b"transfer-encoding: chunked\r\n"
+CLOSE = b"connection: close\r\n"
+CHUNKED = b"transfer-encoding: chunked\r\n"
 _TOKEN = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")  # a header name (RFC 9110 5.6.2)
 _NOT_IN_VALUE = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")  # what a header value may not hold (RFC 9110 5.5)
 _BODILESS = (204, 304)
@@ -167,7 +167,7 @@ class RequestCycle:
                 self._log_error("the app returned without completing its answer", None)
                 self.end_broken()
         finally:
-            self.on_response = _nothing  # the connection's next request is not this one's to start
+            self.detach()
 
     def _log_error(self, what: str, exc: BaseException | None) -> None:
         logger.error("request %s on %s %s: %s", request_id_of(self.scope["headers"]), self.scope["method"],
@@ -190,10 +190,19 @@ class RequestCycle:
         self.transport.write(head + (b"" if self._bodiless else body))
         self.end()
 
-    async def receive(self) -> dict[str, Any]:
+    def detach(self) -> None:
+        """The handler is done: whatever it still does, the connection's next request is not this one's to start."""
+        self.on_response = _nothing
+
+    def continue_if_awaited(self) -> None:
+        """The ``100 Continue`` a client that asked for it waits for before it sends the body, once the handler
+        reads the body; never after an answer, or once our side is shut."""
         if self.waiting_for_100_continue and not self.transport.is_closing() and not self.response_complete:
             self.transport.write(CONTINUE)
             self.waiting_for_100_continue = False
+
+    async def receive(self) -> dict[str, Any]:
+        self.continue_if_awaited()
         if not self.disconnected and not self.response_complete:
             self.flow.resume_reading()  # paused past HIGH_WATER_LIMIT of a body read piece by piece
             await self.message_event.wait()
@@ -248,14 +257,14 @@ class RequestCycle:
                 says_close = True
             lines += (name, b": ", value, b"\r\n")
         if not self.keep_alive and not says_close:
-            lines.append(_CLOSE)
+            lines.append(CLOSE)
         self._bodiless = self.scope["method"] == "HEAD" or status in _BODILESS
         if self.chunked_encoding is None and not self._bodiless:
             if self.scope["http_version"] == "1.0":
                 self.unframed = True  # no chunks for HTTP/1.0: the connection's end is the body's (it is not kept)
             else:
                 self.chunked_encoding = True
-                lines.append(_CHUNKED)
+                lines.append(CHUNKED)
         lines.append(b"\r\n")
         self.response_started = True  # (not before: a head refused above can still be a 500)
         self.waiting_for_100_continue = False
@@ -265,10 +274,10 @@ class RequestCycle:
         if self._bodiless:
             pass
         elif self.chunked_encoding:
-            if body:
-                self.transport.write(b"%x\r\n%b\r\n%b" % (len(body), body, b"" if more else LAST_CHUNK))
-            elif not more:
-                self.transport.write(LAST_CHUNK)
+            if not more:
+                self.transport.write(last_chunk(body))
+            elif body:
+                self.transport.write(b"%x\r\n%b\r\n" % (len(body), body))
         elif self.unframed:
             if body:
                 self.transport.write(body)
@@ -282,6 +291,11 @@ class RequestCycle:
             if self.expected_content_length and not self._bodiless:
                 raise RuntimeError("the answer's body is shorter than its content-length")
             self.end()
+
+
+def last_chunk(body: bytes) -> bytes:
+    """``body`` as the last chunk of a chunked answer, with the chunked body's end."""
+    return b"%x\r\n%b\r\n%b" % (len(body), body, LAST_CHUNK) if body else LAST_CHUNK
 
 
 def _nothing() -> None:
