@@ -37,7 +37,7 @@ class _Watch:
     once a stream. ``on_end`` is told once GEN has sent the end marker (it is handed on in the same piece);
     ``final`` says that marker is one nothing may follow (``[DONE]``, a Responses stream's completion)."""
 
-    __slots__ = ("final", "last", "last_frame", "metrics", "on_end", "pending", "seen_end", "started")
+    __slots__ = ("final", "last", "metrics", "on_end", "pending", "seen_end", "started", "whole")
 
     def __init__(self, started: float, metrics: Metrics, on_end: Callable[[], None] | None = None) -> None:
         self.started = started
@@ -45,30 +45,47 @@ class _Watch:
         self.on_end = on_end
         self.last: float | None = None
         self.pending = b""  # the frame begun and not yet ended
-        self.last_frame: bytes | None = None
+        self.whole = b""  # the last piece that ended a frame, up to that end (``last_frame`` is cut from it)
         self.seen_end = False
         self.final = False
 
+    @property
+    def last_frame(self) -> bytes | None:
+        """The last whole frame passed on: cut when asked (once, for an error event), not from every piece."""
+        whole = self.whole
+        if not whole:
+            return None
+        begins = whole.rfind(b"\n\n", 0, len(whole) - 2) + 2  # 0 - 1 + 2 when the piece holds one frame
+        return whole[begins if begins > 1 else 0:]
+
     def feed(self, chunk: bytes) -> None:
         now = time.perf_counter()
-        if self.last is None:
+        last = self.last
+        if last is None:
             self.metrics.time_to_first_token.observe(now - self.started)
         else:
-            self.metrics.inter_token_latency.observe(now - self.last)
+            self.metrics.inter_token_latency.observe(now - last)
         self.last = now
         data = self.pending + chunk if self.pending else chunk
-        cut = data.rfind(b"\n\n")
-        if cut < 0:
+        ends = data.rfind(b"\n\n") + 2
+        if ends < 2:
             self.pending = data
             return
-        whole, self.pending = data[:cut + 2], data[cut + 2:]
-        begins = whole.rfind(b"\n\n", 0, cut) + 2  # 0 - 1 + 2 when the piece holds one frame
-        self.last_frame = whole[begins if begins > 1 else 0:]
-        if not self.seen_end and (DONE_FRAME in whole or b"event: response.completed" in whole
-                                  or b"event: response.incomplete" in whole or _ERROR_EVENT in whole):
-            ends = [frame for frame in whole.split(b"\n\n")[:-1] if (frame + b"\n\n").startswith(_STREAM_ENDS)]
-            self.seen_end = bool(ends)
-            self.final = any(not frame.startswith(_ERROR_EVENT) for frame in ends)
+        if ends == len(data):  # the common piece: whole frames, nothing begun after them (and no copy)
+            whole = self.whole = data
+            self.pending = b""
+        else:
+            whole = self.whole = data[:ends]
+            self.pending = data[ends:]
+        # Every end marker holds one of the two hints; the exact markers are looked for only in a piece with one
+        # (a chat or completions stream's only one is its last).
+        if not self.seen_end and (b"[DONE]" in whole or b"event: " in whole) and (
+                DONE_FRAME in whole or b"event: response.completed" in whole
+                or b"event: response.incomplete" in whole or _ERROR_EVENT in whole):
+            ends_found = [frame for frame in whole.split(b"\n\n")[:-1]
+                          if (frame + b"\n\n").startswith(_STREAM_ENDS)]
+            self.seen_end = bool(ends_found)
+            self.final = any(not frame.startswith(_ERROR_EVENT) for frame in ends_found)
             if self.seen_end and self.on_end is not None:
                 self.on_end()
 

@@ -117,17 +117,20 @@ async def test_a_responses_stream_ends_with_an_error_event(member: PoolMember, m
     assert await relayed(completed, member, mode, "responses") == completed.parts
 
 
+@pytest.mark.parametrize("joined", [False, True], ids=["piece-per-event", "one-piece"])
 @pytest.mark.parametrize("broken", [False, True], ids=["ended-early", "broke"])
 async def test_a_responses_error_event_goes_on_with_the_streams_sequence_numbers(
-    member: PoolMember, broken: bool, mode: str
+    member: PoolMember, broken: bool, joined: bool, mode: str
 ) -> None:
     sent = [b'event: response.created\ndata: {"type":"response.created","sequence_number":0}\n\n',
             b'event: response.in_progress\ndata: {"type":"response.in_progress","sequence_number":1}\n\n',
             b'event: response.output_text.delta\ndata: {"type":"response.output_text.delta","seq']  # cut short
+    if joined:  # the last whole event is cut from a piece that holds two, and the begun third
+        sent = [b"".join(sent)]
     failure = UpstreamError("worker http://gen:1 failed: ReadError") if broken else None
     stream = ScriptedStream(200, sent, fails_with=failure)
     frames = await relayed(stream, member, mode, "responses")
-    assert frames[:3] == sent
+    assert frames[:len(sent)] == sent
     error = orjson.loads(frames[-1].partition(b"data: ")[2])
     assert error["type"] == "error" and error["sequence_number"] == 2  # after GEN's last whole event, not 0
 
