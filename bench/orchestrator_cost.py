@@ -100,12 +100,12 @@ class Mocks:
 
 
 def start_mocks(processes: Processes, prompt: int, frame_gap_ms: float = FRAME_GAP_MS,
-                flavours: tuple[str, ...] = ()) -> Mocks:
+                flavours: tuple[str, ...] = (), tokens: int = MAX_TOKENS) -> Mocks:
     def mock(role: str, *extra: str) -> Server:
         port = free_port()
         return processes.spawn(f"mock-{role}-{prompt}", [
             PYTHON, "-m", "bench.mock_workers", "--role", role.split("-")[0], "--port", str(port),
-            "--prompt-tokens", str(prompt), "--tokens", str(MAX_TOKENS), *extra], f"http://127.0.0.1:{port}")
+            "--prompt-tokens", str(prompt), "--tokens", str(tokens), *extra], f"http://127.0.0.1:{port}")
 
     mocks = Mocks(mock("ctx"), mock("gen", "--frame-gap-ms", str(frame_gap_ms)),
                   {flavour: mock(f"ctx-{flavour}", "--flavour", flavour) for flavour in flavours})
@@ -164,12 +164,12 @@ def idle_cpu_ms_per_s(servers: dict[str, Server], seconds: float, settle_s: floa
 
 def measure(processes: Processes, setup: str, url: str, pid: int | None, ctx: Server, gen: Server, prompt: int,
             concurrency: int, phases: Phases, endpoint: str = "completions",
-            legs: tuple[Server, Server] | None = None) -> dict[str, Any]:
+            legs: tuple[Server, Server] | None = None, tokens: int = MAX_TOKENS) -> dict[str, Any]:
     """One cell: ``concurrency`` clients streaming ``endpoint`` through ``url`` (or directly, when ``pid`` is None).
     ``legs``, the CTX and GEN mocks the proxy calls, are asked how many POSTs they answered meanwhile."""
     mode = "direct" if pid is None else "orchestrator"
     config = {"mode": mode, "url": url, "ctx_url": ctx.url, "gen_url": gen.url, "endpoint": endpoint,
-              "prompt_chars": prompt * CHARS_PER_TOKEN, "max_tokens": MAX_TOKENS, "concurrency": concurrency,
+              "prompt_chars": prompt * CHARS_PER_TOKEN, "max_tokens": tokens, "concurrency": concurrency,
               "pids": {"proxy": pid} if pid is not None else {}, "client": "aiohttp",
               **phases.loadgen(concurrency)}
     legs = legs or (ctx, gen)
@@ -190,7 +190,7 @@ def run(prompts: tuple[int, ...] = PROMPTS, concurrency: tuple[int, ...] = CONCU
         idle_s: float = 10.0, metadata_only: bool = True, profile: bool = False,
         setups: dict[str, dict[str, Any]] | None = None, endpoints: tuple[str, ...] = ENDPOINTS,
         gateways: bool = True, frame_gap_ms: float = FRAME_GAP_MS, gateways_venv: Path = rust_gateways.VENV_DIR,
-        install: bool = True, gateway_policy: str = "round_robin") -> dict[str, Any]:
+        install: bool = True, gateway_policy: str = "round_robin", tokens: int = MAX_TOKENS) -> dict[str, Any]:
     setups = dict(setups or ORCHESTRATORS)
     largest = max(prompts)
     found = rust_gateways.prepare(gateways_venv, install) if gateways else {}
@@ -198,7 +198,7 @@ def run(prompts: tuple[int, ...] = PROMPTS, concurrency: tuple[int, ...] = CONCU
     failed: dict[str, str] = {}
     result: dict[str, Any] = {
         "benchmark": "orchestrator_cost",
-        "method": {"max_tokens": MAX_TOKENS, "endpoints": {e: PATHS[e] for e in endpoints}, "stream": True,
+        "method": {"max_tokens": tokens, "endpoints": {e: PATHS[e] for e in endpoints}, "stream": True,
                    "chars_per_token": CHARS_PER_TOKEN, "frame_gap_ms": frame_gap_ms, "phases": phases.__dict__,
                    "baseline": BASELINE, "setups": setups, "gateway_policy": gateway_policy},
         "gateways": {name: a.as_dict() for name, a in found.items()},
@@ -207,7 +207,7 @@ def run(prompts: tuple[int, ...] = PROMPTS, concurrency: tuple[int, ...] = CONCU
     flavours = tuple(sorted({g.flavour for g in usable.values()}))
     for prompt in prompts:
         with Processes() as processes:
-            mocks = start_mocks(processes, prompt, frame_gap_ms, flavours)
+            mocks = start_mocks(processes, prompt, frame_gap_ms, flavours, tokens)
             chosen = dict(setups)
             if metadata_only and prompt == largest:
                 chosen[METADATA_ONLY] = {"gen_tokids_metadata_only": True}
@@ -226,24 +226,24 @@ def run(prompts: tuple[int, ...] = PROMPTS, concurrency: tuple[int, ...] = CONCU
                         if API_WORKERS in chosen.get(name, {}) and level != max(concurrency):
                             continue
                         result["cells"].append(measure(processes, name, proxy.url, proxy.pid, mocks.ctx, mocks.gen,
-                                                       prompt, level, phases, endpoint, legs.get(name)))
+                                                       prompt, level, phases, endpoint, legs.get(name), tokens))
                     if level == 1:
                         result["cells"].append(measure(processes, "direct", "", None, mocks.ctx, mocks.gen, prompt,
-                                                       level, phases, endpoint))
+                                                       level, phases, endpoint, tokens=tokens))
             if profile and prompt == largest:
                 result["profile"] = profile_orchestrator(processes, proxies["orchestrator"], mocks.ctx, mocks.gen,
-                                                         prompt, phases, endpoints[0])
+                                                         prompt, phases, endpoints[0], tokens)
     for name, why in failed.items():
         result["gateways"][name].update({"available": False, "note": why})
     return result
 
 
 def profile_orchestrator(processes: Processes, orchestrator: Server, ctx: Server, gen: Server, prompt: int,
-                         phases: Phases, endpoint: str = "completions") -> dict[str, Any]:
+                         phases: Phases, endpoint: str = "completions", tokens: int = MAX_TOKENS) -> dict[str, Any]:
     raw = processes.log_dir / f"py-spy-cost-{prompt}.txt"
     summary, cell = py_spy.profile(processes, orchestrator.pid, raw, int(phases.max_total_s),
                                    lambda: measure(processes, "orchestrator", orchestrator.url, orchestrator.pid, ctx,
-                                                   gen, prompt, 1, phases, endpoint))
+                                                   gen, prompt, 1, phases, endpoint, tokens=tokens))
     if cell is None or not summary["available"]:
         return summary
     summary.update({"prompt_tokens": prompt, "concurrency": 1, "endpoint": endpoint,
@@ -286,8 +286,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="the Rust gateways' --policy (round_robin: each one's cheapest)")
     parser.add_argument("--frame-gap-ms", type=float, default=FRAME_GAP_MS,
                         help="milliseconds between GEN's streamed frames (0: the whole stream in one burst)")
+    parser.add_argument("--tokens", type=int, default=MAX_TOKENS,
+                        help="tokens GEN streams per request, one frame each: a run with more, beside one with the "
+                             "default, gives each setup's cost per relayed token")
     add_docs_flag(parser, "orchestrator_cost")
     args = parser.parse_args(argv)
+    if args.tokens < 2:
+        parser.error("--tokens must be at least 2: CTX computes the first token, GEN streams the rest")
     setups = dict(ORCHESTRATORS)
     if args.compare_router:
         setups[ROUND_ROBIN] = {CTX_ROUTER: "round_robin"}
@@ -297,8 +302,8 @@ def main(argv: list[str] | None = None) -> int:
     endpoints = ENDPOINTS if args.endpoint == "both" else (args.endpoint,)
     result = run(tuple(args.prompts), tuple(args.concurrency), QUICK if args.quick else FULL,
                  profile=args.profile, setups=setups, endpoints=endpoints, gateways=not args.no_gateways,
-                 frame_gap_ms=args.frame_gap_ms, gateways_venv=args.gateways_venv, install=not args.no_install,
-                 gateway_policy=args.gateway_policy)
+                 frame_gap_ms=args.frame_gap_ms, tokens=args.tokens, gateways_venv=args.gateways_venv,
+                 install=not args.no_install, gateway_policy=args.gateway_policy)
     result["mode"] = "quick" if args.quick else "full"
     if args.api_workers > 1:
         result["scaling_check"] = scaling_command(args.api_workers, tuple(args.concurrency), tuple(args.prompts))

@@ -27,11 +27,14 @@ def result() -> dict[str, Any]:
                                  endpoints=("completions",), gateways=False)
 
 
+CHAT_TOKENS = 16  # twice the default (orchestrator_cost.MAX_TOKENS): ``--tokens`` reaches the mocks
+
+
 @pytest.fixture(scope="module")
 def chat_result() -> dict[str, Any]:
     return orchestrator_cost.run((256,), (1,), TINY, idle_s=0.3, metadata_only=False,
                                  setups=dict(orchestrator_cost.ORCHESTRATORS), endpoints=("chat",), gateways=False,
-                                 frame_gap_ms=2.0)
+                                 frame_gap_ms=4.0, tokens=CHAT_TOKENS)
 
 
 def test_every_setup_is_measured_beside_the_baseline(result: dict[str, Any]) -> None:
@@ -85,12 +88,16 @@ def test_a_chat_cell_streams_chat_through_every_setup(chat_result: dict[str, Any
         assert cell["errors"] == 0, cell["error_samples"]
         assert cell["ok_requests"] >= 1 and cell["legs"]["ctx_posts"] >= 1 and cell["legs"]["gen_posts"] >= 1
     assert chat_result["method"]["endpoints"] == {"chat": "/v1/chat/completions"}
-    assert chat_result["method"]["frame_gap_ms"] == 2.0
+    assert chat_result["method"]["frame_gap_ms"] == 4.0 and chat_result["method"]["max_tokens"] == CHAT_TOKENS
+    for cell in chat_result["cells"]:
+        # GEN streamed CHAT_TOKENS frames 4 ms apart, not the default 8: each answer took the gaps between them,
+        # less the at most 1 ms a timer of the mock's loop may fire early.
+        assert cell["max_tokens"] == CHAT_TOKENS and cell["latency_ms"]["p50"] >= (CHAT_TOKENS - 1) * 3
     table = orchestrator_cost_report.tables(chat_result)
     assert "| 256 | chat | 1 | orchestrator |" in table and "| 256 | chat | 1 | pass-through |" in table
     targets = orchestrator_cost_report.targets(chat_result)
     assert targets[0]["target"].endswith(", c=1, chat")  # no completions cells: the older targets read chat's
-    assert "2 ms apart" in orchestrator_cost_report.method_note(chat_result)
+    assert f"{CHAT_TOKENS} frames 4 ms apart" in orchestrator_cost_report.method_note(chat_result)
 
 
 def test_the_scaling_command_is_for_a_machine_with_spare_cores() -> None:
@@ -98,3 +105,9 @@ def test_the_scaling_command_is_for_a_machine_with_spare_cores() -> None:
     assert check["command"] == ("python -m bench.orchestrator_cost --prompts 1024 --concurrency 64 --endpoint both "
                                 "--no-gateways --api-workers 2")
     assert check["cores_needed"] == 5
+
+
+def test_tokens_below_two_are_refused_before_anything_starts(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        orchestrator_cost.main(["--tokens", "1", "--no-gateways"])
+    assert exit_.value.code == 2 and "--tokens must be at least 2" in capsys.readouterr().err
