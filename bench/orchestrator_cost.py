@@ -226,13 +226,14 @@ def run(prompts: tuple[int, ...] = PROMPTS, concurrency: tuple[int, ...] = CONCU
                         if API_WORKERS in chosen.get(name, {}) and level != max(concurrency):
                             continue
                         result["cells"].append(measure(processes, name, proxy.url, proxy.pid, mocks.ctx, mocks.gen,
-                                                       prompt, level, phases, endpoint, legs.get(name), tokens))
+                                                       prompt, level, phases, endpoint, legs.get(name),
+                                                       tokens=tokens))
                     if level == 1:
                         result["cells"].append(measure(processes, "direct", "", None, mocks.ctx, mocks.gen, prompt,
                                                        level, phases, endpoint, tokens=tokens))
             if profile and prompt == largest:
                 result["profile"] = profile_orchestrator(processes, proxies["orchestrator"], mocks.ctx, mocks.gen,
-                                                         prompt, phases, endpoints[0], tokens)
+                                                         prompt, phases, endpoints[0], tokens=tokens)
     for name, why in failed.items():
         result["gateways"][name].update({"available": False, "note": why})
     return result

@@ -71,12 +71,8 @@ class _Watch:
         if ends < 2:
             self.pending = data
             return
-        if ends == len(data):  # the common piece: whole frames, nothing begun after them (and no copy)
-            whole = self.whole = data
-            self.pending = b""
-        else:
-            whole = self.whole = data[:ends]
-            self.pending = data[ends:]
+        whole = self.whole = data[:ends]  # (the piece itself, not a copy, when it ends with its last frame)
+        self.pending = data[ends:]
         # Every end marker holds one of the two hints; the exact markers are looked for only in a piece with one
         # (a chat or completions stream's only one is its last).
         if not self.seen_end and (b"[DONE]" in whole or b"event: " in whole) and (
