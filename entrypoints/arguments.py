@@ -19,6 +19,7 @@ from frontend.client_timeouts import (
 )
 from frontend.http import DEFAULT_MAX_BODY_BYTES
 from workers.engines.factory import ENGINE_NAMES
+from workers.engines.options import DEFAULT_TOKENIZE_CACHE_BYTES, TOKENIZER_BACKENDS, TOKENIZERS
 from workers.engines.vllm.memory import parse_size
 
 DESCRIPTION = "``disagg-serve``: the one command line for laptops, containers and Kubernetes alike."
@@ -230,6 +231,20 @@ def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         help="vllm engine: how many vLLM engines share this host's memory; each takes its share "
                              "unless the two options above (or VLLM_CPU_KVCACHE_SPACE) say otherwise (default 1; "
                              "'up' starts 2)")
+    parser.add_argument("--tokenizer", choices=TOKENIZERS, default="byte",
+                        help="synthetic and simulated engines: byte (one token per UTF-8 byte, costs nothing) or "
+                             "reference (the reference model's BPE and chat template, no weights: benchmarks pay "
+                             "real tokenization) (default byte)")
+    parser.add_argument("--tokenize-cache-mb", type=_positive_float, default=DEFAULT_TOKENIZE_CACHE_BYTES / 2**20,
+                        metavar="MIB",
+                        help="keep what was tokenized for recent conversations, up to this many MiB, so that a "
+                             "follow-up turn tokenizes only what it adds; 0: off (default 256)")
+    parser.add_argument("--tokenizer-backend", choices=TOKENIZER_BACKENDS, default="auto",
+                        help="auto: fastokens where it loads the model's tokenizer exactly, else Hugging Face "
+                             "tokenizers; tokenizers: always the latter (default auto)")
+    parser.add_argument("--tokenize-threads", type=_count, default=None, metavar="N",
+                        help="threads that encode a long new prompt in pieces (default: the cores this process "
+                             "may use)")
     parser.add_argument("--synthetic-ttft-ms", type=_positive_float, default=0.0)
     parser.add_argument("--synthetic-itl-ms", type=_positive_float, default=0.0)
     parser.add_argument("--synthetic-output-tokens", type=int, default=None,
@@ -259,7 +274,10 @@ def engine_arguments(args: argparse.Namespace) -> list[str]:
         argv.append("--no-prompt-tokens-in-handoff")
     if args.blas_threads is not None:
         argv += ["--blas-threads", str(args.blas_threads)]
-    argv += ["--kv-ttl-s", str(args.kv_ttl_s)]
+    argv += ["--kv-ttl-s", str(args.kv_ttl_s), "--tokenizer", args.tokenizer,
+             "--tokenize-cache-mb", str(args.tokenize_cache_mb), "--tokenizer-backend", args.tokenizer_backend]
+    if args.tokenize_threads is not None:
+        argv += ["--tokenize-threads", str(args.tokenize_threads)]
     if args.synthetic_output_tokens is not None:
         argv += ["--synthetic-output-tokens", str(args.synthetic_output_tokens)]
     if args.engine == "simulated":

@@ -106,7 +106,7 @@ def _supervise(args: argparse.Namespace, argv: Sequence[str], engine_options: An
 
 def run_worker(args: argparse.Namespace, argv: Sequence[str]) -> int:
     from workers.engines.factory import EngineOptions, create_engine
-    from workers.engines.options import SimulatedConfig, VllmConfig
+    from workers.engines.options import SimulatedConfig, TokenizeConfig, VllmConfig
     from workers.engines.synthetic import SyntheticConfig
     from workers.lifecycle_settings import lifecycle_settings_from_env
     from workers.registration import Registration
@@ -124,6 +124,9 @@ def run_worker(args: argparse.Namespace, argv: Sequence[str]) -> int:
         kv_ttl_s=args.kv_ttl_s,
         blas_threads=args.blas_threads,
         core_socket=args.engine_core_socket,
+        tokenizer=args.tokenizer,
+        tokenize=TokenizeConfig(cache_bytes=int(args.tokenize_cache_mb * 2**20), backend=args.tokenizer_backend,
+                                threads=args.tokenize_threads),
         synthetic=SyntheticConfig(
             time_to_first_token_s=args.synthetic_ttft_ms / 1000,
             inter_token_latency_s=args.synthetic_itl_ms / 1000,

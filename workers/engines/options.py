@@ -34,6 +34,24 @@ class SimulatedConfig:
     output_tokens: int | None = None  # emit EOS after this many tokens; None: run to max_tokens
 
 
+# A conversation's tokens are kept this long in bytes (text + ids) per worker by default: a 131k-token conversation
+# holds ~1 MB, so 256 MiB keeps a few hundred long conversations, small next to any engine's KV cache.
+DEFAULT_TOKENIZE_CACHE_BYTES = 256 << 20
+TOKENIZERS = ("byte", "reference")  # the synthetic and simulated engines' choice (``--tokenizer``)
+TOKENIZER_BACKENDS = ("auto", "tokenizers")
+
+
+@dataclass(frozen=True, slots=True)
+class TokenizeConfig:
+    """How a worker turns prompt text into ids (workers/tokenization/): the conversation cache and the encoder."""
+
+    cache_bytes: int = DEFAULT_TOKENIZE_CACHE_BYTES  # 0: every prompt is encoded whole, as vLLM's server does
+    # auto: fastokens where it loads the tokenizer exactly, else Hugging Face tokenizers; tokenizers: always the
+    # latter (what vLLM's and trtllm-serve's servers run: the baseline the benchmarks compare against)
+    backend: str = "auto"
+    threads: int | None = None  # encoder threads for a long new prompt; None: the cores this process may use
+
+
 @dataclass(frozen=True, slots=True)
 class VllmConfig:
     """``--engine vllm``: what the worker passes to vLLM's engine arguments (docs/engines.md)."""
@@ -63,6 +81,10 @@ class EngineOptions:
     kv_ttl_s: float = 120.0
     blas_threads: int | None = None
     core_socket: str | None = None  # several front ends of one worker share the engine core listening here
+    # synthetic and simulated engines: "byte" (one token per UTF-8 byte, free) or "reference" (the reference model's
+    # real BPE and chat template, no weights loaded), so that a benchmark pays real tokenization
+    tokenizer: str = "byte"
+    tokenize: TokenizeConfig = field(default_factory=TokenizeConfig)
     synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
     simulated: SimulatedConfig = field(default_factory=SimulatedConfig)
     vllm: VllmConfig = field(default_factory=VllmConfig)
