@@ -5,10 +5,23 @@ from __future__ import annotations
 
 import itertools
 import random
+import zlib
 
 import pytest
 
-from frontend.prefix_chain import FULL_BYTES, LINK_ENDS, MAX_LINKS, SAMPLE_BYTES, PrefixChain, chain_of
+from frontend.internal_secret import INTERNAL_TOKEN_ENV, INTERNAL_TOKEN_HEADER, InternalSecret, internal_secret_from_env
+from frontend.prefix_chain import (
+    CHAIN_HEADER,
+    FULL_BYTES,
+    LINK_ENDS,
+    MAX_LINKS,
+    PUBLIC_CHAIN_KEY,
+    SAMPLE_BYTES,
+    PrefixChain,
+    chain_key,
+    chain_of,
+    trusted_chain_header,
+)
 
 PROMPT = bytes(random.Random(7).randrange(256) for _ in range(40_000))
 
@@ -94,3 +107,58 @@ def test_far_links_are_named_by_their_last_bytes_and_any_piece_boundaries_agree(
     assert chain_of([bytes(unsampled)]).links == chain.links
     pieces = [prompt[:1], prompt[1:70_000], prompt[70_000:70_001], prompt[70_001:500_000], prompt[500_000:]]
     assert chain_of(pieces) == chain
+
+
+# -- keyed names (issue 44, item 4) ------------------------------------------------------------------------------
+DOCUMENTS = [bytes(random.Random(seed).randrange(256) for _ in range(4_096)) for seed in range(3)]
+
+
+def unkeyed_crc_names(prompt: bytes) -> list[int]:
+    """What bb7e60b named a short prompt's links: a CRC-32 chained over every byte up to each link's end."""
+    names, crc, start = [], 0, 0
+    for index, end in enumerate(end for end in LINK_ENDS if end <= len(prompt)):
+        crc = zlib.crc32(prompt[start:end], crc)
+        names.append(index << 32 | crc)
+        start = end
+    return names
+
+
+def test_a_subscriber_without_the_secret_cannot_tell_which_guessed_document_was_sent(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The attack: read a name off the KV events, name each guessed document yourself, compare. Keyed by the
+    deployment secret, the names of a guess (unkeyed, or under another key) match nothing that was sent."""
+    monkeypatch.setenv(INTERNAL_TOKEN_ENV, "the-deployment-secret-0123456789")
+    sent = chain_of([DOCUMENTS[1]])  # the orchestrator names it under this process's environment
+    guesses = [unkeyed_crc_names(doc) for doc in DOCUMENTS]
+    guesses += [list(chain_of([doc], key=chain_key(None)).links) for doc in DOCUMENTS]
+    guesses += [list(chain_of([doc], key=chain_key(InternalSecret("a-guessed-secret-0123456789"))).links)
+                for doc in DOCUMENTS]
+    assert not any(set(sent.links) & set(guess) for guess in guesses)
+    # Whoever holds the secret names alike: equality, all routing needs, is kept in every process.
+    assert chain_of([DOCUMENTS[1]], key=chain_key(internal_secret_from_env())) == sent
+
+
+def test_equal_prefixes_get_equal_names_under_one_key_and_the_position_stays_in_the_name() -> None:
+    key = chain_key(InternalSecret("the-deployment-secret-0123456789"))
+    one = chain_of([DOCUMENTS[0], b"one ending" * 100], key=key)
+    other = chain_of([DOCUMENTS[0][:1000], DOCUMENTS[0][1000:], b"another" * 100], key=key)  # fed in other pieces
+    shared = sum(1 for end in LINK_ENDS if end <= len(DOCUMENTS[0]))
+    assert one.links[:shared] == other.links[:shared] and one.links[shared] != other.links[shared]
+    assert [link >> 32 for link in one.links] == list(range(len(one.links)))
+    assert chain_of([DOCUMENTS[0]], key=key) != chain_of([DOCUMENTS[0]], key=chain_key(None))
+
+
+def test_without_a_secret_names_use_the_public_key(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(INTERNAL_TOKEN_ENV, raising=False)
+    assert chain_of([PROMPT]) == chain_of([PROMPT], key=PUBLIC_CHAIN_KEY)
+
+
+def test_a_chain_header_is_believed_only_from_a_holder_of_the_secret() -> None:
+    secret = InternalSecret("the-deployment-secret-0123456789")
+    value = chain_of([PROMPT]).header_value()
+    assert trusted_chain_header({CHAIN_HEADER: value, **secret.headers()}, secret) == value
+    assert trusted_chain_header({CHAIN_HEADER: value}, secret) is None
+    forged = {CHAIN_HEADER: value, INTERNAL_TOKEN_HEADER: "a-forged-token-0123456789"}
+    assert trusted_chain_header(forged, secret) is None
+    assert trusted_chain_header({CHAIN_HEADER: value}, None) == value  # no secret: the open deployment of before
+    assert trusted_chain_header({}, secret) is None
