@@ -37,12 +37,12 @@ from frontend.openai_models import ChatCompletionRequest, CompletionRequest, Res
 from frontend.openai_output import Endpoint
 from frontend.openapi import install_body_schemas, json_body
 from frontend.sse import SSE_RAW_HEADERS
-from orchestrator.admission import Admission, priority_of
+from orchestrator.admission import DEFAULT, Admission, priority_of
 from orchestrator.cache_index import CacheIndex
 from orchestrator.client_body import parse_client_body
 from orchestrator.conversation import header_order, read_conversation
 from orchestrator.disagg_flow import DisaggFlow
-from orchestrator.flow_request import PATHS, FlowRequest, StreamedAnswer, check_client_body
+from orchestrator.flow_request import PATHS, FlowRequest, StreamedAnswer, WholeAnswer, check_client_body
 from orchestrator.membership import DnsDiscovery
 from orchestrator.metric_labels import CTX_POOL_NAME, GEN_POOL_NAME, MODELS_STEP, export_known_series
 from orchestrator.pool import BreakerSettings, HealthMonitor, WorkerPool
@@ -228,11 +228,15 @@ def create_orchestrator_app(
                 bodies.release(reserved)
             # Its tenant's limits first (orchestrator/tenants.py); then, over the running limit, it waits by its
             # class (orchestrator/admission.py), its body read.
+            # A class above its own is no client's to take: a tenant's is the highest it may ask for, and a
+            # client that is no tenant (anonymous, or --api-key's) may ask for default or batch only, so the
+            # interactive reserve is kept for the tenants configured to use it (docs/admission.md).
             asked = exchange.header(priority_header)
             priority = priority_of(asked)
+            ceiling = DEFAULT if tenant is None else tenant.priority
+            priority = max(priority, ceiling) if asked is not None else ceiling
             if tenant is not None:
-                priority = max(priority, tenant.priority) if asked is not None else tenant.priority
-                tenants.admit(tenant, len(raw))
+                charged = tenants.admit(tenant, len(raw))
             try:
                 await admission_queue.admit(priority)
             except BaseException:
@@ -265,11 +269,20 @@ def create_orchestrator_app(
                                             conversation.conversation_id)
             flow_request.span = span
             flow_request.priority = priority
+            if tenant is not None:
+                # What CTX will prefill, a stored conversation included, not the body's size (orchestrator/tenants.py).
+                charged = tenants.charge_prompt(tenant, charged, flow_request.key.prompt_tokens)
             if admission is not None:
                 tracing.end(admission, {"disagg.request_id": request_id, "disagg.streaming": flow_request.streaming})
                 admission = None
             answer = await (turn.answer(partial(flow.run, flow_request)) if turn else flow.run(flow_request))
             status = 200  # from here on the request counts as answered, whether or not the client reads it all
+            if tenant is not None:  # the prompt as the workers counted it, where they said
+                ctx = flow_request.ctx
+                counted = ctx.prompt_len if ctx is not None else None
+                if counted is None and isinstance(answer, WholeAnswer):
+                    counted = tenants.prompt_tokens_of(answer.content)
+                tenants.settle_prompt(tenant, charged, counted)
             if isinstance(answer, StreamedAnswer):
                 try:
                     if tenant is not None and tenant.counts_completions:

@@ -2,10 +2,17 @@
 
 Each tenant of the ``tenants`` config has its own API key (read from the environment variable it names, never
 from the file), a default priority class, and limits: requests running at once, requests per second, prompt tokens
-per second (as the orchestrator estimates them before it parses anything: the body's bytes / 4) and completion
-tokens per second (counted as they stream: one per streamed event, or the whole answer's ``usage``). A rate is a
-token bucket that holds ``burst_s`` seconds of it; completion tokens are spent after the fact, so a tenant that
-streamed more than its rate is in debt, and its next request waits (a 429) until the debt is paid.
+per second and completion tokens per second (counted as they stream: one per streamed event, or the whole answer's
+``usage``). A rate is a token bucket that holds ``burst_s`` seconds of it; completion tokens are spent after the
+fact, so a tenant that streamed more than its rate is in debt, and its next request waits (a 429) until the debt is
+paid.
+
+Prompt tokens are charged for what CTX prefills, in three steps, so that the limit holds in tokens over time: before
+anything is parsed, the body's bytes / 4 (``admit``); once the body is parsed and a Responses turn that names
+``previous_response_id`` is expanded into its stored conversation, the estimate of the whole prompt, checked as
+``admit`` checks (``charge_prompt``: a short follow-up to a long stored turn is the long prompt); and once the
+workers counted the prompt (CTX's ``prompt_len``, a whole answer's ``usage``), the difference from that count, a
+debt or a refund (``settle_prompt``).
 
 Limits are per orchestrator process: ``process_share`` (docs/admission.md) divides each among the processes of a
 deployment, so N processes enforce the deployment's limit together.
@@ -33,6 +40,8 @@ from orchestrator.admission import PRIORITIES
 BYTES_PER_TOKEN = 4  # the estimate's ratio, as the routers' (orchestrator/routers.py: routing_key)
 # A whole answer's output tokens: chat and completions say completion_tokens, Responses say output_tokens.
 _USAGE = re.compile(rb'"(?:completion|output)_tokens"\s*:\s*(\d+)')
+# ... and its prompt's: chat and completions say prompt_tokens, Responses say input_tokens.
+_PROMPT_USAGE = re.compile(rb'"(?:prompt|input)_tokens"\s*:\s*(\d+)')
 _EVENT = b"data: "
 LIMITS = ("concurrent", "requests_per_s", "prompt_tokens_per_s", "completion_tokens_per_s")  # the metric's label
 
@@ -128,8 +137,10 @@ class Tenants:
                 found = tenant
         return found
 
-    def admit(self, tenant: Tenant, body_bytes: int) -> None:
-        """Count the request against its tenant's limits, or raise a 429 that names the one it is over."""
+    def admit(self, tenant: Tenant, body_bytes: int) -> int:
+        """Count the request against its tenant's limits, or raise a 429 that names the one it is over. Returns
+        the prompt tokens charged for it (an estimate from its body's size, corrected by ``charge_prompt`` and
+        ``settle_prompt`` once more is known)."""
         prompt_tokens = body_bytes // BYTES_PER_TOKEN + 1
         if tenant.max_concurrent is not None and tenant.running >= tenant.max_concurrent:
             self._refuse(tenant, "concurrent", f"max_concurrent: {tenant.max_concurrent} requests at once", 1.0)
@@ -144,6 +155,35 @@ class Tenants:
         if tenant.prompt_tokens is not None:
             tenant.prompt_tokens.spend(prompt_tokens)
         tenant.running += 1
+        return prompt_tokens
+
+    def charge_prompt(self, tenant: Tenant, charged: int, expected: int) -> int:
+        """The prompt the workers will be sent is ``expected`` tokens (estimated from the parsed body, a stored
+        conversation included), where ``charged`` were charged for it: if that is more, the whole prompt is
+        checked as ``admit`` checks it, as if ``charged`` had never been spent, and spent, or a 429 that names the
+        limit (and the charge given back: nothing will be prefilled). Returns what is now charged."""
+        bucket = tenant.prompt_tokens
+        if bucket is None or expected <= charged:
+            return charged  # (a body's bytes count its JSON too: what was charged stays until it is settled)
+        bucket.spend(-charged)
+        if (wait := bucket.seconds_until(expected)) > 0:
+            self._refuse(tenant, "prompt_tokens_per_s", f"prompt_tokens_per_s: {bucket.rate:g} prompt tokens per "
+                         "second", wait)
+        bucket.spend(expected)
+        return expected
+
+    @staticmethod
+    def settle_prompt(tenant: Tenant, charged: int, counted: int | None) -> None:
+        """The workers counted the prompt (``counted`` tokens; None: they did not say): the difference from what was
+        charged is spent, or given back, so the limit holds in real tokens however the text tokenizes."""
+        if tenant.prompt_tokens is not None and counted is not None:
+            tenant.prompt_tokens.spend(counted - charged)
+
+    @staticmethod
+    def prompt_tokens_of(content: bytes) -> int | None:
+        """A whole answer's prompt tokens, from its ``usage`` (None when it has none)."""
+        found = _PROMPT_USAGE.search(content)
+        return None if found is None else int(found[1])
 
     def _refuse(self, tenant: Tenant, limit: str, what: str, wait_s: float) -> None:
         self._refused.labels(tenant=tenant.name, limit=limit).inc()

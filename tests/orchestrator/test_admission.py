@@ -178,15 +178,29 @@ def test_through_the_orchestrator_a_request_waits_for_the_slot_and_then_runs(one
             next(chunks)  # streaming: it holds the only slot
             second = pool.submit(httpx.post, url + "/v1/chat/completions", timeout=60,
                                  json={**body, "stream": False, "max_tokens": 2},
-                                 headers={"x-priority": "interactive"})
-            assert eventually(lambda: waiting(orchestrator.metrics, "interactive") == 1)
+                                 headers={"x-priority": "batch"})
+            assert eventually(lambda: waiting(orchestrator.metrics, "batch") == 1)
             assert not second.done()
         # The client that held the slot left: the waiting request runs.
         answer = second.result(timeout=60)
         assert answer.status_code == 200, answer.text
-        assert counted(orchestrator.metrics, "interactive", "queued") == 1
+        assert counted(orchestrator.metrics, "batch", "queued") == 1
         bad = http.post(url + "/v1/chat/completions", json={**body, "stream": False}, headers={"x-priority": "vip"})
         assert (bad.status_code, bad.json()["error"]["code"]) == (400, "invalid_priority")
+
+
+def test_a_client_that_is_no_tenant_cannot_take_the_interactive_reserve(cluster: Cluster) -> None:
+    # The interactive class is a tenant's, by its configuration: anyone else asking for it runs as default (the
+    # header is not refused, as a tenant's ask above its class is not), and may still ask for batch.
+    orchestrator = cluster.orchestrator
+    classes = ("interactive", "default", "batch")
+    before = [counted(orchestrator.metrics, p, "admitted") for p in classes]
+    for asked in ("interactive", "Interactive", "batch"):
+        answer = httpx.post(orchestrator.url + "/v1/chat/completions", timeout=60, headers={"x-priority": asked},
+                            json={"model": MODEL, "messages": MESSAGES, "max_tokens": 2})
+        assert answer.status_code == 200, answer.text
+    after = [counted(orchestrator.metrics, p, "admitted") for p in classes]
+    assert [b - a for a, b in zip(before, after, strict=True)] == [0, 2, 1]
 
 
 @pytest.fixture(scope="module")
@@ -221,13 +235,13 @@ def test_prefills_past_a_ctx_workers_window_wait_at_the_orchestrator_by_class(
         assert eventually(lambda: len(ctx.recorder.exchanges) == 1)
         second = pool.submit(ask, "second batch", "batch")
         assert eventually(lambda: prefill_waiting("batch"))
-        urgent = pool.submit(ask, "urgent", "interactive")
-        assert eventually(lambda: prefill_waiting("interactive"))
+        urgent = pool.submit(ask, "urgent", "default")
+        assert eventually(lambda: prefill_waiting("default"))
         assert [f.result(timeout=60).status_code for f in (first, second, urgent)] == [200, 200, 200]
     order = [exchange.request_json()["messages"][0]["content"] for exchange in ctx.recorder.exchanges
              if exchange.path == "/v1/chat/completions"]
-    assert order == ["first batch", "urgent", "second batch"]  # the interactive one went ahead of the waiting batch
-    assert counted(orchestrator.metrics, "interactive", "queued", gate="prefill") == 1
+    assert order == ["first batch", "urgent", "second batch"]  # the default one went ahead of the waiting batch
+    assert counted(orchestrator.metrics, "default", "queued", gate="prefill") == 1
 
 
 async def test_a_waiter_at_a_limit_that_grows_without_an_event_is_let_in() -> None:

@@ -22,7 +22,7 @@ from tests.orchestrator.test_admission import counted
 from tests.orchestrator.test_response_store import FakeClock
 from tests.servers import running
 
-ENV = {"KEY_A": "key-of-a", "KEY_B": "key-of-b", "KEY_C": "key-of-c"}
+ENV = {"KEY_A": "key-of-a", "KEY_B": "key-of-b", "KEY_C": "key-of-c", "KEY_D": "key-of-d"}
 
 
 def tenants_of(clock: FakeClock, *configs: dict[str, Any], share: float = 1.0,
@@ -113,6 +113,55 @@ async def test_a_stream_spends_a_token_per_event_as_it_passes() -> None:
     assert a.completion_tokens is not None and a.completion_tokens.level() == 2.0
 
 
+def test_a_prompt_larger_than_its_body_is_checked_whole_and_charged() -> None:
+    # A short follow-up (26 tokens by its bytes) that a stored conversation makes 10,000 tokens long: checked as if
+    # those 26 had never been charged, so a full bucket lets it run once, and it leaves the tenant in debt.
+    clock = FakeClock()
+    tenants = tenants_of(clock, {"name": "a", "api_key_env": "KEY_A", "prompt_tokens_per_s": 2000.0})
+    a = tenant(tenants)
+    charged = tenants.admit(a, 100)
+    assert charged == 26
+    assert tenants.charge_prompt(a, charged, 10_000) == 10_000
+    assert a.prompt_tokens is not None and a.prompt_tokens.level() == -8_000
+    with pytest.raises(OverloadedError) as caught:
+        tenants.admit(a, 100)
+    assert caught.value.headers == {"Retry-After": "5"}  # 8,026 missing at 2,000 a second
+    clock.now += 3.0  # -2,000: the next one's 26 are still missing
+    with pytest.raises(OverloadedError):
+        tenants.admit(a, 100)
+
+
+def test_a_larger_prompt_than_the_bucket_holds_now_is_a_429_and_its_charge_given_back() -> None:
+    clock = FakeClock()
+    tenants = tenants_of(clock, {"name": "a", "api_key_env": "KEY_A", "prompt_tokens_per_s": 2000.0})
+    a = tenant(tenants)
+    tenants.charge_prompt(a, tenants.admit(a, 100), 1_000)  # 1,000 held
+    charged = tenants.admit(a, 100)
+    with pytest.raises(OverloadedError) as caught:
+        tenants.charge_prompt(a, charged, 1_500)
+    assert "prompt_tokens_per_s: 2000 prompt tokens per second" in caught.value.message
+    assert caught.value.headers == {"Retry-After": "1"}
+    assert a.prompt_tokens is not None and a.prompt_tokens.level() == 1_000
+    assert tenants.charge_prompt(a, 26, 20) == 26  # smaller than charged: nothing more now, settled later
+
+
+def test_the_workers_count_settles_the_estimate_both_ways() -> None:
+    clock = FakeClock()
+    tenants = tenants_of(clock, {"name": "a", "api_key_env": "KEY_A", "prompt_tokens_per_s": 1000.0})
+    a = tenant(tenants)
+    assert a.prompt_tokens is not None
+    charged = tenants.admit(a, 400)  # 101
+    tenants.settle_prompt(a, charged, 400)  # one token a byte: 299 more
+    assert a.prompt_tokens.level() == 600
+    tenants.settle_prompt(a, 400, 100)  # fewer than charged: given back
+    assert a.prompt_tokens.level() == 900
+    tenants.settle_prompt(a, 100, None)  # no count: the estimate stands
+    assert a.prompt_tokens.level() == 900
+    assert tenants.prompt_tokens_of(b'{"usage": {"prompt_tokens": 7, "completion_tokens": 2}}') == 7
+    assert tenants.prompt_tokens_of(b'{"usage": {"input_tokens": 5, "input_tokens_details": {}}}') == 5
+    assert tenants.prompt_tokens_of(b'{"choices": []}') is None
+
+
 def test_each_of_n_processes_enforces_its_share() -> None:
     tenants = tenants_of(FakeClock(), {"name": "a", "api_key_env": "KEY_A", "max_concurrent": 10,
                                        "requests_per_s": 8.0}, share=0.25)
@@ -128,7 +177,9 @@ def with_tenants(cluster: Cluster) -> Iterator[tuple[str, Metrics]]:
         "tenants": [{"name": "heavy", "api_key_env": "KEY_A", "requests_per_s": 0.001, "burst_s": 2000.0,
                      "priority": "batch"},
                     {"name": "light", "api_key_env": "KEY_B", "priority": "interactive"},
-                    {"name": "plain", "api_key_env": "KEY_C"}],
+                    {"name": "plain", "api_key_env": "KEY_C"},
+                    # 100,000 prompt tokens that refill at one in 1,000 s: nothing the test takes time for.
+                    {"name": "reader", "api_key_env": "KEY_D", "prompt_tokens_per_s": 0.001, "burst_s": 1e8}],
     })
     metrics = Metrics()
     with pytest.MonkeyPatch.context() as patch:
@@ -201,3 +252,27 @@ def test_a_tenant_reads_deletes_and_continues_only_its_own_stored_responses(with
             plain.responses.delete(first.id)
         assert light.responses.retrieve(first.id).id == first.id  # still there, and still light's
         light.responses.create(model=MODEL, input="And then?", previous_response_id=first.id, max_output_tokens=2)
+
+
+def test_short_follow_ups_to_a_long_stored_turn_are_charged_what_ctx_prefills(with_tenants: tuple[str, Metrics]
+                                                                              ) -> None:
+    # The tenant's bucket holds 100,000 prompt tokens; its one stored turn is 40,000 (the synthetic engine's
+    # tokenizer makes a token of each byte). Charged for the bytes of its body alone, each follow-up cost ~30 tokens
+    # and all ten ran: 400,000 tokens prefilled. Charged for the conversation CTX prefills, at most three run.
+    url, metrics = with_tenants
+    reader = openai.OpenAI(base_url=url + "/v1", api_key="key-of-d", max_retries=0)
+    with contextlib.closing(reader):
+        first = reader.responses.create(model=MODEL, input="x" * 40_000, max_output_tokens=2)
+        ran = 0
+        for _ in range(10):
+            try:
+                reader.responses.create(model=MODEL, input="And then?", previous_response_id=first.id,
+                                        max_output_tokens=2)
+            except openai.RateLimitError as refused:
+                assert refused.code == "tenant_rate_limited" and "prompt_tokens_per_s" in refused.message
+                break
+            ran += 1
+        else:
+            raise AssertionError("ten follow-ups of 40,000 tokens each ran on a bucket of 100,000")
+    assert ran <= 3
+    assert sample(metrics, "disagg_tenant_refusals_total", tenant="reader", limit="prompt_tokens_per_s") == 1
