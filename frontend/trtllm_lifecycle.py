@@ -24,6 +24,7 @@ import os
 from collections.abc import Mapping
 from enum import IntEnum, StrEnum
 from typing import Any, Literal
+from urllib.parse import urlsplit, urlunsplit
 from uuid import UUID
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, model_validator
@@ -65,6 +66,33 @@ ARTIFACT_OBLIGATION_PATH = "/_internal/disagg_lifecycle/artifact_obligation"  # 
 CONTEXT_ARTIFACT_ABORT_PATH = "/_internal/disagg_lifecycle/context_artifact/abort"
 SERVER_INFO_PATH = "/server_info"  # where a worker publishes its advertisement
 CONTROL_UNAVAILABLE = "disaggregated lifecycle control is unavailable"  # the 404's detail with v1 off
+
+
+def control_url(endpoint: str, path: str) -> str:
+    """The URL of ``path`` on the worker a ``context_control_endpoint`` names (``host:port``, as TensorRT-LLM's router
+    names a server, or an ``http(s)://`` base URL). The endpoint comes from whoever sent the grant, and the worker
+    POSTs to it later: so only a plain http(s) base is taken (no userinfo, query or fragment, no other scheme), and
+    the URL is rebuilt from its parsed parts, so a ``?`` or ``#`` can never move ``path`` out of the path.
+    ``ValueError`` for anything else."""
+    raw = endpoint
+    if any(ch.isspace() or ord(ch) < 0x20 or ch == "\x7f" for ch in raw):
+        raise ValueError("context_control_endpoint must not contain whitespace or control characters")
+    parts = urlsplit(raw if "://" in raw else "http://" + raw)
+    if parts.scheme not in ("http", "https"):
+        raise ValueError("context_control_endpoint must be host:port or an http(s) URL")
+    if parts.username is not None or parts.password is not None or "@" in parts.netloc:
+        raise ValueError("context_control_endpoint must not carry credentials")
+    if parts.query or parts.fragment or "?" in raw or "#" in raw:
+        raise ValueError("context_control_endpoint must not carry a query or a fragment")
+    try:
+        port = parts.port
+    except ValueError as error:
+        raise ValueError(f"context_control_endpoint has an invalid port: {error}") from None
+    if not parts.hostname:
+        raise ValueError("context_control_endpoint must name a host")
+    host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
+    netloc = host if port is None else f"{host}:{port}"
+    return urlunsplit((parts.scheme, netloc, parts.path.rstrip("/") + path, "", ""))
 
 
 class ScheduleStyle(IntEnum):

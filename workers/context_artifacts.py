@@ -14,7 +14,7 @@ from uuid import UUID
 from frontend.disaggregated_params import DisaggregatedParams
 from frontend.errors import InvalidRequestError, OverloadedError
 from frontend.trtllm_lifecycle import ArtifactState, ContextArtifactAbortRequest
-from workers.lifecycle_entries import Artifact, LifecycleConflict, attempt_of, identity_of
+from workers.lifecycle_entries import Artifact, LifecycleConflict, attempt_of, short_reason
 from workers.lifecycle_settings import LifecycleSettings
 
 ARTIFACT_EXPIRED = "context artifact expired"
@@ -64,8 +64,8 @@ class ContextArtifacts:
             if handoff_state is not None:
                 self._spawn(self._release_handoff(ctx_request_id, handoff_state))
             raise OverloadedError(ARTIFACT_SATURATED)
-        artifact = Artifact(identity_of(params), ctx_request_id, handoff_state,
-                             self.clock() + self.settings.artifact_ttl_s)
+        artifact = Artifact(key, attempt_of(params), ctx_request_id, handoff_state,
+                            self.clock() + self.settings.artifact_ttl_s)
         self.artifacts[key] = artifact
         self._live_artifacts.pop(key, None)  # a repeat of a live key: its new expiry is the latest
         self._live_artifacts[key] = artifact
@@ -79,11 +79,11 @@ class ContextArtifacts:
             if self._saturated(self.artifacts):
                 return {"lifecycle_protocol_version": 1, "accepted": False, "state": ArtifactState.ABANDONED.value,
                         "reason": ARTIFACT_SATURATED, "context_endpoint_incarnation": str(self.incarnation)}
-            artifact = self.artifacts[key] = Artifact(identity_of(request))
-            artifact.state, artifact.reason = ArtifactState.ABANDONED, request.reason
+            artifact = self.artifacts[key] = Artifact(key, attempt_of(request))
+            artifact.state, artifact.reason = ArtifactState.ABANDONED, short_reason(request.reason)
             artifact.retain_until = self.clock() + self.settings.replay_horizon_s
             self._artifact_tombstones[key] = artifact
-        elif attempt_of(artifact.identity) != attempt_of(request):
+        elif artifact.attempt != attempt_of(request):
             raise LifecycleConflict("context artifact abort does not match the artifact's transfer session")
         elif artifact.state is ArtifactState.ACTIVE:
             await self._retire_artifact(artifact, ArtifactState.ABANDONED, request.reason)
@@ -94,10 +94,10 @@ class ContextArtifacts:
     async def _retire_artifact(self, artifact: Artifact, state: ArtifactState, reason: str) -> None:
         if artifact.state is not ArtifactState.ACTIVE:
             return
-        key = str(artifact.identity["prefill_artifact_id"])
+        key = artifact.key
         if self._live_artifacts.get(key) is artifact:
             del self._live_artifacts[key]
-        artifact.state, artifact.reason = state, reason
+        artifact.state, artifact.reason = state, short_reason(reason)
         artifact.retain_until = self.clock() + self.settings.replay_horizon_s
         self._artifact_tombstones[key] = artifact
         state_bytes, artifact.handoff_state = artifact.handoff_state, None

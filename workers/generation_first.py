@@ -10,11 +10,20 @@ admitted and counted, its grant bound (v1), before the wait starts.
 
 CTX side: ``HandoffBoard`` keeps the hand-off params of generation-first CTX answers until their GEN claims them
 (once), or for at most the artifact TTL. GEN side: ``pull_handoff``.
+
+Who may take a hand-off: the board's route answers holders of the deployment secret only (workers/lifecycle_routes.py),
+and under lifecycle v1 a hand-off is bound to its attempt: CTX keeps the attempt's ``transfer_session_id`` (a uuid4,
+122 random bits, minted per attempt by the orchestrator and carried to CTX and to the GEN it granted) as the claim,
+and gives the hand-off only to a GEN that presents it in ``CLAIM_HEADER`` (compared in constant time). A wrong claim
+is answered like a missing hand-off and leaves it on the board for the GEN that was granted it. Without v1 there is
+no per-attempt value on both legs (TensorRT-LLM's wire has none): the deployment secret is then the only key, and our
+own orchestrator's ``disagg_request_id`` is at least unpredictable (``secrets``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
@@ -22,8 +31,10 @@ from typing import Any
 import httpx
 
 from frontend.errors import HandoffError, UpstreamUnavailableError
+from frontend.trtllm_lifecycle import control_url
 
 HANDOFF_PATH = "/_internal/disagg/generation_first/{disagg_request_id}"
+CLAIM_HEADER = "x-disagg-handoff-claim"  # the attempt's claim on its hand-off (v1: its transfer_session_id)
 _MAX_ENTRIES = 4096  # unclaimed answers kept at most: a GEN that never comes must not grow this without bound
 
 
@@ -31,20 +42,24 @@ class HandoffBoard:
     def __init__(self, ttl_s: float, clock: Callable[[], float]) -> None:
         self.ttl_s = ttl_s
         self.clock = clock
-        self._posted: OrderedDict[int, tuple[float, dict[str, Any]]] = OrderedDict()
+        # id -> (posted at, the claim that takes it or None, the params)
+        self._posted: OrderedDict[int, tuple[float, str | None, dict[str, Any]]] = OrderedDict()
         self._waiters: dict[int, asyncio.Event] = {}
 
-    def post(self, disagg_request_id: int, params: dict[str, Any]) -> None:
+    def post(self, disagg_request_id: int, params: dict[str, Any], claim: str | None = None) -> None:
+        """``claim``: what a GEN must present to take it (None: any caller the route lets in)."""
         self._forget_old()
-        self._posted[disagg_request_id] = (self.clock(), params)
+        self._posted[disagg_request_id] = (self.clock(), claim, params)
         while len(self._posted) > _MAX_ENTRIES:
             self._posted.popitem(last=False)
         waiter = self._waiters.pop(disagg_request_id, None)
         if waiter is not None:
             waiter.set()
 
-    async def claim(self, disagg_request_id: int, wait_s: float) -> dict[str, Any] | None:
-        """The hand-off params for this request, waiting up to ``wait_s`` for CTX to post them; taken once."""
+    async def claim(self, disagg_request_id: int, wait_s: float, presented: str | None = None
+                    ) -> dict[str, Any] | None:
+        """The hand-off params for this request, waiting up to ``wait_s`` for CTX to post them; taken once, and only
+        with the claim it was posted with (``presented``). None otherwise, the hand-off left for its GEN."""
         if disagg_request_id not in self._posted:
             waiter = self._waiters.setdefault(disagg_request_id, asyncio.Event())
             try:
@@ -54,8 +69,11 @@ class HandoffBoard:
             finally:
                 if self._waiters.get(disagg_request_id) is waiter and not waiter.is_set():
                     self._waiters.pop(disagg_request_id, None)
-        entry = self._posted.pop(disagg_request_id, None)
-        return entry[1] if entry is not None else None
+        entry = self._posted.get(disagg_request_id)
+        if entry is None or not _claim_matches(entry[1], presented):
+            return None
+        del self._posted[disagg_request_id]
+        return entry[2]
 
     def waiting(self, disagg_request_id: int) -> bool:
         """Whether a GEN is waiting for this request's hand-off now."""
@@ -67,14 +85,26 @@ class HandoffBoard:
             self._posted.popitem(last=False)
 
 
+def _claim_matches(expected: str | None, presented: str | None) -> bool:
+    if expected is None:
+        return True
+    return presented is not None and hmac.compare_digest(presented.encode(), expected.encode())
+
+
 async def pull_handoff(client: httpx.AsyncClient, ctx_info_endpoint: str, disagg_request_id: int,
-                       wait_s: float) -> dict[str, Any]:
+                       wait_s: float, claim: str | None = None) -> dict[str, Any]:
     """GEN's side: the hand-off CTX parked for ``disagg_request_id`` (first tokens, KV reference, CTX id), asked
-    on the worker's one pooled client."""
-    base = ctx_info_endpoint if ctx_info_endpoint.startswith(("http://", "https://")) else "http://" + ctx_info_endpoint
-    url = base.rstrip("/") + HANDOFF_PATH.format(disagg_request_id=disagg_request_id)
+    on the worker's pooled client for pulls, with the attempt's ``claim`` (v1) when it has one. The endpoint came
+    with the request: it must be a plain http(s) base (``control_url``), rebuilt from its parsed parts."""
     try:
-        reply = await client.get(url, params={"wait_s": wait_s}, timeout=wait_s + 10.0)
+        url = control_url(ctx_info_endpoint, HANDOFF_PATH.format(disagg_request_id=disagg_request_id))
+    except ValueError as error:
+        raise HandoffError(f"ctx_info_endpoint is not usable: {error}",
+                           param="disaggregated_params.ctx_info_endpoint") from None
+    base = url.removesuffix(HANDOFF_PATH.format(disagg_request_id=disagg_request_id))
+    try:
+        reply = await client.get(url, params={"wait_s": wait_s}, timeout=wait_s + 10.0,
+                                 headers={CLAIM_HEADER: claim} if claim is not None else None)
     except httpx.HTTPError as error:
         raise UpstreamUnavailableError(f"the context worker at {base} could not be asked for the hand-off: "
                                        f"{error}") from error

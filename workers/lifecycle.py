@@ -13,7 +13,15 @@ of one attempt) on every failure path. What this module guarantees, and what the
 - every terminal outcome leaves a tombstone for the replay horizon, so a replayed call answers the same and an
   abort that arrives before its request (cancel before create) refuses that request when it comes. Entries, live and
   tombstones, are capped at ``replay_filter_capacity`` (TensorRT-LLM's, 262144): past it a new grant, artifact or
-  abort-before-create is refused ("replay protection is saturated"), never a tombstone forgotten early.
+  abort-before-create is refused ("replay protection is saturated"), never a tombstone forgotten early. A tombstone
+  keeps digests, not the request (``workers.lifecycle_entries``): a few hundred bytes each, whatever was sent;
+- a grant holds admission credit, so one that is not bound to its GEN request within ``grant_bind_lease_s`` is
+  revoked, and one caller holds at most ``unbound_grants_per_caller`` unbound grants: hoarded grants cannot shut
+  admission for the grant's whole TTL;
+- the worker's calls to CTX on a grant's behalf go only to an http(s) endpoint without credentials, query or
+  fragment, rebuilt from its parsed parts (``frontend.trtllm_lifecycle.control_url``), on a small client of their
+  own with short timeouts and bounded concurrency: they can never take the connections generation-first hand-off
+  pulls need, and a CTX that never answers costs at most ``_CONTROL_CONCURRENCY`` connections for ``_CONTROL_TIMEOUT``.
 
 Each collection is kept in order of expiry (one TTL for all, a monotonic clock; a renewed grant moves to the end),
 so the sweeper and every new entry pop only what has expired, from the front, and the live grants are counted
@@ -52,17 +60,34 @@ from frontend.trtllm_lifecycle import (
     LifecycleCapability,
     LifecycleNegotiationError,
     TransceiverLifecycleAdvertisement,
+    control_url,
     make_advertisement,
     negotiate,
 )
 from workers.context_artifacts import ARTIFACT_EXPIRED, ContextArtifacts
-from workers.lifecycle_entries import Artifact, Grant, LifecycleConflict, attempt_of, forget_expired
+from workers.lifecycle_entries import (
+    Artifact,
+    Grant,
+    LifecycleConflict,
+    admission_facts,
+    attempt_of,
+    forget_expired,
+    short_reason,
+)
 from workers.lifecycle_settings import LifecycleSettings, Role
 
 logger = logging.getLogger(__name__)
 
 GRANT_EXPIRED = "generation intent grant expired"
 GRANT_SATURATED = "generation grant identity is terminal or replay protection is saturated"  # TensorRT-LLM's words
+GRANT_UNUSED = "generation grant was not bound to a request within its admission lease"
+GRANT_HOARDED = "this caller holds too many generation grants not yet bound to a request"
+
+# The calls this worker makes on a grant's behalf (context-artifact aborts): a few at a time, each short. Pending ones
+# past _CONTROL_BACKLOG are dropped (CTX's artifact TTL frees the KV anyway).
+_CONTROL_CONCURRENCY = 8
+_CONTROL_BACKLOG = 1024
+_CONTROL_TIMEOUT = httpx.Timeout(5.0, connect=2.0)
 
 # What this worker does, in TensorRT-LLM's capability names (docs/interop.md says how each is met). Not advertised:
 # IN_FLIGHT_CANCELLATION of a KV transfer already running (ours is one HTTP read, not cancellable mid-way),
@@ -76,8 +101,12 @@ class LifecycleControl(ContextArtifacts):
 
     def __init__(self, role: Role, settings: LifecycleSettings, *,
                  abort_request: Callable[[str], Awaitable[None]],
-                 release_handoff: Callable[[str, bytes], Awaitable[bool]]) -> None:
+                 release_handoff: Callable[[str, bytes], Awaitable[bool]],
+                 peer_headers: Mapping[str, str] | None = None) -> None:
+        """``peer_headers``: what proves this worker is one of the deployment's on its calls to its peers (the
+        deployment secret's header), sent on every one."""
         self.role = role
+        self.peer_headers = dict(peer_headers or {})
         self.settings = settings
         self.clock = settings.clock
         self._abort_request = abort_request
@@ -89,6 +118,8 @@ class LifecycleControl(ContextArtifacts):
         # Every entry, live or tombstone, for lookup; the live ones and the tombstones again, each in order of expiry.
         self.grants: dict[UUID, Grant] = {}
         self._live_grants: OrderedDict[UUID, Grant] = OrderedDict()
+        self._unbound: OrderedDict[UUID, Grant] = OrderedDict()  # live, no request yet: in order of bind_by
+        self._unbound_by_caller: dict[str, int] = {}
         self._grant_tombstones: OrderedDict[UUID, Grant] = OrderedDict()
         self.artifacts: dict[str, Artifact] = {}  # by prefill_artifact_id
         self._live_artifacts: OrderedDict[str, Artifact] = OrderedDict()
@@ -96,6 +127,9 @@ class LifecycleControl(ContextArtifacts):
         self._tasks: set[asyncio.Task[Any]] = set()
         self._sweeper: asyncio.Task[None] | None = None
         self._client: httpx.AsyncClient | None = None
+        self._control_client: httpx.AsyncClient | None = None
+        self._control_slots = asyncio.Semaphore(_CONTROL_CONCURRENCY)
+        self._control_pending = 0
 
     @property
     def enabled(self) -> bool:
@@ -128,8 +162,9 @@ class LifecycleControl(ContextArtifacts):
                 await sweeper
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
-        if self._client is not None:
-            await self._client.aclose()
+        for client in (self._client, self._control_client):
+            if client is not None:
+                await client.aclose()
 
     async def _sweep_loop(self) -> None:
         while True:
@@ -143,6 +178,11 @@ class LifecycleControl(ContextArtifacts):
         """Revoke expired grants, free expired artifacts, forget tombstones past the replay horizon: each from the
         front of its expiry order, so a sweep costs what has expired, not what is held."""
         now = self.clock()
+        while self._unbound:
+            grant = next(iter(self._unbound.values()))
+            if now < grant.bind_by:
+                break
+            self._retire_grant(grant, GrantState.REVOKED, GRANT_UNUSED)
         while self._live_grants:
             grant = next(iter(self._live_grants.values()))
             if now < grant.expires_at:
@@ -167,9 +207,10 @@ class LifecycleControl(ContextArtifacts):
         return len(entries) >= self.settings.replay_filter_capacity
 
     # -- GEN: grants ------------------------------------------------------------------------------------------
-    def issue(self, request: GenerationGrantRequest, endpoint_name: str) -> GenerationGrantDecisionResponse:
-        """Admit one attempt (TensorRT-LLM's ``issue_generation_grant``). A refusal is ``accepted: false``; a
-        contradiction of an earlier grant raises ``LifecycleConflict`` (409)."""
+    def issue(self, request: GenerationGrantRequest, endpoint_name: str,
+              caller: str = "") -> GenerationGrantDecisionResponse:
+        """Admit one attempt (TensorRT-LLM's ``issue_generation_grant``) for ``caller`` (its peer address). A refusal
+        is ``accepted: false``; a contradiction of an earlier grant raises ``LifecycleConflict`` (409)."""
         local = self.advertisement
         assert local is not None
         try:
@@ -180,9 +221,9 @@ class LifecycleControl(ContextArtifacts):
         now = self.clock()
         existing = self.grants.get(request.consumer_grant_id)
         if existing is not None:
-            if existing.request.transfer_session_id != request.transfer_session_id:
+            if existing.transfer_session_id != request.transfer_session_id:
                 raise LifecycleConflict("consumer_grant_id was replayed for a different transfer session")
-            if existing.request.model_dump(exclude={"ttl_s"}) != request.model_dump(exclude={"ttl_s"}):
+            if existing.facts != admission_facts(request):
                 raise LifecycleConflict("consumer_grant_id was replayed with different admission facts")
             if existing.state is not GrantState.ACTIVE:
                 return GenerationGrantDecisionResponse(
@@ -192,26 +233,56 @@ class LifecycleControl(ContextArtifacts):
         if self._saturated(self.grants):
             return GenerationGrantDecisionResponse(lifecycle_protocol_version=1, accepted=False,
                                                    reason=GRANT_SATURATED)
+        if request.context_control_endpoint is not None:
+            try:  # refused now, not met later when an abort would POST to it
+                control_url(request.context_control_endpoint, CONTEXT_ARTIFACT_ABORT_PATH)
+            except ValueError as error:
+                return GenerationGrantDecisionResponse(lifecycle_protocol_version=1, accepted=False,
+                                                       reason=str(error))
         if self.live_grants >= self.settings.max_live_grants:
             return GenerationGrantDecisionResponse(lifecycle_protocol_version=1, accepted=False,
                                                    reason="generation admission credit is exhausted")
+        if self._unbound_by_caller.get(caller, 0) >= self.settings.unbound_grants_per_caller:
+            return GenerationGrantDecisionResponse(lifecycle_protocol_version=1, accepted=False,
+                                                   reason=GRANT_HOARDED)
         # The worker's own TTL, not the one asked for: only the worker decides how long it holds credit.
-        grant = Grant(request, now + self.settings.grant_ttl_s)
+        grant = Grant(request.consumer_grant_id, request, attempt_of(request), admission_facts(request),
+                      request.transfer_session_id, now + self.settings.grant_ttl_s,
+                      bind_by=now + self.settings.grant_bind_lease_s, caller=caller)
         self.grants[request.consumer_grant_id] = grant
         self._live_grants[request.consumer_grant_id] = grant  # the latest expiry: the end of the order
+        self._unbound[request.consumer_grant_id] = grant  # the latest bind_by: the end of that order
+        self._unbound_by_caller[caller] = self._unbound_by_caller.get(caller, 0) + 1
         return self._decision(grant, endpoint_name, now)
+
+    @staticmethod
+    def _deadline(grant: Grant) -> float:
+        """When the grant ends unless renewed (or, unbound, unless bound): what its holder is told as ``ttl_s``."""
+        return grant.expires_at if grant.request_id is not None else min(grant.expires_at, grant.bind_by)
+
+    def _expire_if_due(self, grant: Grant, now: float) -> bool:
+        """Retire an active grant whose TTL or admission lease has passed (the sweeper may not have come by yet)."""
+        if grant.state is not GrantState.ACTIVE:
+            return False
+        if now >= grant.expires_at:
+            self._retire_grant(grant, GrantState.REVOKED, GRANT_EXPIRED)
+            return True
+        if grant.request_id is None and now >= grant.bind_by:
+            self._retire_grant(grant, GrantState.REVOKED, GRANT_UNUSED)
+            return True
+        return False
 
     def _decision(self, grant: Grant, endpoint_name: str, now: float) -> GenerationGrantDecisionResponse:
         return GenerationGrantDecisionResponse(
             lifecycle_protocol_version=1, accepted=True, generation_endpoint_name=endpoint_name,
             generation_endpoint_rank=0, generation_endpoint_incarnation=self.incarnation,
-            generation_transceiver_lifecycle=self.advertisement, ttl_s=max(grant.expires_at - now, 1e-6))
+            generation_transceiver_lifecycle=self.advertisement, ttl_s=max(self._deadline(grant) - now, 1e-6))
 
     def _known_grant(self, request: GenerationGrantRenewRequest | GenerationGrantAbortRequest) -> Grant:
         grant = self.grants.get(request.consumer_grant_id)
         if grant is None:
             raise LifecycleConflict(f"generation grant {request.consumer_grant_id} has no admitted transfer session")
-        if attempt_of(grant.request) != attempt_of(request) or request.generation_endpoint_incarnation != \
+        if grant.attempt != attempt_of(request) or request.generation_endpoint_incarnation != \
                 self.incarnation or request.generation_endpoint_rank != 0:
             raise LifecycleConflict("generation grant identity does not match the admitted transfer session")
         return grant
@@ -219,8 +290,7 @@ class LifecycleControl(ContextArtifacts):
     def renew(self, request: GenerationGrantRenewRequest) -> dict[str, Any]:
         grant = self._known_grant(request)
         now = self.clock()
-        if grant.state is GrantState.ACTIVE and now >= grant.expires_at:
-            self._retire_grant(grant, GrantState.REVOKED, GRANT_EXPIRED)
+        self._expire_if_due(grant, now)
         if grant.state is not GrantState.ACTIVE:
             return {"lifecycle_protocol_version": 1, "accepted": False, "state": grant.state.value,
                     "reason": grant.reason}
@@ -229,7 +299,7 @@ class LifecycleControl(ContextArtifacts):
             grant.expires_at = now + self.settings.grant_ttl_s
             self._live_grants.move_to_end(request.consumer_grant_id)  # now the latest expiry
         return {"lifecycle_protocol_version": 1, "accepted": True, "state": GrantState.ACTIVE.value,
-                "reason": "", "ttl_s": max(grant.expires_at - now, 1e-6)}
+                "reason": "", "ttl_s": max(self._deadline(grant) - now, 1e-6)}
 
     def abort(self, request: GenerationGrantAbortRequest) -> dict[str, Any]:
         grant = self._known_grant(request)
@@ -243,41 +313,80 @@ class LifecycleControl(ContextArtifacts):
     def _retire_grant(self, grant: Grant, state: GrantState, reason: str) -> None:
         if grant.state is not GrantState.ACTIVE:
             return
-        grant_id = grant.request.consumer_grant_id
+        grant_id = grant.grant_id
         self._live_grants.pop(grant_id, None)
-        grant.state, grant.reason = state, reason
+        self._forget_unbound(grant)
+        grant.state, grant.reason = state, short_reason(reason)
         grant.retain_until = self.clock() + self.settings.replay_horizon_s
         self._grant_tombstones[grant_id] = grant
+        request, grant.request = grant.request, None  # a tombstone keeps digests, not the caller's request
         if grant.ended is not None:
             grant.ended.set()
         if state is GrantState.RELEASED:
             return
         if grant.request_id is not None:
             self._spawn(self._abort_request(grant.request_id))
-        if not grant.handoff_taken:  # CTX still holds the KV for this attempt: tell it to free it
-            self._spawn(self._abort_context_artifact(grant.request, reason))
+        if not grant.handoff_taken and request is not None:  # CTX still holds the KV for this attempt: free it
+            self._abort_context_artifact(request, grant.reason)
 
-    async def _abort_context_artifact(self, request: GenerationGrantRequest, reason: str) -> None:
+    def _forget_unbound(self, grant: Grant) -> None:
+        if self._unbound.pop(grant.grant_id, None) is None or grant.caller is None:
+            return
+        left = self._unbound_by_caller.get(grant.caller, 1) - 1
+        if left > 0:
+            self._unbound_by_caller[grant.caller] = left
+        else:
+            self._unbound_by_caller.pop(grant.caller, None)
+        grant.caller = None
+
+    def _abort_context_artifact(self, request: GenerationGrantRequest, reason: str) -> None:
+        """Tell the grant's CTX to free the KV it parked for the attempt, in the background, on the control client.
+        Past ``_CONTROL_BACKLOG`` pending calls the call is dropped: CTX's own artifact TTL frees it anyway."""
         endpoint = request.context_control_endpoint
         if not endpoint:
             return
-        url = (endpoint if endpoint.startswith(("http://", "https://")) else "http://" + endpoint).rstrip("/")
+        try:
+            url = control_url(endpoint, CONTEXT_ARTIFACT_ABORT_PATH)
+        except ValueError as error:  # refused at issue; a grant from before that check cannot name one either
+            logger.warning("context artifact abort not sent: %s", error)
+            return
+        if self._control_pending >= _CONTROL_BACKLOG:
+            logger.warning("context artifact abort to %s dropped: %d aborts already pending", url,
+                           self._control_pending)
+            return
         body = ContextArtifactAbortRequest(
             lifecycle_protocol_version=1, **{name: getattr(request, name) for name in IDENTITY_FIELDS},
             context_endpoint_incarnation=request.context_transceiver_lifecycle.incarnation, reason=reason)
+        self._control_pending += 1
+        self._spawn(self._post_control(url, body.model_dump(mode="json")))
+
+    async def _post_control(self, url: str, body: dict[str, Any]) -> None:
         try:
-            reply = await self.http().post(url + CONTEXT_ARTIFACT_ABORT_PATH, json=body.model_dump(mode="json"))
+            async with self._control_slots:
+                reply = await self.control_http().post(url, json=body)
             if reply.status_code != 200:
                 logger.warning("context artifact abort at %s answered %d: %s", url, reply.status_code,
                                reply.text[:200])
         except httpx.HTTPError as error:  # CTX's own artifact TTL frees it anyway
             logger.warning("context artifact abort at %s failed: %s", url, error)
+        finally:
+            self._control_pending -= 1
 
     def http(self) -> httpx.AsyncClient:
-        """The worker's one pooled client to its peers (artifact aborts, generation-first hand-offs)."""
+        """The worker's pooled client for generation-first hand-off pulls (long polls: up to the wait they ask)."""
         if self._client is None:
-            self._client = httpx.AsyncClient(timeout=10.0)
+            self._client = httpx.AsyncClient(timeout=10.0, headers=self.peer_headers)
         return self._client
+
+    def control_http(self) -> httpx.AsyncClient:
+        """The client of the calls made on a grant's behalf: its own few connections and short timeouts, so that
+        aborts sent to a CTX that never answers cannot delay a hand-off pull."""
+        if self._control_client is None:
+            self._control_client = httpx.AsyncClient(
+                timeout=_CONTROL_TIMEOUT, headers=self.peer_headers,
+                limits=httpx.Limits(max_connections=_CONTROL_CONCURRENCY,
+                                    max_keepalive_connections=_CONTROL_CONCURRENCY))
+        return self._control_client
 
     def _spawn(self, work: Awaitable[Any]) -> None:
         task = asyncio.ensure_future(work)
@@ -290,7 +399,8 @@ class LifecycleControl(ContextArtifacts):
         grant = self._live_grant(params)
         grant.request_id = request_id
         grant.ended = asyncio.Event()
-        return grant.request.consumer_grant_id
+        self._forget_unbound(grant)  # bound: its admission lease is met
+        return grant.grant_id
 
     async def until_ended(self, grant_id: UUID) -> None:
         """Returns once the grant is no longer active (aborted, expired, released)."""
@@ -304,13 +414,13 @@ class LifecycleControl(ContextArtifacts):
         if grant is None:
             raise InvalidRequestError(f"generation grant {grant_id} has no admitted transfer session",
                                       param="disaggregated_params.consumer_grant_id")
-        if attempt_of(grant.request) != attempt_of(params.model_dump()):
+        if grant.attempt != attempt_of(params.model_dump()):
             raise InvalidRequestError("generation grant identity does not match the admitted transfer session",
                                       param="disaggregated_params.consumer_grant_id")
-        if grant.state is GrantState.ACTIVE and self.clock() >= grant.expires_at:
-            self._retire_grant(grant, GrantState.REVOKED, GRANT_EXPIRED)
-            raise InvalidRequestError("generation intent grant expired before scheduler submission",
-                                      param="disaggregated_params.consumer_grant_id")
+        if self._expire_if_due(grant, self.clock()):
+            message = ("generation intent grant expired before scheduler submission" if grant.reason == GRANT_EXPIRED
+                       else f"generation grant is {grant.state.value}: {grant.reason}")
+            raise InvalidRequestError(message, param="disaggregated_params.consumer_grant_id")
         if grant.state is not GrantState.ACTIVE:
             raise InvalidRequestError(f"generation grant is {grant.state.value}: {grant.reason}",
                                       param="disaggregated_params.consumer_grant_id")
@@ -322,8 +432,8 @@ class LifecycleControl(ContextArtifacts):
     def ensure_live(self, grant_id: UUID) -> None:
         """A bound grant still holds (checked again after a wait, before the engine is asked)."""
         grant = self.grants.get(grant_id)
-        if grant is not None and grant.state is GrantState.ACTIVE and self.clock() >= grant.expires_at:
-            self._retire_grant(grant, GrantState.REVOKED, GRANT_EXPIRED)
+        if grant is not None:
+            self._expire_if_due(grant, self.clock())
         if grant is None or grant.state is not GrantState.ACTIVE:
             reason = grant.reason if grant is not None else "unknown"
             raise InvalidRequestError(f"generation grant is no longer active: {reason}",

@@ -1,22 +1,42 @@
 """What ``workers.lifecycle.LifecycleControl`` keeps: a grant (GEN) or an artifact (CTX), live or a tombstone, and
-the attempt identity both are matched by, and the error for a call that contradicts them."""
+the attempt identity both are matched by, and the error for a call that contradicts them.
+
+A tombstone is kept for the replay horizon (20 minutes by default), up to ``replay_filter_capacity`` (262,144) of
+each: so it keeps only what a replay is compared with, as fixed-size digests, never the request that made it (a
+grant request carries the caller's strings: its endpoint, its advertisement). Every entry is then a few hundred
+bytes whatever the caller sent, and the reason it ended is cut to ``MAX_REASON``.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
+from uuid import UUID
+
+import orjson
 
 from frontend.trtllm_identity import IDENTITY_FIELDS
 from frontend.trtllm_lifecycle import ArtifactState, GenerationGrantRequest, GrantState
 
+MAX_REASON = 256  # characters of a caller's reason kept (and answered back) for a terminal entry
+
 
 @dataclass(slots=True)
 class Grant:
-    request: GenerationGrantRequest
+    """A grant, live (``request`` kept: an abort tells its CTX to free the KV) or a tombstone (``request`` None)."""
+
+    grant_id: UUID  # its consumer_grant_id
+    request: GenerationGrantRequest | None
+    attempt: bytes  # attempt_of(the request): what renew / abort / bind are matched by
+    facts: bytes  # admission_facts(the request): what a replay of the grant call is matched by
+    transfer_session_id: UUID
     expires_at: float
+    bind_by: float = float("inf")  # the admission lease: bound to a request by then, or revoked
+    caller: str | None = None  # who asked for it, while it is unbound (counted per caller)
     state: GrantState = GrantState.ACTIVE
     reason: str = ""
     last_sequence: int = -1
@@ -28,7 +48,8 @@ class Grant:
 
 @dataclass(slots=True)
 class Artifact:
-    identity: dict[str, Any]
+    key: str  # its prefill_artifact_id
+    attempt: bytes  # attempt_of(the identity it was created for)
     ctx_request_id: str | None = None
     handoff_state: bytes | None = None
     expires_at: float = 0.0
@@ -37,16 +58,21 @@ class Artifact:
     retain_until: float = 0.0
 
 
-def attempt_of(fields: Any) -> tuple[Any, ...]:
-    """The attempt identity as comparable values (UUIDs and canonical strings alike)."""
+def attempt_of(fields: Any) -> bytes:
+    """The attempt identity as one fixed-size digest (UUIDs and their canonical strings alike): equal attempts,
+    equal digests."""
     get = fields.get if isinstance(fields, Mapping) else lambda name: getattr(fields, name)
-    return tuple(str(get(name)) for name in IDENTITY_FIELDS)
+    return hashlib.sha256("\0".join(str(get(name)) for name in IDENTITY_FIELDS).encode()).digest()
 
 
-def identity_of(fields: Any) -> dict[str, Any]:
-    get = fields.get if isinstance(fields, Mapping) else lambda name: getattr(fields, name)
-    return {name: str(get(name)) if name not in ("logical_request_id", "artifact_version") else get(name)
-            for name in IDENTITY_FIELDS}
+def admission_facts(request: GenerationGrantRequest) -> bytes:
+    """A digest of everything a grant was admitted on but the TTL asked for: a replay must match it exactly."""
+    return hashlib.sha256(orjson.dumps(request.model_dump(mode="json", exclude={"ttl_s"}),
+                                       option=orjson.OPT_SORT_KEYS)).digest()
+
+
+def short_reason(reason: str) -> str:
+    return reason if len(reason) <= MAX_REASON else reason[:MAX_REASON - 3] + "..."
 
 
 def forget_expired(tombstones: OrderedDict[Any, Any], entries: dict[Any, Any], now: float) -> None:

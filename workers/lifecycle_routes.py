@@ -1,5 +1,9 @@
 """The worker's routes for TensorRT-LLM's lifecycle protocol v1 (``workers.lifecycle``): the server info its
 router reads first, the control calls (grants on GEN, artifact aborts on CTX), and CTX's generation-first hand-off.
+
+Every ``/_internal/*`` route here answers internal callers only (``workers.internal_callers``), checked before
+anything else; ``/server_info`` stays open (TensorRT-LLM's router reads it), and names this worker by its advertised
+address, never by the caller's ``Host`` header.
 """
 
 from __future__ import annotations
@@ -25,7 +29,8 @@ from frontend.trtllm_lifecycle import (
     GenerationGrantRenewRequest,
     GenerationGrantRequest,
 )
-from workers.generation_first import HANDOFF_PATH
+from workers.generation_first import CLAIM_HEADER, HANDOFF_PATH
+from workers.internal_callers import InternalCallers, refused
 from workers.lifecycle_entries import LifecycleConflict
 from workers.serving import WorkerService
 from workers.worker_settings import WorkerSettings
@@ -36,12 +41,24 @@ Body = TypeVar("Body", bound=BaseModel)  # a lifecycle control call's body model
 def install_lifecycle_routes(app: FastAPI, settings: WorkerSettings, service: WorkerService) -> None:
     """The routes this worker's role answers (the control calls answer 404 while v1 is off)."""
     control = service.lifecycle
+    callers = InternalCallers(settings.internal_secret, settings.trtllm_auth_key)
+
+    def own_url(request: Request) -> str:
+        """This worker's address as its peers reach it: the advertised one, else the local address the connection
+        came in on (the socket's, not the ``Host`` header a caller chose)."""
+        if settings.advertise_url:
+            return settings.advertise_url.rstrip("/")
+        server = request.scope.get("server")
+        if not server or server[1] is None:
+            return str(request.base_url).rstrip("/")  # a transport without an address (in-process tests)
+        host, port = server
+        return f"http://[{host}]:{port}" if ":" in str(host) else f"http://{host}:{port}"
 
     @app.get(SERVER_INFO_PATH)
     async def server_info(request: Request) -> Response:
         """What TensorRT-LLM's router reads of a worker before sending it anything: where CTX's hand-offs are
         asked for (generation first) and, in v1 only, the lifecycle advertisement."""
-        params: dict[str, Any] = {"ctx_dp_rank": 0, "ctx_info_endpoint": [str(request.base_url).rstrip("/")]}
+        params: dict[str, Any] = {"ctx_dp_rank": 0, "ctx_info_endpoint": [own_url(request)]}
         if control.advertisement is not None:
             params["context_transceiver_lifecycle"] = control.advertisement.to_dict()
         return json_response({"disaggregated_params": params,
@@ -51,12 +68,20 @@ def install_lifecycle_routes(app: FastAPI, settings: WorkerSettings, service: Wo
         """A control call's route: its body read as ``model`` (TensorRT-LLM's 400 ``{"error": ...}`` for a bad
         one, its 404 with v1 off), ``call``'s answer as JSON, a ``LifecycleConflict`` its 409."""
         async def route(request: Request) -> Response:
+            allowed = callers.control_allowed_before_body(request.headers)
+            if allowed is False:
+                raise refused("a lifecycle control call")
             if not control.enabled:
                 return json_response({"detail": CONTROL_UNAVAILABLE}, status_code=404)
             try:
                 body = model.model_validate(parse_json_object(await read_body(request, 64 * 1024)))
             except (ValidationError, InvalidRequestError) as error:
+                if allowed is None:  # an unproven caller learns nothing about what it sent
+                    raise refused("a lifecycle control call") from None
                 return json_response({"error": str(error)}, status_code=400)
+            if allowed is None and not callers.control_signed_body(request.headers, path,
+                                                                  body.model_dump(mode="json")):
+                raise refused("a lifecycle control call")
             try:
                 answer = await call(body, request)
             except LifecycleConflict as error:
@@ -66,7 +91,8 @@ def install_lifecycle_routes(app: FastAPI, settings: WorkerSettings, service: Wo
         app.post(path, name=path.removeprefix("/_internal/").replace("/", "_"))(route)
 
     async def issue(body: GenerationGrantRequest, request: Request) -> Any:
-        return control.issue(body, request.url.netloc)
+        caller = request.client.host if request.client is not None else ""
+        return control.issue(body, own_url(request).split("://", 1)[1], caller)
 
     async def renew(body: GenerationGrantRenewRequest, _: Request) -> Any:
         return control.renew(body)
@@ -91,8 +117,10 @@ def install_lifecycle_routes(app: FastAPI, settings: WorkerSettings, service: Wo
             """Generation first: a GEN that came first asks here for the hand-off of its request; answered as
             soon as this CTX has parked it (404 if that does not happen within ``wait_s``). A GEN that hangs up
             stops waiting here too: the hand-off is then left on the board for a GEN that asks again."""
+            callers.require_token(request.headers, "the generation-first hand-off board")
+            claim = request.headers.get(CLAIM_HEADER)
             params = await cancel_on_disconnect(
-                request, lambda: service.board.claim(disagg_request_id, min(max(wait_s, 0.0), 300.0)))
+                request, lambda: service.board.claim(disagg_request_id, min(max(wait_s, 0.0), 300.0), claim))
             if params is None:
                 return json_response({"detail": "no hand-off for this request"}, status_code=404)
             return json_response(params)

@@ -32,11 +32,26 @@ class LifecycleSettings:
     replay_filter_capacity: int = DEFAULT_REPLAY_FILTER_CAPACITY  # live entries and tombstones, each role
     sweep_interval_s: float = 1.0
     generation_first_wait_s: float = 30.0  # how long a GEN that came first waits for its CTX's hand-off
+    # A grant must be bound to its GEN request within this lease, or it is revoked: an orchestrator sends GEN its
+    # request right after the grant (each grant call is bounded by TensorRT-LLM's 30 s admission timeout), so only a
+    # caller that hoards grants ever reaches it, and credit it holds without a request is back within the lease,
+    # not after the grant's TTL (600 s). Renewals do not extend it.
+    grant_bind_lease_s: float = 60.0
+    # Unbound grants one caller (one peer address) may hold at once; None: an eighth of max_live_grants (at least
+    # 8). A real orchestrator holds one per admission in flight, for milliseconds; this keeps one peer from taking
+    # all the credit even within the lease.
+    max_unbound_grants_per_caller: int | None = None
     clock: Callable[[], float] = time.monotonic
 
     @property
     def enabled(self) -> bool:
         return self.protocol_version == GENERATION_SAFE
+
+    @property
+    def unbound_grants_per_caller(self) -> int:
+        if self.max_unbound_grants_per_caller is not None:
+            return self.max_unbound_grants_per_caller
+        return max(8, self.max_live_grants // 8)
 
     @property
     def replay_horizon_s(self) -> float:

@@ -88,7 +88,8 @@ class ResponseRendering:
             if self.lifecycle.enabled:  # v1: the parked KV is now this attempt's artifact
                 self.lifecycle.park(disagg, request.request_id, out.handoff_state if state is not None else None)
             if disagg.schedule_style == 1 and disagg.disagg_request_id is not None:
-                self.board.post(disagg.disagg_request_id, body["choices"][0]["disaggregated_params"])
+                claim = str(disagg.transfer_session_id) if disagg.transfer_session_id is not None else None
+                self.board.post(disagg.disagg_request_id, body["choices"][0]["disaggregated_params"], claim)
             return
         params: dict[str, Any] = {
             "request_type": "context_only",

@@ -139,7 +139,7 @@ def create_worker_app(
             # Under the disconnect watch too: a generation-first GEN waits here for its hand-off (up to
             # generation_first_wait_s), and one whose orchestrator left must free its slot and stop asking for it.
             prepared = await cancel_on_disconnect(
-                request, lambda: service.prepare(body, wire_model, request.headers.get(CHAIN_HEADER)))
+                request, lambda: service.prepare(body, wire_model, request.headers.get(CHAIN_HEADER), request.headers))
             worker_tracing.prepared(span, prepared)
             # CTX always answers whole: the orchestrator needs its hand-off fields, not a stream.
             if prepared.wire.stream and prepared.request.phase is not Phase.CONTEXT_ONLY:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from typing import Any
 from uuid import UUID
 
@@ -32,6 +32,7 @@ from frontend.structured_output import output_constraint
 from workers.engines.base import Engine, KVHandoffStore, ProvidesTokenizer, Tokenizer
 from workers.engines.request import GenerationRequest, Phase
 from workers.generation_first import HandoffBoard, pull_handoff
+from workers.internal_callers import InternalCallers
 from workers.lifecycle import LifecycleControl
 from workers.lifecycle_checks import check_request
 from workers.lifecycle_settings import Role as Role  # defined once, where the lifecycle needs it; public from here
@@ -74,9 +75,12 @@ class WorkerService(ResponseRendering):
         self.inflight = 0
         self._inflight_gauge = metrics.engine_inflight.labels(role=settings.role)
         self.holdings: PrefixHoldings | None = None  # set while KV events are published (workers/server.py)
+        secret = settings.internal_secret
         self.lifecycle = LifecycleControl(settings.role, settings.lifecycle, abort_request=engine.abort,
-                                          release_handoff=self._release_handoff)
+                                          release_handoff=self._release_handoff,
+                                          peer_headers=secret.headers() if secret is not None else None)
         self.board = HandoffBoard(settings.lifecycle.artifact_ttl_s, settings.lifecycle.clock)
+        self.callers = InternalCallers(secret, settings.trtllm_auth_key)
 
     async def _release_handoff(self, ctx_request_id: str, state: bytes) -> bool:
         engine = self.engine
@@ -84,8 +88,11 @@ class WorkerService(ResponseRendering):
 
     # -- admission and parsing -------------------------------------------------------------------------
     async def prepare(self, body: dict[str, Any], wire_model: type[GenerationWireRequest],
-                      chain_header: str | None = None) -> PreparedGeneration:
-        """``chain_header``: the request's ``CHAIN_HEADER`` (frontend/prefix_chain.py), if it came with one."""
+                      chain_header: str | None = None, headers: Mapping[str, str] | None = None
+                      ) -> PreparedGeneration:
+        """``chain_header``: the request's ``CHAIN_HEADER`` (frontend/prefix_chain.py), if it came with one;
+        ``headers``: the request's, for the credentials of one whose ``disaggregated_params`` name where this worker
+        goes next (``workers.internal_callers``)."""
         refuse_unsupported_parameters(body)
         wire = validate_wire(wire_model, body)
         info = self.engine.info
@@ -93,6 +100,8 @@ class WorkerService(ResponseRendering):
             raise ModelNotFoundError(f"the model '{wire.model}' does not exist; this worker serves '{info.model}'",
                                      param="model")
         disagg = wire.disaggregated_params
+        if disagg is not None and not self.callers.open:
+            self.callers.require_for_params(headers or {}, disagg.model_dump(mode="json"))
         phase = phase_of(disagg)
         self._check_role(phase)
         check_request(disagg, self.settings.role, self.lifecycle)
@@ -121,8 +130,10 @@ class WorkerService(ResponseRendering):
         if not endpoint or disagg.disagg_request_id is None:
             raise InvalidRequestError("a generation-first generation_only request needs ctx_info_endpoint and "
                                       "disagg_request_id", param="disaggregated_params.ctx_info_endpoint")
+        # v1: the attempt's transfer_session_id is its claim on the hand-off (workers/generation_first.py).
+        claim = str(disagg.transfer_session_id) if disagg.transfer_session_id is not None else None
         pull = asyncio.ensure_future(pull_handoff(self.lifecycle.http(), endpoint, disagg.disagg_request_id,
-                                                  self.settings.lifecycle.generation_first_wait_s))
+                                                  self.settings.lifecycle.generation_first_wait_s, claim))
         if grant is not None:  # a grant that ends while GEN waits ends the wait too
             ended = asyncio.ensure_future(self.lifecycle.until_ended(grant))
             try:

@@ -14,7 +14,7 @@ shape (docs/interop.md):
 
 from __future__ import annotations
 
-import random
+import secrets
 import uuid
 from collections.abc import AsyncGenerator
 from typing import Any
@@ -41,7 +41,7 @@ def new_request_id(disagg: DisaggregatedParams | None) -> str:
     the decimal form of one: sent as an int to TensorRT-LLM's orchestrator, and convertible to one by ours when a
     mixed fleet hands it to a trtllm-serve GEN; GEN's ``str(ctx_request_id)`` names the same hand-off either way."""
     if disagg is not None and disagg.request_type == "context_only":
-        return str(random.getrandbits(63))
+        return str(secrets.randbits(63))  # not guessable: it names a parked hand-off
     return uuid.uuid4().hex
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from frontend.http import DEFAULT_MAX_BODY_BYTES_READING
+from frontend.internal_secret import InternalSecret
 from workers.lifecycle_settings import LifecycleSettings, Role
 
 
@@ -21,3 +22,12 @@ class WorkerSettings:
     kv_events_replay_endpoint: str | None = "tcp://127.0.0.1:0"
     # TensorRT-LLM's lifecycle protocol (workers/lifecycle.py): v0 unless turned on, as in TensorRT-LLM.
     lifecycle: LifecycleSettings = field(default_factory=LifecycleSettings)
+    # The deployment secret (frontend/internal_secret.py): with one, the internal routes (workers/lifecycle_routes.py)
+    # answer its holders only, and this worker's own calls to its peers carry it. None: open, as on a laptop.
+    internal_secret: InternalSecret | None = None
+    # TensorRT-LLM's own internal authentication key (``internal_request_auth_key``; frontend/trtllm_auth.py), for a
+    # worker behind TensorRT-LLM's orchestrator: its signatures are checked when one is set.
+    trtllm_auth_key: str | None = None
+    # Where this worker's peers reach it (``--advertise-url``): what /server_info and a grant name, never the
+    # caller's Host header. None: the address the connection came in on.
+    advertise_url: str | None = None
