@@ -13,7 +13,8 @@ what a model computes. Its time is real (``asyncio.sleep``), its work is a model
 - **the hand-off** (context-only, then generation-only) is the synthetic engine's, and a GEN worker that accepts one
   puts the prompt's blocks into its own cache: it now holds that KV, so an aggregated request there later hits it.
 
-Output token i is the synthetic engine's (``SYNTHETIC_TEXT``), so aggregated and disaggregated answers agree. Unlike
+Output token i is the synthetic engine's (``SYNTHETIC_TEXT``), so aggregated and disaggregated answers agree; with
+``--tokenizer reference`` it takes the reference model's real tokenizer as the synthetic engine does. Unlike
 the synthetic engine it reads the prompt's token values: its cache keys are made of them (``kv_block_reuse``, so
 the metadata-only guardrail relays real tokens to it). Its counters are on the worker's ``/metrics``
 (``disagg_engine_prefix_cache_*``, ``disagg_engine_prefill*``).
@@ -35,17 +36,22 @@ from dataclasses import dataclass, replace
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
+from frontend.errors import EngineError
 from frontend.token_codec import TokenArray
 from workers.engines.base import Tokenizer
 from workers.engines.byte_tokenizer import ByteTokenizer
-from workers.engines.options import EngineOptions, SimulatedConfig
+from workers.engines.options import EngineOptions, SimulatedConfig, TokenizeConfig
 from workers.engines.outputs import EngineInfo, EngineOutput
 from workers.engines.request import GenerationRequest, Phase
 from workers.engines.synthetic import (
+    BYTE_ANSWER,
+    EngineTokens,
     certain_logprobs,
+    check_tokenizer,
     finish_reason,
     first_output,
     handoff_position,
+    load_engine_tokens,
     token_at,
 )
 
@@ -61,7 +67,7 @@ def create(options: EngineOptions) -> SimulatedEngine:
     config = options.simulated
     if options.served_model_name:
         config = replace(config, model=options.served_model_name)
-    return SimulatedEngine(config)
+    return SimulatedEngine(config, tokenizer=options.tokenizer, tokenize=options.tokenize)
 
 
 def block_keys(tokens: TokenArray, block_tokens: int = BLOCK_TOKENS) -> list[bytes]:
@@ -178,11 +184,15 @@ class _BlockCache:
 
 
 class SimulatedEngine:
-    """A typed engine (``workers.engines.base.Engine``) that also provides its byte tokenizer, reports its KV
-    capacity (``ReportsKvCapacity``) and exposes its counters (``ExposesMetrics``)."""
+    """A typed engine (``workers.engines.base.Engine``) that also provides its tokenizer (the byte tokenizer, or with
+    ``tokenizer="reference"`` the reference model's, loaded in ``start``), reports its KV capacity
+    (``ReportsKvCapacity``) and exposes its counters (``ExposesMetrics``)."""
 
-    def __init__(self, config: SimulatedConfig | None = None) -> None:
+    def __init__(self, config: SimulatedConfig | None = None, *, tokenizer: str = "byte",
+                 tokenize: TokenizeConfig | None = None) -> None:
         self.config = config or SimulatedConfig()
+        self._tokenizer_choice = check_tokenizer(tokenizer)
+        self._tokenize = tokenize
         if self.config.prefill_tokens_per_s <= 0:
             raise ValueError("prefill_tokens_per_s must be positive")
         self.info = EngineInfo(
@@ -195,7 +205,10 @@ class SimulatedEngine:
             kv_block_reuse=self.config.prefix_cache_tokens > 0,
             supports_structured_output=False,
         )
-        self._tokenizer = ByteTokenizer(self.config.vocab_size)
+        self._tokens: EngineTokens | None = None
+        if tokenizer == "byte":  # free to build, and there before start (as it always was)
+            self._tokens = EngineTokens(ByteTokenizer(self.config.vocab_size), BYTE_ANSWER)
+        self._answer = BYTE_ANSWER
         self._cache = _BlockCache(max(0, self.config.prefix_cache_tokens) // BLOCK_TOKENS)
         self._prefill_turn = asyncio.Lock()  # FIFO: asyncio wakes waiters in the order they came
         self._running: dict[str, asyncio.Event] = {}
@@ -222,14 +235,19 @@ class SimulatedEngine:
                                     "Requests waiting for or running their prefill", registry=self._registry)
 
     async def start(self) -> None:
-        pass  # nothing to load
+        if self._tokens is None:  # the reference tokenizer: nothing else to load
+            self._tokens = await load_engine_tokens(self._tokenizer_choice, self.config.vocab_size, self._tokenize)
+            self.info = replace(self.info, vocab_size=self._tokens.tokenizer.vocab_size)
+        self._answer = self._tokens.answer
 
     async def aclose(self) -> None:
         for aborted in self._running.values():
             aborted.set()
 
     def get_tokenizer(self) -> Tokenizer:
-        return self._tokenizer
+        if self._tokens is None:
+            raise EngineError("the simulated engine's tokenizer is loaded when it starts")
+        return self._tokens.tokenizer
 
     def kv_capacity_tokens(self) -> int | None:
         return self._cache.capacity_blocks * BLOCK_TOKENS
@@ -275,7 +293,7 @@ class SimulatedEngine:
             if cached is None:
                 yield EngineOutput((), finish_reason="abort")
                 return
-            first = first_output(request, _ENGINE, self.config.output_tokens, cached)
+            first = first_output(request, _ENGINE, self.config.output_tokens, cached, self._answer)
             position = 1
             yield first
             if first.finish_reason is not None or request.phase is Phase.CONTEXT_ONLY:
@@ -285,9 +303,9 @@ class SimulatedEngine:
                 yield EngineOutput((), finish_reason="abort")
                 return
             await asyncio.sleep(self.config.inter_token_latency_s)  # 0 still yields to the event loop
-            token = token_at(position, self.config.output_tokens)
+            token = token_at(position, self.config.output_tokens, self._answer)
             position += 1
-            finish = finish_reason(token, position, max_tokens, sampling.ignore_eos)
+            finish = finish_reason(token, position, max_tokens, sampling.ignore_eos, self._answer.eos)
             yield EngineOutput((token,), certain_logprobs(token, sampling.logprobs), finish)
             if finish is not None:
                 return

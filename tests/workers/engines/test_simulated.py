@@ -213,3 +213,17 @@ async def test_the_fleet_ledger_counts_what_any_cache_could_have_hit(monkeypatch
     assert two.stats().hit_tokens == 0
     assert ledger.snapshot() == {"prefills": 2, "queried_tokens": 640, "reachable_tokens": 304, "blocks": 20}
     assert one.stats().hit_tokens + two.stats().hit_tokens <= ledger.reachable_tokens
+
+
+def test_a_reference_tokenizer_worker_counts_real_tokens_and_a_follow_up_hits_its_cache() -> None:
+    from tests.workers.engines.test_synthetic import CHAT, reference_count, serve_chats
+
+    first_turn = CHAT[:2]
+    first, follow_up = serve_chats("simulated", [first_turn, CHAT], 6)
+    assert first["usage"]["prompt_tokens"] == reference_count(first_turn)
+    assert follow_up["usage"]["prompt_tokens"] == reference_count(CHAT)
+    assert first["choices"][0]["message"]["content"] == "The quick brown fox jumps over"  # 6 BPE tokens
+    # The follow-up's prompt starts with the first one's ids (the template renders earlier turns alike): the
+    # engine's cache, keyed by those ids, holds its whole blocks.
+    held = (first["usage"]["prompt_tokens"] - 1) // BLOCK_TOKENS * BLOCK_TOKENS
+    assert follow_up["usage"]["prompt_tokens_details"]["cached_tokens"] == held > 0

@@ -1,12 +1,16 @@
 from __future__ import annotations
 
+from typing import Any
+
+import httpx
 import numpy as np
 import orjson
 import pytest
 
-from frontend.errors import HandoffError
+from frontend.errors import EngineError, HandoffError
 from frontend.sampling import SamplingParams
 from frontend.token_codec import TOKEN_DTYPE
+from workers.engines.factory import EngineOptions, create_engine
 from workers.engines.outputs import EngineOutput
 from workers.engines.request import GenerationRequest, Handoff, Phase
 from workers.engines.synthetic import EOS_TOKEN_ID, SYNTHETIC_TEXT, SyntheticConfig, SyntheticEngine
@@ -109,3 +113,73 @@ def test_engine_info() -> None:
     assert (info.engine, info.model, info.vocab_size, info.max_context) == ("synthetic", "m", 1000, 77)
     assert info.kv_block_reuse is False
     assert info.prompt_tokens_in_handoff is False
+
+
+# -- --tokenizer reference: the reference model's real tokenizer, served through real HTTP -------------------------
+CHAT: list[dict[str, str]] = [
+    {"role": "system", "content": "You answer in one line."},
+    {"role": "user", "content": "Count 12345 and spell <|im_end|> as text, then 🙂."},
+    {"role": "assistant", "content": "12345, <|im_end|>, 🙂"},
+    {"role": "user", "content": "Again, please."},
+]
+
+
+def reference_count(messages: list[dict[str, str]]) -> int:
+    """The reference tokenizer's count of the rendered chat, from a tokenizer of the test's own."""
+    from workers.engines.reference.model_file import load_tokenizer_metadata
+    from workers.engines.reference.tokenizer import GGUFTokenizer
+
+    tokenizer = GGUFTokenizer(load_tokenizer_metadata())
+    return int(tokenizer.encode(tokenizer.render_chat(messages)).size)
+
+
+def serve_chats(engine_name: str, chats: list[list[dict[str, str]]], max_tokens: int) -> list[dict[str, Any]]:
+    """Chat completions, one after another, from one worker of ``engine_name`` with ``--tokenizer reference``, over
+    loopback HTTP (the simulated engine's tests use it too)."""
+    from tests.servers import running
+    from workers.server import create_worker_app
+    from workers.serving import WorkerSettings
+
+    engine = create_engine(engine_name, EngineOptions(tokenizer="reference"))
+    app = create_worker_app(engine, WorkerSettings(role="both", kv_events_endpoint=None,
+                                                   kv_events_replay_endpoint=None))
+    answers: list[dict[str, Any]] = []
+    with running(app) as url:
+        model = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
+        for messages in chats:
+            reply = httpx.post(f"{url}/v1/chat/completions", timeout=60,
+                               json={"model": model, "messages": messages, "max_tokens": max_tokens})
+            assert reply.status_code == 200, reply.text
+            answers.append(reply.json())
+    return answers
+
+
+def test_a_reference_tokenizer_worker_counts_the_chat_in_real_tokens() -> None:
+    (answer,) = serve_chats("synthetic", [CHAT], 25)
+    assert answer["usage"]["prompt_tokens"] == reference_count(CHAT)
+    assert answer["usage"]["prompt_tokens"] < len(str(CHAT).encode()) // 2  # real BPE, not one token per byte
+    assert answer["usage"]["completion_tokens"] == 25
+    # 25 tokens of the same fixed text: its 11 BPE tokens twice, then "The quick brown"
+    text = SYNTHETIC_TEXT.decode()
+    assert answer["choices"][0]["message"]["content"] == text * 2 + "The quick brown"
+
+
+async def test_reference_tokens_and_their_answer() -> None:
+    engine = SyntheticEngine(SyntheticConfig(output_tokens=12), tokenizer="reference")
+    with pytest.raises(EngineError):
+        engine.get_tokenizer()  # loaded by start
+    await engine.start()
+    tokenizer = engine.get_tokenizer()
+    assert engine.info.vocab_size == tokenizer.vocab_size == 49_152
+    assert engine.info.max_context == SyntheticConfig().max_context  # its own, not the model's 8k
+    outputs = await run(engine, GenerationRequest("a", PROMPT, SamplingParams(max_tokens=20)))
+    ids = tokens(outputs)
+    assert outputs[-1].finish_reason == "stop"
+    assert tokenizer.decode(ids) == SYNTHETIC_TEXT.decode() + "The"  # 11 tokens a sentence, then EOS: skipped
+    assert ids[-1] in tokenizer.eos_token_ids  # type: ignore[attr-defined]
+
+
+def test_the_byte_tokenizer_is_there_before_start_and_an_unknown_one_is_refused() -> None:
+    assert SyntheticEngine().get_tokenizer().vocab_size == SyntheticConfig().vocab_size
+    with pytest.raises(ValueError, match="unknown tokenizer"):
+        SyntheticEngine(tokenizer="bpe")
