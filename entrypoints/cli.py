@@ -25,7 +25,9 @@ from entrypoints.listening_socket import address, bound_socket, inherited_socket
 from entrypoints.quiet_server import QuietServer
 from frontend import tracing
 from frontend.client_timeouts import with_send_timeout
+from frontend.internal_secret import InternalSecret, InternalSecretError, internal_secret_from_env, warn_if_exposed
 from frontend.logging_setup import configure_logging
+from frontend.trtllm_auth import trtllm_auth_key_from_env
 
 logger = logging.getLogger("disagg_serve")
 
@@ -80,6 +82,16 @@ def _serve(app: Any, args: argparse.Namespace, listener: socket.socket) -> int:
     # An engine that failed to start (its error is already logged) must not look like a clean stop to whatever
     # started the process: ``up``, a container runtime, a supervisor.
     return 0 if server.started else STARTUP_FAILED
+
+
+def _internal_secret(command: str) -> tuple[bool, InternalSecret | None]:
+    """The deployment secret from ``DISAGG_INTERNAL_TOKEN``, read once at start-up: (False, None), with the reason
+    printed, for one too short to use."""
+    try:
+        return True, internal_secret_from_env()
+    except InternalSecretError as exc:
+        print(f"disagg-serve {command}: {exc}", file=sys.stderr)
+        return False, None
 
 
 def _supervise(args: argparse.Namespace, argv: Sequence[str], engine_options: Any = None) -> int:
@@ -160,8 +172,12 @@ def run_worker(args: argparse.Namespace, argv: Sequence[str]) -> int:
         # Grants and artifacts live in one process's memory: a renew reaching another front end would find none.
         print("disagg-serve: lifecycle protocol v1 needs --api-workers 1", file=sys.stderr)
         return 2
+    usable, secret = _internal_secret("worker")
+    if not usable:
+        return 2
     if args.api_workers > 1:
         return _supervise(args, argv, options if args.engine == "reference" else None)
+    warn_if_exposed(secret, args.host, "this worker")
     listener = _listener(args, args.host, args.port)
     if listener is None:
         return STARTUP_FAILED
@@ -171,7 +187,9 @@ def run_worker(args: argparse.Namespace, argv: Sequence[str]) -> int:
     settings = WorkerSettings(role=args.role, max_body_bytes=args.max_body_bytes,
                               max_concurrent_requests=args.max_concurrent_requests,
                               admin_key=args.admin_key or None,
-                              kv_events_endpoint=events, kv_events_replay_endpoint=replay, lifecycle=lifecycle)
+                              kv_events_endpoint=events, kv_events_replay_endpoint=replay, lifecycle=lifecycle,
+                              internal_secret=secret, trtllm_auth_key=trtllm_auth_key_from_env(),
+                              advertise_url=args.advertise_url or None)
     registration = None
     if args.register:
         advertise = args.advertise_url or f"http://{args.host}:{args.port}"
@@ -222,8 +240,12 @@ def run_orchestrator(args: argparse.Namespace, argv: Sequence[str]) -> int:
                   "(--response-store-url) is shared by every process", file=sys.stderr)
         args.port = config.port
         return _supervise(args, argv)
+    usable, secret = _internal_secret("orchestrator")
+    if not usable:
+        return 2
     if args.reuse_port:
         config = for_one_of_several_front_ends(config, args.front_ends)
+    warn_if_exposed(secret, config.hostname, "this orchestrator")
     # An empty key (DISAGG_API_KEY="") means no key, not "the empty string is the key".
     tracing.configure("disagg-serve-orchestrator", "orchestrator")
     keep_request_buffers_on_the_heap()  # frontend.memory: no page faults per request for a long prompt's body
@@ -231,7 +253,8 @@ def run_orchestrator(args: argparse.Namespace, argv: Sequence[str]) -> int:
     if listener is None:
         return STARTUP_FAILED
     try:
-        app = create_orchestrator_app(config, api_key=args.api_key or None, admin_key=args.admin_key or None)
+        app = create_orchestrator_app(config, api_key=args.api_key or None, admin_key=args.admin_key or None,
+                                      internal_secret=secret)
     except ConfigError as exc:  # e.g. a tenant whose key's environment variable is not set
         print(f"disagg-serve orchestrator: {exc}", file=sys.stderr)
         listener.close()

@@ -4,6 +4,10 @@
 port taken by the time a worker's engine has loaded (by the other worker's vLLM, say) cannot happen, and a port
 already in use (``--port``) is reported at once, not after the engines have loaded.
 
+Every child gets the same deployment secret (``DISAGG_INTERNAL_TOKEN``): the user's, or one ``up`` generates for
+this run, so that the system ``up`` starts has its internal routes shut to everyone else on the machine (and on the
+network, with ``--host 0.0.0.0``) without anyone having to think of it.
+
 Shutdown is explicit and ordered: on Ctrl-C or SIGTERM the orchestrator stops first (no new requests), then the
 workers; each child gets SIGTERM and a grace period, then SIGKILL. Children also get PR_SET_PDEATHSIG, so even a
 SIGKILLed launcher leaves no orphans behind.
@@ -12,6 +16,8 @@ SIGKILLed launcher leaves no orphans behind.
 from __future__ import annotations
 
 import argparse
+import os
+import secrets
 import shutil
 import signal
 import socket
@@ -27,6 +33,7 @@ import yaml
 
 from entrypoints.arguments import engine_arguments
 from entrypoints.listening_socket import address, bound_socket
+from frontend.internal_secret import INTERNAL_TOKEN_ENV
 from frontend.process_lifetime import die_with_parent
 
 _GRACE_S = 15.0
@@ -49,7 +56,16 @@ class StartupFailed(Exception):
     pass
 
 
-def _spawn(name: str, argv: list[str], listener: socket.socket) -> Child:
+def children_environment(environ: dict[str, str] | None = None) -> dict[str, str]:
+    """What every child runs with: this environment, and one deployment secret for all of them (the user's
+    ``DISAGG_INTERNAL_TOKEN`` if set, else a fresh one from ``secrets``, never written to disk or printed)."""
+    env = dict(os.environ if environ is None else environ)
+    if not env.get(INTERNAL_TOKEN_ENV):
+        env[INTERNAL_TOKEN_ENV] = secrets.token_hex(32)
+    return env
+
+
+def _spawn(name: str, argv: list[str], listener: socket.socket, env: dict[str, str] | None = None) -> Child:
     """Starts ``disagg-serve ARGV`` serving on ``listener``, which from then on only the child holds: the port is
     free again once the child is gone."""
     host, port = address(listener)
@@ -57,7 +73,7 @@ def _spawn(name: str, argv: list[str], listener: socket.socket) -> Child:
     command = [sys.executable, "-m", "entrypoints.cli", *argv, "--listen-fd", str(listener.fileno()),
                "--port", str(port), "--api-workers", "1"]
     try:
-        process = subprocess.Popen(command, preexec_fn=die_with_parent, pass_fds=(listener.fileno(),))
+        process = subprocess.Popen(command, preexec_fn=die_with_parent, pass_fds=(listener.fileno(),), env=env)
     finally:
         listener.close()
     # A wildcard address is served on loopback too (IPv4's: "::" is dual-stack, and ::1 may be off in a container).
@@ -154,14 +170,15 @@ def _serve_all(args: argparse.Namespace, workdir: Path, front: socket.socket, ct
         "gen_tokids_metadata_only": bool(args.metadata_only),
     }))
     print(f"disagg-serve up: engine={args.engine}, starting CTX, GEN and the orchestrator ...", flush=True)
+    env = children_environment()
     workers = [
-        _spawn("ctx", [*log, "worker", "--role", "context", *engine_argv], ctx_socket),
-        _spawn("gen", [*log, "worker", "--role", "generation", *engine_argv], gen_socket),
+        _spawn("ctx", [*log, "worker", "--role", "context", *engine_argv], ctx_socket, env),
+        _spawn("gen", [*log, "worker", "--role", "generation", *engine_argv], gen_socket, env),
     ]
     children = list(workers)
     try:
         _wait_healthy(workers, args.startup_timeout)
-        orchestrator = _spawn("orchestrator", [*log, "orchestrator", "--config", str(config_path)], front)
+        orchestrator = _spawn("orchestrator", [*log, "orchestrator", "--config", str(config_path)], front, env)
         children.insert(0, orchestrator)
         _wait_healthy([orchestrator], args.startup_timeout)
     except StartupFailed as exc:

@@ -14,7 +14,7 @@ none goes further. A timeout is ``UpstreamTimeoutError``; a refused connection (
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -45,8 +45,9 @@ _STALE_CONNECTION = (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)
 
 
 class AiohttpTransport:
-    def __init__(self, url: str, timeouts: WorkerTimeouts) -> None:
+    def __init__(self, url: str, timeouts: WorkerTimeouts, headers: Mapping[str, str] | None = None) -> None:
         self.url = url
+        self._headers = dict(headers or {})  # sent with every request (the deployment secret's header)
         self._timeouts = timeouts
         # Between reads at most request_s (a stream may run long; a stalled one fails), as with httptools.
         self._timeout = aiohttp.ClientTimeout(total=None, connect=timeouts.connect_s, sock_read=timeouts.request_s)
@@ -62,7 +63,7 @@ class AiohttpTransport:
                 # orchestrator is the side that closes them, not a race it loses.
                 connector=aiohttp.TCPConnector(limit=1024, keepalive_timeout=30.0),
                 timeout=self._timeout, auto_decompress=False, cookie_jar=aiohttp.DummyCookieJar(),
-                skip_auto_headers=_SKIPPED_HEADERS, read_bufsize=_READ_BUFSIZE)
+                skip_auto_headers=_SKIPPED_HEADERS, read_bufsize=_READ_BUFSIZE, headers=self._headers)
         return self._session
 
     async def post(self, path: str, body: Body, headers: dict[str, str] | None = None) -> Reply:

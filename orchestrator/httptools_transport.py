@@ -35,6 +35,7 @@ import asyncio
 import ssl
 import time
 from collections import deque
+from collections.abc import Mapping
 from urllib.parse import urlsplit
 
 from frontend.errors import UpstreamError, UpstreamTimeoutError, UpstreamUnavailableError
@@ -47,7 +48,7 @@ _IDLE_S = 30.0  # a worker (uvicorn) closes an idle keep-alive connection after 
 
 
 class HttptoolsTransport:
-    def __init__(self, url: str, timeouts: WorkerTimeouts) -> None:
+    def __init__(self, url: str, timeouts: WorkerTimeouts, headers: Mapping[str, str] | None = None) -> None:
         self.url = url
         self._timeouts = timeouts
         parts = urlsplit(url)
@@ -62,7 +63,8 @@ class HttptoolsTransport:
         host_header = self._host if default_port else f"{self._host}:{self._port}"
         if ":" in self._host:  # an IPv6 literal goes in brackets in the Host header
             host_header = f"[{self._host}]" + ("" if default_port else f":{self._port}")
-        self._host_line = f"Host: {host_header}\r\n"
+        # Every request's fixed headers after the Host line (the deployment secret's): formatted once, here.
+        self._host_line = f"Host: {host_header}\r\n" + "".join(_header_lines(url, headers or {}))
         self._idle: list[WorkerConnection] = []  # LIFO: the last one given back is the warmest
         self._open: set[WorkerConnection] = set()
         self._connecting = 0  # connections being opened: they count against the limit already
@@ -110,10 +112,7 @@ class HttptoolsTransport:
         if length is not None:
             lines.append(f"Content-Type: application/json\r\nContent-Length: {length}\r\n")
         if headers:
-            for name, value in headers.items():
-                if "\r" in value or "\n" in value or "\r" in name or "\n" in name or ":" in name:
-                    raise UpstreamError(f"a header for worker {self.url} is not a valid HTTP header: {name!r}")
-                lines.append(f"{name}: {value}\r\n")
+            lines.extend(_header_lines(self.url, headers))
         lines.append("\r\n")
         try:
             return "".join(lines).encode("latin-1")
@@ -247,3 +246,12 @@ class HttptoolsTransport:
             if not waiter.done():
                 waiter.set_result(None)
                 return
+
+
+def _header_lines(url: str, headers: Mapping[str, str]) -> list[str]:
+    lines = []
+    for name, value in headers.items():
+        if "\r" in value or "\n" in value or "\r" in name or "\n" in name or ":" in name:
+            raise UpstreamError(f"a header for worker {url} is not a valid HTTP header: {name!r}")
+        lines.append(f"{name}: {value}\r\n")
+    return lines

@@ -29,6 +29,7 @@ from frontend.http import (
     parse_json_object,
     read_body,
 )
+from frontend.internal_secret import InternalSecret
 from frontend.logging_setup import RequestLines
 from frontend.loop_monitor import LoopLagMonitor
 from frontend.memory import IdleMemoryTrimmer
@@ -61,7 +62,7 @@ logger = logging.getLogger("disagg_serve.orchestrator")
 
 
 def _pool(name: str, group: ServerGroupConfig, config: OrchestratorConfig, metrics: Metrics,
-          default_router: str) -> WorkerPool:
+          default_router: str, worker_headers: dict[str, str] | None = None) -> WorkerPool:
     timeouts = WorkerTimeouts(config.request_timeout_s, config.connect_timeout_s, min(config.connect_timeout_s, 5.0))
     index = CacheIndex(group.router.pending_s, recent_half_s=group.router.recent_half_s)
     decisions = LabelledChildren(metrics.routing_decisions)
@@ -70,7 +71,8 @@ def _pool(name: str, group: ServerGroupConfig, config: OrchestratorConfig, metri
     pool = WorkerPool(name, router, timeouts, index=index,
                       failure_threshold=config.health_failure_threshold,
                       recovery_threshold=config.health_recovery_threshold,
-                      transport_factory=partial(make_transport, client=config.upstream_client),
+                      transport_factory=partial(make_transport, client=config.upstream_client,
+                                                headers=worker_headers),
                       protocol=None if group.protocol == "detect" else group.protocol,
                       breaker=BreakerSettings(config.circuit_breaker.failures, config.circuit_breaker.cooldown_s,
                                               lambda url, state: circuit(name, url).set(state)),
@@ -105,10 +107,14 @@ def create_orchestrator_app(
     api_key: str | None = None,
     admin_key: str | None = None,
     response_store: ResponseStore | None = None,
+    internal_secret: InternalSecret | None = None,
 ) -> FastPathApp:
+    """``internal_secret``: the deployment secret (``DISAGG_INTERNAL_TOKEN``, read by the CLI at start-up), sent to
+    the workers on every call so that their internal routes let this orchestrator in."""
     metrics = metrics or Metrics()
-    ctx_pool = _pool(CTX_POOL_NAME, config.context_servers, config, metrics, "cache_aware")
-    gen_pool = _pool(GEN_POOL_NAME, config.generation_servers, config, metrics, "round_robin")
+    worker_headers = internal_secret.headers() if internal_secret is not None else None
+    ctx_pool = _pool(CTX_POOL_NAME, config.context_servers, config, metrics, "cache_aware", worker_headers)
+    gen_pool = _pool(GEN_POOL_NAME, config.generation_servers, config, metrics, "round_robin", worker_headers)
     pools = {"context": ctx_pool, "generation": gen_pool}
     flow = DisaggFlow(config, ctx_pool, gen_pool, metrics)
     # previous_response_id and store: only /v1/responses reaches it.

@@ -16,12 +16,15 @@ Contract of every implementation:
   written and then met by a close on a reused connection differs: the default client never sends it again (the
   worker may have run it: the caller's retry policy decides, on another worker), aiohttp retries it once on a
   fresh connection;
-- one connection pool per worker, kept until ``aclose``.
+- one connection pool per worker, kept until ``aclose``;
+- ``headers`` given when the transport is made go with every request to the worker, GETs included: the deployment
+  secret's header (frontend/internal_secret.py), so every call the orchestrator makes to a worker proves it is one
+  of the deployment's processes. Written into each request head as it is built once, never per request.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
 from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Literal, Protocol
@@ -114,7 +117,8 @@ def body_bytes(body: Body) -> bytes:
     return body if isinstance(body, bytes) else b"".join(body)
 
 
-def make_transport(url: str, timeouts: WorkerTimeouts, client: Client = "httptools") -> Transport:
+def make_transport(url: str, timeouts: WorkerTimeouts, client: Client = "httptools",
+                   headers: Mapping[str, str] | None = None) -> Transport:
     """The one place that chooses the HTTP client: our own on httptools by default (a pooled keep-alive POST and
     nothing else: about half aiohttp's CPU per request at 1k tokens, docs/benchmarks.md, orchestrator cost), aiohttp
     on request (``upstream_client``), the general client to fall back on (docs/architecture.md says why these two)."""
@@ -122,7 +126,7 @@ def make_transport(url: str, timeouts: WorkerTimeouts, client: Client = "httptoo
     if client == "aiohttp":
         from orchestrator.aiohttp_transport import AiohttpTransport
 
-        return AiohttpTransport(url, timeouts)
+        return AiohttpTransport(url, timeouts, headers)
     from orchestrator.httptools_transport import HttptoolsTransport
 
-    return HttptoolsTransport(url, timeouts)
+    return HttptoolsTransport(url, timeouts, headers)
