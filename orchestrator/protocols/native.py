@@ -9,7 +9,7 @@ it answers with the first token, ``disaggregated_params`` (in ``choices[0]``, or
 
 from __future__ import annotations
 
-import random
+import secrets
 from typing import Any
 
 import orjson
@@ -40,7 +40,7 @@ class NativeProtocol:
         ctx_body["stream"] = False
         ctx_body["disaggregated_params"] = {
             "request_type": "context_only",
-            "disagg_request_id": random.getrandbits(63),
+            "disagg_request_id": secrets.randbits(63),  # not guessable, as in protocols/trtllm.py
             "return_prompt_token_ids_b64": return_prompt_tokens,
             "native_extensions": True,  # our workers then answer with our own fields (prompt_len, ...)
         }

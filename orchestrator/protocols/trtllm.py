@@ -19,7 +19,7 @@ sent; its workers have no early hand-off release and no "hand-off lost" answer.
 
 from __future__ import annotations
 
-import random
+import secrets
 from collections.abc import Mapping
 from typing import Any
 
@@ -47,7 +47,7 @@ DISAGGREGATED_PARAMS_FIELDS = frozenset({
 
 
 def new_request_id() -> int:
-    return random.getrandbits(63)
+    return secrets.randbits(63)  # names a hand-off on a CTX board: not guessable (workers/generation_first.py)
 
 
 class TrtllmProtocol:
