@@ -5,10 +5,16 @@ died mid-way (the connection broke, or ended before its last frame) still leaves
 stream that says what went wrong. Served bare, the relay is pushed: each piece is written to the client from the
 callback that read it from GEN, with no coroutine woken per piece (``RelayedStream.push``); a wrapper that reads
 the pieces (tracing, a tenant's token count, a kept Responses answer) iterates them (``RelayedStream.frames``).
+
+Past a final end marker the client's answer is whole, and what GEN still owes (its chunked body's end, which comes
+in the same read from a healthy worker) is awaited for ``TAIL_S`` at most: a GEN that stalls there would otherwise
+hold the client's connection (its next request waits behind this one) until the worker read timeout
+(``request_timeout_s``). Its connection is then closed, which is all a stalled worker is owed.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncGenerator, Callable
@@ -28,6 +34,7 @@ logger = logging.getLogger(__name__)
 
 _ERROR_EVENT = b"event: error"  # an end marker that another engine's Responses stream may follow with more events
 _STREAM_ENDS = (DONE_FRAME, b"event: response.completed", b"event: response.incomplete", _ERROR_EVENT)
+TAIL_S = 2.0  # how long GEN's stream is awaited past its final end marker (see above)
 
 
 class _Watch:
@@ -93,23 +100,39 @@ class RelayedStream:
     then hangs up before GEN's last bytes (the end of its chunked body) are read, as the openai SDK does right
     after ``[DONE]``."""
 
-    __slots__ = ("endpoint", "member", "metrics", "on_end", "prompt_tokens", "started", "stream")
+    __slots__ = ("endpoint", "member", "metrics", "on_end", "prompt_tokens", "started", "stream", "tail_s")
 
     def __init__(self, stream: OpenStream, member: PoolMember, prompt_tokens: int, endpoint: Endpoint,
-                 started: float, metrics: Metrics, on_end: Callable[[], None] | None = None) -> None:
+                 started: float, metrics: Metrics, on_end: Callable[[], None] | None = None,
+                 tail_s: float = TAIL_S) -> None:
         self.stream = stream
         self.on_end = on_end
+        self.tail_s = tail_s
         self.member = member
         self.prompt_tokens = prompt_tokens
         self.endpoint = endpoint
         self.started = started  # when the client's request arrived (for time to first token)
         self.metrics = metrics
 
+    def also_on_end(self, callback: Callable[[], None]) -> None:
+        """Tell ``callback`` too when GEN has sent the end marker (before the relay starts)."""
+        first = self.on_end
+        if first is None:
+            self.on_end = callback
+            return
+
+        def both() -> None:
+            first()
+            callback()
+        self.on_end = both
+
     async def push(self, write: ChunkWriter, drained: Drained, finish: LastChunkWriter) -> None:
         """Each piece to ``write`` as it is read, the one that holds a final end marker (``_Watch.final``) to
         ``finish`` (which ends the client's answer with it, in one send) and nothing after it; a stream that ends
-        without one ends with the error event, as ``frames``."""
+        without one ends with the error event, as ``frames``. Past the final marker GEN has ``tail_s`` to end."""
         watch = _Watch(self.started, self.metrics, self.on_end)
+        loop = asyncio.get_running_loop()
+        tail = asyncio.timeout(None)  # no deadline until the final marker has passed
 
         def take(chunk: bytes) -> bool:
             if watch.final:
@@ -117,15 +140,21 @@ class RelayedStream:
             watch.feed(chunk)
             if watch.final:
                 finish(chunk)  # the client's answer ends with this piece, in its send
+                tail.reschedule(loop.time() + self.tail_s)
                 return True
             return write(chunk)
 
         failure: UpstreamError | None = None
         with self.member.carrying(self.prompt_tokens, 0):  # its first byte came: the prompt is computed
             try:
-                await self.stream.pipe(take, drained)
+                async with tail:
+                    await self.stream.pipe(take, drained)
             except UpstreamError as exc:
                 failure = exc
+            except TimeoutError:
+                if not tail.expired():
+                    raise
+                self._stalled()
             finally:
                 await self.stream.aclose()
         ending = self._ending(watch, failure)  # (which logs a break, after the end marker too)
@@ -144,12 +173,30 @@ class RelayedStream:
                     async for chunk in chunks:
                         watch.feed(chunk)
                         yield chunk
+                        if watch.final:
+                            break
+                    if watch.final:  # what GEN still sends is passed on as before, for ``tail_s`` at most
+                        due = asyncio.get_running_loop().time() + self.tail_s
+                        while True:
+                            try:
+                                async with asyncio.timeout_at(due):  # (around the read only, never a yield)
+                                    chunk = await anext(chunks)
+                            except StopAsyncIteration:
+                                break
+                            except TimeoutError:
+                                self._stalled()
+                                break
+                            yield chunk
             except UpstreamError as exc:
                 failure = exc
             finally:
                 await self.stream.aclose()
         for frame in self._ending(watch, failure):
             yield frame
+
+    def _stalled(self) -> None:
+        logger.warning("GEN worker %s did not end its stream within %g s of its end marker: its connection is "
+                       "closed (the client's answer was whole)", self.member.url, self.tail_s)
 
     def _ending(self, watch: _Watch, broke: UpstreamError | None) -> list[bytes]:
         """Nothing for a stream that ended well; else the error event (logged) that tells the client why not."""

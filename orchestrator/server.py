@@ -47,6 +47,7 @@ from orchestrator.flow_request import PATHS, FlowRequest, StreamedAnswer, WholeA
 from orchestrator.membership import DnsDiscovery
 from orchestrator.metric_labels import CTX_POOL_NAME, GEN_POOL_NAME, MODELS_STEP, export_known_series
 from orchestrator.pool import BreakerSettings, HealthMonitor, WorkerPool
+from orchestrator.relay import RelayedStream
 from orchestrator.response_memory import ResponseMemory
 from orchestrator.response_store import MemoryResponseStore, ResponseStore
 from orchestrator.routers import RoutingKey, make_router
@@ -191,13 +192,10 @@ def create_orchestrator_app(
             check_bearer(authorization, api_key)
         return tenant
 
-    def release(endpoint: Endpoint, priority: int, tenant: Tenant | None, started: float, span: Any,
-                flow_request: FlowRequest | None, status: int) -> None:
+    def release(endpoint: Endpoint, started: float, span: Any, flow_request: FlowRequest | None,
+                status: int) -> None:
         """The request's end, counted: ``flow_request`` is None for a request that failed before its body was
-        parsed."""
-        admission_queue.release(priority)
-        if tenant is not None:
-            tenants.finished(tenant)
+        parsed. (Its slots are freed before: ``free_slots``.)"""
         inflight["count"] -= 1
         inflight_gauge.dec()
         elapsed = time.perf_counter() - started
@@ -256,6 +254,15 @@ def create_orchestrator_app(
             tracing.end(admission, error=exc)
             tracing.end(span, {"http.status_code": status})
             raise
+        held = [True]  # its running slot and its tenant's, until freed: at GEN's end marker, or at its end
+
+        def free_slots() -> None:
+            if held:
+                held.clear()
+                admission_queue.release(priority)
+                if tenant is not None:
+                    tenants.finished(tenant)
+
         request_id = exchange.request_id  # the client's, or a new one (frontend.http.request_id_of)
         inflight["count"] += 1
         inflight_gauge.inc()
@@ -290,6 +297,10 @@ def create_orchestrator_app(
                     counted = tenants.prompt_tokens_of(answer.content)
                 tenants.settle_prompt(tenant, charged, counted)
             if isinstance(answer, StreamedAnswer):
+                if isinstance(answer.pushed, RelayedStream):
+                    # GEN's end marker ends the client's answer: the slots go then, not once GEN's stream has
+                    # ended too (a GEN that stalls past its marker is awaited a little longer: orchestrator/relay.py).
+                    answer.pushed.also_on_end(free_slots)
                 try:
                     if tenant is not None and tenant.counts_completions:
                         await exchange.stream(tenants.spend_streamed(tenant, answer.frames), SSE_RAW_HEADERS)
@@ -309,7 +320,8 @@ def create_orchestrator_app(
                 tracing.end(admission, error=exc)
             raise
         finally:
-            release(endpoint, priority, tenant, started, span, flow_request, status)
+            free_slots()
+            release(endpoint, started, span, flow_request, status)
 
     for endpoint, path in PATHS.items():
         app.fast_post(path, partial(handle, endpoint=endpoint), name=path.removeprefix("/v1/").replace("/", "_"),

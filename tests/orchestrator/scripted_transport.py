@@ -7,6 +7,7 @@ content in one chunk), a ``ScriptedStream`` (a stream of given chunks, optionall
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass, field
 
@@ -21,12 +22,15 @@ class ScriptedStream:
     fails_with: UpstreamError | None = None  # raised after the parts, as a connection that broke
     closed: bool = False
     iterated: list[bytes] = field(default_factory=list)
+    stalls: bool = False  # after the parts, neither ends nor fails: waits until it is closed
 
     async def chunks(self) -> AsyncGenerator[bytes, None]:
         try:
             for part in self.parts:
                 self.iterated.append(part)
                 yield part
+            if self.stalls:
+                await asyncio.Event().wait()  # never set: only a cancellation ends it
             if self.fails_with is not None:
                 raise self.fails_with
         finally:

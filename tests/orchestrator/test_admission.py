@@ -12,13 +12,15 @@ from typing import Any
 
 import httpx
 import pytest
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from frontend.config import AdmissionConfig
 from frontend.errors import InvalidRequestError, OverloadedError, UpstreamUnavailableError
 from frontend.metrics import Metrics
 from orchestrator.admission import BATCH, DEFAULT, INTERACTIVE, Admission, priority_of
-from tests.cluster import MODEL, Cluster, Node, sample, start_orchestrator, start_worker
+from tests.cluster import MODEL, Cluster, Node, RecordingEngine, sample, start_orchestrator, start_worker
 from tests.orchestrator.test_response_store import FakeClock
+from tests.servers import running
 from tests.waiting import eventually, eventually_async
 
 MESSAGES = [{"role": "user", "content": "hi"}]
@@ -256,3 +258,61 @@ async def test_a_waiter_at_a_limit_that_grows_without_an_event_is_let_in() -> No
     room["slots"] = 1  # its cool-down is over
     assert await eventually_async(waiter.done)
     assert admission.running == [0, 1, 0]
+
+
+class StallsAfterDone:
+    """A GEN's ASGI app that sends its stream's end marker (``data: [DONE]``) and then not its body's end: it holds
+    the connection until its peer closes it (counted in ``released``)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+        self.released = 0
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        held = False
+
+        async def stalling_send(message: Message) -> None:
+            nonlocal held
+            if held:
+                return  # what comes after the marker never leaves
+            if message["type"] == "http.response.body" and b"data: [DONE]" in message.get("body", b""):
+                held = True
+                await send({**message, "more_body": True})
+                while (await receive())["type"] != "http.disconnect":
+                    pass
+                self.released += 1
+                return
+            await send(message)
+        await self.app(scope, receive, stalling_send)
+
+
+@pytest.fixture(scope="module")
+def stalling_gen(cluster: Cluster) -> Iterator[tuple[Node, StallsAfterDone]]:
+    """An orchestrator that runs one request at a time, in front of a GEN that stalls after its end marker."""
+    from workers.server import create_worker_app
+    from workers.serving import WorkerSettings
+
+    with contextlib.ExitStack() as stack:
+        stalling = StallsAfterDone(create_worker_app(RecordingEngine(), WorkerSettings(role="generation")))
+        gen_url = stack.enter_context(running(stalling))
+        yield start_orchestrator(stack, [cluster.ctx.url], [gen_url], max_concurrent_requests=1), stalling
+
+
+def test_a_gen_that_stalls_after_its_end_marker_holds_no_slot_and_no_connection(
+    stalling_gen: tuple[Node, StallsAfterDone]
+) -> None:
+    orchestrator, stalling = stalling_gen
+    url = orchestrator.url + "/v1/completions"
+    ask: dict[str, Any] = {"model": MODEL, "prompt": "hi", "max_tokens": 4}
+    # A hang guard only: a GEN read waits request_timeout_s (600 s) for the end that never comes.
+    with httpx.Client(timeout=60) as keep_alive:
+        streamed = keep_alive.post(url, json={**ask, "stream": True})
+        assert streamed.status_code == 200 and streamed.text.endswith("data: [DONE]\n\n")  # whole, at the marker
+        # The only running slot went with the end marker: another client's request runs at once, not queued.
+        other = httpx.post(url, json=ask, timeout=60)
+        assert other.status_code == 200, other.text
+        assert counted(orchestrator.metrics, "default", "queued") == 0
+        # The kept-alive connection's next request is served once the stalled tail was given up on.
+        assert keep_alive.post(url, json=ask).status_code == 200
+    assert eventually(lambda: stalling.released == 1)  # the orchestrator closed its connection to the stalled GEN
+    assert sample(orchestrator.metrics, "disagg_engine_inflight_requests", role="orchestrator") == 0

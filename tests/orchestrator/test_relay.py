@@ -18,7 +18,7 @@ from frontend.sse import DONE_FRAME
 from orchestrator.member import PoolMember
 from orchestrator.relay import RelayedStream, relay_stream
 from tests.orchestrator.scripted_transport import ScriptedStream, ScriptedTransport
-from tests.waiting import eventually_async
+from tests.waiting import DEFAULT_TIMEOUT_S, eventually_async
 
 CHAT = [b'data: {"choices": [{"delta": {"content": "Th"}}]}\n\n', b'data: {"choices": [{"delta": ', b'{}}]}\n\n',
         DONE_FRAME]
@@ -71,6 +71,26 @@ async def relayed(stream: ScriptedStream, member: PoolMember, mode: str, endpoin
     await RelayedStream(stream, member, 42, endpoint, time.perf_counter(), Metrics()).push(
         client.write, _never_behind, client.finish)
     return client.written
+
+
+@pytest.mark.parametrize("tail", [[], [b"0 trailing bytes"]], ids=["marker-last", "bytes-after-marker"])
+async def test_a_gen_that_stalls_after_its_end_marker_is_given_up_on_and_its_stream_closed(
+    member: PoolMember, mode: str, tail: list[bytes], caplog: pytest.LogCaptureFixture
+) -> None:
+    # The client's answer is whole at the marker: GEN's stalled tail must not keep the relay (and the client's
+    # connection, its request's slots) until the worker read timeout. A small tail here; 2 s by default.
+    stream = ScriptedStream(200, CHAT + tail, stalls=True)
+    relayed_stream = RelayedStream(stream, member, 42, "chat", time.perf_counter(), Metrics(), tail_s=0.01)
+    async with asyncio.timeout(DEFAULT_TIMEOUT_S):  # a hang guard only
+        if mode == "iterated":
+            frames = [chunk async for chunk in relayed_stream.frames()]
+            assert frames == CHAT + tail  # what came after the marker in time is passed on, as before
+        else:
+            client = Client()
+            await relayed_stream.push(client.write, _never_behind, client.finish)
+            assert client.written == CHAT and client.last == DONE_FRAME
+    assert stream.closed and member.inflight == 0
+    assert "did not end its stream within 0.01 s of its end marker" in caplog.text
 
 
 async def test_a_whole_stream_is_relayed_byte_for_byte_and_closed(member: PoolMember) -> None:
