@@ -156,3 +156,28 @@ def test_the_protocol_version_is_read_as_tensorrt_llm_reads_it(value: str | None
 def test_any_other_protocol_version_stops_start_up() -> None:
     with pytest.raises(ValueError, match="must be 0 or 1"):
         protocol_version_from_env({"TRTLLM_DISAGG_LIFECYCLE_PROTOCOL_VERSION": "latest"})
+
+
+# -- where a worker may send a control call (issue 44, item 2) ----------------------------------------------------
+@pytest.mark.parametrize(("endpoint", "url"), [
+    ("10.0.0.7:8001", "http://10.0.0.7:8001/_internal/x"),  # TensorRT-LLM's form: host:port
+    ("http://ctx.svc:8001/", "http://ctx.svc:8001/_internal/x"),
+    ("https://ctx.svc/base", "https://ctx.svc/base/_internal/x"),
+    ("[::1]:9", "http://[::1]:9/_internal/x"),
+])
+def test_a_control_endpoint_becomes_a_url_built_from_its_parts(endpoint: str, url: str) -> None:
+    from frontend.trtllm_lifecycle import control_url
+
+    assert control_url(endpoint, "/_internal/x") == url
+
+
+@pytest.mark.parametrize("endpoint", [
+    "evil.example/steal?x=",  # a '?' pushed the fixed path into the query on bb7e60b
+    "evil.example/steal#",
+    "user:pw@ctx:1", "file:///etc/passwd", "gopher://ctx:70", "ctx: 1", "ctx:1/\n", "ctx:99999", "http://",
+])
+def test_a_control_endpoint_that_could_aim_the_call_elsewhere_is_refused(endpoint: str) -> None:
+    from frontend.trtllm_lifecycle import control_url
+
+    with pytest.raises(ValueError):
+        control_url(endpoint, "/_internal/x")

@@ -188,3 +188,26 @@ async def test_a_body_of_chunks_arrives_as_their_concatenation(transport_class: 
             assert b"".join([chunk async for chunk in stream.chunks()]) == expected
         finally:
             await transport.aclose()
+
+
+async def test_the_transport_sends_its_fixed_headers_on_every_request(transport_class: TransportClass) -> None:
+    """The deployment secret's header goes with every call to a worker (POST, stream, GET), next to the caller's own
+    headers: what the workers' internal routes let the orchestrator in by (issue 44)."""
+    seen: list[tuple[str, str | None, str | None]] = []
+
+    async def record(request: Request) -> Response:
+        seen.append((request.method, request.headers.get("x-disagg-internal-token"),
+                     request.headers.get("x-request-id")))
+        return Response(b"{}", media_type="application/json")
+
+    app = Starlette(routes=[Route("/r", record, methods=["GET", "POST"])])
+    with running(app) as url:
+        transport = transport_class(url, WorkerTimeouts(), {"x-disagg-internal-token": "t" * 32})
+        try:
+            assert (await transport.post("/r", b"{}", {"x-request-id": "a"})).status_code == 200
+            stream = await transport.open_stream("/r", b"{}", {"x-request-id": "b"})
+            await stream.read()
+            assert (await transport.get("/r", 5)).status_code == 200
+        finally:
+            await transport.aclose()
+    assert seen == [("POST", "t" * 32, "a"), ("POST", "t" * 32, "b"), ("GET", "t" * 32, None)]
