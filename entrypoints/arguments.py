@@ -12,8 +12,10 @@ from typing import Any
 
 from entrypoints.bench.command import add_arguments as add_bench_arguments
 from frontend.client_timeouts import (
+    DEFAULT_BODY_MIN_RATE,
     DEFAULT_BODY_TIMEOUT_S,
     DEFAULT_HEADER_TIMEOUT_S,
+    DEFAULT_MAX_BODY_READS_PER_CLIENT,
     DEFAULT_MAX_HEAD_BYTES,
     DEFAULT_SEND_TIMEOUT_S,
 )
@@ -43,6 +45,13 @@ def _positive_int(text: str) -> int:
     value = int(text)
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
     return value
 
 
@@ -193,8 +202,17 @@ def _add_front_end_arguments(parser: argparse.ArgumentParser) -> None:
                         help="close a connection whose request headers are not complete after this long "
                              "(default 30)")
     parser.add_argument("--body-timeout-s", type=_seconds, default=DEFAULT_BODY_TIMEOUT_S,
-                        help="answer 408 and close a connection whose request body is not complete this long "
-                             "after its headers, and as long again per MiB it declares past the first (default 30)")
+                        help="answer 408 and close a connection whose request body goes this long without a byte "
+                             "(default 30)")
+    parser.add_argument("--body-min-rate", type=_non_negative_int, default=DEFAULT_BODY_MIN_RATE,
+                        metavar="BYTES_PER_S",
+                        help="answer 408 and close a connection whose request body, past its first --body-timeout-s, "
+                             "averages fewer bytes per second (default 32768; 0: no minimum)")
+    parser.add_argument("--max-body-reads-per-client", type=_non_negative_int,
+                        default=DEFAULT_MAX_BODY_READS_PER_CLIENT,
+                        help="answer 429 and close a request whose body would be the one too many being read at once "
+                             "from its client's address (default 64; 0: no cap; raise it behind a proxy that "
+                             "gives every client its address)")
     parser.add_argument("--max-head-bytes", type=_positive_int, default=DEFAULT_MAX_HEAD_BYTES,
                         help="answer 431 and close a connection whose request line and headers are longer "
                              "(default 65536)")

@@ -55,10 +55,12 @@ def _listener(args: argparse.Namespace, host: str, port: int) -> socket.socket |
 
 def _serve(app: Any, args: argparse.Namespace, listener: socket.socket) -> int:
     """Serve ``app`` on ``listener`` with the limits every front end gets against slow and hostile clients
-    (docs/reliability.md): a head of at most ``--max-head-bytes`` within ``--header-timeout-s``, a body within
-    ``--body-timeout-s``, each piece of an answer taken within ``--client-send-timeout-s`` (the protocol's flow control
-    already caps what a non-reading client makes us buffer), idle keep-alive 75 s."""
-    limits = ClientLimits(args.header_timeout_s, args.body_timeout_s, args.max_head_bytes)
+    (docs/reliability.md): a head of at most ``--max-head-bytes`` within ``--header-timeout-s``, a body with no
+    pause of ``--body-timeout-s`` and at least ``--body-min-rate`` past it, at most ``--max-body-reads-per-client``
+    bodies being read from one address, each piece of an answer taken within ``--client-send-timeout-s`` (the
+    protocol's flow control already caps what a non-reading client makes us buffer), idle keep-alive 75 s."""
+    limits = ClientLimits(args.header_timeout_s, args.body_timeout_s, args.max_head_bytes, args.body_min_rate,
+                          args.max_body_reads_per_client)
     cuts = app.state.metrics.connections_cut
     host, port = address(listener)
     config = uvicorn.Config(with_send_timeout(app, args.client_send_timeout_s), host=host, port=port,

@@ -1,8 +1,13 @@
 """What one client may make a front end wait for or hold (``ClientLimits``, docs/reliability.md), and the part of
 the guarded protocol (``entrypoints/http_protocol.py``) that holds it to them: the clocks of a request's head, of
-its body and of an idle kept connection, and the ways a connection is ended: a refusal answered in OpenAI's error
-shape, a reset, a close that first reads and drops what the client still sends. Each cut-off is logged and counted
-(``disagg_http_connections_cut{reason}``).
+its body and of an idle kept connection; what bodies being read may hold (bytes received, against the server's
+``BodyBudget``; bodies per client address); and the ways a connection is ended: a refusal answered in OpenAI's
+error shape, a reset, a close that first reads and drops what the client still sends. Each cut-off is logged (with
+the request's id where there is a request) and counted (``disagg_http_connections_cut{reason}``).
+
+A body's declared length costs nothing: no bytes are set aside for it and it earns no time. What a body holds is
+its bytes received, and what time it has is its clock's: no more than ``body_timeout_s`` without a byte, and no
+more in all than ``body_timeout_s`` plus its bytes received at ``body_min_rate`` bytes/s.
 """
 
 from __future__ import annotations
@@ -14,17 +19,19 @@ import socket
 import struct
 from collections import deque
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from entrypoints.request_cycle import STATUS_LINE, FlowControl, RequestCycle, default_header_lines
 from frontend.client_timeouts import (
+    DEFAULT_BODY_MIN_RATE,
     DEFAULT_BODY_TIMEOUT_S,
     DEFAULT_HEADER_TIMEOUT_S,
+    DEFAULT_MAX_BODY_READS_PER_CLIENT,
     DEFAULT_MAX_HEAD_BYTES,
     TIMER_SLACK_S,
 )
-from frontend.errors import RequestTimeoutError, ServingError, error_body
-from frontend.http import request_id_of
+from frontend.errors import OverloadedError, RequestTimeoutError, ServingError, error_body
+from frontend.http import DEFAULT_MAX_BODY_BYTES_READING, BodyBudget, request_id_of
 from frontend.read_buffers import DeclaredBody
 
 # The HTTP layer's logger, as it was before this module was split out of it: what an operator's filters name.
@@ -43,8 +50,10 @@ class ClientLimits:
     """What one client may make a front end wait for or hold (docs/reliability.md)."""
 
     header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S
-    body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
+    body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S  # the longest a body may go without a byte
     max_head_bytes: int = DEFAULT_MAX_HEAD_BYTES
+    body_min_rate: int = DEFAULT_BODY_MIN_RATE  # bytes/s a body must average past its first body_timeout_s (0: none)
+    max_body_reads_per_client: int = DEFAULT_MAX_BODY_READS_PER_CLIENT  # bodies being read per address (0: no cap)
 
 
 class ClientCutoffs:
@@ -52,6 +61,10 @@ class ClientCutoffs:
     the protocol the server runs, and its ``__init__`` sets the state below: one per connection)."""
 
     limits = ClientLimits()
+    # The server's, shared by its connections (``guarded_protocol`` gives each server its own): bytes of bodies
+    # received and not yet whole, and bodies being read per client address.
+    bodies = BodyBudget(DEFAULT_MAX_BODY_BYTES_READING)
+    readers: ClassVar[dict[str, int]] = {}
     loop: asyncio.AbstractEventLoop
     transport: asyncio.Transport
     flow: FlowControl
@@ -63,7 +76,11 @@ class ClientCutoffs:
     timeout_keep_alive_task: asyncio.TimerHandle | None
     _header_timer: asyncio.TimerHandle | None
     _body_timer: asyncio.TimerHandle | None
-    _body_due: float | None
+    _body_started: float | None  # loop time the body being read was first waited for; None: none is
+    _body_last: float  # loop time its last bytes came
+    _body_bytes: int  # its bytes received, charged to ``bodies``
+    _reader_of: str | None  # the address whose count of bodies being read it is in
+    _over_budget: bool  # a refusal for bytes over ``bodies`` is on its way
     _linger: asyncio.TimerHandle | None
     _linger_until: float
     _dropped_at: float
@@ -149,49 +166,125 @@ class ClientCutoffs:
         lines = [STATUS_LINE[error.status_code]]
         lines.append(default_header_lines(self.server_state.default_headers))
         lines.append(b"content-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n" % len(body))
+        for name, value in error.headers.items():  # (a 429's Retry-After)
+            lines.append(b"%b: %b\r\n" % (name.lower().encode("latin-1"), value.encode("latin-1")))
         if request_id is not None:
             lines.append(b"x-request-id: %b\r\n" % request_id.encode())
         lines += (b"\r\n", body)
         return b"".join(lines)
 
-    def _start_body_clock(self, cycle: RequestCycle) -> None:
-        """The body must be in within ``body_timeout_s`` of now, and as long again for each MiB it declares past
-        the first (at least 32 KiB/s, so that a long upload that keeps coming is not cut off)."""
-        declared = 0
-        for name, value in cycle.scope["headers"]:
-            if name == b"content-length":
-                declared = int(value) if value.isdigit() else 0
-                break
-        timeout_s = self.limits.body_timeout_s * max(1.0, declared / (1024 * 1024))
-        self._body_due = self.loop.time() + timeout_s
-        if self._body_timer is None:
-            self._body_timer = self.loop.call_at(self._body_due, self._body_timer_fired)
+    # -- a body being read: its clock, its bytes, its address's count -------------------------------------------
+    # One body timer per connection, moved on when it fires (as the keep-alive timer): a timer per read would be
+    # made and cancelled on every read of a long body. A new request's clock moves it earlier where it must, so no
+    # request inherits an earlier one's time.
+    def _start_body_clock(self, cycle: RequestCycle) -> bool:
+        """``cycle``'s body is waited for from now: counted against its address's cap (refused with 429 past it;
+        returns False), and timed."""
+        cap = self.limits.max_body_reads_per_client
+        if cap:
+            host = self.client[0] if self.client else ""
+            reading = self.readers.get(host, 0)
+            if reading >= cap:
+                self._refuse_body(cycle, OverloadedError(
+                    f"{reading} request bodies from {host} are being read already, at the limit of {cap}"),
+                    "body_overload", f"its address already has {reading} request bodies being read, the limit")
+                return False
+            self.readers[host] = reading + 1
+            self._reader_of = host
+        now = self.loop.time()
+        self._body_started = self._body_last = now
+        self._arm_body_timer(now + self.limits.body_timeout_s)
+        return True
+
+    def _body_due(self, started: float) -> float:
+        """When the body being read is too slow: ``body_timeout_s`` after its last bytes, or after its first
+        ``body_timeout_s`` and its bytes received at ``body_min_rate``, whichever comes first."""
+        idle_s = self.limits.body_timeout_s
+        due = self._body_last + idle_s
+        rate = self.limits.body_min_rate
+        return min(due, started + idle_s + self._body_bytes / rate) if rate else due
+
+    def _arm_body_timer(self, due: float) -> None:
+        timer = self._body_timer
+        if timer is not None:
+            if timer.when() <= due:
+                return  # it fires first, and moves on to ``due``
+            timer.cancel()
+        self._body_timer = self.loop.call_at(due, self._body_timer_fired)
 
     def _body_timer_fired(self) -> None:
         self._body_timer = None
-        due = self._body_due
-        if due is None:
+        started = self._body_started
+        if started is None:
             return  # the body came: armed again for the next one that does not come with its head
-        if self.loop.time() < due - TIMER_SLACK_S:
+        due = self._body_due(started)
+        now = self.loop.time()
+        if now < due - TIMER_SLACK_S:
             self._body_timer = self.loop.call_at(due, self._body_timer_fired)
             return
-        self._body_due = None
-        self._body_too_slow()
+        idle_s = self.limits.body_timeout_s
+        if now - self._body_last >= idle_s - TIMER_SLACK_S:
+            self._body_too_slow(f"no byte of it came for {idle_s:g} s")
+        else:
+            self._body_too_slow(f"{self._body_bytes} bytes in {now - started:.1f} s, under the minimum of "
+                                f"{self.limits.body_min_rate} bytes/s after the first {idle_s:g} s")
 
-    def _body_too_slow(self) -> None:
-        """The request's body is not in by its clock's due time. The client gets a 408 (if nothing was answered
+    def _body_too_slow(self, cause: str) -> None:
+        """The request's body is not coming fast enough (``cause``). The client gets a 408 (if nothing was answered
         yet), the handler is told as of a client that left, and the connection closes."""
         cycle = self.cycle
         if cycle is None or not cycle.more_body or self.transport.is_closing():
             return
+        self._refuse_body(cycle, RequestTimeoutError("the request's body did not arrive in time"), "body_timeout",
+                          f"its body did not arrive in time ({cause})")
+
+    def body_received(self, size: int) -> None:
+        """``size`` more bytes of the body being parsed came: charged to the server's budget (past it, the request
+        is refused with 429), and its clock told."""
+        own = self._body_bytes
+        if not self.bodies.take(size, own):
+            if not self._over_budget:  # refused once the read in progress is done with, not inside the parser
+                self._over_budget = True
+                self.loop.call_soon(self._refuse_over_budget)
+            return
+        self._body_bytes = own + size
+        if self._body_started is not None:
+            self._body_last = self.loop.time()
+
+    def _refuse_over_budget(self) -> None:
+        self._over_budget = False
+        cycle = self.cycle
+        if cycle is None or not cycle.more_body or self.transport.is_closing() or self._dropping:
+            return
+        self._refuse_body(cycle, self.bodies.refusal(), "body_overload",
+                          f"the server holds {self.bodies.reading} bytes of bodies being read, its limit")
+
+    def _refuse_body(self, cycle: RequestCycle, error: ServingError, reason: str, cause: str) -> None:
+        """Answer ``error`` to ``cycle``, whose body is being read, and close; logged with its request id."""
         request_id = request_id_of(list(cycle.scope["headers"]))
-        logger.warning("request %s on %s %s from %s: its body did not arrive in time; connection closed",
-                       request_id, cycle.scope["method"], cycle.scope["path"], _peer(self.client))
-        self.count_cut("body_timeout")
-        self._end_with(RequestTimeoutError("the request's body did not arrive in time"), request_id)
+        logger.warning("request %s on %s %s from %s: %s; answered %d and closed", request_id,
+                       cycle.scope["method"], cycle.scope["path"], _peer(self.client), cause, error.status_code)
+        self.count_cut(reason)
+        self._end_with(error, request_id)
+
+    def _body_done(self) -> None:
+        """The body being read is whole, or no one's: its bytes and its address's count are given back (its timer,
+        if armed, finds no body when it fires, and stops)."""
+        self._body_started = None
+        if self._body_bytes:
+            self.bodies.release(self._body_bytes)
+            self._body_bytes = 0
+        host = self._reader_of
+        if host is not None:
+            self._reader_of = None
+            left = self.readers[host] - 1
+            if left:
+                self.readers[host] = left
+            else:
+                del self.readers[host]
 
     def _stop_body_timer(self) -> None:
-        self._body_due = None
+        self._body_done()
         if self._body_timer is not None:
             self._body_timer.cancel()
             self._body_timer = None
@@ -225,8 +318,8 @@ class ClientCutoffs:
         self.flow.resume_reading()
         if self.pipeline:
             cycle, app = self.pipeline.pop()
-            if cycle.more_body and self._body_due is None:
-                self._start_body_clock(cycle)  # its body is read from now on
+            if cycle.more_body and self._body_started is None and not self._start_body_clock(cycle):
+                return  # its body is read from now on, unless refused
             self._start_asgi_task(cycle, app)
             return
         self._idle_since = self.loop.time()

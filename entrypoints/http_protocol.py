@@ -64,6 +64,7 @@ from entrypoints.request_cycle import HIGH_WATER_LIMIT, FlowControl, RequestCycl
 from frontend.asgi_fast_path import CLIENT_GONE, FastPathApp
 from frontend.client_timeouts import ABORT_CONNECTION
 from frontend.errors import HeadTooLargeError, InvalidRequestError, ServingError
+from frontend.http import DEFAULT_MAX_BODY_BYTES_READING, BodyBudget
 from frontend.read_buffers import DeclaredBody, DeclaredBodyReads
 
 # A request body of a declared length up to this is read whole before the app is woken (below).
@@ -75,14 +76,18 @@ _ASGI = {"version": "3.0", "spec_version": "2.3"}
 def guarded_protocol(limits: ClientLimits = ClientLimits(), app: Any = None,  # noqa: B008 (frozen: shared safely)
                      count_cut: Callable[[str], None] | None = None) -> type[GuardedProtocol]:
     """A protocol class for uvicorn's ``http=`` (a factory called with the server's ``config``, ``server_state``
-    and ``app_state``), holding clients to ``limits``. ``app``: the ``FastPathApp`` served, whose fast routes the
-    protocol then serves itself (``entrypoints/direct_exchange.py``); ``count_cut``: called with the reason
-    (``frontend.metrics.CONNECTION_CUT_REASONS``) of each connection cut on a limit."""
+    and ``app_state``), holding clients to ``limits``. ``app``: the app served: a ``FastPathApp``'s fast routes the
+    protocol then serves itself (``entrypoints/direct_exchange.py``), and an app's ``state.body_budget`` (a
+    ``BodyBudget``, from its configuration) is what its bodies being read may hold; ``count_cut``: called with the
+    reason (``frontend.metrics.CONNECTION_CUT_REASONS``) of each connection cut on a limit."""
 
     class Protocol(GuardedProtocol):
         pass
 
     Protocol.limits = limits
+    budget = getattr(getattr(app, "state", None), "body_budget", None)
+    Protocol.bodies = budget if isinstance(budget, BodyBudget) else BodyBudget(DEFAULT_MAX_BODY_BYTES_READING)
+    Protocol.readers = {}  # this server's own
     Protocol.direct_app = app if isinstance(app, FastPathApp) else None
     if count_cut is not None:
         Protocol.count_cut = staticmethod(count_cut)  # type: ignore[method-assign, assignment]
@@ -91,6 +96,20 @@ def guarded_protocol(limits: ClientLimits = ClientLimits(), app: Any = None,  # 
 
 class _Refused(Exception):
     """Raised from a parser callback to stop parsing a request the protocol refuses (``_refusal`` says why)."""
+
+
+class _BodyOnly:
+    """The parser callbacks for the body of a request that offered an upgrade (``GuardedProtocol._ignore_upgrade``):
+    its body is the protocol's; at its end, nothing after it is parsed."""
+
+    def __init__(self, protocol: GuardedProtocol) -> None:
+        self._protocol = protocol
+        self.on_body = protocol.on_body
+
+    def on_message_complete(self) -> None:
+        self._protocol.on_message_complete()
+        self._protocol._upgrade_ignored = True
+        raise _Refused()  # stops the parse here (``data_received`` drops the rest)
 
 
 class GuardedProtocol(ClientCutoffs, DeclaredBodyReads, asyncio.BufferedProtocol):
@@ -128,7 +147,11 @@ class GuardedProtocol(ClientCutoffs, DeclaredBodyReads, asyncio.BufferedProtocol
         # One body timer per connection, moved on when it fires (as the keep-alive timer): a client that sends a
         # head and its body in two writes (httpx, the openai SDK) would otherwise make and cancel one per request.
         self._body_timer: asyncio.TimerHandle | None = None
-        self._body_due: float | None = None  # loop time the body being read must be in by
+        self._body_started: float | None = None  # loop time the body being read was first waited for
+        self._body_last = 0.0  # loop time its last bytes came
+        self._body_bytes = 0  # its bytes received: charged to the server's ``bodies`` until it is whole
+        self._reader_of: str | None = None  # the client address it counts against
+        self._over_budget = False
         self._stalled_bytes = 0  # bytes read since the body last moved (chunk framing, trailers)
         self._body_moved = False  # a read gave the body bytes
         self._linger: asyncio.TimerHandle | None = None
@@ -143,6 +166,7 @@ class GuardedProtocol(ClientCutoffs, DeclaredBodyReads, asyncio.BufferedProtocol
         self._refusal: tuple[ServingError, str] | None = None  # why a parser callback stopped the parse
         self._dropping = False  # closing: what the client still sends is read and dropped, never parsed
         self._upgrade_ignored = False  # the parser stopped at an upgrade: nothing after it is parsed
+        self._upgrade_body: bytes | None = None  # the framing of the body of a request that offers an upgrade
         self._idle_since: float | None = None  # loop time of the last answer, while no bytes came after it
         self.start_reads()  # a body read whole is ``declared_body`` (else read piece by piece)
 
@@ -233,10 +257,12 @@ class GuardedProtocol(ClientCutoffs, DeclaredBodyReads, asyncio.BufferedProtocol
         self._body_moved = False
         try:
             self.parser.feed_data(data)
-        except httptools.HttpParserUpgrade:
-            self._ignore_upgrade()
+        except httptools.HttpParserUpgrade as upgrade:
+            self._ignore_upgrade(data, upgrade.args[0])
             return
         except httptools.HttpParserError as exc:
+            if self._upgrade_ignored:
+                return  # the body of a request that offered an upgrade is in: nothing after it is parsed
             refusal, self._refusal = self._refusal, None
             self._refuse(*(refusal or (InvalidRequestError(f"invalid HTTP request: {exc}"), "bad_request")))
             return
@@ -258,8 +284,8 @@ class GuardedProtocol(ClientCutoffs, DeclaredBodyReads, asyncio.BufferedProtocol
             return
         # A body still to come after this read (a short one came with its head: no clock started). Only for the
         # request being served: a pipelined one's body is not read (reading is paused) until its turn.
-        if self._body_due is None and not self.pipeline:
-            self._start_body_clock(cycle)
+        if self._body_started is None and not self.pipeline and not self._start_body_clock(cycle):
+            return  # refused: the address has as many bodies being read as it may
         # Bytes that moved no body (chunk framing, a trailer: httptools grows a trailer as it grows a header)
         # count against the head limit, so that a chunked body cannot carry what a head may not.
         self._stalled_bytes = 0 if self._body_moved else self._stalled_bytes + len(data)
@@ -267,14 +293,25 @@ class GuardedProtocol(ClientCutoffs, DeclaredBodyReads, asyncio.BufferedProtocol
             self._refuse(HeadTooLargeError(f"the request's chunk framing or trailers are over "
                                            f"{self.limits.max_head_bytes} bytes"), "head_too_large")
 
-    def _ignore_upgrade(self) -> None:
-        """The parser stopped at a request asking for another protocol (its message complete: llhttp stops after
-        it). No upgrade is offered: the request is answered over HTTP/1.1, and the connection closes after it."""
-        self._upgrade_ignored = True
+    def _ignore_upgrade(self, data: bytes, offset: int) -> None:
+        """The parser stopped at a request asking for another protocol (at ``offset`` in ``data``): llhttp takes
+        what follows its head for the new protocol's. No upgrade is offered: the request is answered over HTTP/1.1,
+        its body read as HTTP/1.1 frames it (RFC 9110 7.8: the offer is ignored; ``curl --http2`` sends one with
+        every POST on http://), and the connection closes after it."""
         self._stop_header_timer()
-        self._stop_body_timer()
-        if self.cycle is not None:
-            self.cycle.keep_alive = False
+        cycle = self.cycle
+        if cycle is not None:
+            cycle.keep_alive = False
+        framing, self._upgrade_body = self._upgrade_body, None
+        if framing is None or cycle is None or cycle.response_complete:
+            self._upgrade_ignored = True  # nothing after it is parsed
+            self._stop_body_timer()
+            return
+        # The body goes through a parser of its own, told the framing by a head of its own (its callbacks take the
+        # body only), and every check of a body read piece by piece applies.
+        self.parser = httptools.HttpRequestParser(_BodyOnly(self))
+        self.parser.feed_data(b"POST / HTTP/1.1\r\n%b\r\n\r\n" % framing)
+        self.data_received(data[offset:])
 
     def on_message_begin(self) -> None:
         self._in_head = True
@@ -332,8 +369,13 @@ class GuardedProtocol(ClientCutoffs, DeclaredBodyReads, asyncio.BufferedProtocol
         else:  # answered in order: this one waits for the answer in progress, and reading pauses meanwhile
             self.flow.pause_reading()
             self.pipeline.appendleft((cycle, self.app))
-        if not chunked and declared.isdigit() and HIGH_WATER_LIMIT < int(declared) <= WHOLE_BODY_UP_TO \
-                and not parser.should_upgrade():
+        if parser.should_upgrade():
+            # (Its body, if any, is read once llhttp stops at the upgrade: ``_ignore_upgrade``.)
+            if chunked:
+                self._upgrade_body = b"transfer-encoding: chunked"
+            elif declared.isdigit() and int(declared):
+                self._upgrade_body = b"content-length: %d" % int(declared)
+        elif not chunked and declared.isdigit() and HIGH_WATER_LIMIT < int(declared) <= WHOLE_BODY_UP_TO:
             self.declared_body = DeclaredBody(int(declared))
 
     def _scope(self, method: bytes, version: str) -> dict[str, Any]:
@@ -389,6 +431,7 @@ class GuardedProtocol(ClientCutoffs, DeclaredBodyReads, asyncio.BufferedProtocol
         hold is capped twice: a declared length above ``max_body_bytes`` is refused before a byte is read, and
         this applies only up to ``WHOLE_BODY_UP_TO``."""
         self._body_moved = True
+        self.body_received(len(body))
         whole = self.declared_body
         if whole is not None:
             whole.take(body)
@@ -402,7 +445,9 @@ class GuardedProtocol(ClientCutoffs, DeclaredBodyReads, asyncio.BufferedProtocol
         cycle.message_event.set()
 
     def on_message_complete(self) -> None:
-        self._body_due = None  # (an armed body timer finds it so, and stops)
+        if self._upgrade_body is not None:
+            return  # llhttp's end of a request that offers an upgrade, before its body: not the end
+        self._body_done()  # (an armed body timer finds it so, and stops)
         whole, self.declared_body = self.declared_body, None
         cycle = self.cycle
         if cycle is None or cycle.response_complete:

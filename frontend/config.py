@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from frontend.http import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_BODY_BYTES_READING
+from frontend.http import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_BODY_BYTES_READING, DEFAULT_MAX_BODY_READS_PER_TENANT
 from frontend.trtllm_config import from_trtllm
 
 
@@ -202,8 +202,11 @@ class OrchestratorConfig(_Frozen):
     admission: AdmissionConfig = AdmissionConfig()
     tenants: list[TenantConfig] = []
     circuit_breaker: CircuitBreakerConfig = CircuitBreakerConfig()
-    # Bytes of request bodies read at once (frontend/http.py: BodyBudget); past it, a 429 before a body is read.
+    # Bytes received of request bodies not yet whole (frontend/http.py: BodyBudget); past it, a 429 for the body
+    # whose bytes do not fit. A declared length counts for nothing.
     max_body_bytes_reading: Annotated[int, Field(ge=1024)] = DEFAULT_MAX_BODY_BYTES_READING
+    # Request bodies one tenant may have being read at once (frontend/http.py: BodyReads; 0: no cap).
+    max_body_reads_per_tenant: Annotated[int, Field(ge=0)] = DEFAULT_MAX_BODY_READS_PER_TENANT
     # Health: a worker leaves its pool after this many failed checks in a row, and returns after this many good.
     health_failure_threshold: Annotated[int, Field(ge=1)] = 2
     health_recovery_threshold: Annotated[int, Field(ge=1)] = 1

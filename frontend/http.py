@@ -65,15 +65,22 @@ async def read_body(request: Request, max_bytes: int) -> bytes:
     return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
-# The most bytes of request bodies a front end holds while they are read (each counted at its declared length, or
-# at the body limit if it declares none): requests are admitted only once their body is in, so without this any
-# number of slow clients could each make it hold a body of up to the body limit.
+# The most bytes of request bodies a front end holds while they are read. Only bytes received count: a declared
+# length costs nothing until its bytes come (16 heads declaring 64 MiB each once shut the OpenAI routes for half an
+# hour). Requests are admitted only once their body is in, so without this any number of clients could each make it
+# hold up to the body limit; the guarded protocol (entrypoints/http_protocol.py) charges each body's bytes as they
+# arrive and gives them back once the body is whole (or abandoned).
 DEFAULT_MAX_BODY_BYTES_READING = 1024 * 1024 * 1024
+# The most request bodies one tenant may have being read at once (orchestrator/server.py; 0: no cap): past it, a
+# 429 before its body is waited for, so that one tenant's slow uploads never hold what another's need.
+DEFAULT_MAX_BODY_READS_PER_TENANT = 64
 
 
 class BodyBudget:
-    """Bytes of request bodies being read at once, at most ``limit_bytes``: past it, a 429 before the body is read
-    (one body is always let in, however large, so that a limit below the body limit does not refuse everything)."""
+    """Bytes of request bodies received and not yet whole, at most ``limit_bytes``: the body whose bytes would take
+    it past the limit is refused with 429 (a body that is the only one holding bytes is always let in, so that a
+    limit below the body limit does not refuse everything). A server keeps one, as ``app.state.body_budget``, for
+    the protocol that reads its bodies."""
 
     __slots__ = ("limit_bytes", "reading")
 
@@ -81,17 +88,49 @@ class BodyBudget:
         self.limit_bytes = limit_bytes
         self.reading = 0
 
-    def reserve(self, declared: str | None, max_bytes: int) -> int:
-        """Counts a body about to be read; returns what to ``release`` once it is in (or failed)."""
-        size = min(int(declared), max_bytes) if declared is not None and declared.isdigit() else max_bytes
-        if self.reading and self.reading + size > self.limit_bytes:
-            raise OverloadedError(f"this server is reading {self.reading} bytes of request bodies, at its limit of "
-                                  f"{self.limit_bytes}")
-        self.reading += size
-        return size
+    def take(self, size: int, own: int) -> bool:
+        """Counts ``size`` more bytes received of a body that holds ``own`` already; False (nothing counted) if
+        they do not fit."""
+        reading = self.reading + size
+        if reading > self.limit_bytes and self.reading > own:
+            return False
+        self.reading = reading
+        return True
 
     def release(self, size: int) -> None:
         self.reading -= size
+
+    def refusal(self) -> OverloadedError:
+        return OverloadedError(f"this server holds {self.reading} bytes of request bodies being read, at its limit "
+                               f"of {self.limit_bytes}")
+
+
+class BodyReads:
+    """Request bodies being read per tenant, at most ``limit`` each (0: no cap): the tenant is known from the
+    request's head, so a tenant over it gets a 429 before its body is waited for, logged with the request id."""
+
+    __slots__ = ("limit", "reading")
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.reading: dict[str, int] = {}
+
+    def begin(self, tenant: str, request_id: str) -> None:
+        """Count a body of ``tenant``'s about to be read (``end`` once it is in or failed), or raise its 429."""
+        count = self.reading.get(tenant, 0)
+        if self.limit and count >= self.limit:
+            logger.warning("request %s refused (429): tenant '%s' already has %d request bodies being read, its "
+                           "limit", request_id, tenant, count)
+            raise OverloadedError(f"tenant '{tenant}' already has {count} request bodies being read, at the limit "
+                                  f"of {self.limit}")
+        self.reading[tenant] = count + 1
+
+    def end(self, tenant: str) -> None:
+        count = self.reading[tenant] - 1
+        if count:
+            self.reading[tenant] = count
+        else:
+            del self.reading[tenant]
 
 
 def too_large(max_bytes: int, declared: str | None = None) -> PayloadTooLargeError:

@@ -14,9 +14,11 @@ METRICS_CONTENT_TYPE = CONTENT_TYPE_LATEST
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 # Why a front end cut a client's connection: its head took longer than the header timeout, or was longer than the
-# head limit (431); its body took longer than the body timeout (408); its head was malformed (400); or it stopped
-# reading an answer for the send timeout.
-CONNECTION_CUT_REASONS = ("head_timeout", "head_too_large", "body_timeout", "bad_request", "send_stalled")
+# head limit (431); its body went without a byte for the body timeout, or came slower than the body's minimum rate
+# (408); its head was malformed (400); it stopped reading an answer for the send timeout; or its body was refused
+# (429) because the bytes of bodies being read, or its address's bodies being read, were at their limit.
+CONNECTION_CUT_REASONS = ("head_timeout", "head_too_large", "body_timeout", "bad_request", "send_stalled",
+                          "body_overload")
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 

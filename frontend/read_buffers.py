@@ -151,10 +151,13 @@ class DeclaredBodyReads:
         if self._into_body:
             assert body is not None  # nothing between a read's get_buffer and its buffer_updated changes it
             body.filled(nbytes)
+            self.body_received(nbytes)
             return
         data = self._shared[:nbytes]
         if body is not None:  # the end of a declared body, and what follows it
+            left = body.left
             data = body.take_from(data)
+            self.body_received(left - body.left)
             if body.left:
                 return
             self.declared_body_read()
@@ -164,6 +167,9 @@ class DeclaredBodyReads:
 
     def awaiting_head(self) -> bool:
         raise NotImplementedError
+
+    def body_received(self, size: int) -> None:
+        """``size`` bytes of ``declared_body`` were read past the parser (a server counts and times them)."""
 
     def declared_body_read(self) -> None:
         """``declared_body`` is whole (``left`` is 0), past the parser, which still waits for its bytes."""

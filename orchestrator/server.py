@@ -22,6 +22,7 @@ from frontend.errors import AuthenticationError, InvalidRequestError, ModelNotFo
 from frontend.http import (
     REQUEST_ID_HEADER,
     BodyBudget,
+    BodyReads,
     JSONBytesResponse,
     install_error_handlers,
     install_request_ids,
@@ -175,7 +176,10 @@ def create_orchestrator_app(
 
     # Label lookups made once, not per request (frontend.metrics.LabelledChildren says what they cost).
     inflight_gauge = metrics.engine_inflight.labels(role=ROLE)
-    bodies = BodyBudget(config.max_body_bytes_reading)
+    # What bodies being read may hold, in bytes received: the front end's protocol charges them as they come
+    # (entrypoints/http_protocol.py); and how many one tenant may have being read.
+    app.state.body_budget = BodyBudget(config.max_body_bytes_reading)
+    tenant_reads = BodyReads(config.max_body_reads_per_tenant)
     # The headers that name a conversation: the configured one, then TensorRT-LLM's (orchestrator/conversation.py).
     conversation_headers = header_order(config.context_servers.router.session_header.lower().encode("latin-1"))
     priority_header = config.admission.priority_header.lower().encode("latin-1")
@@ -223,13 +227,17 @@ def create_orchestrator_app(
             raise
         started = time.perf_counter()
         try:
-            # The body before the limit: a client that sends it slowly holds its connection (for at most the front
-            # end's body timeout, entrypoints/http_protocol.py), never one of the limit's slots.
-            reserved = bodies.reserve(exchange.header(b"content-length"), config.max_body_bytes)
-            try:
+            # The body before the limit: a client that sends it slowly holds its connection (for as long as the
+            # front end's body clock allows, entrypoints/client_limits.py), never one of the limit's slots; and one
+            # tenant's bodies being read are capped (known from the head: they cost nothing before that).
+            if tenant is None:
                 raw = await exchange.read_body(config.max_body_bytes)
-            finally:
-                bodies.release(reserved)
+            else:
+                tenant_reads.begin(tenant.name, exchange.request_id)
+                try:
+                    raw = await exchange.read_body(config.max_body_bytes)
+                finally:
+                    tenant_reads.end(tenant.name)
             # Its tenant's limits first (orchestrator/tenants.py); then, over the running limit, it waits by its
             # class (orchestrator/admission.py), its body read.
             # A class above its own is no client's to take: a tenant's is the highest it may ask for, and a

@@ -73,7 +73,6 @@ def create_worker_app(
     counted = LedgerCounts(metrics)
     export_known_series(metrics, engine, settings.role)
     span_names = {e: f"{settings.role} {e}" for e in ("chat", "completions", "responses")}  # not per request
-    bodies = BodyBudget(settings.max_body_bytes_reading)
     kv_events = KvEventPublishing(engine, settings, service)
 
     @asynccontextmanager
@@ -106,6 +105,9 @@ def create_worker_app(
     app.state.service = service
     app.state.metrics = metrics
     app.state.kv_events = kv_events
+    # What bodies being read may hold, in bytes received: the front end's protocol charges them as they come
+    # (entrypoints/http_protocol.py).
+    app.state.body_budget = BodyBudget(settings.max_body_bytes_reading)
     install_error_handlers(app)
     install_request_ids(app)
     install_body_schemas(app, [ChatCompletionRequest, CompletionRequest, ResponsesRequest])
@@ -115,13 +117,9 @@ def create_worker_app(
         # A child of the orchestrator's call when it sent a traceparent (None when tracing is off).
         span = tracing.start(span_names[endpoint], request.headers, server=True)
         try:
-            # The body before the limit: a client that sends it slowly holds its connection (for at most the front
-            # end's body timeout, entrypoints/http_protocol.py), never one of the limit's slots.
-            reserved = bodies.reserve(request.headers.get("content-length"), settings.max_body_bytes)
-            try:
-                raw = await read_body(request, settings.max_body_bytes)
-            finally:
-                bodies.release(reserved)
+            # The body before the limit: a client that sends it slowly holds its connection (for as long as the
+            # front end's body clock allows, entrypoints/client_limits.py), never one of the limit's slots.
+            raw = await read_body(request, settings.max_body_bytes)
             service.admit()
         except BaseException as exc:
             status = answered_status(exc)

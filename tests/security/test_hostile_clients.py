@@ -2,14 +2,18 @@
 ``disagg-serve`` serves it (the project's protocol, uvloop, the direct exchange for its fast routes, FastAPI for the
 rest), in front of synthetic workers. Each case failed on the protocol before heads were capped, bodies timed,
 ``Host`` checked, early answers closed, HTTP/1.0 answered unchunked and trailers kept out of the headers; the
-smuggling vectors were already refused, and stay so."""
+smuggling vectors were already refused, and stay so. The cases of declared bodies (heads that declare what never
+comes, per-address caps, a body trickled under its minimum rate, an upgrade offer with a body, a kept connection's
+next body clock) failed on bb7e60b, where a declaration was budgeted and timed before a byte of it arrived."""
 
 from __future__ import annotations
 
 import contextlib
 import json
 import logging
+import select
 import socket
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -40,9 +44,9 @@ class Front:
 
 
 @contextlib.contextmanager
-def front_running(body_timeout_s: float, **settings: Any) -> Iterator[Front]:
-    """An orchestrator admitting one request at a time, in front of synthetic workers (``settings``: more of its
-    configuration)."""
+def front_running(body_timeout_s: float, limits: dict[str, Any] | None = None, **settings: Any) -> Iterator[Front]:
+    """An orchestrator admitting one request at a time, in front of synthetic workers (``limits``: more of the
+    front end's ``ClientLimits``; ``settings``: more of its configuration)."""
     with contextlib.ExitStack() as stack:
         ctx = start_worker(stack, "context")
         gen = start_worker(stack, "generation")
@@ -50,9 +54,10 @@ def front_running(body_timeout_s: float, **settings: Any) -> Iterator[Front]:
                                "max_concurrent_requests": 1, "max_body_bytes": 64 * 1024, **settings})
         app = create_orchestrator_app(config)
         metrics: Metrics = app.state.metrics
-        limits = ClientLimits(header_timeout_s=30.0, body_timeout_s=body_timeout_s)
+        client_limits = ClientLimits(header_timeout_s=30.0, body_timeout_s=body_timeout_s, **(limits or {}))
         server = ServerThread(app, event_loop=uvloop.new_event_loop,
-                              http=guarded_protocol(limits, app, lambda r: metrics.connections_cut.labels(r).inc()))
+                              http=guarded_protocol(client_limits, app,
+                                                    lambda r: metrics.connections_cut.labels(r).inc()))
         url = server.start()
         stack.callback(server.stop)
         yield Front(int(url.rsplit(":", 1)[1]), metrics)
@@ -66,8 +71,11 @@ def front() -> Iterator[Front]:
 
 
 @contextlib.contextmanager
-def connected(port: int) -> Iterator[socket.socket]:
-    with socket.create_connection(("127.0.0.1", port), timeout=60) as sock:
+def connected(port: int, source: str | None = None) -> Iterator[socket.socket]:
+    """A connection from loopback address ``source`` (any of 127.0.0.0/8: a client address of its own), or from
+    127.0.0.1."""
+    with socket.create_connection(("127.0.0.1", port), timeout=60,
+                                  source_address=(source, 0) if source else None) as sock:
         yield sock
 
 
@@ -203,17 +211,120 @@ def test_a_slow_body_holds_no_admission_slot() -> None:
             slow.recv(1)  # the slow client is still waited for, not answered or cut off
 
 
-def test_bodies_being_read_are_capped_in_bytes() -> None:
-    """Admission comes after the body, so what slow bodies make the server hold is capped on its own: past
-    ``max_body_bytes_reading`` a request is refused with 429 before its body is read; one that fits is served."""
-    with front_running(600.0, max_body_bytes_reading=2048) as capped, connected(capped.port) as slow:
-        slow.sendall(request(body=b"{" + b" " * 1499)[:-1499])  # 1,500 bytes declared, one sent
-        still_serving(capped)  # (its few dozen bytes fit beside them)
-        with connected(capped.port) as second:
-            second.sendall(request(body=b" " * 1000)[:-1000])
-            head, body = read_one(second)
+def head_only(framing: bytes, extra: bytes = b"") -> bytes:
+    """A chat request's head whose body is framed by ``framing`` (a Content-Length or a Transfer-Encoding line),
+    asking for ``100 Continue``: that answer says the handler is waiting for the body, past every check before it."""
+    return (b"POST /v1/chat/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n%b\r\n"
+            b"Expect: 100-continue\r\n%b\r\n" % (framing, extra))
+
+
+def continued(sock: socket.socket) -> None:
+    """Wait for the ``100 Continue`` of a request sent with ``head_only``."""
+    received = b""
+    while b"\r\n\r\n" not in received:
+        chunk = sock.recv(1)  # one byte at a time: nothing of a later answer is taken with it
+        assert chunk, "closed before 100 Continue"
+        received += chunk
+    assert received == b"HTTP/1.1 100 Continue\r\n\r\n", received
+
+
+def waiting(sock: socket.socket) -> bool:
+    """Whether the server has answered nothing on ``sock`` and not closed it."""
+    sock.setblocking(False)
+    try:
+        sock.recv(1, socket.MSG_PEEK)
+    except BlockingIOError:
+        return True
+    finally:
+        sock.setblocking(True)
+    return False
+
+
+HOLDERS = {"Content-Length: 64 MiB": b"Content-Length: 67108864", "chunked, no chunk": b"Transfer-Encoding: chunked"}
+
+
+@pytest.mark.parametrize("framing", HOLDERS.values(), ids=HOLDERS.keys())
+def test_heads_that_declare_bodies_never_sent_cost_the_server_nothing(framing: bytes) -> None:
+    """Issue 44's outage: 16 connections, from 16 addresses, each send a head declaring a 64 MiB body (or a chunked
+    one) and not a byte of it. On bb7e60b each declaration was budgeted at its size (a chunked one at the body
+    limit) before a byte came, the 1 GiB of bodies being read was full, and every other client got 429 for as long
+    as the holders held: up to 32 minutes. Now a declaration costs nothing: a fast client is served while they hold,
+    and the holders are still waited for."""
+    with front_running(600.0, max_body_bytes=64 * 1024 * 1024) as patient, contextlib.ExitStack() as holders:
+        held = [holders.enter_context(connected(patient.port, f"127.0.0.{2 + i}")) for i in range(16)]
+        for sock in held:
+            sock.sendall(head_only(framing))
+            continued(sock)  # its handler waits for its body
+        still_serving(patient)
+        assert all(waiting(sock) for sock in held)
+
+
+def test_body_reads_are_capped_per_client_address(caplog: pytest.LogCaptureFixture) -> None:
+    """Past ``max_body_reads_per_client`` bodies being read from one address, the next is refused with a 429 and a
+    close, logged with its request id and cause; another address is served meanwhile."""
+    with front_running(600.0, limits={"max_body_reads_per_client": 2}) as capped, contextlib.ExitStack() as stack:
+        before = capped.cuts("body_overload")
+        for _ in range(2):
+            sock = stack.enter_context(connected(capped.port, "127.0.0.7"))
+            sock.sendall(head_only(b"Content-Length: 1000"))
+            continued(sock)
+        with caplog.at_level(logging.WARNING, logger="entrypoints.http_protocol"), \
+                connected(capped.port, "127.0.0.7") as third:
+            third.sendall(head_only(b"Content-Length: 1000", b"X-Request-Id: third-body-1\r\n"))
+            head = refused(read_until_closed(third), 429, "overloaded")
+        assert header(head, b"x-request-id") == b"third-body-1"
+        assert header(head, b"retry-after") == b"1"
+        assert capped.cuts("body_overload") == before + 1
+        assert any("third-body-1" in r.getMessage() and "bodies being read" in r.getMessage()
+                   for r in caplog.records)
+        still_serving(capped)  # from 127.0.0.1: its own count
+
+
+def test_bodies_being_read_are_capped_in_bytes_received() -> None:
+    """Admission comes after the body, so what bodies being read make the server hold is capped on its own, in
+    bytes received: a body whose bytes take the server past ``max_body_bytes_reading`` is refused with 429, while
+    what a body only declares counts for nothing."""
+    with front_running(600.0, max_body_bytes_reading=2048) as capped, contextlib.ExitStack() as stack:
+        first = stack.enter_context(connected(capped.port))
+        first.sendall(head_only(b"Content-Length: 1600"))
+        continued(first)
+        first.sendall(b"{" + b" " * 1499)  # 1,500 bytes held
+        declared = stack.enter_context(connected(capped.port))
+        declared.sendall(head_only(b"Content-Length: 60000"))  # declared only: not refused
+        continued(declared)
+        still_serving(capped)  # (its few hundred bytes fit beside them)
+        with connected(capped.port) as over:
+            over.sendall(head_only(b"Content-Length: 1000"))
+            continued(over)
+            over.sendall(b" " * 600)  # 1,500 + 600 > 2,048
+            head, body = read_one(over)
         assert status_of(head) == 429
         assert "bytes of request bodies" in error_of(body)["message"]
+        assert waiting(first) and waiting(declared)
+
+
+def test_a_body_trickled_under_the_minimum_rate_is_cut_off(caplog: pytest.LogCaptureFixture) -> None:
+    """A byte every tenth of a second keeps clear of the idle timeout, but not of the minimum average rate: the
+    body is cut off with 408 once past its first ``body_timeout_s`` (on bb7e60b a 64 MiB declaration bought it
+    32 times the body timeout, whatever came)."""
+    with front_running(0.5, {"body_min_rate": 1000}, max_body_bytes=64 * 1024 * 1024) as front, \
+            caplog.at_level(logging.WARNING, logger="entrypoints.http_protocol"), connected(front.port) as slow:
+        before = front.cuts("body_timeout")
+        slow.sendall(head_only(b"Content-Length: 67108864", b"X-Request-Id: trickle-1\r\n"))
+        continued(slow)
+        answered = False
+        for _ in range(600):  # the client's pace, not a wait for the server: a byte, then a look for an answer
+            with contextlib.suppress(ConnectionError):
+                slow.sendall(b" ")
+            readable, _, _ = select.select([slow], [], [], 0.1)
+            if readable:
+                answered = True
+                break
+        assert answered, "the trickled body was never cut off"
+        head = refused(read_until_closed(slow), 408, "request_timeout")
+    assert header(head, b"x-request-id") == b"trickle-1"
+    assert front.cuts("body_timeout") == before + 1
+    assert any("trickle-1" in r.getMessage() and "bytes/s" in r.getMessage() for r in caplog.records)
 
 
 def test_a_body_not_in_by_its_clock_is_cut_off_with_408(front: Front, caplog: pytest.LogCaptureFixture) -> None:
