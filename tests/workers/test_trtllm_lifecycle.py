@@ -9,7 +9,10 @@ workers is a fake clock the test moves; what the sweeper does then is waited for
 from __future__ import annotations
 
 import contextlib
+import logging
 import random
+import socket
+import tracemalloc
 import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -21,6 +24,10 @@ import httpx
 import msgspec
 import orjson
 import pytest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
 
 from frontend.disaggregated_params import DisaggregatedParams
 from frontend.errors import InvalidRequestError, OverloadedError
@@ -53,7 +60,9 @@ from workers.context_artifacts import ARTIFACT_SATURATED
 from workers.engines.reference.engine import ReferenceEngine
 from workers.engines.reference.options import ReferenceOptions
 from workers.engines.synthetic import SyntheticEngine
-from workers.lifecycle import CAPABILITIES, GRANT_SATURATED, LifecycleControl
+from workers.generation_first import CLAIM_HEADER, HANDOFF_PATH, pull_handoff
+from workers.lifecycle import CAPABILITIES, GRANT_HOARDED, GRANT_SATURATED, LifecycleControl
+from workers.lifecycle_entries import MAX_REASON
 from workers.lifecycle_settings import LifecycleSettings
 from workers.server import create_worker_app
 from workers.serving import Role, WorkerSettings
@@ -691,4 +700,159 @@ async def test_ctx_tombstones_are_capped_and_expire() -> None:
         with pytest.raises(InvalidRequestError, match="context artifact expired"):
             control.check_artifact(alone.artifact_params(third))
     finally:
+        await control.aclose()
+
+
+# -- hardening (issue 44, items 2, 3 and 6) ------------------------------------------------------------------------
+def test_server_info_and_a_grant_name_the_worker_not_the_callers_host_header(cluster: V1Cluster) -> None:
+    """A caller's ``Host`` is not where the worker is: /server_info's ctx_info_endpoint (where a GEN then pulls
+    from, with the deployment secret) and a grant's generation_endpoint_name come from the worker's own address."""
+    info = httpx.get(cluster.ctx.url + "/server_info", headers={"Host": "evil.example:1"}).json()
+    assert info["disaggregated_params"]["ctx_info_endpoint"] == [cluster.ctx.url]
+    attempt = Attempt(cluster, CHAT, client_body(CHAT, cluster.model))
+    reply = httpx.post(cluster.gen.url + GENERATION_GRANT_PATH, json=attempt.grant_body(),
+                       headers={"Host": "evil.example:1"})
+    decision = GenerationGrantDecisionResponse.model_validate(reply.json())
+    assert decision.accepted and decision.generation_endpoint_name == cluster.gen.netloc
+    attempt.endpoint = {"generation_endpoint_name": cluster.gen.netloc, "generation_endpoint_rank": 0,
+                        "generation_endpoint_incarnation": str(decision.generation_endpoint_incarnation)}
+    assert obligation(attempt.abort()).state == "REVOKED"
+
+
+@pytest.mark.parametrize("endpoint", ["{ctx}/steal?x=", "{ctx}/steal#", "user:pw@{ctx}", "file:///etc/passwd"])
+def test_a_grant_whose_control_endpoint_could_aim_an_abort_elsewhere_is_refused(cluster: V1Cluster,
+                                                                              endpoint: str) -> None:
+    """On bb7e60b such a grant was accepted, and its abort POSTed to whatever host and path (the fixed suffix
+    pushed into the query by a '?') the caller named: a server-side request forgery."""
+    attempt = Attempt(cluster, CHAT, client_body(CHAT, cluster.model))
+    body = {**attempt.grant_body(), "context_control_endpoint": endpoint.format(ctx=cluster.ctx.netloc)}
+    reply = httpx.post(cluster.gen.url + GENERATION_GRANT_PATH, json=body)
+    assert reply.status_code == 200, reply.text
+    decision = GenerationGrantDecisionResponse.model_validate(reply.json())
+    assert not decision.accepted and "context_control_endpoint" in decision.reason
+    assert UUID(str(attempt.identity["consumer_grant_id"])) not in cluster.gen.app.state.service.lifecycle.grants
+
+
+def test_a_generation_first_hand_off_goes_only_to_the_attempt_that_was_granted_it(cluster: V1Cluster) -> None:
+    """Whoever asks CTX's board for a request's hand-off first got it on bb7e60b (and the real GEN a 404): now it
+    is bound to the attempt's transfer_session_id, which only the GEN granted the attempt presents."""
+    body = client_body(CHAT, cluster.model)
+    attempt = Attempt(cluster, CHAT, body, schedule_style=1)
+    assert attempt.admit().accepted
+    board_url = cluster.ctx.url + HANDOFF_PATH.format(disagg_request_id=attempt.disagg_request_id)
+    board = cluster.ctx.app.state.service.board
+    with ThreadPoolExecutor(1) as pool:
+        thief = pool.submit(httpx.get, board_url, params={"wait_s": 120}, timeout=150,
+                            headers={CLAIM_HEADER: str(uuid.uuid4())})
+        assert eventually(lambda: board.waiting(attempt.disagg_request_id) or thief.done())
+        attempt.send_ctx()  # posts the hand-off: the thief wakes first, and is refused
+        stolen = thief.result()
+    assert stolen.status_code == 404, stolen.text
+    assert httpx.get(board_url, params={"wait_s": 0}).status_code == 404  # no claim at all: refused too
+    gen_body = {**body, "disaggregated_params": {
+        "request_type": "generation_only", "ctx_request_id": attempt.disagg_request_id,
+        "disagg_request_id": attempt.disagg_request_id, "schedule_style": 1, "ctx_info_endpoint": cluster.ctx.url,
+        "context_control_endpoint": cluster.ctx.netloc, "context_transceiver_lifecycle": attempt.ctx_lifecycle,
+        **attempt.identity, **attempt.endpoint}}
+    reply = post(cluster.gen.url + CHAT, gen_body)  # the granted GEN still finds it on the board
+    assert reply.status_code == 200, reply.text
+    assert answer_text(CHAT, reply) == aggregated_text(cluster, CHAT, body)
+
+
+async def test_a_tombstone_keeps_digests_not_the_request_that_made_it() -> None:
+    """On bb7e60b each aborted grant kept its whole request and reason for the replay horizon (20 minutes), up to
+    262,144 of them: ~32 GiB of 64 KiB bodies. Now a tombstone is a few hundred bytes, whatever was sent."""
+    alone = _Alone("generation")
+    control = alone.control
+    reason = "x" * 60_000
+    try:
+        tracemalloc.start()
+        before = tracemalloc.get_traced_memory()[0]
+        for _ in range(100):
+            identity, decision = alone.issue()
+            assert decision.accepted
+            control.abort(GenerationGrantAbortRequest.model_validate({**alone.grant_identity(identity),
+                                                                       "reason": reason}))
+        held = tracemalloc.get_traced_memory()[0] - before
+        tracemalloc.stop()
+        assert held < 100 * 4096, held  # bb7e60b: over 100 x 60 KB
+        grant = control.grants[UUID(identity["consumer_grant_id"])]
+        assert grant.request is None and len(grant.reason) <= MAX_REASON
+        assert alone.abort(identity)["state"] == "REVOKED"  # a replay still answers the same
+    finally:
+        await control.aclose()
+
+
+async def test_a_grant_not_bound_within_its_admission_lease_is_revoked_and_frees_its_credit() -> None:
+    """bb7e60b: 512 grants issued and never used held all admission credit for the grant TTL (600 s)."""
+    alone = _Alone("generation", grant_ttl_s=600.0, grant_bind_lease_s=30.0, max_live_grants=4,
+                   max_unbound_grants_per_caller=4)
+    control, clock = alone.control, alone.clock
+    try:
+        hoarded = [alone.issue()[0] for _ in range(3)]
+        used, decision = alone.issue()
+        assert decision.accepted and decision.ttl_s is not None and decision.ttl_s <= 30.0
+        control.bind(DisaggregatedParams.model_validate({"request_type": "generation_only", **used}), "req-1")
+        assert not alone.issue()[1].accepted  # all the credit is held
+        clock.now += 20.0
+        assert alone.renew(hoarded[0], 1)["accepted"]  # a renewal does not extend the lease
+        clock.now += 11.0
+        await control.sweep()
+        assert control.live_grants == 1  # the bound one only
+        assert alone.renew(hoarded[0], 2)["state"] == "REVOKED"
+        assert alone.renew(used, 1)["accepted"]
+        assert alone.issue()[1].accepted  # credit is back
+    finally:
+        await control.aclose()
+
+
+async def test_one_caller_holds_only_so_many_unbound_grants() -> None:
+    alone = _Alone("generation", max_live_grants=64, max_unbound_grants_per_caller=2)
+    control = alone.control
+
+    def issue(caller: str) -> GenerationGrantDecisionResponse:
+        return control.issue(GenerationGrantRequest.model_validate({
+            "lifecycle_protocol_version": 1, **_identity(), "ttl_s": 600.0,
+            "context_transceiver_lifecycle": alone.ctx_lifecycle, "schedule_style": 0}), "gen:1", caller)
+
+    try:
+        assert issue("10.0.0.9").accepted and issue("10.0.0.9").accepted
+        refused = issue("10.0.0.9")
+        assert not refused.accepted and refused.reason == GRANT_HOARDED
+        assert issue("10.0.0.1").accepted  # the orchestrator is not shut out by the hoarder
+    finally:
+        await control.aclose()
+
+
+async def test_aborts_aimed_at_a_black_hole_never_delay_a_hand_off_pull(caplog: pytest.LogCaptureFixture) -> None:
+    """bb7e60b: the abort POSTs shared one 100-connection client with the hand-off pulls, and 150 aborts aimed at a
+    host that never answers delayed a real pull from 6 ms to 8.5 s (until they timed out). The aborts now have their
+    own few connections: the pull is answered while every abort is still waiting on the black hole."""
+    black_hole = socket.socket()
+    black_hole.bind(("127.0.0.1", 0))
+    black_hole.listen(1024)  # connections complete in the backlog; nothing ever reads or answers them
+    hole = f"127.0.0.1:{black_hole.getsockname()[1]}"
+
+    async def handoff(request: Request) -> Response:
+        return Response(b'{"ctx_request_id": "1"}', media_type="application/json")
+
+    ctx_app = Starlette(routes=[Route(HANDOFF_PATH, handoff)])
+    alone = _Alone("generation", max_live_grants=1024, max_unbound_grants_per_caller=1024)
+    control = alone.control
+    try:
+        with running(ctx_app) as ctx_url:
+            for _ in range(150):
+                request = GenerationGrantRequest.model_validate({
+                    "lifecycle_protocol_version": 1, **(identity := _identity()), "ttl_s": 600.0,
+                    "context_control_endpoint": hole, "context_transceiver_lifecycle": alone.ctx_lifecycle,
+                    "schedule_style": 0})
+                assert control.issue(request, "gen:1").accepted
+                alone.abort(identity)  # spawns an abort POST to the black hole
+            with caplog.at_level(logging.WARNING, logger="workers.lifecycle"):
+                params = await pull_handoff(control.http(), ctx_url, 7, 5.0)
+                assert params == {"ctx_request_id": "1"}
+                # No abort had given up (timed out) when the pull was answered: it never waited behind them.
+                assert not [r for r in caplog.records if "abort" in r.getMessage()]
+    finally:
+        black_hole.close()
         await control.aclose()
