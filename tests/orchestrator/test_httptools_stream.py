@@ -8,6 +8,7 @@ import asyncio
 import gc
 
 from tests.orchestrator.raw_worker import RawWorker, client_of
+from tests.waiting import DEFAULT_TIMEOUT_S
 
 
 async def test_an_abandoned_stream_closes_its_connection_so_the_worker_stops() -> None:
@@ -24,7 +25,7 @@ async def test_an_abandoned_stream_closes_its_connection_so_the_worker_stops() -
         chunks = stream.chunks()
         assert (await anext(chunks)).startswith(b"frame")
         await chunks.aclose()
-        await asyncio.wait_for(worker.closed.wait(), 10)
+        await asyncio.wait_for(worker.closed.wait(), DEFAULT_TIMEOUT_S)
         assert worker.open_now == 0
         assert not transport._idle  # never pooled half read
 
@@ -43,4 +44,4 @@ async def test_a_stream_dropped_without_aclose_closes_its_connection() -> None:
         del stream
         gc.collect()
         assert not transport._open  # the slot is free
-        await asyncio.wait_for(worker.closed.wait(), 10)  # and the worker saw the hang-up
+        await asyncio.wait_for(worker.closed.wait(), DEFAULT_TIMEOUT_S)  # and the worker saw the hang-up

@@ -16,7 +16,7 @@ from orchestrator import httptools_transport
 from orchestrator.httptools_transport import HttptoolsTransport
 from orchestrator.transport import WorkerTimeouts
 from tests.orchestrator.raw_worker import RawWorker, answer, answer_after, client_of, echo_keep_alive
-from tests.waiting import eventually_async
+from tests.waiting import DEFAULT_TIMEOUT_S, eventually_async
 
 
 async def test_connections_are_kept_alive_and_reused() -> None:
@@ -98,7 +98,7 @@ async def test_a_caller_cancelled_while_waiting_for_a_connection_passes_its_turn
         cancelled.cancel()
         release.set()
         assert (await first).content == b"1"
-        assert (await asyncio.wait_for(last, 10)).content == b"3"
+        assert (await asyncio.wait_for(last, DEFAULT_TIMEOUT_S)).content == b"3"
         assert cancelled.cancelled()
 
 

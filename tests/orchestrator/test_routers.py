@@ -32,7 +32,7 @@ from orchestrator.server import create_orchestrator_app
 from tests.cluster import MODEL, Node, Recorder, RecordingEngine, start_worker
 from tests.orchestrator.members import idle_members
 from tests.servers import ServerThread, running
-from tests.waiting import eventually
+from tests.waiting import DEFAULT_TIMEOUT_S, eventually
 from workers.engines.synthetic import SYNTHETIC_TEXT, SyntheticConfig
 from workers.server import create_worker_app
 from workers.serving import Role, WorkerSettings
@@ -311,7 +311,7 @@ class _Loop:
         self.stop.set()
         self.thread.join(timeout=30)
 
-    def wait_for(self, count: int, timeout_s: float = 20.0) -> None:
+    def wait_for(self, count: int, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
         assert eventually(lambda: len(self.outcomes) >= count, timeout_s)
 
 
@@ -339,7 +339,7 @@ def test_a_worker_killed_mid_run_is_routed_around(kind: str) -> None:
                 killed_at = len(loop.outcomes)
                 dead = {ctx_urls[0], gen_urls[0]}
                 assert eventually(lambda: all(not w.healthy for p in (ctx_pool, gen_pool) for w in p.workers
-                                              if w.url in dead), timeout_s=5)
+                                              if w.url in dead))
                 loop.wait_for(killed_at + 20)
             assert set(loop.outcomes) == {"ok"}, [o for o in loop.outcomes if o != "ok"][:3]
             # The survivors took everything after the death.

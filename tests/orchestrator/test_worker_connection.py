@@ -18,7 +18,7 @@ from orchestrator import worker_connection
 from orchestrator.httptools_transport import HttptoolsTransport
 from orchestrator.transport import WorkerTimeouts
 from tests.orchestrator.raw_worker import RawWorker, answer, client_of, echo_keep_alive
-from tests.waiting import eventually_async
+from tests.waiting import DEFAULT_TIMEOUT_S, eventually_async
 
 
 async def test_a_request_written_and_met_by_a_close_is_not_sent_again() -> None:
@@ -99,7 +99,7 @@ async def test_a_stream_read_slower_than_it_arrives_pauses_the_socket_and_loses_
 
     async with client_of(burst) as (worker, transport):
         stream = await transport.open_stream("/x", b"{}")
-        await asyncio.wait_for(all_written.wait(), 10)
+        await asyncio.wait_for(all_written.wait(), DEFAULT_TIMEOUT_S)
         # Nobody read yet: past _PAUSE_AT the socket was paused.
         assert await eventually_async(lambda: any(c._paused for c in transport._open))
         finish.set()
@@ -130,7 +130,7 @@ async def test_a_stream_that_ends_while_paused_is_pooled_reading_and_serves_the_
         assert await eventually_async(lambda: all(c.complete for c in transport._open))
         await stream.aclose()  # the client left without reading: the answer is whole, so it is pooled
         assert len(transport._idle) == 1
-        assert (await asyncio.wait_for(transport.post("/x", b"next"), 30)).content == b"next"
+        assert (await asyncio.wait_for(transport.post("/x", b"next"), DEFAULT_TIMEOUT_S)).content == b"next"
 
 
 @pytest.mark.parametrize("when", ["with the answer", "later"])
@@ -174,7 +174,8 @@ async def test_a_worker_that_stalls_on_a_kept_connection_times_out_after_answers
         for n in range(2):
             assert (await transport.post("/x", b"%d" % n)).content == b"%d" % n
         with pytest.raises(UpstreamTimeoutError, match=r"nothing read for 0\.3 s"):
-            await asyncio.wait_for(transport.post("/x", b"2"), 10)  # a timer never armed again would hang
+            # (A hang guard: a timer never armed again would wait for ever.)
+            await asyncio.wait_for(transport.post("/x", b"2"), DEFAULT_TIMEOUT_S)
         assert worker.connections == 1
 
 
@@ -192,7 +193,7 @@ async def test_a_timer_armed_for_an_earlier_request_does_not_fail_a_later_one_an
     async with client_of(second_answer_late, WorkerTimeouts(request_s=2.0)) as (worker, transport):
         assert (await transport.post("/x", b"first")).content == b"first"
         await asyncio.sleep(1.5)  # the first timer (due 2 s after the first request) fires during the second
-        assert (await asyncio.wait_for(transport.post("/x", b"second"), 10)).content == b"second"
+        assert (await asyncio.wait_for(transport.post("/x", b"second"), DEFAULT_TIMEOUT_S)).content == b"second"
         assert worker.connections == 1
 
 
@@ -361,7 +362,7 @@ async def test_a_101_is_an_upstream_error_and_the_connection_is_dropped() -> Non
     async with client_of(upgrade, BOUNDED) as (worker, transport):
         with pytest.raises(UpstreamError, match="101 Switching Protocols"):
             await transport.post("/x", b"{}")
-        await asyncio.wait_for(worker.closed.wait(), 60)  # dropped, not pooled
+        await asyncio.wait_for(worker.closed.wait(), DEFAULT_TIMEOUT_S)  # dropped, not pooled
 
 
 async def test_an_answer_head_over_the_limit_is_an_upstream_error() -> None:
@@ -374,7 +375,7 @@ async def test_an_answer_head_over_the_limit_is_an_upstream_error() -> None:
     async with client_of(huge_head, BOUNDED) as (worker, transport):
         with pytest.raises(UpstreamError, match="head is over"):
             await transport.post("/x", b"{}")
-        await asyncio.wait_for(worker.closed.wait(), 60)
+        await asyncio.wait_for(worker.closed.wait(), DEFAULT_TIMEOUT_S)
 
 
 async def test_a_half_answer_is_an_upstream_error_and_never_pooled() -> None:
