@@ -6,8 +6,8 @@ through an app.
 The rules an answer keeps, whoever writes it (an app through ``send``, or a fast route's exchange,
 ``entrypoints/direct_exchange.py``, on these fields directly):
 
-- the server's default headers (date, server) first; an app's header names must be tokens and its values hold no
-  CR, LF or other control byte but tab (a header built from a client's input cannot split the answer);
+- the server's default headers (date; never ``server``) first; an app's header names must be tokens and its values
+  hold no CR, LF or other control byte but tab (a header built from a client's input cannot split the answer);
 - ``connection: close`` whenever the connection is not kept: an HTTP/1.0 client, a client that asked, a server
   shutting down, and a request answered before its body is in (reading on would take the client's next request for
   the rest of the body: the connection then closes through the protocol's ``close_unread``);
@@ -56,16 +56,18 @@ def _status_line(status: int) -> bytes:
 STATUS_LINE = {status: _status_line(status) for status in range(100, 600)}
 
 
-# The server's default headers (date, server) as header lines, made once per list: uvicorn's server replaces the
-# list when the date changes, once a second.
+# The server's default headers (date, and any the configuration adds) as header lines, made once per list:
+# uvicorn's server replaces the list when the date changes, once a second.
 _default_cache: tuple[list[tuple[bytes, bytes]], bytes] = ([], b"")
 
 
 def default_header_lines(defaults: list[tuple[bytes, bytes]]) -> bytes:
+    """The lines of ``defaults`` but ``server``: uvicorn's ``server: uvicorn`` names software that does not even
+    serve the connection, and a header naming the implementation only tells a prober which flaws to try."""
     global _default_cache
     cached, lines = _default_cache
     if cached is not defaults:
-        lines = b"".join(b"%b: %b\r\n" % pair for pair in defaults)
+        lines = b"".join(b"%b: %b\r\n" % (name, value) for name, value in defaults if name.lower() != b"server")
         _default_cache = (defaults, lines)
     return lines
 

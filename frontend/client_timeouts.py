@@ -4,9 +4,11 @@ The server already bounds what one connection buffers: once the transport holds 
 (64 KiB) it stops the app's ``send`` until the client reads (flow control), so a client that does not read costs
 the server at most that plus the kernel's socket buffers. What it does not bound is the *time*: the app waits in
 ``send`` for ever, holding its engine sequence (or, in the orchestrator, a GEN stream) all the while. This
-middleware gives every ``send`` of a response body ``send_timeout_s``; when one runs out, the app is cancelled
-(its streams close, so the engine work is aborted as for a client that hung up) and the connection is dropped
-(reset, buffer and all, where the server offers the ``ABORT_CONNECTION`` scope extension; otherwise closed).
+middleware gives every ``send`` of an answer ``send_timeout_s``, its head's too (a pipelined request's answer
+starts behind the one before it: a client that stopped reading that one kept its head waiting for ever); when one
+runs out, the app is cancelled (its streams close, so the engine work is aborted as for a client that hung up) and
+the connection is dropped (reset, buffer and all, where the server offers the ``ABORT_CONNECTION`` scope
+extension; otherwise closed).
 """
 
 from __future__ import annotations
@@ -23,9 +25,15 @@ DEFAULT_SEND_TIMEOUT_S = 60.0
 ABORT_CONNECTION = "disagg.abort_connection"
 # How long a request's headers may take to arrive (the check itself is in entrypoints/http_protocol.py).
 DEFAULT_HEADER_TIMEOUT_S = 30.0
-# How long a request's body may take to arrive once its headers have (entrypoints/http_protocol.py): a client
-# that sends a head and then a byte a minute holds a connection, and nothing more, for at most this long.
+# How long a request's body may go without a byte arriving, from its head on (entrypoints/client_limits.py): a
+# client that sends a head and then nothing holds a connection, and nothing more, for at most this long.
 DEFAULT_BODY_TIMEOUT_S = 30.0
+# ... and the least it must average past its first ``DEFAULT_BODY_TIMEOUT_S`` (bytes/s): a body may take that long
+# plus its bytes received at this rate, so a client that trickles a byte just inside the idle timeout is cut off
+# too. What a body declares changes neither: only bytes received earn time.
+DEFAULT_BODY_MIN_RATE = 32 * 1024
+# The most request bodies being read at once from one client address (0: no cap); past it, a 429 and a close.
+DEFAULT_MAX_BODY_READS_PER_CLIENT = 64
 # The most a request's head (request line and headers) may take, in bytes; a longer one gets 431 and a close.
 DEFAULT_MAX_HEAD_BYTES = 64 * 1024
 # A timeout's timer that fires this early counts as on time (event-loop timers round to the millisecond).
@@ -59,9 +67,6 @@ class SendTimeoutMiddleware:
 
         async def send_in_time(message: Message) -> None:
             nonlocal stalled
-            if message["type"] != "http.response.body":
-                await send(message)
-                return
             try:
                 await asyncio.wait_for(send(message), self.send_timeout_s)
             except TimeoutError:

@@ -426,3 +426,91 @@ def test_an_http10_client_of_an_asgi_stream_gets_no_chunks() -> None:
     head, _, body = answer.partition(b"\r\n\r\n")
     assert header(head, b"transfer-encoding") is None
     assert body == b"one two"
+
+
+def test_a_tenants_body_reads_are_capped(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """The tenant is known from the head: past ``max_body_reads_per_tenant`` of its bodies being read, the next is
+    refused with 429 before its body is waited for (logged with its request id), and another tenant is served."""
+    monkeypatch.setenv("HOSTILE_KEY_A", "key-of-a")
+    monkeypatch.setenv("HOSTILE_KEY_B", "key-of-b")
+    tenants = [{"name": "a", "api_key_env": "HOSTILE_KEY_A"}, {"name": "b", "api_key_env": "HOSTILE_KEY_B"}]
+    with front_running(600.0, tenants=tenants, max_body_reads_per_tenant=2) as capped, \
+            contextlib.ExitStack() as stack:
+        for i in range(2):  # (from addresses of their own: the address cap is not what refuses the third)
+            sock = stack.enter_context(connected(capped.port, f"127.0.0.{20 + i}"))
+            sock.sendall(head_only(b"Content-Length: 1000", b"Authorization: Bearer key-of-a\r\n"))
+            continued(sock)
+        with caplog.at_level(logging.WARNING, logger="frontend.http"), connected(capped.port, "127.0.0.22") as third:
+            third.sendall(head_only(b"Content-Length: 1000",
+                                    b"Authorization: Bearer key-of-a\r\nX-Request-Id: tenant-body-3\r\n"))
+            head, body = read_one(third)
+        assert status_of(head) == 429
+        assert "tenant 'a'" in error_of(body)["message"]
+        assert any("tenant-body-3" in r.getMessage() for r in caplog.records)
+        reply = httpx.post(f"http://127.0.0.1:{capped.port}/v1/chat/completions", content=CHAT, timeout=60,
+                           headers={"content-type": "application/json", "authorization": "Bearer key-of-b"})
+        assert reply.status_code == 200, reply.text
+
+
+def chat_of(size: int) -> bytes:
+    """A chat request of exactly ``size`` bytes (JSON's whitespace makes up the rest)."""
+    return CHAT[:-1] + b" " * (size - len(CHAT)) + b"}"
+
+
+def test_the_next_request_on_a_kept_connection_gets_its_own_body_clock() -> None:
+    """Issue 44, item 6: on bb7e60b a 16 MiB body's clock (30 s per declared MiB) stayed armed after the body came,
+    and the next request on the connection, whose body never came, was cut off when that one ran out (here 8 s)
+    instead of after its own ``body_timeout_s`` (0.5 s)."""
+    with front_running(0.5, max_body_bytes=16 * 1024 * 1024) as front, connected(front.port) as sock:
+        sock.sendall(request(body=chat_of(16 * 1024 * 1024)))
+        assert status_of(read_one(sock)[0]) == 200
+        sock.sendall(request(body=b"{" + b" " * 999)[:-999])  # a head and one byte, on the kept connection
+        started = time.monotonic()
+        refused(read_until_closed(sock), 408, "request_timeout")
+        # A bound that only a clock inherited from the first body (8 s) can break; the body's own is 0.5 s.
+        assert time.monotonic() - started < 6.0
+
+
+UPGRADES = {
+    "h2c (curl --http2)": b"Connection: Upgrade, HTTP2-Settings\r\nUpgrade: h2c\r\n"
+                          b"HTTP2-Settings: AAMAAABkAAQCAAAA\r\n",
+    "websocket": b"Connection: Upgrade\r\nUpgrade: websocket\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
+                 b"Sec-WebSocket-Version: 13\r\n",
+}
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["Content-Length", "chunked"])
+@pytest.mark.parametrize("offer", UPGRADES.values(), ids=UPGRADES.keys())
+def test_a_post_that_offers_an_upgrade_has_its_body_read(front: Front, offer: bytes, chunked: bool) -> None:
+    """The upgrade offer is ignored, as RFC 9110 7.8 allows, and the body read as HTTP/1.1 frames it (on bb7e60b
+    llhttp stopped at the offer and the request was answered as if it had no body: a 400); the connection closes
+    after the answer, and nothing after the request is parsed."""
+    if chunked:
+        raw = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n%b"
+               b"Transfer-Encoding: chunked\r\n\r\n%x\r\n%b\r\n0\r\n\r\n" % (offer, len(CHAT), CHAT))
+    else:
+        raw = request(extra=offer)
+    with connected(front.port) as sock:
+        sock.sendall(raw + request())  # and a request after it, never taken
+        answer = read_until_closed(sock)
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert status_of(head) == 200, answer[:400]
+    assert header(head, b"connection") == b"close"
+    assert json.loads(body)["object"] == "chat.completion"
+    assert answer.count(b"HTTP/1.1 ") == 1
+
+
+def test_answers_name_no_server_implementation(front: Front) -> None:
+    """No ``server`` header (on bb7e60b every answer said ``server: uvicorn``): not on a fast route's answer, an
+    ASGI route's, or a refusal the protocol answers itself."""
+    with connected(front.port) as sock:
+        sock.sendall(request())
+        fast, _ = read_one(sock)
+        sock.sendall(b"GET /v1/models HTTP/1.1\r\nHost: t\r\n\r\n")
+        routed, _ = read_one(sock)
+    with connected(front.port) as sock:
+        sock.sendall(request(host=b""))
+        refusal = read_until_closed(sock).partition(b"\r\n\r\n")[0]
+    for head in (fast, routed, refusal):
+        assert header(head, b"date") is not None  # the server's default headers are there ...
+        assert header(head, b"server") is None  # ... but this one
