@@ -196,6 +196,18 @@ def orchestrator_help() -> str:
     return done.stdout
 
 
+# -- prompts sized in tokens ------------------------------------------------------------------------------------
+def chars_per_token(sample: str, tokenizer: str) -> float:
+    """Characters of ``sample`` per token of the workers' ``--tokenizer``: 1 for ``byte`` (a character is a token of
+    the ASCII text benchmarks write), else measured once with the reference model's tokenizer (~2 s to load), so
+    that text of ``tokens * chars_per_token`` characters of the same kind is close to ``tokens`` tokens."""
+    if tokenizer == "byte":
+        return 1.0
+    from workers.engines.synthetic import reference_tokens
+
+    return len(sample) / max(1, int(reference_tokens().tokenizer.encode(sample).size))
+
+
 # -- the command line every benchmark has ----------------------------------------------------------------------
 def arguments(doc: str | None) -> argparse.ArgumentParser:
     """A benchmark's (or a helper process's) parser, described by the first paragraph of its module docstring."""

@@ -1,6 +1,7 @@
 """A fleet on one machine: routers side by side on the same simulated work, against the best any cache could do.
 
-``python -m bench.fleet [--quick] [--docs] [--routers NAME ...] [--workloads NAME ...]``. 8 CTX and 4 GEN workers on
+``python -m bench.fleet [--quick] [--docs] [--routers NAME ...] [--workloads NAME ...] [--tokenizer reference]
+[--tokenize-compare]``. 8 CTX and 4 GEN workers on
 the simulated engine (workers/engines/simulated.py: one prefill at a time, its time the uncached tokens over a
 prefill rate, a bounded LRU prefix cache of 16-token blocks), all in one host process (``bench.fleet_host``) to
 spare the cores; one ``disagg-serve orchestrator`` in front of them per run, its CTX pool routed by the router under
@@ -11,7 +12,14 @@ work (seeded: the same prompts, arrival times and think times). Workloads:
   back plus a think time, with that answer appended as the assistant message; conversations start open-loop
   (Poisson), at a rate that makes about ``turns x rate`` requests per second;
 - ``unrelated``: one-turn prompts that share nothing, open-loop;
-- ``agent``: agent loops over one long fixed tool prompt, each step the whole history plus a new tool result.
+- ``agent``: agent loops over one long fixed tool prompt, each step the whole history plus a new tool result;
+- ``agent_growing`` (only when named): agent loops over a 90k-token context that grow past 100k tokens.
+
+``--tokenizer reference`` gives the workers the reference model's real tokenizer (sizes stay in tokens: the text is
+written at its measured characters per token), so CTX pays real tokenization. ``--tokenize-compare`` (which implies
+it) runs every (router, workload) twice on fresh workers: with ``--tokenize-cache-mb 0 --tokenizer-backend
+tokenizers`` (a full Hugging Face ``tokenizers`` encode of the whole prompt every turn, as vLLM's and trtllm-serve's
+servers do) and with the defaults (the conversation cache), and tables TTFT of follow-up turns side by side.
 
 Chat and agent requests carry their conversation's ``x-session-id``. The client streams chat completions (httpx,
 raw SSE) and takes TTFT as request sent to first content. Read from the workers' ``/metrics`` after each run: the
@@ -26,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import random
 import sys
 import time
 from collections.abc import Sequence
@@ -44,6 +53,7 @@ from bench.common import (
     StartupError,
     add_docs_flag,
     arguments,
+    chars_per_token,
     free_port,
     http_get,
     wait_healthy,
@@ -52,7 +62,7 @@ from bench.figures import percentile
 from bench.fleet_client import Record, drive
 from bench.fleet_metrics import orchestrator_counters, worker_counters
 from bench.fleet_report import generated_block, plot, tables, targets_table
-from bench.fleet_work import AGENT, CHAT, MODEL, UNRELATED, WORKLOADS, Session, Workload, sessions
+from bench.fleet_work import AGENT, CHAT, MODEL, UNRELATED, WORKLOADS, Session, Workload, sessions, text
 from bench.machine import machine_busy_seconds, machine_info, wait_for_quiet
 from bench.report import fmt, write_json
 
@@ -69,6 +79,13 @@ ROUTERS: dict[str, dict[str, Any]] = {
 _ORCHESTRATOR_KEYS = ("max_local_prefill_length",)  # keys of a ROUTERS entry that are the orchestrator's own
 _SETTLE_S = 1.0  # after the orchestrator is healthy: its first health round and KV-event subscriptions
 _METRICS_SETTLE_S = 0.3  # after the last answer, before reading the counters
+# --tokenize-compare: the workers' tokenization set-ups, each run on the same work; the first is the baseline.
+TOKENIZE_SETUPS: dict[str, tuple[str, ...]] = {
+    # today's cost, and what vLLM's and trtllm-serve's servers pay: one full `tokenizers` encode every turn
+    "full encode": ("--tokenize-cache-mb", "0", "--tokenizer-backend", "tokenizers"),
+    "defaults": (),  # the conversation cache and the default encoder
+}
+LONG_PROMPT_TOKENS = 100_000  # follow-ups at least this long are tabled on their own too
 
 
 @dataclass(frozen=True)
@@ -81,12 +98,16 @@ class Engine:
     # unbounded cache) is a yardstick routing can be held to; --cache-tokens 32768 shows routing under pressure.
     cache_tokens: int = 131_072
     itl_ms: float = 10.0
+    tokenizer: str = "byte"  # the workers' --tokenizer
+    worker_flags: tuple[str, ...] = ()  # more flags for every worker (a --tokenize-compare set-up's)
 
     def flags(self) -> list[str]:
+        tokenizer = ["--tokenizer", self.tokenizer] if self.tokenizer != "byte" else []
         return ["--engine", "simulated", "--served-model-name", MODEL,
                 "--simulated-prefill-base-ms", str(self.prefill_base_ms),
                 "--simulated-prefill-tokens-per-s", str(self.prefill_tokens_per_s),
-                "--simulated-prefix-cache-tokens", str(self.cache_tokens), "--simulated-itl-ms", str(self.itl_ms)]
+                "--simulated-prefix-cache-tokens", str(self.cache_tokens), "--simulated-itl-ms", str(self.itl_ms),
+                *tokenizer, *self.worker_flags]
 
 
 @dataclass(frozen=True)
@@ -98,6 +119,7 @@ class Settings:
     seed: int = 7
     quiet_wait_s: float = 10.0
     startup_timeout_s: float = 120.0
+    tokenize_setups: tuple[str, ...] = ()  # names in TOKENIZE_SETUPS: each run once per set-up; none: once
 
 
 FULL = Settings(workloads=(CHAT, UNRELATED, AGENT))
@@ -148,8 +170,13 @@ def start_orchestrator(processes: Processes, fleet: Fleet, router: str, name: st
 
 
 # -- one run ----------------------------------------------------------------------------------------------------
-def run_one(settings: Settings, router: str, workload: Workload, work: Sequence[Session]) -> dict[str, Any]:
+def run_one(settings: Settings, router: str, workload: Workload, work: Sequence[Session],
+            setup: str | None = None) -> dict[str, Any]:
+    """One run on fresh workers; ``setup``: the TOKENIZE_SETUPS entry whose flags every worker gets."""
     name = f"{router}-{workload.name}"
+    if setup is not None:
+        name += "-" + setup.replace(" ", "-")
+        settings = replace(settings, engine=replace(settings.engine, worker_flags=TOKENIZE_SETUPS[setup]))
     quiet = wait_for_quiet(settings.quiet_wait_s)
     with Processes() as processes:
         try:
@@ -180,11 +207,20 @@ def run_one(settings: Settings, router: str, workload: Workload, work: Sequence[
         orch = orchestrator_counters(orchestrator.url)
     cell = summarize_run(router, workload, records, elapsed, ctx, gen, ledger, orch)
     cell["machine_before"], cell["busy_cores"] = quiet, busy_cores
-    print(f"[fleet] {workload.name:>9} {router:>15}: {cell['requests']} requests ({cell['errors']} errors) in "
+    if setup is not None:
+        cell["tokenize"] = setup
+    label = router if setup is None else f"{router} [{setup}]"
+    print(f"[fleet] {workload.name:>9} {label:>15}: {cell['requests']} requests ({cell['errors']} errors) in "
           f"{elapsed:.1f} s, hit {fmt(cell['hit_ratio'], 3)} / oracle {fmt(cell['oracle_hit_ratio'], 3)}, "
-          f"TTFT p50 {fmt(cell['ttft_ms']['p50'], 0)} p99 {fmt(cell['ttft_ms']['p99'], 0)} ms",
+          f"TTFT p50 {fmt(cell['ttft_ms']['p50'], 0)} p99 {fmt(cell['ttft_ms']['p99'], 0)} ms, follow-ups "
+          f"p50 {fmt(cell['followup_ttft_ms']['p50'], 0)} ms, longest prompt {cell['prompt_tokens_max']:,} tokens",
           file=sys.stderr, flush=True)
     return cell
+
+
+def _ttft(records: Sequence[Record]) -> dict[str, float]:
+    ttft = [r.ttft_s * 1e3 for r in records if r.ok and r.ttft_s is not None]
+    return {"p50": percentile(ttft, 50), "p99": percentile(ttft, 99), "n": len(ttft)}
 
 
 def summarize_run(router: str, workload: Workload, records: list[Record], elapsed: float,
@@ -224,6 +260,11 @@ def summarize_run(router: str, workload: Workload, records: list[Record], elapse
         "ledger": ledger,
         "ttft_ms": {"p50": percentile(ttft, 50), "p90": percentile(ttft, 90), "p99": percentile(ttft, 99),
                     "max": max(ttft) if ttft else math.nan, "n": len(ttft)},
+        # Follow-up turns (every turn after a session's first), and those whose prompt is LONG_PROMPT_TOKENS or more
+        "followup_ttft_ms": _ttft([r for r in records if r.turn > 0]),
+        "followup_long_ttft_ms": _ttft([r for r in records
+                                        if r.turn > 0 and (r.prompt_tokens or 0) >= LONG_PROMPT_TOKENS]),
+        "prompt_tokens_max": max((r.prompt_tokens or 0 for r in records), default=0),
         "latency_ms_p50": percentile([r.latency_s * 1e3 for r in ok if r.latency_s is not None], 50),
         "ctx_workers": ctx,
         "gen_workers": gen,
@@ -236,18 +277,23 @@ def summarize_run(router: str, workload: Workload, records: list[Record], elapse
 
 def run(settings: Settings = FULL, routers: Sequence[str] = tuple(ROUTERS)) -> dict[str, Any]:
     cells: list[dict[str, Any]] = []
+    # Sizes are tokens of the workers' tokenizer: text of the work's own kind, measured once.
+    per_token = chars_per_token(text(random.Random(0), 40_000), settings.engine.tokenizer)
     for workload in settings.workloads:
-        work = sessions(workload, settings.seed)
+        work = sessions(workload, settings.seed, per_token)
         print(f"[fleet] {workload.name}: {len(work)} sessions, {sum(len(s.turns) for s in work)} requests, "
               f"~{workload.request_rate:.0f} req/s offered", file=sys.stderr, flush=True)
         for router in routers:  # every router on the same work, one after another
-            cells.append(run_one(settings, router, workload, work))
-    return {"settings": _settings_dict(settings), "routers": list(routers), "cells": cells}
+            for setup in settings.tokenize_setups or (None,):  # and every tokenization set-up
+                cells.append(run_one(settings, router, workload, work, setup))
+    return {"settings": _settings_dict(settings, per_token), "routers": list(routers), "cells": cells}
 
 
-def _settings_dict(settings: Settings) -> dict[str, Any]:
+def _settings_dict(settings: Settings, per_token: float = 1.0) -> dict[str, Any]:
     out = asdict(settings)
     out["router_configs"] = ROUTERS
+    out["chars_per_token"] = per_token
+    out["tokenize_setup_flags"] = {name: list(TOKENIZE_SETUPS[name]) for name in settings.tokenize_setups}
     return out
 
 
@@ -255,13 +301,19 @@ def main(argv: list[str] | None = None) -> int:
     parser = arguments(__doc__)
     parser.add_argument("--quick", action="store_true", help="a quarter of each workload's arrival window")
     parser.add_argument("--routers", nargs="+", choices=tuple(ROUTERS), default=list(ROUTERS))
-    parser.add_argument("--workloads", nargs="+", choices=tuple(WORKLOADS), default=None)
+    parser.add_argument("--workloads", nargs="+", choices=tuple(WORKLOADS), default=None,
+                        help="default: " + " ".join(w.name for w in FULL.workloads))
     parser.add_argument("--cache-tokens", type=int, default=None,
                         help=f"each worker's prefix cache (default {Engine().cache_tokens:,}; a huge one shows "
                              "what routing alone loses against the oracle)")
     parser.add_argument("--window-scale", type=float, default=1.0,
                         help="scale each workload's arrival window: longer runs make the fleet's warm-up (each "
                              "worker's first prefill of each shared prompt) a smaller share of the requests")
+    parser.add_argument("--tokenizer", choices=("byte", "reference"), default="byte",
+                        help="the workers' tokenizer: byte (free) or the reference model's real one (default byte)")
+    parser.add_argument("--tokenize-compare", action="store_true",
+                        help="with the reference tokenizer, run everything twice: a full `tokenizers` encode every "
+                             "turn (--tokenize-cache-mb 0 --tokenizer-backend tokenizers), and the defaults")
     parser.add_argument("--json", default=None, help="also write the result here")
     add_docs_flag(parser, "fleet")
     args = parser.parse_args(argv)
@@ -269,7 +321,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.cache_tokens is not None:
         settings = replace(settings, engine=replace(settings.engine, cache_tokens=args.cache_tokens))
     if args.workloads:
-        settings = replace(settings, workloads=tuple(w for w in settings.workloads if w.name in args.workloads))
+        scale = 0.25 if args.quick else 1.0  # what QUICK does to its workloads
+        settings = replace(settings, workloads=tuple(replace(WORKLOADS[name],
+                                                             window_s=WORKLOADS[name].window_s * scale)
+                                                     for name in args.workloads))
+    if args.tokenizer != "byte" or args.tokenize_compare:
+        settings = replace(settings, engine=replace(settings.engine, tokenizer="reference"))
+    if args.tokenize_compare:
+        settings = replace(settings, tokenize_setups=tuple(TOKENIZE_SETUPS))
     if args.window_scale != 1.0:
         settings = replace(settings, workloads=tuple(replace(w, window_s=w.window_s * args.window_scale)
                                                      for w in settings.workloads))

@@ -1,5 +1,6 @@
 """bench.fleet's client: each session's turns streamed as chat completions (httpx, raw SSE), each sent when the
-last answer has come back plus a think time, with TTFT taken from request sent to first content."""
+last answer has come back plus a think time, with TTFT taken from request sent to first content, and the prompt's
+size in tokens from the stream's usage."""
 
 from __future__ import annotations
 
@@ -26,12 +27,13 @@ class Record:
     latency_s: float | None = None
     ok: bool = False
     error: str | None = None
+    prompt_tokens: int | None = None  # as the workers' tokenizer counted it (the stream's usage)
 
 
 async def one_request(client: httpx.AsyncClient, messages: list[dict[str, str]], workload: Workload,
                       session: Session, turn: int, t0: float) -> tuple[Record, str]:
     body = orjson.dumps({"messages": messages, "model": MODEL, "max_tokens": workload.max_tokens,
-                         "temperature": 0, "stream": True})
+                         "temperature": 0, "stream": True, "stream_options": {"include_usage": True}})
     headers = {"content-type": "application/json"}
     if workload.sessions_named:
         headers[SESSION_HEADER] = session.key
@@ -51,7 +53,11 @@ async def one_request(client: httpx.AsyncClient, messages: list[dict[str, str]],
                     if data == b"[DONE]":
                         done = True
                     elif data:
-                        choices = orjson.loads(data).get("choices") or []
+                        chunk_body = orjson.loads(data)
+                        usage = chunk_body.get("usage")
+                        if usage:
+                            record.prompt_tokens = usage.get("prompt_tokens")
+                        choices = chunk_body.get("choices") or []
                         content = choices[0].get("delta", {}).get("content") if choices else None
                         if content:
                             if record.ttft_s is None:

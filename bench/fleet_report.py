@@ -19,12 +19,49 @@ def _cells(result: dict[str, Any]) -> list[dict[str, Any]]:
     return [c for c in result["cells"] if "skipped" not in c]
 
 
+def _router(cell: dict[str, Any]) -> str:
+    """The router, and the tokenization set-up of a --tokenize-compare run."""
+    return cell["router"] if "tokenize" not in cell else f"{cell['router']} [{cell['tokenize']}]"
+
+
+def _times(base: dict[str, Any] | None, cell: dict[str, Any], key: str) -> str:
+    """How many times lower ``cell``'s TTFT p50 under ``key`` is than ``base``'s."""
+    if base is None or cell is base:
+        return "–"
+    mine, theirs = cell.get(key, {}).get("p50", math.nan), base.get(key, {}).get("p50", math.nan)
+    return f"{fmt(theirs / mine, 1)}x" if mine and math.isfinite(mine) else "–"
+
+
+def tokenize_table(result: dict[str, Any]) -> str:
+    """--tokenize-compare: per workload and router, TTFT of follow-up turns on each tokenization set-up, and the
+    first set-up's (a full encode every turn) over each other's; '' when the run compared none."""
+    setups = list(result["settings"].get("tokenize_setups") or ())
+    if not setups:
+        return ""
+    by = {(c["workload"], c["router"], c.get("tokenize")): c for c in _cells(result)}
+    rows = []
+    for workload, router in dict.fromkeys((c["workload"], c["router"]) for c in _cells(result)):
+        base = by.get((workload, router, setups[0]))
+        for setup in setups:
+            c = by.get((workload, router, setup))
+            if c is None:
+                continue
+            follow, long = c.get("followup_ttft_ms", {}), c.get("followup_long_ttft_ms", {})
+            rows.append([workload, router, setup, f"{c.get('prompt_tokens_max', 0):,}",
+                         f"{fmt(follow.get('p50'), 0)} / {fmt(follow.get('p99'), 0)} ({follow.get('n', 0)})",
+                         f"{fmt(long.get('p50'), 0)} / {fmt(long.get('p99'), 0)} ({long.get('n', 0)})",
+                         _times(base, c, "followup_ttft_ms"), _times(base, c, "followup_long_ttft_ms")])
+    return markdown_table(["workload", "router", "tokenization", "longest prompt (tokens)",
+                           "follow-up TTFT p50 / p99 ms (n)", "follow-ups ≥ 100k tokens: p50 / p99 ms (n)",
+                           f"p50 {setups[0]} ÷ this", "≥ 100k: p50 ÷"], rows)
+
+
 def tables(result: dict[str, Any]) -> str:
     rows = []
     for c in _cells(result):
         orch = c["orchestrator"]
         skipped = orch.get("skipped_ctx")
-        rows.append([c["workload"], c["router"], f"{c['requests']} ({c['errors']})", fmt(c["requests_per_s"], 1),
+        rows.append([c["workload"], _router(c), f"{c['requests']} ({c['errors']})", fmt(c["requests_per_s"], 1),
                      fmt(c["hit_ratio"], 3), fmt(c["oracle_hit_ratio"], 3),
                      fmt(c["oracle_hit_ratio"] - c["hit_ratio"], 3), fmt(c["ttft_ms"]["p50"], 0),
                      fmt(c["ttft_ms"]["p99"], 0),
@@ -34,12 +71,13 @@ def tables(result: dict[str, Any]) -> str:
     main = markdown_table(["workload", "router", "requests (errors)", "req/s (mean)", "hit ratio", "oracle",
                            "oracle − hit", "TTFT p50 ms", "TTFT p99 ms", "CTX prefills min / max",
                            "CTX busy s min / max", "skipped CTX", "cores busy"], rows)
-    parts = [main]
+    compared = tokenize_table(result)
+    parts = [compared, "", main] if compared else [main]
     decisions = [c for c in _cells(result) if any(c["orchestrator"].get("routing_decisions", {}).values())]
     if decisions:
         names = sorted({d for c in decisions for d in c["orchestrator"]["routing_decisions"]})
         parts += ["", markdown_table(["workload", "router", *(f"CTX routing: {n}" for n in names)],
-                                     [[c["workload"], c["router"],
+                                     [[c["workload"], _router(c),
                                        *(f"{c['orchestrator']['routing_decisions'].get(n, 0):.0f}" for n in names)]
                                       for c in decisions])]
     skipped = [c for c in result["cells"] if "skipped" in c]
@@ -49,7 +87,7 @@ def tables(result: dict[str, Any]) -> str:
     errors = [c for c in _cells(result) if c["errors"]]
     if errors:
         parts += ["", "Errors:", ""]
-        parts += [f"- {c['router']} ({c['workload']}): {c['errors_by_kind']}; e.g. `{(c['error_samples'] or [''])[0]}`"
+        parts += [f"- {_router(c)} ({c['workload']}): {c['errors_by_kind']}; e.g. `{(c['error_samples'] or [''])[0]}`"
                   for c in errors]
     parts += ["", parameters_table(result)]
     return "\n".join(parts)
@@ -62,7 +100,12 @@ def parameters_table(result: dict[str, Any]) -> str:
                       "one orchestrator per run, fresh workers for every run"],
             ["engine", f"prefill {e['prefill_base_ms']:g} ms + uncached tokens / {e['prefill_tokens_per_s']:,.0f} "
                        f"tok/s, one at a time; LRU prefix cache {e['cache_tokens']:,} tokens per worker (16-token "
-                       f"blocks); decode {e['itl_ms']:g} ms/token"]]
+                       f"blocks); decode {e['itl_ms']:g} ms/token"],
+            ["tokenizer", "byte (one token per character, free)" if e.get("tokenizer", "byte") == "byte" else
+                          f"{e['tokenizer']} (sizes in its tokens: {s.get('chars_per_token', 1.0):.2f} characters "
+                          "per token of the work's text)"]]
+    for name, flags in s.get("tokenize_setup_flags", {}).items():
+        rows.append([f"tokenization: {name}", f"`{' '.join(flags)}`" if flags else "the workers' defaults"])
     for w in s["workloads"]:
         shared = (f"{w['systems']} shared prompt(s) of {w['system_tokens']:,} tokens" if w["systems"]
                   else "nothing shared")

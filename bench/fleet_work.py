@@ -1,5 +1,8 @@
 """bench.fleet's work: seeded sessions (conversations over shared system prompts, unrelated one-turn prompts, agent
-loops over one long tool prompt), the very same for every router."""
+loops over one long tool prompt, agent loops that grow past 100k tokens), the very same for every router.
+
+Sizes are in tokens of the workers' tokenizer: ``sessions`` writes ``chars_per_token`` characters for each (1 for the
+byte tokenizer; ``bench.common.chars_per_token`` measures it for ``--tokenizer reference``)."""
 
 from __future__ import annotations
 
@@ -14,8 +17,8 @@ class Workload:
     """Sessions of ``turns`` turns that start open-loop at ``session_rate`` per second for ``window_s`` seconds.
 
     A session opens with one of ``systems`` shared system prompts (none: nothing is shared); each turn adds a
-    message of ``turn_tokens`` tokens (a byte tokenizer: a character is a token), sent ``think_mean_s`` (mean,
-    exponential) after the previous answer came back."""
+    message of ``turn_tokens`` tokens, sent ``think_mean_s`` (mean, exponential) after the previous answer came
+    back."""
 
     name: str
     systems: int
@@ -49,7 +52,12 @@ UNRELATED = Workload("unrelated", systems=0, system_tokens=0, session_rate=40.0,
                      turn_tokens=(1_500, 3_500), think_mean_s=0.0, sessions_named=False)
 AGENT = Workload("agent", systems=1, system_tokens=8_000, session_rate=2.5, window_s=12.0, turns=8,
                  turn_tokens=(400, 1_500), think_mean_s=0.3, turn_prefix="Tool result:\n")
-WORKLOADS = {w.name: w for w in (CHAT, UNRELATED, AGENT)}
+# An agent over a large context (a repository, a long document: 90k tokens) whose loop grows it past 100k tokens: the
+# work where re-tokenizing the whole conversation every turn (what vLLM's server does) sets the follow-ups' TTFT.
+# Four such prompts, so that sessions share none and a worker's cache holds its sessions (with --cache-tokens 1M).
+AGENT_GROWING = Workload("agent_growing", systems=4, system_tokens=90_000, session_rate=0.4, window_s=10.0, turns=24,
+                      turn_tokens=(200, 1_000), think_mean_s=0.3, turn_prefix="Tool result:\n")
+WORKLOADS = {w.name: w for w in (CHAT, UNRELATED, AGENT, AGENT_GROWING)}
 
 
 _WORDS = ("the", "of", "and", "to", "in", "is", "for", "that", "with", "as", "on", "are", "by", "this", "be", "or",
@@ -68,17 +76,22 @@ def text(rng: random.Random, chars: int, head: str = "") -> str:
     return " ".join(words)[:chars]
 
 
-def sessions(workload: Workload, seed: int) -> list[Session]:
-    """The workload's sessions, the same for every router (one seed per workload)."""
+def sessions(workload: Workload, seed: int, chars_per_token: float = 1.0) -> list[Session]:
+    """The workload's sessions, the same for every router (one seed per workload); ``chars_per_token`` characters
+    of text for each token of a size (1, the byte tokenizer's, gives the work it always gave)."""
+
+    def chars(tokens: int) -> int:
+        return round(tokens * chars_per_token)
+
     rng = random.Random(f"{seed}-{workload.name}")
-    systems = [text(rng, workload.system_tokens, f"System prompt {i} ({workload.name}).")
+    systems = [text(rng, chars(workload.system_tokens), f"System prompt {i} ({workload.name}).")
                for i in range(workload.systems)]
     out: list[Session] = []
     t = rng.expovariate(workload.session_rate)
     index = 0
     while t < workload.window_s:
         system = systems[rng.randrange(len(systems))] if systems else None
-        turns = tuple(text(rng, rng.randint(*workload.turn_tokens),
+        turns = tuple(text(rng, chars(rng.randint(*workload.turn_tokens)),
                            f"{workload.turn_prefix}[{workload.name} {index}.{turn}]")
                       for turn in range(workload.turns))
         think = tuple(rng.expovariate(1 / workload.think_mean_s) if workload.think_mean_s > 0 else 0.0

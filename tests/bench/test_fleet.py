@@ -56,3 +56,27 @@ def test_tables_targets_block_and_plot(result: dict[str, Any], tmp_path: Path) -
     text = doc.read_text()
     assert text.count(fleet_report.BEGIN) == 1 and "other benchmarks" in text
     assert fleet_report.plot(result, tmp_path / "fleet.png").read_bytes()[:4] == b"\x89PNG"
+
+
+TINY_AGENT = replace(fleet_work.AGENT, system_tokens=600, session_rate=2.0, window_s=1.0, turns=2,
+                     turn_tokens=(50, 150), think_mean_s=0.05, max_tokens=4)
+TINY_COMPARE = replace(TINY, ctx_workers=1, engine=fleet.Engine(cache_tokens=4_096, tokenizer="reference"),
+                       workloads=(TINY_AGENT,), seed=2, tokenize_setups=tuple(fleet.TOKENIZE_SETUPS))
+
+
+def test_tokenize_compare_runs_the_work_on_each_setup_in_real_tokens() -> None:
+    result = fleet.run(TINY_COMPARE, ["cache_aware"])
+    cells = result["cells"]
+    assert [c["tokenize"] for c in cells] == list(fleet.TOKENIZE_SETUPS)
+    per_token = result["settings"]["chars_per_token"]
+    assert 2 < per_token < 4  # the reference BPE on the work's text, not one token per character
+    work = fleet_work.sessions(TINY_AGENT, TINY_COMPARE.seed, per_token)
+    for cell in cells:
+        assert cell["errors"] == 0, cell["error_samples"]
+        assert cell["followup_ttft_ms"]["n"] == len(work) and cell["followup_ttft_ms"]["p50"] > 0
+        # the longest prompt: the system prompt, two turns and an answer, in the reference tokenizer's tokens
+        assert 600 + 2 * 50 < cell["prompt_tokens_max"] < 1.2 * (600 + 2 * 150) + 60
+    assert cells[0]["prompt_tokens_max"] == cells[1]["prompt_tokens_max"]  # the same work, the same tokens
+    table = fleet_report.tables(result)
+    assert "| agent | cache_aware | full encode |" in table and "| agent | cache_aware | defaults |" in table
+    assert "cache_aware [defaults]" in table and "--tokenize-cache-mb 0 --tokenizer-backend tokenizers" in table
