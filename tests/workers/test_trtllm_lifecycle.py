@@ -12,6 +12,7 @@ import contextlib
 import logging
 import random
 import socket
+import threading
 import tracemalloc
 import uuid
 from collections.abc import Iterator
@@ -53,7 +54,7 @@ from tests.trtllm_wire import (
     trtllm_context_body,
     trtllm_generation_body,
 )
-from tests.waiting import eventually
+from tests.waiting import eventually, eventually_async
 from tests.workers.engines.reference.ledger import ADMIN_KEY
 from tests.workers.engines.reference.tiny_model import write_tiny_model
 from workers.context_artifacts import ARTIFACT_SATURATED
@@ -764,15 +765,14 @@ async def test_a_tombstone_keeps_digests_not_the_request_that_made_it() -> None:
     262,144 of them: ~32 GiB of 64 KiB bodies. Now a tombstone is a few hundred bytes, whatever was sent."""
     alone = _Alone("generation")
     control = alone.control
-    reason = "x" * 60_000
     try:
         tracemalloc.start()
         before = tracemalloc.get_traced_memory()[0]
-        for _ in range(100):
+        for i in range(100):
             identity, decision = alone.issue()
             assert decision.accepted
-            control.abort(GenerationGrantAbortRequest.model_validate({**alone.grant_identity(identity),
-                                                                       "reason": reason}))
+            body = orjson.dumps({**alone.grant_identity(identity), "reason": f"{i}" + "x" * 60_000})
+            control.abort(GenerationGrantAbortRequest.model_validate_json(body))  # as a route reads it
         held = tracemalloc.get_traced_memory()[0] - before
         tracemalloc.stop()
         assert held < 100 * 4096, held  # bb7e60b: over 100 x 60 KB
@@ -830,14 +830,24 @@ async def test_aborts_aimed_at_a_black_hole_never_delay_a_hand_off_pull(caplog: 
     own few connections: the pull is answered while every abort is still waiting on the black hole."""
     black_hole = socket.socket()
     black_hole.bind(("127.0.0.1", 0))
-    black_hole.listen(1024)  # connections complete in the backlog; nothing ever reads or answers them
+    black_hole.listen(1024)
     hole = f"127.0.0.1:{black_hole.getsockname()[1]}"
+    held: list[socket.socket] = []  # connections taken and never read from nor answered
+
+    def swallow() -> None:
+        while True:
+            try:
+                held.append(black_hole.accept()[0])
+            except OSError:
+                return
+
+    threading.Thread(target=swallow, daemon=True).start()
 
     async def handoff(request: Request) -> Response:
         return Response(b'{"ctx_request_id": "1"}', media_type="application/json")
 
     ctx_app = Starlette(routes=[Route(HANDOFF_PATH, handoff)])
-    alone = _Alone("generation", max_live_grants=1024, max_unbound_grants_per_caller=1024)
+    alone = _Alone("generation", max_live_grants=1024)
     control = alone.control
     try:
         with running(ctx_app) as ctx_url:
@@ -848,6 +858,8 @@ async def test_aborts_aimed_at_a_black_hole_never_delay_a_hand_off_pull(caplog: 
                     "schedule_style": 0})
                 assert control.issue(request, "gen:1").accepted
                 alone.abort(identity)  # spawns an abort POST to the black hole
+            # The aborts are in flight (bb7e60b: 100 of them, every connection of the shared client; now 8).
+            assert await eventually_async(lambda: len(held) >= 8)
             with caplog.at_level(logging.WARNING, logger="workers.lifecycle"):
                 params = await pull_handoff(control.http(), ctx_url, 7, 5.0)
                 assert params == {"ctx_request_id": "1"}
@@ -855,4 +867,6 @@ async def test_aborts_aimed_at_a_black_hole_never_delay_a_hand_off_pull(caplog: 
                 assert not [r for r in caplog.records if "abort" in r.getMessage()]
     finally:
         black_hole.close()
+        for connection in held:
+            connection.close()
         await control.aclose()
