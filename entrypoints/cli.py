@@ -256,7 +256,7 @@ def run_orchestrator(args: argparse.Namespace, argv: Sequence[str]) -> int:
         return STARTUP_FAILED
     try:
         app = create_orchestrator_app(config, api_key=args.api_key or None, admin_key=args.admin_key or None,
-                                      internal_secret=secret)
+                                      internal_secret=secret, trtllm_auth_key=trtllm_auth_key_from_env())
     except ConfigError as exc:  # e.g. a tenant whose key's environment variable is not set
         print(f"disagg-serve orchestrator: {exc}", file=sys.stderr)
         listener.close()

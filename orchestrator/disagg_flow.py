@@ -57,7 +57,7 @@ GenAnswer = Reply | OpenStream  # a whole answer, or a 200 stream whose body is 
 
 class DisaggFlow:
     def __init__(self, config: OrchestratorConfig, ctx_pool: WorkerPool, gen_pool: WorkerPool, metrics: Metrics,
-                 protocol: WorkerProtocol | None = None) -> None:
+                 protocol: WorkerProtocol | None = None, trtllm_auth_key: str | None = None) -> None:
         self.config = config
         self.ctx_pool = ctx_pool
         self.gen_pool = gen_pool
@@ -67,8 +67,9 @@ class DisaggFlow:
         self.retry = RetryPolicy(config.max_retries, metrics)
         self.retry_once = RetryPolicy(0, metrics)  # one worker, the one chosen: for a prompt only it holds
         self.releaser = HandoffReleaser(ctx_pool, self.protocol_of)
-        self.trtllm = TrtllmProtocol(strip_message_history=config.gen_strip_message_history)
-        self.lifecycle = LifecycleClient(config.trtllm, metrics)  # lifecycle v1 to trtllm-serve pairs that offer it
+        # trtllm_auth_key: TensorRT-LLM's internal_request_auth_key, for trtllm-serve workers that require it.
+        self.trtllm = TrtllmProtocol(strip_message_history=config.gen_strip_message_history, auth_key=trtllm_auth_key)
+        self.lifecycle = LifecycleClient(config.trtllm, metrics, trtllm_auth_key)  # v1 to trtllm-serve pairs
         self.ctx_latency = LabelledChildren(metrics.ctx_latency)  # by worker, looked up once per worker
         self.gen_first_byte = LabelledChildren(metrics.gen_first_byte)
         # The prefix chain costs one pass over the prompt: computed only where something reads it.
@@ -181,6 +182,7 @@ class DisaggFlow:
                 await self.lifecycle.settle(request.lifecycle, ok=False, reason="context-first coordinator "
                                             "request failed")
                 raise
+        self.trtllm.sign(request.headers, request.ctx.handoff)  # for GEN, sent what CTX handed off
         return request.ctx
 
     def ctx_speaks_v1(self, ctx: PoolMember) -> bool:

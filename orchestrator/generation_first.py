@@ -52,6 +52,8 @@ async def run_generation_first(flow: DisaggFlow, request: FlowRequest) -> Answer
         else:
             gen = flow.gen_pool.pick(key, [w for w in flow.gen_pool.workers if w.protocol != "trtllm"])
         request.ctx_worker, request.gen_worker = ctx.url, gen.url
+        # GEN's request names the CTX it will ask for its hand-off: signed where trtllm-serve requires it.
+        flow.trtllm.sign(request.headers, {"ctx_info_endpoint": (ctx.disagg_info or {}).get("ctx_info_endpoint")})
         ctx_body, gen_body = flow.trtllm.generation_first_requests(
             request.body, disagg_request_id=request_id, conversation_id=request.conversation_id,
             ctx_info=ctx.disagg_info, lifecycle=attempt.ctx_params() if attempt is not None else None)

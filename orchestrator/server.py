@@ -110,15 +110,17 @@ def create_orchestrator_app(
     admin_key: str | None = None,
     response_store: ResponseStore | None = None,
     internal_secret: InternalSecret | None = None,
+    trtllm_auth_key: str | None = None,
 ) -> FastPathApp:
     """``internal_secret``: the deployment secret (``DISAGG_INTERNAL_TOKEN``, read by the CLI at start-up), sent to
-    the workers on every call so that their internal routes let this orchestrator in."""
+    the workers on every call so that their internal routes let this orchestrator in; ``trtllm_auth_key``:
+    TensorRT-LLM's ``internal_request_auth_key``, for trtllm-serve workers that require its signatures."""
     metrics = metrics or Metrics()
     worker_headers = internal_secret.headers() if internal_secret is not None else None
     ctx_pool = _pool(CTX_POOL_NAME, config.context_servers, config, metrics, "cache_aware", worker_headers)
     gen_pool = _pool(GEN_POOL_NAME, config.generation_servers, config, metrics, "round_robin", worker_headers)
     pools = {"context": ctx_pool, "generation": gen_pool}
-    flow = DisaggFlow(config, ctx_pool, gen_pool, metrics)
+    flow = DisaggFlow(config, ctx_pool, gen_pool, metrics, trtllm_auth_key=trtllm_auth_key)
     # previous_response_id and store: only /v1/responses reaches it.
     if response_store is None:
         response_store = make_response_store(config.response_store, metrics)

@@ -26,6 +26,7 @@ from typing import Any
 import orjson
 
 from frontend.errors import UnsupportedParameterError, UpstreamError
+from frontend.trtllm_auth import TRTLLM_AUTH_HEADER, needs_request_signature, request_signature
 from frontend.trtllm_identity import LIFECYCLE_FIELDS
 from orchestrator.b64_splice import encode_with_b64, parse_with_b64_span
 from orchestrator.client_body import encode
@@ -51,8 +52,19 @@ def new_request_id() -> int:
 
 
 class TrtllmProtocol:
-    def __init__(self, *, strip_message_history: bool = False) -> None:
+    def __init__(self, *, strip_message_history: bool = False, auth_key: str | None = None) -> None:
+        """``auth_key``: TensorRT-LLM's ``internal_request_auth_key``, when trtllm-serve workers require its
+        signatures (frontend/trtllm_auth.py)."""
         self.strip_message_history = strip_message_history
+        self.auth_key = auth_key
+
+    def sign(self, headers: dict[str, str], params: Mapping[str, Any] | None) -> None:
+        """Add TensorRT-LLM's ``x-trtllm-disagg-auth`` to ``headers`` (a request's, for its GEN call) where the
+        GEN request's ``disaggregated_params`` carry what a trtllm-serve worker with a key refuses unsigned: the
+        KV's opaque state or the CTX endpoint (both are what GEN gets of ``params``, unchanged)."""
+        if self.auth_key is not None and needs_request_signature(params):
+            assert params is not None
+            headers[TRTLLM_AUTH_HEADER] = request_signature(self.auth_key, params)
 
     def context_request(self, body: dict[str, Any], *, return_prompt_tokens: bool,
                         conversation_id: str | None = None, disagg_request_id: int | None = None,

@@ -32,6 +32,7 @@ from pydantic import BaseModel
 from frontend.config import TrtllmConfig
 from frontend.errors import UpstreamError
 from frontend.metrics import Metrics
+from frontend.trtllm_auth import TRTLLM_AUTH_HEADER, control_signature
 from frontend.trtllm_identity import GENERATION_ENDPOINT_FIELDS, IDENTITY_FIELDS, new_identity
 from frontend.trtllm_lifecycle import (
     CONTEXT_ARTIFACT_ABORT_PATH,
@@ -125,9 +126,12 @@ class Attempt:
 
 
 class LifecycleClient:
-    def __init__(self, config: TrtllmConfig, metrics: Metrics) -> None:
+    def __init__(self, config: TrtllmConfig, metrics: Metrics, auth_key: str | None = None) -> None:
+        """``auth_key``: TensorRT-LLM's ``internal_request_auth_key``: each control call then carries its signature
+        of the route and the body (frontend/trtllm_auth.py), as its own orchestrator's do."""
         self.config = config
         self.metrics = metrics
+        self.auth_key = auth_key
 
     def count(self, event: str) -> None:
         self.metrics.trtllm_lifecycle.labels(event=event).inc()
@@ -319,9 +323,11 @@ class LifecycleClient:
         self.count(event)
 
     async def _post(self, member: PoolMember, path: str, request: BaseModel) -> Reply:
-        body = encode(request.model_dump(mode="json"))
+        fields = request.model_dump(mode="json")
+        headers = ({TRTLLM_AUTH_HEADER: control_signature(self.auth_key, path, fields)}
+                   if self.auth_key is not None else None)
         async with asyncio.timeout(self.config.admission_timeout_s):
-            return await member.transport.post(path, body)
+            return await member.transport.post(path, encode(fields), headers)
 
 
 def _partial_endpoint(decision: GenerationGrantDecisionResponse) -> dict[str, Any]:
