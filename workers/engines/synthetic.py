@@ -82,7 +82,7 @@ def reference_tokens(tokenize: TokenizeConfig | None = None) -> EngineTokens:
     from workers.engines.reference.tokenizer import GGUFTokenizer
 
     meta = _reference_metadata()
-    tokenizer = GGUFTokenizer(meta)
+    tokenizer = GGUFTokenizer(meta, tokenize)
     cycle = tuple(int(t) for t in tokenizer.encode(SYNTHETIC_TEXT.decode()))
     eos = meta.eos_token_id if meta.eos_token_id is not None else min(tokenizer.eos_token_ids)
     return EngineTokens(tokenizer, Answer(cycle, eos))
