@@ -183,3 +183,17 @@ def test_the_byte_tokenizer_is_there_before_start_and_an_unknown_one_is_refused(
     assert SyntheticEngine().get_tokenizer().vocab_size == SyntheticConfig().vocab_size
     with pytest.raises(ValueError, match="unknown tokenizer"):
         SyntheticEngine(tokenizer="bpe")
+
+
+async def test_the_workers_tokenize_settings_reach_the_reference_tokenizer() -> None:
+    from workers.engines.options import TokenizeConfig
+    from workers.engines.reference.tokenizer import GGUFTokenizer
+
+    options = EngineOptions(tokenizer="reference", tokenize=TokenizeConfig(cache_bytes=0, backend="tokenizers"))
+    engine = create_engine("synthetic", options)
+    await engine.start()
+    tokenizer = engine.get_tokenizer()  # type: ignore[attr-defined]
+    assert isinstance(tokenizer, GGUFTokenizer)
+    tokenizer.encode("What --tokenize-cache-mb 0 --tokenizer-backend tokenizers asks for: today's full encode.")
+    stats = tokenizer.tokenize_stats()
+    assert stats is not None and stats.encoder == "tokenizers" and stats.cache is None
