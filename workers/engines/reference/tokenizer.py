@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pathlib
+import threading
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -12,7 +13,9 @@ import numpy.typing as npt
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
+from workers.engines.options import TokenizeConfig
 from workers.engines.reference.model_file import TokenizerMetadata
+from workers.tokenization.prompt_encoder import PromptEncoder, TokenizeStats
 
 I32Array = npt.NDArray[np.int32]
 
@@ -86,8 +89,32 @@ class TokenDecoder(Protocol):
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
 
 
+class LazyPromptEncoder:
+    """A tokenizer's ``PromptEncoder``, built on the first prompt: the engine core and checkpoint conversion build
+    tokenizers too, and never encode a prompt, so they never pay for loading the encoder."""
+
+    def __init__(self, tokenizer: Tokenizer, config: TokenizeConfig | None) -> None:
+        self._tokenizer = tokenizer
+        self._config = config
+        self._encoder: PromptEncoder | None = None
+        self._lock = threading.Lock()
+
+    def get(self) -> PromptEncoder:
+        encoder = self._encoder
+        if encoder is None:
+            with self._lock:
+                if self._encoder is None:
+                    self._encoder = PromptEncoder(self._tokenizer, self._config)
+                encoder = self._encoder
+        return encoder
+
+    def stats(self) -> TokenizeStats | None:
+        """None until the first prompt."""
+        return None if self._encoder is None else self._encoder.stats()
+
+
 class GGUFTokenizer:
-    def __init__(self, meta: TokenizerMetadata) -> None:
+    def __init__(self, meta: TokenizerMetadata, tokenize: TokenizeConfig | None = None) -> None:
         if meta.model != "gpt2":
             raise TokenizerError(
                 f"tokenizer model {meta.model!r} is not supported (only byte-level BPE 'gpt2')"
@@ -121,6 +148,7 @@ class GGUFTokenizer:
         self._bos_token = meta.tokens[meta.bos_token_id] if meta.bos_token_id is not None else ""
         self._eos_token = meta.tokens[meta.eos_token_id] if meta.eos_token_id is not None else ""
         self._template = self._compile_template(meta.chat_template)
+        self._prompts = LazyPromptEncoder(tokenizer, tokenize)
 
     @staticmethod
     def _compile_template(source: str | None) -> jinja2.Template | None:
@@ -143,9 +171,12 @@ class GGUFTokenizer:
         return str(self._tokenizer.to_str())
 
     def encode(self, text: str) -> I32Array:
-        """Token ids for text; control tokens written in the text become their single ids."""
-        ids = self._tokenizer.encode(text, add_special_tokens=False).ids
-        return np.asarray(ids, dtype=np.int32)
+        """Token ids for text (read-only); control tokens written in the text become their single ids. A text
+        that extends one encoded recently encodes only what it adds (workers/tokenization)."""
+        return self._prompts.get().encode(text)
+
+    def tokenize_stats(self) -> TokenizeStats | None:
+        return self._prompts.stats()
 
     def decode(
         self, ids: Sequence[int] | npt.NDArray[np.integer[Any]], skip_special_tokens: bool = True

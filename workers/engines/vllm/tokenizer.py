@@ -17,11 +17,14 @@ import numpy as np
 import numpy.typing as npt
 from tokenizers import Tokenizer
 
+from workers.engines.options import TokenizeConfig
 from workers.engines.reference.tokenizer import (
     IncrementalDetokenizer,
+    LazyPromptEncoder,
     compile_chat_template,
     render_chat_template,
 )
+from workers.tokenization.prompt_encoder import TokenizeStats
 
 
 class CheckpointError(FileNotFoundError):
@@ -49,7 +52,7 @@ def _ids(value: Any) -> set[int]:
 
 
 class HFTokenizer:
-    def __init__(self, folder: pathlib.Path) -> None:
+    def __init__(self, folder: pathlib.Path, tokenize: TokenizeConfig | None = None) -> None:
         path = folder / "tokenizer.json"
         if not path.is_file():
             raise CheckpointError(f"{folder} has no tokenizer.json (only fast tokenizers are supported)")
@@ -69,6 +72,7 @@ class HFTokenizer:
             eos.add(eos_id)
         self._eos_ids = frozenset(eos)
         self._vocab_size = int(model_config.get("vocab_size") or self._tokenizer.get_vocab_size())
+        self._prompts = LazyPromptEncoder(self._tokenizer, tokenize)
 
     @property
     def vocab_size(self) -> int:
@@ -79,8 +83,11 @@ class HFTokenizer:
         return self._eos_ids
 
     def encode(self, text: str) -> npt.NDArray[np.int32]:
-        # add_special_tokens=False: a chat template writes its own BOS; a raw completion prompt is used as sent.
-        return np.asarray(self._tokenizer.encode(text, add_special_tokens=False).ids, dtype=np.int32)
+        # No special tokens added: a chat template writes its own BOS; a raw completion prompt is used as sent.
+        return self._prompts.get().encode(text)
+
+    def tokenize_stats(self) -> TokenizeStats | None:
+        return self._prompts.stats()
 
     def decode(self, ids: Sequence[int] | npt.NDArray[np.integer[Any]], skip_special_tokens: bool = True) -> str:
         return self._tokenizer.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)

@@ -1,0 +1,286 @@
+"""The prompt encoder's ids equal one whole ``tokenizers`` encode, turn after turn, for every tokenizer we ship or test.
+
+The property: a conversation grows turn by turn through one encoder (so its cache serves every follow-up), with
+rewrites of earlier turns and regenerated answers mixed in, and every prompt's ids equal a fresh whole encode of
+the same rendered text by Hugging Face ``tokenizers``."""
+
+from __future__ import annotations
+
+import json
+import logging
+import pathlib
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+from gguf import GGUFReader
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from tokenizers import Tokenizer
+
+from tests.workers.engines.reference.tiny_model import write_tiny_model
+from workers.engines.options import TokenizeConfig
+from workers.engines.reference.model_file import _read_tokenizer, default_model_path
+from workers.engines.reference.tokenizer import GGUFTokenizer, compile_chat_template, render_chat_template
+from workers.engines.vllm.tokenizer import HFTokenizer
+from workers.tokenization import prompt_encoder as prompt_encoder_module
+from workers.tokenization.prompt_encoder import PARALLEL_MIN_CHARS, PromptEncoder
+
+# Pieces of message text: words, digits, scripts, emoji, whitespace runs, code, tool calls, long runs without
+# spaces, and text that spells (or almost spells) a special token.
+FRAGMENTS = [
+    "the", "model", " serves", "tokens", "at long prompts", "κόσμε", "日本語のテキスト", "한국어", "🙂", "👩‍👩‍👧",
+    "🇫🇷", "1234567890", "3.14159", "2026-12-07", "  ", "\n", "\n\n", "\t", "   \n  ", "don't", "I'll", "foo_bar()",
+    "if x == 1:\n    return x", '{"name": "get_weather", "arguments": {"city": "Paris"}}',
+    "<tool_call>", "</tool_call>", "a" * 300, "x1y2z3" * 40, "<|im_end|>", "<|im_start|>", "<|endoftext|>",
+    "<|im_", "im_end|>", "<", ">", "<<|im_start|>>", "naïve café", "½ ∑ —",
+]
+ROLES = ["user", "assistant", "system", "tool"]
+
+message_text = st.lists(st.sampled_from(FRAGMENTS), min_size=0, max_size=12).map(" ".join)
+messages = st.lists(st.tuples(st.sampled_from(ROLES), message_text), min_size=1, max_size=8)
+# What a client does next: add a turn, rewrite an earlier one, or regenerate (replace the last answer).
+edits = st.lists(st.tuples(st.sampled_from(["append", "rewrite", "regenerate"]), message_text,
+                           st.integers(min_value=0, max_value=20)), min_size=1, max_size=6)
+
+Render = Callable[[list[dict[str, str]]], str]
+
+
+def _reference() -> GGUFTokenizer:
+    return GGUFTokenizer(_read_tokenizer(GGUFReader(default_model_path())))
+
+
+@pytest.fixture(scope="module")
+def reference() -> GGUFTokenizer:
+    return _reference()
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> GGUFTokenizer:
+    path = write_tiny_model(tmp_path_factory.mktemp("tiny") / "tiny.gguf", seed=0)
+    return GGUFTokenizer(_read_tokenizer(GGUFReader(path)))
+
+
+@pytest.fixture(scope="module")
+def hf_checkpoint(tmp_path_factory: pytest.TempPathFactory, reference: GGUFTokenizer) -> HFTokenizer:
+    """The vllm engine's tokenizer, as it reads a checkpoint folder (the reference model converted)."""
+    folder = tmp_path_factory.mktemp("checkpoint")
+    reference.save(folder / "tokenizer.json")
+    template = GGUFReader(default_model_path()).get_field("tokenizer.chat_template")
+    assert template is not None
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "chat_template": template.contents(), "bos_token": "<|im_start|>", "eos_token": "<|im_end|>"}))
+    return HFTokenizer(folder)
+
+
+def _whole(tokenizer: Tokenizer, text: str) -> list[int]:
+    return list(tokenizer.encode(text, add_special_tokens=False).ids)
+
+
+def _apply(conversation: list[dict[str, str]], edit: tuple[str, str, int]) -> list[dict[str, str]]:
+    kind, text, where = edit
+    if kind == "append" or not conversation:
+        role = "user" if not conversation or conversation[-1]["role"] != "user" else "assistant"
+        return [*conversation, {"role": role, "content": text}]
+    if kind == "rewrite":
+        index = where % len(conversation)
+        return [*conversation[:index], {**conversation[index], "content": text}, *conversation[index + 1:]]
+    return [*conversation[:-1], {"role": conversation[-1]["role"], "content": text}]
+
+
+def _check_conversation(encoder: PromptEncoder, hf: Tokenizer, render: Render,
+                        start: list[tuple[str, str]], steps: list[tuple[str, str, int]]) -> None:
+    conversation = [{"role": role, "content": text} for role, text in start]
+    for step in [None, *steps]:
+        if step is not None:
+            conversation = _apply(conversation, step)
+        text = render(conversation)
+        ids = encoder.encode(text)
+        assert ids.dtype == np.int32 and not ids.flags.writeable
+        assert ids.tolist() == _whole(hf, text), text
+
+
+PROPERTY = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+
+@PROPERTY
+@given(start=messages, steps=edits)
+def test_reference_tokenizer_turn_after_turn(reference: GGUFTokenizer, start: list[tuple[str, str]],
+                                            steps: list[tuple[str, str, int]]) -> None:
+    encoder = PromptEncoder(reference._tokenizer, TokenizeConfig(cache_bytes=1 << 20))
+    _check_conversation(encoder, reference._tokenizer, reference.render_chat, start, steps)
+
+
+@PROPERTY
+@given(start=messages, steps=edits)
+def test_vllm_checkpoint_tokenizer_turn_after_turn(hf_checkpoint: HFTokenizer, start: list[tuple[str, str]],
+                                                   steps: list[tuple[str, str, int]]) -> None:
+    encoder = PromptEncoder(hf_checkpoint._tokenizer, TokenizeConfig(cache_bytes=1 << 20))
+    _check_conversation(encoder, hf_checkpoint._tokenizer, hf_checkpoint.render_chat, start, steps)
+
+
+@PROPERTY
+@given(start=messages, steps=edits)
+def test_tiny_test_tokenizer_turn_after_turn(tiny: GGUFTokenizer, start: list[tuple[str, str]],
+                                             steps: list[tuple[str, str, int]]) -> None:
+    encoder = PromptEncoder(tiny._tokenizer, TokenizeConfig(cache_bytes=1 << 20))
+    _check_conversation(encoder, tiny._tokenizer, tiny.render_chat, start, steps)
+
+
+# A template that renders an earlier turn differently once later turns exist (it marks only the latest user turn):
+# the cache must then reuse less, never give different ids.
+SHIFTING_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% if loop.index == messages|length and m['role'] == 'user' %}[latest] {% endif %}"
+    "{{ m['content'] }}<|im_end|>\n{% endfor %}<|im_start|>assistant\n"
+)
+
+
+@PROPERTY
+@given(start=messages, steps=edits)
+def test_a_template_that_rewrites_earlier_turns_costs_reuse_not_exactness(
+        reference: GGUFTokenizer, start: list[tuple[str, str]], steps: list[tuple[str, str, int]]) -> None:
+    template = compile_chat_template(SHIFTING_TEMPLATE)
+    encoder = PromptEncoder(reference._tokenizer, TokenizeConfig(cache_bytes=1 << 20))
+    _check_conversation(encoder, reference._tokenizer,
+                        lambda conversation: render_chat_template(template, conversation, True, "", ""),
+                        start, steps)
+
+
+def _long_conversation(turns: int, words_per_turn: int) -> list[dict[str, str]]:
+    rng = np.random.default_rng(7)
+    conversation = [{"role": "system", "content": "You are a careful assistant."}]
+    for turn in range(turns):
+        chosen = rng.choice(len(FRAGMENTS), size=words_per_turn)
+        conversation.append({"role": "user" if turn % 2 == 0 else "assistant",
+                             "content": " ".join(FRAGMENTS[i] for i in chosen)})
+    return conversation
+
+
+def test_a_long_new_prompt_cut_before_spaces_for_threads_is_exact(reference: GGUFTokenizer) -> None:
+    encoder = PromptEncoder(reference._tokenizer, TokenizeConfig(cache_bytes=0, threads=4))
+    text = reference.render_chat(_long_conversation(6, 6_000))
+    pieces, _ = encoder._pieces(text, 0, encoder._rules.ends_of_added_tokens(text))
+    assert len(text) > PARALLEL_MIN_CHARS and len(pieces) > 16  # cut inside turns, not only between them
+    assert encoder.encode(text).tolist() == _whole(reference._tokenizer, text)
+
+
+def test_a_follow_up_turn_encodes_only_what_it_adds(reference: GGUFTokenizer,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    encoder = PromptEncoder(reference._tokenizer, TokenizeConfig())
+    conversation = _long_conversation(20, 400)
+    first = reference.render_chat(conversation)
+    first_ids = encoder.encode(first)
+    encoded: list[int] = []
+    original = encoder._encoder.encode_pieces
+
+    def counting(pieces: list[str]) -> object:
+        encoded.append(sum(len(p) for p in pieces))
+        return original(pieces)
+
+    monkeypatch.setattr(encoder._encoder, "encode_pieces", counting)
+    follow_up = reference.render_chat([*conversation, {"role": "assistant", "content": "Sure."},
+                                       {"role": "user", "content": "And then?"}])
+    ids = encoder.encode(follow_up)
+    assert ids.tolist() == _whole(reference._tokenizer, follow_up)
+    assert sum(encoded) < 100  # the new turns and the generation prompt, not the 20 turns before them
+    stats = encoder.stats()
+    assert stats.cache is not None and stats.cache.hits == 1 and stats.cache.entries == 1  # the turn replaced it
+    assert stats.cache.reused_tokens == first_ids.size - 3  # all but "assistant\n", which follows the last cut
+
+
+def test_the_cache_stays_within_its_bytes_least_recently_used_out_first(reference: GGUFTokenizer) -> None:
+    encoder = PromptEncoder(reference._tokenizer, TokenizeConfig(cache_bytes=200_000))
+    texts = [reference.render_chat([{"role": "user", "content": f"conversation {i} " + "word " * 4000}])
+             for i in range(6)]
+    for text in texts:
+        encoder.encode(text)
+    stats = encoder.stats().cache
+    assert stats is not None and stats.bytes <= 200_000 and stats.evictions > 0
+
+    def reused_by(text: str) -> int:
+        before = encoder.stats().cache.reused_tokens  # type: ignore[union-attr]
+        encoder.encode(text)
+        return encoder.stats().cache.reused_tokens - before  # type: ignore[union-attr]
+
+    assert reused_by(texts[-1] + "more") > 4000  # the newest is still held whole
+    assert reused_by(texts[0] + "more") < 100  # of the oldest, only the system prompt all of them share
+
+
+def test_off_means_no_cache_and_still_exact(reference: GGUFTokenizer) -> None:
+    encoder = PromptEncoder(reference._tokenizer, TokenizeConfig(cache_bytes=0))
+    text = reference.render_chat(_long_conversation(4, 50))
+    assert encoder.encode(text).tolist() == encoder.encode(text).tolist() == _whole(reference._tokenizer, text)
+    assert encoder.stats().cache is None
+
+
+def test_fastokens_builds_no_python_list_of_ids(reference: GGUFTokenizer, monkeypatch: pytest.MonkeyPatch) -> None:
+    encoder = PromptEncoder(reference._tokenizer, TokenizeConfig(cache_bytes=0))
+    assert encoder.encoder_name == "fastokens"
+
+    def no_list(*args: object, **kwargs: object) -> object:
+        raise AssertionError("tokenizers was asked for a list of ids")
+
+    monkeypatch.setattr(Tokenizer, "encode", no_list)
+    monkeypatch.setattr(Tokenizer, "encode_batch", no_list)
+    ids = encoder.encode("Hello, world! " * 100 + "<|im_end|>")
+    assert ids.size > 0 and isinstance(ids.base, bytes | np.ndarray)
+
+
+def test_a_tokenizer_fastokens_cannot_load_keeps_tokenizers_and_says_so(
+        reference: GGUFTokenizer, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    import fastokens
+
+    def refuse(*args: object, **kwargs: object) -> object:
+        raise ValueError("unsupported component")
+
+    monkeypatch.setattr(fastokens.Tokenizer, "from_json_str", refuse)
+    with caplog.at_level(logging.WARNING, logger="disagg.worker.tokenization"):
+        encoder = PromptEncoder(reference._tokenizer, TokenizeConfig())
+    assert encoder.encoder_name == "tokenizers"
+    assert [r.getMessage() for r in caplog.records if "fastokens cannot load" in r.getMessage()]
+    text = reference.render_chat(_long_conversation(3, 40))
+    assert encoder.encode(text).tolist() == _whole(reference._tokenizer, text)
+
+
+def test_the_tokenizers_backend_is_the_baseline(reference: GGUFTokenizer) -> None:
+    assert PromptEncoder(reference._tokenizer, TokenizeConfig(backend="tokenizers")).encoder_name == "tokenizers"
+
+
+def _with_added_token_flags(tokenizer: Tokenizer, tmp_path: pathlib.Path, **flags: object) -> Tokenizer:
+    spec = json.loads(tokenizer.to_str())
+    for token in spec["added_tokens"]:
+        token.update(flags)
+    path = tmp_path / "tokenizer.json"
+    path.write_text(json.dumps(spec))
+    return Tokenizer.from_file(str(path))
+
+
+@pytest.mark.parametrize("flags", [{"rstrip": True}, {"lstrip": True}, {"single_word": True}])
+def test_added_tokens_that_absorb_neighbours_are_never_cut_after(
+        reference: GGUFTokenizer, tmp_path: pathlib.Path, flags: dict[str, object],
+        caplog: pytest.LogCaptureFixture) -> None:
+    tokenizer = _with_added_token_flags(reference._tokenizer, tmp_path, **flags)
+    with caplog.at_level(logging.WARNING, logger="disagg.worker.tokenization"):
+        encoder = PromptEncoder(tokenizer, TokenizeConfig())
+    assert encoder.stats().cache is None
+    assert [r for r in caplog.records if "encoded whole" in r.getMessage()]
+    conversation = _long_conversation(4, 60)
+    for end in range(1, len(conversation) + 1):
+        text = reference.render_chat(conversation[:end]) + "  <|im_end|>  x"
+        assert encoder.encode(text).tolist() == _whole(tokenizer, text)
+
+
+def test_a_first_piece_pre_tokenizer_is_never_cut(tmp_path: pathlib.Path, reference: GGUFTokenizer) -> None:
+    spec = json.loads(reference._tokenizer.to_str())
+    spec["pre_tokenizer"] = {"type": "Metaspace", "replacement": "▁", "prepend_scheme": "first", "split": True}
+    path = tmp_path / "tokenizer.json"
+    path.write_text(json.dumps(spec))
+    encoder = PromptEncoder(Tokenizer.from_file(str(path)), TokenizeConfig())
+    assert encoder.stats().cache is None
+    assert any("Metaspace" in r for r in encoder._rules.refusals)
+
+
+def test_encoder_threads_follow_the_host(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(prompt_encoder_module.os, "sched_getaffinity", lambda pid: {0, 1, 2})
+    assert prompt_encoder_module.host_threads() == 3

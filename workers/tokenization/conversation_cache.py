@@ -1,0 +1,156 @@
+"""The ids of recent prompts, by their text: a follow-up turn encodes only what it adds to its conversation.
+
+Each entry is a prompt's text up to its last exact cut (``cut_rules``: after its last added token), its ids up to
+there, and every exact cut inside it with the number of ids before it. A new prompt reuses the entry that agrees
+with it the longest, up to the last cut where they still agree, and encodes only the rest. Because a cut is exact
+whatever follows it, that holds for any later text: a follow-up turn, a regenerated last answer, or a client that
+rewrote an earlier turn (it reuses what comes before the edit). There is no key to get wrong: entries are found by
+their text alone, so a template that renders an earlier turn differently once later turns exist simply agrees for
+less of its length.
+
+Entries are kept sorted by text: the entry sharing the longest prefix with a prompt is one of the two beside the
+prompt's place in that order, so a look-up is a binary search of string comparisons (each stops at the first
+differing character) instead of a hash of the whole prompt. An entry that a later prompt extends is replaced by it,
+so a conversation holds one entry. Bounded in bytes (text, ids and cuts), least recently used out first.
+"""
+
+from __future__ import annotations
+
+import bisect
+import sys
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from frontend.token_codec import TokenArray
+
+Cuts = npt.NDArray[np.int64]
+
+_ENTRY_OVERHEAD_BYTES = 256  # the entry object, its arrays' headers, the list slots and the LRU's node
+
+
+@dataclass(frozen=True, slots=True)
+class CachedPrompt:
+    text: str  # a prompt up to its last exact cut
+    ids: TokenArray  # its ids (read-only)
+    char_cuts: Cuts  # increasing offsets in ``text`` where a cut is exact; the last is len(text)
+    token_cuts: Cuts  # ids before each of them
+
+    @property
+    def nbytes(self) -> int:
+        return sys.getsizeof(self.text) + self.ids.nbytes + self.char_cuts.nbytes + self.token_cuts.nbytes \
+            + _ENTRY_OVERHEAD_BYTES
+
+    def agreement(self, text: str) -> int:
+        """How many of this entry's cuts ``text`` agrees with it up to (0: none)."""
+        if text.startswith(self.text):
+            return len(self.char_cuts)
+        cuts = self.char_cuts
+        agreed, disagreed, agreed_chars = 0, len(cuts), 0  # agreed cuts hold; cut `disagreed` does not
+        while disagreed - agreed > 1:
+            middle = (agreed + disagreed) // 2
+            end = int(cuts[middle - 1])
+            # Compare only the stretch not yet known to agree: no copy of what was already compared.
+            if text.startswith(self.text[agreed_chars:end], agreed_chars):
+                agreed, agreed_chars = middle, end
+            else:
+                disagreed = middle
+        return agreed
+
+
+@dataclass(frozen=True, slots=True)
+class Reuse:
+    """What a prompt takes from the cache: its first ``chars`` characters are ``ids`` (with the cuts inside)."""
+
+    chars: int
+    ids: TokenArray
+    char_cuts: Cuts
+    token_cuts: Cuts
+
+
+@dataclass(frozen=True, slots=True)
+class CacheStats:
+    lookups: int
+    hits: int
+    reused_tokens: int  # ids taken from the cache instead of being encoded again
+    entries: int
+    bytes: int
+    max_bytes: int
+    evictions: int
+
+
+class ConversationCache:
+    """Thread-safe: the worker encodes long prompts in threads, several at once."""
+
+    def __init__(self, max_bytes: int) -> None:
+        if max_bytes <= 0:
+            raise ValueError("a conversation cache needs a positive size")
+        self._max_bytes = max_bytes
+        self._lock = threading.Lock()
+        self._texts: list[str] = []  # sorted; self._entries[i].text is self._texts[i]
+        self._entries: list[CachedPrompt] = []
+        self._lru: OrderedDict[int, CachedPrompt] = OrderedDict()  # id(entry) -> entry, least recent first
+        self._bytes = 0
+        self._lookups = self._hits = self._reused = self._evictions = 0
+
+    def reuse(self, text: str) -> Reuse | None:
+        """The longest exact start of ``text`` whose ids are cached; None when nothing agrees."""
+        with self._lock:
+            self._lookups += 1
+            place = bisect.bisect_right(self._texts, text)
+            best: tuple[int, CachedPrompt] | None = None
+            for entry in self._entries[max(place - 1, 0): place + 1]:
+                agreed = entry.agreement(text)
+                if agreed and (best is None or agreed > best[0]):
+                    best = (agreed, entry)
+            if best is None:
+                return None
+            agreed, entry = best
+            self._lru.move_to_end(id(entry))
+            tokens = int(entry.token_cuts[agreed - 1])
+            self._hits += 1
+            self._reused += tokens
+        return Reuse(int(entry.char_cuts[agreed - 1]), entry.ids[:tokens], entry.char_cuts[:agreed],
+                     entry.token_cuts[:agreed])
+
+    def store(self, entry: CachedPrompt) -> None:
+        """Keep ``entry``; an entry it extends (the same conversation, a turn earlier) goes."""
+        size = entry.nbytes
+        if size > self._max_bytes or not entry.text:
+            return
+        with self._lock:
+            place = bisect.bisect_left(self._texts, entry.text)
+            if place < len(self._texts) and self._texts[place] == entry.text:
+                self._lru.move_to_end(id(self._entries[place]))
+                return
+            if place > 0 and entry.text.startswith(self._texts[place - 1]):
+                self._remove(place - 1)
+                place -= 1
+            self._texts.insert(place, entry.text)
+            self._entries.insert(place, entry)
+            self._lru[id(entry)] = entry
+            self._bytes += size
+            while self._bytes > self._max_bytes:
+                oldest = next(iter(self._lru.values()))
+                self._remove(self._index_of(oldest))
+                self._evictions += 1
+
+    def stats(self) -> CacheStats:
+        with self._lock:
+            return CacheStats(self._lookups, self._hits, self._reused, len(self._entries), self._bytes,
+                              self._max_bytes, self._evictions)
+
+    def _index_of(self, entry: CachedPrompt) -> int:
+        place = bisect.bisect_left(self._texts, entry.text)
+        while self._entries[place] is not entry:
+            place += 1
+        return place
+
+    def _remove(self, place: int) -> None:
+        entry = self._entries.pop(place)
+        del self._texts[place]
+        del self._lru[id(entry)]
+        self._bytes -= entry.nbytes

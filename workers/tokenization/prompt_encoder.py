@@ -1,0 +1,151 @@
+"""A prompt's text -> its int32 ids: what the conversation cache holds, plus the rest encoded in exact pieces.
+
+The ids equal one whole ``tokenizers`` encode of the text (``add_special_tokens=False``, as the worker always
+encodes a rendered chat or a raw completion prompt), by the rules of ``cut_rules``; tests/workers/tokenization hold
+that over random conversations for every tokenizer the project ships or tests.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+from tokenizers import Tokenizer
+
+from frontend.token_codec import TOKEN_DTYPE, TokenArray
+from workers.engines.options import TokenizeConfig
+from workers.tokenization.conversation_cache import CachedPrompt, CacheStats, ConversationCache, Cuts, Reuse
+from workers.tokenization.cut_rules import CutRules, cut_rules_of
+from workers.tokenization.piece_encoder import PieceEncoder, load_piece_encoder
+
+log = logging.getLogger("disagg.worker.tokenization")
+
+# Below this many new characters a prompt is encoded as its pieces between added tokens: splitting it further for
+# threads costs more than it gives. Past it, long pieces are cut before spaces into about four pieces per thread.
+PARALLEL_MIN_CHARS = 32_768
+
+
+@dataclass(frozen=True, slots=True)
+class TokenizeStats:
+    encoder: str  # fastokens or tokenizers
+    prompts: int
+    encoded_tokens: int  # ids the encoder produced (the rest came from the cache)
+    cache: CacheStats | None  # None: no cache (off, or this tokenizer has no exact cut)
+
+
+def host_threads() -> int:
+    """The cores this process may run on (its affinity, which a container's cpuset narrows)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+class PromptEncoder:
+    def __init__(self, tokenizer: Tokenizer, config: TokenizeConfig | None = None) -> None:
+        config = config or TokenizeConfig()
+        self._rules: CutRules = cut_rules_of(tokenizer.to_str())
+        self._encoder: PieceEncoder = load_piece_encoder(tokenizer, config.backend, config.threads)
+        self._threads = config.threads or host_threads()
+        self._cache: ConversationCache | None = None
+        if config.cache_bytes > 0 and self._rules.added_tokens is not None:
+            self._cache = ConversationCache(config.cache_bytes)
+        if self._rules.refusals:
+            log.warning("this tokenizer is encoded whole on every request, with no conversation cache and no "
+                        "parallel pieces: %s", "; ".join(self._rules.refusals))
+        self._lock = threading.Lock()
+        self._prompts = self._encoded = 0
+
+    @property
+    def encoder_name(self) -> str:
+        return self._encoder.name
+
+    def encode(self, text: str) -> TokenArray:
+        """The ids of ``text`` (read-only int32), equal to one whole encode of it."""
+        if not text:
+            return np.empty(0, dtype=TOKEN_DTYPE)
+        if self._rules.added_tokens is None:
+            ids, _ = self._encoder.encode_pieces([text])
+            self._count(int(ids.size))
+            return _read_only(ids)
+        reuse = self._cache.reuse(text) if self._cache is not None else None
+        start = reuse.chars if reuse is not None else 0
+        ends = self._rules.ends_of_added_tokens(text, start)
+        pieces, cut_pieces = self._pieces(text, start, ends)
+        new_ids, offsets = self._encoder.encode_pieces(pieces) if pieces else (np.empty(0, TOKEN_DTYPE), None)
+        self._count(int(new_ids.size))
+        ids = new_ids if reuse is None else np.concatenate((reuse.ids, new_ids))
+        if self._cache is not None and ends and offsets is not None:
+            self._remember(text, ids, reuse, ends, offsets[np.asarray(cut_pieces) + 1])
+        return _read_only(ids)
+
+    def stats(self) -> TokenizeStats:
+        with self._lock:
+            prompts, encoded = self._prompts, self._encoded
+        return TokenizeStats(self._encoder.name, prompts, encoded,
+                             self._cache.stats() if self._cache is not None else None)
+
+    def _count(self, encoded: int) -> None:
+        with self._lock:
+            self._prompts += 1
+            self._encoded += encoded
+
+    def _pieces(self, text: str, start: int, ends: list[int]) -> tuple[list[str], list[int]]:
+        """``text[start:]`` in pieces: cut after every added token and, when long, before spaces too. Returns the
+        pieces and the indices of those that end right after an added token (the cuts the cache keeps)."""
+        bounds = [start, *ends]
+        if bounds[-1] != len(text):
+            bounds.append(len(text))
+        cut_ends = set(ends)
+        split_long = (self._rules.cut_before_spaces and self._threads > 1
+                      and len(text) - start >= PARALLEL_MIN_CHARS)
+        target = max((len(text) - start) // (self._threads * 4), PARALLEL_MIN_CHARS // 4)
+        pieces: list[str] = []
+        cut_pieces: list[int] = []
+        for left, right in itertools.pairwise(bounds):
+            if split_long and right - left > target:
+                for sub_left, sub_right in _space_cuts(text, left, right, target):
+                    pieces.append(text[sub_left:sub_right])
+            else:
+                pieces.append(text[left:right])
+            if right in cut_ends:
+                cut_pieces.append(len(pieces) - 1)
+        return pieces, cut_pieces
+
+    def _remember(self, text: str, ids: TokenArray, reuse: Reuse | None, ends: list[int], tokens_at: Cuts) -> None:
+        base_tokens = 0 if reuse is None else int(reuse.ids.size)
+        char_cuts = np.asarray(ends, dtype=np.int64)
+        token_cuts = tokens_at.astype(np.int64) + base_tokens
+        if reuse is not None:
+            char_cuts = np.concatenate((reuse.char_cuts, char_cuts))
+            token_cuts = np.concatenate((reuse.token_cuts, token_cuts))
+        last = int(char_cuts[-1])
+        kept = _read_only(ids[: int(token_cuts[-1])])
+        assert self._cache is not None
+        self._cache.store(CachedPrompt(text if last == len(text) else text[:last], kept, char_cuts, token_cuts))
+
+
+def _space_cuts(text: str, left: int, right: int, target: int) -> list[tuple[int, int]]:
+    """``text[left:right]`` cut before spaces that follow a non-space character, about ``target`` apart."""
+    spans: list[tuple[int, int]] = []
+    start = left
+    while right - start > target:
+        cut = text.find(" ", start + target, right)
+        while cut != -1 and text[cut - 1].isspace():
+            cut = text.find(" ", cut + 1, right)
+        if cut == -1:
+            break
+        spans.append((start, cut))
+        start = cut
+    spans.append((start, right))
+    return spans
+
+
+def _read_only(ids: TokenArray) -> TokenArray:
+    if ids.flags.writeable:
+        ids.setflags(write=False)
+    return ids
