@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import pathlib
 from collections.abc import Callable
 
@@ -282,5 +283,5 @@ def test_a_first_piece_pre_tokenizer_is_never_cut(tmp_path: pathlib.Path, refere
 
 
 def test_encoder_threads_follow_the_host(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(prompt_encoder_module.os, "sched_getaffinity", lambda pid: {0, 1, 2})
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2})
     assert prompt_encoder_module.host_threads() == 3
