@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from functools import partial
 from typing import Any
@@ -44,7 +44,7 @@ from orchestrator.cache_index import CacheIndex
 from orchestrator.client_body import parse_client_body
 from orchestrator.conversation import header_order, read_conversation
 from orchestrator.disagg_flow import DisaggFlow
-from orchestrator.flow_request import PATHS, FlowRequest, StreamedAnswer, WholeAnswer, check_client_body
+from orchestrator.flow_request import PATHS, Answer, FlowRequest, StreamedAnswer, WholeAnswer, check_client_body
 from orchestrator.membership import DnsDiscovery
 from orchestrator.metric_labels import CTX_POOL_NAME, GEN_POOL_NAME, MODELS_STEP, export_known_series
 from orchestrator.pool import BreakerSettings, HealthMonitor, WorkerPool
@@ -92,6 +92,17 @@ def make_response_store(config: ResponseStoreConfig, metrics: Metrics) -> Respon
 
         return RedisResponseStore(config, metrics)
     return MemoryResponseStore(config)
+
+
+async def _run_freeing(flow: DisaggFlow, request: FlowRequest, free_slots: Callable[[], None]) -> Answer:
+    """``flow.run``, its relayed stream told to call ``free_slots`` at GEN's end marker: the client's answer is whole
+    then, and the request's slots go then, not once GEN's stream has ended too (a GEN that stalls past its marker is
+    awaited a little longer: orchestrator/relay.py). (A traced stream's relay is wrapped, not exposed: its slots go
+    at its end.)"""
+    answer = await flow.run(request)
+    if isinstance(answer, StreamedAnswer) and isinstance(answer.pushed, RelayedStream):
+        answer.pushed.also_on_end(free_slots)
+    return answer
 
 
 def model_card(listing: dict[str, Any], model_id: str) -> dict[str, Any]:
@@ -298,7 +309,8 @@ def create_orchestrator_app(
             if admission is not None:
                 tracing.end(admission, {"disagg.request_id": request_id, "disagg.streaming": flow_request.streaming})
                 admission = None
-            answer = await (turn.answer(partial(flow.run, flow_request)) if turn else flow.run(flow_request))
+            run = partial(_run_freeing, flow, flow_request, free_slots)
+            answer = await (turn.answer(run) if turn else run())
             status = 200  # from here on the request counts as answered, whether or not the client reads it all
             if tenant is not None:  # the prompt as the workers counted it, where they said
                 ctx = flow_request.ctx
@@ -307,10 +319,6 @@ def create_orchestrator_app(
                     counted = tenants.prompt_tokens_of(answer.content)
                 tenants.settle_prompt(tenant, charged, counted)
             if isinstance(answer, StreamedAnswer):
-                if isinstance(answer.pushed, RelayedStream):
-                    # GEN's end marker ends the client's answer: the slots go then, not once GEN's stream has
-                    # ended too (a GEN that stalls past its marker is awaited a little longer: orchestrator/relay.py).
-                    answer.pushed.also_on_end(free_slots)
                 try:
                     if tenant is not None and tenant.counts_completions:
                         await exchange.stream(tenants.spend_streamed(tenant, answer.frames), SSE_RAW_HEADERS)

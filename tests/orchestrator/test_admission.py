@@ -260,9 +260,12 @@ async def test_a_waiter_at_a_limit_that_grows_without_an_event_is_let_in() -> No
     assert admission.running == [0, 1, 0]
 
 
+END_MARKERS = (b"data: [DONE]", b"event: response.completed", b"event: response.incomplete")
+
+
 class StallsAfterDone:
-    """A GEN's ASGI app that sends its stream's end marker (``data: [DONE]``) and then not its body's end: it holds
-    the connection until its peer closes it (counted in ``released``)."""
+    """A GEN's ASGI app that sends its stream's end marker (``data: [DONE]``, a Responses stream's last event) and
+    then not its body's end: it holds the connection until its peer closes it (counted in ``released``)."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -275,7 +278,8 @@ class StallsAfterDone:
             nonlocal held
             if held:
                 return  # what comes after the marker never leaves
-            if message["type"] == "http.response.body" and b"data: [DONE]" in message.get("body", b""):
+            body = message.get("body", b"") if message["type"] == "http.response.body" else b""
+            if any(marker in body for marker in END_MARKERS):
                 held = True
                 await send({**message, "more_body": True})
                 while (await receive())["type"] != "http.disconnect":
@@ -298,21 +302,26 @@ def stalling_gen(cluster: Cluster) -> Iterator[tuple[Node, StallsAfterDone]]:
         yield start_orchestrator(stack, [cluster.ctx.url], [gen_url], max_concurrent_requests=1), stalling
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/responses"])
 def test_a_gen_that_stalls_after_its_end_marker_holds_no_slot_and_no_connection(
-    stalling_gen: tuple[Node, StallsAfterDone]
+    stalling_gen: tuple[Node, StallsAfterDone], path: str
 ) -> None:
     orchestrator, stalling = stalling_gen
-    url = orchestrator.url + "/v1/completions"
-    ask: dict[str, Any] = {"model": MODEL, "prompt": "hi", "max_tokens": 4}
+    url = orchestrator.url + path
+    released = stalling.released
+    queued = counted(orchestrator.metrics, "default", "queued")
+    ask: dict[str, Any] = ({"model": MODEL, "prompt": "hi", "max_tokens": 4} if path == "/v1/completions" else
+                           {"model": MODEL, "input": "hi", "max_output_tokens": 4})  # a Responses answer is kept
     # A hang guard only: a GEN read waits request_timeout_s (600 s) for the end that never comes.
     with httpx.Client(timeout=60) as keep_alive:
         streamed = keep_alive.post(url, json={**ask, "stream": True})
-        assert streamed.status_code == 200 and streamed.text.endswith("data: [DONE]\n\n")  # whole, at the marker
+        assert streamed.status_code == 200, streamed.text
+        assert streamed.text.endswith(("data: [DONE]\n\n", "}\n\n"))  # whole, at the marker
         # The only running slot went with the end marker: another client's request runs at once, not queued.
         other = httpx.post(url, json=ask, timeout=60)
         assert other.status_code == 200, other.text
-        assert counted(orchestrator.metrics, "default", "queued") == 0
+        assert counted(orchestrator.metrics, "default", "queued") == queued
         # The kept-alive connection's next request is served once the stalled tail was given up on.
         assert keep_alive.post(url, json=ask).status_code == 200
-    assert eventually(lambda: stalling.released == 1)  # the orchestrator closed its connection to the stalled GEN
+    assert eventually(lambda: stalling.released == released + 1)  # the orchestrator closed its connection to GEN
     assert sample(orchestrator.metrics, "disagg_engine_inflight_requests", role="orchestrator") == 0
