@@ -311,13 +311,13 @@ def test_a_client_that_gives_up_is_counted_499(special: Special) -> None:
 
 def test_a_stream_whose_client_leaves_before_the_first_token_stops_at_once() -> None:
     """The first token can be a whole prefill away: a client that leaves during it must stop the work then."""
-    engine = SyntheticEngine(SyntheticConfig(time_to_first_token_s=30.0))
+    engine = SyntheticEngine(SyntheticConfig(time_to_first_token_s=600.0))  # only the client's leaving ends it
     app = create_worker_app(engine, WorkerSettings(role="both"))
     with running(app) as url:
         body = {"model": "synthetic", "prompt": "hello", "max_tokens": 4, "stream": True}
         with pytest.raises(httpx.ReadTimeout), httpx.Client(timeout=httpx.Timeout(10, read=0.5)) as client:
             client.post(url + "/v1/completions", json=body)
-        assert eventually(lambda: app.state.service.inflight == 0, timeout_s=20)  # not after the 30 s prefill
-        assert eventually(lambda: not engine._running, timeout_s=20)
+        assert eventually(lambda: app.state.service.inflight == 0)  # not after the 600 s prefill
+        assert eventually(lambda: not engine._running)
         assert sample(app.state.metrics, "disagg_requests_total", role="both", endpoint="completions",
                       status="499") == 1
