@@ -107,6 +107,25 @@ class Metrics:
             "published in its KV events (prefix-chain links, aged to the engine's prefix-cache capacity)",
             registry=r, multiprocess_mode="max",
         )
+        # The worker's prompt tokenization (workers/tokenization/), moved in from its running totals when scraped.
+        self.tokenize_prompts = Counter(
+            "disagg_tokenize_prompts", "Prompt texts this worker tokenized", registry=r)
+        self.tokenize_encoded_tokens = Counter(
+            "disagg_tokenize_encoded_tokens", "Prompt tokens this worker's encoder produced (the rest of each "
+            "prompt's tokens came from the conversation cache)", registry=r)
+        self.tokenize_cache_hits = Counter(
+            "disagg_tokenize_cache_hits", "Prompts whose start was found in the conversation cache", registry=r)
+        self.tokenize_cache_reused_tokens = Counter(
+            "disagg_tokenize_cache_reused_tokens", "Prompt tokens taken from the conversation cache instead of "
+            "being tokenized again", registry=r)
+        self.tokenize_cache_evictions = Counter(
+            "disagg_tokenize_cache_evictions", "Conversations dropped from the cache to stay within its size",
+            registry=r)
+        self.tokenize_cache_bytes = Gauge(
+            "disagg_tokenize_cache_bytes", "Bytes (text, ids, cuts) the conversation cache holds", registry=r,
+            multiprocess_mode="livesum")
+        self.tokenize_cache_entries = Gauge(
+            "disagg_tokenize_cache_entries", "Conversations the cache holds", registry=r, multiprocess_mode="livesum")
         # The orchestrator's store of Responses API answers (read when scraped; one process's memory).
         self.response_store_entries = Gauge("disagg_response_store_entries", "Responses API answers stored",
                                             registry=r, multiprocess_mode="max")

@@ -46,6 +46,7 @@ from workers.engines.base import (
     ExposesMetrics,
     HealthCheck,
     KVHandoffStore,
+    ReportsTokenizeStats,
 )
 from workers.engines.request import Phase
 from workers.handoff_counts import LedgerCounts, export_known_series
@@ -54,6 +55,7 @@ from workers.lifecycle_routes import install_lifecycle_routes
 from workers.registration import Registration
 from workers.request_body import parse_request_body
 from workers.serving import WorkerService
+from workers.tokenize_counts import TokenizeCounts
 from workers.worker_settings import WorkerSettings
 
 logger = logging.getLogger(__name__)
@@ -71,6 +73,7 @@ def create_worker_app(
     trimmer = IdleMemoryTrimmer(lambda: service.inflight == 0)
     ready = {"engine": False}
     counted = LedgerCounts(metrics)
+    tokenized = TokenizeCounts(metrics)
     export_known_series(metrics, engine, settings.role)
     span_names = {e: f"{settings.role} {e}" for e in ("chat", "completions", "responses")}  # not per request
     kv_events = KvEventPublishing(engine, settings, service)
@@ -266,6 +269,8 @@ def create_worker_app(
             counted.bring_up_to(engine.kv_handoff_totals())
         if service.holdings is not None:
             metrics.prefix_holdings_tokens.set(service.holdings.tokens)
+        if ready["engine"] and isinstance(tokenizer := service.tokenizer, ReportsTokenizeStats):
+            tokenized.bring_up_to(tokenizer.tokenize_stats())
         body = metrics.render()
         if isinstance(engine, ExposesMetrics):  # the engine's own metrics (vLLM's vllm:*), after ours
             body += engine.metrics_text()

@@ -18,6 +18,7 @@ from typing import Protocol, runtime_checkable
 from frontend.token_codec import TokenArray
 from workers.engines.outputs import EngineInfo, EngineOutput
 from workers.engines.request import GenerationRequest
+from workers.tokenization.prompt_encoder import TokenizeStats
 
 
 class Engine(Protocol):
@@ -76,6 +77,15 @@ class ProvidesTokenBytes(Protocol):
 
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes this token adds to the output (b"" for one that decodes to nothing, e.g. a control token)."""
+        ...
+
+
+@runtime_checkable
+class ReportsTokenizeStats(Protocol):
+    """A tokenizer that counts its work (workers/tokenization/): prompts, tokens encoded, its conversation cache."""
+
+    def tokenize_stats(self) -> TokenizeStats | None:
+        """The running totals; None before the first prompt."""
         ...
 
 

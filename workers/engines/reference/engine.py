@@ -110,7 +110,8 @@ class ReferenceEngine:
             await self._stop_core()  # no half-started core, socket or temp dir is left behind
             raise
         self._writer = writer
-        self._tokenizer = await asyncio.to_thread(GGUFTokenizer, TokenizerMetadata(**tokenizer_fields(ready)))
+        self._tokenizer = await asyncio.to_thread(GGUFTokenizer, TokenizerMetadata(**tokenizer_fields(ready)),
+                                                 self.options.tokenize)
         self._info = EngineInfo(
             engine="reference",
             model=self.options.served_model_name or Path(ready["model_path"]).stem,

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from workers.engines.options import EngineOptions
+from workers.engines.options import EngineOptions, TokenizeConfig
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,6 +28,7 @@ class ReferenceOptions:
     blas_threads: int | None = None  # pin for bitwise-reproducible prefill across workers
     startup_timeout_s: float = 300.0
     core_socket: str | None = None  # connect to a running core (shared by several front ends); None: spawn one
+    tokenize: TokenizeConfig = field(default_factory=TokenizeConfig)  # the front end's prompt encoder
     restart_dead_core: bool = True  # off: a core that dies leaves the worker unhealthy (503) until it is restarted
 
 
@@ -43,6 +44,7 @@ def reference_options(options: EngineOptions) -> ReferenceOptions:
         kv_ttl_s=options.kv_ttl_s,
         blas_threads=options.blas_threads,
         core_socket=options.core_socket,
+        tokenize=options.tokenize,
     )
 
 

@@ -39,7 +39,7 @@ from frontend.errors import (
     ServingError,
 )
 from workers.engines.base import Tokenizer
-from workers.engines.options import EngineOptions, VllmConfig
+from workers.engines.options import EngineOptions, TokenizeConfig, VllmConfig
 from workers.engines.outputs import EngineInfo, EngineOutput
 from workers.engines.request import GenerationRequest, Phase
 from workers.engines.vllm.first_tokens import FirstTokenWatch, handoff_seed
@@ -62,14 +62,16 @@ logger = logging.getLogger(__name__)
 
 def create(options: EngineOptions) -> VllmEngine:
     """The factory ``workers.engines.factory`` calls for ``--engine vllm``."""
-    return VllmEngine(options.vllm, options.model_path, options.served_model_name)
+    return VllmEngine(options.vllm, options.model_path, options.served_model_name, options.tokenize)
 
 
 class VllmEngine:
     """The typed adapter over vLLM's ``AsyncLLM``; also a ``ProvidesTokenizer`` and, with vLLM's prefix caching
     on, ``ReportsKvCapacity``."""
 
-    def __init__(self, config: VllmConfig, model_path: str | None = None, served_model_name: str | None = None):
+    def __init__(self, config: VllmConfig, model_path: str | None = None, served_model_name: str | None = None,
+                 tokenize: TokenizeConfig | None = None):
+        self._tokenize = tokenize
         self.config = config
         self._model_path = model_path
         self._served_model_name = served_model_name
@@ -102,7 +104,7 @@ class VllmEngine:
 
     async def start(self) -> None:
         model = await asyncio.to_thread(resolve_model, self._model_path, self._served_model_name)
-        self._tokenizer = await asyncio.to_thread(HFTokenizer, model.folder)
+        self._tokenizer = await asyncio.to_thread(HFTokenizer, model.folder, self._tokenize)
         model_hash = await asyncio.to_thread(checkpoint_hash, model.folder)
         self._vllm = await asyncio.to_thread(import_vllm)  # ~9 s of imports, off the event loop
         memory_args = await asyncio.to_thread(self._memory_args, model)
