@@ -196,7 +196,16 @@ def orchestrator_help() -> str:
     return done.stdout
 
 
-# -- prompts sized in tokens ------------------------------------------------------------------------------------
+# -- prompts sized in tokens, and how the workers tokenize them ---------------------------------------------------
+# --tokenize-compare (bench.fleet, bench.system_load): the workers' tokenization set-ups, each run on the same work;
+# the first is the baseline.
+TOKENIZE_SETUPS: dict[str, tuple[str, ...]] = {
+    # today's cost, and what vLLM's and trtllm-serve's servers pay: one full `tokenizers` encode every turn
+    "full encode": ("--tokenize-cache-mb", "0", "--tokenizer-backend", "tokenizers"),
+    "defaults": (),  # the conversation cache and the default encoder
+}
+
+
 def chars_per_token(sample: str, tokenizer: str) -> float:
     """Characters of ``sample`` per token of the workers' ``--tokenizer``: 1 for ``byte`` (a character is a token of
     the ASCII text benchmarks write), else measured once with the reference model's tokenizer (~2 s to load), so

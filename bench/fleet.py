@@ -48,6 +48,7 @@ from bench import report
 from bench.common import (
     LOOPBACK,
     PYTHON,
+    TOKENIZE_SETUPS,
     Processes,
     Server,
     StartupError,
@@ -79,12 +80,6 @@ ROUTERS: dict[str, dict[str, Any]] = {
 _ORCHESTRATOR_KEYS = ("max_local_prefill_length",)  # keys of a ROUTERS entry that are the orchestrator's own
 _SETTLE_S = 1.0  # after the orchestrator is healthy: its first health round and KV-event subscriptions
 _METRICS_SETTLE_S = 0.3  # after the last answer, before reading the counters
-# --tokenize-compare: the workers' tokenization set-ups, each run on the same work; the first is the baseline.
-TOKENIZE_SETUPS: dict[str, tuple[str, ...]] = {
-    # today's cost, and what vLLM's and trtllm-serve's servers pay: one full `tokenizers` encode every turn
-    "full encode": ("--tokenize-cache-mb", "0", "--tokenizer-backend", "tokenizers"),
-    "defaults": (),  # the conversation cache and the default encoder
-}
 LONG_PROMPT_TOKENS = 100_000  # follow-ups at least this long are tabled on their own too
 
 

@@ -272,7 +272,7 @@ def summarize_run(config: dict[str, Any], state: State, window: dict[str, Any]) 
         "mode": config["mode"],
         "endpoint": config.get("endpoint", "completions"),
         "concurrency": config["concurrency"],
-        "prompt_tokens": config["prompt_chars"],
+        "prompt_tokens": config.get("prompt_tokens", config["prompt_chars"]),  # the size asked for, in tokens
         "max_tokens": config["max_tokens"],
         "window_s": span,
         "window_wall": [window["wall_start"], window["wall_end"]],

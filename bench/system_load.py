@@ -5,6 +5,12 @@ the event-loop prober (bench.prober) are processes of their own. For each prompt
 closed-loop streaming load runs twice: through the orchestrator, and with the client calling CTX then GEN itself
 with the bodies the orchestrator would send. The difference is the orchestrator's added latency. The worst point
 is then run once more under py-spy (sampling the orchestrator) to say where its time goes.
+
+``--tokenizer reference`` gives CTX and GEN the reference model's real tokenizer (prompt sizes stay in tokens: the text
+is written at its measured characters per token), so CTX pays real tokenization. ``--tokenize-compare`` (which
+implies it) adds a scenario: at the target prompt (131k) the orchestrator's load runs on fresh workers once per
+tokenization set-up (a full Hugging Face ``tokenizers`` encode of every prompt, as vLLM's and trtllm-serve's servers
+do, and the defaults), tabled side by side. Every request of a point sends the same prompt.
 """
 
 from __future__ import annotations
@@ -12,14 +18,17 @@ from __future__ import annotations
 import json
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from bench import py_spy
+from bench.bodies import prompt_text
 from bench.common import (
+    TOKENIZE_SETUPS,
     Processes,
     Server,
     arguments,
+    chars_per_token,
     free_port,
     orchestrator_config,
     orchestrator_help,
@@ -41,11 +50,32 @@ QUICK = Phases(warmup_s=0.5, max_warmup_s=8.0, measure_s=2.0, max_measure_s=6.0,
                quiet_wait_s=0.0)
 
 
+@dataclass(frozen=True)
+class Tokenization:
+    """How the workers tokenize: ``--tokenizer``, more worker flags (a --tokenize-compare set-up's), and the
+    characters of prompt text written per token of a prompt's size."""
+
+    tokenizer: str = "byte"
+    worker_flags: tuple[str, ...] = ()
+    chars_per_token: float = 1.0
+
+    @classmethod
+    def measured(cls, tokenizer: str) -> Tokenization:
+        return cls(tokenizer, (), chars_per_token(prompt_text(40_000), tokenizer))
+
+    def flags(self) -> list[str]:
+        return (["--tokenizer", self.tokenizer] if self.tokenizer != "byte" else []) + list(self.worker_flags)
+
+    def chars(self, tokens: int) -> int:
+        return round(tokens * self.chars_per_token)
+
+
 @dataclass
 class Cluster:
     ctx: Server
     gen: Server
     orchestrator: Server
+    tokenization: Tokenization = field(default_factory=Tokenization)
 
     @property
     def pids(self) -> dict[str, int]:
@@ -57,14 +87,16 @@ class Cluster:
 
 
 def start_cluster(processes: Processes, orchestrator_args: list[str] | None = None,
-                  startup_timeout_s: float = 60.0) -> Cluster:
+                  startup_timeout_s: float = 60.0, tokenization: Tokenization | None = None) -> Cluster:
+    tokenization = tokenization or Tokenization()
+    flags = tokenization.flags()
     ctx_port, gen_port = free_port(), free_port()
-    ctx = processes.disagg_serve("ctx", worker_args("context", "synthetic", ctx_port), ctx_port)
-    gen = processes.disagg_serve("gen", worker_args("generation", "synthetic", gen_port), gen_port)
+    ctx = processes.disagg_serve("ctx", worker_args("context", "synthetic", ctx_port, *flags), ctx_port)
+    gen = processes.disagg_serve("gen", worker_args("generation", "synthetic", gen_port, *flags), gen_port)
     wait_healthy([ctx, gen], startup_timeout_s)
     orchestrator = start_orchestrator(processes, ctx, gen, "orchestrator", orchestrator_args or [],
                                       startup_timeout_s)
-    return Cluster(ctx, gen, orchestrator)
+    return Cluster(ctx, gen, orchestrator, tokenization)
 
 
 def start_orchestrator(processes: Processes, ctx: Server, gen: Server, name: str, args: list[str],
@@ -79,7 +111,8 @@ def start_orchestrator(processes: Processes, ctx: Server, gen: Server, name: str
 def run_cell(processes: Processes, cluster: Cluster, mode: str, prompt: int, concurrency: int,
              phases: Phases) -> dict[str, Any]:
     config = {"mode": mode, "url": cluster.orchestrator.url, "ctx_url": cluster.ctx.url, "gen_url": cluster.gen.url,
-              "prompt_chars": prompt, "max_tokens": MAX_TOKENS, "concurrency": concurrency, "pids": cluster.pids,
+              "prompt_chars": cluster.tokenization.chars(prompt), "prompt_tokens": prompt, "max_tokens": MAX_TOKENS,
+              "concurrency": concurrency, "pids": cluster.pids,
               **phases.loadgen(concurrency)}
     out = processes.log_dir / f"probe-{mode}-{prompt}-{concurrency}-{time.monotonic_ns()}.json"
     quiet = wait_for_quiet(phases.quiet_wait_s)
@@ -123,15 +156,18 @@ def profile_cell(processes: Processes, cluster: Cluster, prompt: int, concurrenc
 
 # -- the whole benchmark -----------------------------------------------------------------------------------------
 def run(prompts: tuple[int, ...] = PROMPTS, concurrency: tuple[int, ...] = CONCURRENCY, phases: Phases = FULL,
-        profile: bool = True, api_workers: bool = True, idle_s: float = 2.0) -> dict[str, Any]:
+        profile: bool = True, api_workers: bool = True, idle_s: float = 2.0, tokenizer: str = "byte",
+        tokenize_compare: bool = False) -> dict[str, Any]:
+    tokenization = Tokenization.measured("reference" if tokenize_compare else tokenizer)
     result: dict[str, Any] = {
         "benchmark": "system_load",
         "method": {"max_tokens": MAX_TOKENS, "endpoint": "/v1/completions", "stream": True,
-                   "phases": phases.__dict__, "prober_interval_ms": 20, "engine": "synthetic (TTFT 0, ITL 0)"},
+                   "phases": phases.__dict__, "prober_interval_ms": 20, "engine": "synthetic (TTFT 0, ITL 0)",
+                   "tokenizer": tokenization.tokenizer, "chars_per_token": tokenization.chars_per_token},
         "cells": [],
     }
     with Processes() as processes:
-        cluster = start_cluster(processes)
+        cluster = start_cluster(processes, tokenization=tokenization)
         result["idle_probe_ms"] = idle_probe(processes, cluster, idle_s)
         for prompt in prompts:
             for level in concurrency:
@@ -148,7 +184,9 @@ def run(prompts: tuple[int, ...] = PROMPTS, concurrency: tuple[int, ...] = CONCU
                 result["profile_at_target"] = profile_cell(processes, cluster, *target, phases)
         processes.stop()
         if api_workers:
-            result["api_workers"] = api_workers_scenario(prompts, concurrency, phases)
+            result["api_workers"] = api_workers_scenario(prompts, concurrency, phases, tokenization)
+    if tokenize_compare:
+        result["tokenize_compare"] = tokenize_compare_scenario(prompts, concurrency, phases, tokenization)
     return result
 
 
@@ -160,15 +198,15 @@ def worst_cell(cells: list[dict[str, Any]]) -> dict[str, Any] | None:
     return max(candidates, key=lambda c: c["ttft_ms"].get("p99") or 0.0)
 
 
-def ctx_reply_cost(ctx: Server, prompt: int, with_b64: bool, seconds: float = 1.0) -> dict[str, float]:
-    """CTX's answer for one prompt with and without the b64 prompt: its size, and CTX's CPU per request (one
-    request at a time over a keep-alive connection, utime + stime of the CTX process)."""
+def ctx_reply_cost(ctx: Server, prompt_chars: int, with_b64: bool, seconds: float = 1.0) -> dict[str, float]:
+    """CTX's answer for one prompt of ``prompt_chars`` characters with and without the b64 prompt: its size, and
+    CTX's CPU per request (one request at a time over a keep-alive connection, utime + stime of the CTX process)."""
     import http.client
 
     from bench.bodies import client_completion_body
     from bench.machine import cpu_seconds
 
-    body = client_completion_body(prompt, MAX_TOKENS, stream=False)
+    body = client_completion_body(prompt_chars, MAX_TOKENS, stream=False)
     body["disaggregated_params"] = {"request_type": "context_only", "disagg_request_id": 1,
                                     "return_prompt_token_ids_b64": with_b64,
                                     "native_extensions": True}  # the answer our orchestrator reads
@@ -205,7 +243,7 @@ def metadata_only_scenario(processes: Processes, cluster: Cluster, prompts: tupl
     levels = [c for c in concurrency if c <= 16][:2] or [min(concurrency)]
     meta = start_orchestrator(processes, cluster.ctx, cluster.gen, "orchestrator-metadata-only", [],
                               gen_tokids_metadata_only=True)
-    meta_cluster = Cluster(cluster.ctx, cluster.gen, meta)
+    meta_cluster = Cluster(cluster.ctx, cluster.gen, meta, cluster.tokenization)
     runs = []
     try:
         for level in levels:
@@ -216,11 +254,13 @@ def metadata_only_scenario(processes: Processes, cluster: Cluster, prompts: tupl
         processes.stop([meta])
     seconds = 1.0 if phases.measure_s >= FULL.measure_s else 0.3
     return {"prompt_tokens": prompt, "runs": runs,
-            "ctx_reply": {"with_b64": ctx_reply_cost(cluster.ctx, prompt, True, seconds),
-                          "without_b64": ctx_reply_cost(cluster.ctx, prompt, False, seconds)}}
+            "ctx_reply": {"with_b64": ctx_reply_cost(cluster.ctx, cluster.tokenization.chars(prompt), True, seconds),
+                          "without_b64": ctx_reply_cost(cluster.ctx, cluster.tokenization.chars(prompt), False,
+                                                        seconds)}}
 
 
-def api_workers_scenario(prompts: tuple[int, ...], concurrency: tuple[int, ...], phases: Phases) -> dict[str, Any]:
+def api_workers_scenario(prompts: tuple[int, ...], concurrency: tuple[int, ...], phases: Phases,
+                         tokenization: Tokenization | None = None) -> dict[str, Any]:
     if "--api-workers" not in orchestrator_help():
         return {"available": False,
                 "note": "`disagg-serve orchestrator --api-workers N` does not exist yet; the scenario runs as soon "
@@ -230,12 +270,30 @@ def api_workers_scenario(prompts: tuple[int, ...], concurrency: tuple[int, ...],
     runs = []
     for workers in (1, 2):
         with Processes() as processes:
-            cluster = start_cluster(processes, ["--api-workers", str(workers)])
+            cluster = start_cluster(processes, ["--api-workers", str(workers)], tokenization=tokenization)
             for level in levels:
                 cell = run_cell(processes, cluster, "orchestrator", prompt, level, phases)
                 cell["api_workers"] = workers
                 runs.append(cell)
     return {"available": True, "prompt_tokens": prompt, "runs": runs}
+
+
+def tokenize_compare_scenario(prompts: tuple[int, ...], concurrency: tuple[int, ...], phases: Phases,
+                              tokenization: Tokenization) -> dict[str, Any]:
+    """The orchestrator's load at the target prompt (concurrency up to 16) on fresh workers once per tokenization
+    set-up (TOKENIZE_SETUPS: a full `tokenizers` encode of every prompt, then the defaults), one after another."""
+    prompt = TARGET_PROMPT if TARGET_PROMPT in prompts else max(prompts)
+    levels = [c for c in concurrency if c <= 16] or [min(concurrency)]
+    runs = []
+    for setup, flags in TOKENIZE_SETUPS.items():
+        with Processes() as processes:
+            cluster = start_cluster(processes, tokenization=replace(tokenization, worker_flags=flags))
+            for level in levels:
+                cell = run_cell(processes, cluster, "orchestrator", prompt, level, phases)
+                cell["tokenize"] = setup
+                runs.append(cell)
+    return {"prompt_tokens": prompt, "setups": {name: list(flags) for name, flags in TOKENIZE_SETUPS.items()},
+            "runs": runs}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -244,10 +302,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, nargs="+", default=list(CONCURRENCY))
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--no-profile", action="store_true")
+    parser.add_argument("--tokenizer", choices=("byte", "reference"), default="byte",
+                        help="the workers' tokenizer: byte (free) or the reference model's real one (default byte)")
+    parser.add_argument("--tokenize-compare", action="store_true",
+                        help="with the reference tokenizer, also run the target prompt on a full `tokenizers` "
+                             "encode of every prompt (--tokenize-cache-mb 0 --tokenizer-backend tokenizers) and on "
+                             "the defaults, side by side")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     result = run(tuple(args.prompts), tuple(args.concurrency), QUICK if args.quick else FULL,
-                 profile=not args.no_profile)
+                 profile=not args.no_profile, tokenizer=args.tokenizer, tokenize_compare=args.tokenize_compare)
     return print_and_save(result, tables, args.json)
 
 

@@ -102,6 +102,10 @@ def tables(result: dict[str, Any]) -> str:
     idle_line = "Idle /health probe latency p50 / p99 (ms): " + ", ".join(
         f"{name} {fmt(s.get('p50'), 2)} / {fmt(s.get('p99'), 2)}" for name, s in idle.items())
     parts = [main, "", cpu_table, "", idle_line]
+    method = result.get("method", {})
+    if method.get("tokenizer", "byte") != "byte":
+        parts += ["", f"Workers' tokenizer: {method['tokenizer']} (prompt sizes in its tokens: "
+                      f"{method['chars_per_token']:.2f} characters per token of the prompt text)."]
     for key, label in (("profile", "the worst point (highest TTFT p99)"), ("profile_at_target", "the target point")):
         profile = result.get(key)
         if profile and profile.get("available"):
@@ -143,4 +147,26 @@ def tables(result: dict[str, Any]) -> str:
                                       "TTFT p50 ms", "TTFT p99 ms"], api_rows)]
     elif api:
         parts += ["", f"Orchestrator processes: {api.get('note')}"]
+    compare = result.get("tokenize_compare")
+    if compare and compare.get("runs"):
+        parts += ["", tokenize_compare_table(compare)]
     return "\n".join(parts)
+
+
+def tokenize_compare_table(compare: dict[str, Any]) -> str:
+    """--tokenize-compare: each tokenization set-up at each point, and the first set-up's TTFT p50 over each."""
+    runs = compare["runs"]
+    base = {r["concurrency"]: r for r in runs if r["tokenize"] == runs[0]["tokenize"]}
+    rows = []
+    for r in sorted(runs, key=lambda r: r["concurrency"]):
+        first = base.get(r["concurrency"])
+        ratio = (first["ttft_ms"]["p50"] / r["ttft_ms"]["p50"]
+                 if first is not None and first is not r and r["ttft_ms"]["p50"] else None)
+        rows.append([r["tokenize"], f"`{' '.join(compare['setups'][r['tokenize']]) or 'defaults'}`",
+                     f"{r['prompt_tokens']:,}", r["concurrency"], fmt(r["requests_per_s"], 1),
+                     fmt(r["ttft_ms"]["p50"], 1), fmt(r["ttft_ms"]["p99"], 1),
+                     fmt(r["cpu_ms_per_request"].get("ctx")), "–" if ratio is None else f"{fmt(ratio, 1)}x",
+                     r["errors"]])
+    return markdown_table(["tokenization", "worker flags", "prompt tokens", "concurrency", "req/s", "TTFT p50 ms",
+                           "TTFT p99 ms", "CTX CPU ms/req", f"TTFT p50: {runs[0]['tokenize']} ÷ this", "errors"],
+                          rows)

@@ -163,3 +163,25 @@ def test_cancel_storm_runs_on_both_setups(tmp_path: Path) -> None:
         assert setup["within_target"] == (setup["p90_ratio"] <= 1.5)
         assert all(r["drain_after_short_s"] >= 0 for r in setup["rounds"])
     assert "| aggregated |" in cancel_storm.tables(result)
+
+
+def test_system_under_load_with_the_reference_tokenizer_compares_tokenization_setups() -> None:
+    from bench.bodies import prompt_text
+    from bench.common import TOKENIZE_SETUPS
+    from workers.engines.synthetic import reference_tokens
+
+    result = system_load.run((256,), (1,), TINY, profile=False, api_workers=False, idle_s=0.2,
+                             tokenize_compare=True)
+    method = result["method"]
+    assert method["tokenizer"] == "reference" and 2 < method["chars_per_token"] < 5
+    # the prompt text the load generator sent is about 256 tokens of the reference tokenizer
+    sent = prompt_text(round(256 * method["chars_per_token"]))
+    assert 230 < reference_tokens().tokenizer.encode(sent).size < 282
+    runs = result["tokenize_compare"]["runs"]
+    assert [r["tokenize"] for r in runs] == list(TOKENIZE_SETUPS)
+    for cell in [*result["cells"], *runs]:
+        assert cell["errors"] == 0, cell["error_samples"]
+        assert cell["prompt_tokens"] == 256 and _positive(cell["ttft_ms"]["p50"])
+    table = system_load_report.tables(result)
+    assert "| full encode | `--tokenize-cache-mb 0 --tokenizer-backend tokenizers` | 256 | 1 |" in table
+    assert "| defaults | `defaults` | 256 | 1 |" in table and "Workers' tokenizer: reference" in table
