@@ -18,6 +18,7 @@ from frontend.client_timeouts import (
     DEFAULT_MAX_BODY_READS_PER_CLIENT,
     DEFAULT_MAX_HEAD_BYTES,
     DEFAULT_SEND_TIMEOUT_S,
+    DEFAULT_WORKER_MAX_BODY_READS_PER_CLIENT,
 )
 from frontend.http import DEFAULT_MAX_BODY_BYTES
 from workers.engines.factory import ENGINE_NAMES
@@ -208,11 +209,12 @@ def _add_front_end_arguments(parser: argparse.ArgumentParser) -> None:
                         metavar="BYTES_PER_S",
                         help="answer 408 and close a connection whose request body, past its first --body-timeout-s, "
                              "averages fewer bytes per second (default 32768; 0: no minimum)")
-    parser.add_argument("--max-body-reads-per-client", type=_non_negative_int,
-                        default=DEFAULT_MAX_BODY_READS_PER_CLIENT,
+    parser.add_argument("--max-body-reads-per-client", type=_non_negative_int, default=None,
                         help="answer 429 and close a request whose body would be the one too many being read at once "
-                             "from its client's address (default 64; 0: no cap; raise it behind a proxy that "
-                             "gives every client its address)")
+                             f"from its client's address (default {DEFAULT_MAX_BODY_READS_PER_CLIENT} on an "
+                             f"orchestrator, {DEFAULT_WORKER_MAX_BODY_READS_PER_CLIENT} on a worker, whose clients "
+                             "are its orchestrators; 0: no cap; raise it behind a proxy that gives every client its "
+                             "own address)")
     parser.add_argument("--max-head-bytes", type=_positive_int, default=DEFAULT_MAX_HEAD_BYTES,
                         help="answer 431 and close a connection whose request line and headers are longer "
                              "(default 65536)")

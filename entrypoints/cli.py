@@ -24,7 +24,11 @@ from entrypoints.http_protocol import guarded_protocol
 from entrypoints.listening_socket import address, bound_socket, inherited_socket
 from entrypoints.quiet_server import QuietServer
 from frontend import tracing
-from frontend.client_timeouts import with_send_timeout
+from frontend.client_timeouts import (
+    DEFAULT_MAX_BODY_READS_PER_CLIENT,
+    DEFAULT_WORKER_MAX_BODY_READS_PER_CLIENT,
+    with_send_timeout,
+)
 from frontend.internal_secret import InternalSecret, InternalSecretError, internal_secret_from_env, warn_if_exposed
 from frontend.logging_setup import configure_logging
 from frontend.trtllm_auth import trtllm_auth_key_from_env
@@ -59,8 +63,12 @@ def _serve(app: Any, args: argparse.Namespace, listener: socket.socket) -> int:
     pause of ``--body-timeout-s`` and at least ``--body-min-rate`` past it, at most ``--max-body-reads-per-client``
     bodies being read from one address, each piece of an answer taken within ``--client-send-timeout-s`` (the
     protocol's flow control already caps what a non-reading client makes us buffer), idle keep-alive 75 s."""
+    per_client = args.max_body_reads_per_client
+    if per_client is None:
+        per_client = DEFAULT_WORKER_MAX_BODY_READS_PER_CLIENT if args.command == "worker" else \
+            DEFAULT_MAX_BODY_READS_PER_CLIENT
     limits = ClientLimits(args.header_timeout_s, args.body_timeout_s, args.max_head_bytes, args.body_min_rate,
-                          args.max_body_reads_per_client)
+                          per_client)
     cuts = app.state.metrics.connections_cut
     host, port = address(listener)
     config = uvicorn.Config(with_send_timeout(app, args.client_send_timeout_s), host=host, port=port,

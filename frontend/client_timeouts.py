@@ -32,8 +32,11 @@ DEFAULT_BODY_TIMEOUT_S = 30.0
 # plus its bytes received at this rate, so a client that trickles a byte just inside the idle timeout is cut off
 # too. What a body declares changes neither: only bytes received earn time.
 DEFAULT_BODY_MIN_RATE = 32 * 1024
-# The most request bodies being read at once from one client address (0: no cap); past it, a 429 and a close.
+# The most request bodies being read at once from one client address (0: no cap); past it, a 429 and a close. A
+# worker's clients are its orchestrators, whose many requests come from few addresses: its cap is far above what
+# their admission sends it at once (its bytes budget and body clocks hold as the orchestrator's do).
 DEFAULT_MAX_BODY_READS_PER_CLIENT = 64
+DEFAULT_WORKER_MAX_BODY_READS_PER_CLIENT = 1024
 # The most a request's head (request line and headers) may take, in bytes; a longer one gets 431 and a close.
 DEFAULT_MAX_HEAD_BYTES = 64 * 1024
 # A timeout's timer that fires this early counts as on time (event-loop timers round to the millisecond).
