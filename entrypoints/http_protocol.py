@@ -16,10 +16,12 @@ What a client may not do, each cut-off logged and counted (``disagg_http_connect
   slowloris client would hold the connection for ever), and be at most ``max_head_bytes`` long (httptools grows a
   header value without limit, at a cost that grows with its square: one 48 MiB header cost 27 s of CPU): a 431 and
   a close, refused before more than one read past the limit is parsed;
-- a request's body must be complete within ``body_timeout_s`` of its head, and as long again for each MiB it
-  declares past the first (a head and one byte of its body held a connection, and in the orchestrator an
-  admission slot, for ever): a 408 and a close; chunk framing and trailers that bring no body bytes count against
-  the head limit;
+- a request's body may go no longer than ``body_timeout_s`` without a byte, and past that must average
+  ``body_min_rate`` (a head and one byte of its body held a connection, and in the orchestrator an admission slot,
+  for ever): a 408 and a close. What it declares earns it no time and costs the server nothing: its bytes count
+  against the server's budget of bodies being read (a 429 past it) as they arrive, and bodies being read are
+  capped per client address (``entrypoints/client_limits.py``); chunk framing and trailers that bring no body
+  bytes count against the head limit;
 - an HTTP/1.1 request has exactly one ``Host``, an HTTP/1.0 one at most one (RFC 9112 3.2), else a 400; malformed
   requests get an OpenAI-shaped 400;
 - an answer sent before its request's body arrived (a 401, 413 or 429) says ``connection: close``, and the
@@ -29,7 +31,9 @@ What a client may not do, each cut-off logged and counted (``disagg_http_connect
 - an HTTP/1.0 client gets no ``100 Continue`` and no chunked encoding (its answer's end is the connection's);
 - trailers of a chunked request body never join the request's headers;
 - a protocol upgrade (WebSocket, h2c) is not offered: the request is answered over HTTP/1.1, as RFC 9110 7.8
-  allows, and the connection closes after it (the parser stops at an upgrade, so nothing after it is read).
+  allows, its body read as HTTP/1.1 frames it (llhttp stops before it), and the connection closes after it
+  (nothing after the request is parsed);
+- no answer carries a ``server`` header (``entrypoints/request_cycle.py``).
 
 The clocks, and the ways a connection is ended, are the protocol's base class (``entrypoints/client_limits.py``);
 the rules of an answer are its cycle's (``entrypoints/request_cycle.py``).
