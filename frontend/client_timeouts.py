@@ -71,7 +71,9 @@ class SendTimeoutMiddleware:
         async def send_in_time(message: Message) -> None:
             nonlocal stalled
             try:
-                await asyncio.wait_for(send(message), self.send_timeout_s)
+                # (A timer on the app's own task, not ``wait_for``'s task per send: every message is timed now.)
+                async with asyncio.timeout(self.send_timeout_s):
+                    await send(message)
             except TimeoutError:
                 stalled = True
                 abort_connection(scope)
