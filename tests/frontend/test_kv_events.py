@@ -5,28 +5,39 @@ publisher that starts again makes the subscriber start its picture again."""
 from __future__ import annotations
 
 import contextlib
+import json
+import logging
+import subprocess
+import sys
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import msgspec
 import pytest
 import zmq
+from zmq.utils.monitor import parse_monitor_message
 
+from frontend.internal_secret import InternalSecret
 from frontend.kv_events import (
+    END_SEQ,
     PREFIX_CHAIN_TOPIC,
+    REPLAY_PAGE_BATCHES,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     EventPublisher,
     EventSubscriber,
     KVCacheEvent,
+    curve_client,
     decode_batch,
     encode_batch,
     reachable_endpoint,
 )
-from tests.waiting import eventually_async
+from tests.waiting import eventually, eventually_async
 
 LOOPBACK = "tcp://127.0.0.1:0"
+REPO = Path(__file__).resolve().parents[2]
 
 
 def stored(*names: int, parent: int | None = None) -> BlockStored:
@@ -292,3 +303,181 @@ async def test_a_subscriber_is_delivered_only_once_the_worker_answered() -> None
         assert await eventually_async(lambda: subscriber.delivered)  # the replay of nothing was answered
     silent = EventSubscriber("tcp://127.0.0.1:9", "tcp://127.0.0.1:9", reader.apply, reader.reset)
     assert not silent.delivered
+
+
+# -- who may connect, and what a replay may cost (issue 44, item 4) ---------------------------------------------
+SECRET = InternalSecret("the-deployment-secret-0123456789")
+_HANDSHAKE: dict[int, str] = {
+    zmq.EVENT_HANDSHAKE_SUCCEEDED: "succeeded", zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "failed",
+    zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "failed", zmq.EVENT_HANDSHAKE_FAILED_AUTH: "failed"}
+
+
+class Peer:
+    """A raw ZMQ socket of someone on the network, and what its handshakes came to (from its own monitor)."""
+
+    def __init__(self, kind: int, endpoint: str, secret: InternalSecret | None,
+                 keys: tuple[bytes, bytes] | None = None) -> None:
+        self.socket: zmq.Socket[bytes] = zmq.Context.instance().socket(kind)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        if keys is not None:  # a key pair of its own, and a guess at the server's key
+            self.socket.setsockopt(zmq.CURVE_SERVERKEY, keys[0])
+            self.socket.setsockopt(zmq.CURVE_PUBLICKEY, keys[0])
+            self.socket.setsockopt(zmq.CURVE_SECRETKEY, keys[1])
+        else:
+            curve_client(self.socket, secret)
+        self.monitor: zmq.Socket[bytes] = self.socket.get_monitor_socket(sum(_HANDSHAKE))
+        self.handshakes: list[str] = []
+        self.socket.connect(endpoint)
+
+    def handshake_done(self) -> bool:
+        with contextlib.suppress(zmq.Again):
+            while True:
+                event = parse_monitor_message(self.monitor.recv_multipart(zmq.NOBLOCK))["event"]
+                self.handshakes.append(_HANDSHAKE[int(event)])
+        return bool(self.handshakes)
+
+    def close(self) -> None:
+        self.socket.disable_monitor()
+        self.monitor.close(linger=0)
+        self.socket.close(linger=0)
+
+
+async def test_with_the_secret_only_a_peer_holding_it_may_subscribe_or_ask_for_a_replay() -> None:
+    reader = Reader()
+    publisher = EventPublisher(LOOPBACK, LOOPBACK, secret=SECRET)
+    publisher.start()
+    assert publisher.replay_endpoint is not None
+    subscriber = EventSubscriber(publisher.endpoint, publisher.replay_endpoint, reader.apply, reader.reset,
+                                 secret=SECRET)
+    subscriber.start()
+    strangers = [Peer(zmq.SUB, publisher.endpoint, None), Peer(zmq.DEALER, publisher.replay_endpoint, None),
+                 Peer(zmq.SUB, publisher.endpoint, InternalSecret("another-deployments-secret-0123")),
+                 Peer(zmq.DEALER, publisher.replay_endpoint, InternalSecret("another-deployments-secret-0123")),
+                 # Its own pair and a guess at the server's key: without the secret, the server's is unknown too.
+                 Peer(zmq.DEALER, publisher.replay_endpoint, None, keys=zmq.curve_keypair())]
+    try:
+        await publish_until_read(publisher, reader, 100)  # the deployment's own subscriber reads, live and by replay
+        assert await eventually_async(lambda: publisher.replay_requests > 0)
+        requests = publisher.replay_requests
+        for stranger in strangers:
+            if stranger.socket.type == zmq.DEALER:
+                with contextlib.suppress(zmq.Again):  # no pipe while its handshake fails: nothing leaves at all
+                    stranger.socket.send_multipart((b"", (0).to_bytes(8, "big")), zmq.NOBLOCK)
+            else:
+                stranger.socket.setsockopt(zmq.SUBSCRIBE, b"")
+        assert await eventually_async(lambda: all(stranger.handshake_done() for stranger in strangers))
+        assert all("succeeded" not in stranger.handshakes for stranger in strangers)
+        publisher.publish([stored(7)])
+        assert await eventually_async(lambda: [stored(7)] in reader.batches)
+        for stranger in strangers:
+            with pytest.raises(zmq.Again):
+                stranger.socket.recv_multipart(zmq.NOBLOCK)
+        assert publisher.replay_requests == requests  # no stranger's request ever reached the worker
+    finally:
+        for stranger in strangers:
+            stranger.close()
+        await subscriber.aclose()
+        await publisher.aclose()
+
+
+async def test_a_publisher_beyond_loopback_without_the_secret_says_so(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, "disagg.security"):
+        quiet = EventPublisher(LOOPBACK, LOOPBACK)
+        await quiet.aclose()
+        assert not caplog.records
+        exposed = EventPublisher("tcp://0.0.0.0:0", "tcp://*:0")
+        await exposed.aclose()
+        secured = EventPublisher("tcp://0.0.0.0:0", None, secret=SECRET)
+        await secured.aclose()
+    assert len(caplog.records) == 1 and "KV-event publisher listens on 0.0.0.0" in caplog.records[0].getMessage()
+
+
+async def test_a_replay_request_is_answered_with_one_page_and_a_subscriber_pages_through() -> None:
+    reader = Reader()
+    async with publishing() as publisher:
+        early = [[stored(name)] for name in range(3 * REPLAY_PAGE_BATCHES + 5)]
+        for batch in early:
+            publisher.publish(batch)
+        assert publisher.replay_endpoint is not None
+        peer = Peer(zmq.DEALER, publisher.replay_endpoint, None)
+        answer: list[list[bytes]] = []
+        try:
+            peer.socket.send_multipart((b"", (0).to_bytes(8, "big")))
+
+            def ended() -> bool:
+                with contextlib.suppress(zmq.Again):
+                    while not answer or answer[-1][2] != END_SEQ:
+                        answer.append(peer.socket.recv_multipart(zmq.NOBLOCK))
+                return bool(answer) and answer[-1][2] == END_SEQ
+
+            assert await eventually_async(ended)
+        finally:
+            peer.close()
+        assert len(answer) == REPLAY_PAGE_BATCHES + 1  # one page, and the end: not the whole buffer
+        assert [int.from_bytes(frames[2], "big") for frames in answer[:-1]] == list(range(REPLAY_PAGE_BATCHES))
+        async with subscribed(publisher, reader):
+            assert await eventually_async(lambda: len(reader.batches) == len(early))
+            assert reader.batches == early and "reset" not in reader.log
+
+
+# A worker's publisher in a process of its own, so that its memory is measured alone: 2,000 batches of ~1.2 KB
+# (what the issue's 2.4 MB buffer held), and on each line of stdin a line of its state.
+_WORKER = """
+import asyncio, json, sys
+from frontend.kv_events import BlockStored, EventPublisher
+
+def rss():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+
+async def main():
+    publisher = EventPublisher("tcp://127.0.0.1:0", "tcp://127.0.0.1:0")
+    publisher.start()
+    for name in range(2000):
+        publisher.publish([BlockStored(block_hashes=list(range(name, name + 120)), parent_block_hash=None,
+                                       token_ids=[], block_size=64, lora_id=None, medium=None, lora_name=None)])
+    loop = asyncio.get_running_loop()
+    print(json.dumps({"replay": publisher.replay_endpoint}), flush=True)
+    while await loop.run_in_executor(None, sys.stdin.readline):
+        print(json.dumps({"rss": rss(), "requests": publisher.replay_requests}), flush=True)
+
+asyncio.run(main())
+"""
+
+
+def test_peers_that_never_read_their_replays_cost_the_worker_a_bounded_amount_of_memory() -> None:
+    """The issue's attack: 200 peers ask for replays and never read them (here each asks five times). Before,
+    each got the whole buffer queued (2.4 MB; +449 MiB in all); now each holds two pages at most (+12.5 MiB here
+    in all)."""
+    peers_n, asks = 200, 5
+    worker = subprocess.Popen([sys.executable, "-c", _WORKER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              cwd=REPO, text=True)
+    assert worker.stdin is not None and worker.stdout is not None
+    stdin, stdout = worker.stdin, worker.stdout
+
+    def state() -> dict[str, int]:
+        stdin.write("\n")
+        stdin.flush()
+        return json.loads(stdout.readline())  # type: ignore[no-any-return]
+
+    peers: list[Peer] = []
+    try:
+        replay = json.loads(stdout.readline())["replay"]
+        before = state()["rss"]
+        for _ in range(peers_n):
+            peer = Peer(zmq.DEALER, replay, None)
+            peer.socket.setsockopt(zmq.RCVHWM, 1)  # it never reads: what it is sent stays with the worker
+            peer.socket.setsockopt(zmq.RCVBUF, 4096)
+            for _ in range(asks):
+                peer.socket.send_multipart((b"", (0).to_bytes(8, "big")))
+            peers.append(peer)
+        assert eventually(lambda: state()["requests"] == peers_n * asks, every_s=0.1)
+        grown = state()["rss"] - before
+        # Two pages of ~1.2 KB batches per peer is ~150 KB (30 MiB for 200); bb7e60b grew by ~450 MiB.
+        assert grown < 80 * 1024 * 1024, f"the worker grew by {grown / 2**20:.0f} MiB"
+    finally:
+        for peer in peers:
+            peer.close()
+        worker.kill()
+        worker.wait()
