@@ -185,4 +185,8 @@ def generated_block(result: dict[str, Any], plot_path: str) -> str:
 def plot(result: dict[str, Any], path: Path) -> Path:
     from bench import plots
 
-    return plots.fleet_plot(result, _cells(result), path)
+    cells = _cells(result)
+    if any("tokenize" in c for c in cells):  # --tokenize-compare: each (router, set-up) is a series of its own
+        cells = [{**c, "router": _router(c)} for c in cells]
+        result = {**result, "routers": list(dict.fromkeys(c["router"] for c in cells))}
+    return plots.fleet_plot(result, cells, path)

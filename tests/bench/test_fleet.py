@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from bench import fleet, fleet_report, fleet_work, report
+from bench.common import TOKENIZE_SETUPS
 
 TINY_CHAT = replace(fleet_work.CHAT, system_tokens=1_500, session_rate=4.0, window_s=1.0, turns=2,
                     turn_tokens=(100, 300), think_mean_s=0.05, max_tokens=4)
@@ -61,13 +62,13 @@ def test_tables_targets_block_and_plot(result: dict[str, Any], tmp_path: Path) -
 TINY_AGENT = replace(fleet_work.AGENT, system_tokens=600, session_rate=2.0, window_s=1.0, turns=2,
                      turn_tokens=(50, 150), think_mean_s=0.05, max_tokens=4)
 TINY_COMPARE = replace(TINY, ctx_workers=1, engine=fleet.Engine(cache_tokens=4_096, tokenizer="reference"),
-                       workloads=(TINY_AGENT,), seed=2, tokenize_setups=tuple(fleet.TOKENIZE_SETUPS))
+                       workloads=(TINY_AGENT,), seed=2, tokenize_setups=tuple(TOKENIZE_SETUPS))
 
 
-def test_tokenize_compare_runs_the_work_on_each_setup_in_real_tokens() -> None:
+def test_tokenize_compare_runs_the_work_on_each_setup_in_real_tokens(tmp_path: Path) -> None:
     result = fleet.run(TINY_COMPARE, ["cache_aware"])
     cells = result["cells"]
-    assert [c["tokenize"] for c in cells] == list(fleet.TOKENIZE_SETUPS)
+    assert [c["tokenize"] for c in cells] == list(TOKENIZE_SETUPS)
     per_token = result["settings"]["chars_per_token"]
     assert 2 < per_token < 4  # the reference BPE on the work's text, not one token per character
     work = fleet_work.sessions(TINY_AGENT, TINY_COMPARE.seed, per_token)
@@ -80,3 +81,4 @@ def test_tokenize_compare_runs_the_work_on_each_setup_in_real_tokens() -> None:
     table = fleet_report.tables(result)
     assert "| agent | cache_aware | full encode |" in table and "| agent | cache_aware | defaults |" in table
     assert "cache_aware [defaults]" in table and "--tokenize-cache-mb 0 --tokenizer-backend tokenizers" in table
+    assert fleet_report.plot(result, tmp_path / "fleet.png").read_bytes()[:4] == b"\x89PNG"
