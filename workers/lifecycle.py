@@ -16,8 +16,9 @@ of one attempt) on every failure path. What this module guarantees, and what the
   abort-before-create is refused ("replay protection is saturated"), never a tombstone forgotten early. A tombstone
   keeps digests, not the request (``workers.lifecycle_entries``): a few hundred bytes each, whatever was sent;
 - a grant holds admission credit, so one that is not bound to its GEN request within ``grant_bind_lease_s`` is
-  revoked, and one caller holds at most ``unbound_grants_per_caller`` unbound grants: hoarded grants cannot shut
-  admission for the grant's whole TTL;
+  revoked, and where the control routes are open (no secret configured) one peer address holds at most
+  ``unbound_grants_per_caller`` unbound grants: hoarded grants cannot shut admission for the grant's whole TTL
+  (authenticated callers are the deployment's own orchestrators: no cap that a burst of admissions could meet);
 - the worker's calls to CTX on a grant's behalf go only to an http(s) endpoint without credentials, query or
   fragment, rebuilt from its parsed parts (``frontend.trtllm_lifecycle.control_url``), on a small client of their
   own with short timeouts and bounded concurrency: they can never take the connections generation-first hand-off
@@ -208,9 +209,10 @@ class LifecycleControl(ContextArtifacts):
 
     # -- GEN: grants ------------------------------------------------------------------------------------------
     def issue(self, request: GenerationGrantRequest, endpoint_name: str,
-              caller: str = "") -> GenerationGrantDecisionResponse:
-        """Admit one attempt (TensorRT-LLM's ``issue_generation_grant``) for ``caller`` (its peer address). A refusal
-        is ``accepted: false``; a contradiction of an earlier grant raises ``LifecycleConflict`` (409)."""
+              caller: str | None = None) -> GenerationGrantDecisionResponse:
+        """Admit one attempt (TensorRT-LLM's ``issue_generation_grant``) for ``caller``: an unauthenticated caller's
+        peer address, its unbound grants capped; None for an authenticated one. A refusal is ``accepted: false``; a
+        contradiction of an earlier grant raises ``LifecycleConflict`` (409)."""
         local = self.advertisement
         assert local is not None
         try:
@@ -242,7 +244,7 @@ class LifecycleControl(ContextArtifacts):
         if self.live_grants >= self.settings.max_live_grants:
             return GenerationGrantDecisionResponse(lifecycle_protocol_version=1, accepted=False,
                                                    reason="generation admission credit is exhausted")
-        if self._unbound_by_caller.get(caller, 0) >= self.settings.unbound_grants_per_caller:
+        if caller is not None and self._unbound_by_caller.get(caller, 0) >= self.settings.unbound_grants_per_caller:
             return GenerationGrantDecisionResponse(lifecycle_protocol_version=1, accepted=False,
                                                    reason=GRANT_HOARDED)
         # The worker's own TTL, not the one asked for: only the worker decides how long it holds credit.
@@ -252,7 +254,8 @@ class LifecycleControl(ContextArtifacts):
         self.grants[request.consumer_grant_id] = grant
         self._live_grants[request.consumer_grant_id] = grant  # the latest expiry: the end of the order
         self._unbound[request.consumer_grant_id] = grant  # the latest bind_by: the end of that order
-        self._unbound_by_caller[caller] = self._unbound_by_caller.get(caller, 0) + 1
+        if caller is not None:
+            self._unbound_by_caller[caller] = self._unbound_by_caller.get(caller, 0) + 1
         return self._decision(grant, endpoint_name, now)
 
     @staticmethod

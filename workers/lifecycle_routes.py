@@ -91,7 +91,8 @@ def install_lifecycle_routes(app: FastAPI, settings: WorkerSettings, service: Wo
         app.post(path, name=path.removeprefix("/_internal/").replace("/", "_"))(route)
 
     async def issue(body: GenerationGrantRequest, request: Request) -> Any:
-        caller = request.client.host if request.client is not None else ""
+        # An open worker caps unbound grants per peer address; an authenticated caller is one of our orchestrators.
+        caller = None if not callers.open else request.client.host if request.client is not None else ""
         return control.issue(body, own_url(request).split("://", 1)[1], caller)
 
     async def renew(body: GenerationGrantRenewRequest, _: Request) -> Any:
