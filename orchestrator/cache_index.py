@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from frontend.internal_secret import InternalSecret
 from frontend.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, EventSubscriber, KVCacheEvent
 from frontend.prefix_chain import LINK_ENDS, MAX_LINKS, PrefixChain
 
@@ -63,11 +64,13 @@ class _WorkerHoldings:
 
 class CacheIndex:
     def __init__(self, pending_s: float = 10.0, clock: Callable[[], float] = time.monotonic,
-                 recent_half_s: float = 5.0) -> None:
+                 recent_half_s: float = 5.0, secret: InternalSecret | None = None) -> None:
         self.pending_s = pending_s
         self.recent_half_s = recent_half_s
         self._clock = clock
         self._workers: dict[str, _WorkerHoldings] = {}
+        # The deployment secret: the CURVE keys its workers' sockets require (frontend.kv_events).
+        self.secret = secret
 
     def _of(self, url: str) -> _WorkerHoldings:
         holdings = self._workers.get(url)
@@ -89,7 +92,7 @@ class CacheIndex:
         if source is not None:
             holdings.subscriber = EventSubscriber(source.endpoint, source.replay_endpoint,
                                                   lambda events: self.apply(url, events),
-                                                  lambda: self.reset(url))
+                                                  lambda: self.reset(url), secret=self.secret)
             holdings.subscriber.start()
             logger.info("following the KV events of %s at %s", url, source.endpoint)
 

@@ -64,9 +64,10 @@ logger = logging.getLogger("disagg_serve.orchestrator")
 
 
 def _pool(name: str, group: ServerGroupConfig, config: OrchestratorConfig, metrics: Metrics,
-          default_router: str, worker_headers: dict[str, str] | None = None) -> WorkerPool:
+          default_router: str, worker_headers: dict[str, str] | None = None,
+          secret: InternalSecret | None = None) -> WorkerPool:
     timeouts = WorkerTimeouts(config.request_timeout_s, config.connect_timeout_s, min(config.connect_timeout_s, 5.0))
-    index = CacheIndex(group.router.pending_s, recent_half_s=group.router.recent_half_s)
+    index = CacheIndex(group.router.pending_s, recent_half_s=group.router.recent_half_s, secret=secret)
     decisions = LabelledChildren(metrics.routing_decisions)
     circuit = LabelledChildren(metrics.worker_circuit_state)
     router = make_router(group.router, default_router, index, lambda decision: decisions(name, decision).inc())
@@ -128,8 +129,10 @@ def create_orchestrator_app(
     TensorRT-LLM's ``internal_request_auth_key``, for trtllm-serve workers that require its signatures."""
     metrics = metrics or Metrics()
     worker_headers = internal_secret.headers() if internal_secret is not None else None
-    ctx_pool = _pool(CTX_POOL_NAME, config.context_servers, config, metrics, "cache_aware", worker_headers)
-    gen_pool = _pool(GEN_POOL_NAME, config.generation_servers, config, metrics, "round_robin", worker_headers)
+    ctx_pool = _pool(CTX_POOL_NAME, config.context_servers, config, metrics, "cache_aware", worker_headers,
+                     internal_secret)
+    gen_pool = _pool(GEN_POOL_NAME, config.generation_servers, config, metrics, "round_robin", worker_headers,
+                     internal_secret)
     pools = {"context": ctx_pool, "generation": gen_pool}
     flow = DisaggFlow(config, ctx_pool, gen_pool, metrics, trtllm_auth_key=trtllm_auth_key)
     # previous_response_id and store: only /v1/responses reaches it.

@@ -27,6 +27,9 @@ class KvEventPublishing:
         self.service = service
         self.publisher: EventPublisher | None = None
         self.card: dict[str, Any] | None = None  # engine_info["kv_events"] while publishing
+        # The deployment secret: the sockets' CURVE keys, and who may send this worker a prefix chain (only a
+        # holder: anyone else's chain would be published as if the engine held it, and steer every orchestrator).
+        self.secret = settings.internal_secret
 
     def start(self) -> None:
         endpoint = self.settings.kv_events_endpoint
@@ -37,7 +40,8 @@ class KvEventPublishing:
             return  # the engine reuses no KV: there is nothing to route by
         service = self.service
         publisher = EventPublisher(endpoint, self.settings.kv_events_replay_endpoint,
-                                   snapshot=lambda: service.holdings.snapshot() if service.holdings else [])
+                                   snapshot=lambda: service.holdings.snapshot() if service.holdings else [],
+                                   secret=self.secret)
         publisher.start()
         self.publisher = publisher
         self.service.holdings = PrefixHoldings(capacity, publisher)

@@ -38,7 +38,7 @@ from frontend.openai_models import (
     ResponsesRequest,
 )
 from frontend.openapi import install_body_schemas, json_body
-from frontend.prefix_chain import CHAIN_HEADER
+from frontend.prefix_chain import trusted_chain_header
 from frontend.sse import SSE_HEADERS, SSE_MEDIA_TYPE
 from workers import worker_tracing
 from workers.engines.base import (
@@ -77,6 +77,7 @@ def create_worker_app(
     export_known_series(metrics, engine, settings.role)
     span_names = {e: f"{settings.role} {e}" for e in ("chat", "completions", "responses")}  # not per request
     kv_events = KvEventPublishing(engine, settings, service)
+    chain_secret = settings.internal_secret  # a prefix chain is believed only from its holder (the orchestrator)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -140,7 +141,8 @@ def create_worker_app(
             # Under the disconnect watch too: a generation-first GEN waits here for its hand-off (up to
             # generation_first_wait_s), and one whose orchestrator left must free its slot and stop asking for it.
             prepared = await cancel_on_disconnect(
-                request, lambda: service.prepare(body, wire_model, request.headers.get(CHAIN_HEADER), request.headers))
+                request, lambda: service.prepare(body, wire_model, trusted_chain_header(request.headers, chain_secret),
+                                                 request.headers))
             worker_tracing.prepared(span, prepared)
             # CTX always answers whole: the orchestrator needs its hand-off fields, not a stream.
             if prepared.wire.stream and prepared.request.phase is not Phase.CONTEXT_ONLY:

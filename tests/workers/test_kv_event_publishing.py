@@ -17,8 +17,11 @@ import pybase64
 import pytest
 import zmq
 
+from frontend.config import parse_config
+from frontend.internal_secret import INTERNAL_TOKEN_HEADER, InternalSecret
 from frontend.kv_events import BlockRemoved, BlockStored, EventPublisher, EventSubscriber, KVCacheEvent
 from frontend.prefix_chain import CHAIN_HEADER, PrefixChain, chain_of
+from orchestrator.server import create_orchestrator_app
 from tests.cluster import MODEL, Node, Recorder, RecordingEngine, start_orchestrator
 from tests.servers import running
 from tests.waiting import eventually_async
@@ -265,3 +268,87 @@ async def test_an_endpoint_in_use_fails_start_up_and_closes_the_engine() -> None
         assert engine.closed
     finally:
         await taken.aclose()
+
+
+# -- with the deployment secret (issue 44, item 4) -----------------------------------------------------------------
+SECRET = InternalSecret("the-deployment-secret-0123456789")
+
+
+@dataclass
+class SecuredFleet:
+    ctx: Node
+    gen: Node
+    orchestrator: Node
+
+
+@pytest.fixture(scope="module")
+def secured() -> Iterator[SecuredFleet]:
+    with contextlib.ExitStack() as stack:
+        ctx = start(stack, "context", ReusingEngine(), internal_secret=SECRET)
+        gen = start(stack, "generation", ReusingEngine(), internal_secret=SECRET)
+        config = parse_config({"context_servers": {"urls": [ctx.url]}, "generation_servers": {"urls": [gen.url]}})
+        app = create_orchestrator_app(config, internal_secret=SECRET)
+        recorder = Recorder(app)
+        yield SecuredFleet(ctx, gen, Node(stack.enter_context(running(recorder)), app, recorder))
+
+
+@contextlib.asynccontextmanager
+async def following_with(node: Node, secret: InternalSecret | None) -> AsyncIterator[Events]:
+    events = card(node)["kv_events"]
+    seen = Events()
+    subscriber = EventSubscriber(events["endpoint"], events["replay_endpoint"], seen.apply, seen.reset, secret=secret)
+    subscriber.start()
+    try:
+        yield seen
+    finally:
+        await subscriber.aclose()
+
+
+async def test_with_the_secret_a_chain_from_anyone_but_the_orchestrator_is_ignored(secured: SecuredFleet) -> None:
+    """A forged chain (no token, or a wrong one) would be published as held, and every orchestrator would route
+    by it. The request is served all the same; only a chain with the deployment's token is recorded."""
+    node = secured.ctx
+    async with following_with(node, SECRET) as seen:
+        forged = [chain_of([prompt(seed).encode()]) for seed in (20, 21)]
+        assert (await complete(node, prompt(20), forged[0])).status_code == 200
+        async with httpx.AsyncClient(timeout=30) as client:
+            reply = await client.post(node.url + "/v1/completions",
+                                      json={"model": MODEL, "prompt": prompt(21), "max_tokens": 3},
+                                      headers={CHAIN_HEADER: forged[1].header_value(),
+                                               INTERNAL_TOKEN_HEADER: "a-guessed-token-0123456789"})
+            assert reply.status_code == 200, reply.text
+            text = prompt(22)
+            genuine = chain_of([text.encode()])
+            reply = await client.post(node.url + "/v1/completions",
+                                      json={"model": MODEL, "prompt": text, "max_tokens": 3},
+                                      headers={CHAIN_HEADER: genuine.header_value(), **SECRET.headers()})
+            assert reply.status_code == 200, reply.text
+        await wait_for_links(seen, genuine.links)
+        # Published in order: a forged chain recorded would have come before the genuine one.
+        assert not set(seen.stored()) & (set(forged[0].links) | set(forged[1].links))
+        holdings = node.app.state.service.holdings
+        assert holdings is not None and all(link not in holdings for chain in forged for link in chain.links)
+
+
+async def test_an_orchestrator_with_the_secret_follows_its_workers_and_sends_chains_they_believe(
+        secured: SecuredFleet) -> None:
+    sent = len(secured.ctx.recorder.posts("/v1/completions"))
+    async with httpx.AsyncClient(timeout=30) as client:
+        reply = await client.post(secured.orchestrator.url + "/v1/completions",
+                                  json={"model": MODEL, "prompt": prompt(23, 20_000), "max_tokens": 3})
+    assert reply.status_code == 200, reply.text
+    chain = PrefixChain.from_header(secured.ctx.recorder.posts("/v1/completions")[sent].headers[CHAIN_HEADER])
+    index = secured.orchestrator.app.state.pools["context"].index
+    # Over CURVE: the orchestrator's subscriber holds the key pair, so the worker's events reach its picture.
+    assert await eventually_async(lambda: set(chain.links) <= index.held(secured.ctx.url))
+    assert index.publishes(secured.ctx.url)
+
+
+async def test_a_subscriber_without_the_secret_reads_nothing_from_a_secured_worker(secured: SecuredFleet) -> None:
+    async with following_with(secured.gen, None) as stranger, following_with(secured.gen, SECRET) as member:
+        async with httpx.AsyncClient(timeout=30) as client:
+            reply = await client.post(secured.orchestrator.url + "/v1/completions",
+                                      json={"model": MODEL, "prompt": prompt(24), "max_tokens": 3})
+        assert reply.status_code == 200, reply.text
+        assert await eventually_async(lambda: bool(member.batches))
+        assert stranger.batches == [] and stranger.resets == 0
