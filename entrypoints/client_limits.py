@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import socket
 import struct
 from collections import deque
@@ -196,13 +197,12 @@ class ClientCutoffs:
         self._arm_body_timer(now + self.limits.body_timeout_s)
         return True
 
-    def _body_due(self, started: float) -> float:
-        """When the body being read is too slow: ``body_timeout_s`` after its last bytes, or after its first
-        ``body_timeout_s`` and its bytes received at ``body_min_rate``, whichever comes first."""
+    def _body_dues(self, started: float) -> tuple[float, float]:
+        """When the body being read is too slow: ``body_timeout_s`` after its last bytes (idle), and after its first
+        ``body_timeout_s`` and its bytes received at ``body_min_rate`` (too slow on average; never without one)."""
         idle_s = self.limits.body_timeout_s
-        due = self._body_last + idle_s
         rate = self.limits.body_min_rate
-        return min(due, started + idle_s + self._body_bytes / rate) if rate else due
+        return self._body_last + idle_s, started + idle_s + self._body_bytes / rate if rate else math.inf
 
     def _arm_body_timer(self, due: float) -> None:
         timer = self._body_timer
@@ -217,13 +217,14 @@ class ClientCutoffs:
         started = self._body_started
         if started is None:
             return  # the body came: armed again for the next one that does not come with its head
-        due = self._body_due(started)
+        idle_due, rate_due = self._body_dues(started)
+        due = min(idle_due, rate_due)
         now = self.loop.time()
         if now < due - TIMER_SLACK_S:
             self._body_timer = self.loop.call_at(due, self._body_timer_fired)
             return
         idle_s = self.limits.body_timeout_s
-        if now - self._body_last >= idle_s - TIMER_SLACK_S:
+        if idle_due <= rate_due:  # (the rule that ran out first, however late a busy loop ran this timer)
             self._body_too_slow(f"no byte of it came for {idle_s:g} s")
         else:
             self._body_too_slow(f"{self._body_bytes} bytes in {now - started:.1f} s, under the minimum of "

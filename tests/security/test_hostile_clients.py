@@ -306,12 +306,13 @@ def test_bodies_being_read_are_capped_in_bytes_received() -> None:
 def test_a_body_trickled_under_the_minimum_rate_is_cut_off(caplog: pytest.LogCaptureFixture) -> None:
     """A byte every tenth of a second keeps clear of the idle timeout, but not of the minimum average rate: the
     body is cut off with 408 once past its first ``body_timeout_s`` (on bb7e60b a 64 MiB declaration bought it
-    32 times the body timeout, whatever came)."""
-    with front_running(0.5, {"body_min_rate": 1000}, max_body_bytes=64 * 1024 * 1024) as front, \
+    64 times the body timeout, whatever came)."""
+    # (An idle timeout far above the client's pace, so that only a client paused for 1.5 s could meet it first.)
+    with front_running(1.5, {"body_min_rate": 1000}, max_body_bytes=64 * 1024 * 1024) as front, \
             caplog.at_level(logging.WARNING, logger="entrypoints.http_protocol"), connected(front.port) as slow:
         before = front.cuts("body_timeout")
-        slow.sendall(head_only(b"Content-Length: 67108864", b"X-Request-Id: trickle-1\r\n"))
-        continued(slow)
+        slow.sendall(request(body=b" ", extra=b"X-Request-Id: trickle-1\r\n").replace(
+            b"Content-Length: 1\r\n", b"Content-Length: 67108864\r\n"))  # the head and a first byte
         answered = False
         for _ in range(600):  # the client's pace, not a wait for the server: a byte, then a look for an answer
             with contextlib.suppress(ConnectionError):
