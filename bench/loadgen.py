@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import os
 import random
 import sys
@@ -157,6 +158,19 @@ class AiohttpClient:
             await self.consume(response, record)
 
 
+def distinct_body(body: dict[str, Any], number: int) -> dict[str, Any]:
+    """``body`` with its prompt opened by its own number: a prompt no earlier request began with, so no cache of
+    what was tokenized (or of KV) holds any of it; a few tokens longer."""
+    head = f"Request {number}. "
+    if "messages" in body:
+        first, *rest = body["messages"]
+        return {**body, "messages": [{**first, "content": head + first["content"]}, *rest]}
+    return {**body, "prompt": head + body["prompt"]}
+
+
+_request_numbers = itertools.count()
+
+
 async def client_loop(client: httpx.AsyncClient | AiohttpClient, config: dict[str, Any], state: State,
                       body: dict[str, Any], body_bytes: bytes) -> None:
     def new_record() -> Record:
@@ -165,6 +179,13 @@ async def client_loop(client: httpx.AsyncClient | AiohttpClient, config: dict[st
         return record
 
     async def request(record: Record) -> None:
+        if config.get("distinct_prompts"):  # each request a new prompt: its body is made (and dumped) per request
+            mine = distinct_body(body, next(_request_numbers))
+            await send(record, mine, orjson.dumps(mine))
+        else:
+            await send(record, body, body_bytes)
+
+    async def send(record: Record, body: dict[str, Any], body_bytes: bytes) -> None:
         if isinstance(client, AiohttpClient):
             await client.request(config, body, body_bytes, record)
         elif config["mode"] == "direct":
@@ -274,6 +295,7 @@ def summarize_run(config: dict[str, Any], state: State, window: dict[str, Any]) 
         "concurrency": config["concurrency"],
         "prompt_tokens": config.get("prompt_tokens", config["prompt_chars"]),  # the size asked for, in tokens
         "max_tokens": config["max_tokens"],
+        "distinct_prompts": bool(config.get("distinct_prompts")),
         "window_s": span,
         "window_wall": [window["wall_start"], window["wall_end"]],
         "requests_per_s": completed / span,

@@ -10,7 +10,8 @@ is then run once more under py-spy (sampling the orchestrator) to say where its 
 is written at its measured characters per token), so CTX pays real tokenization. ``--tokenize-compare`` (which
 implies it) adds a scenario: at the target prompt (131k) the orchestrator's load runs on fresh workers once per
 tokenization set-up (a full Hugging Face ``tokenizers`` encode of every prompt, as vLLM's and trtllm-serve's servers
-do, and the defaults), tabled side by side. Every request of a point sends the same prompt.
+do, and the defaults), tabled side by side. Every request of a point sends the same prompt, unless
+``--distinct-prompts``: then each opens with its own number, so no cache of tokenized text (or of KV) holds any of it.
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ class Tokenization:
     tokenizer: str = "byte"
     worker_flags: tuple[str, ...] = ()
     chars_per_token: float = 1.0
+    distinct_prompts: bool = False  # each request a prompt of its own (the load generator's distinct_body)
 
     @classmethod
     def measured(cls, tokenizer: str) -> Tokenization:
@@ -113,6 +115,7 @@ def run_cell(processes: Processes, cluster: Cluster, mode: str, prompt: int, con
     config = {"mode": mode, "url": cluster.orchestrator.url, "ctx_url": cluster.ctx.url, "gen_url": cluster.gen.url,
               "prompt_chars": cluster.tokenization.chars(prompt), "prompt_tokens": prompt, "max_tokens": MAX_TOKENS,
               "concurrency": concurrency, "pids": cluster.pids,
+              "distinct_prompts": cluster.tokenization.distinct_prompts,
               **phases.loadgen(concurrency)}
     out = processes.log_dir / f"probe-{mode}-{prompt}-{concurrency}-{time.monotonic_ns()}.json"
     quiet = wait_for_quiet(phases.quiet_wait_s)
@@ -157,13 +160,15 @@ def profile_cell(processes: Processes, cluster: Cluster, prompt: int, concurrenc
 # -- the whole benchmark -----------------------------------------------------------------------------------------
 def run(prompts: tuple[int, ...] = PROMPTS, concurrency: tuple[int, ...] = CONCURRENCY, phases: Phases = FULL,
         profile: bool = True, api_workers: bool = True, idle_s: float = 2.0, tokenizer: str = "byte",
-        tokenize_compare: bool = False) -> dict[str, Any]:
-    tokenization = Tokenization.measured("reference" if tokenize_compare else tokenizer)
+        tokenize_compare: bool = False, distinct_prompts: bool = False) -> dict[str, Any]:
+    tokenization = replace(Tokenization.measured("reference" if tokenize_compare else tokenizer),
+                           distinct_prompts=distinct_prompts)
     result: dict[str, Any] = {
         "benchmark": "system_load",
         "method": {"max_tokens": MAX_TOKENS, "endpoint": "/v1/completions", "stream": True,
                    "phases": phases.__dict__, "prober_interval_ms": 20, "engine": "synthetic (TTFT 0, ITL 0)",
-                   "tokenizer": tokenization.tokenizer, "chars_per_token": tokenization.chars_per_token},
+                   "tokenizer": tokenization.tokenizer, "chars_per_token": tokenization.chars_per_token,
+                   "distinct_prompts": distinct_prompts},
         "cells": [],
     }
     with Processes() as processes:
@@ -308,10 +313,14 @@ def main(argv: list[str] | None = None) -> int:
                         help="with the reference tokenizer, also run the target prompt on a full `tokenizers` "
                              "encode of every prompt (--tokenize-cache-mb 0 --tokenizer-backend tokenizers) and on "
                              "the defaults, side by side")
+    parser.add_argument("--distinct-prompts", action="store_true",
+                        help="each request opens its prompt with its own number (a new prompt every time, which no "
+                             "cache holds), instead of every request of a point sending the same prompt")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     result = run(tuple(args.prompts), tuple(args.concurrency), QUICK if args.quick else FULL,
-                 profile=not args.no_profile, tokenizer=args.tokenizer, tokenize_compare=args.tokenize_compare)
+                 profile=not args.no_profile, tokenizer=args.tokenizer, tokenize_compare=args.tokenize_compare,
+                 distinct_prompts=args.distinct_prompts)
     return print_and_save(result, tables, args.json)
 
 

@@ -106,6 +106,11 @@ def tables(result: dict[str, Any]) -> str:
     if method.get("tokenizer", "byte") != "byte":
         parts += ["", f"Workers' tokenizer: {method['tokenizer']} (prompt sizes in its tokens: "
                       f"{method['chars_per_token']:.2f} characters per token of the prompt text)."]
+    if method.get("distinct_prompts"):
+        parts += ["", "Every request sent a prompt of its own (opened by its number): none was cached."]
+    elif method.get("tokenizer", "byte") != "byte":
+        parts += ["", "Every request of a point sent the same prompt: a worker that caches what it tokenized "
+                      "encodes it once."]
     for key, label in (("profile", "the worst point (highest TTFT p99)"), ("profile_at_target", "the target point")):
         profile = result.get(key)
         if profile and profile.get("available"):

@@ -171,7 +171,7 @@ def test_system_under_load_with_the_reference_tokenizer_compares_tokenization_se
     from workers.engines.synthetic import reference_tokens
 
     result = system_load.run((256,), (1,), TINY, profile=False, api_workers=False, idle_s=0.2,
-                             tokenize_compare=True)
+                             tokenize_compare=True, distinct_prompts=True)
     method = result["method"]
     assert method["tokenizer"] == "reference" and 2 < method["chars_per_token"] < 5
     # the prompt text the load generator sent is about 256 tokens of the reference tokenizer
@@ -181,7 +181,8 @@ def test_system_under_load_with_the_reference_tokenizer_compares_tokenization_se
     assert [r["tokenize"] for r in runs] == list(TOKENIZE_SETUPS)
     for cell in [*result["cells"], *runs]:
         assert cell["errors"] == 0, cell["error_samples"]
-        assert cell["prompt_tokens"] == 256 and _positive(cell["ttft_ms"]["p50"])
+        assert cell["prompt_tokens"] == 256 and _positive(cell["ttft_ms"]["p50"]) and cell["distinct_prompts"]
     table = system_load_report.tables(result)
     assert "| full encode | `--tokenize-cache-mb 0 --tokenizer-backend tokenizers` | 256 | 1 |" in table
     assert "| defaults | `defaults` | 256 | 1 |" in table and "Workers' tokenizer: reference" in table
+    assert "Every request sent a prompt of its own" in table
