@@ -262,3 +262,17 @@ def test_the_first_token_logprob_travels_in_first_gen_log_probs(cluster: RefClus
     aggregated = post(cluster.aggregated.url + CHAT, body).json()["choices"][0]["logprobs"]["content"]
     assert gen.choices[0].logprobs is not None
     assert gen.choices[0].logprobs["content"] == aggregated  # the first token's logprob included
+
+
+def test_ctx_request_ids_come_from_a_secure_generator(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A CTX request's id is its hand-off's ctx_request_id: not from Python's Mersenne Twister (issue 44)."""
+    import random
+
+    from frontend.disaggregated_params import DisaggregatedParams
+    from workers.trtllm_answers import new_request_id
+
+    def predictable(_bits: int) -> int:
+        raise AssertionError("random.getrandbits used for an id")
+
+    monkeypatch.setattr(random, "getrandbits", predictable)
+    assert int(new_request_id(DisaggregatedParams(request_type="context_only"))) < 2**63

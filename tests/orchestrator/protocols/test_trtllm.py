@@ -260,3 +260,22 @@ def test_after_a_ctx_retry_gen_carries_the_id_of_the_ctx_that_answered(fleet: Tr
     gen = [orjson.loads(raw)["disaggregated_params"]["disagg_request_id"] for raw in fleet.gen.bodies[seen_gen:]]
     assert failed and not set(failed) & set(answered)  # a retry is a new attempt with a new id
     assert gen == answered and fleet.gen.refused == []
+
+
+def test_disagg_request_ids_come_from_a_secure_generator(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A disagg_request_id names a generation-first hand-off on CTX's board: it must not be predictable from
+    Python's Mersenne Twister (issue 44, item 3; bb7e60b used random.getrandbits)."""
+    import random
+
+    from orchestrator.protocols.native import NativeProtocol
+    from orchestrator.protocols.trtllm import new_request_id
+
+    def predictable(_bits: int) -> int:
+        raise AssertionError("random.getrandbits used for an id")
+
+    monkeypatch.setattr(random, "getrandbits", predictable)
+    assert 0 <= new_request_id() < 2**63
+    encoded = NativeProtocol().context_request({"model": "m", "prompt": "x"}, return_prompt_tokens=False)
+    assert isinstance(encoded, bytes)
+    body = orjson.loads(encoded)
+    assert 0 <= body["disaggregated_params"]["disagg_request_id"] < 2**63
