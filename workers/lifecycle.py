@@ -131,6 +131,7 @@ class LifecycleControl(ContextArtifacts):
         self._control_client: httpx.AsyncClient | None = None
         self._control_slots = asyncio.Semaphore(_CONTROL_CONCURRENCY)
         self._control_pending = 0
+        self._control_tasks: set[asyncio.Task[None]] = set()  # cancelled at shutdown, not waited out
 
     @property
     def enabled(self) -> bool:
@@ -161,6 +162,8 @@ class LifecycleControl(ContextArtifacts):
             sweeper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await sweeper
+        for task in self._control_tasks:  # aborts still queued or waiting on a CTX: its artifact TTL frees the KV
+            task.cancel()
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
         for client in (self._client, self._control_client):
@@ -361,7 +364,11 @@ class LifecycleControl(ContextArtifacts):
             lifecycle_protocol_version=1, **{name: getattr(request, name) for name in IDENTITY_FIELDS},
             context_endpoint_incarnation=request.context_transceiver_lifecycle.incarnation, reason=reason)
         self._control_pending += 1
-        self._spawn(self._post_control(url, body.model_dump(mode="json")))
+        task = asyncio.ensure_future(self._post_control(url, body.model_dump(mode="json")))
+        self._tasks.add(task)
+        self._control_tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(self._control_tasks.discard)
 
     async def _post_control(self, url: str, body: dict[str, Any]) -> None:
         try:

@@ -870,8 +870,10 @@ async def test_aborts_aimed_at_a_black_hole_never_delay_a_hand_off_pull(caplog: 
                 assert params == {"ctx_request_id": "1"}
                 # No abort had given up (timed out) when the pull was answered: it never waited behind them.
                 assert not [r for r in caplog.records if "abort" in r.getMessage()]
+            await control.aclose()  # with the aborts still stuck: they are cancelled, not waited out
+            assert control._control_pending == 0
     finally:
+        await control.aclose()
         black_hole.close()
         for connection in held:
             connection.close()
-        await control.aclose()
