@@ -25,6 +25,7 @@ import redis
 import yaml
 
 from frontend.config import parse_config
+from frontend.internal_secret import InternalSecret
 from tests.deploy.dockerfile import Image
 from tests.deploy.local_run import (
     REPO,
@@ -44,7 +45,8 @@ RELEASE, NAMESPACE = "llm", "serving"
 PREFIX = f"{RELEASE}-disagg-serve"
 # A Redis the operator runs outside the chart, and the Secrets an operator created beforehand.
 EXTERNAL_REDIS = "redis://:operators-password@redis.example.internal:6379/0"
-EXISTING_SECRET = {"disagg-keys": {"api-key": "existing-secret-key"}, "disagg-store": {"redis-url": EXTERNAL_REDIS}}
+EXISTING_SECRET = {"disagg-keys": {"api-key": "existing-secret-key"}, "disagg-store": {"redis-url": EXTERNAL_REDIS},
+                   "disagg-internal": {"shared-token": "the-operators-own-internal-token"}}
 SERVICE_DOMAIN = f".{NAMESPACE}.svc.cluster.local"
 
 # Everything off the defaults that changes what is rendered or how it runs.
@@ -52,6 +54,9 @@ NON_DEFAULT: dict[str, Any] = {
     "logLevel": "debug",
     "engine": {"servedModelName": "smol-test", "blasThreads": 1},
     "auth": {"existingSecret": "disagg-keys"},
+    "internalSecret": {"existingSecret": "disagg-internal", "existingSecretKey": "shared-token"},
+    "networkPolicy": {"extraIngress": [{"from": [{"namespaceSelector": {"matchLabels": {"name": "monitoring"}}}],
+                                        "ports": [{"port": "http", "protocol": "TCP"}]}]},
     "orchestrator": {
         "contextRouter": "least_loaded",
         "generationRouter": "prefix_affinity",
@@ -174,7 +179,8 @@ def test_default_resources() -> None:
     assert sorted(resources) == sorted([
         ("ConfigMap", f"{PREFIX}-orchestrator"), ("ServiceAccount", PREFIX),
         *[(kind, f"{PREFIX}-{c}") for kind in ("Deployment", "Service") for c in ("orchestrator", "ctx", "gen")],
-    ])  # HPA, PDB and Secret are all opt-in
+        ("Secret", f"{PREFIX}-internal"), *[("NetworkPolicy", f"{PREFIX}-{c}") for c in ("ctx", "gen")],
+    ])  # HPA, PDB and the keys' Secret are opt-in; the deployment secret and the workers' policies are not
     assert resources[("Service", f"{PREFIX}-orchestrator")]["spec"].get("clusterIP") != "None"
     for component in ("orchestrator", "ctx", "gen"):
         deployment = resources[("Deployment", f"{PREFIX}-{component}")]
@@ -641,3 +647,59 @@ def test_the_grafana_dashboard_is_an_opt_in_configmap_for_grafanas_sidecar() -> 
     assert configmap["metadata"]["labels"]["grafana_dashboard"] == "1"
     shipped = json.loads((REPO / "deploy" / "grafana" / "disagg-serve.json").read_text())
     assert json.loads(configmap["data"]["disagg-serve.json"]) == shipped  # the chart links to the one file
+
+
+# -- the deployment secret and who may reach the workers (issue 44) ---------------------------------------------
+def token_refs(resources: dict[tuple[str, str], dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Each orchestrator and worker Deployment's DISAGG_INTERNAL_TOKEN source."""
+    return {c: env_of(resources[("Deployment", f"{PREFIX}-{c}")])["DISAGG_INTERNAL_TOKEN"]["valueFrom"]
+            for c in ("orchestrator", "ctx", "gen")}
+
+
+def test_every_orchestrator_and_worker_pod_gets_one_generated_deployment_secret() -> None:
+    resources = by_kind(render(None))
+    token = decoded(resources[("Secret", f"{PREFIX}-internal")])["token"]
+    assert len(token) == 64 and token.isalnum()
+    assert InternalSecret(token).accepts(token)  # long enough for every process to start with it
+    ref = {"secretKeyRef": {"name": f"{PREFIX}-internal", "key": "token"}}
+    assert token_refs(resources) == {"orchestrator": ref, "ctx": ref, "gen": ref}
+    again = decoded(by_kind(render(None))[("Secret", f"{PREFIX}-internal")])["token"]
+    assert again != token  # made by the chart, not a constant shared by every install
+
+
+def test_a_given_or_existing_deployment_secret_is_used() -> None:
+    given = "an-operator-chosen-token-0123456789"
+    resources = by_kind(render({"internalSecret": {"token": given}}))
+    assert decoded(resources[("Secret", f"{PREFIX}-internal")]) == {"token": given}
+    existing = by_kind(render(NON_DEFAULT))
+    assert ("Secret", f"{PREFIX}-internal") not in existing
+    ref = {"secretKeyRef": {"name": "disagg-internal", "key": "shared-token"}}
+    assert set(map(str, token_refs(existing).values())) == {str(ref)}
+    with pytest.raises(Exception, match="at least 16 characters"):
+        render({"internalSecret": {"token": "too-short"}})
+
+
+def test_only_the_orchestrators_reach_the_workers_and_the_workers_each_other_for_kv() -> None:
+    resources = by_kind(render(None))
+    labels = {c: resources[("Deployment", f"{PREFIX}-{c}")]["spec"]["template"]["metadata"]["labels"]
+              for c in ("orchestrator", "ctx", "gen")}
+
+    def selects(selector: dict[str, Any]) -> set[str]:
+        return {c for c, pod in labels.items() if selector["matchLabels"].items() <= pod.items()}
+
+    for component in ("ctx", "gen"):
+        spec = resources[("NetworkPolicy", f"{PREFIX}-{component}")]["spec"]
+        assert selects(spec["podSelector"]) == {component} and spec["policyTypes"] == ["Ingress"]
+        rules = spec["ingress"]
+        for rule in rules:
+            assert all(set(peer) == {"podSelector"} for peer in rule["from"])  # this release's pods, nothing else
+        [any_port] = [rule for rule in rules if "ports" not in rule]
+        assert set().union(*(selects(peer["podSelector"]) for peer in any_port["from"])) == {"orchestrator"}
+        for rule in rules:
+            if "ports" in rule:  # a worker reaches another's HTTP (generation-first) and KV transfer ports only
+                assert {p["port"] for p in rule["ports"]} == {"http", "kv"}
+                assert set().union(*(selects(peer["podSelector"]) for peer in rule["from"])) == {"ctx", "gen"}
+    extra = NON_DEFAULT["networkPolicy"]["extraIngress"][0]
+    assert extra in by_kind(render(NON_DEFAULT))[("NetworkPolicy", f"{PREFIX}-gen")]["spec"]["ingress"]
+    off = by_kind(render({"networkPolicy": {"enabled": False}}))
+    assert not [k for k in off if k[0] == "NetworkPolicy"]

@@ -197,3 +197,47 @@ is not): "true" or "". A store turned off (max_entries: 0) is off by design and 
 {{- print "true" }}
 {{- end }}
 {{- end }}
+
+{{/* The Secret holding the deployment secret (DISAGG_INTERNAL_TOKEN): the operator's, or the chart's. */}}
+{{- define "disagg-serve.internalSecretName" -}}
+{{- .Values.internalSecret.existingSecret | default (include "disagg-serve.componentName" (list . "internal")) }}
+{{- end }}
+
+{{- define "disagg-serve.internalSecretKey" -}}
+{{- if .Values.internalSecret.existingSecret }}{{ .Values.internalSecret.existingSecretKey }}{{ else }}token{{ end }}
+{{- end }}
+
+{{/*
+The chart-made deployment secret: internalSecret.token when given (at least 16 characters, as every process
+requires), else the one this release already holds (read back from its Secret, so an upgrade keeps it and no pod
+is left with a stale one), else 64 random letters and digits.
+*/}}
+{{- define "disagg-serve.internalToken" -}}
+{{- $given := .Values.internalSecret.token }}
+{{- if $given }}
+{{- if lt (len $given) 16 }}
+{{- fail "internalSecret.token must be at least 16 characters (e.g. `openssl rand -hex 32`), or empty to have one generated" }}
+{{- end }}
+{{- $given }}
+{{- else }}
+{{- $existing := lookup "v1" "Secret" .Release.Namespace (include "disagg-serve.componentName" (list . "internal")) }}
+{{- $held := "" }}
+{{- if $existing }}
+{{- $held = index ($existing.data | default dict) "token" | default "" }}
+{{- end }}
+{{- if $held }}
+{{- $held | b64dec }}
+{{- else }}
+{{- randAlphaNum 64 }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* DISAGG_INTERNAL_TOKEN for a container's env: the same Secret for every orchestrator and worker pod. */}}
+{{- define "disagg-serve.internalTokenEnv" -}}
+- name: DISAGG_INTERNAL_TOKEN
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "disagg-serve.internalSecretName" . }}
+      key: {{ include "disagg-serve.internalSecretKey" . }}
+{{- end }}
