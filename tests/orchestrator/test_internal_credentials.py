@@ -89,3 +89,30 @@ def test_an_orchestrator_signing_with_tensorrt_llms_key_is_served(trtllm_keyed: 
 def test_an_orchestrator_that_does_not_sign_is_refused(trtllm_keyed: tuple[str, str, Any]) -> None:
     reply = _chat(trtllm_keyed[1])
     assert reply.status_code == 502 and "status 401" in reply.json()["error"]["message"], reply.text
+
+
+def test_generation_first_under_v1_with_the_secret_end_to_end() -> None:
+    """Our orchestrator, our v1 workers, generation first, everything guarded: GEN pulls its hand-off from CTX's
+    board with the deployment secret and its attempt's claim (workers/generation_first.py)."""
+    v1 = LifecycleSettings(protocol_version=1)
+    ctx_app = create_worker_app(SyntheticEngine(), WorkerSettings(role="context", internal_secret=SECRET,
+                                                                  lifecycle=v1))
+    board = ctx_app.state.service.board
+    claims: list[str | None] = []
+    claim = board.claim
+
+    async def counted(disagg_request_id: int, wait_s: float, presented: str | None = None) -> Any:
+        claims.append(presented)
+        return await claim(disagg_request_id, wait_s, presented)
+
+    board.claim = counted
+    with contextlib.ExitStack() as stack:
+        ctx = stack.enter_context(running(ctx_app))
+        gen = _worker(stack, "generation", internal_secret=SECRET, lifecycle=v1)
+        config = parse_config({"context_servers": {"urls": [ctx], "protocol": "trtllm"},
+                               "generation_servers": {"urls": [gen], "protocol": "trtllm"},
+                               "trtllm": {"schedule_style": "generation_first"}})
+        orchestrator = stack.enter_context(running(create_orchestrator_app(config, internal_secret=SECRET)))
+        reply = _chat(orchestrator)
+    assert reply.status_code == 200, reply.text
+    assert len(claims) == 1 and claims[0] is not None  # one pull, with the attempt's transfer_session_id
