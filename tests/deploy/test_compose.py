@@ -21,6 +21,7 @@ import redis
 import yaml
 
 from frontend.config import parse_config
+from frontend.internal_secret import INTERNAL_TOKEN_ENV
 from tests.deploy.dockerfile import Image
 from tests.deploy.local_run import (
     REPO,
@@ -40,6 +41,8 @@ ROOT_COMPOSE_FILE = REPO / "compose.yaml"
 WORKERS = ("ctx", "gen")
 SHARED_STATE = "shared-state"  # the profile that adds Redis for the Responses store
 STORE_URL = "redis://redis:6379/0"  # what the compose file's comments tell you to set with that profile
+# The deployment secret the compose file requires: what the tests set, as a user's .env would.
+TOKEN = "a-deployment-secret-for-the-tests-0123456789"
 
 
 def compose_binary() -> Path:
@@ -62,7 +65,8 @@ def compose(tmp_path: Path, *args: str, env: dict[str, str] | None = None,
     env_file = tmp_path / "empty.env"
     env_file.touch()
     return subprocess.run([str(compose_binary()), "--env-file", str(env_file), *args], cwd=cwd,
-                          env={**clean_environment(), **(env or {})}, capture_output=True, text=True, timeout=60)
+                          env={**clean_environment(), INTERNAL_TOKEN_ENV: TOKEN, **(env or {})},
+                          capture_output=True, text=True, timeout=60)
 
 
 def resolved(tmp_path: Path, env: dict[str, str] | None = None, file: Path | None = COMPOSE_FILE,
@@ -323,3 +327,18 @@ def test_the_shared_state_profile_keeps_a_conversation_across_orchestrator_proce
         local_redis = f"redis://127.0.0.1:{deployment.port('redis', int(urlsplit(STORE_URL).port or 0))}/0"
         with redis.Redis.from_url(local_redis) as store:
             assert any(store.scan_iter(match="*disagg:responses*")), "no stored response in the profile's Redis"
+
+
+def test_every_service_of_ours_shares_the_deployment_secret_and_none_starts_without_one(tmp_path: Path) -> None:
+    """Compose cannot make a random token, and a default in the file would be everyone's: without one set, the
+    project does not even resolve, and says what to do."""
+    for file in (["-f", str(COMPOSE_FILE)], []):  # deploy/docker-compose.yml, and compose.yaml from the root
+        missing = compose(tmp_path, *file, "config", "-q", env={INTERNAL_TOKEN_ENV: ""})
+        assert missing.returncode != 0
+        assert "required variable DISAGG_INTERNAL_TOKEN is missing a value" in missing.stderr, missing.stderr
+        assert "openssl rand -hex 32" in missing.stderr
+    project = resolved(tmp_path, profiles=(SHARED_STATE, "monitoring"))
+    tokens = {name: service.get("environment", {}).get(INTERNAL_TOKEN_ENV)
+              for name, service in project["services"].items()}
+    assert tokens == {"orchestrator": TOKEN, "ctx": TOKEN, "gen": TOKEN, "redis": None, "prometheus": None,
+                      "grafana": None}
