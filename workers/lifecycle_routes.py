@@ -113,12 +113,19 @@ def install_lifecycle_routes(app: FastAPI, settings: WorkerSettings, service: Wo
         control_route(CONTEXT_ARTIFACT_ABORT_PATH, ContextArtifactAbortRequest, abort_artifact)
 
         @app.get(HANDOFF_PATH)
-        async def generation_first_handoff(request: Request, disagg_request_id: int,
-                                           wait_s: float = 30.0) -> Response:
+        async def generation_first_handoff(request: Request) -> Response:
             """Generation first: a GEN that came first asks here for the hand-off of its request; answered as
             soon as this CTX has parked it (404 if that does not happen within ``wait_s``). A GEN that hangs up
-            stops waiting here too: the hand-off is then left on the board for a GEN that asks again."""
+            stops waiting here too: the hand-off is then left on the board for a GEN that asks again. The id and
+            the wait are read after the caller is checked: an unproven caller learns nothing of what they take."""
             callers.require_token(request.headers, "the generation-first hand-off board")
+            try:
+                disagg_request_id = int(request.path_params["disagg_request_id"])
+                wait_s = float(request.query_params.get("wait_s", "30"))
+            except ValueError:
+                raise InvalidRequestError("disagg_request_id must be an integer and wait_s a number") from None
+            if wait_s != wait_s:  # NaN
+                wait_s = 0.0
             claim = request.headers.get(CLAIM_HEADER)
             params = await cancel_on_disconnect(
                 request, lambda: service.board.claim(disagg_request_id, min(max(wait_s, 0.0), 300.0), claim))

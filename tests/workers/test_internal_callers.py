@@ -117,6 +117,10 @@ def test_a_holder_of_the_secret_gets_the_routes_answers(fleet: Fleet) -> None:
     assert httpx.post(fleet.gen.url + GENERATION_GRANT_PATH, json={}, headers=SECRET.headers()).status_code == 400
     board = fleet.ctx.url + "/_internal/disagg/generation_first/7"
     assert httpx.get(board, params={"wait_s": 0}, headers=SECRET.headers()).status_code == 404  # nothing parked
+    odd = fleet.ctx.url + "/_internal/disagg/generation_first/not-a-number"
+    refused(httpx.get(odd))  # checked before what the route takes is read
+    bad = httpx.get(odd, headers=SECRET.headers())
+    assert bad.status_code == 400 and bad.json()["error"]["type"] == "invalid_request_error", bad.text
 
 
 def test_a_request_naming_where_the_worker_goes_next_needs_the_secret(fleet: Fleet) -> None:
