@@ -62,6 +62,7 @@ REPLAY_PAGE_BYTES = 1024 * 1024  # and bytes at most (past the first batch, whic
 # queue only every half high-water mark, so a subscriber that read its whole page may still count as holding up to
 # half of it when it asks for the next.
 REPLAY_PEER_HWM = 2 * (REPLAY_PAGE_BATCHES + 1)
+REPLAY_PEER_SNDBUF = 256 * 1024  # bytes of a peer's TCP send buffer (Linux doubles it for its bookkeeping)
 
 
 class BlockStored(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
@@ -195,6 +196,8 @@ class EventPublisher:
                 # One peer's queue holds two pages at most; a send past that fails (EAGAIN) instead of being
                 # dropped in silence, and a send to a peer that has left fails too (EHOSTUNREACH).
                 self._replay.setsockopt(zmq.SNDHWM, REPLAY_PEER_HWM)
+                # And the kernel's share of it: a fixed send buffer, not one autotuned up to MiBs per connection.
+                self._replay.setsockopt(zmq.SNDBUF, REPLAY_PEER_SNDBUF)
                 self._replay.setsockopt(zmq.ROUTER_MANDATORY, 1)
                 # A request is 9 bytes, a CURVE handshake's largest command ~300: anything past 4 KiB is not ours.
                 self._replay.setsockopt(zmq.MAXMSGSIZE, 4096)
