@@ -4,7 +4,8 @@ Two sources, so that every engine can be routed on:
 - **The workers' KV events** (``frontend.kv_events``): a worker that announces ``engine_info.kv_events`` on its
   card publishes every link its engine stores and evicts. Every orchestrator process subscribes to every such
   worker and so holds the same picture, whichever process routed the requests: this is what makes routing
-  consistent across ``--api-workers`` and replicas without a mesh.
+  consistent across ``--api-workers`` and replicas without a mesh. With the deployment secret the subscribers
+  speak CURVE under its key pair, as the workers' sockets then require (``frontend.kv_events``).
 - **What this process sent where**, for the gap until the worker's events say so (``pending_s``), and as the
   whole picture for a worker that publishes nothing (a foreign server): a bounded LRU of links per worker.
 

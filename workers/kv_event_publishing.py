@@ -1,4 +1,8 @@
-"""A worker's KV events while its app runs: the publisher and the record of the prompt KV its engine holds."""
+"""A worker's KV events while its app runs: the publisher and the record of the prompt KV its engine holds.
+
+With the deployment secret (``WorkerSettings.internal_secret``) the sockets take only its holders (CURVE,
+``frontend.kv_events``), and the worker records a prefix chain only from a request that carries the internal
+token (``frontend.prefix_chain.trusted_chain_header``, in ``workers.server``)."""
 
 from __future__ import annotations
 
