@@ -152,6 +152,7 @@ def _endpoint_host(endpoint: str) -> str | None:
     host = rest.rpartition(":")[0]
     return "0.0.0.0" if host == "*" else host
 
+
 def reachable_endpoint(endpoint: str, worker_url: str) -> str:
     """``endpoint`` as a worker announced it, with a wildcard host (``tcp://*:5557``, ``tcp://0.0.0.0:5557``)
     replaced by the host the orchestrator reaches the worker at."""
