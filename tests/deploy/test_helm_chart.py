@@ -665,6 +665,8 @@ def test_every_orchestrator_and_worker_pod_gets_one_generated_deployment_secret(
     assert token_refs(resources) == {"orchestrator": ref, "ctx": ref, "gen": ref}
     again = decoded(by_kind(render(None))[("Secret", f"{PREFIX}-internal")])["token"]
     assert again != token  # made by the chart, not a constant shared by every install
+    assert f"DISAGG_INTERNAL_TOKEN from Secret {PREFIX}-internal" in notes(None)
+    assert "internalSecret.token is stored in this release's history" in notes({"internalSecret": {"token": "x" * 16}})
 
 
 def test_a_given_or_existing_deployment_secret_is_used() -> None:
@@ -703,3 +705,5 @@ def test_only_the_orchestrators_reach_the_workers_and_the_workers_each_other_for
     assert extra in by_kind(render(NON_DEFAULT))[("NetworkPolicy", f"{PREFIX}-gen")]["spec"]["ingress"]
     off = by_kind(render({"networkPolicy": {"enabled": False}}))
     assert not [k for k in off if k[0] == "NetworkPolicy"]
+    assert "WARNING: networkPolicy.enabled is false" in notes({"networkPolicy": {"enabled": False}})
+    assert "NetworkPolicies let only this release's orchestrators reach the workers" in notes(None)
