@@ -15,11 +15,12 @@ work (seeded: the same prompts, arrival times and think times). Workloads:
 - ``agent``: agent loops over one long fixed tool prompt, each step the whole history plus a new tool result;
 - ``agent_growing`` (only when named): agent loops over a 90k-token context that grow past 100k tokens.
 
-``--tokenizer reference`` gives the workers the reference model's real tokenizer (sizes stay in tokens: the text is
-written at its measured characters per token), so CTX pays real tokenization. ``--tokenize-compare`` (which implies
-it) runs every (router, workload) twice on fresh workers: with ``--tokenize-cache-mb 0 --tokenizer-backend
-tokenizers`` (a full Hugging Face ``tokenizers`` encode of the whole prompt every turn, as vLLM's and trtllm-serve's
-servers do) and with the defaults (the conversation cache), and tables TTFT of follow-up turns side by side.
+``--tokenizer reference`` gives the workers the reference model's real tokenizer and the work real text (sizes stay in
+tokens: the text is written at its measured characters per token), so CTX pays real tokenization.
+``--tokenize-compare`` (which implies it) runs every (router, workload) twice on fresh workers: with
+``--tokenize-cache-mb 0 --tokenizer-backend tokenizers`` (a full Hugging Face ``tokenizers`` encode of the whole
+prompt every turn, as vLLM's and trtllm-serve's servers do) and with the defaults (the conversation cache), and
+tables TTFT of follow-up turns side by side.
 
 Chat and agent requests carry their conversation's ``x-session-id``. The client streams chat completions (httpx,
 raw SSE) and takes TTFT as request sent to first content. Read from the workers' ``/metrics`` after each run: the
@@ -45,6 +46,7 @@ from typing import Any
 import orjson
 
 from bench import report
+from bench.bodies import corpus_text
 from bench.common import (
     LOOPBACK,
     PYTHON,
@@ -272,10 +274,13 @@ def summarize_run(router: str, workload: Workload, records: list[Record], elapse
 
 def run(settings: Settings = FULL, routers: Sequence[str] = tuple(ROUTERS)) -> dict[str, Any]:
     cells: list[dict[str, Any]] = []
-    # Sizes are tokens of the workers' tokenizer: text of the work's own kind, measured once.
-    per_token = chars_per_token(text(random.Random(0), 40_000), settings.engine.tokenizer)
+    # Sizes are tokens of the workers' tokenizer, measured once on text of the work's own kind: real text for a real
+    # tokenizer (on a few repeated words its word cache would answer nearly every word).
+    real_text = settings.engine.tokenizer != "byte"
+    sample = corpus_text(200_000, seed=1) if real_text else text(random.Random(0), 40_000)
+    per_token = chars_per_token(sample, settings.engine.tokenizer)
     for workload in settings.workloads:
-        work = sessions(workload, settings.seed, per_token)
+        work = sessions(workload, settings.seed, per_token, real_text)
         print(f"[fleet] {workload.name}: {len(work)} sessions, {sum(len(s.turns) for s in work)} requests, "
               f"~{workload.request_rate:.0f} req/s offered", file=sys.stderr, flush=True)
         for router in routers:  # every router on the same work, one after another
@@ -288,6 +293,7 @@ def _settings_dict(settings: Settings, per_token: float = 1.0) -> dict[str, Any]
     out = asdict(settings)
     out["router_configs"] = ROUTERS
     out["chars_per_token"] = per_token
+    out["text"] = "words" if settings.engine.tokenizer == "byte" else "corpus (the Python standard library's source)"
     out["tokenize_setup_flags"] = {name: list(TOKENIZE_SETUPS[name]) for name in settings.tokenize_setups}
     return out
 

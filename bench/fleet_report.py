@@ -122,7 +122,7 @@ def parameters_table(result: dict[str, Any]) -> str:
                        f"blocks); decode {e['itl_ms']:g} ms/token"],
             ["tokenizer", "byte (one token per character, free)" if e.get("tokenizer", "byte") == "byte" else
                           f"{e['tokenizer']} (sizes in its tokens: {s.get('chars_per_token', 1.0):.2f} characters "
-                          "per token of the work's text)"]]
+                          f"per token of the work's text, {s.get('text', 'words')})"]]
     for name, flags in s.get("tokenize_setup_flags", {}).items():
         rows.append([f"tokenization: {name}", f"`{' '.join(flags)}`" if flags else "the workers' defaults"])
     for w in s["workloads"]:

@@ -2,7 +2,9 @@
 loops over one long tool prompt, agent loops that grow past 100k tokens), the very same for every router.
 
 Sizes are in tokens of the workers' tokenizer: ``sessions`` writes ``chars_per_token`` characters for each (1 for the
-byte tokenizer; ``bench.common.chars_per_token`` measures it for ``--tokenizer reference``)."""
+byte tokenizer; ``bench.common.chars_per_token`` measures it for ``--tokenizer reference``). For a real tokenizer the
+text is real too (``corpus``: what a real BPE pays for depends on the text, and on a few repeated words its word cache
+answers nearly every word)."""
 
 from __future__ import annotations
 
@@ -54,10 +56,11 @@ AGENT = Workload("agent", systems=1, system_tokens=8_000, session_rate=2.5, wind
                  turn_tokens=(400, 1_500), think_mean_s=0.3, turn_prefix="Tool result:\n")
 # An agent over a large context (a repository, a long document: 92k tokens) whose loop of short tool results grows it
 # past 100k tokens: the work where re-tokenizing the whole conversation every turn (what vLLM's server does) sets the
-# follow-ups' TTFT. Four such contexts, drawn at random (few sessions share one); run it with --cache-tokens 1048576,
-# so that a worker's cache holds its sessions.
-AGENT_GROWING = Workload("agent_growing", systems=4, system_tokens=92_000, session_rate=0.4, window_s=10.0,
-                         turns=30, turn_tokens=(100, 600), think_mean_s=0.3, turn_prefix="Tool result:\n")
+# follow-ups' TTFT. Each step waits 2 s (mean) for its tool, so that the sessions (7, one in --quick, on real text)
+# together keep the machine far from saturated even on a full encode every turn. Four such contexts, drawn at
+# random; run it with --cache-tokens 1048576, so that a worker's cache holds every session routed to it.
+AGENT_GROWING = Workload("agent_growing", systems=4, system_tokens=92_000, session_rate=0.35, window_s=10.0,
+                         turns=30, turn_tokens=(100, 600), think_mean_s=2.0, turn_prefix="Tool result:\n")
 WORKLOADS = {w.name: w for w in (CHAT, UNRELATED, AGENT, AGENT_GROWING)}
 
 
@@ -77,22 +80,33 @@ def text(rng: random.Random, chars: int, head: str = "") -> str:
     return " ".join(words)[:chars]
 
 
-def sessions(workload: Workload, seed: int, chars_per_token: float = 1.0) -> list[Session]:
+def corpus(rng: random.Random, chars: int, head: str = "") -> str:
+    """About ``chars`` characters of real text (``bench.bodies.corpus_text``: the Python standard library's source,
+    what a coding agent sends) from an offset ``rng`` draws; ``head`` first."""
+    from bench.bodies import corpus_text
+
+    body = corpus_text(max(chars - len(head) - 1, 1), seed=rng.getrandbits(32))
+    return f"{head}\n{body}" if head else body
+
+
+def sessions(workload: Workload, seed: int, chars_per_token: float = 1.0, real_text: bool = False) -> list[Session]:
     """The workload's sessions, the same for every router (one seed per workload); ``chars_per_token`` characters
-    of text for each token of a size (1, the byte tokenizer's, gives the work it always gave)."""
+    of text for each token of a size, of words (the default: with 1, the byte tokenizer's, the work it always gave)
+    or, with ``real_text``, of ``corpus``."""
 
     def chars(tokens: int) -> int:
         return round(tokens * chars_per_token)
 
+    write = corpus if real_text else text
     rng = random.Random(f"{seed}-{workload.name}")
-    systems = [text(rng, chars(workload.system_tokens), f"System prompt {i} ({workload.name}).")
+    systems = [write(rng, chars(workload.system_tokens), f"System prompt {i} ({workload.name}).")
                for i in range(workload.systems)]
     out: list[Session] = []
     t = rng.expovariate(workload.session_rate)
     index = 0
     while t < workload.window_s:
         system = systems[rng.randrange(len(systems))] if systems else None
-        turns = tuple(text(rng, chars(rng.randint(*workload.turn_tokens)),
+        turns = tuple(write(rng, chars(rng.randint(*workload.turn_tokens)),
                            f"{workload.turn_prefix}[{workload.name} {index}.{turn}]")
                       for turn in range(workload.turns))
         think = tuple(rng.expovariate(1 / workload.think_mean_s) if workload.think_mean_s > 0 else 0.0

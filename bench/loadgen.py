@@ -37,7 +37,7 @@ from typing import Any
 import httpx
 import orjson
 
-from bench.bodies import SYNTHETIC_MODEL, client_completion_body, prompt_text
+from bench.bodies import SYNTHETIC_MODEL, client_completion_body, corpus_text, prompt_text
 from bench.common import arguments
 from bench.figures import finite, summarize
 from bench.machine import cpu_seconds, machine_busy_seconds, tree_cpu_seconds
@@ -50,14 +50,19 @@ def endpoint_path(config: dict[str, Any]) -> str:
     return PATHS[config.get("endpoint", "completions")]
 
 
-def client_body(endpoint: str, prompt_chars: int, max_tokens: int, stream: bool = True) -> dict[str, Any]:
-    """The client's body for ``endpoint``: the same prompt text, as ``prompt`` or as one user message."""
+def client_body(endpoint: str, prompt_chars: int, max_tokens: int, stream: bool = True,
+                text: str = "words") -> dict[str, Any]:
+    """The client's body for ``endpoint``: the same prompt text, as ``prompt`` or as one user message; ``words``
+    (``bench.bodies.prompt_text``) or, for a real tokenizer, ``corpus`` (``bench.bodies.corpus_text``)."""
+    if text not in ("words", "corpus"):
+        raise ValueError(f"unknown text {text!r}")
+    prompt = corpus_text(prompt_chars) if text == "corpus" else prompt_text(prompt_chars)
     if endpoint == "chat":
-        return {"model": SYNTHETIC_MODEL, "messages": [{"role": "user", "content": prompt_text(prompt_chars)}],
+        return {"model": SYNTHETIC_MODEL, "messages": [{"role": "user", "content": prompt}],
                 "max_tokens": max_tokens, "temperature": 0, "stream": stream}
     if endpoint != "completions":
         raise ValueError(f"unknown endpoint {endpoint!r}")
-    return client_completion_body(prompt_chars, max_tokens, stream=stream)
+    return {**client_completion_body(0, max_tokens, stream=stream), "prompt": prompt}
 
 
 @dataclass
@@ -248,7 +253,8 @@ async def controller(config: dict[str, Any], state: State) -> dict[str, Any]:
 
 
 async def run(config: dict[str, Any]) -> dict[str, Any]:
-    body = client_body(config.get("endpoint", "completions"), config["prompt_chars"], config["max_tokens"])
+    body = client_body(config.get("endpoint", "completions"), config["prompt_chars"], config["max_tokens"],
+                       text=config.get("text", "words"))
     body_bytes = orjson.dumps(body)
     concurrency = config["concurrency"]
     limits = httpx.Limits(max_connections=2 * concurrency + 8, max_keepalive_connections=2 * concurrency + 8)

@@ -6,12 +6,13 @@ closed-loop streaming load runs twice: through the orchestrator, and with the cl
 with the bodies the orchestrator would send. The difference is the orchestrator's added latency. The worst point
 is then run once more under py-spy (sampling the orchestrator) to say where its time goes.
 
-``--tokenizer reference`` gives CTX and GEN the reference model's real tokenizer (prompt sizes stay in tokens: the text
-is written at its measured characters per token), so CTX pays real tokenization. ``--tokenize-compare`` (which
-implies it) adds a scenario: at the target prompt (131k) the orchestrator's load runs on fresh workers once per
-tokenization set-up (a full Hugging Face ``tokenizers`` encode of every prompt, as vLLM's and trtllm-serve's servers
-do, and the defaults), tabled side by side. Every request of a point sends the same prompt, unless
-``--distinct-prompts``: then each opens with its own number, so no cache of tokenized text (or of KV) holds any of it.
+``--tokenizer reference`` gives CTX and GEN the reference model's real tokenizer and the prompts real text (sizes
+stay in tokens: the text is written at its measured characters per token), so CTX pays real tokenization.
+``--tokenize-compare`` (which implies it) adds a scenario: at the target prompt (131k) the orchestrator's load runs on
+fresh workers once per tokenization set-up (a full Hugging Face ``tokenizers`` encode of every prompt, as vLLM's and
+trtllm-serve's servers do, and the defaults), tabled side by side. Every request of a point sends the same prompt,
+unless ``--distinct-prompts``: then each opens with its own number, so no cache of tokenized text (or of KV) holds
+any of it.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from bench import py_spy
-from bench.bodies import prompt_text
+from bench.bodies import corpus_text, prompt_text
 from bench.common import (
     TOKENIZE_SETUPS,
     Processes,
@@ -53,17 +54,22 @@ QUICK = Phases(warmup_s=0.5, max_warmup_s=8.0, measure_s=2.0, max_measure_s=6.0,
 
 @dataclass(frozen=True)
 class Tokenization:
-    """How the workers tokenize: ``--tokenizer``, more worker flags (a --tokenize-compare set-up's), and the
-    characters of prompt text written per token of a prompt's size."""
+    """How the workers tokenize: ``--tokenizer``, more worker flags (a --tokenize-compare set-up's), the prompts'
+    text (the load generator's ``words`` or, for a real tokenizer, real text: ``corpus``) and its characters per
+    token of a prompt's size."""
 
     tokenizer: str = "byte"
     worker_flags: tuple[str, ...] = ()
     chars_per_token: float = 1.0
     distinct_prompts: bool = False  # each request a prompt of its own (the load generator's distinct_body)
+    text: str = "words"
 
     @classmethod
     def measured(cls, tokenizer: str) -> Tokenization:
-        return cls(tokenizer, (), chars_per_token(prompt_text(40_000), tokenizer))
+        if tokenizer == "byte":
+            return cls(tokenizer, (), chars_per_token(prompt_text(40_000), tokenizer))
+        # on a few repeated words a BPE's word cache answers nearly every word: real text costs what it costs
+        return cls(tokenizer, (), chars_per_token(corpus_text(200_000, seed=1), tokenizer), text="corpus")
 
     def flags(self) -> list[str]:
         return (["--tokenizer", self.tokenizer] if self.tokenizer != "byte" else []) + list(self.worker_flags)
@@ -115,7 +121,7 @@ def run_cell(processes: Processes, cluster: Cluster, mode: str, prompt: int, con
     config = {"mode": mode, "url": cluster.orchestrator.url, "ctx_url": cluster.ctx.url, "gen_url": cluster.gen.url,
               "prompt_chars": cluster.tokenization.chars(prompt), "prompt_tokens": prompt, "max_tokens": MAX_TOKENS,
               "concurrency": concurrency, "pids": cluster.pids,
-              "distinct_prompts": cluster.tokenization.distinct_prompts,
+              "distinct_prompts": cluster.tokenization.distinct_prompts, "text": cluster.tokenization.text,
               **phases.loadgen(concurrency)}
     out = processes.log_dir / f"probe-{mode}-{prompt}-{concurrency}-{time.monotonic_ns()}.json"
     quiet = wait_for_quiet(phases.quiet_wait_s)
@@ -168,7 +174,7 @@ def run(prompts: tuple[int, ...] = PROMPTS, concurrency: tuple[int, ...] = CONCU
         "method": {"max_tokens": MAX_TOKENS, "endpoint": "/v1/completions", "stream": True,
                    "phases": phases.__dict__, "prober_interval_ms": 20, "engine": "synthetic (TTFT 0, ITL 0)",
                    "tokenizer": tokenization.tokenizer, "chars_per_token": tokenization.chars_per_token,
-                   "distinct_prompts": distinct_prompts},
+                   "distinct_prompts": distinct_prompts, "text": tokenization.text},
         "cells": [],
     }
     with Processes() as processes:
@@ -203,15 +209,16 @@ def worst_cell(cells: list[dict[str, Any]]) -> dict[str, Any] | None:
     return max(candidates, key=lambda c: c["ttft_ms"].get("p99") or 0.0)
 
 
-def ctx_reply_cost(ctx: Server, prompt_chars: int, with_b64: bool, seconds: float = 1.0) -> dict[str, float]:
+def ctx_reply_cost(ctx: Server, prompt_chars: int, with_b64: bool, seconds: float = 1.0,
+                   text: str = "words") -> dict[str, float]:
     """CTX's answer for one prompt of ``prompt_chars`` characters with and without the b64 prompt: its size, and
     CTX's CPU per request (one request at a time over a keep-alive connection, utime + stime of the CTX process)."""
     import http.client
 
-    from bench.bodies import client_completion_body
+    from bench.loadgen import client_body
     from bench.machine import cpu_seconds
 
-    body = client_completion_body(prompt_chars, MAX_TOKENS, stream=False)
+    body = client_body("completions", prompt_chars, MAX_TOKENS, stream=False, text=text)
     body["disaggregated_params"] = {"request_type": "context_only", "disagg_request_id": 1,
                                     "return_prompt_token_ids_b64": with_b64,
                                     "native_extensions": True}  # the answer our orchestrator reads
@@ -258,10 +265,10 @@ def metadata_only_scenario(processes: Processes, cluster: Cluster, prompts: tupl
     finally:
         processes.stop([meta])
     seconds = 1.0 if phases.measure_s >= FULL.measure_s else 0.3
+    chars, text = cluster.tokenization.chars(prompt), cluster.tokenization.text
     return {"prompt_tokens": prompt, "runs": runs,
-            "ctx_reply": {"with_b64": ctx_reply_cost(cluster.ctx, cluster.tokenization.chars(prompt), True, seconds),
-                          "without_b64": ctx_reply_cost(cluster.ctx, cluster.tokenization.chars(prompt), False,
-                                                        seconds)}}
+            "ctx_reply": {"with_b64": ctx_reply_cost(cluster.ctx, chars, True, seconds, text),
+                          "without_b64": ctx_reply_cost(cluster.ctx, chars, False, seconds, text)}}
 
 
 def api_workers_scenario(prompts: tuple[int, ...], concurrency: tuple[int, ...], phases: Phases,

@@ -104,8 +104,9 @@ def tables(result: dict[str, Any]) -> str:
     parts = [main, "", cpu_table, "", idle_line]
     method = result.get("method", {})
     if method.get("tokenizer", "byte") != "byte":
+        text = "real text (the Python standard library's source)" if method.get("text") == "corpus" else "words"
         parts += ["", f"Workers' tokenizer: {method['tokenizer']} (prompt sizes in its tokens: "
-                      f"{method['chars_per_token']:.2f} characters per token of the prompt text)."]
+                      f"{method['chars_per_token']:.2f} characters per token of the prompts' {text})."]
     if method.get("distinct_prompts"):
         parts += ["", "Every request sent a prompt of its own (opened by its number): none was cached."]
     elif method.get("tokenizer", "byte") != "byte":

@@ -166,17 +166,18 @@ def test_cancel_storm_runs_on_both_setups(tmp_path: Path) -> None:
 
 
 def test_system_under_load_with_the_reference_tokenizer_compares_tokenization_setups() -> None:
-    from bench.bodies import prompt_text
+    from bench.bodies import corpus_text
     from bench.common import TOKENIZE_SETUPS
     from workers.engines.synthetic import reference_tokens
 
     result = system_load.run((256,), (1,), TINY, profile=False, api_workers=False, idle_s=0.2,
                              tokenize_compare=True, distinct_prompts=True)
     method = result["method"]
-    assert method["tokenizer"] == "reference" and 2 < method["chars_per_token"] < 5
-    # the prompt text the load generator sent is about 256 tokens of the reference tokenizer
-    sent = prompt_text(round(256 * method["chars_per_token"]))
-    assert 230 < reference_tokens().tokenizer.encode(sent).size < 282
+    assert method["tokenizer"] == "reference" and method["text"] == "corpus" and 2 < method["chars_per_token"] < 5
+    # the prompt text the load generator sent: about 256 tokens of the reference tokenizer (real text's density
+    # varies from one stretch to the next: sizes hold on average, not per prompt)
+    sent = corpus_text(round(256 * method["chars_per_token"]))
+    assert 150 < reference_tokens().tokenizer.encode(sent).size < 360
     runs = result["tokenize_compare"]["runs"]
     assert [r["tokenize"] for r in runs] == list(TOKENIZE_SETUPS)
     for cell in [*result["cells"], *runs]:
@@ -185,4 +186,4 @@ def test_system_under_load_with_the_reference_tokenizer_compares_tokenization_se
     table = system_load_report.tables(result)
     assert "| full encode | `--tokenize-cache-mb 0 --tokenizer-backend tokenizers` | 256 | 1 |" in table
     assert "| defaults | `defaults` | 256 | 1 |" in table and "Workers' tokenizer: reference" in table
-    assert "Every request sent a prompt of its own" in table
+    assert "Every request sent a prompt of its own" in table and "Python standard library's source" in table

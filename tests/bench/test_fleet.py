@@ -70,13 +70,14 @@ def test_tokenize_compare_runs_the_work_on_each_setup_in_real_tokens(tmp_path: P
     cells = result["cells"]
     assert [c["tokenize"] for c in cells] == list(TOKENIZE_SETUPS)
     per_token = result["settings"]["chars_per_token"]
-    assert 2 < per_token < 4  # the reference BPE on the work's text, not one token per character
-    work = fleet_work.sessions(TINY_AGENT, TINY_COMPARE.seed, per_token)
+    assert 2.5 < per_token < 5  # the reference BPE on real text, not one token per character
+    work = fleet_work.sessions(TINY_AGENT, TINY_COMPARE.seed, per_token, real_text=True)
     for cell in cells:
         assert cell["errors"] == 0, cell["error_samples"]
         assert cell["followup_ttft_ms"]["n"] == len(work) and cell["followup_ttft_ms"]["p50"] > 0
-        # the longest prompt: the system prompt, two turns and an answer, in the reference tokenizer's tokens
-        assert 600 + 2 * 50 < cell["prompt_tokens_max"] < 1.2 * (600 + 2 * 150) + 60
+        # the longest prompt: the system prompt, two turns and an answer, in the reference tokenizer's tokens (real
+        # text's density varies from one stretch of it to the next: sizes hold on average, not per message)
+        assert 0.6 * (600 + 2 * 50) < cell["prompt_tokens_max"] < 1.4 * (600 + 2 * 150) + 60
     assert cells[0]["prompt_tokens_max"] == cells[1]["prompt_tokens_max"]  # the same work, the same tokens
     table = fleet_report.tables(result)
     assert "| agent | cache_aware | full encode |" in table and "| agent | cache_aware | defaults |" in table

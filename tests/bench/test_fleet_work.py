@@ -26,3 +26,14 @@ def test_agent_growing_grows_each_conversation_past_100k_tokens() -> None:
     for session in work:
         assert session.system is not None and len(session.system) >= 90_000
         assert len(session.system) + sum(len(t) for t in session.turns) > 100_000
+
+
+def test_real_text_for_a_real_tokenizer() -> None:
+    work = fleet_work.sessions(fleet_work.AGENT, 7, 3.5, real_text=True)
+    first = work[0]
+    assert first.system is not None and first.system.startswith("System prompt 0 (agent).\n")
+    assert len(first.system) == round(fleet_work.AGENT.system_tokens * 3.5)
+    assert "def " in first.system + "".join(first.turns)  # the Python standard library's source
+    turns = [t for s in work for t in s.turns]
+    assert len(set(turns)) == len(turns)  # every tool result its own text
+    assert fleet_work.sessions(fleet_work.AGENT, 7, 3.5, real_text=True) == work

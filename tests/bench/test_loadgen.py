@@ -1,8 +1,20 @@
-"""bench.loadgen's bodies: a distinct prompt per request (--distinct-prompts) differs from its first character."""
+"""bench.loadgen's bodies: words or real text, and a distinct prompt per request (--distinct-prompts), which differs
+from its first character."""
 
 from __future__ import annotations
 
+import pytest
+
+from bench.bodies import client_completion_body, corpus_text
 from bench.loadgen import client_body, distinct_body
+
+
+def test_words_as_ever_or_real_text() -> None:
+    assert client_body("completions", 300, 8) == client_completion_body(300, 8)  # words: as the benchmarks always sent
+    assert client_body("completions", 300, 8, text="corpus")["prompt"] == corpus_text(300)
+    assert client_body("chat", 300, 8, text="corpus")["messages"][0]["content"] == corpus_text(300)
+    with pytest.raises(ValueError, match="unknown text"):
+        client_body("chat", 300, 8, text="emoji")
 
 
 def test_a_distinct_body_opens_its_prompt_with_its_number_and_leaves_the_rest() -> None:
