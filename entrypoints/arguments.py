@@ -86,7 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--otlp-endpoint", default=os.environ.get("DISAGG_OTLP_ENDPOINT"), metavar="URL",
                         help="send OpenTelemetry traces to this OTLP/HTTP collector (http://HOST:4318); also "
                              "OTEL_EXPORTER_OTLP_ENDPOINT. Off by default (docs/observability.md)")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{worker,orchestrator,up,bench}")
+    sub = parser.add_subparsers(dest="command", required=True,
+                                metavar="{worker,orchestrator,up,bench,internal-token}")
 
     worker = sub.add_parser("worker", help="run a CTX, GEN or aggregated OpenAI worker in front of one engine")
     worker.add_argument("--role", choices=["context", "generation", "both"], default="both")
@@ -148,6 +149,9 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--port", type=int, default=8000)
     up.add_argument("--metadata-only", action="store_true", help="send GEN only prompt_len (behind the guardrail)")
     up.add_argument("--startup-timeout", type=float, default=300.0, help="seconds to wait for health (default 300)")
+    token = sub.add_parser("internal-token", help="write a new deployment secret to a file, unless it holds one "
+                           "(compose's first start; point DISAGG_INTERNAL_TOKEN_FILE at it)")
+    token.add_argument("path", help="the file to create (mode 0400); an existing one is kept as it is")
     bench = sub.add_parser("bench", help="put load on any OpenAI-compatible server and report TTFT, ITL, "
                                          "latency and throughput")
     add_bench_arguments(bench)

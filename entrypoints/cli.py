@@ -14,6 +14,7 @@ import os
 import socket
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import uvicorn
@@ -29,7 +30,14 @@ from frontend.client_timeouts import (
     DEFAULT_WORKER_MAX_BODY_READS_PER_CLIENT,
     with_send_timeout,
 )
-from frontend.internal_secret import InternalSecret, InternalSecretError, internal_secret_from_env, warn_if_exposed
+from frontend.internal_secret import (
+    InternalSecret,
+    InternalSecretError,
+    internal_secret_from_env,
+    load_token_file,
+    warn_if_exposed,
+    write_token_file,
+)
 from frontend.logging_setup import configure_logging
 from frontend.trtllm_auth import trtllm_auth_key_from_env
 
@@ -98,6 +106,7 @@ def _internal_secret(command: str) -> tuple[bool, InternalSecret | None]:
     """The deployment secret from ``DISAGG_INTERNAL_TOKEN``, read once at start-up: (False, None), with the reason
     printed, for one too short to use."""
     try:
+        load_token_file()
         return True, internal_secret_from_env()
     except InternalSecretError as exc:
         print(f"disagg-serve {command}: {exc}", file=sys.stderr)
@@ -284,6 +293,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run_worker(args, argv)
     if args.command == "orchestrator":
         return run_orchestrator(args, argv)
+    if args.command == "internal-token":
+        try:
+            wrote = write_token_file(Path(args.path))
+        except InternalSecretError as exc:
+            print(f"disagg-serve internal-token: {exc}", file=sys.stderr)
+            return 2
+        print(f"disagg-serve internal-token: {'wrote a new secret to' if wrote else 'kept the secret in'} {args.path}")
+        return 0
     if args.command == "bench":
         from entrypoints.bench.command import run_bench
 

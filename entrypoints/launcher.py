@@ -33,7 +33,7 @@ import yaml
 
 from entrypoints.arguments import engine_arguments
 from entrypoints.listening_socket import address, bound_socket
-from frontend.internal_secret import INTERNAL_TOKEN_ENV
+from frontend.internal_secret import INTERNAL_TOKEN_ENV, INTERNAL_TOKEN_FILE_ENV
 from frontend.process_lifetime import die_with_parent
 
 _GRACE_S = 15.0
@@ -60,7 +60,7 @@ def children_environment(environ: dict[str, str] | None = None) -> dict[str, str
     """What every child runs with: this environment, and one deployment secret for all of them (the user's
     ``DISAGG_INTERNAL_TOKEN`` if set, else a fresh one from ``secrets``, never written to disk or printed)."""
     env = dict(os.environ if environ is None else environ)
-    if not env.get(INTERNAL_TOKEN_ENV):
+    if not env.get(INTERNAL_TOKEN_ENV) and not env.get(INTERNAL_TOKEN_FILE_ENV):  # a file's: each child reads it
         env[INTERNAL_TOKEN_ENV] = secrets.token_hex(32)
     return env
 

@@ -23,12 +23,18 @@ import hmac
 import ipaddress
 import logging
 import os
+import pathlib
+import secrets
 from dataclasses import dataclass, field
 
 import zmq
 from zmq.utils import z85
 
 INTERNAL_TOKEN_ENV = "DISAGG_INTERNAL_TOKEN"
+# Or a file that holds it (a Docker or Kubernetes secret mounted as a file; compose's generated token): read at
+# start-up into the process's environment when the variable itself is not set, so every part that reads the variable
+# (and every child process) sees the same token.
+INTERNAL_TOKEN_FILE_ENV = "DISAGG_INTERNAL_TOKEN_FILE"
 INTERNAL_TOKEN_HEADER = "x-disagg-internal-token"
 # A token shorter than this is refused at start-up: it would be guessable by anyone who can reach a port.
 MIN_TOKEN_LENGTH = 16
@@ -72,6 +78,41 @@ def internal_secret_from_env(environ: dict[str, str] | None = None) -> InternalS
     """The deployment secret from ``DISAGG_INTERNAL_TOKEN``; None when unset or empty."""
     token = (os.environ if environ is None else environ).get(INTERNAL_TOKEN_ENV, "")
     return InternalSecret(token) if token else None
+
+
+def load_token_file(environ: os._Environ[str] | dict[str, str] | None = None) -> None:
+    """Set ``DISAGG_INTERNAL_TOKEN`` from the file ``DISAGG_INTERNAL_TOKEN_FILE`` names, unless it is set already.
+    A named file that cannot be read or is empty is an error: a deployment that meant to protect itself must not
+    start open."""
+    env = os.environ if environ is None else environ
+    path = env.get(INTERNAL_TOKEN_FILE_ENV, "")
+    if env.get(INTERNAL_TOKEN_ENV) or not path:
+        return
+    try:
+        token = pathlib.Path(path).read_text(encoding="utf-8").strip()
+    except OSError as exc:
+        raise InternalSecretError(f"{INTERNAL_TOKEN_FILE_ENV}={path} cannot be read: {exc.strerror}") from exc
+    if not token:
+        raise InternalSecretError(f"{INTERNAL_TOKEN_FILE_ENV}={path} is empty")
+    env[INTERNAL_TOKEN_ENV] = token
+
+
+def write_token_file(path: pathlib.Path) -> bool:
+    """Create ``path`` holding a new token (64 hex digits from ``secrets``, readable by its owner only), unless it
+    exists: a deployment keeps its secret across restarts. Returns whether it wrote one. The file appears whole or
+    not at all (written aside, then renamed)."""
+    if path.exists():
+        return False
+    aside = path.with_name(f".{path.name}.{os.getpid()}")
+    try:
+        # Created unreadable to others from the first byte, not chmod-ed afterwards.
+        descriptor = os.open(aside, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o400)
+        with os.fdopen(descriptor, "w", encoding="utf-8") as file:
+            file.write(secrets.token_hex(32))
+        aside.replace(path)
+    except OSError as exc:
+        raise InternalSecretError(f"cannot write a deployment secret to {path}: {exc.strerror}") from exc
+    return True
 
 
 def is_loopback(host: str) -> bool:

@@ -133,6 +133,23 @@ class LocalDeployment:
         return ["redis-server", *options, "--port", str(self.port(service, container_port)), "--bind", "127.0.0.1",
                 "--dir", str(data), "--daemonize", "no"]
 
+    def volume(self, name: str) -> Path:
+        """A named volume of the project: a folder of the work directory, the same for every service that mounts
+        it (created as Docker creates a new one, empty)."""
+        path = self.workdir / "volumes" / name
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+
+    def wait_until_done(self, service: str, timeout_s: float) -> None:
+        """A one-shot service: wait for its process to exit, and fail unless it exited 0 (compose's
+        ``service_completed_successfully``)."""
+        process = self.processes[service]
+        try:
+            code = process.popen.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired as exc:
+            raise AssertionError(f"{service}: still running after {timeout_s:.0f} s:\n{self.logs()}") from exc
+        assert code == 0, f"{service} exited {code}:\n{process.log_tail()}"
+
     def wait_until(self, service: str, check: Callable[[], bool], timeout_s: float, what: str) -> None:
         """Poll ``check`` until it holds; fail at once if the process exits, or after ``timeout_s``."""
         process = self.processes[service]

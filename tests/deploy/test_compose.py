@@ -15,13 +15,14 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+import httpx
 import openai
 import pytest
 import redis
 import yaml
 
 from frontend.config import parse_config
-from frontend.internal_secret import INTERNAL_TOKEN_ENV
+from frontend.internal_secret import INTERNAL_TOKEN_ENV, INTERNAL_TOKEN_FILE_ENV, INTERNAL_TOKEN_HEADER
 from tests.deploy.dockerfile import Image
 from tests.deploy.local_run import (
     REPO,
@@ -110,9 +111,11 @@ def test_docker_compose_up_from_the_repository_root_is_the_same_project(tmp_path
 def test_services_are_wired_as_documented(tmp_path: Path) -> None:
     project = resolved(tmp_path)
     services = project["services"]
-    assert set(services) == {"orchestrator", *WORKERS}
+    assert set(services) == {"orchestrator", "internal-secret", *WORKERS}
     image = Image.read()
     for name, service in services.items():
+        if name == "internal-secret":  # the one-shot secret writer (its own test below)
+            continue
         assert service["image"] == "disagg-serve:local"
         assert service["build"] == {"context": str(REPO), "dockerfile": "deploy/Dockerfile"}
         assert service["read_only"] is True and service["tmpfs"] == ["/tmp"], name
@@ -120,6 +123,7 @@ def test_services_are_wired_as_documented(tmp_path: Path) -> None:
         assert "DISAGG_PORT" in service["environment"], name
     orchestrator = services["orchestrator"]
     assert orchestrator["depends_on"] == {
+        "internal-secret": {"condition": "service_completed_successfully", "required": True},
         **{w: {"condition": "service_healthy", "required": True} for w in WORKERS},
         "redis": {"condition": "service_healthy", "required": False},  # in the shared-state profile only
     }
@@ -189,6 +193,26 @@ def healthy(name: str, service: dict[str, Any], deployment: LocalDeployment) -> 
     return command_ok([sys.executable, *test[2:]], env)
 
 
+def completes(project: dict[str, Any], name: str) -> bool:
+    """Whether the services that wait for ``name`` wait for it to exit (compose's service_completed_successfully)."""
+    return any(how.get("condition") == "service_completed_successfully"
+               for service in project["services"].values()
+               for dependency, how in service.get("depends_on", {}).items() if dependency == name)
+
+
+def with_volumes(service: dict[str, Any], deployment: LocalDeployment, values: list[str]) -> list[str]:
+    """``values`` with each named volume's mount point replaced by that volume's folder, as the container sees it."""
+    mounts = {v["target"]: str(deployment.volume(v["source"])) for v in service.get("volumes", ())
+              if v["type"] == "volume"}
+    mapped = []
+    for value in values:
+        for target, folder in mounts.items():
+            if value == target or value.startswith(target + "/"):
+                value = folder + value[len(target):]
+        mapped.append(value)
+    return mapped
+
+
 def start_project(project: dict[str, Any], deployment: LocalDeployment, timeout_s: float) -> str:
     """Start the services in depends_on order, each waited for by its own health check; returns the published
     orchestrator URL."""
@@ -204,7 +228,8 @@ def start_project(project: dict[str, Any], deployment: LocalDeployment, timeout_
             if redis_service(service):
                 start_redis(name, service, deployment)
                 continue
-            env = {k: v for k, v in service["environment"].items() if v is not None}  # null = unset
+            env = {k: v for k, v in service.get("environment", {}).items() if v is not None}  # null = unset
+            env = dict(zip(env, with_volumes(service, deployment, list(env.values())), strict=True))
             env = deployment.loopback_environment(name, {**image.disagg_environment, **env}, hosts)
             if "DISAGG_RESPONSE_STORE_URL" in env:  # redis://<service>:<port>/..., as the project's network routes it
                 store = urlsplit(env["DISAGG_RESPONSE_STORE_URL"])
@@ -219,8 +244,13 @@ def start_project(project: dict[str, Any], deployment: LocalDeployment, timeout_
                 path = deployment.workdir / "orchestrator.yaml"
                 path.write_text(yaml.safe_dump(raw))
                 env["DISAGG_CONFIG"] = str(path)
-            deployment.start(name, service.get("entrypoint") or image.entrypoint, service["command"], env)
+            deployment.start(name, service.get("entrypoint") or image.entrypoint,
+                             with_volumes(service, deployment, service["command"]), env)
         for name in ready:  # condition: service_healthy, judged by the service's own health check command
+            if completes(project, name):
+                deployment.wait_until_done(name, timeout_s)
+                started.add(name)
+                continue
             deployment.wait_until(name, functools.partial(healthy, name, services[name], deployment), timeout_s,
                                   "healthy")
             started.add(name)
@@ -245,8 +275,10 @@ def test_compose_serves_on_the_reference_engine(tmp_path: Path) -> None:
 
 
 def test_compose_serves_metadata_only_on_the_synthetic_engine(tmp_path: Path) -> None:
-    """DISAGG_ENGINE and DISAGG_METADATA_ONLY from the shell reach the workers and the orchestrator's config."""
-    project = resolved(tmp_path, env={"DISAGG_ENGINE": "synthetic", "DISAGG_METADATA_ONLY": "true"})
+    """DISAGG_ENGINE and DISAGG_METADATA_ONLY from the shell reach the workers and the orchestrator's config; with no
+    token of the user's, the one internal-secret generates protects the workers' internal surface."""
+    project = resolved(tmp_path, env={"DISAGG_ENGINE": "synthetic", "DISAGG_METADATA_ONLY": "true",
+                                      INTERNAL_TOKEN_ENV: ""})
     assert "gen_tokids_metadata_only: true" in orchestrator_config(project)
     with local_deployment(tmp_path) as deployment:
         url = start_project(project, deployment, timeout_s=90)
@@ -254,6 +286,10 @@ def test_compose_serves_metadata_only_on_the_synthetic_engine(tmp_path: Path) ->
         assert model == "synthetic"
         paths = gen_prompt_paths(worker_url(project, deployment, "gen"))
         assert paths == {"metadata_only": 1.0}, paths
+        token = (deployment.volume("internal-secret") / "token").read_text()
+        board = worker_url(project, deployment, "ctx") + "/_internal/disagg/generation_first/1?wait_s=0.1"
+        assert httpx.get(board, timeout=10).status_code == 401  # without the generated secret
+        assert httpx.get(board, headers={INTERNAL_TOKEN_HEADER: token}, timeout=10).status_code == 404  # with it
 
 
 def test_the_monitoring_profile_scrapes_every_service_and_provisions_the_dashboard(tmp_path: Path) -> None:
@@ -283,7 +319,7 @@ def test_the_shared_state_profile_adds_a_redis_the_orchestrator_uses(tmp_path: P
     orchestrator waits for and keeps its Responses store in."""
     project = resolved(tmp_path, env={"DISAGG_RESPONSE_STORE_URL": STORE_URL}, profiles=(SHARED_STATE,))
     services = project["services"]
-    assert set(services) == {"orchestrator", "redis", *WORKERS}
+    assert set(services) == {"orchestrator", "redis", "internal-secret", *WORKERS}
     service = services["redis"]
     assert service["image"] == "redis:7.2.7-alpine" and service["profiles"] == [SHARED_STATE]
     command = service["command"]
@@ -329,16 +365,38 @@ def test_the_shared_state_profile_keeps_a_conversation_across_orchestrator_proce
             assert any(store.scan_iter(match="*disagg:responses*")), "no stored response in the profile's Redis"
 
 
-def test_every_service_of_ours_shares_the_deployment_secret_and_none_starts_without_one(tmp_path: Path) -> None:
-    """Compose cannot make a random token, and a default in the file would be everyone's: without one set, the
-    project does not even resolve, and says what to do."""
+def test_every_service_of_ours_shares_the_deployment_secret_generated_on_the_first_up(tmp_path: Path) -> None:
+    """`docker compose up` with nothing set is protected: internal-secret writes a token into a volume that only our
+    services mount, before any of them starts, and each reads it from there; a token of the user's takes its place."""
     for file in (["-f", str(COMPOSE_FILE)], []):  # deploy/docker-compose.yml, and compose.yaml from the root
-        missing = compose(tmp_path, *file, "config", "-q", env={INTERNAL_TOKEN_ENV: ""})
-        assert missing.returncode != 0
-        assert "required variable DISAGG_INTERNAL_TOKEN is missing a value" in missing.stderr, missing.stderr
-        assert "openssl rand -hex 32" in missing.stderr
-    project = resolved(tmp_path, profiles=(SHARED_STATE, "monitoring"))
-    tokens = {name: service.get("environment", {}).get(INTERNAL_TOKEN_ENV)
-              for name, service in project["services"].items()}
-    assert tokens == {"orchestrator": TOKEN, "ctx": TOKEN, "gen": TOKEN, "redis": None, "prometheus": None,
-                      "grafana": None}
+        assert compose(tmp_path, *file, "config", "-q", env={INTERNAL_TOKEN_ENV: ""}).returncode == 0
+    project = resolved(tmp_path, env={INTERNAL_TOKEN_ENV: ""}, profiles=(SHARED_STATE, "monitoring"))
+    services = project["services"]
+    ours = {"orchestrator", "ctx", "gen"}
+    assert services["internal-secret"]["command"] == ["internal-token", "/run/disagg-secret/token"]
+    for name, service in services.items():
+        mounts = [(v["source"], v["target"], v.get("read_only", False)) for v in service.get("volumes", ())
+                  if v["type"] == "volume" and v["source"] == "internal-secret"]
+        environment = service.get("environment", {})
+        if name in ours:
+            assert mounts == [("internal-secret", "/run/disagg-secret", True)], name
+            assert environment[INTERNAL_TOKEN_FILE_ENV] == "/run/disagg-secret/token", name
+            assert service["depends_on"]["internal-secret"]["condition"] == "service_completed_successfully"
+        elif name == "internal-secret":
+            assert mounts == [("internal-secret", "/run/disagg-secret", False)]
+        else:
+            assert not mounts and INTERNAL_TOKEN_ENV not in environment, name  # Redis, Prometheus, Grafana
+    users = resolved(tmp_path, profiles=(SHARED_STATE,))["services"]
+    assert {users[name]["environment"][INTERNAL_TOKEN_ENV] for name in ours} == {TOKEN}
+
+
+def test_the_generated_secret_is_written_once_and_kept(tmp_path: Path) -> None:
+    """What internal-secret runs: the image's entrypoint writes 64 hex digits, readable by its owner only, and keeps
+    them on the next start (a restarted deployment keeps its secret); the workers then read it from the file."""
+    path = tmp_path / "token"
+    run = [sys.executable, "-m", "entrypoints.cli", "internal-token", str(path)]
+    assert subprocess.run(run, cwd=REPO, capture_output=True, check=True).returncode == 0
+    first = path.read_text()
+    assert len(first) == 64 and int(first, 16) >= 0 and path.stat().st_mode & 0o777 == 0o400
+    subprocess.run(run, cwd=REPO, capture_output=True, check=True)
+    assert path.read_text() == first
