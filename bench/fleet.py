@@ -277,7 +277,8 @@ def run(settings: Settings = FULL, routers: Sequence[str] = tuple(ROUTERS)) -> d
     # Sizes are tokens of the workers' tokenizer, measured once on text of the work's own kind: real text for a real
     # tokenizer (on a few repeated words its word cache would answer nearly every word).
     real_text = settings.engine.tokenizer != "byte"
-    sample = corpus_text(200_000, seed=1) if real_text else text(random.Random(0), 40_000)
+    sample = ("".join(corpus_text(40_000, seed=s) for s in range(10)) if real_text  # stretches, as the work takes
+              else text(random.Random(0), 40_000))
     per_token = chars_per_token(sample, settings.engine.tokenizer)
     for workload in settings.workloads:
         work = sessions(workload, settings.seed, per_token, real_text)

@@ -54,12 +54,12 @@ UNRELATED = Workload("unrelated", systems=0, system_tokens=0, session_rate=40.0,
                      turn_tokens=(1_500, 3_500), think_mean_s=0.0, sessions_named=False)
 AGENT = Workload("agent", systems=1, system_tokens=8_000, session_rate=2.5, window_s=12.0, turns=8,
                  turn_tokens=(400, 1_500), think_mean_s=0.3, turn_prefix="Tool result:\n")
-# An agent over a large context (a repository, a long document: 92k tokens) whose loop of short tool results grows it
-# past 100k tokens: the work where re-tokenizing the whole conversation every turn (what vLLM's server does) sets the
-# follow-ups' TTFT. Each step waits 2 s (mean) for its tool, so that the sessions (7, one in --quick, on real text)
-# together keep the machine far from saturated even on a full encode every turn. Four such contexts, drawn at
-# random; run it with --cache-tokens 1048576, so that a worker's cache holds every session routed to it.
-AGENT_GROWING = Workload("agent_growing", systems=4, system_tokens=92_000, session_rate=0.35, window_s=10.0,
+# An agent over a large context (a repository, a long document: 96k tokens) whose loop of short tool results grows it
+# past 100k tokens (to ~107k): the work where re-tokenizing the whole conversation every turn (what vLLM's server
+# does) sets the follow-ups' TTFT. Each step waits 2 s (mean) for its tool, so that the sessions (7, one in --quick,
+# on real text) together keep the machine far from saturated even on a full encode every turn. Four such contexts,
+# drawn at random; run it with --cache-tokens 1048576, so that a worker's cache holds every session routed to it.
+AGENT_GROWING = Workload("agent_growing", systems=4, system_tokens=96_000, session_rate=0.35, window_s=10.0,
                          turns=30, turn_tokens=(100, 600), think_mean_s=2.0, turn_prefix="Tool result:\n")
 WORKLOADS = {w.name: w for w in (CHAT, UNRELATED, AGENT, AGENT_GROWING)}
 
