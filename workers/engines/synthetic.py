@@ -83,6 +83,8 @@ def reference_tokens(tokenize: TokenizeConfig | None = None) -> EngineTokens:
 
     meta = _reference_metadata()
     tokenizer = GGUFTokenizer(meta, tokenize)
+    # This first encode also builds the tokenizer's prompt encoder here, at start, not in the first request's time
+    # (it counts as one prompt of 11 tokens in the tokenizer's stats).
     cycle = tuple(int(t) for t in tokenizer.encode(SYNTHETIC_TEXT.decode()))
     eos = meta.eos_token_id if meta.eos_token_id is not None else min(tokenizer.eos_token_ids)
     return EngineTokens(tokenizer, Answer(cycle, eos))
