@@ -265,7 +265,9 @@ def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                              "follow-up turn tokenizes only what it adds; 0: off (default 256)")
     parser.add_argument("--tokenizer-backend", choices=TOKENIZER_BACKENDS, default="auto",
                         help="auto: fastokens where it loads the model's tokenizer exactly, else Hugging Face "
-                             "tokenizers; tokenizers: always the latter (default auto)")
+                             "tokenizers, with the conversation cache; tokenizers: one whole Hugging Face tokenizers "
+                             "encode of every prompt, no cache (vLLM's and trtllm-serve's cost, a baseline) "
+                             "(default auto)")
     parser.add_argument("--tokenize-threads", type=_count, default=None, metavar="N",
                         help="threads that encode a long new prompt in pieces (default: the cores this process "
                              "may use)")

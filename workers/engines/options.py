@@ -46,8 +46,9 @@ class TokenizeConfig:
     """How a worker turns prompt text into ids (workers/tokenization/): the conversation cache and the encoder."""
 
     cache_bytes: int = DEFAULT_TOKENIZE_CACHE_BYTES  # 0: every prompt is encoded whole, as vLLM's server does
-    # auto: fastokens where it loads the tokenizer exactly, else Hugging Face tokenizers; tokenizers: always the
-    # latter (what vLLM's and trtllm-serve's servers run: the baseline the benchmarks compare against)
+    # auto: fastokens where it loads the tokenizer exactly, else Hugging Face tokenizers (both with the cache and
+    # exact pieces); tokenizers: one whole Hugging Face tokenizers encode of every prompt, no cache, no pieces (what
+    # vLLM's and trtllm-serve's servers do: the baseline the benchmarks compare against)
     backend: str = "auto"
     threads: int | None = None  # encoder threads for a long new prompt; None: the cores this process may use
 

@@ -51,10 +51,14 @@ class PromptEncoder:
         self._rules: CutRules = cut_rules_of(tokenizer.to_str())
         self._encoder: PieceEncoder = load_piece_encoder(tokenizer, config.backend, config.threads)
         self._threads = config.threads or host_threads()
+        # backend "tokenizers" is today's cost, kept as the baseline: one whole encode of every prompt, as vLLM's
+        # and trtllm-serve's servers do (no cache, no pieces). The exact fallback of "auto" (a tokenizer fastokens
+        # cannot load) keeps both: only the encoder changes there.
+        self._whole = config.backend == "tokenizers"
         self._cache: ConversationCache | None = None
-        if config.cache_bytes > 0 and self._rules.added_tokens is not None:
+        if config.cache_bytes > 0 and self._rules.added_tokens is not None and not self._whole:
             self._cache = ConversationCache(config.cache_bytes)
-        if self._rules.refusals:
+        if self._rules.refusals and not self._whole:
             log.warning("this tokenizer is encoded whole on every request, with no conversation cache and no "
                         "parallel pieces: %s", "; ".join(self._rules.refusals))
         self._lock = threading.Lock()
@@ -68,7 +72,7 @@ class PromptEncoder:
         """The ids of ``text`` (read-only int32), equal to one whole encode of it."""
         if not text:
             return np.empty(0, dtype=TOKEN_DTYPE)
-        if self._rules.added_tokens is None:
+        if self._rules.added_tokens is None or self._whole:
             ids, _ = self._encoder.encode_pieces([text])
             self._count(int(ids.size))
             return _read_only(ids)

@@ -244,8 +244,17 @@ def test_a_tokenizer_fastokens_cannot_load_keeps_tokenizers_and_says_so(
     assert encoder.encode(text).tolist() == _whole(reference._tokenizer, text)
 
 
-def test_the_tokenizers_backend_is_the_baseline(reference: GGUFTokenizer) -> None:
-    assert PromptEncoder(reference._tokenizer, TokenizeConfig(backend="tokenizers")).encoder_name == "tokenizers"
+def test_the_tokenizers_backend_is_the_baseline_one_whole_encode(reference: GGUFTokenizer,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    encoder = PromptEncoder(reference._tokenizer, TokenizeConfig(backend="tokenizers"))
+    assert encoder.encoder_name == "tokenizers" and encoder.stats().cache is None
+    calls: list[list[str]] = []
+    original = encoder._encoder.encode_pieces
+    monkeypatch.setattr(encoder._encoder, "encode_pieces",
+                        lambda pieces: calls.append(list(pieces)) or original(pieces))
+    text = reference.render_chat(_long_conversation(6, 40))
+    assert encoder.encode(text).tolist() == _whole(reference._tokenizer, text)
+    assert calls == [[text]]  # the whole prompt in one call, as vLLM's server encodes it
 
 
 def _with_added_token_flags(tokenizer: Tokenizer, tmp_path: pathlib.Path, **flags: object) -> Tokenizer:
