@@ -250,8 +250,12 @@ def test_the_tokenizers_backend_is_the_baseline_one_whole_encode(reference: GGUF
     assert encoder.encoder_name == "tokenizers" and encoder.stats().cache is None
     calls: list[list[str]] = []
     original = encoder._encoder.encode_pieces
-    monkeypatch.setattr(encoder._encoder, "encode_pieces",
-                        lambda pieces: calls.append(list(pieces)) or original(pieces))
+
+    def recording(pieces: list[str]) -> object:
+        calls.append(list(pieces))
+        return original(pieces)
+
+    monkeypatch.setattr(encoder._encoder, "encode_pieces", recording)
     text = reference.render_chat(_long_conversation(6, 40))
     assert encoder.encode(text).tolist() == _whole(reference._tokenizer, text)
     assert calls == [[text]]  # the whole prompt in one call, as vLLM's server encodes it
