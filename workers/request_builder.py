@@ -30,7 +30,7 @@ from frontend.sampling import SamplingParams, sampling_from_request
 from frontend.structured_output import OutputConstraint, tools_in_prompt
 from frontend.token_codec import TokenArray, decode_prompt_tokens, token_array_from_list
 from frontend.tool_calls import with_tools_prompt
-from workers.engines.base import Tokenizer
+from workers.engines.base import EncodesIncrementally, Tokenizer
 from workers.engines.outputs import EngineInfo, TokenLogprob
 from workers.engines.request import Handoff, Phase, PromptPath, SequenceStart, placeholder_prompt
 from workers.trtllm_answers import first_gen_logprobs_from
@@ -114,7 +114,9 @@ async def prepare_prompt(
     if expected_len is not None:
         return _metadata_only_prompt(wire, sampling, expected_len, info)
     text = _prompt_text(wire, tokenizer)
-    if len(text) > _TOKENIZE_IN_THREAD_CHARS:
+    # A follow-up turn encodes only what it adds (the rest is cached): a thread hop would cost it more than that.
+    new = tokenizer.new_chars(text) if isinstance(tokenizer, EncodesIncrementally) else len(text)
+    if new > _TOKENIZE_IN_THREAD_CHARS:
         tokens = await asyncio.to_thread(tokenizer.encode, text)
     else:
         tokens = tokenizer.encode(text)

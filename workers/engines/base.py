@@ -81,6 +81,16 @@ class ProvidesTokenBytes(Protocol):
 
 
 @runtime_checkable
+class EncodesIncrementally(Protocol):
+    """A tokenizer that keeps what it encoded (workers/tokenization/): a prompt that extends a recent one costs only
+    what it adds, so whether to encode it off the event loop depends on that, not on the prompt's length."""
+
+    def new_chars(self, text: str) -> int:
+        """How many characters of ``text`` ``encode`` would encode now."""
+        ...
+
+
+@runtime_checkable
 class ReportsTokenizeStats(Protocol):
     """A tokenizer that counts its work (workers/tokenization/): prompts, tokens encoded, its conversation cache."""
 

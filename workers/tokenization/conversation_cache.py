@@ -1,12 +1,12 @@
 """The ids of recent prompts, by their text: a follow-up turn encodes only what it adds to its conversation.
 
-Each entry is a prompt's text up to its last exact cut (``cut_rules``: after its last added token), its ids up to
-there, and every exact cut inside it with the number of ids before it. A new prompt reuses the entry that agrees
-with it the longest, up to the last cut where they still agree, and encodes only the rest. Because a cut is exact
-whatever follows it, that holds for any later text: a follow-up turn, a regenerated last answer, or a client that
-rewrote an earlier turn (it reuses what comes before the edit). There is no key to get wrong: entries are found by
-their text alone, so a template that renders an earlier turn differently once later turns exist simply agrees for
-less of its length.
+Each entry is a prompt's text (the very string the request rendered: no copy), its ids up to its last exact cut
+(``cut_rules``: after its last added token), and every exact cut inside it with the number of ids before it. A new
+prompt reuses the entry that agrees with it the longest, up to the last cut where they still agree, and encodes only
+the rest. Because a cut is exact whatever follows it, that holds for any later text: a follow-up turn, a regenerated
+last answer, or a client that rewrote an earlier turn (it reuses what comes before the edit). There is no key to get
+wrong: entries are found by their text alone, so a template that renders an earlier turn differently once later
+turns exist simply agrees for less of its length.
 
 Entries are kept sorted by text: the entry sharing the longest prefix with a prompt is one of the two beside the
 prompt's place in that order, so a look-up is a binary search of string comparisons (each stops at the first
@@ -34,9 +34,9 @@ _ENTRY_OVERHEAD_BYTES = 256  # the entry object, its arrays' headers, the list s
 
 @dataclass(frozen=True, slots=True)
 class CachedPrompt:
-    text: str  # a prompt up to its last exact cut
-    ids: TokenArray  # its ids (read-only)
-    char_cuts: Cuts  # increasing offsets in ``text`` where a cut is exact; the last is len(text)
+    text: str  # a prompt as it was rendered (what follows its last cut, e.g. "assistant\n", is compared, not used)
+    ids: TokenArray  # its ids up to its last cut (read-only)
+    char_cuts: Cuts  # increasing offsets in ``text`` where a cut is exact
     token_cuts: Cuts  # ids before each of them
 
     @property
@@ -49,6 +49,8 @@ class CachedPrompt:
         if text.startswith(self.text):
             return len(self.char_cuts)
         cuts = self.char_cuts
+        if text.startswith(self.text[: int(cuts[-1])]):  # all but the tail after the last cut (a copy: rare path)
+            return len(cuts)
         agreed, disagreed, agreed_chars = 0, len(cuts), 0  # agreed cuts hold; cut `disagreed` does not
         while disagreed - agreed > 1:
             middle = (agreed + disagreed) // 2
@@ -69,6 +71,7 @@ class Reuse:
     ids: TokenArray
     char_cuts: Cuts
     token_cuts: Cuts
+    entry: CachedPrompt  # where it came from (the ids stay valid if the entry is evicted meanwhile: they are its own)
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,25 +99,28 @@ class ConversationCache:
         self._bytes = 0
         self._lookups = self._hits = self._reused = self._evictions = 0
 
-    def reuse(self, text: str) -> Reuse | None:
-        """The longest exact start of ``text`` whose ids are cached; None when nothing agrees."""
+    def find(self, text: str) -> Reuse | None:
+        """The longest exact start of ``text`` whose ids are cached; None when nothing agrees. Counts nothing: the
+        prompt that takes it says so with ``taken``."""
+        with self._lock:
+            best = self._best(text)
+        if best is None:
+            return None
+        agreed, entry = best
+        tokens = int(entry.token_cuts[agreed - 1])
+        return Reuse(int(entry.char_cuts[agreed - 1]), entry.ids[:tokens], entry.char_cuts[:agreed],
+                     entry.token_cuts[:agreed], entry)
+
+    def taken(self, reuse: Reuse | None) -> None:
+        """Count one look-up, and ``reuse`` (if any) as used: a hit, its tokens, its entry the most recent."""
         with self._lock:
             self._lookups += 1
-            place = bisect.bisect_right(self._texts, text)
-            best: tuple[int, CachedPrompt] | None = None
-            for entry in self._entries[max(place - 1, 0): place + 1]:
-                agreed = entry.agreement(text)
-                if agreed and (best is None or agreed > best[0]):
-                    best = (agreed, entry)
-            if best is None:
-                return None
-            agreed, entry = best
-            self._lru.move_to_end(id(entry))
-            tokens = int(entry.token_cuts[agreed - 1])
+            if reuse is None:
+                return
             self._hits += 1
-            self._reused += tokens
-        return Reuse(int(entry.char_cuts[agreed - 1]), entry.ids[:tokens], entry.char_cuts[:agreed],
-                     entry.token_cuts[:agreed])
+            self._reused += int(reuse.ids.size)
+            if id(reuse.entry) in self._lru:
+                self._lru.move_to_end(id(reuse.entry))
 
     def store(self, entry: CachedPrompt) -> None:
         """Keep ``entry``; an entry it extends (the same conversation, a turn earlier) goes."""
@@ -137,6 +143,16 @@ class ConversationCache:
                 oldest = next(iter(self._lru.values()))
                 self._remove(self._index_of(oldest))
                 self._evictions += 1
+
+    def _best(self, text: str) -> tuple[int, CachedPrompt] | None:
+        """(cuts agreed, entry) of the entry that agrees with ``text`` the longest; the caller holds the lock."""
+        place = bisect.bisect_right(self._texts, text)
+        best: tuple[int, CachedPrompt] | None = None
+        for entry in self._entries[max(place - 1, 0): place + 1]:
+            agreed = entry.agreement(text)
+            if agreed and (best is None or agreed > best[0]):
+                best = (agreed, entry)
+        return best
 
     def stats(self) -> CacheStats:
         with self._lock:

@@ -63,6 +63,9 @@ class PromptEncoder:
                         "parallel pieces: %s", "; ".join(self._rules.refusals))
         self._lock = threading.Lock()
         self._prompts = self._encoded = 0
+        # new_chars' last answer, for the encode of the same string that follows it (one slot: a look-up is cheap,
+        # and a slot overwritten by another request's only costs that look-up again)
+        self._last_found: tuple[str, Reuse | None] | None = None
 
     @property
     def encoder_name(self) -> str:
@@ -76,7 +79,10 @@ class PromptEncoder:
             ids, _ = self._encoder.encode_pieces([text])
             self._count(int(ids.size))
             return _read_only(ids)
-        reuse = self._cache.reuse(text) if self._cache is not None else None
+        reuse = None
+        if self._cache is not None:
+            reuse = self._found_for(text)
+            self._cache.taken(reuse)
         start = reuse.chars if reuse is not None else 0
         ends = self._rules.ends_of_added_tokens(text, start)
         pieces, cut_pieces = self._pieces(text, start, ends)
@@ -86,6 +92,23 @@ class PromptEncoder:
         if self._cache is not None and ends and offsets is not None:
             self._remember(text, ids, reuse, ends, offsets[np.asarray(cut_pieces) + 1])
         return _read_only(ids)
+
+    def new_chars(self, text: str) -> int:
+        """How much of ``text`` an ``encode`` now would encode (the rest is cached): what decides whether encoding it
+        is worth a thread hop. A look-up only, no encoding."""
+        if self._cache is None:
+            return len(text)
+        reuse = self._cache.find(text)
+        self._last_found = (text, reuse)  # the encode that usually follows looks it up no second time
+        return len(text) - (reuse.chars if reuse is not None else 0)
+
+    def _found_for(self, text: str) -> Reuse | None:
+        last = self._last_found
+        if last is not None and last[0] is text:  # this very string was just looked up (by new_chars)
+            self._last_found = None
+            return last[1]
+        assert self._cache is not None
+        return self._cache.find(text)
 
     def stats(self) -> TokenizeStats:
         with self._lock:
@@ -127,10 +150,9 @@ class PromptEncoder:
         if reuse is not None:
             char_cuts = np.concatenate((reuse.char_cuts, char_cuts))
             token_cuts = np.concatenate((reuse.token_cuts, token_cuts))
-        last = int(char_cuts[-1])
         kept = _read_only(ids[: int(token_cuts[-1])])
         assert self._cache is not None
-        self._cache.store(CachedPrompt(text if last == len(text) else text[:last], kept, char_cuts, token_cuts))
+        self._cache.store(CachedPrompt(text, kept, char_cuts, token_cuts))
 
 
 def _space_cuts(text: str, left: int, right: int, target: int) -> list[tuple[int, int]]:

@@ -175,6 +175,10 @@ class GGUFTokenizer:
         that extends one encoded recently encodes only what it adds (workers/tokenization)."""
         return self._prompts.get().encode(text)
 
+    def new_chars(self, text: str) -> int:
+        """How much of ``text`` ``encode`` would encode now (``workers.engines.base.EncodesIncrementally``)."""
+        return self._prompts.get().new_chars(text)
+
     def tokenize_stats(self) -> TokenizeStats | None:
         return self._prompts.stats()
 

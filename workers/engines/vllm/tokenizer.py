@@ -86,6 +86,10 @@ class HFTokenizer:
         # No special tokens added: a chat template writes its own BOS; a raw completion prompt is used as sent.
         return self._prompts.get().encode(text)
 
+    def new_chars(self, text: str) -> int:
+        """How much of ``text`` ``encode`` would encode now (``workers.engines.base.EncodesIncrementally``)."""
+        return self._prompts.get().new_chars(text)
+
     def tokenize_stats(self) -> TokenizeStats | None:
         return self._prompts.stats()
 
