@@ -139,7 +139,7 @@ class ChoosesFirstTokensAgain(SyntheticEngine):
         super().__init__()
         self.texts = texts
 
-    async def _answer(self, request: GenerationRequest) -> AsyncGenerator[EngineOutput, None]:
+    async def _chosen_again(self, request: GenerationRequest) -> AsyncGenerator[EngineOutput, None]:
         for position in range(max(map(len, self.texts))):
             for index, text in enumerate(self.texts):
                 if position < len(text):
@@ -147,7 +147,7 @@ class ChoosesFirstTokensAgain(SyntheticEngine):
                                        else None, index=index, chose_first_tokens=(position, index) == (0, 0))
 
     def generate(self, request: GenerationRequest) -> AsyncGenerator[EngineOutput, None]:
-        return self._answer(request)
+        return self._chosen_again(request)
 
 
 async def test_an_engine_that_chose_the_first_tokens_again_opens_the_answer_with_its_own() -> None:
