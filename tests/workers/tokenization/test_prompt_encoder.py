@@ -104,28 +104,17 @@ def _check_conversation(encoder: PromptEncoder, hf: Tokenizer, render: Render,
 PROPERTY = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 
+@pytest.mark.parametrize("tokenizer", ["reference", "hf_checkpoint", "tiny"])
 @PROPERTY
 @given(start=messages, steps=edits)
-def test_reference_tokenizer_turn_after_turn(reference: GGUFTokenizer, start: list[tuple[str, str]],
-                                            steps: list[tuple[str, str, int]]) -> None:
-    encoder = PromptEncoder(reference._tokenizer, TokenizeConfig(cache_bytes=1 << 20))
-    _check_conversation(encoder, reference._tokenizer, reference.render_chat, start, steps)
-
-
-@PROPERTY
-@given(start=messages, steps=edits)
-def test_vllm_checkpoint_tokenizer_turn_after_turn(hf_checkpoint: HFTokenizer, start: list[tuple[str, str]],
-                                                   steps: list[tuple[str, str, int]]) -> None:
-    encoder = PromptEncoder(hf_checkpoint._tokenizer, TokenizeConfig(cache_bytes=1 << 20))
-    _check_conversation(encoder, hf_checkpoint._tokenizer, hf_checkpoint.render_chat, start, steps)
-
-
-@PROPERTY
-@given(start=messages, steps=edits)
-def test_tiny_test_tokenizer_turn_after_turn(tiny: GGUFTokenizer, start: list[tuple[str, str]],
-                                             steps: list[tuple[str, str, int]]) -> None:
-    encoder = PromptEncoder(tiny._tokenizer, TokenizeConfig(cache_bytes=1 << 20))
-    _check_conversation(encoder, tiny._tokenizer, tiny.render_chat, start, steps)
+def test_every_shipped_or_tested_tokenizer_turn_after_turn(
+        tokenizer: str, request: pytest.FixtureRequest, start: list[tuple[str, str]],
+        steps: list[tuple[str, str, int]]) -> None:
+    """The reference model's tokenizer, the vllm engine's (the same model as a checkpoint folder, read by
+    HFTokenizer) and the tiny test model's."""
+    chosen: GGUFTokenizer | HFTokenizer = request.getfixturevalue(tokenizer)
+    encoder = PromptEncoder(chosen._tokenizer, TokenizeConfig(cache_bytes=1 << 20))
+    _check_conversation(encoder, chosen._tokenizer, chosen.render_chat, start, steps)
 
 
 # A template that renders an earlier turn differently once later turns exist (it marks only the latest user turn):

@@ -233,14 +233,18 @@ def _read_tokenizer(reader: GGUFReader) -> TokenizerMetadata:
 def load_tokenizer_metadata(path: pathlib.Path | str | None = None) -> TokenizerMetadata:
     """Only the tokenizer of a GGUF (vocabulary, merges, token types, chat template): no tensor is read or
     dequantized. None means the default SmolLM2 model. ~2 s for SmolLM2 (the reader indexes the whole file)."""
+    return _read_tokenizer(_open(path)[1])
+
+
+def _open(path: pathlib.Path | str | None) -> tuple[pathlib.Path, GGUFReader]:
+    """The GGUF at ``path`` (None: the default SmolLM2 model), opened for reading; a clear error if it cannot be."""
     path = default_model_path() if path is None else pathlib.Path(path)
     if not path.is_file():
         raise ModelFileError(f"model file {path} does not exist")
     try:
-        reader = GGUFReader(path)
+        return path, GGUFReader(path)
     except (ValueError, OSError) as exc:
         raise ModelFileError(f"{path} is not a readable GGUF file: {exc}") from exc
-    return _read_tokenizer(reader)
 
 
 def _model_hash(path: pathlib.Path, reader: GGUFReader) -> str:
@@ -261,13 +265,7 @@ def load_model_file(path: pathlib.Path | str | None = None) -> LoadedModelFile:
 
     None means the default SmolLM2 model.
     """
-    path = default_model_path() if path is None else pathlib.Path(path)
-    if not path.is_file():
-        raise ModelFileError(f"model file {path} does not exist")
-    try:
-        reader = GGUFReader(path)
-    except (ValueError, OSError) as exc:
-        raise ModelFileError(f"{path} is not a readable GGUF file: {exc}") from exc
+    path, reader = _open(path)
     _check_architecture(reader)
     embd = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
     if embd is None:
