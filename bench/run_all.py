@@ -26,6 +26,7 @@ from typing import Any
 from bench import (
     cancel_storm,
     client_body_parse,
+    ctx_prompt_path,
     dashboard_image,
     fleet,
     fleet_report,
@@ -102,6 +103,11 @@ BENCHMARKS: dict[str, Benchmark] = {
         lambda m: prompt_path.run(prompt_path.SIZES, warmups=2 if m.quick else 5, runs=3 if m.quick else 9,
                                   ops=5 if m.quick else 10),
         prompt_path_report.tables),
+    "ctx_prompt_path": Benchmark(
+        "CTX's prompt path in-process: a new and a follow-up turn, against one tokenizers encode every turn",
+        lambda m: ctx_prompt_path.run((1_000, 40_000) if m.quick else ctx_prompt_path.SIZES,
+                                      runs=2 if m.quick else 5),
+        ctx_prompt_path.tables),
     "gen_http": Benchmark(
         "a GEN worker over HTTP: whole-process CPU per request",
         lambda m: gen_http.run(gen_http.SIZES, batches=2 if m.quick else 5, min_batch_s=0.2 if m.quick else 0.5,
