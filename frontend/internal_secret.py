@@ -51,6 +51,11 @@ class InternalSecret:
     token: str = field(repr=False)
 
     def __post_init__(self) -> None:
+        # Sent as an HTTP header value: visible ASCII only (a token read from a file with its newline would make
+        # every internal call fail far from here).
+        if not all("!" <= ch <= "~" for ch in self.token):
+            raise InternalSecretError(f"{INTERNAL_TOKEN_ENV} must be visible ASCII characters only (no spaces, "
+                                      "newlines or other characters)")
         if len(self.token) < MIN_TOKEN_LENGTH:
             raise InternalSecretError(
                 f"{INTERNAL_TOKEN_ENV} must be at least {MIN_TOKEN_LENGTH} characters (e.g. `openssl rand -hex 32`)"
@@ -76,7 +81,8 @@ class InternalSecret:
 
 def internal_secret_from_env(environ: dict[str, str] | None = None) -> InternalSecret | None:
     """The deployment secret from ``DISAGG_INTERNAL_TOKEN``; None when unset or empty."""
-    token = (os.environ if environ is None else environ).get(INTERNAL_TOKEN_ENV, "")
+    # Surrounding whitespace (a Secret made with --from-file keeps its newline) is no part of the token.
+    token = (os.environ if environ is None else environ).get(INTERNAL_TOKEN_ENV, "").strip()
     return InternalSecret(token) if token else None
 
 

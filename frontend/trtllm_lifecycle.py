@@ -71,8 +71,9 @@ CONTROL_UNAVAILABLE = "disaggregated lifecycle control is unavailable"  # the 40
 def control_url(endpoint: str, path: str) -> str:
     """The URL of ``path`` on the worker a ``context_control_endpoint`` names (``host:port``, as TensorRT-LLM's router
     names a server, or an ``http(s)://`` base URL). The endpoint comes from whoever sent the grant, and the worker
-    POSTs to it later: so only a plain http(s) base is taken (no userinfo, query or fragment, no other scheme), and
-    the URL is rebuilt from its parsed parts, so a ``?`` or ``#`` can never move ``path`` out of the path.
+    POSTs to it later: so only a plain http(s) origin is taken (no path, userinfo, query or fragment, no other
+    scheme: a path prefix would let the caller aim the POST at any path of any host, e.g. a metadata service's),
+    and the URL is rebuilt from its parsed parts, so nothing can move ``path`` out of the path.
     ``ValueError`` for anything else."""
     raw = endpoint
     if any(ch.isspace() or ord(ch) < 0x20 or ch == "\x7f" for ch in raw):
@@ -84,6 +85,9 @@ def control_url(endpoint: str, path: str) -> str:
         raise ValueError("context_control_endpoint must not carry credentials")
     if parts.query or parts.fragment or "?" in raw or "#" in raw:
         raise ValueError("context_control_endpoint must not carry a query or a fragment")
+    if parts.path not in ("", "/"):
+        raise ValueError("context_control_endpoint must be a server's address (host:port or an http(s) origin), "
+                         "not a path")
     try:
         port = parts.port
     except ValueError as error:
@@ -92,7 +96,7 @@ def control_url(endpoint: str, path: str) -> str:
         raise ValueError("context_control_endpoint must name a host")
     host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
     netloc = host if port is None else f"{host}:{port}"
-    return urlunsplit((parts.scheme, netloc, parts.path.rstrip("/") + path, "", ""))
+    return urlunsplit((parts.scheme, netloc, path, "", ""))
 
 
 class ScheduleStyle(IntEnum):

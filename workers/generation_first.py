@@ -46,15 +46,19 @@ class HandoffBoard:
         self._posted: OrderedDict[int, tuple[float, str | None, dict[str, Any]]] = OrderedDict()
         self._waiters: dict[int, asyncio.Event] = {}
 
-    def post(self, disagg_request_id: int, params: dict[str, Any], claim: str | None = None) -> None:
-        """``claim``: what a GEN must present to take it (None: any caller the route lets in)."""
+    def post(self, disagg_request_id: int, params: dict[str, Any], claim: str | None = None) -> bool:
+        """``claim``: what a GEN must present to take it (None: any caller the route lets in). The first post of an
+        id stands: a later one is dropped (returns False), so no request can replace another's hand-off."""
         self._forget_old()
+        if disagg_request_id in self._posted:
+            return False
         self._posted[disagg_request_id] = (self.clock(), claim, params)
         while len(self._posted) > _MAX_ENTRIES:
             self._posted.popitem(last=False)
         waiter = self._waiters.pop(disagg_request_id, None)
         if waiter is not None:
             waiter.set()
+        return True
 
     async def claim(self, disagg_request_id: int, wait_s: float, presented: str | None = None
                     ) -> dict[str, Any] | None:

@@ -62,8 +62,17 @@ class InternalCallers:
 
     def require_for_params(self, headers: Mapping[str, str], params: Mapping[str, Any] | None) -> None:
         """A request whose ``disaggregated_params`` name where the worker goes next comes from an internal caller:
-        our token, or TensorRT-LLM's signature of those fields."""
-        if self.open or not needs_request_signature(params) or self.has_token(headers):
+        our token, or TensorRT-LLM's signature of those fields. So does a generation-first context_only request,
+        which posts its hand-off on the board for a GEN to take: from anyone else it could hand a GEN its own first
+        tokens and KV, or crowd the board. TensorRT-LLM's orchestrator signs no such request, so with its key
+        configured one is let in unsigned (its own trust model)."""
+        if self.open or self.has_token(headers):
+            return
+        posts_on_board = (params is not None and params.get("request_type") == "context_only"
+                          and params.get("schedule_style") == 1)
+        if posts_on_board and self.trtllm_key is None:
+            raise refused("a generation-first context_only request")
+        if not needs_request_signature(params):
             return
         assert params is not None
         key = self.trtllm_key

@@ -89,7 +89,10 @@ class ResponseRendering:
                 self.lifecycle.park(disagg, request.request_id, out.handoff_state if state is not None else None)
             if disagg.schedule_style == 1 and disagg.disagg_request_id is not None:
                 claim = str(disagg.transfer_session_id) if disagg.transfer_session_id is not None else None
-                self.board.post(disagg.disagg_request_id, body["choices"][0]["disaggregated_params"], claim)
+                if not self.board.post(disagg.disagg_request_id, body["choices"][0]["disaggregated_params"], claim):
+                    logger.warning("generation-first hand-off of disagg_request_id %s already on the board: this "
+                                   "one (ctx_request_id %s) is not posted, and its KV expires unused",
+                                   disagg.disagg_request_id, request.request_id)
             return
         params: dict[str, Any] = {
             "request_type": "context_only",

@@ -162,7 +162,7 @@ def test_any_other_protocol_version_stops_start_up() -> None:
 @pytest.mark.parametrize(("endpoint", "url"), [
     ("10.0.0.7:8001", "http://10.0.0.7:8001/_internal/x"),  # TensorRT-LLM's form: host:port
     ("http://ctx.svc:8001/", "http://ctx.svc:8001/_internal/x"),
-    ("https://ctx.svc/base", "https://ctx.svc/base/_internal/x"),
+    ("https://ctx.svc", "https://ctx.svc/_internal/x"),
     ("[::1]:9", "http://[::1]:9/_internal/x"),
 ])
 def test_a_control_endpoint_becomes_a_url_built_from_its_parts(endpoint: str, url: str) -> None:
@@ -175,6 +175,8 @@ def test_a_control_endpoint_becomes_a_url_built_from_its_parts(endpoint: str, ur
     "evil.example/steal?x=",  # a '?' pushed the fixed path into the query on bb7e60b
     "evil.example/steal#",
     "user:pw@ctx:1", "file:///etc/passwd", "gopher://ctx:70", "ctx: 1", "ctx:1/\n", "ctx:99999", "http://",
+    # a path prefix aims the POST at any path of the host: a cloud metadata service's, for one
+    "169.254.169.254/latest/meta-data", "https://ctx.svc/base",
 ])
 def test_a_control_endpoint_that_could_aim_the_call_elsewhere_is_refused(endpoint: str) -> None:
     from frontend.trtllm_lifecycle import control_url

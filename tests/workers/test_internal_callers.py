@@ -28,6 +28,7 @@ from frontend.trtllm_lifecycle import (
 from tests.servers import running
 from tests.waiting import eventually
 from workers.engines.synthetic import SyntheticEngine
+from workers.generation_first import HandoffBoard
 from workers.lifecycle_settings import LifecycleSettings
 from workers.server import create_worker_app
 from workers.serving import Role, WorkerSettings
@@ -132,6 +133,23 @@ def test_a_request_naming_where_the_worker_goes_next_needs_the_secret(fleet: Fle
     refused(httpx.post(fleet.gen.url + "/v1/completions", json=body))
     plain = {"model": "synthetic", "prompt": "x", "max_tokens": 2}  # the OpenAI routes themselves stay open
     assert httpx.post(fleet.gen.url + "/v1/completions", json=plain).status_code != 401
+
+
+def test_only_a_holder_of_the_secret_posts_on_the_generation_first_board(fleet: Fleet) -> None:
+    """A generation-first context_only request posts its hand-off for a GEN to take: from a caller without the
+    secret it could hand the real GEN the caller's own first tokens and KV, or crowd the real ones off the board."""
+    body = {"model": "synthetic", "prompt": "the attacker's prompt", "max_tokens": 2, "disaggregated_params": {
+        "request_type": "context_only", "disagg_request_id": 4242, "schedule_style": 1}}
+    refused(httpx.post(fleet.ctx.url + "/v1/completions", json=body))
+
+
+async def test_the_first_post_of_an_id_stands_on_the_board() -> None:
+    """A second request with the same id (a mistake, or a caller that learned it) does not replace the first's
+    hand-off: the GEN that was promised it gets the first."""
+    board = HandoffBoard(ttl_s=60.0, clock=lambda: 0.0)
+    assert board.post(7, {"first_gen_tokens": [1]}, claim="attempt")
+    assert not board.post(7, {"first_gen_tokens": [666]}, claim="attempt")
+    assert await board.claim(7, wait_s=0.0, presented="attempt") == {"first_gen_tokens": [1]}
 
 
 def test_tensorrt_llms_signature_lets_its_orchestrator_in(fleet: Fleet) -> None:
