@@ -2,7 +2,7 @@
 
 At long prompts the tokenizer, not GEN's decode of the relayed ids, is the frontend's largest cost: one Hugging Face
 ``tokenizers`` encode of a 144k-token chat took 0.7 s here, and every turn of a conversation paid for its whole
-history again. Three parts, each a module:
+history again. Four parts, each a module:
 
 - ``cut_rules``: where tokenization provably restarts for a given ``tokenizer.json`` (after an added token; before a
   space, for byte-level BPE), so that encoding the pieces gives the ids of one whole encode;

@@ -20,7 +20,7 @@ import bisect
 import sys
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import numpy.typing as npt
@@ -38,11 +38,15 @@ class CachedPrompt:
     ids: TokenArray  # its ids up to its last cut (read-only)
     char_cuts: Cuts  # increasing offsets in ``text`` where a cut is exact
     token_cuts: Cuts  # ids before each of them
+    held_ids_bytes: int = 0  # what ``ids`` keeps alive, if more than itself (a view of a longer array)
+    # Counted once, when made: a str's size can grow later (its UTF-8 form, once asked for, is kept with it), and
+    # what is taken off at removal must be what was added.
+    nbytes: int = field(init=False)
 
-    @property
-    def nbytes(self) -> int:
-        return sys.getsizeof(self.text) + self.ids.nbytes + self.char_cuts.nbytes + self.token_cuts.nbytes \
-            + _ENTRY_OVERHEAD_BYTES
+    def __post_init__(self) -> None:
+        size = (sys.getsizeof(self.text) + max(self.ids.nbytes, self.held_ids_bytes) + self.char_cuts.nbytes
+                + self.token_cuts.nbytes + _ENTRY_OVERHEAD_BYTES)
+        object.__setattr__(self, "nbytes", size)
 
     def agreement(self, text: str) -> int:
         """How many of this entry's cuts ``text`` agrees with it up to (0: none)."""

@@ -90,6 +90,9 @@ def _piece_refusals(spec: Mapping[str, Any]) -> list[str]:
     model = spec.get("model")
     if isinstance(model, dict) and model.get("dropout"):
         refusals.append("the model samples its merges (BPE dropout)")
+    for setting in ("truncation", "padding"):  # applied to each piece, they would cut or pad inside the prompt
+        if spec.get(setting):
+            refusals.append(f"the tokenizer has {setting} configured")
     return refusals
 
 

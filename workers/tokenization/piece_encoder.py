@@ -69,15 +69,23 @@ class TokenizersEncoder:
 
 
 class FastokensEncoder:
-    """``fastokens``: the batch's ids as one uint32 buffer, viewed as int32 with no per-token object."""
+    """``fastokens``: the batch's ids as one uint32 buffer, viewed as int32 with no per-token object. A batch it
+    refuses (its regex engine's backtracking limits, e.g. on a run of a million spaces) is encoded by ``fallback``:
+    the answer is ``tokenizers``' either way, never an error ``tokenizers`` would not give."""
 
     name = "fastokens"
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, fallback: PieceEncoder) -> None:
         self._tokenizer = tokenizer
+        self._fallback = fallback
 
     def encode_pieces(self, pieces: Sequence[str]) -> tuple[TokenArray, Offsets]:
-        flat, offsets = self._tokenizer.encode_batch_flat(list(pieces), add_special_tokens=False)
+        try:
+            flat, offsets = self._tokenizer.encode_batch_flat(list(pieces), add_special_tokens=False)
+        except Exception as exc:  # a Rust error surfaces as ValueError (or a panic's exception): not ours to raise
+            log.warning("fastokens refused a prompt (%s: %s); encoding it with Hugging Face tokenizers",
+                        type(exc).__name__, exc)
+            return self._fallback.encode_pieces(pieces)
         ids: TokenArray = np.frombuffer(flat, dtype="<u4").view(TOKEN_DTYPE)
         return ids, np.frombuffer(offsets, dtype="<u8")
 
@@ -98,8 +106,8 @@ def load_piece_encoder(tokenizer: Tokenizer, backend: str = "auto", threads: int
     try:
         import fastokens
 
-        fast = FastokensEncoder(fastokens.Tokenizer.from_json_str(tokenizer.to_str()))
-        differs = _first_difference(fast, baseline)
+        fast = FastokensEncoder(fastokens.Tokenizer.from_json_str(tokenizer.to_str()), baseline)
+        differs = _first_difference(fast, baseline, tokenizer)
     except Exception as exc:  # a Rust panic or an unsupported component: either way, not usable here
         log.warning("fastokens cannot load this tokenizer (%s: %s); encoding with Hugging Face tokenizers",
                     type(exc).__name__, exc)
@@ -110,9 +118,12 @@ def load_piece_encoder(tokenizer: Tokenizer, backend: str = "auto", threads: int
     return fast
 
 
-def _first_difference(encoder: PieceEncoder, reference: PieceEncoder) -> str | None:
-    """The first probe piece the two encoders disagree on (None: they agree on all)."""
-    pieces = [_PROBE, *_PROBE.split(" "), *_PROBE.splitlines()]
+def _first_difference(encoder: PieceEncoder, reference: PieceEncoder, tokenizer: Tokenizer) -> str | None:
+    """The first probe piece the two encoders disagree on (None: they agree on all). The probe holds every added
+    token of ``tokenizer`` whole, between words and back to back, besides partial spellings."""
+    added = [token.content for token in tokenizer.get_added_tokens_decoder().values()]
+    pieces = [_PROBE, *_PROBE.split(" "), *_PROBE.splitlines(), " x ".join(added), "".join(added),
+              *(f"a{token}b {token}\n" for token in added)]
     ids, offsets = encoder.encode_pieces(pieces)
     want, want_offsets = reference.encode_pieces(pieces)
     if np.array_equal(ids, want) and np.array_equal(offsets, want_offsets):

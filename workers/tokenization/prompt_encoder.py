@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import re
 import threading
 from dataclasses import dataclass
 
@@ -49,6 +50,8 @@ class PromptEncoder:
     def __init__(self, tokenizer: Tokenizer, config: TokenizeConfig | None = None) -> None:
         config = config or TokenizeConfig()
         self._rules: CutRules = cut_rules_of(tokenizer.to_str())
+        if getattr(tokenizer, "encode_special_tokens", False):  # a runtime flag tokenizer.json does not carry
+            self._rules = CutRules(None, False, ("the tokenizer encodes special tokens as text",))
         self._encoder: PieceEncoder = load_piece_encoder(tokenizer, config.backend, config.threads)
         self._threads = config.threads or host_threads()
         # backend "tokenizers" is today's cost, kept as the baseline: one whole encode of every prompt, as vLLM's
@@ -152,7 +155,11 @@ class PromptEncoder:
             token_cuts = np.concatenate((reuse.token_cuts, token_cuts))
         kept = _read_only(ids[: int(token_cuts[-1])])
         assert self._cache is not None
-        self._cache.store(CachedPrompt(text, kept, char_cuts, token_cuts))
+        # The view keeps the whole array alive (a completion prompt may run long after its last cut): counted whole.
+        self._cache.store(CachedPrompt(text, kept, char_cuts, token_cuts, held_ids_bytes=ids.nbytes))
+
+
+_SPACE_AFTER_NON_SPACE = re.compile(r"(?<=\S) ")
 
 
 def _space_cuts(text: str, left: int, right: int, target: int) -> list[tuple[int, int]]:
@@ -160,11 +167,10 @@ def _space_cuts(text: str, left: int, right: int, target: int) -> list[tuple[int
     spans: list[tuple[int, int]] = []
     start = left
     while right - start > target:
-        cut = text.find(" ", start + target, right)
-        while cut != -1 and text[cut - 1].isspace():
-            cut = text.find(" ", cut + 1, right)
-        if cut == -1:
+        found = _SPACE_AFTER_NON_SPACE.search(text, start + target, right)
+        if found is None:
             break
+        cut = found.start()
         spans.append((start, cut))
         start = cut
     spans.append((start, right))

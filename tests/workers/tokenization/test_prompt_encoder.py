@@ -35,6 +35,7 @@ FRAGMENTS = [
     "if x == 1:\n    return x", '{"name": "get_weather", "arguments": {"city": "Paris"}}',
     "<tool_call>", "</tool_call>", "a" * 300, "x1y2z3" * 40, "<|im_end|>", "<|im_start|>", "<|endoftext|>",
     "<|im_", "im_end|>", "<", ">", "<<|im_start|>>", "naïve café", "½ ∑ —",
+    "\u00a0", "a\u00a0b", "\u3000", "\r\n", "\u0085", "\u2028", " " * 40, "\t\n \n\t",
 ]
 ROLES = ["user", "assistant", "system", "tool"]
 
@@ -116,6 +117,18 @@ def test_every_shipped_or_tested_tokenizer_turn_after_turn(
     chosen: GGUFTokenizer | HFTokenizer = request.getfixturevalue(tokenizer)
     encoder = PromptEncoder(chosen._tokenizer, TokenizeConfig(cache_bytes=1 << 20))
     _check_conversation(encoder, chosen._tokenizer, chosen.render_chat, start, steps)
+
+
+@PROPERTY
+@given(start=messages, steps=edits)
+def test_pieces_cut_before_spaces_for_threads_turn_after_turn(
+        reference: GGUFTokenizer, monkeypatch: pytest.MonkeyPatch, start: list[tuple[str, str]],
+        steps: list[tuple[str, str, int]]) -> None:
+    """The cuts a long new prompt gets for the encoder's threads, on short random texts: every piece boundary the
+    rule allows is tried, not only the few a 32k-character prompt has."""
+    monkeypatch.setattr(prompt_encoder_module, "PARALLEL_MIN_CHARS", 8)
+    encoder = PromptEncoder(reference._tokenizer, TokenizeConfig(cache_bytes=1 << 20, threads=8))
+    _check_conversation(encoder, reference._tokenizer, reference.render_chat, start, steps)
 
 
 # A template that renders an earlier turn differently once later turns exist (it marks only the latest user turn):
@@ -288,3 +301,46 @@ def test_a_first_piece_pre_tokenizer_is_never_cut(tmp_path: pathlib.Path, refere
 def test_encoder_threads_follow_the_host(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2})
     assert prompt_encoder_module.host_threads() == 3
+
+
+def test_a_prompt_fastokens_refuses_is_encoded_by_tokenizers(reference: GGUFTokenizer,
+                                                             caplog: pytest.LogCaptureFixture) -> None:
+    """fastokens' regex engine gives up on a run of a million whitespace characters (a backtracking limit); the
+    prompt still gets tokenizers' ids, not an error."""
+    encoder = PromptEncoder(reference._tokenizer, TokenizeConfig())
+    text = reference.render_chat([{"role": "user", "content": "look:" + " \n\t\u00a0" * 250_000 + "done"}])
+    with caplog.at_level(logging.WARNING, logger="disagg.worker.tokenization"):
+        ids = encoder.encode(text)
+    assert ids.tolist() == _whole(reference._tokenizer, text)
+
+
+def test_truncation_or_padding_in_the_tokenizer_means_no_cuts(reference: GGUFTokenizer,
+                                                            tmp_path: pathlib.Path) -> None:
+    """Applied to each piece, a saved truncation would cut inside the prompt and padding would pad inside it: such a
+    tokenizer is encoded whole, as it always was."""
+    for setting in ({"truncation": {"max_length": 16, "stride": 0, "strategy": "LongestFirst",
+                                    "direction": "Right"}},
+                    {"padding": {"strategy": {"Fixed": 64}, "direction": "Right", "pad_to_multiple_of": None,
+                                 "pad_id": 0, "pad_type_id": 0, "pad_token": "<|endoftext|>"}}):
+        spec = {**json.loads(reference._tokenizer.to_str()), **setting}
+        path = tmp_path / "tokenizer.json"
+        path.write_text(json.dumps(spec))
+        tokenizer = Tokenizer.from_file(str(path))
+        encoder = PromptEncoder(tokenizer, TokenizeConfig())
+        assert encoder.stats().cache is None, setting
+        text = reference.render_chat(_long_conversation(4, 30))
+        assert encoder.encode(text).tolist() == _whole(tokenizer, text), setting
+
+
+def test_the_caches_byte_count_is_what_its_entries_hold(reference: GGUFTokenizer) -> None:
+    """Each entry's size is counted once, when stored, and taken off as counted: a text whose UTF-8 form was asked
+    for later (tokenizers does) grows, and the count must not drift below what is held."""
+    encoder = PromptEncoder(reference._tokenizer, TokenizeConfig(cache_bytes=300_000))
+    for i in range(40):
+        text = reference.render_chat([{"role": "user", "content": f"κόσμε {i} " + "mot " * (200 * (i % 7))}])
+        encoder.encode(text)
+        _whole(reference._tokenizer, text)  # asks the str for its UTF-8 form
+    cache = encoder._cache
+    assert cache is not None
+    stats = cache.stats()
+    assert stats.evictions > 0 and stats.bytes == sum(entry.nbytes for entry in cache._entries) <= 300_000

@@ -88,7 +88,7 @@ class HFTokenizer:
 
     def new_chars(self, text: str) -> int:
         """How much of ``text`` ``encode`` would encode now (``workers.engines.base.EncodesIncrementally``)."""
-        return self._prompts.get().new_chars(text)
+        return self._prompts.new_chars(text)
 
     def tokenize_stats(self) -> TokenizeStats | None:
         return self._prompts.stats()
