@@ -20,7 +20,7 @@ import socket
 import struct
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
 from entrypoints.request_cycle import STATUS_LINE, FlowControl, RequestCycle, default_header_lines
 from frontend.client_timeouts import (
@@ -32,7 +32,7 @@ from frontend.client_timeouts import (
     TIMER_SLACK_S,
 )
 from frontend.errors import OverloadedError, RequestTimeoutError, ServingError, error_body
-from frontend.http import DEFAULT_MAX_BODY_BYTES_READING, BodyBudget, request_id_of
+from frontend.http import DEFAULT_MAX_BODY_BYTES_READING, BodyBudget, BodyReads, request_id_of
 from frontend.read_buffers import DeclaredBody
 
 # The HTTP layer's logger, as it was before this module was split out of it: what an operator's filters name.
@@ -65,7 +65,7 @@ class ClientCutoffs:
     # The server's, shared by its connections (``guarded_protocol`` gives each server its own): bytes of bodies
     # received and not yet whole, and bodies being read per client address.
     bodies = BodyBudget(DEFAULT_MAX_BODY_BYTES_READING)
-    readers: ClassVar[dict[str, int]] = {}
+    readers = BodyReads(limits.max_body_reads_per_client)
     loop: asyncio.AbstractEventLoop
     transport: asyncio.Transport
     flow: FlowControl
@@ -181,16 +181,15 @@ class ClientCutoffs:
     def _start_body_clock(self, cycle: RequestCycle) -> bool:
         """``cycle``'s body is waited for from now: counted against its address's cap (refused with 429 past it;
         returns False), and timed."""
-        cap = self.limits.max_body_reads_per_client
-        if cap:
+        readers = self.readers
+        if readers.limit:
             host = self.client[0] if self.client else ""
-            reading = self.readers.get(host, 0)
-            if reading >= cap:
+            if not readers.try_begin(host):
+                reading = readers.reading[host]
                 self._refuse_body(cycle, OverloadedError(
-                    f"{reading} request bodies from {host} are being read already, at the limit of {cap}"),
+                    f"{reading} request bodies from {host} are being read already, at the limit of {readers.limit}"),
                     "body_overload", f"its address already has {reading} request bodies being read, the limit")
                 return False
-            self.readers[host] = reading + 1
             self._reader_of = host
         now = self.loop.time()
         self._body_started = self._body_last = now
@@ -278,11 +277,7 @@ class ClientCutoffs:
         host = self._reader_of
         if host is not None:
             self._reader_of = None
-            left = self.readers[host] - 1
-            if left:
-                self.readers[host] = left
-            else:
-                del self.readers[host]
+            self.readers.end(host)
 
     def _stop_body_timer(self) -> None:
         self._body_done()

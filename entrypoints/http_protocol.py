@@ -68,7 +68,7 @@ from entrypoints.request_cycle import HIGH_WATER_LIMIT, FlowControl, RequestCycl
 from frontend.asgi_fast_path import CLIENT_GONE, FastPathApp
 from frontend.client_timeouts import ABORT_CONNECTION
 from frontend.errors import HeadTooLargeError, InvalidRequestError, ServingError
-from frontend.http import DEFAULT_MAX_BODY_BYTES_READING, BodyBudget
+from frontend.http import DEFAULT_MAX_BODY_BYTES_READING, BodyBudget, BodyReads
 from frontend.read_buffers import DeclaredBody, DeclaredBodyReads
 
 # A request body of a declared length up to this is read whole before the app is woken (below).
@@ -91,7 +91,7 @@ def guarded_protocol(limits: ClientLimits = ClientLimits(), app: Any = None,  # 
     Protocol.limits = limits
     budget = getattr(getattr(app, "state", None), "body_budget", None)
     Protocol.bodies = budget if isinstance(budget, BodyBudget) else BodyBudget(DEFAULT_MAX_BODY_BYTES_READING)
-    Protocol.readers = {}  # this server's own
+    Protocol.readers = BodyReads(limits.max_body_reads_per_client)  # this server's own
     Protocol.direct_app = app if isinstance(app, FastPathApp) else None
     if count_cut is not None:
         Protocol.count_cut = staticmethod(count_cut)  # type: ignore[method-assign, assignment]

@@ -106,8 +106,9 @@ class BodyBudget:
 
 
 class BodyReads:
-    """Request bodies being read per tenant, at most ``limit`` each (0: no cap): the tenant is known from the
-    request's head, so a tenant over it gets a 429 before its body is waited for, logged with the request id."""
+    """Request bodies being read per key, at most ``limit`` a key (0: no cap): a tenant's, known from the request's
+    head (the orchestrator's handler), or a client address's (the guarded protocol). A key reading none is
+    forgotten."""
 
     __slots__ = ("limit", "reading")
 
@@ -115,22 +116,30 @@ class BodyReads:
         self.limit = limit
         self.reading: dict[str, int] = {}
 
-    def begin(self, tenant: str, request_id: str) -> None:
-        """Count a body of ``tenant``'s about to be read (``end`` once it is in or failed), or raise its 429."""
-        count = self.reading.get(tenant, 0)
+    def try_begin(self, key: str) -> bool:
+        """Count a body of ``key``'s about to be read (``end`` once it is in or failed); False, counting nothing, if
+        ``key`` is at the limit."""
+        count = self.reading.get(key, 0)
         if self.limit and count >= self.limit:
+            return False
+        self.reading[key] = count + 1
+        return True
+
+    def begin(self, tenant: str, request_id: str) -> None:
+        """``try_begin`` for a tenant's body: over its limit, logged with the request id and raised as its 429."""
+        if not self.try_begin(tenant):
+            count = self.reading[tenant]
             logger.warning("request %s refused (429): tenant '%s' already has %d request bodies being read, its "
                            "limit", request_id, tenant, count)
             raise OverloadedError(f"tenant '{tenant}' already has {count} request bodies being read, at the limit "
                                   f"of {self.limit}")
-        self.reading[tenant] = count + 1
 
-    def end(self, tenant: str) -> None:
-        count = self.reading[tenant] - 1
+    def end(self, key: str) -> None:
+        count = self.reading[key] - 1
         if count:
-            self.reading[tenant] = count
+            self.reading[key] = count
         else:
-            del self.reading[tenant]
+            del self.reading[key]
 
 
 def too_large(max_bytes: int, declared: str | None = None) -> PayloadTooLargeError:
