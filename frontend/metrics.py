@@ -193,6 +193,24 @@ class Metrics:
         return generate_latest(self.registry)
 
 
+class CounterFeed:
+    """Feeds counters from running totals that something else keeps (an engine's ledger, a tokenizer's counts): each
+    ``add`` adds what is new since the last for that key. A total that went down started again from zero (a restarted
+    engine core), so all of it is new."""
+
+    __slots__ = ("_seen",)
+
+    def __init__(self) -> None:
+        self._seen: dict[str, int] = {}
+
+    def add(self, counter: Counter, key: str, total: int) -> None:
+        before = self._seen.get(key, 0)
+        added = total - before if total >= before else total
+        if added:
+            counter.inc(added)
+        self._seen[key] = total
+
+
 MetricT = TypeVar("MetricT", Counter, Gauge, Histogram)
 
 

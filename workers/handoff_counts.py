@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from frontend.metrics import Metrics
+from frontend.metrics import CounterFeed, Metrics
 from workers.engines.base import HANDOFF_TOTALS, Engine, KVHandoffStore
 from workers.engines.request import PromptPath
 from workers.lifecycle_settings import Role
@@ -29,12 +29,8 @@ class LedgerCounts:
 
     def __init__(self, metrics: Metrics) -> None:
         self.metrics = metrics
-        self.seen: dict[str, int] = {}
+        self._feed = CounterFeed()
 
     def bring_up_to(self, totals: Mapping[str, int]) -> None:
         for outcome, total in totals.items():
-            before = self.seen.get(outcome, 0)
-            added = total - before if total >= before else total
-            if added:
-                self.metrics.kv_handoffs.labels(outcome=outcome).inc(added)
-            self.seen[outcome] = total
+            self._feed.add(self.metrics.kv_handoffs.labels(outcome=outcome), outcome, total)
