@@ -159,6 +159,36 @@ class PromptEncoder:
         self._cache.store(CachedPrompt(text, kept, char_cuts, token_cuts, held_ids_bytes=ids.nbytes))
 
 
+class LazyPromptEncoder:
+    """A tokenizer's ``PromptEncoder``, built on the first prompt: the engine core and checkpoint conversion build
+    tokenizers too, and never encode a prompt, so they never pay for loading the encoder."""
+
+    def __init__(self, tokenizer: Tokenizer, config: TokenizeConfig | None) -> None:
+        self._tokenizer = tokenizer
+        self._config = config
+        self._encoder: PromptEncoder | None = None
+        self._lock = threading.Lock()
+
+    def get(self) -> PromptEncoder:
+        encoder = self._encoder
+        if encoder is None:
+            with self._lock:
+                if self._encoder is None:
+                    self._encoder = PromptEncoder(self._tokenizer, self._config)
+                encoder = self._encoder
+        return encoder
+
+    def stats(self) -> TokenizeStats | None:
+        """None until the first prompt."""
+        return None if self._encoder is None else self._encoder.stats()
+
+    def new_chars(self, text: str) -> int:
+        """``PromptEncoder.new_chars``; before the encoder is built, all of ``text`` (so that the first prompt, which
+        builds it, ~0.3 s with fastokens' load and probe, does so off the event loop)."""
+        encoder = self._encoder
+        return len(text) if encoder is None else encoder.new_chars(text)
+
+
 _SPACE_AFTER_NON_SPACE = re.compile(r"(?<=\S) ")
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pathlib
-import threading
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -15,7 +14,7 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
 from workers.engines.options import TokenizeConfig
 from workers.engines.reference.model_file import TokenizerMetadata
-from workers.tokenization.prompt_encoder import PromptEncoder, TokenizeStats
+from workers.tokenization.prompt_encoder import LazyPromptEncoder, TokenizeStats
 
 I32Array = npt.NDArray[np.int32]
 
@@ -87,36 +86,6 @@ class TokenDecoder(Protocol):
     """What ``IncrementalDetokenizer`` needs of a tokenizer (this module's and the vllm engine's alike)."""
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
-
-
-class LazyPromptEncoder:
-    """A tokenizer's ``PromptEncoder``, built on the first prompt: the engine core and checkpoint conversion build
-    tokenizers too, and never encode a prompt, so they never pay for loading the encoder."""
-
-    def __init__(self, tokenizer: Tokenizer, config: TokenizeConfig | None) -> None:
-        self._tokenizer = tokenizer
-        self._config = config
-        self._encoder: PromptEncoder | None = None
-        self._lock = threading.Lock()
-
-    def get(self) -> PromptEncoder:
-        encoder = self._encoder
-        if encoder is None:
-            with self._lock:
-                if self._encoder is None:
-                    self._encoder = PromptEncoder(self._tokenizer, self._config)
-                encoder = self._encoder
-        return encoder
-
-    def stats(self) -> TokenizeStats | None:
-        """None until the first prompt."""
-        return None if self._encoder is None else self._encoder.stats()
-
-    def new_chars(self, text: str) -> int:
-        """``PromptEncoder.new_chars``; before the encoder is built, all of ``text`` (so that the first prompt, which
-        builds it, ~0.3 s with fastokens' load and probe, does so off the event loop)."""
-        encoder = self._encoder
-        return len(text) if encoder is None else encoder.new_chars(text)
 
 
 class GGUFTokenizer:

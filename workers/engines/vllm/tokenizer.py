@@ -20,11 +20,10 @@ from tokenizers import Tokenizer
 from workers.engines.options import TokenizeConfig
 from workers.engines.reference.tokenizer import (
     IncrementalDetokenizer,
-    LazyPromptEncoder,
     compile_chat_template,
     render_chat_template,
 )
-from workers.tokenization.prompt_encoder import TokenizeStats
+from workers.tokenization.prompt_encoder import LazyPromptEncoder, TokenizeStats
 
 
 class CheckpointError(FileNotFoundError):
