@@ -39,7 +39,7 @@ from frontend.internal_secret import (
     write_token_file,
 )
 from frontend.logging_setup import configure_logging
-from frontend.trtllm_auth import trtllm_auth_key_from_env
+from frontend.trtllm.auth import trtllm_auth_key_from_env
 
 logger = logging.getLogger("disagg_serve")
 

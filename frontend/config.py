@@ -12,7 +12,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from frontend.http import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_BODY_BYTES_READING, DEFAULT_MAX_BODY_READS_PER_TENANT
-from frontend.trtllm_config import from_trtllm
+from frontend.trtllm.config import from_trtllm
 
 
 class ConfigError(Exception):

@@ -10,8 +10,8 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, StrictInt, model_validator
 
 from frontend.errors import UnsupportedParameterError
-from frontend.trtllm_identity import validate_identity_fields
-from frontend.trtllm_lifecycle import TransceiverLifecycleAdvertisement
+from frontend.trtllm.identity import validate_identity_fields
+from frontend.trtllm.lifecycle import TransceiverLifecycleAdvertisement
 from frontend.wire_model import WireModel
 
 # context_and_generation is TensorRT-LLM's name for an ordinary aggregated request.
@@ -62,7 +62,7 @@ class DisaggregatedParams(WireModel):
     conversation_id: str | None = None
     ctx_usage: dict[str, Any] | None = None
     resolved_thinking: bool | None = None
-    # TensorRT-LLM's lifecycle protocol v1 (frontend/trtllm_lifecycle.py): the attempt identity, the admitted GEN
+    # TensorRT-LLM's lifecycle protocol v1 (frontend/trtllm/lifecycle.py): the attempt identity, the admitted GEN
     # endpoint, CTX's control endpoint and advertisement. Checked as TensorRT-LLM checks them; what a worker makes
     # of them depends on its protocol version (workers/lifecycle.py).
     logical_request_id: StrictInt | None = None

@@ -12,7 +12,7 @@ from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from frontend.errors import RelayedError, UpstreamError
-from frontend.trtllm_lifecycle import ScheduleStyle
+from frontend.trtllm.lifecycle import ScheduleStyle
 from orchestrator.flow_request import Answer, FlowRequest, WholeAnswer
 from orchestrator.generation_grant import admit_gen, generation_first_capable, resolve, until_lost
 from orchestrator.protocols.trtllm import new_request_id

@@ -9,7 +9,7 @@ from types import TracebackType
 from typing import Any
 
 from frontend.guardrail import GenEngineFacts
-from frontend.trtllm_lifecycle import TransceiverLifecycleAdvertisement
+from frontend.trtllm.lifecycle import TransceiverLifecycleAdvertisement
 from orchestrator.circuit_breaker import CircuitBreaker
 from orchestrator.transport import Transport
 

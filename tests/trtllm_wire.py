@@ -15,8 +15,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, field_validator, model_validator
 
-from frontend.trtllm_identity import validate_identity_fields
-from frontend.trtllm_lifecycle import TransceiverLifecycleAdvertisement
+from frontend.trtllm.identity import validate_identity_fields
+from frontend.trtllm.lifecycle import TransceiverLifecycleAdvertisement
 
 GEN_PENDING_FINISH_REASONS = ("length", "not_finished")
 

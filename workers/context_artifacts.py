@@ -13,7 +13,7 @@ from uuid import UUID
 
 from frontend.disaggregated_params import DisaggregatedParams
 from frontend.errors import InvalidRequestError, OverloadedError
-from frontend.trtllm_lifecycle import ArtifactState, ContextArtifactAbortRequest
+from frontend.trtllm.lifecycle import ArtifactState, ContextArtifactAbortRequest
 from workers.lifecycle_entries import Artifact, LifecycleConflict, attempt_of, short_reason
 from workers.lifecycle_settings import LifecycleSettings
 

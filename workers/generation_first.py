@@ -31,7 +31,7 @@ from typing import Any
 import httpx
 
 from frontend.errors import HandoffError, UpstreamUnavailableError
-from frontend.trtllm_lifecycle import control_url
+from frontend.trtllm.lifecycle import control_url
 
 HANDOFF_PATH = "/_internal/disagg/generation_first/{disagg_request_id}"
 CLAIM_HEADER = "x-disagg-handoff-claim"  # the attempt's claim on its hand-off (v1: its transfer_session_id)

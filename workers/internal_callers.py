@@ -1,6 +1,6 @@
 """Who may reach a worker's internal surface: the holders of the deployment secret (``DISAGG_INTERNAL_TOKEN``,
 frontend/internal_secret.py) and, where TensorRT-LLM's orchestrator is in front, the holders of its own key
-(``internal_request_auth_key``, frontend/trtllm_auth.py), proved by its signatures.
+(``internal_request_auth_key``, frontend/trtllm/auth.py), proved by its signatures.
 
 What is guarded:
 - every ``/_internal/*`` route: the lifecycle control calls (token, or TensorRT-LLM's signature of the call) and
@@ -21,7 +21,7 @@ from typing import Any
 
 from frontend.errors import AuthenticationError
 from frontend.internal_secret import INTERNAL_TOKEN_HEADER, InternalSecret
-from frontend.trtllm_auth import TRTLLM_AUTH_HEADER, control_signed, needs_request_signature, request_signed
+from frontend.trtllm.auth import TRTLLM_AUTH_HEADER, control_signed, needs_request_signature, request_signed
 
 REFUSED_CODE = "invalid_internal_credentials"
 

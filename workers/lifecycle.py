@@ -20,7 +20,7 @@ of one attempt) on every failure path. What this module guarantees, and what the
   ``unbound_grants_per_caller`` unbound grants: hoarded grants cannot shut admission for the grant's whole TTL
   (authenticated callers are the deployment's own orchestrators: no cap that a burst of admissions could meet);
 - the worker's calls to CTX on a grant's behalf go only to an http(s) endpoint without credentials, query or
-  fragment, rebuilt from its parsed parts (``frontend.trtllm_lifecycle.control_url``), on a small client of their
+  fragment, rebuilt from its parsed parts (``frontend.trtllm.lifecycle.control_url``), on a small client of their
   own with short timeouts and bounded concurrency: they can never take the connections generation-first hand-off
   pulls need, and a CTX that never answers costs at most ``_CONTROL_CONCURRENCY`` connections for ``_CONTROL_TIMEOUT``.
 
@@ -46,8 +46,8 @@ import httpx
 
 from frontend.disaggregated_params import DisaggregatedParams
 from frontend.errors import InvalidRequestError
-from frontend.trtllm_identity import IDENTITY_FIELDS
-from frontend.trtllm_lifecycle import (
+from frontend.trtllm.identity import IDENTITY_FIELDS
+from frontend.trtllm.lifecycle import (
     CONTEXT_ARTIFACT_ABORT_PATH,
     GENERATION_SAFE,
     PROTOCOL_V1_REQUIRED_CAPABILITIES,

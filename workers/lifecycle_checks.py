@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from frontend.disaggregated_params import DisaggregatedParams
 from frontend.errors import InvalidRequestError
-from frontend.trtllm_identity import IDENTITY_FIELDS, has_identity
-from frontend.trtllm_lifecycle import ScheduleStyle
+from frontend.trtllm.identity import IDENTITY_FIELDS, has_identity
+from frontend.trtllm.lifecycle import ScheduleStyle
 from workers.lifecycle import LifecycleControl
 from workers.lifecycle_settings import Role
 

@@ -19,8 +19,8 @@ from uuid import UUID
 
 import orjson
 
-from frontend.trtllm_identity import IDENTITY_FIELDS
-from frontend.trtllm_lifecycle import ArtifactState, GenerationGrantRequest, GrantState
+from frontend.trtllm.identity import IDENTITY_FIELDS
+from frontend.trtllm.lifecycle import ArtifactState, GenerationGrantRequest, GrantState
 
 MAX_REASON = 256  # characters of a caller's reason kept (and answered back) for a terminal entry
 

@@ -17,7 +17,7 @@ from starlette.responses import Response
 
 from frontend.errors import InvalidRequestError
 from frontend.http import cancel_on_disconnect, json_response, parse_json_object, read_body
-from frontend.trtllm_lifecycle import (
+from frontend.trtllm.lifecycle import (
     CONTEXT_ARTIFACT_ABORT_PATH,
     CONTROL_UNAVAILABLE,
     GENERATION_GRANT_ABORT_PATH,

@@ -7,7 +7,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from frontend.trtllm_lifecycle import (
+from frontend.trtllm.lifecycle import (
     ARTIFACT_TTL_ENV,
     DEFAULT_ARTIFACT_TTL_S,
     DEFAULT_GRANT_TTL_S,

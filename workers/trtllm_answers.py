@@ -22,7 +22,7 @@ from typing import Any
 from frontend.disaggregated_params import DisaggregatedParams
 from frontend.errors import HandoffError
 from frontend.token_codec import encode_prompt_tokens
-from frontend.trtllm_identity import LIFECYCLE_FIELDS, has_identity
+from frontend.trtllm.identity import LIFECYCLE_FIELDS, has_identity
 from workers.engines.base import Tokenizer
 from workers.engines.outputs import TokenLogprob
 from workers.engines.request import GenerationRequest

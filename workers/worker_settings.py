@@ -25,7 +25,7 @@ class WorkerSettings:
     # The deployment secret (frontend/internal_secret.py): with one, the internal routes (workers/lifecycle_routes.py)
     # answer its holders only, and this worker's own calls to its peers carry it. None: open, as on a laptop.
     internal_secret: InternalSecret | None = None
-    # TensorRT-LLM's own internal authentication key (``internal_request_auth_key``; frontend/trtllm_auth.py), for a
+    # TensorRT-LLM's own internal authentication key (``internal_request_auth_key``; frontend/trtllm/auth.py), for a
     # worker behind TensorRT-LLM's orchestrator: its signatures are checked when one is set.
     trtllm_auth_key: str | None = None
     # Where this worker's peers reach it (``--advertise-url``): what /server_info and a grant name, never the

@@ -3,7 +3,7 @@
 Six fields minted by the orchestrator for each attempt (all or none), echoed by the CTX answer, and the GEN
 endpoint's identity (a second all-or-none triple) that a generation grant returns; checked as TensorRT-LLM's
 ``_validate_lifecycle_identity_fields`` checks them, with its messages. The rest of v1's wire (advertisement,
-negotiation, the control plane) is ``frontend.trtllm_lifecycle``.
+negotiation, the control plane) is ``frontend.trtllm.lifecycle``.
 """
 
 from __future__ import annotations

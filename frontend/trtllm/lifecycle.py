@@ -8,7 +8,7 @@ trtllm-serve workers under v1 (direction A), our workers when TensorRT-LLM's orc
 What v1 adds to the v0 wire:
 - an attempt identity minted by the orchestrator (six fields, all or none) that rides in ``disaggregated_params``
   of both legs and is echoed by the CTX answer, and the GEN endpoint's identity (a second all-or-none triple)
-  returned by a *generation grant* (both in ``frontend.trtllm_identity``);
+  returned by a *generation grant* (both in ``frontend.trtllm.identity``);
 - each worker's ``context_transceiver_lifecycle`` advertisement (exactly ten keys) in ``GET /server_info``, which
   the orchestrator negotiates CTX against GEN (``negotiate``);
 - the control plane: grant / renew / abort on GEN, context-artifact abort on CTX, bodies that refuse unknown fields
@@ -29,7 +29,7 @@ from uuid import UUID
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, model_validator
 
-from frontend.trtllm_identity import parse_canonical_uuid
+from frontend.trtllm.identity import parse_canonical_uuid
 
 # -- switches (TensorRT-LLM reads them on every process; v1 is an explicit opt-in everywhere) ---------------------
 PROTOCOL_VERSION_ENV = "TRTLLM_DISAGG_LIFECYCLE_PROTOCOL_VERSION"

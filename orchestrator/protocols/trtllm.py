@@ -26,8 +26,8 @@ from typing import Any
 import orjson
 
 from frontend.errors import UnsupportedParameterError, UpstreamError
-from frontend.trtllm_auth import TRTLLM_AUTH_HEADER, needs_request_signature, request_signature
-from frontend.trtllm_identity import LIFECYCLE_FIELDS
+from frontend.trtllm.auth import TRTLLM_AUTH_HEADER, needs_request_signature, request_signature
+from frontend.trtllm.identity import LIFECYCLE_FIELDS
 from orchestrator.b64_splice import encode_with_b64, parse_with_b64_span
 from orchestrator.client_body import encode
 from orchestrator.conversation import body_conversation_id
@@ -54,7 +54,7 @@ def new_request_id() -> int:
 class TrtllmProtocol:
     def __init__(self, *, strip_message_history: bool = False, auth_key: str | None = None) -> None:
         """``auth_key``: TensorRT-LLM's ``internal_request_auth_key``, when trtllm-serve workers require its
-        signatures (frontend/trtllm_auth.py)."""
+        signatures (frontend/trtllm/auth.py)."""
         self.strip_message_history = strip_message_history
         self.auth_key = auth_key
 

@@ -14,7 +14,7 @@ CTX/GEN pair whose ``GET /server_info`` advertises v1 (a worker that advertises 
 - a v1 body is never retried over HTTP: a new attempt is a new identity.
 
 Control bodies are JSON (TensorRT-LLM sends them with aiohttp ``json=``, never msgpack) and validated both ways by
-the shared models in ``frontend.trtllm_lifecycle``.
+the shared models in ``frontend.trtllm.lifecycle``.
 """
 
 from __future__ import annotations
@@ -32,9 +32,9 @@ from pydantic import BaseModel
 from frontend.config import TrtllmConfig
 from frontend.errors import UpstreamError
 from frontend.metrics import Metrics
-from frontend.trtllm_auth import TRTLLM_AUTH_HEADER, control_signature
-from frontend.trtllm_identity import GENERATION_ENDPOINT_FIELDS, IDENTITY_FIELDS, new_identity
-from frontend.trtllm_lifecycle import (
+from frontend.trtllm.auth import TRTLLM_AUTH_HEADER, control_signature
+from frontend.trtllm.identity import GENERATION_ENDPOINT_FIELDS, IDENTITY_FIELDS, new_identity
+from frontend.trtllm.lifecycle import (
     CONTEXT_ARTIFACT_ABORT_PATH,
     GENERATION_GRANT_ABORT_PATH,
     GENERATION_GRANT_PATH,
@@ -128,7 +128,7 @@ class Attempt:
 class LifecycleClient:
     def __init__(self, config: TrtllmConfig, metrics: Metrics, auth_key: str | None = None) -> None:
         """``auth_key``: TensorRT-LLM's ``internal_request_auth_key``: each control call then carries its signature
-        of the route and the body (frontend/trtllm_auth.py), as its own orchestrator's do."""
+        of the route and the body (frontend/trtllm/auth.py), as its own orchestrator's do."""
         self.config = config
         self.metrics = metrics
         self.auth_key = auth_key

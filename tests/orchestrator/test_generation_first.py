@@ -10,7 +10,7 @@ import openai
 import orjson
 import pytest
 
-from frontend.trtllm_lifecycle import CONTEXT_ARTIFACT_ABORT_PATH, GENERATION_GRANT_ABORT_PATH, GENERATION_GRANT_PATH
+from frontend.trtllm.lifecycle import CONTEXT_ARTIFACT_ABORT_PATH, GENERATION_GRANT_ABORT_PATH, GENERATION_GRANT_PATH
 from tests.orchestrator.protocols.test_trtllm import MESSAGES
 from tests.orchestrator.protocols.test_trtllm_lifecycle import (
     chat,

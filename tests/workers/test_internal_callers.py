@@ -17,8 +17,8 @@ import pytest
 from fastapi.routing import APIRoute
 
 from frontend.internal_secret import INTERNAL_TOKEN_HEADER, InternalSecret
-from frontend.trtllm_auth import TRTLLM_AUTH_HEADER, control_signature, request_signature
-from frontend.trtllm_lifecycle import (
+from frontend.trtllm.auth import TRTLLM_AUTH_HEADER, control_signature, request_signature
+from frontend.trtllm.lifecycle import (
     CONTEXT_ARTIFACT_ABORT_PATH,
     GENERATION_GRANT_ABORT_PATH,
     GENERATION_GRANT_PATH,

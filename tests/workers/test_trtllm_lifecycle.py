@@ -32,7 +32,7 @@ from starlette.routing import Route
 
 from frontend.disaggregated_params import DisaggregatedParams
 from frontend.errors import InvalidRequestError, OverloadedError
-from frontend.trtllm_lifecycle import (
+from frontend.trtllm.lifecycle import (
     CONTEXT_ARTIFACT_ABORT_PATH,
     GENERATION_GRANT_ABORT_PATH,
     GENERATION_GRANT_PATH,

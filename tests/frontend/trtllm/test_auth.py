@@ -1,4 +1,4 @@
-"""TensorRT-LLM's ``x-trtllm-disagg-auth`` (frontend/trtllm_auth.py): the signatures, checked against HMACs computed
+"""TensorRT-LLM's ``x-trtllm-disagg-auth`` (frontend/trtllm/auth.py): the signatures, checked against HMACs computed
 here from the canonical JSON texts TensorRT-LLM's source describes, written out by hand."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 
-from frontend.trtllm_auth import (
+from frontend.trtllm.auth import (
     control_signature,
     control_signed,
     needs_request_signature,

@@ -1,4 +1,4 @@
-"""The lifecycle v1 attempt identity (frontend/trtllm_identity.py): checked as TensorRT-LLM checks it, with its
+"""The lifecycle v1 attempt identity (frontend/trtllm/identity.py): checked as TensorRT-LLM checks it, with its
 messages."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from frontend.trtllm_identity import validate_identity_fields
+from frontend.trtllm.identity import validate_identity_fields
 
 
 def uid() -> str:

@@ -1,4 +1,4 @@
-"""TensorRT-LLM's lifecycle v1 wire models (frontend/trtllm_lifecycle.py): each valid body validates, and each one
+"""TensorRT-LLM's lifecycle v1 wire models (frontend/trtllm/lifecycle.py): each valid body validates, and each one
 fails once any of its required fields is dropped or any field is renamed (the strictness both directions rely on)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 from pydantic import BaseModel, ValidationError
 
 from frontend.disaggregated_params import DisaggregatedParams
-from frontend.trtllm_lifecycle import (
+from frontend.trtllm.lifecycle import (
     PROTOCOL_V1_REQUIRED_CAPABILITIES,
     ContextArtifactAbortRequest,
     GenerationGrantAbortRequest,
@@ -166,7 +166,7 @@ def test_any_other_protocol_version_stops_start_up() -> None:
     ("[::1]:9", "http://[::1]:9/_internal/x"),
 ])
 def test_a_control_endpoint_becomes_a_url_built_from_its_parts(endpoint: str, url: str) -> None:
-    from frontend.trtllm_lifecycle import control_url
+    from frontend.trtllm.lifecycle import control_url
 
     assert control_url(endpoint, "/_internal/x") == url
 
@@ -179,7 +179,7 @@ def test_a_control_endpoint_becomes_a_url_built_from_its_parts(endpoint: str, ur
     "169.254.169.254/latest/meta-data", "https://ctx.svc/base",
 ])
 def test_a_control_endpoint_that_could_aim_the_call_elsewhere_is_refused(endpoint: str) -> None:
-    from frontend.trtllm_lifecycle import control_url
+    from frontend.trtllm.lifecycle import control_url
 
     with pytest.raises(ValueError):
         control_url(endpoint, "/_internal/x")

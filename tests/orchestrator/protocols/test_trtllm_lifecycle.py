@@ -23,8 +23,8 @@ from pydantic import BaseModel, ValidationError
 
 from frontend.config import TrtllmConfig
 from frontend.metrics import Metrics
-from frontend.trtllm_identity import IDENTITY_FIELDS
-from frontend.trtllm_lifecycle import (
+from frontend.trtllm.identity import IDENTITY_FIELDS
+from frontend.trtllm.lifecycle import (
     CONTEXT_ARTIFACT_ABORT_PATH,
     GENERATION_GRANT_ABORT_PATH,
     GENERATION_GRANT_PATH,

@@ -10,7 +10,7 @@ CTX finishes the request by itself (``finish_reason: "stop"``) when the client a
 
 With ``lifecycle_v1`` it is a lifecycle-v1 worker (``TRTLLM_DISAGG_LIFECYCLE_PROTOCOL_VERSION=1``): it advertises
 its ``context_transceiver_lifecycle`` in ``GET /server_info``, serves its role's control routes with bodies checked
-by the shared strict models (``frontend.trtllm_lifecycle``; 400 ``{"error": ...}`` for a bad body, 409 for a
+by the shared strict models (``frontend.trtllm.lifecycle``; 400 ``{"error": ...}`` for a bad body, 409 for a
 conflict, 404 with v1 off, as trtllm-serve answers), refuses a cross-side request without an identity (and a v0
 worker one with), grants by ``consumer_grant_id`` (a replay returns the same grant), and records every control
 call in ``calls``. Scripted faults: refused grants, a grant whose answer is lost (made, then 503) or held, refused
@@ -34,8 +34,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from frontend.trtllm_identity import IDENTITY_FIELDS, LIFECYCLE_FIELDS, has_identity
-from frontend.trtllm_lifecycle import (
+from frontend.trtllm.identity import IDENTITY_FIELDS, LIFECYCLE_FIELDS, has_identity
+from frontend.trtllm.lifecycle import (
     CONTEXT_ARTIFACT_ABORT_PATH,
     CONTROL_UNAVAILABLE,
     GENERATION_GRANT_ABORT_PATH,
