@@ -1,11 +1,8 @@
 """The metadata-only guardrail: may GEN decode on a length-only placeholder instead of the real prompt?
 
-One pure function (``metadata_only_decision``) over typed facts: the request's ``SamplingParams``, what its
-prompt is made of (``PromptFacts``), CTX's prompt_len and the GEN engine's facts. The GEN worker runs it on its own
-validated request; the orchestrator reads a client body once with ``read_body`` (only the few fields the
-decision needs, never the prompt text: the orchestrator relays 131k-token prompts) and judges that reading per GEN
-worker with ``decide_for_reading``, so both sides judge the same typed values.
-"""
+One pure function over typed facts (``metadata_only_decision``). The GEN worker runs it on its validated request;
+the orchestrator runs it per GEN worker on the few fields it reads from a client body (``read_body``,
+``decide_for_reading``), so both sides judge the same values. See docs/metadata-only.md."""
 
 from __future__ import annotations
 

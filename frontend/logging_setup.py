@@ -60,8 +60,8 @@ class RequestLines:
     message, in the JSON format as the entry's keys.
 
     Written straight to the stream of the handler ``configure_logging`` installed, in its format, without the
-    logging machinery (a LogRecord, the filter, the handler's lock, the formatter): that was 6 % of the
-    orchestrator's instructions per 1k-token request (issue 31). Under any other set-up (a test's ``caplog``, an
+    logging machinery (a LogRecord, the filter, the handler's lock, the formatter), which would cost a busy
+    orchestrator a noticeable share of its CPU per request. Under any other set-up (a test's ``caplog``, an
     application's own handlers) the line goes through ``logger`` like any other."""
 
     __slots__ = ("_second", "_stamp", "logger")

@@ -14,7 +14,7 @@ from prometheus_client import Histogram
 from frontend.background import BackgroundLoop
 
 # Four samples a second: a lag that matters (tens of ms) lasts longer than that, and each tick is a wake-up of the
-# process, which costs a busy orchestrator as much as relaying a token does (issue 31).
+# process, which costs a busy orchestrator as much as relaying a token does.
 INTERVAL_S = 0.25
 # With no request in flight nothing can wait for the loop, so a sleeping process wakes once a second, not four
 # times (the orchestrator's idle CPU, docs/benchmarks.md); the first tick after a request arrives comes at most

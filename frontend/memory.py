@@ -1,16 +1,8 @@
 """Give memory back to the OS after a burst of long prompts, without taxing the hot path.
 
-Multi-megabyte bodies come from the heap once glibc's adaptive mmap threshold has risen, and fragmentation then
-keeps a burst's memory resident long after it ended. Serving such buffers from mmap instead (a fixed
-M_MMAP_THRESHOLD) was measured to cost a GEN worker 1.3 ms per 131k-token request in page faults, 3x its whole
-array path. So instead, when a process has had no request in flight for a while, it calls ``malloc_trim(0)``.
-
-glibc's *adaptive* thresholds only rise when a buffer that came from mmap is freed, and its trim threshold is
-twice the mmap threshold: a process whose largest buffer per request is the ~0.5 MB body itself gives the heap's
-top back to the OS after every request and faults it in again on the next (the orchestrator holding a 131k
-prompt's body as bytes, never as a str: ~250 page faults and ~0.3 ms a request). ``keep_request_buffers_on_the_heap``
-fixes both thresholds high instead; the idle trim above still gives a burst's memory back.
-"""
+glibc keeps a burst's multi-megabyte bodies resident, and serving them from mmap instead costs page faults on every
+request. So the heap's thresholds are fixed high (``keep_request_buffers_on_the_heap``) and a process with no
+request in flight for a while calls ``malloc_trim(0)`` (docs/architecture.md#memory)."""
 
 from __future__ import annotations
 

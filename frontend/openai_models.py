@@ -1,11 +1,8 @@
-"""OpenAI request wire models (chat, completions, responses), with the disaggregation extensions
-(``frontend.disaggregated_params``) and a chat's messages (``frontend.chat_messages``) that they take.
+"""OpenAI request wire models (chat, completions, responses), with the disaggregation extensions they take.
 
-Pydantic lives only here, at the wire. Unknown fields are refused (``frontend.wire_model``) so that a misspelt or
-unsupported parameter is a clear 400 instead of being silently ignored; parameters that OpenAI defines but this
-server does not implement are listed in ``frontend.openai_parameters``: a null or otherwise neutral value of one is
-accepted and dropped, any other is refused with a message that says so.
-"""
+Pydantic lives only here, at the wire. Unknown fields are refused (``frontend.wire_model``), and the parameters
+OpenAI defines that this server does not implement are judged in ``frontend.openai_parameters``: nothing a client
+sends is silently ignored."""
 
 from __future__ import annotations
 

@@ -1,13 +1,7 @@
 """OpenAI response shapes for the three endpoints: whole responses, stream frames, and replays.
 
-Shared by the workers (which produce answers) and the orchestrator (which, when CTX finished a streaming request
-by itself, replays CTX's whole response as a stream). Knows nothing of tokenizers: callers pass token strings.
-
-Every chat and completions answer carries ``system_fingerprint`` (this server's name and version: the same on CTX,
-GEN and aggregated workers, so a disaggregated answer reads like an aggregated one) and
-``usage.prompt_tokens_details.cached_tokens``. When a streaming client asks for usage, every chunk but the last has
-``usage: null``, as OpenAI sends it. Completions ``text_offset`` runs over the whole answer, stream or not.
-"""
+Shared by the workers, which produce answers, and the orchestrator, which replays a CTX-finished answer as a stream.
+It knows no tokenizer: callers pass token strings. What each field carries: docs/conformance.md."""
 
 from __future__ import annotations
 

@@ -1,11 +1,7 @@
 """OpenAI parameters this server recognises but does not implement, and the values of them it can still honour.
 
-The official SDK sends many parameters as explicit nulls or empty values (``tools=None``, ``tool_choice="none"``,
-``response_format={"type": "text"}``). Such a *neutral* value asks for nothing this server does not do, so it is
-accepted and dropped before validation; any other value is refused with a 400 naming the parameter
-(``unsupported_parameter``), never silently ignored. A parameter in no table here and in no wire model is still an
-unknown field: a 400 ``unrecognized request argument``.
-"""
+A neutral value (``tools=None``, ``response_format={"type": "text"}``: what the SDK sends by default) asks for
+nothing, so it is dropped before validation; any other value is a 400 ``unsupported_parameter`` that names it."""
 
 from __future__ import annotations
 

@@ -1,44 +1,9 @@
 """A prompt's prefix chain: names for its leading pieces of text, the vocabulary routing shares with the workers.
 
-Engines key their KV blocks on token ids, and the orchestrator never tokenizes (at 131k tokens that alone would
-cost more than the orchestrator's whole request). So routing speaks of text: the prompt's bytes, as the client's
-JSON spelled them, are cut into *links* at fixed offsets, and link i is named by a keyed hash of everything up to
-its end, so one name stands for a whole prefix, and two prompts share link i exactly when they share its bytes (a
-32-bit collision aside: routing then guesses wrong, it never answers wrong).
-
-**Keyed names.** A name is BLAKE2b keyed with ``InternalSecret.derive("prefix-chain")`` (frontend/internal_secret.py),
-cut to 32 bits, under the link's index: equal prefixes get equal names in every process that holds the deployment
-secret, and to anyone without it a name says nothing about the prompt (an unkeyed checksum let whoever read the
-KV events, or a worker's chain headers, test which of several guessed documents another user sent). Without a
-secret the names are keyed all the same, with a fixed public key: one code path whatever the configuration, the
-same cost, and names that change only in value (never in shape) when an operator adds the secret; they then
-protect nothing, as nothing else is protected without it. Every name of a deployment is computed by its
-orchestrators (``orchestrator.routers.routing_key``); workers only echo the names they were sent, so the key
-matters where chains are built, and every orchestrator process reads the same ``DISAGG_INTERNAL_TOKEN``.
-
-The offsets depend on the position alone, never on the prompt's length, so a follow-up turn, which extends the
-earlier prompt, shares all the earlier prompt's links. They are fine near the start (short prompts need to be
-told apart) and coarser further on (a long prompt costs few links): 512 B links to 8 KiB, 2 KiB links to 64 KiB,
-8 KiB links to 512 KiB, 32 KiB links after that, at most ``MAX_LINKS``. A tail shorter than its link is not named.
-
-**Sampled far links.** Past ``FULL_BYTES`` a link's name covers only its last ``SAMPLE_BYTES`` (and, chained,
-the names before it), not every byte: hashing all of a 131k-token prompt cost the orchestrator ~0.29 ms a
-request, a sixth of its whole cost there. What it gives up: two prompts that differ only inside a far link's
-unsampled part get the same name for that link. Where they diverge for good (two conversations), the next link's
-sample already differs, so a match is overestimated by at most one link (8 or 32 KiB of a prompt of hundreds);
-only an edit that leaves the rest identical (one changed word in a long document) can hide beyond that. Routing
-then guesses wrong, never answers wrong: the engine's own cache decides what it reuses.
-
-Cost at 131k tokens (524 KB, 100 links), timeit's best here: keyed BLAKE2b over ~120 KB and a digest per link,
-0.16 ms (the unkeyed CRC-32 it replaced: 0.07 ms); a whole-byte chain (``sampled=False``) hashes all 524 KB, 0.47
-ms (0.16 ms). SHA-256 under a key prefix was no cheaper where it counts (0.15 ms sampled) and is no MAC by design.
-
-The orchestrator sends a request's chain to the worker in ``CHAIN_HEADER``, with the deployment's
-``INTERNAL_TOKEN_HEADER``; the worker records what its engine holds under those names and publishes it
-(``frontend.kv_events``), so every orchestrator process learns what every worker holds, whoever routed there. A
-worker takes a chain only from a caller that proved it is the orchestrator (``trusted_chain_header``): anyone else's
-chain would be published as if the engine held it, and steer every orchestrator's routing.
-"""
+The orchestrator never tokenizes, so routing names text: the prompt's bytes are cut into links at fixed offsets,
+and each link is named by a keyed hash of everything up to its end (far links by a sample of their bytes). Equal
+prefixes get equal names in every process that holds the deployment secret, and a name tells nothing about a prompt
+to anyone without it. Offsets, sampling, cost and who may send a chain: docs/routing.md#cache_aware-step-by-step."""
 
 from __future__ import annotations
 

@@ -1,12 +1,8 @@
 """Where an HTTP connection's reads go: a buffer shared by the thread's connections, copied out as the ``bytes`` a
-parser is fed, and for a body of declared length, ``bytes`` of that body filled in place by the kernel's reads.
+parser is fed, and for a long body of declared length, ``bytes`` of that body filled in place by the kernel's reads.
 
-Why: a ``Protocol``'s reads cost a long body three copies after the kernel's: into the ``bytes`` uvloop hands
-``data_received``, into the ``bytes`` httptools hands ``on_body``, and into the join of the pieces. Read as a
-``BufferedProtocol`` into the body's own ``bytes``, it is none: a 524 KB prompt (the server,
-``entrypoints/http_protocol.py``) or CTX's 700 KB answer (the orchestrator's client,
-``orchestrator/worker_connection.py``) reaches its reader as the very object the kernel wrote into.
-"""
+A long prompt (the servers) or CTX's answer (the orchestrator's client) reaches its reader as the very object the
+kernel wrote into, with no copy after the kernel's (docs/architecture.md)."""
 
 from __future__ import annotations
 

@@ -1,16 +1,8 @@
 """The Responses API's ``input`` items, and the chat conversation they mean.
 
-A multi-turn Responses client sends its history as items: easy messages (``{"role", "content"}``), typed messages,
-the server's own output items replayed as the SDK gives them back (``previous.output``, or their ``model_dump()``:
-ids, statuses, ``annotations``, ``logprobs`` and ``phase`` included), and function calls with their outputs. Each
-item type this server can render is modelled here with every field the SDK can put in it (accepted when null or
-empty); an item of another type (reasoning, web search, computer use, MCP, item references ...) is a 400 naming
-``input.N``, never dropped.
-
-The conversation is written as chat messages in the chat wire shape (plain dicts, validated by
-``ChatMessage``), so one renderer serves chat and Responses alike: a ``function_call`` joins the assistant turn
-before it as a tool call, and a ``function_call_output`` is a ``tool`` turn.
-"""
+Each item type this server can render is modelled with every field the SDK can put in it; an item of any other type
+is a 400 naming ``input.N``, never dropped. The conversation is written as chat messages, so one renderer serves
+chat and Responses alike."""
 
 from __future__ import annotations
 

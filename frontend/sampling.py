@@ -1,10 +1,7 @@
 """SamplingParams: a request's sampling fields, parsed and validated once, as one immutable value.
 
-The wire models (``openai_models``) say what a client may send; this is what the rest of the system reads. The
-worker builds it from the validated wire request (``sampling_from_request``), the engine adapter sends it to the
-engine core as ``to_wire()`` and the core rebuilds it with ``from_wire()``, both driven by the dataclass fields,
-so no layer re-lists them. The metadata-only guardrail reads the same type (``frontend.guardrail``).
-"""
+The wire models say what a client may send; this is what the rest of the system reads: the worker, the engine core
+(``to_wire`` / ``from_wire``, driven by the dataclass fields) and the metadata-only guardrail."""
 
 from __future__ import annotations
 

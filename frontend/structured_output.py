@@ -1,18 +1,9 @@
-"""Structured output: what a request's ``response_format`` (chat), ``text.format`` (Responses) or forced tool call
-asks the answer to be, reduced to one JSON schema that an engine enforces token by token.
+"""Structured output: a request's ``response_format``, ``text.format`` or forced tool call, reduced to the one JSON
+schema an engine enforces token by token.
 
-- ``json_object``: any JSON object (``{"type": "object"}``);
-- ``json_schema``: the client's schema, always enforced (``strict`` or not: a constrained decoder has no cheaper
-  "best effort" mode);
-- ``tool_choice`` ``"required"`` or a named function: a tool call ``{"name": ..., "arguments": ...}`` whose
-  arguments satisfy that function's ``parameters`` (``frontend.tool_calls`` renders it in OpenAI's shape).
-  ``"auto"`` describes the tools in the prompt and lets the model answer in text; ``"none"`` ignores them.
-
-Schemas are checked here, at the worker's edge, with the same compiler options the engine core uses
-(``json_grammar``), so a schema the engine cannot compile is a 400 naming the field, never an engine failure.
-The schema travels as compact JSON text with its keys in the client's order: that order is the order of the
-generated object's properties, and the text is the key of the engine's compiled-grammar cache.
-"""
+Schemas are compiled here, at the worker's edge, with the engine core's options (``json_grammar``), so a schema the
+engine cannot compile is a 400 naming the field. The schema travels as compact JSON text in the client's key order:
+that order is the output's, and the text keys the engine's grammar cache. See docs/engines.md, "Structured output"."""
 
 from __future__ import annotations
 

@@ -1,10 +1,7 @@
 """The int32 token codec: prompt token ids as a base64 string of little-endian int32, and back.
 
-Decoding is ``pybase64.b64decode(validate=True)`` followed by ``np.frombuffer``: the returned array is a read-only
-view over the decoded bytes, so a 131,072-token prompt costs one base64 pass and no Python ``int`` at all.
-Validation is done with whole-array operations, never a Python loop, and every failure is a 400 that names the
-field it came from.
-"""
+Decoding gives a read-only ``np.frombuffer`` view of the decoded bytes, validated with whole-array operations, so a
+long prompt costs one base64 pass and no Python ``int``; every failure is a 400 that names its field."""
 
 from __future__ import annotations
 

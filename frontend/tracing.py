@@ -1,16 +1,8 @@
 """Distributed tracing with OpenTelemetry: opt-in, and free when off.
 
-Tracing is on in a process only once ``configure`` found an OTLP endpoint (``--otlp-endpoint``, or the standard
-``OTEL_EXPORTER_OTLP_ENDPOINT`` / ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT``). Until then the OpenTelemetry SDK is
-not even imported, and every hook below returns at its first line (``_tracer is None``): the hot path pays one
-global read and one call per hook (docs/observability.md has the figure).
-
-Spans are parented explicitly, never through ambient state: a hook takes its parent as a span, or as the
-carrier a parent arrived in (request headers, a ``traceparent`` string from an IPC frame). The W3C
-``traceparent`` header crosses every hop: client -> orchestrator -> CTX -> GEN -> engine core.
-One exception: ``use`` makes a span current for the engine adapter below it, which cannot be handed the span
-(the adapter protocol carries no tracing) and asks ``current_traceparent`` when it writes its IPC frame.
-"""
+Until ``configure`` finds an OTLP endpoint the SDK is not imported and every hook returns at its first line. Spans
+are parented explicitly (by a span, or the carrier it arrived in), never through ambient state, except ``use``,
+which makes a span current for the engine adapter below it. See docs/observability.md."""
 
 from __future__ import annotations
 

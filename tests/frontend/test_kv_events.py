@@ -381,7 +381,7 @@ async def test_with_the_secret_only_a_peer_holding_it_may_subscribe_or_ask_for_a
 
 
 async def test_a_publisher_beyond_loopback_without_the_secret_says_so(caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.WARNING, "disagg.security"):
+    with caplog.at_level(logging.WARNING, "disagg_serve.security"):
         quiet = EventPublisher(LOOPBACK, LOOPBACK)
         await quiet.aclose()
         assert not caplog.records
