@@ -1,17 +1,8 @@
 """Admission at the orchestrator: requests over the running limit wait in a bounded queue, by priority class, up
 to a deadline, instead of an immediate 429.
 
-Three classes, served in this order: ``interactive``, ``default``, ``batch`` (the ``x-priority`` header; absent:
-``default``). Within a class, first come first served. When a slot frees, the first waiter of the highest class that
-may run takes it. Lower classes leave room: ``default`` and ``batch`` run only while the slots in use leave
-``interactive_reserve`` of them free, and ``batch`` holds at most ``batch_share`` of them, so a burst of
-lower-class work always leaves slots that only interactive requests can take, and they never wait behind it.
-
-A request that cannot be queued (the queue is full) or that waited ``queue_timeout_s`` gets a 429 whose
-``Retry-After`` is how long the queue ahead of it takes to drain at the rate requests have been finishing lately;
-503 when no worker is healthy (waiting could not help). A client that leaves while queued is out of the queue at
-once: its handler is cancelled, and the cancellation removes it (or hands back the slot it was given meanwhile).
-"""
+Lower classes leave a reserve free for ``interactive``; a client that leaves while queued is out of the queue at
+once, through its handler's cancellation. Classes, bounds and ``Retry-After``: docs/admission.md."""
 
 from __future__ import annotations
 

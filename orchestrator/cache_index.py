@@ -1,18 +1,9 @@
 """What each worker of a pool holds in its prefix cache, by prefix-chain link (``frontend.prefix_chain``).
 
-Two sources, so that every engine can be routed on:
-- **The workers' KV events** (``frontend.kv_events``): a worker that announces ``engine_info.kv_events`` on its
-  card publishes every link its engine stores and evicts. Every orchestrator process subscribes to every such
-  worker and so holds the same picture, whichever process routed the requests: this is what makes routing
-  consistent across ``--api-workers`` and replicas without a mesh. With the deployment secret the subscribers
-  speak CURVE under its key pair, as the workers' sockets then require (``frontend.kv_events``).
-- **What this process sent where**, for the gap until the worker's events say so (``pending_s``), and as the
-  whole picture for a worker that publishes nothing (a foreign server): a bounded LRU of links per worker.
-
-Matching relies on what a worker holds being prefix-closed (a chain's head is evicted after its tail; the
-workers keep it so, ``workers.prefix_holdings``), so the longest held prefix is found by a binary search: ~10 set
-lookups per worker at 131k tokens instead of one per link.
-"""
+Two sources: the workers' KV events (``frontend.kv_events``), which give every orchestrator process the same
+picture without a mesh, and what this process sent where, for the gap until a worker's events say so and for a
+worker that publishes nothing. What a worker holds is prefix-closed (``workers.prefix_holdings``), so the longest
+held prefix is a binary search over the chain. See docs/routing.md."""
 
 from __future__ import annotations
 

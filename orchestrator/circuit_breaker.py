@@ -1,16 +1,8 @@
 """A worker that keeps failing requests is taken out of routing for a while, then tried with one request.
 
-Health checks ask ``/health``; a worker can pass them and still fail every request (an engine that errors, a KV
-store that is full). The breaker counts request outcomes instead: after ``failures`` failed calls in a row
-(a transport error, or a 5xx that is not the request's own fault) it opens and the worker gets no request for
-``cooldown_s``. Then it is half-open: one request may try it. If that one succeeds the breaker closes; if it fails
-the breaker opens again for twice as long (at most ``MAX_COOLDOWN_S``). A trial whose request ended without an
-outcome (the client left) gives the trial back.
-
-Each call's outcome is reported with the ``Trial`` its start returned, so an outcome is credited to the state it
-was started in: a call started before the breaker opened cannot close it by succeeding late, and only the trial
-itself decides (or gives back) the half-open state.
-"""
+A worker can pass ``/health`` and fail every request, so the breaker counts request outcomes. Each outcome is
+reported with the ``Trial`` its call started under: a call started before the breaker opened cannot close it by
+succeeding late. See docs/admission.md#circuit-breakers."""
 
 from __future__ import annotations
 

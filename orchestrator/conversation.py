@@ -1,14 +1,8 @@
-"""A request's conversation id and routing id, read as TensorRT-LLM sends and reads them.
+"""A request's conversation id and routing id, read as TensorRT-LLM's disaggregated server reads them.
 
-TensorRT-LLM's disaggregated server (``tensorrt_llm/serve/conversation_id.py``) takes the body's
-``conversation_params.conversation_id`` first (the canonical place), else the first non-empty of its headers in its
-own order, case-insensitively. Sub-agent affinity (``x-trtllm-subagent-affinity-id``) names the parent
-conversation a sub-agent's requests should stay with: it becomes the *routing* id, ahead of the request's own
-conversation id, which is still what the workers are told (``disaggregated_params.conversation_id``).
-
-The routing id is the session key of our fleet routing's session affinity (``RoutingKey.session``, docs/routing.md);
-the configured ``session_header`` is read first among the headers, so a deployment that set its own keeps it.
-"""
+The body's ``conversation_params.conversation_id`` first, else the first of its headers in TensorRT-LLM's order.
+Sub-agent affinity (``x-trtllm-subagent-affinity-id``) becomes the routing id (the session key of docs/routing.md),
+while the workers are still told the conversation id."""
 
 from __future__ import annotations
 

@@ -1,11 +1,7 @@
 """The label values of the orchestrator's labelled metrics, and every series they make exported at 0 from start-up.
 
-prometheus_client exports a labelled series only once its child exists, and the child exists only once
-``labels(...)`` has been called. Left to the first event, a fresh system's retries, failovers, metadata-only
-fallbacks and per-worker step latencies are simply absent, and a dashboard shows "No data" where the truth is
-"none so far" (and ``rate()`` has no zero to start from). ``export_known_series`` creates each child whose label
-values are known before the first request, once, when the orchestrator starts.
-"""
+prometheus_client exports a labelled series only once its child exists; left to the first event, a fresh system's
+dashboards would show "No data" (and ``rate()`` no zero) where the truth is "none so far"."""
 
 from __future__ import annotations
 

@@ -1,25 +1,8 @@
 """The Responses API's memory at the orchestrator: continue a stored conversation, keep a new answer.
 
-Why here and not on a worker: the orchestrator is the one place that sees both the client's request and the
-client's whole answer, streamed or not, and it runs before CTX. A turn with ``previous_response_id`` is expanded
-here into the whole conversation (the stored turns' items, then this turn's input), so CTX renders and tokenizes
-all of it and GEN gets its tokens as usual; workers never see ``previous_response_id``. The answer is kept once it
-is complete: a whole answer as it is, a stream when its ``response.completed`` (or ``.incomplete``) event passes
-through, before that event reaches the client, so a follow-up sent as soon as the client has read it finds it.
-A failed or cut-off answer is not kept. Chat and completions never come here.
-
-As OpenAI does, a follow-up does not inherit the earlier turn's ``instructions``: only its input and output items.
-
-The store is this process's memory by default: then with several front-end processes (``--api-workers N``) there
-is none (a follow-up could reach a process that never saw the first turn), and with several orchestrators a
-follow-up must reach the one that answered the turn it continues (else it is a 404, never a shortened
-conversation). A Redis store (orchestrator/response_store_redis.py) is every process's and replica's.
-
-Only a turn that names ``previous_response_id`` waits on the store before it runs; a turn whose answer is kept waits
-for the write once its answer is complete. When a shared store does not answer, a turn that continues a stored one
-is a 503 (``response_store_unavailable``); an answer that cannot be kept is still delivered whole, only not kept
-(the store logs the outage once and counts each failed call), since the client has it, or most of it, already.
-"""
+It lives here because the orchestrator alone sees both a client's request, before CTX, and its whole answer: a
+follow-up is expanded into its conversation here, so workers never see ``previous_response_id``. What is kept,
+when, and what a store outage does: docs/conformance.md#stored-responses."""
 
 from __future__ import annotations
 

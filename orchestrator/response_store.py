@@ -1,17 +1,8 @@
-"""The store of Responses API answers behind ``previous_response_id`` and ``GET``/``DELETE /v1/responses/{id}``:
-its interface, and the bounded in-memory implementation (the default; one process's own).
+"""The store of Responses answers behind ``previous_response_id`` and ``GET``/``DELETE /v1/responses/{id}``: its
+interface, and the bounded in-memory implementation (the default, one process's own).
 
-Each entry is self-contained: the response object as the client got it, and the whole conversation up to and
-including it (every earlier turn's items, this turn's input items, its output items), as JSON bytes. A follow-up
-never needs another entry, so evicting or expiring one response cannot silently shorten a later conversation:
-the id is simply gone (a 404). The price is that a long chain stores its early turns once per turn; the byte
-bound holds that in check.
-
-Bounds, the same for every implementation: entries and bytes (least recently used out first; an entry larger than
-the byte bound alone is not kept), and age (``ttl_s`` from when it was stored, whatever its use since). The clock
-is injectable, so expiry is tested without sleeping. The shared implementation on Redis is
-orchestrator/response_store_redis.py.
-"""
+Each entry holds its whole conversation, so eviction or expiry can make a follow-up a 404 but never shorten its
+conversation. The clock is injectable, so expiry is tested without sleeping."""
 
 from __future__ import annotations
 

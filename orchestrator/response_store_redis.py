@@ -1,31 +1,9 @@
 """The Responses store on a Redis or Valkey server: one store for every orchestrator process and replica.
 
-With it, a follow-up (``previous_response_id``) may reach any process of any replica and find its turn, and a
-restart loses nothing. The bounds and their meaning are the in-memory store's (orchestrator/response_store.py):
-entries and bytes, least recently used out first, and ``ttl_s`` from when an entry was stored.
-
-Each call is one Lua script, which Redis runs whole while no other client's command runs: a response is stored
-with its conversation and its bookkeeping, or not at all, and two processes that store at once cannot push the
-store past its bounds. The keys share one hash tag, so a Redis Cluster keeps them in one slot:
-
-- ``{prefix}:r:<id>``: a hash of the entry (response, conversation, session, stored_at, owner), which expires by
-  itself ``ttl_s`` after it was stored, so Redis frees it even when no process writes again;
-- ``{prefix}:use``: ids by last use (a counter, not a clock: order is exact whichever process used them);
-- ``{prefix}:age``: ids by when they were stored (the orchestrators' wall clock, injectable for tests);
-- ``{prefix}:sizes`` and ``{prefix}:bytes``: each entry's size and the total, for the byte bound;
-- ``{prefix}:tick``: the use counter.
-
-Failure is bounded and loud: a call that Redis does not answer within ``timeout_s`` (connecting included) raises
-``ResponseStoreUnavailableError`` (a 503 for the request that needed it), is counted by operation, and the first
-failure of an outage is logged once, as is the first success after it. The client reconnects by itself on the next
-call; a call that found its pooled connection dead (Redis restarted) is tried once more on a new one, which is
-safe for a store or a read (each gives the same result run twice); a delete whose reply was lost and that ran
-again answers "not found" the second time.
-
-The client is redis-py's asyncio client: Redis' own, maintained with the server, speaks to Valkey alike, and does
-what this needs through public interfaces (a bounded blocking pool, scripts by SHA reloaded after a restart,
-per-socket timeouts, retries).
-"""
+Each call is one Lua script, which Redis runs whole: an entry is stored with its bookkeeping or not at all, and
+processes storing at once cannot push the store past its bounds. The keys share one hash tag (one Cluster slot):
+``{prefix}:r:<id>`` (the entry, expiring by itself), ``:use`` and ``:age`` (ids by last use, by store time),
+``:sizes`` and ``:bytes`` (for the byte bound), ``:tick`` (the use counter). Outages: docs/conformance.md."""
 
 from __future__ import annotations
 

@@ -1,15 +1,7 @@
-"""Routers: which worker of a pool takes a request. Chosen by name in exactly one place, ``make_router``.
+"""Routers: which worker of a pool takes a request, chosen by name in one place (``make_router``).
 
-- ``round_robin``: cycle over healthy workers.
-- ``least_loaded``: fewest in-flight requests, or in-flight prompt tokens (``load_metric``), as the
-  orchestrator itself counts them (no polling: the orchestrator sees every request start and end).
-- ``prefix_affinity``: consistent hashing of the prompt's leading characters with bounded load, so requests
-  that share a prefix meet the worker whose cache holds it, without piling onto one worker.
-- ``cache_aware`` (the CTX default): the worker where the request costs least, counting the prompt tokens it
-  does not hold (``orchestrator.cache_index``: what every worker holds, from its KV events) plus the uncached
-  tokens already queued there, within a load bound; a conversation key (``x-session-id``) breaks near-ties the
-  same way in every process (rendezvous hashing). docs/routing.md says how it chooses and what it needs.
-"""
+``round_robin``, ``least_loaded``, ``prefix_affinity``, and ``cache_aware`` (the CTX default: the worker where the
+request costs least, counting the prompt it does not hold). docs/routing.md says how each chooses and what it needs."""
 
 from __future__ import annotations
 

@@ -1,25 +1,8 @@
 """Tenants: who a request is (by its API key) and what it may still spend, before it waits for a running slot.
 
-Each tenant of the ``tenants`` config has its own API key (read from the environment variable it names, never
-from the file), a default priority class, and limits: requests running at once, requests per second, prompt tokens
-per second and completion tokens per second (counted as they stream: one per streamed event, or the whole answer's
-``usage``). A rate is a token bucket that holds ``burst_s`` seconds of it; completion tokens are spent after the
-fact, so a tenant that streamed more than its rate is in debt, and its next request waits (a 429) until the debt is
-paid.
-
-Prompt tokens are charged for what CTX prefills, in three steps, so that the limit holds in tokens over time: before
-anything is parsed, the body's bytes / 4 (``admit``); once the body is parsed and a Responses turn that names
-``previous_response_id`` is expanded into its stored conversation, the estimate of the whole prompt, checked as
-``admit`` checks (``charge_prompt``: a short follow-up to a long stored turn is the long prompt); and once the
-workers counted the prompt (CTX's ``prompt_len``, a whole answer's ``usage``), the difference from that count, a
-debt or a refund (``settle_prompt``).
-
-Limits are per orchestrator process: ``process_share`` (docs/admission.md) divides each among the processes of a
-deployment, so N processes enforce the deployment's limit together.
-
-A refused request gets 429 with ``Retry-After``: the seconds until the bucket it lacked holds enough again, and a
-message that names the tenant and the limit.
-"""
+Every rate is a token bucket. Prompt tokens are charged in three steps (the body's size, the estimate of the
+expanded prompt, the workers' own count) so that a limit holds in tokens over time; completion tokens as they
+stream, so an overspent tenant waits until its debt is paid. Limits are per process. See docs/admission.md#tenants."""
 
 from __future__ import annotations
 
