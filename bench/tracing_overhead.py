@@ -52,7 +52,7 @@ async def _one_request_without_hooks(headers: dict[str, str], outgoing: dict[str
 
 def _fixtures() -> tuple[Any, Any, Any]:
     from orchestrator.retry import Attempted
-    from orchestrator.transport import Reply
+    from orchestrator.upstream.base import Reply
     from orchestrator.worker_protocol import ContextAnswer, PromptCarriage
 
     member: Any = SimpleNamespace(url="http://127.0.0.1:1")  # the hooks read only the worker's URL

@@ -21,7 +21,7 @@ from typing import Any
 import orjson
 
 from orchestrator.client_body import encode
-from orchestrator.transport import Body
+from orchestrator.upstream.base import Body
 
 FIELD = "prompt_token_ids_b64"
 _KEY = b'"' + FIELD.encode() + b'":"'

@@ -38,7 +38,7 @@ import numpy as np
 import orjson
 
 from frontend.http import parse_json_object
-from orchestrator.transport import Body
+from orchestrator.upstream.base import Body
 
 MIN_BODY = 64 * 1024  # smaller bodies parse in a few tens of microseconds: nothing to win
 MIN_LITERAL = 16 * 1024

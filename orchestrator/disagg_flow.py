@@ -46,7 +46,7 @@ from orchestrator.protocols.trtllm_lifecycle import LifecycleClient
 from orchestrator.relay import RelayedStream
 from orchestrator.retry import Attempted, RetryPolicy
 from orchestrator.routers import CacheAwareRouter, RoutingKey, routing_key
-from orchestrator.transport import Body, OpenStream, Reply
+from orchestrator.upstream.base import Body, OpenStream, Reply
 from orchestrator.worker_call import count_as_held, post
 from orchestrator.worker_protocol import ContextAnswer, PromptCarriage, WorkerProtocol
 

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 from frontend import tracing
 from frontend.guardrail import FallbackReason
 from orchestrator.retry import Attempted
-from orchestrator.transport import Body, Reply, body_length
+from orchestrator.upstream.base import Body, Reply, body_length
 from orchestrator.worker_protocol import ContextAnswer, PromptCarriage
 
 if TYPE_CHECKING:

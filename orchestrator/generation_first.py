@@ -18,7 +18,7 @@ from orchestrator.generation_grant import admit_gen, generation_first_capable, r
 from orchestrator.protocols.trtllm import new_request_id
 from orchestrator.protocols.trtllm_lifecycle import SettledStream
 from orchestrator.retry import Attempted
-from orchestrator.transport import Reply
+from orchestrator.upstream.base import Reply
 from orchestrator.worker_call import post
 
 if TYPE_CHECKING:

@@ -11,7 +11,7 @@ from typing import Any
 from frontend.guardrail import GenEngineFacts
 from frontend.trtllm.lifecycle import TransceiverLifecycleAdvertisement
 from orchestrator.circuit_breaker import CircuitBreaker
-from orchestrator.transport import Transport
+from orchestrator.upstream.base import Transport
 
 # Until a worker has told us, assume the facts under which metadata-only is never admitted.
 UNKNOWN_ENGINE_FACTS = GenEngineFacts(kv_block_reuse=True, prompt_tokens_in_handoff=False)

@@ -22,7 +22,8 @@ from orchestrator.member import UNKNOWN_ENGINE_FACTS, PoolMember
 from orchestrator.protocols.registry import DEFAULT_PROTOCOL, detect_protocol
 from orchestrator.protocols.trtllm_lifecycle import read_server_info
 from orchestrator.routers import Router, RoutingKey
-from orchestrator.transport import Transport, WorkerTimeouts, make_transport
+from orchestrator.upstream.base import Transport, WorkerTimeouts
+from orchestrator.upstream.choice import make_transport
 
 logger = logging.getLogger(__name__)
 

@@ -28,7 +28,7 @@ from frontend.metrics import Metrics
 from frontend.openai_output import Endpoint, stream_error_frames
 from frontend.sse import DONE_FRAME
 from orchestrator.member import PoolMember
-from orchestrator.transport import OpenStream
+from orchestrator.upstream.base import OpenStream
 
 logger = logging.getLogger(__name__)
 
@@ -148,7 +148,7 @@ class RelayedStream:
         with self.member.carrying(self.prompt_tokens, 0):  # its first byte came: the prompt is computed
             try:
                 async with tail:
-                    await self.stream.pipe(take, drained)
+                    await self.stream.push(take, drained)
             except UpstreamError as exc:
                 failure = exc
             except TimeoutError:

@@ -53,7 +53,8 @@ from orchestrator.response_memory import ResponseMemory
 from orchestrator.response_store import MemoryResponseStore, ResponseStore
 from orchestrator.routers import RoutingKey, make_router
 from orchestrator.tenants import Tenant, Tenants
-from orchestrator.transport import WorkerTimeouts, make_transport
+from orchestrator.upstream.base import WorkerTimeouts
+from orchestrator.upstream.choice import make_transport
 
 ROLE = "orchestrator"
 SPAN_NAMES: dict[Endpoint, str] = {"chat": "orchestrator chat", "completions": "orchestrator completions",

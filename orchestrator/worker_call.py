@@ -8,7 +8,7 @@ from orchestrator.member import PoolMember
 from orchestrator.metric_labels import GEN_POOL_NAME
 from orchestrator.pool import WorkerPool
 from orchestrator.routers import RoutingKey
-from orchestrator.transport import Body, Reply
+from orchestrator.upstream.base import Body, Reply
 
 
 def count_as_held(pool: WorkerPool, member: PoolMember, key: RoutingKey) -> None:

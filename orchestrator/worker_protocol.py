@@ -12,7 +12,7 @@ import enum
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from orchestrator.transport import Body, Reply
+from orchestrator.upstream.base import Body, Reply
 
 
 class PromptCarriage(enum.Enum):

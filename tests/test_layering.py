@@ -1,9 +1,11 @@
 """The layering contract (``[tool.importlinter]`` in pyproject.toml), checked on the real source tree.
 
 Entry points on top may import everything; ``orchestrator`` and ``workers`` never import each other; the shared
-layer (``frontend``) imports neither; ``workers.engines`` imports no HTTP server module. A second test proves the
-contract bites: the same configuration over a small tree that breaks each rule reports every break. And no module
-imports uvicorn's submodules (its protocol and cycle classes are private code: DESIGN.md, HTTP).
+layer (``frontend``) imports neither; ``workers.engines`` imports no HTTP server module; the upstream client's
+interface (``orchestrator.upstream.base``) imports none of its clients, and the upstream package has no import
+cycle. A second test proves the contract bites: the same configuration over a small tree that breaks each rule
+reports every break. And no module imports uvicorn's submodules (its protocol and cycle classes are private code:
+DESIGN.md, HTTP).
 """
 
 from __future__ import annotations
@@ -39,6 +41,14 @@ def test_the_contract_reports_each_kind_of_break(tmp_path: Path) -> None:
         "frontend/shared.py": "import workers.server\n",  # the shared layer imports a service
         "orchestrator/__init__.py": "",
         "orchestrator/flow.py": "import workers.engines.engine\n",  # one service imports the other
+        "orchestrator/upstream/__init__.py": "",
+        "orchestrator/upstream/base.py": "import orchestrator.upstream.httptools.pool\n",  # the interface, a client
+        "orchestrator/upstream/choice.py": "",
+        "orchestrator/upstream/aiohttp.py": "",
+        "orchestrator/upstream/httptools/__init__.py": "",
+        "orchestrator/upstream/httptools/pool.py": "",
+        "orchestrator/upstream/httptools/stream.py": "import orchestrator.upstream.httptools.pool\n",  # its pool
+        "orchestrator/upstream/httptools/connection.py": "",
         "workers/__init__.py": "",
         "workers/server.py": "import frontend.shared\n",
         "workers/serving.py": "",
@@ -64,7 +74,9 @@ def test_the_contract_reports_each_kind_of_break(tmp_path: Path) -> None:
     assert result.returncode == 1, result.stdout + result.stderr
     assert f"{len(contracts)} broken" in result.stdout, result.stdout
     for broken in ("frontend.shared -> workers.server", "orchestrator.flow -> workers.engines.engine",
-                   "workers.engines.engine -> entrypoints.cli", "workers.engines.engine -> workers.server"):
+                   "workers.engines.engine -> entrypoints.cli", "workers.engines.engine -> workers.server",
+                   "orchestrator.upstream.base -> orchestrator.upstream.httptools.pool",
+                   "orchestrator.upstream.httptools.stream -> orchestrator.upstream.httptools.pool"):
         assert broken in result.stdout, result.stdout
 
 

@@ -31,7 +31,7 @@ from frontend.trtllm.identity import LIFECYCLE_FIELDS
 from orchestrator.b64_splice import encode_with_b64, parse_with_b64_span
 from orchestrator.client_body import encode
 from orchestrator.conversation import body_conversation_id
-from orchestrator.transport import Body, Reply
+from orchestrator.upstream.base import Body, Reply
 from orchestrator.worker_protocol import ContextAnswer, PromptCarriage, without_handoff_fields
 
 CONTEXT_FIRST = 0  # TensorRT-LLM's DisaggScheduleStyle.CONTEXT_FIRST, an int on the wire

@@ -55,7 +55,7 @@ from frontend.trtllm.lifecycle import (
 )
 from orchestrator.client_body import encode
 from orchestrator.member import PoolMember
-from orchestrator.transport import OpenStream, Reply
+from orchestrator.upstream.base import OpenStream, Reply
 
 logger = logging.getLogger(__name__)
 
@@ -379,8 +379,8 @@ class SettledStream:
             yield chunk
         self._completed = self._completed or not self._lost.done()
 
-    async def pipe(self, take: Callable[[bytes], bool], drained: Callable[[], Awaitable[object]]) -> None:
-        await self.stream.pipe(take, drained)
+    async def push(self, take: Callable[[bytes], bool], drained: Callable[[], Awaitable[object]]) -> None:
+        await self.stream.push(take, drained)
         self._completed = self._completed or not self._lost.done()
 
     async def read(self) -> bytes:

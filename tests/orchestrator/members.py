@@ -8,7 +8,8 @@ import contextlib
 from collections.abc import Iterator
 
 from orchestrator.member import PoolMember
-from orchestrator.transport import WorkerTimeouts, make_transport
+from orchestrator.upstream.base import WorkerTimeouts
+from orchestrator.upstream.choice import make_transport
 
 
 @contextlib.contextmanager

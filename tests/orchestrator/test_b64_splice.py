@@ -10,7 +10,7 @@ import pytest
 
 from orchestrator.b64_splice import cut_b64_span, parse_with_b64_span, splice_b64_span
 from orchestrator.protocols.native import NativeProtocol
-from orchestrator.transport import body_bytes
+from orchestrator.upstream.base import body_bytes
 from orchestrator.worker_protocol import PromptCarriage
 
 B64 = "QUJDRA==" * 25_000  # 200 KB: big enough that a copy or a str of it shows in tracemalloc

@@ -10,11 +10,11 @@ from orchestrator.circuit_breaker import CLOSED, HALF_OPEN, OPEN, CircuitBreaker
 from orchestrator.pool import BreakerSettings, WorkerPool
 from orchestrator.retry import RetryPolicy
 from orchestrator.routers import RoundRobinRouter, RoutingKey
-from orchestrator.transport import Reply, WorkerTimeouts
+from orchestrator.upstream.base import Reply, WorkerTimeouts
 from tests.cluster import sample
-from tests.orchestrator.scripted_transport import ScriptedTransports, Step
 from tests.orchestrator.test_response_store import FakeClock
 from tests.orchestrator.test_retry import post
+from tests.orchestrator.upstream.scripted_transport import ScriptedTransports, Step
 
 A, B = "http://a:1", "http://b:1"
 OK = Reply(200, b"{}")

@@ -30,7 +30,7 @@ from orchestrator.protocols.native import NativeProtocol
 from orchestrator.protocols.trtllm import TrtllmProtocol
 from orchestrator.protocols.vllm import VllmProtocol
 from orchestrator.routers import routing_key
-from orchestrator.transport import body_bytes
+from orchestrator.upstream.base import body_bytes
 from orchestrator.worker_protocol import WorkerProtocol
 
 # Characters that make a JSON string hard: quotes, backslashes (alone and in runs), controls, non-ASCII of every

@@ -17,9 +17,9 @@ from orchestrator.disagg_flow import DisaggFlow
 from orchestrator.flow_request import StreamedAnswer, WholeAnswer
 from orchestrator.pool import WorkerPool
 from orchestrator.routers import RoundRobinRouter
-from orchestrator.transport import Reply, WorkerTimeouts
+from orchestrator.upstream.base import Reply, WorkerTimeouts
 from tests.cluster import sample
-from tests.orchestrator.scripted_transport import ScriptedStream, ScriptedTransport, ScriptedTransports, Step
+from tests.orchestrator.upstream.scripted_transport import ScriptedStream, ScriptedTransport, ScriptedTransports, Step
 from tests.waiting import eventually_async
 
 CTX, GEN_A, GEN_B = "http://ctx:1", "http://gen-a:1", "http://gen-b:1"

@@ -13,9 +13,9 @@ from orchestrator.handoff_release import HandoffReleaser
 from orchestrator.pool import WorkerPool
 from orchestrator.protocols.native import NativeProtocol
 from orchestrator.routers import RoundRobinRouter
-from orchestrator.transport import Reply, WorkerTimeouts
+from orchestrator.upstream.base import Reply, WorkerTimeouts
 from orchestrator.worker_protocol import ContextAnswer
-from tests.orchestrator.scripted_transport import ScriptedTransports, Step
+from tests.orchestrator.upstream.scripted_transport import ScriptedTransports, Step
 from tests.waiting import eventually_async
 
 CTX_URL = "http://ctx:1"

@@ -7,7 +7,8 @@ from collections.abc import AsyncIterator
 import pytest
 
 from orchestrator.member import UNKNOWN_ENGINE_FACTS, PoolMember
-from orchestrator.transport import WorkerTimeouts, make_transport
+from orchestrator.upstream.base import WorkerTimeouts
+from orchestrator.upstream.choice import make_transport
 
 
 @pytest.fixture

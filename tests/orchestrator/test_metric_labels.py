@@ -16,9 +16,9 @@ from orchestrator.metric_labels import RETRIED_STEPS, export_known_series
 from orchestrator.pool import WorkerPool
 from orchestrator.retry import RetryPolicy
 from orchestrator.routers import RoundRobinRouter, RoutingKey
-from orchestrator.transport import Reply, WorkerTimeouts
+from orchestrator.upstream.base import Reply, WorkerTimeouts
 from tests.cluster import MODEL, start_orchestrator, start_worker
-from tests.orchestrator.scripted_transport import ScriptedTransports, Step
+from tests.orchestrator.upstream.scripted_transport import ScriptedTransports, Step
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 

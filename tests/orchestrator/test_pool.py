@@ -6,7 +6,7 @@ from frontend.errors import UpstreamUnavailableError
 from frontend.guardrail import GenEngineFacts
 from orchestrator.pool import HealthMonitor, WorkerPool
 from orchestrator.routers import RoundRobinRouter, RoutingKey
-from orchestrator.transport import WorkerTimeouts
+from orchestrator.upstream.base import WorkerTimeouts
 from tests.cluster import Cluster
 from tests.servers import ServerThread
 from workers.engines.synthetic import SyntheticEngine

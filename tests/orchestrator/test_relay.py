@@ -17,7 +17,7 @@ from frontend.openai_output import Endpoint
 from frontend.sse import DONE_FRAME
 from orchestrator.member import PoolMember
 from orchestrator.relay import RelayedStream, relay_stream
-from tests.orchestrator.scripted_transport import ScriptedStream, ScriptedTransport
+from tests.orchestrator.upstream.scripted_transport import ScriptedStream, ScriptedTransport
 from tests.waiting import DEFAULT_TIMEOUT_S, eventually_async
 
 CHAT = [b'data: {"choices": [{"delta": {"content": "Th"}}]}\n\n', b'data: {"choices": [{"delta": ', b'{}}]}\n\n',

@@ -11,9 +11,9 @@ from orchestrator.member import PoolMember
 from orchestrator.pool import WorkerPool
 from orchestrator.retry import RetryPolicy
 from orchestrator.routers import RoundRobinRouter, RoutingKey
-from orchestrator.transport import Reply, WorkerTimeouts
+from orchestrator.upstream.base import Reply, WorkerTimeouts
 from tests.cluster import sample
-from tests.orchestrator.scripted_transport import ScriptedTransport, ScriptedTransports, Step
+from tests.orchestrator.upstream.scripted_transport import ScriptedTransport, ScriptedTransports, Step
 
 A, B, C = "http://a:1", "http://b:1", "http://c:1"
 OK = Reply(200, b"{}")

@@ -10,7 +10,7 @@ import pytest
 
 from frontend.errors import UpstreamError
 from orchestrator.protocols.native import NativeProtocol
-from orchestrator.transport import Reply, body_bytes
+from orchestrator.upstream.base import Reply, body_bytes
 from orchestrator.worker_protocol import ContextAnswer, PromptCarriage, WorkerProtocol
 
 PROTOCOL: WorkerProtocol = NativeProtocol()

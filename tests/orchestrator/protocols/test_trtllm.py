@@ -21,7 +21,7 @@ from openai.types.chat import ChatCompletionMessageParam
 
 from orchestrator.protocols.trtllm import TrtllmProtocol
 from orchestrator.routers import _rendezvous
-from orchestrator.transport import body_bytes
+from orchestrator.upstream.base import body_bytes
 from orchestrator.worker_protocol import PromptCarriage
 from tests.cluster import start_orchestrator, start_worker
 from tests.orchestrator.protocols.trtllm_worker import FIRST, MODEL, REST, TrtllmWorker

@@ -36,11 +36,12 @@ from frontend.trtllm.lifecycle import (
 )
 from orchestrator.member import PoolMember
 from orchestrator.protocols.trtllm_lifecycle import Attempt, LifecycleClient, SettledStream, read_server_info
-from orchestrator.transport import WorkerTimeouts, make_transport
+from orchestrator.upstream.base import WorkerTimeouts
+from orchestrator.upstream.choice import make_transport
 from tests.cluster import Node, sample, start_orchestrator, total
 from tests.orchestrator.protocols.test_trtllm import MESSAGES
 from tests.orchestrator.protocols.trtllm_worker import FIRST, MODEL, REST, TrtllmWorker
-from tests.orchestrator.scripted_transport import ScriptedStream
+from tests.orchestrator.upstream.scripted_transport import ScriptedStream
 from tests.servers import running
 from tests.waiting import eventually, eventually_async
 

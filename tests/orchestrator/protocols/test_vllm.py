@@ -11,7 +11,7 @@ from frontend.config import ConfigError, parse_config
 from frontend.errors import UpstreamError
 from orchestrator.protocols.registry import detect_protocol
 from orchestrator.protocols.vllm import PREFILL_KV_TRANSFER_PARAMS, VllmProtocol
-from orchestrator.transport import Reply, body_bytes
+from orchestrator.upstream.base import Reply, body_bytes
 from orchestrator.worker_protocol import PromptCarriage, WorkerProtocol
 
 PROTOCOL: WorkerProtocol = VllmProtocol()

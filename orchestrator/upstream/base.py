@@ -1,37 +1,33 @@
-"""The boundary between the orchestrator and the HTTP client library: what moves bytes to one worker and back.
+"""What moves bytes to one worker and back: the interface the orchestrator sees of its HTTP client.
 
-The flow, the pool and the routes see only what is here: bytes in, a status and bytes (or an async byte iterator)
-out, and the project's own errors (``frontend.errors.UpstreamError`` and its subclasses). Nothing else of the
-client library gets through, so another client is one new module implementing ``Transport`` plus one line in
-``make_transport``.
+The flow, the pool and the routes see only this: bytes in, a status and bytes (or a stream) out, and the project's
+own errors. No client library gets through, so another client is one module implementing ``Transport`` plus one
+line in ``choice.py``. This module imports none of its implementations (a contract in pyproject.toml).
 
 Contract of every implementation:
-- bodies are JSON bytes already encoded by the caller (``Body``: one bytes object, or chunks sent one after the
+- bodies are JSON bytes already encoded by the caller (``Body``: one bytes object, or chunks written one after the
   other, never joined where the client can write them as they are); the transport adds ``Content-Type:
   application/json``;
 - a failure to connect, send or read raises ``UpstreamUnavailableError`` (the worker refused the connection: it is
   gone), ``UpstreamTimeoutError`` or ``UpstreamError``, naming the worker's URL; an HTTP error status is not a
   failure: it comes back as a status like any other;
-- a keep-alive connection the worker closed while it was idle is not used for a request; what happens to a request
-  written and then met by a close on a reused connection differs: the default client never sends it again (the
-  worker may have run it: the caller's retry policy decides, on another worker), aiohttp retries it once on a
-  fresh connection;
+- a keep-alive connection the worker closed while it was idle is not used for a request; a request written and then
+  met by a close on a reused connection is never sent again by the default client (the worker may have run it: the
+  caller's retry policy decides, on another worker), while aiohttp retries it once on a fresh connection;
 - one connection pool per worker, kept until ``aclose``;
-- ``headers`` given when the transport is made go with every request to the worker, GETs included: the deployment
-  secret's header (frontend/internal_secret.py), so every call the orchestrator makes to a worker proves it is one
-  of the deployment's processes. Written into each request head as it is built once, never per request.
+- ``headers`` given when the transport is made go with every request, GETs included: the deployment secret's
+  header (frontend/internal_secret.py), which proves each call comes from one of the deployment's processes.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from contextlib import aclosing
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Protocol
 
 # A request body: bytes, or chunks (GEN's body around CTX's b64 prompt, a view of CTX's answer: b64_splice.py).
 Body = bytes | tuple[bytes | memoryview, ...]
-Client = Literal["httptools", "aiohttp"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,10 +59,10 @@ class OpenStream(Protocol):
         """The body as it arrives, unchanged; failures mid-way raise ``UpstreamError``; closes at the end."""
         ...
 
-    async def pipe(self, take: Callable[[bytes], bool], drained: Callable[[], Awaitable[object]]) -> None:
-        """``chunks`` pushed: each piece handed to ``take`` as it arrives (from the callback that read it, where the
-        client library allows), reading paused until ``drained`` returns whenever ``take`` returns False;
-        failures raise ``UpstreamError``; closes at the end."""
+    async def push(self, take: Callable[[bytes], bool], drained: Callable[[], Awaitable[object]]) -> None:
+        """``chunks`` pushed rather than pulled: each piece handed to ``take`` as it arrives (from the callback that
+        read it, where the client library allows), reading paused until ``drained`` returns whenever ``take``
+        returns False; failures raise ``UpstreamError``; closes at the end. The relay's fast mode (relay.py)."""
         ...
 
     async def read(self) -> bytes:
@@ -98,9 +94,9 @@ class Transport(Protocol):
         ...
 
 
-async def pipe_chunks(stream: OpenStream, take: Callable[[bytes], bool],
+async def push_chunks(stream: OpenStream, take: Callable[[bytes], bool],
                       drained: Callable[[], Awaitable[object]]) -> None:
-    """``OpenStream.pipe`` for a client that can only be iterated."""
+    """``OpenStream.push`` for a client that can only be iterated."""
     async with aclosing(stream.chunks()) as chunks:
         async for chunk in chunks:
             if not take(chunk):
@@ -116,17 +112,3 @@ def body_bytes(body: Body) -> bytes:
     """``body`` as one bytes object (for a client that takes nothing else)."""
     return body if isinstance(body, bytes) else b"".join(body)
 
-
-def make_transport(url: str, timeouts: WorkerTimeouts, client: Client = "httptools",
-                   headers: Mapping[str, str] | None = None) -> Transport:
-    """The one place that chooses the HTTP client: our own on httptools by default (a pooled keep-alive POST and
-    nothing else: about half aiohttp's CPU per request at 1k tokens, docs/benchmarks.md, orchestrator cost), aiohttp
-    on request (``upstream_client``), the general client to fall back on (docs/architecture.md says why these two)."""
-    # Imported here, not at the top: these modules import this one.
-    if client == "aiohttp":
-        from orchestrator.aiohttp_transport import AiohttpTransport
-
-        return AiohttpTransport(url, timeouts, headers)
-    from orchestrator.httptools_transport import HttptoolsTransport
-
-    return HttptoolsTransport(url, timeouts, headers)

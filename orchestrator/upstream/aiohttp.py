@@ -1,15 +1,10 @@
-"""``Transport`` over aiohttp: the fallback to the default client (``upstream_client: aiohttp``), and the only
-module that imports aiohttp.
+"""``Transport`` over aiohttp: the general client to fall back on (``upstream_client: aiohttp``), and the only module
+that imports aiohttp.
 
-Why aiohttp, and not httpx, as the general client to fall back on: its HTTP parser is C (llhttp) and it runs
-straight on asyncio's protocols, where httpx goes through httpcore, h11 (pure Python) and anyio; measured against
-mock workers (docs/benchmarks.md, orchestrator cost) that layer was 60% of the orchestrator's samples. A body
-given as chunks (``Body``) is written chunk by chunk under one ``Content-Length``, so GEN's body around CTX's b64
-prompt is never joined here either.
-
-aiohttp's exceptions are translated in one place, ``_translated``, around every call and around stream iteration;
-none goes further. A timeout is ``UpstreamTimeoutError``; a refused connection (``ClientConnectorError``) is
-``UpstreamUnavailableError``; anything else is ``UpstreamError``, as in ``httptools_transport``.
+Why aiohttp, not httpx: its parser is C (llhttp) on asyncio's protocols, where httpx goes through httpcore, h11 (pure
+Python) and anyio, 60 % of the orchestrator's samples against mock workers (docs/benchmarks.md, orchestrator cost).
+aiohttp's exceptions are translated in one place, ``_translated``, around every call and stream iteration: a timeout
+is ``UpstreamTimeoutError``, a refused connection ``UpstreamUnavailableError``, anything else ``UpstreamError``.
 """
 
 from __future__ import annotations
@@ -23,7 +18,7 @@ from aiohttp.abc import AbstractStreamWriter
 from aiohttp.payload import Payload
 
 from frontend.errors import UpstreamError, UpstreamTimeoutError, UpstreamUnavailableError
-from orchestrator.transport import Body, Reply, WorkerTimeouts, body_length, pipe_chunks
+from orchestrator.upstream.base import Body, Reply, WorkerTimeouts, body_length, push_chunks
 
 _JSON_HEADERS = {"Content-Type": "application/json"}
 # Neither is of use between the orchestrator and its workers, and each costs a header per request.
@@ -120,8 +115,8 @@ class AiohttpStream:
         finally:
             await self.aclose()
 
-    async def pipe(self, take: Callable[[bytes], bool], drained: Callable[[], Awaitable[object]]) -> None:
-        await pipe_chunks(self, take, drained)
+    async def push(self, take: Callable[[bytes], bool], drained: Callable[[], Awaitable[object]]) -> None:
+        await push_chunks(self, take, drained)
 
     async def read(self) -> bytes:
         try:

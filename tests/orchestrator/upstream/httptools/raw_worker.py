@@ -8,8 +8,8 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 
-from orchestrator.httptools_transport import HttptoolsTransport
-from orchestrator.transport import WorkerTimeouts
+from orchestrator.upstream.base import WorkerTimeouts
+from orchestrator.upstream.httptools.pool import HttptoolsTransport
 
 # How a raw worker answers: given the worker (its counters, ``read_request``) and one client connection.
 Handler = Callable[["RawWorker", asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]

@@ -1,24 +1,25 @@
-"""The default client's streamed answer (``OpenStream``): a connection whose answer's headers have arrived, its body
-read as it comes (``chunks``), pushed (``pipe``) or whole (``read``); given back to the pool at its end, closed if
-cut short or dropped (that is what tells GEN to stop)."""
+"""An answer of the default client whose status has arrived and whose body is still coming (``OpenStream``).
+
+Its end decides its connection's fate: read to the end, the connection goes back to the pool; cut short or dropped,
+it is closed, which is what tells GEN to stop. The pool hands the stream those two actions, not itself."""
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncGenerator, Awaitable, Callable
-from typing import TYPE_CHECKING
 
-from orchestrator.worker_connection import WorkerConnection
+from orchestrator.upstream.httptools.connection import WorkerConnection
 
-if TYPE_CHECKING:
-    from orchestrator.httptools_transport import HttptoolsTransport
+# What the pool does with a connection at a stream's end: take it back, or close it and free its slot.
+ConnectionEnd = Callable[[WorkerConnection], None]
 
 
 class HttptoolsStream:
     """``OpenStream`` over a connection whose answer's headers have arrived."""
 
-    def __init__(self, transport: HttptoolsTransport, connection: WorkerConnection) -> None:
-        self._transport = transport
+    def __init__(self, connection: WorkerConnection, give_back: ConnectionEnd, forget: ConnectionEnd) -> None:
+        self._give_back = give_back
+        self._forget = forget
         self._connection: WorkerConnection | None = connection
         self._status = connection.status
 
@@ -39,10 +40,10 @@ class HttptoolsStream:
         finally:
             await self.aclose()
 
-    async def pipe(self, take: Callable[[bytes], bool], drained: Callable[[], Awaitable[object]]) -> None:
+    async def push(self, take: Callable[[bytes], bool], drained: Callable[[], Awaitable[object]]) -> None:
         try:
             if self._connection is not None:
-                await self._connection.pipe(take, drained)
+                await self._connection.push(take, drained)
         finally:
             await self.aclose()
 
@@ -55,21 +56,20 @@ class HttptoolsStream:
             await self.aclose()
 
     def __del__(self) -> None:
-        # A stream dropped without ``aclose`` (its relay generator never started, say, because the client left
-        # while the answer's first line was being sent) closes its connection when it is collected, as aiohttp's
-        # responses do: the worker then stops, and the pool slot is free again. (``__del__``, not a
-        # ``weakref.finalize``: that costs a registration and a detach on every stream.)
+        # A stream dropped without ``aclose`` (its relay never started: the client left while the answer's first
+        # line was being sent) closes its connection when collected, as aiohttp's responses do, so the worker stops
+        # and the slot is free. (``__del__``, not ``weakref.finalize``: that costs a registration per stream.)
         connection, self._connection = self._connection, None
         if connection is not None:
             with contextlib.suppress(RuntimeError):  # collected after its event loop closed: nothing left to tell
-                self._transport._forget(connection)
+                self._forget(connection)
 
     async def aclose(self) -> None:
         connection, self._connection = self._connection, None
         if connection is None:
             return
         if connection.complete:
-            self._transport._give_back(connection)
+            self._give_back(connection)
         else:
             # Cut short (the client left, or a failure): closing the connection is what tells the worker to stop.
-            self._transport._forget(connection)
+            self._forget(connection)

@@ -1,5 +1,5 @@
 """aiohttp's exceptions, translated to the project's own errors in one place (the behaviour against real workers is
-in test_transport.py, run for every transport)."""
+in test_base.py, run for every transport)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 from aiohttp.client_reqrep import ConnectionKey
 
 from frontend.errors import UpstreamError, UpstreamTimeoutError, UpstreamUnavailableError
-from orchestrator.aiohttp_transport import translate_aiohttp_error
+from orchestrator.upstream.aiohttp import translate_aiohttp_error
 
 _KEY = ConnectionKey("w", 1, False, True, None, None, None)
 

@@ -1,7 +1,7 @@
 """The httptools transport's pool against raw asyncio servers that misbehave on purpose: connections kept alive and
 reused, the connection limit and the callers waiting their turn, idle ones closed, the request's head, and the same
-under uvloop (the orchestrator's loop). Its connection is tested in test_worker_connection.py, its stream in
-test_httptools_stream.py; what every transport does against real workers is in test_transport.py."""
+under uvloop (the orchestrator's loop). Its connection is tested in test_connection.py, its stream in
+test_stream.py; what every transport does against real workers is in ../test_base.py."""
 
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ import pytest
 import uvloop
 
 from frontend.errors import UpstreamError, UpstreamTimeoutError
-from orchestrator import httptools_transport
-from orchestrator.httptools_transport import HttptoolsTransport
-from orchestrator.transport import WorkerTimeouts
-from tests.orchestrator.raw_worker import RawWorker, answer, answer_after, client_of, echo_keep_alive
+from orchestrator.upstream.base import WorkerTimeouts
+from orchestrator.upstream.httptools import pool as httptools_pool
+from orchestrator.upstream.httptools.pool import HttptoolsTransport
+from tests.orchestrator.upstream.httptools.raw_worker import RawWorker, answer, answer_after, client_of, echo_keep_alive
 from tests.waiting import DEFAULT_TIMEOUT_S, eventually_async
 
 
@@ -62,7 +62,7 @@ async def test_a_pooled_connection_the_worker_closed_while_idle_is_not_used_agai
 
 async def test_a_caller_waits_for_a_busy_pool_no_longer_than_the_connect_timeout(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(httptools_transport, "_MAX_CONNECTIONS", 1)
+    monkeypatch.setattr(httptools_pool, "_MAX_CONNECTIONS", 1)
     release = asyncio.Event()
     async with client_of(answer_after(release), WorkerTimeouts(connect_s=0.2)) as (worker, transport):
         first = asyncio.ensure_future(transport.post("/x", b"1"))
@@ -74,7 +74,7 @@ async def test_a_caller_waits_for_a_busy_pool_no_longer_than_the_connect_timeout
 
 
 async def test_no_more_connections_than_the_limit_the_rest_wait_their_turn(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(httptools_transport, "_MAX_CONNECTIONS", 2)
+    monkeypatch.setattr(httptools_pool, "_MAX_CONNECTIONS", 2)
     release = asyncio.Event()
     async with client_of(answer_after(release)) as (worker, transport):
         calls = [asyncio.ensure_future(transport.post("/x", b"%d" % i)) for i in range(6)]
@@ -88,7 +88,7 @@ async def test_no_more_connections_than_the_limit_the_rest_wait_their_turn(monke
 
 async def test_a_caller_cancelled_while_waiting_for_a_connection_passes_its_turn_on(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(httptools_transport, "_MAX_CONNECTIONS", 1)
+    monkeypatch.setattr(httptools_pool, "_MAX_CONNECTIONS", 1)
     release = asyncio.Event()
     async with client_of(answer_after(release)) as (_worker, transport):
         first = asyncio.ensure_future(transport.post("/x", b"1"))
@@ -135,7 +135,7 @@ def test_the_same_under_uvloop() -> None:
 
 
 async def test_idle_pooled_connections_are_closed_by_the_transport(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(httptools_transport, "_IDLE_S", 0.05)  # the transport's setting, not a wait of the test's
+    monkeypatch.setattr(httptools_pool, "_IDLE_S", 0.05)  # the transport's setting, not a wait of the test's
     async with client_of(echo_keep_alive) as (worker, transport):
         assert (await transport.post("/x", b"1")).content == b"1"
         assert worker.open_now == 1

@@ -12,7 +12,7 @@ from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 from frontend.errors import UpstreamError
-from orchestrator.transport import Body, Reply, WorkerTimeouts, body_bytes, pipe_chunks
+from orchestrator.upstream.base import Body, Reply, WorkerTimeouts, body_bytes, push_chunks
 
 
 @dataclass
@@ -36,8 +36,8 @@ class ScriptedStream:
         finally:
             await self.aclose()
 
-    async def pipe(self, take: Callable[[bytes], bool], drained: Callable[[], Awaitable[object]]) -> None:
-        await pipe_chunks(self, take, drained)
+    async def push(self, take: Callable[[bytes], bool], drained: Callable[[], Awaitable[object]]) -> None:
+        await push_chunks(self, take, drained)
 
     async def read(self) -> bytes:
         await self.aclose()

@@ -1,32 +1,17 @@
-"""``Transport`` on asyncio protocols and httptools: the orchestrator's default client for its two hot calls, and its
-pool of connections per worker. The connection and its parser are ``worker_connection.py``, a streamed answer
-``httptools_stream.py``.
+"""The default client's ``Transport``: a pool of keep-alive connections to one worker.
 
-Why a client of our own: the orchestrator makes exactly one kind of request (a POST of JSON bytes to a worker it
-knows, over a keep-alive connection), and every general client pays per request for what it does not need here.
-Against mock workers (docs/benchmarks.md, orchestrator cost) aiohttp's Python was ~20 % of the orchestrator's
-samples after its own hot path was bare ASGI: a ``ClientRequest`` and a ``ClientResponse`` with their URL, header
-multidicts, cookie jar, tracing hooks and timer handles per call, a ``StreamReader`` whose ``read`` joins the
-chunks it was fed, and one ``send()`` per chunk of a body. Here a request is one ``writelines`` of the head and
-the body's chunks (CTX's b64 span goes out as the view it is, never joined), and the answer is parsed by
-httptools' C parser (llhttp, the one uvicorn and aiohttp use) as it is read. The socket is read as a
-``BufferedProtocol`` (``frontend/read_buffers.py``): a whole answer of declared length, such as CTX's 700 KB with
-the b64 prompt at 131k tokens, goes past the parser straight into the ``bytes`` its reader gets, never copied.
+Why a client of our own: the orchestrator makes one kind of request (a POST of JSON bytes to a worker it knows, over
+a keep-alive connection), and a general client pays per request for what it does not need here (aiohttp's Python
+was ~20 % of the orchestrator's samples: docs/benchmarks.md, orchestrator cost). A request here is one
+``writelines`` of its head and its body's chunks, CTX's b64 span never joined.
 
-What it keeps of a general client, because production needs it: a pool of keep-alive connections per worker
-(LIFO, so the warm ones are reused; idle ones closed after ``_IDLE_S`` by one timer per worker, before the
-worker's own timeout, so the orchestrator is the side that closes them), at most ``_MAX_CONNECTIONS`` at once (the
-rest wait their turn), a pooled connection the worker closed while it was idle never handed out (a request
-written and then met by a close is never sent again here, since the worker may have run it), connect and
-between-reads timeouts, TLS for ``https://`` workers, flow control on a stream the consumer reads slower than the
-worker writes, and the connection closed, never pooled, when an answer is abandoned half read (that is what tells
-GEN to stop) or did not end cleanly.
-
-What it takes from a worker, or a proxy in front of one: interim ``1xx`` answers (``100 Continue``, ``103 Early
-Hints``) are skipped, and the final answer is the request's; a ``101`` (no upgrade was asked for) is an error; a
-head (interim ones included) over ``_MAX_HEAD_BYTES`` is an error. Anything that goes wrong is the project's own error
-(``frontend.errors``), naming the worker: a refused or failed connect is ``UpstreamUnavailableError``, a timeout
-``UpstreamTimeoutError``, anything else ``UpstreamError``.
+What it keeps of a general client, because production needs it: LIFO reuse (the warm connections first), idle ones
+closed after ``_IDLE_S`` by one timer per worker (before the worker's own timeout, so the orchestrator closes them),
+at most ``_MAX_CONNECTIONS`` at once (the rest wait their turn, up to the connect timeout), a pooled connection the
+worker closed while idle never handed out, connect timeouts, TLS for ``https://`` workers, and a connection closed,
+never pooled, when its answer was abandoned half read (that tells GEN to stop) or did not end cleanly. A refused
+or failed connect is ``UpstreamUnavailableError``, a timeout ``UpstreamTimeoutError``, anything else
+``UpstreamError``, each naming the worker.
 """
 
 from __future__ import annotations
@@ -39,9 +24,9 @@ from collections.abc import Mapping
 from urllib.parse import urlsplit
 
 from frontend.errors import UpstreamError, UpstreamTimeoutError, UpstreamUnavailableError
-from orchestrator.httptools_stream import HttptoolsStream
-from orchestrator.transport import Body, Reply, WorkerTimeouts, body_length
-from orchestrator.worker_connection import WorkerConnection
+from orchestrator.upstream.base import Body, Reply, WorkerTimeouts, body_length
+from orchestrator.upstream.httptools.connection import WorkerConnection
+from orchestrator.upstream.httptools.stream import HttptoolsStream
 
 _MAX_CONNECTIONS = 1024  # per worker, as the aiohttp transport
 _IDLE_S = 30.0  # a worker (uvicorn) closes an idle keep-alive connection after 75 s; we close ours first
@@ -80,7 +65,7 @@ class HttptoolsTransport:
     async def open_stream(self, path: str, body: Body, headers: dict[str, str] | None = None) -> HttptoolsStream:
         connection = await self._send(self._head("POST", path, body_length(body), headers), body, None, stream=True)
         connection.flow_controlled = True  # read as it comes: the socket pauses if the reader falls behind
-        return HttptoolsStream(self, connection)
+        return HttptoolsStream(connection, self._give_back, self._forget)
 
     async def get(self, path: str, timeout_s: float) -> Reply:
         try:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import gc
 
-from tests.orchestrator.raw_worker import RawWorker, client_of
+from tests.orchestrator.upstream.httptools.raw_worker import RawWorker, client_of
 from tests.waiting import DEFAULT_TIMEOUT_S
 
 

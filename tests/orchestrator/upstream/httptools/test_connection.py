@@ -14,10 +14,10 @@ import uvloop
 
 from frontend import read_buffers
 from frontend.errors import UpstreamError, UpstreamTimeoutError
-from orchestrator import worker_connection
-from orchestrator.httptools_transport import HttptoolsTransport
-from orchestrator.transport import WorkerTimeouts
-from tests.orchestrator.raw_worker import RawWorker, answer, client_of, echo_keep_alive
+from orchestrator.upstream.base import WorkerTimeouts
+from orchestrator.upstream.httptools import connection as worker_connection
+from orchestrator.upstream.httptools.pool import HttptoolsTransport
+from tests.orchestrator.upstream.httptools.raw_worker import RawWorker, answer, client_of, echo_keep_alive
 from tests.waiting import DEFAULT_TIMEOUT_S, eventually_async
 
 

@@ -1,9 +1,10 @@
-"""One HTTP/1.1 connection of the default client (``httptools_transport.py``) to a worker, as an asyncio
-``BufferedProtocol``: the request written in one ``writelines``, the answer parsed by httptools' C parser as it is
-read, a whole answer of declared length read past the parser straight into its ``bytes``
-(``frontend/read_buffers.py``), flow control on a stream read slower than it arrives, interim ``1xx`` heads skipped,
-a ``101`` or a head over ``_MAX_HEAD_BYTES`` an error, and one read timer per connection. Every failure is the
-project's own error, naming the worker."""
+"""One HTTP/1.1 connection of the default client to a worker, as an asyncio ``BufferedProtocol``.
+
+The request goes out in one ``writelines``; the answer is parsed by httptools' C parser (llhttp, as uvicorn's and
+aiohttp's) as it is read, and a whole answer of declared length (CTX's 700 KB at 131k tokens) is read past the
+parser straight into its ``bytes`` (``frontend/read_buffers.py``), never copied. What it takes from a worker or a
+proxy: interim ``1xx`` heads are skipped; a ``101`` or a head over ``_MAX_HEAD_BYTES`` is an error. Every failure
+is the project's own error, naming the worker."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import httptools
 
 from frontend.errors import UpstreamError, UpstreamTimeoutError
 from frontend.read_buffers import DeclaredBody, DeclaredBodyReads
-from orchestrator.transport import Body
+from orchestrator.upstream.base import Body
 
 # A stream the consumer has not read yet: past this many bytes the socket is paused until it catches up.
 _PAUSE_AT = 4 * 1024 * 1024
@@ -53,7 +54,7 @@ class WorkerConnection(DeclaredBodyReads, asyncio.BufferedProtocol):
         self._declared = b""  # its Content-Length
         self.start_reads()  # a whole answer read past the parser is ``declared_body``
         self._waiter: asyncio.Future[None] | None = None
-        self._sink: Callable[[bytes], bool] | None = None  # while piped: takes each piece of the body (``pipe``)
+        self._sink: Callable[[bytes], bool] | None = None  # while pushed: takes each piece of the body (``push``)
         self._timer: asyncio.TimerHandle | None = None
         self._timer_due = 0.0  # loop time the armed timer fires at
         self._read_timeout_s = 0.0
@@ -124,10 +125,10 @@ class WorkerConnection(DeclaredBodyReads, asyncio.BufferedProtocol):
         self._resume()
         return body[0] if len(body) == 1 else b"".join(body)
 
-    async def pipe(self, take: Callable[[bytes], bool], drained: Callable[[], Awaitable[object]]) -> None:
+    async def push(self, take: Callable[[bytes], bool], drained: Callable[[], Awaitable[object]]) -> None:
         """The rest of the body handed to ``take`` from ``on_body`` as it is parsed: a piece wakes no coroutine.
         When ``take`` says its client is behind, reading pauses until ``drained`` returns."""
-        self._hand_on(take)  # what came with the head, before the pipe was laid
+        self._hand_on(take)  # what came with the head, before pushing began
         self._sink = take
         try:
             while not self.complete:
@@ -149,7 +150,7 @@ class WorkerConnection(DeclaredBodyReads, asyncio.BufferedProtocol):
         self._buffered = 0
         if not take(body[0] if len(body) == 1 else b"".join(body)) and not self._paused and \
                 self._transport is not None and not self.complete:
-            self._paused = True  # the client is behind: ``pipe`` waits for it, then reads on
+            self._paused = True  # the client is behind: ``push`` waits for it, then reads on
             self._transport.pause_reading()
             self._wake()
 

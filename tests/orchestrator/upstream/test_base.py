@@ -1,6 +1,6 @@
 """The ``Transport`` contract, run for every transport (httptools, the default, and aiohttp) against real workers on
 loopback: whole and streamed answers, bodies sent as chunks, and every failure arriving as the project's own error,
-stream iteration included; and the one place that chooses the client, which the configuration feeds."""
+stream iteration included; and each client library used by its own module only."""
 
 from __future__ import annotations
 
@@ -20,9 +20,9 @@ from starlette.routing import Route
 
 import orchestrator
 from frontend.errors import UpstreamTimeoutError, UpstreamUnavailableError
-from orchestrator.aiohttp_transport import AiohttpTransport
-from orchestrator.httptools_transport import HttptoolsTransport
-from orchestrator.transport import Transport, WorkerTimeouts, make_transport
+from orchestrator.upstream.aiohttp import AiohttpTransport
+from orchestrator.upstream.base import WorkerTimeouts
+from orchestrator.upstream.httptools.pool import HttptoolsTransport
 from tests.cluster import MODEL, Cluster, start_worker
 from tests.servers import running
 from workers.engines.synthetic import SyntheticConfig
@@ -47,19 +47,6 @@ TransportClass = type[AiohttpTransport] | type[HttptoolsTransport]
 def transport_class(request: pytest.FixtureRequest) -> TransportClass:
     cls: TransportClass = request.param
     return cls
-
-
-async def test_the_transport_is_chosen_in_one_place() -> None:
-    for client, cls in (("aiohttp", AiohttpTransport), ("httptools", HttptoolsTransport)):
-        transport: Transport = make_transport("http://w:1", WorkerTimeouts(), client)  # type: ignore[arg-type]
-        try:
-            assert isinstance(transport, cls)
-            assert transport.url == "http://w:1"
-        finally:
-            await transport.aclose()
-    default = make_transport("http://w:1", WorkerTimeouts())
-    assert isinstance(default, HttptoolsTransport)
-    await default.aclose()
 
 
 async def test_post_stream_and_get_against_a_real_worker(cluster: Cluster, transport_class: TransportClass) -> None:
@@ -151,13 +138,13 @@ def test_each_http_client_stays_inside_its_module() -> None:
                     for alias in node.names}
         imported |= {(node.module or "").split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
         assert not {"httpx", "httpcore", "h11"} & imported, f"{source.relative_to(root)} imports an HTTP client"
-        if source.name != "aiohttp_transport.py":
+        if source != root / "upstream" / "aiohttp.py":
             assert "aiohttp" not in imported, f"{source.relative_to(root)} imports the HTTP client"
-        if source.name != "worker_connection.py":
+        if source != root / "upstream" / "httptools" / "connection.py":
             assert "httptools" not in imported, f"{source.relative_to(root)} imports the HTTP parser"
         called = {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)}
         assert not {"__aenter__", "__aexit__"} & called, f"{source.relative_to(root)} drives a context by hand"
-        if source.name != "aiohttp_transport.py":
+        if source != root / "upstream" / "aiohttp.py":
             assert "translate_aiohttp_error" not in source.read_text()
 
 
