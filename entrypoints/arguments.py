@@ -11,15 +11,15 @@ import os
 from typing import Any
 
 from entrypoints.bench.command import add_arguments as add_bench_arguments
-from frontend.client_timeouts import (
+from entrypoints.http.limits import (
     DEFAULT_BODY_MIN_RATE,
     DEFAULT_BODY_TIMEOUT_S,
     DEFAULT_HEADER_TIMEOUT_S,
     DEFAULT_MAX_BODY_READS_PER_CLIENT,
     DEFAULT_MAX_HEAD_BYTES,
-    DEFAULT_SEND_TIMEOUT_S,
     DEFAULT_WORKER_MAX_BODY_READS_PER_CLIENT,
 )
+from frontend.client_timeouts import DEFAULT_SEND_TIMEOUT_S
 from frontend.http import DEFAULT_MAX_BODY_BYTES
 from workers.engines.factory import ENGINE_NAMES
 from workers.engines.options import DEFAULT_TOKENIZE_CACHE_BYTES, TOKENIZER_BACKENDS, TOKENIZERS

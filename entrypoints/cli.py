@@ -17,19 +17,15 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import uvicorn
-
 from entrypoints.arguments import build_parser
-from entrypoints.client_limits import ClientLimits
-from entrypoints.http_protocol import guarded_protocol
-from entrypoints.listening_socket import address, bound_socket, inherited_socket
-from entrypoints.quiet_server import QuietServer
-from frontend import tracing
-from frontend.client_timeouts import (
+from entrypoints.http import STARTUP_FAILED, serve
+from entrypoints.http.limits import (
     DEFAULT_MAX_BODY_READS_PER_CLIENT,
     DEFAULT_WORKER_MAX_BODY_READS_PER_CLIENT,
-    with_send_timeout,
+    ClientLimits,
 )
+from entrypoints.http.listener import address, bound_socket, inherited_socket
+from frontend import tracing
 from frontend.internal_secret import (
     InternalSecret,
     InternalSecretError,
@@ -44,11 +40,9 @@ from frontend.trtllm.auth import trtllm_auth_key_from_env
 logger = logging.getLogger("disagg_serve")
 
 
-STARTUP_FAILED = 3  # uvicorn's own exit status for an app whose start-up failed (uvicorn.run exits with it)
-
 
 def _listener(args: argparse.Namespace, host: str, port: int) -> socket.socket | None:
-    """The socket to serve on, bound now, before the engine or the app starts (entrypoints/listening_socket.py):
+    """The socket to serve on, bound now, before the engine or the app starts (entrypoints/http/listener.py):
     the one ``--listen-fd`` names, else ``host:port``. None, with the reason printed, where it cannot be had."""
     try:
         listener = inherited_socket(args.listen_fd) if args.listen_fd is not None else \
@@ -66,40 +60,17 @@ def _listener(args: argparse.Namespace, host: str, port: int) -> socket.socket |
 
 
 def _serve(app: Any, args: argparse.Namespace, listener: socket.socket) -> int:
-    """Serve ``app`` on ``listener`` with the limits every front end gets against slow and hostile clients
-    (docs/reliability.md): a head of at most ``--max-head-bytes`` within ``--header-timeout-s``, a body with no
-    pause of ``--body-timeout-s`` and at least ``--body-min-rate`` past it, at most ``--max-body-reads-per-client``
-    bodies being read from one address, each piece of an answer taken within ``--client-send-timeout-s`` (the
-    protocol's flow control already caps what a non-reading client makes us buffer), idle keep-alive 75 s."""
+    """Serve ``app`` on ``listener`` (``entrypoints.http.serve``) with the limits the command line sets against
+    slow and hostile clients (docs/http.md): ``--max-head-bytes``, ``--header-timeout-s``, ``--body-timeout-s``,
+    ``--body-min-rate``, ``--max-body-reads-per-client`` (by default higher on a worker, whose clients are its
+    orchestrators) and ``--client-send-timeout-s``."""
     per_client = args.max_body_reads_per_client
     if per_client is None:
         per_client = DEFAULT_WORKER_MAX_BODY_READS_PER_CLIENT if args.command == "worker" else \
             DEFAULT_MAX_BODY_READS_PER_CLIENT
     limits = ClientLimits(args.header_timeout_s, args.body_timeout_s, args.max_head_bytes, args.body_min_rate,
                           per_client)
-    cuts = app.state.metrics.connections_cut
-    host, port = address(listener)
-    config = uvicorn.Config(with_send_timeout(app, args.client_send_timeout_s), host=host, port=port,
-                            log_level=args.log_level, loop="uvloop",
-                            # The project's own protocol (entrypoints/http_protocol.py), which offers no upgrade:
-                            # no WebSocket protocol is loaded. (uvicorn calls ``http`` as a protocol factory; its
-                            # hint names only asyncio.Protocol.)
-                            ws="none", http=guarded_protocol(limits, app,  # type: ignore[arg-type]
-                                                  lambda reason: cuts.labels(reason=reason).inc()),
-                            timeout_graceful_shutdown=30, timeout_keep_alive=75, access_log=False, log_config=None)
-    server = QuietServer(config)
-    try:
-        server.run(sockets=[listener])
-    except OSError as exc:
-        if server.started:
-            raise
-        # Bound, but another socket that shares the port (SO_REUSEADDR, entrypoints/listening_socket.py) listened
-        # on it first.
-        print(f"disagg-serve: cannot listen on {host}:{port}: {exc.strerror}", file=sys.stderr)
-        return STARTUP_FAILED
-    # An engine that failed to start (its error is already logged) must not look like a clean stop to whatever
-    # started the process: ``up``, a container runtime, a supervisor.
-    return 0 if server.started else STARTUP_FAILED
+    return serve(app, listener, limits, send_timeout_s=args.client_send_timeout_s, log_level=args.log_level)
 
 
 def _internal_secret(command: str) -> tuple[bool, InternalSecret | None]:
@@ -139,10 +110,10 @@ def run_worker(args: argparse.Namespace, argv: Sequence[str]) -> int:
     from workers.engines.factory import EngineOptions, create_engine
     from workers.engines.options import SimulatedConfig, TokenizeConfig, VllmConfig
     from workers.engines.synthetic import SyntheticConfig
-    from workers.lifecycle_settings import lifecycle_settings_from_env
     from workers.registration import Registration
     from workers.server import create_worker_app
-    from workers.serving import WorkerSettings
+    from workers.settings import WorkerSettings
+    from workers.trtllm.settings import lifecycle_settings_from_env
 
     options = EngineOptions(
         model_path=args.model,

@@ -32,7 +32,7 @@ import httpx
 import yaml
 
 from entrypoints.arguments import engine_arguments
-from entrypoints.listening_socket import address, bound_socket
+from entrypoints.http.listener import address, bound_socket
 from frontend.internal_secret import INTERNAL_TOKEN_ENV, INTERNAL_TOKEN_FILE_ENV
 from frontend.process_lifetime import die_with_parent
 

@@ -23,22 +23,6 @@ logger = logging.getLogger(__name__)
 DEFAULT_SEND_TIMEOUT_S = 60.0
 # A scope extension a server may offer: ``{"abort": callable}`` drops the connection at once (RST), buffer and all.
 ABORT_CONNECTION = "disagg.abort_connection"
-# How long a request's headers may take to arrive (the check itself is in entrypoints/http_protocol.py).
-DEFAULT_HEADER_TIMEOUT_S = 30.0
-# How long a request's body may go without a byte arriving, from its head on (entrypoints/client_limits.py): a
-# client that sends a head and then nothing holds a connection, and nothing more, for at most this long.
-DEFAULT_BODY_TIMEOUT_S = 30.0
-# ... and the least it must average past its first ``DEFAULT_BODY_TIMEOUT_S`` (bytes/s): a body may take that long
-# plus its bytes received at this rate, so a client that trickles a byte just inside the idle timeout is cut off
-# too. What a body declares changes neither: only bytes received earn time.
-DEFAULT_BODY_MIN_RATE = 32 * 1024
-# The most request bodies being read at once from one client address (0: no cap); past it, a 429 and a close. A
-# worker's clients are its orchestrators, whose many requests come from few addresses: its cap is far above what
-# their admission sends it at once (its bytes budget and body clocks hold as the orchestrator's do).
-DEFAULT_MAX_BODY_READS_PER_CLIENT = 64
-DEFAULT_WORKER_MAX_BODY_READS_PER_CLIENT = 1024
-# The most a request's head (request line and headers) may take, in bytes; a longer one gets 431 and a close.
-DEFAULT_MAX_HEAD_BYTES = 64 * 1024
 # A timeout's timer that fires this early counts as on time (event-loop timers round to the millisecond).
 TIMER_SLACK_S = 0.001
 

@@ -14,7 +14,7 @@ import httpx
 import orjson
 import pytest
 
-from tests.entrypoints.test_client_limits import _free_port, _read_to_close, _rss_bytes, stalled_cuts
+from tests.entrypoints.http.test_limits import _free_port, _read_to_close, _rss_bytes, stalled_cuts
 from tests.waiting import eventually
 
 SEND_TIMEOUT_S = 2.0

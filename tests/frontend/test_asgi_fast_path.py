@@ -23,8 +23,8 @@ import pytest
 from fastapi import Request
 from starlette.responses import Response, StreamingResponse
 
-from entrypoints.client_limits import ClientLimits
-from entrypoints.http_protocol import guarded_protocol
+from entrypoints.http.limits import ClientLimits
+from entrypoints.http.protocol import guarded_protocol
 from frontend.asgi_fast_path import ChunkWriter, Drained, Exchange, FastPathApp, LastChunkWriter
 from frontend.client_timeouts import with_send_timeout
 from frontend.errors import OverloadedError, UpstreamError

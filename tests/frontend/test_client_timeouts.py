@@ -10,7 +10,7 @@ import pytest
 import uvloop
 from starlette.types import Receive, Scope, Send
 
-from entrypoints.http_protocol import guarded_protocol
+from entrypoints.http.protocol import guarded_protocol
 from frontend.client_timeouts import with_send_timeout
 from tests.servers import ServerThread
 from tests.waiting import eventually

@@ -22,8 +22,8 @@ import httpx
 import pytest
 import uvloop
 
-from entrypoints.client_limits import ClientLimits
-from entrypoints.http_protocol import guarded_protocol
+from entrypoints.http.limits import ClientLimits
+from entrypoints.http.protocol import guarded_protocol
 from frontend.config import parse_config
 from frontend.metrics import Metrics
 from orchestrator.server import create_orchestrator_app
@@ -268,7 +268,7 @@ def test_body_reads_are_capped_per_client_address(caplog: pytest.LogCaptureFixtu
             sock = stack.enter_context(connected(capped.port, "127.0.0.7"))
             sock.sendall(head_only(b"Content-Length: 1000"))
             continued(sock)
-        with caplog.at_level(logging.WARNING, logger="entrypoints.http_protocol"), \
+        with caplog.at_level(logging.WARNING, logger="disagg_serve.http"), \
                 connected(capped.port, "127.0.0.7") as third:
             third.sendall(head_only(b"Content-Length: 1000", b"X-Request-Id: third-body-1\r\n"))
             head = refused(read_until_closed(third), 429, "overloaded")
@@ -309,7 +309,7 @@ def test_a_body_trickled_under_the_minimum_rate_is_cut_off(caplog: pytest.LogCap
     64 times the body timeout, whatever came)."""
     # (An idle timeout far above the client's pace, so that only a client paused for 1.5 s could meet it first.)
     with front_running(1.5, {"body_min_rate": 1000}, max_body_bytes=64 * 1024 * 1024) as front, \
-            caplog.at_level(logging.WARNING, logger="entrypoints.http_protocol"), connected(front.port) as slow:
+            caplog.at_level(logging.WARNING, logger="disagg_serve.http"), connected(front.port) as slow:
         before = front.cuts("body_timeout")
         slow.sendall(request(body=b" ", extra=b"X-Request-Id: trickle-1\r\n").replace(
             b"Content-Length: 1\r\n", b"Content-Length: 67108864\r\n"))  # the head and a first byte
@@ -330,7 +330,7 @@ def test_a_body_trickled_under_the_minimum_rate_is_cut_off(caplog: pytest.LogCap
 
 def test_a_body_not_in_by_its_clock_is_cut_off_with_408(front: Front, caplog: pytest.LogCaptureFixture) -> None:
     before = front.cuts("body_timeout")
-    with caplog.at_level(logging.WARNING, logger="entrypoints.http_protocol"), connected(front.port) as slow:
+    with caplog.at_level(logging.WARNING, logger="disagg_serve.http"), connected(front.port) as slow:
         slow.sendall(request(body=b"{" + b" " * 999, extra=b"X-Request-Id: slow-body-1\r\n")[:-999])
         head = refused(read_until_closed(slow), 408, "request_timeout")
     assert header(head, b"x-request-id") == b"slow-body-1"

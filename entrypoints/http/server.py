@@ -19,7 +19,7 @@ TICK_S = 1.0
 _DATE_EVERY = 10  # uvicorn renews the Date header when its tick counter is a multiple of 10
 
 
-class QuietServer(uvicorn.Server):
+class TickServer(uvicorn.Server):
     def __init__(self, config: uvicorn.Config) -> None:
         self._should_exit = False
         self._wake: asyncio.Event | None = None

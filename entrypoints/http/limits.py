@@ -1,5 +1,5 @@
 """What one client may make a front end wait for or hold (``ClientLimits``, docs/reliability.md), and the part of
-the guarded protocol (``entrypoints/http_protocol.py``) that holds it to them: the clocks of a request's head, of
+the guarded protocol (``entrypoints/http/protocol.py``) that holds it to them: the clocks of a request's head, of
 its body and of an idle kept connection; what bodies being read may hold (bytes received, against the server's
 ``BodyBudget``; bodies per client address); and the ways a connection is ended: a refusal answered in OpenAI's
 error shape, a reset, a close that first reads and drops what the client still sends. Each cut-off is logged (with
@@ -22,21 +22,32 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
-from entrypoints.request_cycle import STATUS_LINE, FlowControl, RequestCycle, default_header_lines
-from frontend.client_timeouts import (
-    DEFAULT_BODY_MIN_RATE,
-    DEFAULT_BODY_TIMEOUT_S,
-    DEFAULT_HEADER_TIMEOUT_S,
-    DEFAULT_MAX_BODY_READS_PER_CLIENT,
-    DEFAULT_MAX_HEAD_BYTES,
-    TIMER_SLACK_S,
-)
+from entrypoints.http.cycle import STATUS_LINE, FlowControl, RequestCycle, default_header_lines
+from frontend.client_timeouts import TIMER_SLACK_S
 from frontend.errors import OverloadedError, RequestTimeoutError, ServingError, error_body
 from frontend.http import DEFAULT_MAX_BODY_BYTES_READING, BodyBudget, BodyReads, request_id_of
 from frontend.read_buffers import DeclaredBody
 
-# The HTTP layer's logger, as it was before this module was split out of it: what an operator's filters name.
-logger = logging.getLogger("entrypoints.http_protocol")
+# The HTTP server's logger: what an operator's filters name.
+logger = logging.getLogger("disagg_serve.http")
+
+# How long a request's head (request line and headers) may take to arrive, from the connection's opening or its
+# first byte.
+DEFAULT_HEADER_TIMEOUT_S = 30.0
+# How long a request's body may go without a byte arriving, from its head on: a client that sends a head and then
+# nothing holds a connection, and nothing more, for at most this long.
+DEFAULT_BODY_TIMEOUT_S = 30.0
+# ... and the least it must average past its first ``DEFAULT_BODY_TIMEOUT_S`` (bytes/s): a body may take that long
+# plus its bytes received at this rate, so a client that trickles a byte just inside the idle timeout is cut off
+# too. What a body declares changes neither: only bytes received earn time.
+DEFAULT_BODY_MIN_RATE = 32 * 1024
+# The most request bodies being read at once from one client address (0: no cap); past it, a 429 and a close. A
+# worker's clients are its orchestrators, whose many requests come from few addresses: its cap is far above what
+# their admission sends it at once (its bytes budget and body clocks hold as the orchestrator's do).
+DEFAULT_MAX_BODY_READS_PER_CLIENT = 64
+DEFAULT_WORKER_MAX_BODY_READS_PER_CLIENT = 1024
+# The most a request's head (request line and headers) may take, in bytes; a longer one gets 431 and a close.
+DEFAULT_MAX_HEAD_BYTES = 64 * 1024
 
 # How long a connection closed before its request's body was read keeps reading (and dropping) what the client
 # still sends, so that its close does not reset the connection before the client has read the answer.
@@ -58,7 +69,7 @@ class ClientLimits:
 
 
 class ClientCutoffs:
-    """The guarded protocol's clocks and ends of a connection (its subclass in ``entrypoints/http_protocol.py`` is
+    """The guarded protocol's clocks and ends of a connection (its subclass in ``entrypoints/http/protocol.py`` is
     the protocol the server runs, and its ``__init__`` sets the state below: one per connection)."""
 
     limits = ClientLimits()

@@ -5,7 +5,7 @@ clients"): a client that stops reading is cut off after ``--client-send-timeout-
 bounded by flow control; a client that sends its headers a byte at a time is cut off after ``--header-timeout-s``;
 1,000 idle keep-alive connections do not stop another client from being served.
 
-Then the clocks of ``entrypoints/client_limits.py`` on the guarded protocol alone (a real uvicorn server in a
+Then the clocks of ``entrypoints/http/limits.py`` on the guarded protocol alone (a real uvicorn server in a
 thread, raw client sockets): each request's own header clock, and one keep-alive timer per connection.
 """
 
@@ -25,9 +25,9 @@ import httpx
 import pytest
 import uvloop
 
-from entrypoints.client_limits import ClientLimits
-from entrypoints.http_protocol import guarded_protocol
-from tests.entrypoints.test_http_protocol import Recorder, connected, head, read_answer
+from entrypoints.http.limits import ClientLimits
+from entrypoints.http.protocol import guarded_protocol
+from tests.entrypoints.http.test_protocol import Recorder, connected, head, read_answer
 from tests.servers import ServerThread
 from tests.waiting import eventually
 
@@ -190,7 +190,7 @@ def test_the_next_request_on_a_kept_connection_gets_its_own_header_clock(event_l
 
 
 def test_an_upgrade_on_a_kept_connection_is_answered_over_http_and_the_connection_closes_after_it() -> None:
-    # No upgrade is offered (entrypoints/http_protocol.py): the request is answered as HTTP/1.1, and what the
+    # No upgrade is offered (entrypoints/http/protocol.py): the request is answered as HTTP/1.1, and what the
     # client sends after its head (here a WebSocket frame, and then what would be a request) is never parsed.
     thread = ServerThread(Recorder(), http=guarded_protocol(ClientLimits(header_timeout_s=0.3)), lifespan="off")
     port = int(thread.start().rsplit(":", 1)[1])

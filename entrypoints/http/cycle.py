@@ -1,10 +1,10 @@
-"""One request on a connection of the project's HTTP/1.1 protocol (``entrypoints/http_protocol.py``) and its
+"""One request on a connection of the project's HTTP/1.1 protocol (``entrypoints/http/protocol.py``) and its
 answer: the state the connection and the request's handler share (``RequestCycle``), how an answer's writes wait
 for a client that reads slowly (``FlowControl``), and ASGI's ``receive`` and ``send`` for a request served
 through an app.
 
 The rules an answer keeps, whoever writes it (an app through ``send``, or a fast route's exchange,
-``entrypoints/direct_exchange.py``, on these fields directly):
+``entrypoints/http/exchange.py``, on these fields directly):
 
 - the server's default headers (date; never ``server``) first; an app's header names must be tokens and its values
   hold no CR, LF or other control byte but tab (a header built from a client's input cannot split the answer);
@@ -29,8 +29,8 @@ from typing import Any
 from frontend.errors import ServingError, error_body
 from frontend.http import request_id_of
 
-# The HTTP layer's logger: what an operator's filters name.
-logger = logging.getLogger("entrypoints.http_protocol")
+# The HTTP server's logger: what an operator's filters name.
+logger = logging.getLogger("disagg_serve.http")
 
 # A body read piece by piece (no declared length, or one too long to be read whole) pauses the socket past this
 # many unread bytes, until the handler takes them.

@@ -17,10 +17,10 @@ import pytest
 
 from entrypoints import cli
 from entrypoints.arguments import build_parser
-from entrypoints.listening_socket import address, bound_socket, inherited_socket
+from entrypoints.http.listener import address, bound_socket, inherited_socket
 from tests.waiting import eventually
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def _clean_env() -> dict[str, str]:

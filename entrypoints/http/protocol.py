@@ -4,7 +4,7 @@ own buffer and handed to the app whole.
 
 uvicorn's ``Server`` runs it as its ``http=`` protocol class (``entrypoints/cli.py``): the server listens, runs the
 app's lifespan, renews the ``Date`` header and shuts down gracefully; everything on a connection is this module's
-and ``entrypoints/request_cycle.py``'s, so that no limit below rests on another project's private code
+and ``entrypoints/http/cycle.py``'s, so that no limit below rests on another project's private code
 (DESIGN.md, HTTP). What it takes of uvicorn is the protocol factory's contract: the ``config`` (its app,
 ``root_path``, ``timeout_keep_alive``; not ``limit_concurrency``: admission is the orchestrator's), the
 ``server_state`` (the connections and tasks a graceful shutdown waits for, the default headers) and the lifespan's
@@ -20,7 +20,7 @@ What a client may not do, each cut-off logged and counted (``disagg_http_connect
   ``body_min_rate`` (a head and one byte of its body held a connection, and in the orchestrator an admission slot,
   for ever): a 408 and a close. What it declares earns it no time and costs the server nothing: its bytes count
   against the server's budget of bodies being read (a 429 past it) as they arrive, and bodies being read are
-  capped per client address (``entrypoints/client_limits.py``); chunk framing and trailers that bring no body
+  capped per client address (``entrypoints/http/limits.py``); chunk framing and trailers that bring no body
   bytes count against the head limit;
 - an HTTP/1.1 request has exactly one ``Host``, an HTTP/1.0 one at most one (RFC 9112 3.2), else a 400; malformed
   requests get an OpenAI-shaped 400;
@@ -33,13 +33,13 @@ What a client may not do, each cut-off logged and counted (``disagg_http_connect
 - a protocol upgrade (WebSocket, h2c) is not offered: the request is answered over HTTP/1.1, as RFC 9110 7.8
   allows, its body read as HTTP/1.1 frames it (llhttp stops before it), and the connection closes after it
   (nothing after the request is parsed);
-- no answer carries a ``server`` header (``entrypoints/request_cycle.py``).
+- no answer carries a ``server`` header (``entrypoints/http/cycle.py``).
 
-The clocks, and the ways a connection is ended, are the protocol's base class (``entrypoints/client_limits.py``);
-the rules of an answer are its cycle's (``entrypoints/request_cycle.py``).
+The clocks, and the ways a connection is ended, are the protocol's base class (``entrypoints/http/limits.py``);
+the rules of an answer are its cycle's (``entrypoints/http/cycle.py``).
 
 Given the ``FastPathApp`` it serves, the protocol starts a POST to a fast route on its cycle itself
-(``entrypoints/direct_exchange.py``); a request served through ASGI gets in its scope the ``ABORT_CONNECTION``
+(``entrypoints/http/exchange.py``); a request served through ASGI gets in its scope the ``ABORT_CONNECTION``
 extension that ``frontend/client_timeouts.py`` uses, and the ``CLIENT_GONE`` one through which
 ``frontend/asgi_fast_path.py`` learns that the client left without a task waiting on ``receive``. The keep-alive
 timer is one per connection, not one per request. Pipelined requests are answered in order, one at a time.
@@ -62,9 +62,9 @@ from typing import Any
 
 import httptools
 
-from entrypoints.client_limits import ClientCutoffs, ClientLimits
-from entrypoints.direct_exchange import CycleExchange
-from entrypoints.request_cycle import HIGH_WATER_LIMIT, FlowControl, RequestCycle
+from entrypoints.http.cycle import HIGH_WATER_LIMIT, FlowControl, RequestCycle
+from entrypoints.http.exchange import CycleExchange
+from entrypoints.http.limits import ClientCutoffs, ClientLimits
 from frontend.asgi_fast_path import CLIENT_GONE, FastPathApp
 from frontend.client_timeouts import ABORT_CONNECTION
 from frontend.errors import HeadTooLargeError, InvalidRequestError, ServingError
@@ -81,7 +81,7 @@ def guarded_protocol(limits: ClientLimits = ClientLimits(), app: Any = None,  # 
                      count_cut: Callable[[str], None] | None = None) -> type[GuardedProtocol]:
     """A protocol class for uvicorn's ``http=`` (a factory called with the server's ``config``, ``server_state``
     and ``app_state``), holding clients to ``limits``. ``app``: the app served: a ``FastPathApp``'s fast routes the
-    protocol then serves itself (``entrypoints/direct_exchange.py``), and an app's ``state.body_budget`` (a
+    protocol then serves itself (``entrypoints/http/exchange.py``), and an app's ``state.body_budget`` (a
     ``BodyBudget``, from its configuration) is what its bodies being read may hold; ``count_cut``: called with the
     reason (``frontend.metrics.CONNECTION_CUT_REASONS``) of each connection cut on a limit."""
 

@@ -1,4 +1,4 @@
-"""The front ends' HTTP protocol (``entrypoints/http_protocol.py``) hands the app a request body of declared length
+"""The front ends' HTTP protocol (``entrypoints/http/protocol.py``) hands the app a request body of declared length
 whole, in one message, however many pieces it arrived in, read past the parser into its own buffer; other bodies
 arrive uvicorn's way. Real uvicorn server on asyncio's event loop and on uvloop (production's: it reads into a
 protocol's buffers by other code), raw client sockets (so the pieces and their timing are the test's)."""
@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 import uvloop
 
-from entrypoints import http_protocol
-from entrypoints.http_protocol import guarded_protocol
+from entrypoints.http import protocol as http_protocol
+from entrypoints.http.protocol import guarded_protocol
 from frontend import read_buffers
 from tests.servers import ServerThread
 from tests.waiting import eventually

@@ -3,13 +3,13 @@
 Why: served through ASGI, the orchestrator's hot routes paid, per request, for a ``run_asgi`` wrapper, a
 proxy-headers middleware, the fast path's dispatch, a ``receive`` message for the body, and for every piece of the
 answer a message dict that ``send`` takes apart again, checking each header against two regular expressions; and
-one send timer per request. Here the project's protocol (``entrypoints/http_protocol.py``) starts the handler on
+one send timer per request. Here the project's protocol (``entrypoints/http/protocol.py``) starts the handler on
 the request's ``RequestCycle`` directly: the body is the one the protocol parsed, the answer's head is written in
 one piece with the server's default headers (its names are the handler's own, not a client's), a whole answer goes
 out with its head in one send, and a timer exists only while a send waits for a client that does not read.
 
 It keeps, on the same fields of the cycle, the rules ``RequestCycle``'s ``receive`` and ``send`` keep
-(``entrypoints/request_cycle.py``), so that the connection around it (keep-alive, pipelining, flow control,
+(``entrypoints/http/cycle.py``), so that the connection around it (keep-alive, pipelining, flow control,
 graceful shutdown) cannot tell the difference: ``100 Continue`` before the body is read, reading resumed while the
 body is awaited, the response marked started and complete, ``connection: close`` when the connection is not kept,
 the cycle ended once the answer is complete, and after the handler: a 500 if nothing was answered, the connection
@@ -23,17 +23,17 @@ import logging
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from entrypoints.request_cycle import CHUNKED, CLOSE, STATUS_LINE, RequestCycle, default_header_lines, last_chunk
+from entrypoints.http.cycle import CHUNKED, CLOSE, STATUS_LINE, RequestCycle, default_header_lines, last_chunk
 from frontend.asgi_fast_path import Exchange, Handler, PushedStream, RawHeaders
 from frontend.http import ClientDisconnected, too_large
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("disagg_serve.http")
 
 _JOIN_UP_TO = 64 * 1024  # a whole answer up to this goes out joined to its head; a longer one beside it
 
 
 class Connection(Protocol):
-    """What an exchange may do with the connection it is served on (``entrypoints/http_protocol.py``'s)."""
+    """What an exchange may do with the connection it is served on (``entrypoints/http/protocol.py``'s)."""
 
     @property
     def client_gone(self) -> set[Callable[[], None]]:

@@ -1,4 +1,4 @@
-"""The rules of an answer sent through ASGI on the project's own protocol (``entrypoints/request_cycle.py``): a
+"""The rules of an answer sent through ASGI on the project's own protocol (``entrypoints/http/cycle.py``): a
 real uvicorn server running ``guarded_protocol`` in a thread, on uvloop, raw client sockets (so the bytes on the
 wire are the test's to read)."""
 
@@ -15,8 +15,8 @@ import orjson
 import pytest
 import uvloop
 
-from entrypoints.http_protocol import guarded_protocol
-from tests.entrypoints.test_http_protocol import connected
+from entrypoints.http.protocol import guarded_protocol
+from tests.entrypoints.http.test_protocol import connected
 from tests.security.test_hostile_clients import header, read_until_closed
 from tests.servers import ServerThread
 from tests.waiting import eventually

@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 import uvicorn
 
-from entrypoints import quiet_server
-from entrypoints.quiet_server import QuietServer
+from entrypoints.http import server as tick_server
+from entrypoints.http.server import TickServer
 from tests.waiting import eventually
 
 
@@ -20,16 +20,16 @@ async def hello(scope: Any, receive: Any, send: Any) -> None:  # pragma: no cove
     raise AssertionError("no request is made")
 
 
-def start(server: QuietServer) -> threading.Thread:
+def start(server: TickServer) -> threading.Thread:
     thread = threading.Thread(target=lambda: asyncio.run(server.serve()), daemon=True)
     thread.start()
     assert eventually(lambda: server.started)
     return thread
 
 
-def counted_server() -> tuple[QuietServer, list[int]]:
+def counted_server() -> tuple[TickServer, list[int]]:
     """A server, and the counters its ticks were called with, in order."""
-    server = QuietServer(uvicorn.Config(hello, host="127.0.0.1", port=0, log_level="warning", lifespan="off",
+    server = TickServer(uvicorn.Config(hello, host="127.0.0.1", port=0, log_level="warning", lifespan="off",
                                           ws="none"))
     ticks: list[int] = []
     on_tick = server.on_tick
@@ -44,7 +44,7 @@ def counted_server() -> tuple[QuietServer, list[int]]:
 
 @pytest.mark.parametrize("stop", ["should_exit", "signal"])
 def test_a_stop_does_not_wait_for_the_tick(monkeypatch: pytest.MonkeyPatch, stop: str) -> None:
-    monkeypatch.setattr(quiet_server, "TICK_S", 3600.0)  # a stop that waited for the tick would hang here
+    monkeypatch.setattr(tick_server, "TICK_S", 3600.0)  # a stop that waited for the tick would hang here
     server, ticks = counted_server()
     thread = start(server)
     assert eventually(lambda: ticks == [0])  # the main loop runs: a stop now must wake it
@@ -58,7 +58,7 @@ def test_a_stop_does_not_wait_for_the_tick(monkeypatch: pytest.MonkeyPatch, stop
 
 
 def test_every_tick_renews_the_date_header(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(quiet_server, "TICK_S", 0.001)
+    monkeypatch.setattr(tick_server, "TICK_S", 0.001)
     server, ticks = counted_server()
     thread = start(server)
     assert eventually(lambda: len(ticks) >= 5)
