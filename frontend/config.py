@@ -194,7 +194,7 @@ class OrchestratorConfig(_Frozen):
     request_timeout_s: Annotated[float, Field(gt=0)] = 600.0
     connect_timeout_s: Annotated[float, Field(gt=0)] = 5.0
     max_retries: Annotated[int, Field(ge=0, le=10)] = 1
-    # The HTTP client of the calls to workers (orchestrator/transport.py: make_transport).
+    # The HTTP client of the calls to workers (orchestrator/upstream/choice.py: make_transport).
     upstream_client: Literal["httptools", "aiohttp"] = "httptools"
     health_check_interval_s: Annotated[float, Field(gt=0)] = 2.0
     max_body_bytes: Annotated[int, Field(ge=1024)] = DEFAULT_MAX_BODY_BYTES

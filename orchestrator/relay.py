@@ -1,15 +1,11 @@
 """The streaming relay: GEN's stream to the client, byte for byte, ended with an error event if GEN's breaks.
 
-The bytes are passed on as they arrive; the frames are only watched for the stream's end marker, so a GEN that
-died mid-way (the connection broke, or ended before its last frame) still leaves the client a well-formed
-stream that says what went wrong. Served bare, the relay is pushed: each piece is written to the client from the
-callback that read it from GEN, with no coroutine woken per piece (``RelayedStream.push``); a wrapper that reads
-the pieces (tracing, a tenant's token count, a kept Responses answer) iterates them (``RelayedStream.frames``).
-
-Past a final end marker the client's answer is whole, and what GEN still owes (its chunked body's end, which comes
-in the same read from a healthy worker) is awaited for ``TAIL_S`` at most: a GEN that stalls there would otherwise
-hold the client's connection (its next request waits behind this one) until the worker read timeout
-(``request_timeout_s``). Its connection is then closed, which is all a stalled worker is owed.
+The frames are only watched for the stream's end marker, so a GEN that died mid-way still leaves the client a
+well-formed stream that says what went wrong. Served bare, the relay is pushed (``RelayedStream.push``): each piece
+is written to the client from the callback that read it from GEN, waking no coroutine; a wrapper that reads the
+pieces (tracing, a tenant's token count, a kept Responses answer) iterates them (``RelayedStream.frames``). Past a
+final end marker GEN has ``TAIL_S`` to end its body, so a GEN that stalls there cannot hold the client's
+connection until the worker read timeout; its connection is then closed.
 """
 
 from __future__ import annotations

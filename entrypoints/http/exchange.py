@@ -129,7 +129,7 @@ class CycleExchange(Exchange):
 
     async def push(self, pushed: PushedStream, headers: RawHeaders) -> None:
         """A 200 written piece by piece from the callback that read each piece (``PushedStream``), with a send
-        fewer at each end (issue 31): the head goes out with the first piece when it is already there (``pipe``
+        fewer at each end (issue 31): the head goes out with the first piece when it is already there (``push``
         hands on what came with GEN's head before it waits), else at the loop's next turn; and the piece with the
         stream's end marker goes out with the end of the answer (``_finish``), not a send of its own after GEN's
         stream is read to its end."""
