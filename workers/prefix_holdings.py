@@ -1,19 +1,9 @@
 """What this worker's engine holds, named by prefix-chain links, and published on vLLM's KV-event wire.
 
-The engine keys its cached KV on token ids; routing speaks of prompt text (``frontend.prefix_chain``). So the
-worker keeps its own record: each request's chain, recorded once the engine has the prompt's KV, in an LRU sized
-to the engine's prefix cache (``ReportsKvCapacity``), so that what it publishes ages about as the engine's own
-cache does. A link stands for its share of the prompt's tokens (its share of the prompt's bytes).
-
-The record stays prefix-closed: a chain's links are touched last link first, so a parent is always more recent
-than its children and eviction (least recent first) takes a chain's tail before its head. What the subscriber
-reads is then always whole prefixes, which is what a match walks.
-
-Each ``record`` publishes at most one batch: the new links (``BlockStored``, in chain order, each parented on the
-link before it; one event per run of links of the same size, so that ``block_size`` is each link's own token
-count), then the evicted ones (``BlockRemoved``). Cost: a few C-level passes over the chain's links
-(~200 at 131k tokens), a bisection and a handful of roundings; nothing per token, no Python loop per link.
-"""
+The engine keys its KV on token ids and routing speaks of text, so the worker records each request's chain once the
+engine holds its KV, in an LRU sized to the engine's prefix cache. Links are touched last first, so a parent is
+always newer than its children: eviction takes a chain's tail before its head, and subscribers read whole prefixes.
+Each ``record`` publishes at most one batch, with no Python loop per link or per token."""
 
 from __future__ import annotations
 

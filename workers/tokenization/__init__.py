@@ -1,13 +1,5 @@
-"""Prompt text -> int32 ids on the worker that prefills it, at the cost of what a turn adds.
+"""Prompt text -> int32 ids on the worker that prefills it, at the cost of what a turn adds (docs/engines.md).
 
-At long prompts the tokenizer, not GEN's decode of the relayed ids, is the frontend's largest cost: one Hugging Face
-``tokenizers`` encode of a 144k-token chat took 0.7 s here, and every turn of a conversation paid for its whole
-history again. Four parts, each a module:
-
-- ``cut_rules``: where tokenization provably restarts for a given ``tokenizer.json`` (after an added token; before a
-  space, for byte-level BPE), so that encoding the pieces gives the ids of one whole encode;
-- ``piece_encoder``: the encoder of those pieces: ``fastokens`` (a Rust re-implementation of ``tokenizers``, loaded
-  from the same JSON and checked against it at load) with its flat uint32 output, else ``tokenizers`` itself;
-- ``conversation_cache``: the ids of recent prompts, by their text, so that a follow-up turn encodes only its tail;
-- ``prompt_encoder``: the three together, what a tokenizer's ``encode`` calls.
-"""
+``cut_rules`` finds where tokenization provably restarts, ``piece_encoder`` encodes pieces (fastokens, else
+``tokenizers``), ``conversation_cache`` keeps recent prompts' ids by their text, and ``prompt_encoder`` puts the
+three together behind a tokenizer's ``encode``."""

@@ -1,18 +1,9 @@
 """The ids of recent prompts, by their text: a follow-up turn encodes only what it adds to its conversation.
 
-Each entry is a prompt's text (the very string the request rendered: no copy), its ids up to its last exact cut
-(``cut_rules``: after its last added token), and every exact cut inside it with the number of ids before it. A new
-prompt reuses the entry that agrees with it the longest, up to the last cut where they still agree, and encodes only
-the rest. Because a cut is exact whatever follows it, that holds for any later text: a follow-up turn, a regenerated
-last answer, or a client that rewrote an earlier turn (it reuses what comes before the edit). There is no key to get
-wrong: entries are found by their text alone, so a template that renders an earlier turn differently once later
-turns exist simply agrees for less of its length.
-
-Entries are kept sorted by text: the entry sharing the longest prefix with a prompt is one of the two beside the
-prompt's place in that order, so a look-up is a binary search of string comparisons (each stops at the first
-differing character) instead of a hash of the whole prompt. An entry that a later prompt extends is replaced by it,
-so a conversation holds one entry. Bounded in bytes (text, ids and cuts), least recently used out first.
-"""
+An entry holds a prompt's text, its ids up to its last exact cut (``cut_rules``) and every exact cut inside it; a
+new prompt reuses the entry that agrees with it longest, up to the last cut where they agree, whatever follows.
+Entries are sorted by text, so the best one is beside the prompt's place (a binary search, no hash of the whole
+prompt); a prompt that extends an entry replaces it. Bounded in bytes, least recently used out first."""
 
 from __future__ import annotations
 

@@ -1,22 +1,10 @@
 """Where a tokenizer provably starts afresh, read from its ``tokenizer.json``: the cuts that keep ids exact.
 
-Hugging Face ``tokenizers`` first splits the text at its added tokens (``<|im_end|>`` and friends), then normalizes,
-pre-tokenizes and models each piece between them on its own. So the ids of ``text`` are the ids of ``text[:c]``
-followed by those of ``text[c:]`` whenever ``c`` is the end of an added-token match, provided that:
-
-- no added token strips or absorbs its neighbours (``lstrip``, ``rstrip``, ``single_word`` all false), and each is
-  matched on the raw text (``normalized`` false, or no normalizer at all);
-- the last character of every added token occurs in no added token except as its last character: then no match can
-  straddle ``c`` nor end there differently in a text that agrees with ``text`` up to ``c`` (matching is leftmost-
-  longest, so a match is decided by the characters up to its end);
-- nothing depends on a piece's position in the whole text: every pre-tokenizer is in ``_POSITION_FREE`` (Metaspace's
-  ``prepend_scheme: first``, for one, marks only the text's first piece) and the model samples nothing (BPE dropout).
-
-Inside a piece, byte-level BPE (GPT-2's regex, optionally after splitting digits) also starts afresh before a space
-that follows a non-space character: no regex alternative that holds a non-space character extends over a space, and
-the alternatives that match whitespace look ahead one character only. That cut lets a long new prompt be encoded in
-parallel pieces. Anything else is not cut: a tokenizer these rules do not cover is encoded whole, never wrongly.
-"""
+``tokenizers`` splits text at its added tokens first, so the ids of ``text`` are those of ``text[:c]`` then of
+``text[c:]`` where ``c`` ends an added-token match, provided no added token strips or absorbs its neighbours or is
+matched after normalization, no match can straddle ``c`` (an added token's last character occurs in no other added
+token but as its last), and no step depends on a piece's position (``_POSITION_FREE``, no BPE dropout). Byte-level
+BPE also restarts before a space that follows a non-space. Any other tokenizer is encoded whole, never wrongly."""
 
 from __future__ import annotations
 

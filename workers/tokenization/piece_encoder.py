@@ -1,15 +1,8 @@
 """The encoder of prompt pieces: ``fastokens`` where it is exact for this tokenizer, else Hugging Face ``tokenizers``.
 
-Measured here on the reference model's tokenizer (a 40-turn, 144k-token chat): one ``tokenizers`` encode 713 ms,
-``fastokens`` 73 ms, ids identical. ``fastokens`` also returns a batch as one little-endian uint32 buffer plus
-offsets, so the ids reach the int32 array with no Python int per token (the ids are below 2**31: the buffer is
-viewed as int32, not copied). ``tokenizers`` returns a Python list per piece: what remains per token there is one
-Python int, built by the library and read into the array once.
-
-``fastokens`` is built from the very JSON ``tokenizers`` serializes and checked at load against ``tokenizers`` on a
-probe text (every added token, digits, scripts, emoji, whitespace runs, code, text that spells a special token
-partly); any difference, or a load failure, keeps ``tokenizers``, with one log line.
-"""
+``fastokens`` is built from the JSON ``tokenizers`` serializes and checked against it at load on a probe text; a
+difference or a load failure keeps ``tokenizers``, with one log line. Its flat uint32 output is viewed as the int32
+array, so no Python int is built per token. Costs: docs/engines.md, "Tokenization: what a turn costs"."""
 
 from __future__ import annotations
 
@@ -24,7 +17,7 @@ from tokenizers import Tokenizer
 
 from frontend.token_codec import TOKEN_DTYPE, TokenArray
 
-log = logging.getLogger("disagg.worker.tokenization")
+log = logging.getLogger("disagg_serve.tokenization")
 
 Offsets = npt.NDArray[np.uint64]
 

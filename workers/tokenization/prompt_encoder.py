@@ -23,7 +23,7 @@ from workers.tokenization.conversation_cache import CachedPrompt, CacheStats, Co
 from workers.tokenization.cut_rules import CutRules, cut_rules_of
 from workers.tokenization.piece_encoder import PieceEncoder, load_piece_encoder
 
-log = logging.getLogger("disagg.worker.tokenization")
+log = logging.getLogger("disagg_serve.tokenization")
 
 # Below this many new characters a prompt is encoded as its pieces between added tokens: splitting it further for
 # threads costs more than it gives. Past it, long pieces are cut before spaces into about four pieces per thread.

@@ -239,7 +239,7 @@ def test_a_tokenizer_fastokens_cannot_load_keeps_tokenizers_and_says_so(
         raise ValueError("unsupported component")
 
     monkeypatch.setattr(fastokens.Tokenizer, "from_json_str", refuse)
-    with caplog.at_level(logging.WARNING, logger="disagg.worker.tokenization"):
+    with caplog.at_level(logging.WARNING, logger="disagg_serve.tokenization"):
         encoder = PromptEncoder(reference._tokenizer, TokenizeConfig())
     assert encoder.encoder_name == "tokenizers"
     assert [r.getMessage() for r in caplog.records if "fastokens cannot load" in r.getMessage()]
@@ -278,7 +278,7 @@ def test_added_tokens_that_absorb_neighbours_are_never_cut_after(
         reference: GGUFTokenizer, tmp_path: pathlib.Path, flags: dict[str, object],
         caplog: pytest.LogCaptureFixture) -> None:
     tokenizer = _with_added_token_flags(reference._tokenizer, tmp_path, **flags)
-    with caplog.at_level(logging.WARNING, logger="disagg.worker.tokenization"):
+    with caplog.at_level(logging.WARNING, logger="disagg_serve.tokenization"):
         encoder = PromptEncoder(tokenizer, TokenizeConfig())
     assert encoder.stats().cache is None
     assert [r for r in caplog.records if "encoded whole" in r.getMessage()]
@@ -309,7 +309,7 @@ def test_a_prompt_fastokens_refuses_is_encoded_by_tokenizers(reference: GGUFToke
     prompt still gets tokenizers' ids, not an error."""
     encoder = PromptEncoder(reference._tokenizer, TokenizeConfig())
     text = reference.render_chat([{"role": "user", "content": "look:" + " \n\t\u00a0" * 250_000 + "done"}])
-    with caplog.at_level(logging.WARNING, logger="disagg.worker.tokenization"):
+    with caplog.at_level(logging.WARNING, logger="disagg_serve.tokenization"):
         ids = encoder.encode(text)
     assert ids.tolist() == _whole(reference._tokenizer, text)
 

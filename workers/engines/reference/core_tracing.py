@@ -1,15 +1,8 @@
-"""The engine core's spans: children of the worker's engine span, whose ``traceparent`` came in the submit frame.
+"""The engine core's spans, children of the worker's engine span whose ``traceparent`` came in the submit frame.
 
-The core sees a request only as frames, so its spans are cut from them: a span opens when a traced request's
-``submit`` frame arrives and closes at the request's first ``output`` (or ``error``) frame.
-
-- ``engine_core.prefill`` (CTX, aggregated): queueing, the chunked prefill and the first token;
-- ``kv_handoff.park`` (CTX): the hand-off parked for GEN, with its size (``kv.bytes``) and tokens; it is
-  recorded when the core answers with the parked state (the park itself is inside the prefill span);
-- ``engine_core.kv_fetch`` (GEN): queueing and the KV fetch from CTX's core, with the bytes fetched.
-
-Off (no endpoint configured in this process, or an untraced request) it costs one dict check per frame.
-"""
+The core sees a request only as frames, so a span opens when a traced request's ``submit`` arrives and closes at its
+first ``output`` or ``error``: ``engine_core.prefill``, ``kv_handoff.park`` and ``engine_core.kv_fetch``
+(docs/observability.md). An untraced request costs one dict check per frame."""
 
 from __future__ import annotations
 

@@ -1,16 +1,9 @@
 """The reference engine's adapter: the front-end half of the typed engine protocol.
 
-It starts the engine core as a child process, talks to it over a Unix socket (token ids cross as raw int32
-payloads), and turns the core's frames into ``EngineOutput`` values. The core's failures become
-``frontend.errors`` types here; nothing foreign passes this boundary.
-
-A core that dies under it (``kill -9``, the OOM killer) is restarted here, not by exiting the worker: the core is
-this adapter's own child, so it alone knows how to start another, and a worker that stays up keeps its address,
-its registration and its HTTP connections. From the moment the channel closes until the new core is ready,
-``health()`` is False (the worker's ``/health`` answers 503, so the orchestrator routes around it) and every
-request in flight ends with an ``EngineError``. Hand-offs the dead core held died with it: nothing stays parked.
-A core shared by several front-end processes (``core_socket``) belongs to its supervisor and is not restarted here.
-"""
+It runs the engine core as its own child process, speaks to it over a Unix socket (token ids as raw int32 payloads)
+and turns its frames into ``EngineOutput`` values and its failures into ``frontend.errors`` types. Being the core's
+parent, it alone can restart a core that dies, so the worker keeps its address and connections; a core shared by
+several front-end processes (``core_socket``) belongs to their supervisor (docs/reliability.md)."""
 
 from __future__ import annotations
 

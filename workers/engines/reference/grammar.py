@@ -1,16 +1,8 @@
 """Constrained decoding in the engine core: a JSON schema becomes a per-step mask of the tokens that keep the output
-valid, computed by llguidance over this model's own tokenizer.
+valid, computed by llguidance over this model's tokenizer (docs/engines.md says why llguidance).
 
-Why llguidance (measured side by side on SmolLM2's tokenizer, vocab 49,152, for a 6-property schema with a nested
-object, an array, an enum and a pattern): compiling the schema takes 1.7 ms (outlines-core 0.2.14: 970-1,130 ms,
-as it builds the whole token automaton up front), a mask 33-80 us per token (outlines-core 58-73 us), a 7.6 MB
-wheel with no dependencies; xgrammar 0.2.8 requires torch, transformers and triton.
-
-A compiled grammar is a matcher fresh from its schema: each request gets a ``deep_copy`` of it, which shares the
-compiled lexer and parser tables. The cache is bounded (least recently used out) and keyed by the schema's
-compact JSON text. The llguidance tokenizer (0.6 s to build for 49k tokens) is built on the first grammar
-request, so a core that never sees one never pays for it.
-"""
+A request gets a ``deep_copy`` of a cached compiled matcher, which shares its lexer and parser tables; the cache is
+bounded and keyed by the schema's compact JSON text. The llguidance tokenizer is built on the first grammar request."""
 
 from __future__ import annotations
 

@@ -1,13 +1,8 @@
 """The zero-config model for ``--engine vllm``: the packaged SmolLM2 GGUF as a Hugging Face llama checkpoint.
 
-vLLM on the CPU cannot load the GGUF itself (its GGUF plugin needs CUDA libraries), so the file the reference engine
-reads is converted once into ``config.json``, float32 ``model.safetensors`` and tokenizer files, in a folder named
-by the GGUF's content hash and the converter version (``content_key``): a changed model file or converter gets a
-new folder, an unchanged one is reused. The folder is built under a temporary name and renamed into place, so
-workers that start together never see half a checkpoint; the loser of the race drops its copy.
-
-Imports no vLLM: the conversion reuses the reference engine's GGUF reader and tokenizer.
-"""
+vLLM on the CPU cannot load the GGUF, so it is converted once, with the reference engine's reader (no vLLM import),
+into a folder named by the GGUF's content and the converter's version (``content_key``). The folder is built under
+a temporary name and renamed into place, so workers that start together never see half a checkpoint."""
 
 from __future__ import annotations
 

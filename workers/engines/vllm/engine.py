@@ -1,22 +1,10 @@
 """The vllm engine's adapter: vLLM's ``AsyncLLM`` in this process, its engine core in vLLM's own process.
 
-- ``CONTEXT_ONLY``: the prompt with ``max_tokens`` 1 and ``kv_transfer_params`` ``{"do_remote_decode": true}``;
-  vLLM's KV connector saves (ExampleConnector) or exposes (NixlConnector) the prompt's KV, and what vLLM answers
-  in ``kv_transfer_params`` goes into our opaque hand-off state (``handoff.py``), with the seed CTX sampled with.
-- ``GENERATION_ONLY``: the prompt alone, with CTX's ``kv_transfer_params`` and ``do_remote_prefill`` (vLLM's own
-  P/D protocol); vLLM loads the prompt's KV through the connector and chooses the first token of every sequence
-  again under the same seed and grammar. As in vLLM's own P/D, the decode side's choice is the answer's: the
-  answer opens with GEN's first tokens (``chose_first_tokens``: the front end does not put CTX's there, and the
-  client has seen nothing of CTX's), so a GEN whose logits differ from CTX's in the last bits (GPUs) still gives
-  one consistent answer; each sequence where it chose otherwise is counted
-  (``disagg_vllm_first_token_differed_total``). vLLM's sampler and structured-output state stand where an
-  aggregated run's stand after its first token, so ``n``, seeded sampling and structured output continue alike.
-- ``AGGREGATED``: plain generation.
-
-The prompt stays our int32 array until ``vllm_api.vllm_prompt``, the one place it becomes the ``list[int]`` vLLM's
-``TokensPrompt`` takes (vLLM's scheduler appends to and slices Python lists of token ids; no array gets through).
-vLLM's exceptions are translated here; closing ``generate``'s iterator early aborts the request in vLLM.
-"""
+CTX runs the prompt for one token with ``do_remote_decode`` and hands on what vLLM's KV connector answers, with its
+seed (``handoff.py``); GEN loads that KV with ``do_remote_prefill`` and chooses the first tokens again under the same
+seed and grammar, so, as in vLLM's own P/D, GEN's choice is the answer's. The prompt stays an int32 array until
+``vllm_api.vllm_prompt``. vLLM's exceptions are translated here, and closing ``generate``'s iterator aborts the
+request in vLLM. See docs/engines.md, "Disaggregation through vLLM's KV connector"."""
 
 from __future__ import annotations
 

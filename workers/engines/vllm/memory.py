@@ -1,19 +1,8 @@
-"""How much memory a vLLM instance may take, when several share one host, and what to say when it gets too little.
+"""How much memory a vLLM instance may take when several share one host, and what to say when it gets too little.
 
-vLLM sizes itself as if it were alone: on the CPU it reserves ``gpu_memory_utilization`` (0.92 by default) of the
-NUMA node's memory, weights and KV cache together, and refuses to start when less than that is available (on a GPU
-the same fraction of the device's memory). ``disagg-serve up`` starts CTX and GEN on one host, so the second could
-never start. An engine told it is one of ``engines_on_host`` sizes itself to its share instead:
-
-- on the CPU, an explicit KV cache size (``kv_cache_memory_bytes``, which vLLM then takes as it is: no
-  utilization check, no warm-up to measure its own footprint): the memory available now, less a margin and every
-  engine's footprint beside its KV (weights and runtime), split evenly;
-- on a GPU, ``gpu_memory_utilization`` divided by the number of engines.
-
-A setting the user gave (``--kv-cache-memory-bytes``, ``--gpu-memory-utilization``, or vLLM's own
-``VLLM_CPU_KVCACHE_SPACE`` on the CPU, which vLLM reads itself and which wins over engine arguments) is used as it
-is, and nothing is computed. Everything here is pure but ``host_memory``, which reads the kernel's figures.
-"""
+vLLM sizes itself as if it were alone, so the second engine of ``disagg-serve up`` would not start. An engine told
+it is one of ``engines_on_host`` takes its share (on the CPU an explicit KV cache size, on a GPU a fraction of the
+device), unless the user set a size. Pure but for ``host_memory``. See docs/engines.md."""
 
 from __future__ import annotations
 

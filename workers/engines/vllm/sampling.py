@@ -1,16 +1,8 @@
 """Our ``SamplingParams`` as vLLM's, and what does not map refused with a 400 that names the field.
 
-Stop strings stay in our front end (``workers.text_stream`` matches them across token boundaries and closes the
-engine's iterator, which aborts the request in vLLM), so vLLM never detokenizes: it is told the model's
-end-of-sequence ids itself. ``n`` is vLLM's own (its child requests seed with ``seed + i``, our rule too), except
-under greedy sampling, where vLLM refuses ``n`` > 1: every sequence would be the same, so the engine asks for one
-and repeats it (``repeated_sequences``).
-Structured output is vLLM's ``guidance`` backend (llguidance, as our front end and reference engine use) given the
-client's schema with this server's JSON formatting options in its ``x-guidance`` (``frontend.structured_output``):
-llguidance compiles exactly the grammar ``json_grammar`` gives, so every engine formats JSON alike. Everything here
-is plain data; the engine builds vLLM's ``SamplingParams`` (and ``StructuredOutputsParams`` from
-``structured_outputs``) in one call.
-"""
+Stop strings stay in our front end, so vLLM never detokenizes. Greedy ``n`` > 1, which vLLM refuses, is one sequence
+repeated (``repeated_sequences``). Structured output is vLLM's ``guidance`` backend given the grammar
+``json_grammar`` gives, so every engine formats JSON alike. Plain data: the engine builds vLLM's types in one call."""
 
 from __future__ import annotations
 
