@@ -64,7 +64,7 @@ class DisaggregatedParams(WireModel):
     resolved_thinking: bool | None = None
     # TensorRT-LLM's lifecycle protocol v1 (frontend/trtllm/lifecycle.py): the attempt identity, the admitted GEN
     # endpoint, CTX's control endpoint and advertisement. Checked as TensorRT-LLM checks them; what a worker makes
-    # of them depends on its protocol version (workers/lifecycle.py).
+    # of them depends on its protocol version (workers/trtllm/lifecycle.py).
     logical_request_id: StrictInt | None = None
     prefill_artifact_id: str | None = None
     artifact_version: StrictInt | None = None

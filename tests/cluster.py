@@ -26,7 +26,7 @@ from workers.engines.outputs import EngineOutput
 from workers.engines.request import GenerationRequest
 from workers.engines.synthetic import SyntheticConfig, SyntheticEngine
 from workers.server import create_worker_app
-from workers.serving import Role, WorkerSettings
+from workers.settings import Role, WorkerSettings
 
 MODEL = "synthetic"
 

@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from frontend.metrics import CounterFeed, Metrics
 from workers.engines.base import HANDOFF_TOTALS, Engine, KVHandoffStore
 from workers.engines.request import PromptPath
-from workers.lifecycle_settings import Role
+from workers.settings import Role
 
 
 def export_known_series(metrics: Metrics, engine: Engine, role: Role) -> None:

@@ -14,7 +14,7 @@ from frontend.kv_events import PREFIX_CHAIN_TOPIC, EventPublisher
 from workers.engines.base import Engine, ReportsKvCapacity
 from workers.prefix_holdings import PrefixHoldings
 from workers.serving import WorkerService
-from workers.worker_settings import WorkerSettings
+from workers.settings import WorkerSettings
 
 # The logger of the module this was split out of, as it was: what an operator's filters name.
 logger = logging.getLogger("workers.server")

@@ -33,7 +33,7 @@ from frontend.tool_calls import with_tools_prompt
 from workers.engines.base import EncodesIncrementally, Tokenizer
 from workers.engines.outputs import EngineInfo, TokenLogprob
 from workers.engines.request import Handoff, Phase, PromptPath, SequenceStart, placeholder_prompt
-from workers.trtllm_answers import first_gen_logprobs_from
+from workers.trtllm.answers import first_gen_logprobs_from
 
 # Tokenizing a few KB on the loop is cheaper than a thread hop; past this, the loop must stay free.
 _TOKENIZE_IN_THREAD_CHARS = 16_384

@@ -20,12 +20,12 @@ from frontend.tool_calls import as_tool_call_message, tool_calls_from_text
 from workers.engines.base import Tokenizer
 from workers.engines.outputs import FinishReason, TokenLogprob
 from workers.engines.request import GenerationRequest, Phase
-from workers.generation_first import HandoffBoard
-from workers.lifecycle import LifecycleControl
 from workers.prepared_generation import CollectedChoice, CollectedOutput, PreparedGeneration
 from workers.prompt_logprobs import echo_logprob_infos, token_logprob_info, vllm_prompt_logprobs
 from workers.text_stream import TextStep
-from workers.trtllm_answers import add_context_fields, answers_trtllm, strip_to_trtllm_fields
+from workers.trtllm.answers import add_context_fields, answers_trtllm, strip_to_trtllm_fields
+from workers.trtllm.generation_first import HandoffBoard
+from workers.trtllm.lifecycle import LifecycleControl
 
 # The logger of the module this was split out of, as it was: what an operator's filters name.
 logger = logging.getLogger("workers.serving")
@@ -86,7 +86,8 @@ class ResponseRendering:
             add_context_fields(body, request, disagg, first.token_ids, first.logprobs if with_logprobs else None,
                                state, prepared.ident.endpoint)
             if self.lifecycle.enabled:  # v1: the parked KV is now this attempt's artifact
-                self.lifecycle.park(disagg, request.request_id, out.handoff_state if state is not None else None)
+                parked = out.handoff_state if state is not None else None
+                self.lifecycle.artifacts.park(disagg, request.request_id, parked)
             if disagg.schedule_style == 1 and disagg.disagg_request_id is not None:
                 claim = str(disagg.transfer_session_id) if disagg.transfer_session_id is not None else None
                 if not self.board.post(disagg.disagg_request_id, body["choices"][0]["disaggregated_params"], claim):

@@ -1,5 +1,5 @@
 """The worker's HTTP front end: thin routes over ``WorkerService`` (parse -> call -> serialise); the lifecycle
-protocol's routes are in ``workers.lifecycle_routes``, the KV events in ``workers.kv_event_publishing``."""
+protocol's routes are in ``workers.trtllm.routes``, the KV events in ``workers.kv_event_publishing``."""
 
 from __future__ import annotations
 
@@ -51,12 +51,12 @@ from workers.engines.base import (
 from workers.engines.request import Phase
 from workers.handoff_counts import LedgerCounts, export_known_series
 from workers.kv_event_publishing import KvEventPublishing
-from workers.lifecycle_routes import install_lifecycle_routes
 from workers.registration import Registration
-from workers.request_body import parse_request_body
 from workers.serving import WorkerService
+from workers.settings import WorkerSettings
 from workers.tokenize_counts import TokenizeCounts
-from workers.worker_settings import WorkerSettings
+from workers.trtllm.body import parse_request_body
+from workers.trtllm.routes import install_lifecycle_routes
 
 logger = logging.getLogger(__name__)
 
@@ -219,7 +219,7 @@ def create_worker_app(
         released = isinstance(engine, KVHandoffStore) and await engine.release_handoff(ctx_id, raw_state)
         return json_response({"released": released})
 
-    install_lifecycle_routes(app, settings, service)
+    install_lifecycle_routes(app, settings, service.lifecycle, service.board)
 
     def model_card() -> dict[str, Any]:
         info = engine.info

@@ -31,11 +31,7 @@ from frontend.prefix_chain import PrefixChain
 from frontend.structured_output import output_constraint
 from workers.engines.base import Engine, KVHandoffStore, ProvidesTokenizer, Tokenizer
 from workers.engines.request import GenerationRequest, Phase
-from workers.generation_first import HandoffBoard, pull_handoff
 from workers.internal_callers import InternalCallers
-from workers.lifecycle import LifecycleControl
-from workers.lifecycle_checks import check_request
-from workers.lifecycle_settings import Role as Role  # defined once, where the lifecycle needs it; public from here
 from workers.prefix_holdings import PrefixHoldings
 from workers.prepared_generation import CollectedChoice, CollectedOutput, PreparedGeneration
 from workers.request_builder import (
@@ -47,9 +43,13 @@ from workers.request_builder import (
     sampling_params_from,
 )
 from workers.response_rendering import ResponseRendering
+from workers.settings import Role as Role  # public: tests build workers by role
+from workers.settings import WorkerSettings as WorkerSettings  # public: built by the CLI, tests and bench
 from workers.text_stream import TextStep, stream_text
-from workers.trtllm_answers import answers_trtllm, finished_at_context, first_tokens_only, new_request_id
-from workers.worker_settings import WorkerSettings as WorkerSettings  # public: built by the CLI, tests and bench
+from workers.trtllm.answers import answers_trtllm, finished_at_context, first_tokens_only, new_request_id
+from workers.trtllm.checks import check_request
+from workers.trtllm.generation_first import HandoffBoard, pull_handoff
+from workers.trtllm.lifecycle import LifecycleControl
 
 logger = logging.getLogger(__name__)
 
@@ -130,7 +130,7 @@ class WorkerService(ResponseRendering):
         if not endpoint or disagg.disagg_request_id is None:
             raise InvalidRequestError("a generation-first generation_only request needs ctx_info_endpoint and "
                                       "disagg_request_id", param="disaggregated_params.ctx_info_endpoint")
-        # v1: the attempt's transfer_session_id is its claim on the hand-off (workers/generation_first.py).
+        # v1: the attempt's transfer_session_id is its claim on the hand-off (workers/trtllm/generation_first.py).
         claim = str(disagg.transfer_session_id) if disagg.transfer_session_id is not None else None
         pull = asyncio.ensure_future(pull_handoff(self.lifecycle.http(), endpoint, disagg.disagg_request_id,
                                                   self.settings.lifecycle.generation_first_wait_s, claim))

@@ -48,7 +48,7 @@ DISAGGREGATED_PARAMS_FIELDS = frozenset({
 
 
 def new_request_id() -> int:
-    return secrets.randbits(63)  # names a hand-off on a CTX board: not guessable (workers/generation_first.py)
+    return secrets.randbits(63)  # names a hand-off on a CTX board: not guessable (workers/trtllm/generation_first.py)
 
 
 class TrtllmProtocol:

@@ -294,7 +294,7 @@ class StallsAfterDone:
 def stalling_gen(cluster: Cluster) -> Iterator[tuple[Node, StallsAfterDone]]:
     """An orchestrator that runs one request at a time, in front of a GEN that stalls after its end marker."""
     from workers.server import create_worker_app
-    from workers.serving import WorkerSettings
+    from workers.settings import WorkerSettings
 
     with contextlib.ExitStack() as stack:
         stalling = StallsAfterDone(create_worker_app(RecordingEngine(), WorkerSettings(role="generation")))

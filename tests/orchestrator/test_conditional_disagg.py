@@ -22,7 +22,7 @@ from tests.waiting import eventually
 from workers.engines.options import SimulatedConfig
 from workers.engines.simulated import SimulatedEngine
 from workers.server import create_worker_app
-from workers.serving import Role, WorkerSettings
+from workers.settings import Role, WorkerSettings
 
 SYSTEM = "You answer in one short sentence. " * 80  # ~2.7k tokens
 THRESHOLD = 256

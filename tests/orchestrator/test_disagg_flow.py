@@ -34,7 +34,7 @@ from workers.engines.byte_tokenizer import ByteTokenizer
 from workers.engines.request import GenerationRequest, Phase, PromptPath
 from workers.engines.synthetic import SYNTHETIC_TEXT, SyntheticConfig
 from workers.server import create_worker_app
-from workers.serving import WorkerSettings
+from workers.settings import WorkerSettings
 
 TOKENIZER = ByteTokenizer(50_000)
 

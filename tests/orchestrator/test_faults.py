@@ -27,7 +27,7 @@ from tests.servers import ServerThread, running
 from tests.waiting import eventually
 from workers.engines.synthetic import SYNTHETIC_TEXT
 from workers.server import create_worker_app
-from workers.serving import Role, WorkerSettings
+from workers.settings import Role, WorkerSettings
 
 MESSAGES: Any = [{"role": "user", "content": "hello"}]
 

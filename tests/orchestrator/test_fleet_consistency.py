@@ -29,7 +29,7 @@ from tests.waiting import eventually
 from workers.engines.options import SimulatedConfig
 from workers.engines.simulated import SimulatedEngine
 from workers.server import create_worker_app
-from workers.serving import Role, WorkerSettings
+from workers.settings import Role, WorkerSettings
 
 CTX_WORKERS = 3
 CACHE_TOKENS = 4096  # per worker: two system prompts and a few conversations fit, not all of them

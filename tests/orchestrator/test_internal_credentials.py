@@ -18,9 +18,9 @@ from orchestrator.server import create_orchestrator_app
 from tests.cluster import MODEL
 from tests.servers import running
 from workers.engines.synthetic import SyntheticEngine
-from workers.lifecycle_settings import LifecycleSettings
 from workers.server import create_worker_app
-from workers.serving import Role, WorkerSettings
+from workers.settings import Role, WorkerSettings
+from workers.trtllm.settings import LifecycleSettings
 
 SECRET = InternalSecret("deployment-secret-" + "o" * 24)
 TRTLLM_KEY = "trtllm-internal-request-auth-key"
@@ -93,7 +93,7 @@ def test_an_orchestrator_that_does_not_sign_is_refused(trtllm_keyed: tuple[str, 
 
 def test_generation_first_under_v1_with_the_secret_end_to_end() -> None:
     """Our orchestrator, our v1 workers, generation first, everything guarded: GEN pulls its hand-off from CTX's
-    board with the deployment secret and its attempt's claim (workers/generation_first.py)."""
+    board with the deployment secret and its attempt's claim (workers/trtllm/generation_first.py)."""
     v1 = LifecycleSettings(protocol_version=1)
     ctx_app = create_worker_app(SyntheticEngine(), WorkerSettings(role="context", internal_secret=SECRET,
                                                                   lifecycle=v1))

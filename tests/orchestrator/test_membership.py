@@ -23,7 +23,7 @@ from tests.waiting import eventually
 from workers.engines.synthetic import synthetic_text
 from workers.registration import Registration
 from workers.server import create_worker_app
-from workers.serving import WorkerSettings
+from workers.settings import WorkerSettings
 
 ADMIN_KEY = "admin-secret"
 MESSAGES: Any = [{"role": "user", "content": "hello"}]

@@ -11,7 +11,7 @@ from tests.cluster import Cluster
 from tests.servers import ServerThread
 from workers.engines.synthetic import SyntheticEngine
 from workers.server import create_worker_app
-from workers.serving import WorkerSettings
+from workers.settings import WorkerSettings
 
 KEY = RoutingKey()
 

@@ -35,7 +35,7 @@ from tests.servers import ServerThread, running
 from tests.waiting import DEFAULT_TIMEOUT_S, eventually
 from workers.engines.synthetic import SYNTHETIC_TEXT, SyntheticConfig
 from workers.server import create_worker_app
-from workers.serving import Role, WorkerSettings
+from workers.settings import Role, WorkerSettings
 
 ROUTER_TYPES = ["cache_aware", "round_robin", "least_loaded", "prefix_affinity"]
 

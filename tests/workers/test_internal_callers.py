@@ -28,10 +28,10 @@ from frontend.trtllm.lifecycle import (
 from tests.servers import running
 from tests.waiting import eventually
 from workers.engines.synthetic import SyntheticEngine
-from workers.generation_first import HandoffBoard
-from workers.lifecycle_settings import LifecycleSettings
 from workers.server import create_worker_app
-from workers.serving import Role, WorkerSettings
+from workers.settings import Role, WorkerSettings
+from workers.trtllm.generation_first import HandoffBoard
+from workers.trtllm.settings import LifecycleSettings
 
 SECRET = InternalSecret("deployment-secret-" + "s" * 24)
 TRTLLM_KEY = "trtllm-internal-request-auth-key"
@@ -192,6 +192,6 @@ def test_the_workers_own_calls_to_a_peer_carry_the_secret(fleet: Fleet) -> None:
              "generation_endpoint_incarnation": str(decision.generation_endpoint_incarnation)}
     assert httpx.post(fleet.gen.url + GENERATION_GRANT_ABORT_PATH, json=abort, headers=SECRET.headers()).json()[
         "state"] == "REVOKED"
-    artifacts = fleet.ctx.app.state.service.lifecycle.artifacts
+    artifacts = fleet.ctx.app.state.service.lifecycle.artifacts.entries
     assert eventually(lambda: body["prefill_artifact_id"] in artifacts)
     assert artifacts[body["prefill_artifact_id"]].reason == "client went away"

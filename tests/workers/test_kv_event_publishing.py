@@ -27,7 +27,7 @@ from tests.servers import running
 from tests.waiting import eventually_async
 from workers.engines.synthetic import SyntheticConfig
 from workers.server import create_worker_app
-from workers.serving import Role, WorkerSettings
+from workers.settings import Role, WorkerSettings
 
 CAPACITY = 200_000
 

@@ -21,7 +21,7 @@ from workers.engines.outputs import EngineOutput
 from workers.engines.request import GenerationRequest
 from workers.engines.synthetic import SYNTHETIC_TEXT, SyntheticConfig, SyntheticEngine
 from workers.server import create_worker_app
-from workers.serving import WorkerSettings
+from workers.settings import WorkerSettings
 
 MESSAGES: Any = [{"role": "user", "content": "Say something."}]
 

@@ -8,7 +8,7 @@ from tests.servers import running
 from workers.engines.factory import create_engine
 from workers.engines.options import EngineOptions
 from workers.server import create_worker_app
-from workers.serving import WorkerSettings
+from workers.settings import WorkerSettings
 
 
 def _metric(text: str, name: str) -> float:

@@ -15,7 +15,7 @@ from workers.engines import factory
 from workers.engines.base import Engine, HealthCheck, KVHandoffStore, ProvidesTokenizer
 from workers.engines.options import EngineOptions
 from workers.server import create_worker_app
-from workers.serving import WorkerSettings
+from workers.settings import WorkerSettings
 
 DOC = Path(__file__).parents[3] / "docs" / "engines.md"
 

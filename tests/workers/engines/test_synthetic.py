@@ -138,7 +138,7 @@ def serve_chats(engine_name: str, chats: list[list[dict[str, str]]], max_tokens:
     loopback HTTP (the simulated engine's tests use it too)."""
     from tests.servers import running
     from workers.server import create_worker_app
-    from workers.serving import WorkerSettings
+    from workers.settings import WorkerSettings
 
     engine = create_engine(engine_name, EngineOptions(tokenizer="reference"))
     app = create_worker_app(engine, WorkerSettings(role="both", kv_events_endpoint=None,

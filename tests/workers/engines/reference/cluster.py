@@ -22,7 +22,7 @@ from tests.workers.engines.reference.ledger import ADMIN_KEY
 from workers.engines.reference.engine import ReferenceEngine
 from workers.engines.reference.options import ReferenceOptions
 from workers.server import create_worker_app
-from workers.serving import Role, WorkerSettings
+from workers.settings import Role, WorkerSettings
 
 
 @dataclass

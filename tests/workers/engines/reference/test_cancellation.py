@@ -14,8 +14,8 @@ from typing import Any
 
 import httpx
 import pytest
-
 from bench.common import open_raw_post
+
 from frontend.config import parse_config
 from frontend.metrics import Metrics
 from orchestrator.server import create_orchestrator_app
@@ -28,7 +28,7 @@ from tests.workers.engines.reference.tiny_model import write_tiny_model
 from workers.engines.reference.engine import ReferenceEngine
 from workers.engines.reference.options import ReferenceOptions
 from workers.server import create_worker_app
-from workers.serving import Role, WorkerSettings
+from workers.settings import Role, WorkerSettings
 
 CONTEXT = 8192
 LONG_PROMPT = 7000  # tokens of CTX prefill, in chunks of 16

@@ -22,7 +22,7 @@ from workers.engines.reference.model_file import load_model_file
 from workers.engines.reference.options import ReferenceOptions
 from workers.engines.reference.prefix_cache import BLOCK_TOKENS, capacity_tokens
 from workers.server import create_worker_app
-from workers.serving import WorkerSettings
+from workers.settings import WorkerSettings
 
 
 @pytest.fixture(scope="module")

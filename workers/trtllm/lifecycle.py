@@ -1,34 +1,11 @@
-"""A worker's side of TensorRT-LLM's lifecycle protocol v1: generation grants (GEN) and context artifacts (CTX).
+"""A worker's side of TensorRT-LLM's lifecycle protocol v1: the generation grants a GEN admits its requests under,
+and (``workers.trtllm.artifacts``) the context artifacts a CTX parks its hand-offs as.
 
-TensorRT-LLM's orchestrator, run with ``TRTLLM_DISAGG_LIFECYCLE_PROTOCOL_VERSION=1``, admits every GEN leg with a
-*grant* before sending it, renews it while the request runs, and aborts grants and CTX *artifacts* (the parked KV
-of one attempt) on every failure path. What this module guarantees, and what the advertisement says it does:
-
-- a generation_only request runs only under a live grant, checked before it reaches the engine (the submission
-  fence / publication gate); a grant aborted or expired aborts the request bound to it and, if that request has
-  not taken its KV yet, tells CTX to free it (a context-artifact abort to the grant's ``context_control_endpoint``);
-- a CTX artifact is the hand-off parked for one attempt, keyed by its ``prefill_artifact_id``: an abort frees the
-  KV at once, an artifact nobody aborted is freed after the artifact TTL (a GEN takes it within moments, since
-  ours pulls the KV the moment its request starts) — the KV store's own TTL stays the backstop;
-- every terminal outcome leaves a tombstone for the replay horizon, so a replayed call answers the same and an
-  abort that arrives before its request (cancel before create) refuses that request when it comes. Entries, live and
-  tombstones, are capped at ``replay_filter_capacity`` (TensorRT-LLM's, 262144): past it a new grant, artifact or
-  abort-before-create is refused ("replay protection is saturated"), never a tombstone forgotten early. A tombstone
-  keeps digests, not the request (``workers.lifecycle_entries``): a few hundred bytes each, whatever was sent;
-- a grant holds admission credit, so one that is not bound to its GEN request within ``grant_bind_lease_s`` is
-  revoked, and where the control routes are open (no secret configured) one peer address holds at most
-  ``unbound_grants_per_caller`` unbound grants: hoarded grants cannot shut admission for the grant's whole TTL
-  (authenticated callers are the deployment's own orchestrators: no cap that a burst of admissions could meet);
-- the worker's calls to CTX on a grant's behalf go only to an http(s) endpoint without credentials, query or
-  fragment, rebuilt from its parsed parts (``frontend.trtllm.lifecycle.control_url``), on a small client of their
-  own with short timeouts and bounded concurrency: they can never take the connections generation-first hand-off
-  pulls need, and a CTX that never answers costs at most ``_CONTROL_CONCURRENCY`` connections for ``_CONTROL_TIMEOUT``.
-
-Each collection is kept in order of expiry (one TTL for all, a monotonic clock; a renewed grant moves to the end),
-so the sweeper and every new entry pop only what has expired, from the front, and the live grants are counted
-without a scan.
-
-Timekeeping uses one injectable clock, so a test moves time instead of sleeping.
+A GEN request runs only under a live grant, checked before it reaches the engine; a grant that is aborted, expires
+or is never bound within its admission lease frees its credit, aborts its request and, if the KV was not taken yet,
+tells CTX to free it. Every end leaves a tombstone (digests only, ``workers.trtllm.entries``) for the replay
+horizon, up to ``replay_filter_capacity``: past it new work is refused, never a tombstone forgotten early. Each
+collection is kept in order of expiry, so a sweep pops only what has expired; one injectable clock keeps time.
 """
 
 from __future__ import annotations
@@ -51,7 +28,6 @@ from frontend.trtllm.lifecycle import (
     CONTEXT_ARTIFACT_ABORT_PATH,
     GENERATION_SAFE,
     PROTOCOL_V1_REQUIRED_CAPABILITIES,
-    ArtifactState,
     ContextArtifactAbortRequest,
     GenerationGrantAbortRequest,
     GenerationGrantDecisionResponse,
@@ -65,9 +41,9 @@ from frontend.trtllm.lifecycle import (
     make_advertisement,
     negotiate,
 )
-from workers.context_artifacts import ARTIFACT_EXPIRED, ContextArtifacts
-from workers.lifecycle_entries import (
-    Artifact,
+from workers.settings import Role
+from workers.trtllm.artifacts import ContextArtifacts
+from workers.trtllm.entries import (
     Grant,
     LifecycleConflict,
     admission_facts,
@@ -75,9 +51,9 @@ from workers.lifecycle_entries import (
     forget_expired,
     short_reason,
 )
-from workers.lifecycle_settings import LifecycleSettings, Role
+from workers.trtllm.settings import LifecycleSettings
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("disagg_serve.worker.trtllm_lifecycle")
 
 GRANT_EXPIRED = "generation intent grant expired"
 GRANT_SATURATED = "generation grant identity is terminal or replay protection is saturated"  # TensorRT-LLM's words
@@ -97,8 +73,8 @@ CAPABILITIES = PROTOCOL_V1_REQUIRED_CAPABILITIES | {LifecycleCapability.DIRECT_T
                                                     LifecycleCapability.GENERATION_FIRST.value}
 
 
-class LifecycleControl(ContextArtifacts):
-    """One worker's grants (GEN) or artifacts (CTX), with the sweeper that expires them."""
+class LifecycleControl:
+    """One worker's grants (GEN) and its context artifacts (CTX, ``artifacts``), with the sweeper that expires them."""
 
     def __init__(self, role: Role, settings: LifecycleSettings, *,
                  abort_request: Callable[[str], Awaitable[None]],
@@ -122,10 +98,9 @@ class LifecycleControl(ContextArtifacts):
         self._unbound: OrderedDict[UUID, Grant] = OrderedDict()  # live, no request yet: in order of bind_by
         self._unbound_by_caller: dict[str, int] = {}
         self._grant_tombstones: OrderedDict[UUID, Grant] = OrderedDict()
-        self.artifacts: dict[str, Artifact] = {}  # by prefill_artifact_id
-        self._live_artifacts: OrderedDict[str, Artifact] = OrderedDict()
-        self._artifact_tombstones: OrderedDict[str, Artifact] = OrderedDict()
         self._tasks: set[asyncio.Task[Any]] = set()
+        self.artifacts = ContextArtifacts(settings, self.advertisement.incarnation if self.advertisement else None,
+                                          release_handoff=release_handoff, spawn=self._spawn)
         self._sweeper: asyncio.Task[None] | None = None
         self._client: httpx.AsyncClient | None = None
         self._control_client: httpx.AsyncClient | None = None
@@ -141,10 +116,6 @@ class LifecycleControl(ContextArtifacts):
     def live_grants(self) -> int:
         """Grants active now (what ``max_live_grants`` limits), counted as they are issued and retired."""
         return len(self._live_grants)
-
-    @property
-    def live_artifacts(self) -> int:
-        return len(self._live_artifacts)
 
     @property
     def incarnation(self) -> UUID:
@@ -192,23 +163,15 @@ class LifecycleControl(ContextArtifacts):
             if now < grant.expires_at:
                 break
             self._retire_grant(grant, GrantState.REVOKED, GRANT_EXPIRED)
-        while self._live_artifacts:
-            artifact = next(iter(self._live_artifacts.values()))
-            if now < artifact.expires_at:
-                break
-            await self._retire_artifact(artifact, ArtifactState.ABANDONED, ARTIFACT_EXPIRED)
-        self._forget_tombstones(now)
-
-    def _forget_tombstones(self, now: float) -> None:
         forget_expired(self._grant_tombstones, self.grants, now)
-        forget_expired(self._artifact_tombstones, self.artifacts, now)
+        await self.artifacts.sweep(now)
 
-    def _saturated(self, entries: Mapping[Any, Any]) -> bool:
-        """No room for one more entry, once what has expired is forgotten: refuse rather than forget early."""
-        if len(entries) < self.settings.replay_filter_capacity:
+    def _saturated(self) -> bool:
+        """No room for one more grant, once what has expired is forgotten: refuse rather than forget early."""
+        if len(self.grants) < self.settings.replay_filter_capacity:
             return False
-        self._forget_tombstones(self.clock())
-        return len(entries) >= self.settings.replay_filter_capacity
+        forget_expired(self._grant_tombstones, self.grants, self.clock())
+        return len(self.grants) >= self.settings.replay_filter_capacity
 
     # -- GEN: grants ------------------------------------------------------------------------------------------
     def issue(self, request: GenerationGrantRequest, endpoint_name: str,
@@ -235,7 +198,7 @@ class LifecycleControl(ContextArtifacts):
                     lifecycle_protocol_version=1, accepted=False,
                     reason=existing.reason or "generation grant is already terminal")
             return self._decision(existing, endpoint_name, now)  # a replay: the same grant, its original expiry
-        if self._saturated(self.grants):
+        if self._saturated():
             return GenerationGrantDecisionResponse(lifecycle_protocol_version=1, accepted=False,
                                                    reason=GRANT_SATURATED)
         if request.context_control_endpoint is not None:
@@ -406,7 +369,7 @@ class LifecycleControl(ContextArtifacts):
     def bind(self, params: DisaggregatedParams, request_id: str) -> UUID:
         """Bind a generation_only request to its live grant (checked again: it may have expired since
         ``check_request``); returns the grant's id for ``finish``."""
-        grant = self._live_grant(params)
+        grant = self.live_grant(params)
         grant.request_id = request_id
         grant.ended = asyncio.Event()
         self._forget_unbound(grant)  # bound: its admission lease is met
@@ -418,7 +381,7 @@ class LifecycleControl(ContextArtifacts):
         if grant is not None and grant.ended is not None and grant.state is GrantState.ACTIVE:
             await grant.ended.wait()
 
-    def _live_grant(self, params: DisaggregatedParams) -> Grant:
+    def live_grant(self, params: DisaggregatedParams) -> Grant:
         grant_id = UUID(str(params.consumer_grant_id))
         grant = self.grants.get(grant_id)
         if grant is None:

@@ -7,7 +7,7 @@ import orjson
 import pytest
 
 from frontend.errors import InvalidRequestError
-from workers.request_body import parse_request_body
+from workers.trtllm.body import parse_request_body
 
 BODY = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "disaggregated_params": {"request_type":
         "context_only", "disagg_request_id": 2**62, "schedule_style": 0, "conversation_id": None}}

@@ -269,7 +269,7 @@ def test_ctx_request_ids_come_from_a_secure_generator(monkeypatch: pytest.Monkey
     import random
 
     from frontend.disaggregated_params import DisaggregatedParams
-    from workers.trtllm_answers import new_request_id
+    from workers.trtllm.answers import new_request_id
 
     def predictable(_bits: int) -> int:
         raise AssertionError("random.getrandbits used for an id")

@@ -1,23 +1,11 @@
-"""Generation first on our workers: GEN may arrive before CTX has prefilled, and pulls the hand-off when it exists.
+"""Generation first (TensorRT-LLM's ``schedule_style: 1``): GEN gets its request before CTX has prefilled, and pulls
+the hand-off (first tokens, KV reference) from CTX by ``disagg_request_id`` once CTX has parked it, a bounded long
+poll. CTX side: ``HandoffBoard`` keeps those answers until their GEN claims them, once. GEN side: ``pull_handoff``.
 
-TensorRT-LLM's orchestrator with ``schedule_style: generation_first`` sends GEN its request (``schedule_style: 1``,
-``disagg_request_id``, and the CTX's ``ctx_info_endpoint`` from CTX's ``/server_info``) before or together with
-the CTX request, and no CTX answer ever reaches GEN through the orchestrator. Our hand-off is pulled anyway (GEN's
-engine fetches the KV from CTX's transfer server by the reference in ``encoded_opaque_state``), so the only thing
-GEN lacks is that reference and the first token: it asks CTX for them by ``disagg_request_id``, and CTX answers as
-soon as its prefill has parked the KV (a long poll, bounded). GEN reserves its place meanwhile: the request is
-admitted and counted, its grant bound (v1), before the wait starts.
-
-CTX side: ``HandoffBoard`` keeps the hand-off params of generation-first CTX answers until their GEN claims them
-(once), or for at most the artifact TTL. GEN side: ``pull_handoff``.
-
-Who may take a hand-off: the board's route answers holders of the deployment secret only (workers/lifecycle_routes.py),
-and under lifecycle v1 a hand-off is bound to its attempt: CTX keeps the attempt's ``transfer_session_id`` (a uuid4,
-122 random bits, minted per attempt by the orchestrator and carried to CTX and to the GEN it granted) as the claim,
-and gives the hand-off only to a GEN that presents it in ``CLAIM_HEADER`` (compared in constant time). A wrong claim
-is answered like a missing hand-off and leaves it on the board for the GEN that was granted it. Without v1 there is
-no per-attempt value on both legs (TensorRT-LLM's wire has none): the deployment secret is then the only key, and our
-own orchestrator's ``disagg_request_id`` is at least unpredictable (``secrets``).
+Only holders of the deployment secret reach the board (``workers.trtllm.routes``); under lifecycle v1 a hand-off
+also goes only to the GEN granted that attempt, which presents its ``transfer_session_id`` (122 random bits) in
+``CLAIM_HEADER``; a wrong claim is answered like a missing hand-off. Without v1 (TensorRT-LLM's wire has no
+per-attempt value on both legs) the deployment secret is the only key.
 """
 
 from __future__ import annotations

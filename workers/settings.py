@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 from frontend.http import DEFAULT_MAX_BODY_BYTES_READING
 from frontend.internal_secret import InternalSecret
-from workers.lifecycle_settings import LifecycleSettings, Role
+from workers.trtllm.settings import LifecycleSettings
+
+Role = Literal["context", "generation", "both"]  # what a worker serves: CTX, GEN, or both (aggregated)
 
 
 @dataclass(frozen=True, slots=True)
@@ -20,9 +23,9 @@ class WorkerSettings:
     # None: no events / no replay. Published only by an engine that reuses KV (``ReportsKvCapacity``).
     kv_events_endpoint: str | None = "tcp://127.0.0.1:0"
     kv_events_replay_endpoint: str | None = "tcp://127.0.0.1:0"
-    # TensorRT-LLM's lifecycle protocol (workers/lifecycle.py): v0 unless turned on, as in TensorRT-LLM.
+    # TensorRT-LLM's lifecycle protocol (workers/trtllm/lifecycle.py): v0 unless turned on, as in TensorRT-LLM.
     lifecycle: LifecycleSettings = field(default_factory=LifecycleSettings)
-    # The deployment secret (frontend/internal_secret.py): with one, the internal routes (workers/lifecycle_routes.py)
+    # The deployment secret (frontend/internal_secret.py): with one, the internal routes (workers/trtllm/routes.py)
     # answer its holders only, and this worker's own calls to its peers carry it. None: open, as on a laptop.
     internal_secret: InternalSecret | None = None
     # TensorRT-LLM's own internal authentication key (``internal_request_auth_key``; frontend/trtllm/auth.py), for a

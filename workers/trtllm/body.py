@@ -1,8 +1,6 @@
-"""A worker's request body: JSON, or msgpack when TensorRT-LLM's orchestrator flags it with ``X-TRTLLM-Msgpack``.
-
-TensorRT-LLM's orchestrator (with ``TRTLLM_SERVE_ENABLE_MSGSPEC=1``) encodes the body it forwards as msgpack, keeps
-``Content-Type: application/json`` and sets ``X-TRTLLM-Msgpack: 1``. Either way the result is the same dict, so
-everything after this point is unaware of the encoding.
+"""A worker's request body as one dict: msgpack when TensorRT-LLM's orchestrator flags it with ``X-TRTLLM-Msgpack``
+(its ``TRTLLM_SERVE_ENABLE_MSGSPEC=1``; the Content-Type still says JSON), JSON otherwise. Nothing after this
+knows the encoding.
 """
 
 from __future__ import annotations

@@ -6,8 +6,8 @@ from frontend.disaggregated_params import DisaggregatedParams
 from frontend.errors import InvalidRequestError
 from frontend.trtllm.identity import IDENTITY_FIELDS, has_identity
 from frontend.trtllm.lifecycle import ScheduleStyle
-from workers.lifecycle import LifecycleControl
-from workers.lifecycle_settings import Role
+from workers.settings import Role
+from workers.trtllm.lifecycle import LifecycleControl
 
 
 def check_request(params: DisaggregatedParams | None, role: Role, control: LifecycleControl) -> None:
@@ -40,9 +40,9 @@ def check_request(params: DisaggregatedParams | None, role: Role, control: Lifec
             raise InvalidRequestError("selected context transceiver lifecycle does not match the current context "
                                       "endpoint incarnation",
                                       param="disaggregated_params.context_transceiver_lifecycle")
-        control.check_artifact(params)
+        control.artifacts.check(params)
     else:
-        control._live_grant(params)  # unknown, expired or aborted grants stop here, before the engine
+        control.live_grant(params)  # unknown, expired or aborted grants stop here, before the engine
     if params.schedule_style not in (None, ScheduleStyle.CONTEXT_FIRST, ScheduleStyle.GENERATION_FIRST):
         raise InvalidRequestError(f"unsupported disaggregated schedule style {params.schedule_style!r}",
                                   param="disaggregated_params.schedule_style")

@@ -1,11 +1,11 @@
-"""The settings of TensorRT-LLM's lifecycle protocol v1 on a worker (``workers.lifecycle``), and a worker's role."""
+"""The settings of TensorRT-LLM's lifecycle protocol v1 on a worker (``workers.trtllm.lifecycle``)."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 from frontend.trtllm.lifecycle import (
     ARTIFACT_TTL_ENV,
@@ -15,8 +15,6 @@ from frontend.trtllm.lifecycle import (
     GRANT_TTL_ENV,
     protocol_version_from_env,
 )
-
-Role = Literal["context", "generation", "both"]  # a worker's role (workers.serving and the lifecycle use this one)
 
 DEFAULT_REPLAY_FILTER_CAPACITY = 262144  # TensorRT-LLM's replay_filter_capacity
 

@@ -57,16 +57,16 @@ from tests.trtllm_wire import (
 from tests.waiting import eventually, eventually_async
 from tests.workers.engines.reference.ledger import ADMIN_KEY
 from tests.workers.engines.reference.tiny_model import write_tiny_model
-from workers.context_artifacts import ARTIFACT_SATURATED
 from workers.engines.reference.engine import ReferenceEngine
 from workers.engines.reference.options import ReferenceOptions
 from workers.engines.synthetic import SyntheticEngine
-from workers.generation_first import CLAIM_HEADER, HANDOFF_PATH, pull_handoff
-from workers.lifecycle import CAPABILITIES, GRANT_HOARDED, GRANT_SATURATED, LifecycleControl
-from workers.lifecycle_entries import MAX_REASON
-from workers.lifecycle_settings import LifecycleSettings
 from workers.server import create_worker_app
-from workers.serving import Role, WorkerSettings
+from workers.settings import Role, WorkerSettings
+from workers.trtllm.artifacts import ARTIFACT_SATURATED
+from workers.trtllm.entries import MAX_REASON
+from workers.trtllm.generation_first import CLAIM_HEADER, HANDOFF_PATH, pull_handoff
+from workers.trtllm.lifecycle import CAPABILITIES, GRANT_HOARDED, GRANT_SATURATED, LifecycleControl
+from workers.trtllm.settings import LifecycleSettings
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 GRANT_TTL_S = 30.0
@@ -592,7 +592,7 @@ class _Alone:
             {**self.grant_identity(identity), "ttl_s": 600.0, "sequence": sequence}))
 
     async def abort_artifact(self, identity: dict[str, Any]) -> dict[str, Any]:
-        return await self.control.abort_artifact(ContextArtifactAbortRequest.model_validate(
+        return await self.control.artifacts.abort(ContextArtifactAbortRequest.model_validate(
             {"lifecycle_protocol_version": 1, **identity,
              "context_endpoint_incarnation": str(self.control.incarnation), "reason": "client went away"}))
 
@@ -686,20 +686,20 @@ async def test_ctx_tombstones_are_capped_and_expire() -> None:
         answer = await alone.abort_artifact(third)
         assert not answer["accepted"] and answer["reason"] == ARTIFACT_SATURATED
         with pytest.raises(OverloadedError, match="replay protection is saturated"):
-            control.check_artifact(alone.artifact_params(third))
+            control.artifacts.check(alone.artifact_params(third))
         with pytest.raises(InvalidRequestError, match="context artifact is ABANDONED"):
-            control.check_artifact(alone.artifact_params(before[0]))  # still refused: nothing was forgotten
+            control.artifacts.check(alone.artifact_params(before[0]))  # still refused: nothing was forgotten
         clock.now += 60.0
         await control.sweep()
-        assert control.artifacts == {}
-        control.check_artifact(alone.artifact_params(third))
-        control.park(alone.artifact_params(third), "ctx-3", b"state")
-        assert control.live_artifacts == 1
+        assert control.artifacts.entries == {}
+        control.artifacts.check(alone.artifact_params(third))
+        control.artifacts.park(alone.artifact_params(third), "ctx-3", b"state")
+        assert control.artifacts.live == 1
         clock.now += 30.0
         await control.sweep()  # unclaimed past the artifact TTL: freed, a tombstone left
-        assert control.live_artifacts == 0 and alone.released == ["ctx-3"]
+        assert control.artifacts.live == 0 and alone.released == ["ctx-3"]
         with pytest.raises(InvalidRequestError, match="context artifact expired"):
-            control.check_artifact(alone.artifact_params(third))
+            control.artifacts.check(alone.artifact_params(third))
     finally:
         await control.aclose()
 
@@ -865,7 +865,7 @@ async def test_aborts_aimed_at_a_black_hole_never_delay_a_hand_off_pull(caplog: 
                 alone.abort(identity)  # spawns an abort POST to the black hole
             # The aborts are in flight (bb7e60b: 100 of them, every connection of the shared client; now 8).
             assert await eventually_async(lambda: len(held) >= 8)
-            with caplog.at_level(logging.WARNING, logger="workers.lifecycle"):
+            with caplog.at_level(logging.WARNING, logger="disagg_serve.worker.trtllm_lifecycle"):
                 params = await pull_handoff(control.http(), ctx_url, 7, 5.0)
                 assert params == {"ctx_request_id": "1"}
                 # No abort had given up (timed out) when the pull was answered: it never waited behind them.

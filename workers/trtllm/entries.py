@@ -1,10 +1,8 @@
-"""What ``workers.lifecycle.LifecycleControl`` keeps: a grant (GEN) or an artifact (CTX), live or a tombstone, and
-the attempt identity both are matched by, and the error for a call that contradicts them.
+"""The entries of TensorRT-LLM's lifecycle v1 (``workers.trtllm.lifecycle``): a grant (GEN) or an artifact (CTX), live
+or a tombstone, the attempt identity both are matched by, and the error for a call that contradicts them.
 
-A tombstone is kept for the replay horizon (20 minutes by default), up to ``replay_filter_capacity`` (262,144) of
-each: so it keeps only what a replay is compared with, as fixed-size digests, never the request that made it (a
-grant request carries the caller's strings: its endpoint, its advertisement). Every entry is then a few hundred
-bytes whatever the caller sent, and the reason it ended is cut to ``MAX_REASON``.
+Up to 262,144 tombstones of each are kept for the replay horizon, so an entry keeps only fixed-size digests of what a
+replay is compared with, never the caller's request: a few hundred bytes whatever was sent.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The worker's routes for TensorRT-LLM's lifecycle protocol v1 (``workers.lifecycle``): the server info its
+"""The worker's routes for TensorRT-LLM's lifecycle protocol v1 (``workers.trtllm.lifecycle``): the server info its
 router reads first, the control calls (grants on GEN, artifact aborts on CTX), and CTX's generation-first hand-off.
 
 Every ``/_internal/*`` route here answers internal callers only (``workers.internal_callers``), checked before
@@ -29,18 +29,18 @@ from frontend.trtllm.lifecycle import (
     GenerationGrantRenewRequest,
     GenerationGrantRequest,
 )
-from workers.generation_first import CLAIM_HEADER, HANDOFF_PATH
 from workers.internal_callers import InternalCallers, refused
-from workers.lifecycle_entries import LifecycleConflict
-from workers.serving import WorkerService
-from workers.worker_settings import WorkerSettings
+from workers.settings import WorkerSettings
+from workers.trtllm.entries import LifecycleConflict
+from workers.trtllm.generation_first import CLAIM_HEADER, HANDOFF_PATH, HandoffBoard
+from workers.trtllm.lifecycle import LifecycleControl
 
 Body = TypeVar("Body", bound=BaseModel)  # a lifecycle control call's body model
 
 
-def install_lifecycle_routes(app: FastAPI, settings: WorkerSettings, service: WorkerService) -> None:
+def install_lifecycle_routes(app: FastAPI, settings: WorkerSettings, control: LifecycleControl,
+                             board: HandoffBoard) -> None:
     """The routes this worker's role answers (the control calls answer 404 while v1 is off)."""
-    control = service.lifecycle
     callers = InternalCallers(settings.internal_secret, settings.trtllm_auth_key)
 
     def own_url(request: Request) -> str:
@@ -102,7 +102,7 @@ def install_lifecycle_routes(app: FastAPI, settings: WorkerSettings, service: Wo
         return control.abort(body)
 
     async def abort_artifact(body: ContextArtifactAbortRequest, _: Request) -> Any:
-        return await control.abort_artifact(body)
+        return await control.artifacts.abort(body)
 
     if settings.role == "generation":
         control_route(GENERATION_GRANT_PATH, GenerationGrantRequest, issue)
@@ -128,7 +128,7 @@ def install_lifecycle_routes(app: FastAPI, settings: WorkerSettings, service: Wo
                 wait_s = 0.0
             claim = request.headers.get(CLAIM_HEADER)
             params = await cancel_on_disconnect(
-                request, lambda: service.board.claim(disagg_request_id, min(max(wait_s, 0.0), 300.0), claim))
+                request, lambda: board.claim(disagg_request_id, min(max(wait_s, 0.0), 300.0), claim))
             if params is None:
                 return json_response({"detail": "no hand-off for this request"}, status_code=404)
             return json_response(params)
