@@ -15,14 +15,14 @@ What it keeps, each with the code that does the same for the routes FastAPI serv
 - a client that reads nothing for ``send_timeout_s`` is cut off (``frontend.client_timeouts``): one timer per
   request, re-armed only while a ``send`` is blocked;
 - a client that goes away cancels the handler wherever it waits (``cancel_on_disconnect``, ``StreamingResponse``):
-  told by the server when it offers the ``CLIENT_GONE`` scope extension (``entrypoints/http_protocol.py``),
+  told by the server when it offers the ``CLIENT_GONE`` scope extension (``entrypoints/http/protocol.py``),
   otherwise by one task waiting on ``receive``.
 
 Any other path, or another method on these paths, goes to the FastAPI app, which also lists the fast routes in its
 OpenAPI schema and answers their 405s.
 
 The exchange is written once for the handler (``Exchange``) and twice for how its bytes move: ``AsgiExchange`` on
-any ASGI server, and ``entrypoints/direct_exchange.py``'s on the project's own protocol, which serves these routes
+any ASGI server, and ``entrypoints/http/exchange.py``'s on the project's own protocol, which serves these routes
 without ASGI at all (``disagg-serve`` runs that one).
 """
 
@@ -72,7 +72,7 @@ LastChunkWriter = Callable[[bytes], None]
 
 class PushedStream(Protocol):
     """A streamed answer that can push its pieces to the client as they arrive, from the callback that read them,
-    instead of being iterated: a piece then costs no wake-up of the handler's coroutine chain (issue 31)."""
+    instead of being iterated: a piece then costs no wake-up of the handler's coroutine chain."""
 
     def frames(self) -> AsyncIterator[bytes]:
         """The same pieces, as an iterator (for an exchange that cannot take pushes, or a wrapper that reads them)."""
@@ -133,7 +133,7 @@ async def _served_by_the_fast_path() -> Response:
 
 class Exchange:
     """One request and its answer, served from the handler's coroutine. How the bytes move is a subclass's:
-    ``AsgiExchange`` through ASGI's ``receive`` and ``send``, or a server's own (``entrypoints/direct_exchange.py``
+    ``AsgiExchange`` through ASGI's ``receive`` and ``send``, or a server's own (``entrypoints/http/exchange.py``
     writes to the connection directly)."""
 
     __slots__ = ("_complete", "_cut", "_send_timeout_s", "_started", "_task", "request_id", "scope")

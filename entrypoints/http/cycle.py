@@ -234,9 +234,9 @@ class RequestCycle:
             raise RuntimeError(f"{kind!r} sent after the answer was complete")
 
     def _head(self, status: int, headers: Any) -> bytes:
-        if self.more_body:
-            self.keep_alive = False  # answered before its body is in: closed after the answer (``end``)
-        lines = [STATUS_LINE[status], default_header_lines(self.default_headers)]
+        """An app's answer head: its headers checked (a header built from a client's input cannot split the
+        answer) and read for the answer's framing, then written by ``answer_head``."""
+        lines: list[bytes] = []
         says_close = False
         for raw_name, value in headers:
             if not _TOKEN.fullmatch(raw_name):
@@ -258,17 +258,29 @@ class RequestCycle:
                 self.keep_alive = False
                 says_close = True
             lines += (name, b": ", value, b"\r\n")
-        if not self.keep_alive and not says_close:
-            lines.append(CLOSE)
         self._bodiless = self.scope["method"] == "HEAD" or status in _BODILESS
+        chunked = False
         if self.chunked_encoding is None and not self._bodiless:
             if self.scope["http_version"] == "1.0":
                 self.unframed = True  # no chunks for HTTP/1.0: the connection's end is the body's (it is not kept)
             else:
-                self.chunked_encoding = True
-                lines.append(CHUNKED)
+                self.chunked_encoding = chunked = True
+        return self.answer_head(status, lines, says_close=says_close, chunked=chunked)
+
+    def answer_head(self, status: int, header_lines: list[bytes], *, says_close: bool, chunked: bool) -> bytes:
+        """The answer's head, whoever writes it (an app through ``send``, a fast route's exchange): the status
+        line, the server's default headers, ``header_lines`` (the answer's own, as bytes), ``connection: close``
+        when the connection is not kept (unless they say it), ``transfer-encoding: chunked`` when ``chunked``. The
+        answer counts as started from here: no ``100 Continue`` after it, and no 500 in its place."""
+        if self.more_body:
+            self.keep_alive = False  # answered before its body is in: closed after the answer (``end``)
+        lines = [STATUS_LINE[status], default_header_lines(self.default_headers), *header_lines]
+        if not self.keep_alive and not says_close:
+            lines.append(CLOSE)
+        if chunked:
+            lines.append(CHUNKED)
         lines.append(b"\r\n")
-        self.response_started = True  # (not before: a head refused above can still be a 500)
+        self.response_started = True
         self.waiting_for_100_continue = False
         return b"".join(lines)
 

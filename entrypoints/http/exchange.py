@@ -1,19 +1,9 @@
-"""A fast route's exchange written on the connection itself: no ASGI messages, no app stack in between.
-
-Why: served through ASGI, the orchestrator's hot routes paid, per request, for a ``run_asgi`` wrapper, a
-proxy-headers middleware, the fast path's dispatch, a ``receive`` message for the body, and for every piece of the
-answer a message dict that ``send`` takes apart again, checking each header against two regular expressions; and
-one send timer per request. Here the project's protocol (``entrypoints/http/protocol.py``) starts the handler on
-the request's ``RequestCycle`` directly: the body is the one the protocol parsed, the answer's head is written in
-one piece with the server's default headers (its names are the handler's own, not a client's), a whole answer goes
-out with its head in one send, and a timer exists only while a send waits for a client that does not read.
-
-It keeps, on the same fields of the cycle, the rules ``RequestCycle``'s ``receive`` and ``send`` keep
-(``entrypoints/http/cycle.py``), so that the connection around it (keep-alive, pipelining, flow control,
-graceful shutdown) cannot tell the difference: ``100 Continue`` before the body is read, reading resumed while the
-body is awaited, the response marked started and complete, ``connection: close`` when the connection is not kept,
-the cycle ended once the answer is complete, and after the handler: a 500 if nothing was answered, the connection
-closed if an answer was cut short.
+"""A fast route's answer written on its connection (``CycleExchange``): the handler works on the request's
+``RequestCycle`` directly, with no ASGI message and no app stack in between. The body is the one the protocol
+parsed, the head is written by the cycle (``RequestCycle.answer_head``) and a whole answer goes out with it in one
+send; a timer runs only while a send waits for a client that does not read. It keeps the cycle's rules
+(``cycle.py``), so that the connection (keep-alive, pipelining, flow control, graceful shutdown) cannot tell it from
+an app's answer through ASGI.
 """
 
 from __future__ import annotations
@@ -23,7 +13,7 @@ import logging
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from entrypoints.http.cycle import CHUNKED, CLOSE, STATUS_LINE, RequestCycle, default_header_lines, last_chunk
+from entrypoints.http.cycle import RequestCycle, last_chunk
 from frontend.asgi_fast_path import Exchange, Handler, PushedStream, RawHeaders
 from frontend.http import ClientDisconnected, too_large
 
@@ -129,7 +119,7 @@ class CycleExchange(Exchange):
 
     async def push(self, pushed: PushedStream, headers: RawHeaders) -> None:
         """A 200 written piece by piece from the callback that read each piece (``PushedStream``), with a send
-        fewer at each end (issue 31): the head goes out with the first piece when it is already there (``push``
+        fewer at each end: the head goes out with the first piece when it is already there (``push``
         hands on what came with GEN's head before it waits), else at the loop's next turn; and the piece with the
         stream's end marker goes out with the end of the answer (``_finish``), not a send of its own after GEN's
         stream is read to its end."""
@@ -191,24 +181,16 @@ class CycleExchange(Exchange):
         self._cycle.end()
 
     def _head(self, status: int, headers: RawHeaders, chunked: bool) -> bytes:
-        """The status line and headers, as ``RequestCycle.send`` writes them: the server's default headers first."""
+        """The answer's head, written by the cycle as it writes an app's (its header names are the handler's own,
+        not a client's: no check)."""
         cycle = self._cycle
-        cycle.response_started = True
-        cycle.waiting_for_100_continue = False
-        if cycle.more_body:
-            cycle.keep_alive = False  # answered before its body is in: reading on would take the next request for it
         if chunked and cycle.scope["http_version"] == "1.0":
             chunked = False  # no chunks for HTTP/1.0: the connection's end is the body's (it is not kept)
         cycle.chunked_encoding = chunked
-        lines = [STATUS_LINE[status], default_header_lines(cycle.default_headers)]
+        lines: list[bytes] = []
         for name, value in headers:
             lines += (name, b": ", value, b"\r\n")
-        if not cycle.keep_alive:
-            lines.append(CLOSE)
-        if chunked:
-            lines.append(CHUNKED)
-        lines.append(b"\r\n")
-        return b"".join(lines)
+        return cycle.answer_head(status, lines, says_close=False, chunked=chunked)
 
     async def _writable(self) -> bool:
         """Whether the answer can still be written, after waiting (at most ``send_timeout_s``) for a client that is
