@@ -16,8 +16,7 @@ from workers.prefix_holdings import PrefixHoldings
 from workers.serving import WorkerService
 from workers.settings import WorkerSettings
 
-# The logger of the module this was split out of, as it was: what an operator's filters name.
-logger = logging.getLogger("workers.server")
+logger = logging.getLogger(__name__)
 
 
 class KvEventPublishing:
