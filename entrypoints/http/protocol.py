@@ -1,53 +1,9 @@
-"""The front ends' HTTP/1.1 server protocol: httptools' parser (llhttp) under the project's own connection and
-request handling, guarded against hostile clients, with a request body of declared length read straight into its
-own buffer and handed to the app whole.
-
-uvicorn's ``Server`` runs it as its ``http=`` protocol class (``entrypoints/cli.py``): the server listens, runs the
-app's lifespan, renews the ``Date`` header and shuts down gracefully; everything on a connection is this module's
-and ``entrypoints/http/cycle.py``'s, so that no limit below rests on another project's private code
-(DESIGN.md, HTTP). What it takes of uvicorn is the protocol factory's contract: the ``config`` (its app,
-``root_path``, ``timeout_keep_alive``; not ``limit_concurrency``: admission is the orchestrator's), the
-``server_state`` (the connections and tasks a graceful shutdown waits for, the default headers) and the lifespan's
-``app_state``; and ``shutdown()``, which it calls on each connection when it stops.
-
-What a client may not do, each cut-off logged and counted (``disagg_http_connections_cut{reason}``):
-
-- a request's head must be complete within ``header_timeout_s`` of the connection opening or of its first byte (a
-  slowloris client would hold the connection for ever), and be at most ``max_head_bytes`` long (httptools grows a
-  header value without limit, at a cost that grows with its square: one 48 MiB header cost 27 s of CPU): a 431 and
-  a close, refused before more than one read past the limit is parsed;
-- a request's body may go no longer than ``body_timeout_s`` without a byte, and past that must average
-  ``body_min_rate`` (a head and one byte of its body held a connection, and in the orchestrator an admission slot,
-  for ever): a 408 and a close. What it declares earns it no time and costs the server nothing: its bytes count
-  against the server's budget of bodies being read (a 429 past it) as they arrive, and bodies being read are
-  capped per client address (``entrypoints/http/limits.py``); chunk framing and trailers that bring no body
-  bytes count against the head limit;
-- an HTTP/1.1 request has exactly one ``Host``, an HTTP/1.0 one at most one (RFC 9112 3.2), else a 400; malformed
-  requests get an OpenAI-shaped 400;
-- an answer sent before its request's body arrived (a 401, 413 or 429) says ``connection: close``, and the
-  connection is closed once the client has seen it (our side shut, what the client still sends read and dropped
-  for a few seconds): reading on would take the client's next request for the rest of the body, and a plain close
-  with unread bytes resets the connection, answer and all;
-- an HTTP/1.0 client gets no ``100 Continue`` and no chunked encoding (its answer's end is the connection's);
-- trailers of a chunked request body never join the request's headers;
-- a protocol upgrade (WebSocket, h2c) is not offered: the request is answered over HTTP/1.1, as RFC 9110 7.8
-  allows, its body read as HTTP/1.1 frames it (llhttp stops before it), and the connection closes after it
-  (nothing after the request is parsed);
-- no answer carries a ``server`` header (``entrypoints/http/cycle.py``).
-
-The clocks, and the ways a connection is ended, are the protocol's base class (``entrypoints/http/limits.py``);
-the rules of an answer are its cycle's (``entrypoints/http/cycle.py``).
-
-Given the ``FastPathApp`` it serves, the protocol starts a POST to a fast route on its cycle itself
-(``entrypoints/http/exchange.py``); a request served through ASGI gets in its scope the ``ABORT_CONNECTION``
-extension that ``frontend/client_timeouts.py`` uses, and the ``CLIENT_GONE`` one through which
-``frontend/asgi_fast_path.py`` learns that the client left without a task waiting on ``receive``. The keep-alive
-timer is one per connection, not one per request. Pipelined requests are answered in order, one at a time.
-
-The socket is read as a ``BufferedProtocol``, into buffers ``frontend/read_buffers.py`` gives: between requests a
-small one shared by the thread's connections, copied out as the ``bytes`` the parser is fed; once the headers of
-a body of declared length (64 KiB to ``WHOLE_BODY_UP_TO``) are parsed, the rest of the body straight into the
-``bytes`` the app gets, never through the parser.
+"""The front ends' HTTP/1.1 server protocol: httptools' parser (llhttp) under the package's own connection and
+request handling, so that every limit a client is held to (docs/http.md) is this package's code. A request body of
+declared length (64 KiB to ``WHOLE_BODY_UP_TO``) is read past the parser straight into the ``bytes`` the app gets,
+and handed over whole. The clocks and what bodies being read hold are the connection's ``ClientClocks``
+(``limits.py``); how a connection ends when one runs out is here; the rules of an answer are its ``RequestCycle``'s
+(``cycle.py``); a POST to a ``FastPathApp``'s fast route is served on its cycle directly (``exchange.py``).
 """
 
 from __future__ import annotations
@@ -55,6 +11,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import logging
+import socket
+import struct
 import urllib.parse
 from collections import deque
 from collections.abc import Callable
@@ -62,17 +21,35 @@ from typing import Any
 
 import httptools
 
-from entrypoints.http.cycle import HIGH_WATER_LIMIT, FlowControl, RequestCycle
+from entrypoints.http.cycle import HIGH_WATER_LIMIT, STATUS_LINE, FlowControl, RequestCycle, default_header_lines
 from entrypoints.http.exchange import CycleExchange
-from entrypoints.http.limits import ClientCutoffs, ClientLimits
+from entrypoints.http.limits import ClientClocks, ClientLimits
 from frontend.asgi_fast_path import CLIENT_GONE, FastPathApp
-from frontend.client_timeouts import ABORT_CONNECTION
-from frontend.errors import HeadTooLargeError, InvalidRequestError, ServingError
-from frontend.http import DEFAULT_MAX_BODY_BYTES_READING, BodyBudget, BodyReads
+from frontend.client_timeouts import ABORT_CONNECTION, TIMER_SLACK_S
+from frontend.errors import (
+    HeadTooLargeError,
+    InvalidRequestError,
+    OverloadedError,
+    RequestTimeoutError,
+    ServingError,
+    error_body,
+)
+from frontend.http import DEFAULT_MAX_BODY_BYTES_READING, BodyBudget, BodyReads, request_id_of
 from frontend.read_buffers import DeclaredBody, DeclaredBodyReads
+
+# The HTTP server's logger: what an operator's filters name.
+logger = logging.getLogger("disagg_serve.http")
 
 # A request body of a declared length up to this is read whole before the app is woken (below).
 WHOLE_BODY_UP_TO = 16 * 1024 * 1024
+
+# How long a connection closed before its request's body was read keeps reading (and dropping) what the client
+# still sends, so that its close does not reset the connection before the client has read the answer.
+LINGER_S = 5.0
+# ... and only while the client keeps sending: a pause this long means it has nothing more (or has read the answer
+# and stopped), so the close loses nothing.
+LINGER_PAUSE_S = 0.5
+
 
 _ASGI = {"version": "3.0", "spec_version": "2.3"}
 
@@ -116,8 +93,19 @@ class _BodyOnly:
         raise _Refused()  # stops the parse here (``data_received`` drops the rest)
 
 
-class GuardedProtocol(ClientCutoffs, DeclaredBodyReads, asyncio.BufferedProtocol):
+class GuardedProtocol(DeclaredBodyReads, asyncio.BufferedProtocol):
+    """One connection: its parser, its requests in order, its clocks (``clocks``), and how it ends."""
+
+    limits = ClientLimits()
+    # The server's, shared by its connections (``guarded_protocol`` gives each server its own): bytes of bodies
+    # received and not yet whole, and bodies being read per client address.
+    bodies = BodyBudget(DEFAULT_MAX_BODY_BYTES_READING)
+    readers = BodyReads(limits.max_body_reads_per_client)
     direct_app: FastPathApp | None = None
+
+    @staticmethod
+    def count_cut(reason: str) -> None:
+        """Counts a connection cut on a limit (``guarded_protocol`` gives the server's metric)."""
 
     def __init__(self, config: Any, server_state: Any, app_state: dict[str, Any],
                  _loop: asyncio.AbstractEventLoop | None = None) -> None:
@@ -131,8 +119,7 @@ class GuardedProtocol(ClientCutoffs, DeclaredBodyReads, asyncio.BufferedProtocol
         self.tasks: set[asyncio.Task[None]] = server_state.tasks
         self.app_state = app_state
         self.root_path: str = config.root_path
-        self.timeout_keep_alive: float = config.timeout_keep_alive
-        self.timeout_keep_alive_task: asyncio.TimerHandle | None = None
+        self.clocks = ClientClocks(self, self.loop, self.limits, self.bodies, self.readers, config.timeout_keep_alive)
         self._fresh_context = bool(getattr(config, "reset_contextvars", False))
         self.parser = self._new_parser()
         self.transport: asyncio.Transport = None  # type: ignore[assignment]  # from connection_made on
@@ -147,15 +134,6 @@ class GuardedProtocol(ClientCutoffs, DeclaredBodyReads, asyncio.BufferedProtocol
         self.url = b""
         self.headers: list[tuple[bytes, bytes]] = []
         self.expect_100_continue = False
-        self._header_timer: asyncio.TimerHandle | None = None
-        # One body timer per connection, moved on when it fires (as the keep-alive timer): a client that sends a
-        # head and its body in two writes (httpx, the openai SDK) would otherwise make and cancel one per request.
-        self._body_timer: asyncio.TimerHandle | None = None
-        self._body_started: float | None = None  # loop time the body being read was first waited for
-        self._body_last = 0.0  # loop time its last bytes came
-        self._body_bytes = 0  # its bytes received: charged to the server's ``bodies`` until it is whole
-        self._reader_of: str | None = None  # the client address it counts against
-        self._over_budget = False
         self._stalled_bytes = 0  # bytes read since the body last moved (chunk framing, trailers)
         self._body_moved = False  # a read gave the body bytes
         self._linger: asyncio.TimerHandle | None = None
@@ -171,7 +149,6 @@ class GuardedProtocol(ClientCutoffs, DeclaredBodyReads, asyncio.BufferedProtocol
         self._dropping = False  # closing: what the client still sends is read and dropped, never parsed
         self._upgrade_ignored = False  # the parser stopped at an upgrade: nothing after it is parsed
         self._upgrade_body: bytes | None = None  # the framing of the body of a request that offers an upgrade
-        self._idle_since: float | None = None  # loop time of the last answer, while no bytes came after it
         self.start_reads()  # a body read whole is ``declared_body`` (else read piece by piece)
 
     # -- the connection -----------------------------------------------------------------------------------------
@@ -182,20 +159,16 @@ class GuardedProtocol(ClientCutoffs, DeclaredBodyReads, asyncio.BufferedProtocol
         self.server = _address(transport.get_extra_info("sockname"))
         self.client = _address(transport.get_extra_info("peername"))
         self.scheme = "https" if transport.get_extra_info("sslcontext") is not None else "http"
-        self._start_header_timer()
+        self.clocks.start_head()
 
     def eof_received(self) -> bool | None:
         return None  # the transport closes itself: a half-closed client gets its answer cut (as uvicorn's)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.connections.discard(self)
-        self._stop_header_timer()
-        self._stop_body_timer()
+        self.clocks.stop()
         if self._linger is not None:
             self._linger.cancel()
-        if self.timeout_keep_alive_task is not None:
-            self.timeout_keep_alive_task.cancel()
-            self.timeout_keep_alive_task = None
         self.declared_body = None  # what it held of a body is no one's now
         # Every request still on the connection is told: the one being answered (its handler may wait for
         # ``http.disconnect`` to stop its work) as well as the newest and those queued behind it.
@@ -224,7 +197,8 @@ class GuardedProtocol(ClientCutoffs, DeclaredBodyReads, asyncio.BufferedProtocol
         else:
             self.cycle.keep_alive = False
 
-    def timeout_keep_alive_handler(self) -> None:
+    def idle_too_long(self) -> None:
+        """(``Cutoffs``) The keep-alive time ran out: closed."""
         if not self.transport.is_closing():
             self.transport.close()
 
@@ -254,10 +228,10 @@ class GuardedProtocol(ClientCutoffs, DeclaredBodyReads, asyncio.BufferedProtocol
         # Between requests on a keep-alive connection the idle timer runs; the next request's first byte starts
         # its header clock, unless the same read brought its whole head: nearly always, and then a timer would
         # only be made and cancelled.
-        awaiting_head = self._header_timer is None and self.cycle is not None and self.cycle.response_complete
+        awaiting_head = not self.clocks.head_timed and self.cycle is not None and self.cycle.response_complete
         heads = self._heads
         was_in_head = self._in_head
-        self._idle_since = None  # bytes came: busy (an armed keep-alive timer finds it so, and stops)
+        self.clocks.busy()
         self._body_moved = False
         try:
             self.parser.feed_data(data)
@@ -280,7 +254,7 @@ class GuardedProtocol(ClientCutoffs, DeclaredBodyReads, asyncio.BufferedProtocol
                                                    "bytes"), "head_too_large")
                     return
             if awaiting_head and not self.transport.is_closing():
-                self._start_header_timer()
+                self.clocks.start_head()
         else:
             self._head_bytes = 0  # (a next head begun in the same read counts from the next read)
         cycle = self.cycle
@@ -288,7 +262,7 @@ class GuardedProtocol(ClientCutoffs, DeclaredBodyReads, asyncio.BufferedProtocol
             return
         # A body still to come after this read (a short one came with its head: no clock started). Only for the
         # request being served: a pipelined one's body is not read (reading is paused) until its turn.
-        if self._body_started is None and not self.pipeline and not self._start_body_clock(cycle):
+        if not self.clocks.body_timed and not self.pipeline and not self._start_body_clock(cycle):
             return  # refused: the address has as many bodies being read as it may
         # Bytes that moved no body (chunk framing, a trailer: httptools grows a trailer as it grows a header)
         # count against the head limit, so that a chunked body cannot carry what a head may not.
@@ -302,14 +276,14 @@ class GuardedProtocol(ClientCutoffs, DeclaredBodyReads, asyncio.BufferedProtocol
         what follows its head for the new protocol's. No upgrade is offered: the request is answered over HTTP/1.1,
         its body read as HTTP/1.1 frames it (RFC 9110 7.8: the offer is ignored; ``curl --http2`` sends one with
         every POST on http://), and the connection closes after it."""
-        self._stop_header_timer()
+        self.clocks.stop_head()
         cycle = self.cycle
         if cycle is not None:
             cycle.keep_alive = False
         framing, self._upgrade_body = self._upgrade_body, None
         if framing is None or cycle is None or cycle.response_complete:
             self._upgrade_ignored = True  # nothing after it is parsed
-            self._stop_body_timer()
+            self.clocks.stop_body()
             return
         # The body goes through a parser of its own, told the framing by a head of its own (its callbacks take the
         # body only), and every check of a body read piece by piece applies.
@@ -337,7 +311,7 @@ class GuardedProtocol(ClientCutoffs, DeclaredBodyReads, asyncio.BufferedProtocol
     def on_headers_complete(self) -> None:
         self._heads += 1
         self._in_head = False
-        self._stop_header_timer()
+        self.clocks.stop_head()
         declared = b""
         chunked = False
         hosts = 0
@@ -435,7 +409,7 @@ class GuardedProtocol(ClientCutoffs, DeclaredBodyReads, asyncio.BufferedProtocol
         hold is capped twice: a declared length above ``max_body_bytes`` is refused before a byte is read, and
         this applies only up to ``WHOLE_BODY_UP_TO``."""
         self._body_moved = True
-        self.body_received(len(body))
+        self.clocks.body_received(len(body))
         whole = self.declared_body
         if whole is not None:
             whole.take(body)
@@ -451,7 +425,7 @@ class GuardedProtocol(ClientCutoffs, DeclaredBodyReads, asyncio.BufferedProtocol
     def on_message_complete(self) -> None:
         if self._upgrade_body is not None:
             return  # llhttp's end of a request that offers an upgrade, before its body: not the end
-        self._body_done()  # (an armed body timer finds it so, and stops)
+        self.clocks.body_done()  # (an armed body timer finds it so, and stops)
         whole, self.declared_body = self.declared_body, None
         cycle = self.cycle
         if cycle is None or cycle.response_complete:
@@ -461,10 +435,154 @@ class GuardedProtocol(ClientCutoffs, DeclaredBodyReads, asyncio.BufferedProtocol
         cycle.more_body = False
         cycle.message_event.set()
 
-    # -- what an exchange may do with its connection (``direct_exchange.Connection``) ---------------------------
+    # -- the request's body and the connection's next request --------------------------------------------------
+    def _start_body_clock(self, cycle: RequestCycle) -> bool:
+        """``cycle``'s body is waited for from now: counted against its address's cap (refused with 429 past it;
+        returns False), and timed."""
+        host = self.client[0] if self.client else ""
+        if self.clocks.start_body(host):
+            return True
+        readers = self.readers
+        reading = readers.reading[host]
+        self._refuse_body(cycle, OverloadedError(
+            f"{reading} request bodies from {host} are being read already, at the limit of {readers.limit}"),
+            "body_overload", f"its address already has {reading} request bodies being read, the limit")
+        return False
+
+    def on_response_complete(self) -> None:
+        """The answer in progress is complete: the next pipelined request starts, or the connection is idle."""
+        self.server_state.total_requests += 1
+        if self.transport.is_closing() or self._dropping:
+            return
+        self.flow.resume_reading()
+        if self.pipeline:
+            cycle, app = self.pipeline.pop()
+            if cycle.more_body and not self.clocks.body_timed and not self._start_body_clock(cycle):
+                return  # its body is read from now on, unless refused
+            self._start_asgi_task(cycle, app)
+            return
+        self.clocks.idle()
+
+    # -- a clock ran out (``limits.Cutoffs``) ---------------------------------------------------------------------
+    def head_too_slow(self) -> None:
+        if not self.transport.is_closing():
+            logger.warning("closed a connection from %s: no complete request headers within %s s",
+                           _peer(self.client), self.limits.header_timeout_s)
+            self.count_cut("head_timeout")
+            self.transport.close()
+
+    def body_too_slow(self, cause: str) -> None:
+        """The client gets a 408 (if nothing was answered yet), the handler is told as of a client that left, and
+        the connection closes."""
+        cycle = self.cycle
+        if cycle is None or not cycle.more_body or self.transport.is_closing():
+            return
+        self._refuse_body(cycle, RequestTimeoutError("the request's body did not arrive in time"), "body_timeout",
+                          f"its body did not arrive in time ({cause})")
+
+    def body_over_budget(self) -> None:
+        cycle = self.cycle
+        if cycle is None or not cycle.more_body or self.transport.is_closing() or self._dropping:
+            return
+        self._refuse_body(cycle, self.bodies.refusal(), "body_overload",
+                          f"the server holds {self.bodies.reading} bytes of bodies being read, its limit")
+
+    # -- how a connection ends (``reset``, ``close_unread``: what an exchange may do, ``exchange.Connection``) ---
+    def reset(self) -> None:
+        """Close with a reset (SO_LINGER 0): a plain close leaves the unsent answer with the kernel, which keeps
+        the connection half-open for as long as the client keeps its window shut. (Only ever for a client that
+        stopped reading an answer.)"""
+        if not self.transport.is_closing():
+            logger.warning("reset the connection of %s: it stopped reading its answer", _peer(self.client))
+            self.count_cut("send_stalled")
+        sock = self.transport.get_extra_info("socket")
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        self.transport.abort()
+
+    def close_unread(self) -> None:
+        """Close a connection whose client may still be sending a body no one will read. A plain close with
+        unread bytes in the socket resets the connection, and the client may lose the answer it was sent: so our
+        side is shut first (the client reads the answer, then its end), and what still comes is read and dropped
+        until the client closes or pauses for ``LINGER_PAUSE_S``, or for ``LINGER_S`` at most."""
+        transport = self.transport
+        if transport.is_closing() or self._dropping:
+            return
+        self._dropping = True
+        self.flow.resume_reading()  # (paused for a body read piece by piece: what is left of it must be drained)
+        self.declared_body = None
+        self.clocks.stop_head()
+        self.clocks.stop_body()
+        if not transport.can_write_eof():  # (TLS): no half-close to offer
+            transport.close()
+            return
+        transport.write_eof()
+        now = self.loop.time()
+        self._linger_until, self._dropped_at = now + LINGER_S, now
+        self._linger = self.loop.call_at(now + LINGER_PAUSE_S, self._linger_due)
+
+    def _linger_due(self) -> None:
+        """Close a lingering connection once the client paused ``LINGER_PAUSE_S``, or at ``LINGER_S``."""
+        due = min(self._linger_until, self._dropped_at + LINGER_PAUSE_S)
+        if self.loop.time() < due - TIMER_SLACK_S:
+            self._linger = self.loop.call_at(due, self._linger_due)
+            return
+        self._linger = None
+        self.transport.close()
+
+    def _refuse(self, error: ServingError, reason: str) -> None:
+        """Answer ``error`` to a request the protocol will not parse further, and close."""
+        self.count_cut(reason)
+        logger.warning("refused a request from %s (%s): %s", _peer(self.client), error.status_code, error.message)
+        self._end_with(error, None)
+
+    def _refuse_body(self, cycle: RequestCycle, error: ServingError, reason: str, cause: str) -> None:
+        """Answer ``error`` to ``cycle``, whose body is being read, and close; logged with its request id."""
+        request_id = request_id_of(list(cycle.scope["headers"]))
+        logger.warning("request %s on %s %s from %s: %s; answered %d and closed", request_id,
+                       cycle.scope["method"], cycle.scope["path"], _peer(self.client), cause, error.status_code)
+        self.count_cut(reason)
+        self._end_with(error, request_id)
+
+    def _end_with(self, error: ServingError, request_id: str | None) -> None:
+        """Answer ``error`` in place of the request in progress, unless its answer has started; tell its handler,
+        as for a client that left; close."""
+        cycle = self.cycle
+        if self.pipeline:
+            # ``cycle`` waits behind an earlier request whose answer is in progress: an answer now would be read
+            # as that one's. Nothing can be answered in order: the connection is dropped.
+            self.transport.abort()
+            return
+        if cycle is None or cycle.response_complete or not cycle.response_started:
+            self.transport.write(self._error_answer(error, request_id))
+        if cycle is not None and not cycle.response_complete:
+            cycle.response_started = cycle.response_complete = True
+            cycle.waiting_for_100_continue = False  # our side is shut: nothing more goes to the client
+            cycle.disconnected = True  # the handler waiting on the body stops
+            cycle.message_event.set()
+        self.close_unread()
+
+    def _error_answer(self, error: ServingError, request_id: str | None) -> bytes:
+        body = error_body(error)
+        lines = [STATUS_LINE[error.status_code]]
+        lines.append(default_header_lines(self.server_state.default_headers))
+        lines.append(b"content-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n" % len(body))
+        for name, value in error.headers.items():  # (a 429's Retry-After)
+            lines.append(b"%b: %b\r\n" % (name.lower().encode("latin-1"), value.encode("latin-1")))
+        if request_id is not None:
+            lines.append(b"x-request-id: %b\r\n" % request_id.encode())
+        lines += (b"\r\n", body)
+        return b"".join(lines)
+
+    # -- what an exchange may do with its connection (``exchange.Connection``) -----------------------------------
     @property
     def client_gone(self) -> set[Callable[[], None]]:
         return self._client_gone
+
+
+def _peer(client: tuple[str, int] | None) -> str:
+    return f"{client[0]}:{client[1]}" if client else "a client"
 
 
 def _address(address: Any) -> tuple[str, int] | None:
