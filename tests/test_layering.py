@@ -5,7 +5,7 @@ layer (``frontend``) imports neither; ``workers.engines`` imports no HTTP server
 interface (``orchestrator.upstream.base``) imports none of its clients, and the upstream package has no import
 cycle. A second test proves the contract bites: the same configuration over a small tree that breaks each rule
 reports every break. And no module imports uvicorn's submodules (its protocol and cycle classes are private code:
-DESIGN.md, HTTP).
+docs/http.md); only ``entrypoints.http`` imports uvicorn at all.
 """
 
 from __future__ import annotations
@@ -37,6 +37,8 @@ def test_the_contract_reports_each_kind_of_break(tmp_path: Path) -> None:
     files = {
         "entrypoints/__init__.py": "",
         "entrypoints/cli.py": "import orchestrator.flow\nimport workers.server\n",  # allowed: on top
+        "entrypoints/http/__init__.py": "import uvicorn\n",  # allowed: the HTTP server
+        "entrypoints/launcher.py": "import uvicorn\n",  # uvicorn outside the HTTP server
         "frontend/__init__.py": "",
         "frontend/shared.py": "import workers.server\n",  # the shared layer imports a service
         "orchestrator/__init__.py": "",
@@ -73,7 +75,8 @@ def test_the_contract_reports_each_kind_of_break(tmp_path: Path) -> None:
     result = _lint_imports(tmp_path, tmp_path)
     assert result.returncode == 1, result.stdout + result.stderr
     assert f"{len(contracts)} broken" in result.stdout, result.stdout
-    for broken in ("frontend.shared -> workers.server", "orchestrator.flow -> workers.engines.engine",
+    for broken in ("frontend.shared -> workers.server", "entrypoints.launcher -> uvicorn",
+                   "orchestrator.flow -> workers.engines.engine",
                    "workers.engines.engine -> entrypoints.cli", "workers.engines.engine -> workers.server",
                    "orchestrator.upstream.base -> orchestrator.upstream.httptools.pool",
                    "orchestrator.upstream.httptools.stream -> orchestrator.upstream.httptools.pool"):
@@ -81,7 +84,7 @@ def test_the_contract_reports_each_kind_of_break(tmp_path: Path) -> None:
 
 
 # What a module may import of uvicorn: its public ``Config`` and ``Server`` (through ``import uvicorn``). Its
-# protocol and cycle classes are private code (DESIGN.md, HTTP): the connection is the project's own protocol's.
+# protocol and cycle classes are private code (docs/http.md): the connection is the project's own protocol's.
 _UVICORN_ALLOWED = {"uvicorn"}
 
 
