@@ -176,7 +176,7 @@ class Metrics:
             "taken by a GEN, released (GEN refused it, client gone, orchestrator failure, aborted) or expired",
             ["outcome"], registry=r,
         )
-        # Connections a front end cut on a client (entrypoints/http_protocol.py), each also logged with its cause.
+        # Connections a front end cut on a client (entrypoints/http/protocol.py), each also logged with its cause.
         self.connections_cut = Counter(
             "disagg_http_connections_cut", "Client connections this front end closed on a limit, by reason",
             ["reason"], registry=r,

@@ -194,7 +194,7 @@ def create_orchestrator_app(
     # Label lookups made once, not per request (frontend.metrics.LabelledChildren says what they cost).
     inflight_gauge = metrics.engine_inflight.labels(role=ROLE)
     # What bodies being read may hold, in bytes received: the front end's protocol charges them as they come
-    # (entrypoints/http_protocol.py); and how many one tenant may have being read.
+    # (entrypoints/http/protocol.py); and how many one tenant may have being read.
     app.state.body_budget = BodyBudget(config.max_body_bytes_reading)
     tenant_reads = BodyReads(config.max_body_reads_per_tenant)
     # The headers that name a conversation: the configured one, then TensorRT-LLM's (orchestrator/conversation.py).
@@ -245,7 +245,7 @@ def create_orchestrator_app(
         started = time.perf_counter()
         try:
             # The body before the limit: a client that sends it slowly holds its connection (for as long as the
-            # front end's body clock allows, entrypoints/client_limits.py), never one of the limit's slots; and one
+            # front end's body clock allows, entrypoints/http/limits.py), never one of the limit's slots; and one
             # tenant's bodies being read are capped (known from the head: they cost nothing before that).
             if tenant is None:
                 raw = await exchange.read_body(config.max_body_bytes)

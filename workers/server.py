@@ -110,7 +110,7 @@ def create_worker_app(
     app.state.metrics = metrics
     app.state.kv_events = kv_events
     # What bodies being read may hold, in bytes received: the front end's protocol charges them as they come
-    # (entrypoints/http_protocol.py).
+    # (entrypoints/http/protocol.py).
     app.state.body_budget = BodyBudget(settings.max_body_bytes_reading)
     install_error_handlers(app)
     install_request_ids(app)
@@ -122,7 +122,7 @@ def create_worker_app(
         span = tracing.start(span_names[endpoint], request.headers, server=True)
         try:
             # The body before the limit: a client that sends it slowly holds its connection (for as long as the
-            # front end's body clock allows, entrypoints/client_limits.py), never one of the limit's slots.
+            # front end's body clock allows, entrypoints/http/limits.py), never one of the limit's slots.
             raw = await read_body(request, settings.max_body_bytes)
             service.admit()
         except BaseException as exc:

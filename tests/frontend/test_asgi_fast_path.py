@@ -1,7 +1,7 @@
 """The bare-ASGI fast path (``frontend.asgi_fast_path``) on real uvicorn servers, raw sockets where bytes matter.
 
 Every behaviour is checked under both ways the exchange learns that a client left: uvicorn's own protocol (a task
-waiting on ``receive``) and the project's protocol (``entrypoints/http_protocol.py``, the ``CLIENT_GONE``
+waiting on ``receive``) and the project's protocol (``entrypoints/http/protocol.py``, the ``CLIENT_GONE``
 extension, no task), which also drops a stalled client at once.
 """
 
@@ -228,9 +228,9 @@ class Served:
 
 @pytest.fixture(scope="module", params=["uvicorn", "project", "direct"])
 def served(request: pytest.FixtureRequest) -> Iterator[Served]:
-    """The app on uvicorn's own httptools protocol, on the project's (``entrypoints/http_protocol.py``) through
+    """The app on uvicorn's own httptools protocol, on the project's (``entrypoints/http/protocol.py``) through
     ASGI, or on the project's serving the fast routes itself, as ``disagg-serve`` runs it
-    (``entrypoints/direct_exchange.py``)."""
+    (``entrypoints/http/exchange.py``)."""
     probe = Probe()
     app = make_app(probe)
     options: dict[str, Any] = {}

@@ -1,6 +1,6 @@
 """Slow and hostile clients against a real ``disagg-serve worker`` process (raw sockets, no client library).
 
-What uvicorn already bounds, and what ``entrypoints/cli.py: _serve`` adds (docs/reliability.md, "Slow and hostile
+What uvicorn already bounds, and what ``entrypoints.http.serve`` adds (docs/reliability.md, "Slow and hostile
 clients"): a client that stops reading is cut off after ``--client-send-timeout-s`` with the server's memory
 bounded by flow control; a client that sends its headers a byte at a time is cut off after ``--header-timeout-s``;
 1,000 idle keep-alive connections do not stop another client from being served.
