@@ -1,20 +1,7 @@
-"""One request on a connection of the project's HTTP/1.1 protocol (``entrypoints/http/protocol.py``) and its
-answer: the state the connection and the request's handler share (``RequestCycle``), how an answer's writes wait
-for a client that reads slowly (``FlowControl``), and ASGI's ``receive`` and ``send`` for a request served
-through an app.
-
-The rules an answer keeps, whoever writes it (an app through ``send``, or a fast route's exchange,
-``entrypoints/http/exchange.py``, on these fields directly):
-
-- the server's default headers (date; never ``server``) first; an app's header names must be tokens and its values
-  hold no CR, LF or other control byte but tab (a header built from a client's input cannot split the answer);
-- ``connection: close`` whenever the connection is not kept: an HTTP/1.0 client, a client that asked, a server
-  shutting down, and a request answered before its body is in (reading on would take the client's next request for
-  the rest of the body: the connection then closes through the protocol's ``close_unread``);
-- an HTTP/1.0 client gets no chunks (an answer of no declared length ends with the connection) and no
-  ``100 Continue``;
-- no body for HEAD, 204 and 304; a declared length kept exactly;
-- once complete, the connection's next request starts (``on_response``).
+"""One request on a connection and its answer: the state the connection and the request's handler share
+(``RequestCycle``), how an answer's writes wait for a client that reads slowly (``FlowControl``), ASGI's ``receive``
+and ``send`` for a request served through an app, and the rules every answer keeps, whoever writes it (an app
+through ``send``, a fast route's exchange through ``answer_head`` and the same fields): docs/http.md lists them.
 """
 
 from __future__ import annotations

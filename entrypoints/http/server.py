@@ -1,11 +1,9 @@
-"""uvicorn's ``Server`` with a housekeeping tick once a second instead of ten times, and a stop that is still
-immediate.
+"""uvicorn's ``Server``, ticking once a second instead of ten times, with a stop that is still immediate.
 
-uvicorn (0.54) wakes its main loop every 100 ms to look at ``should_exit`` and, every tenth time, to renew the
-``Date`` header. Idle, those ten wake-ups a second were the largest part of what an orchestrator with no request
-burns (docs/performance-history.md; idle CPU today: docs/benchmarks.md). Here the loop waits up to a second on
-an event that setting ``should_exit`` sets, from a signal handler or from another thread alike, so a stop is as
-prompt as before and the ``Date`` header is renewed as often as before.
+Idle, uvicorn's ten wake-ups a second (to look at ``should_exit``, and every tenth to renew the ``Date`` header)
+were most of what an orchestrator with no request burns. Here the main loop waits up to a second on an event that
+setting ``should_exit`` sets, from a signal handler or another thread alike: a stop is as prompt, and the ``Date``
+header renewed as often, as on uvicorn's own loop.
 """
 
 from __future__ import annotations
@@ -20,6 +18,8 @@ _DATE_EVERY = 10  # uvicorn renews the Date header when its tick counter is a mu
 
 
 class TickServer(uvicorn.Server):
+    """uvicorn's ``Server`` with a one-second tick, woken at once by ``should_exit``."""
+
     def __init__(self, config: uvicorn.Config) -> None:
         self._should_exit = False
         self._wake: asyncio.Event | None = None
