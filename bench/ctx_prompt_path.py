@@ -42,7 +42,7 @@ from frontend.openai_models import ChatCompletionRequest
 from frontend.token_codec import encode_prompt_tokens
 from workers.engines.options import TokenizeConfig
 from workers.engines.synthetic import SyntheticEngine
-from workers.serving import WorkerService
+from workers.service import WorkerService
 from workers.settings import WorkerSettings
 
 SIZES = (1_000, 40_000, 131_072, 290_000)

@@ -53,10 +53,14 @@ def test_the_contract_reports_each_kind_of_break(tmp_path: Path) -> None:
         "orchestrator/upstream/httptools/connection.py": "",
         "workers/__init__.py": "",
         "workers/server.py": "import frontend.shared\n",
-        "workers/serving.py": "",
+        "workers/service.py": "",
         "workers/registration.py": "",
         "workers/engines/__init__.py": "",
         "workers/engines/engine.py": "import workers.server\nimport entrypoints.cli\n",  # HTTP server; a launcher
+        "workers/rendering.py": "",
+        "workers/dialects.py": "import workers.trtllm.answers\n",  # the interface, its implementation
+        "workers/trtllm/__init__.py": "",
+        "workers/trtllm/answers.py": "import workers.service\n",  # the variant reaches back into the path
     }
     for name, text in files.items():
         path = tmp_path / name
@@ -78,6 +82,7 @@ def test_the_contract_reports_each_kind_of_break(tmp_path: Path) -> None:
     for broken in ("frontend.shared -> workers.server", "entrypoints.launcher -> uvicorn",
                    "orchestrator.flow -> workers.engines.engine",
                    "workers.engines.engine -> entrypoints.cli", "workers.engines.engine -> workers.server",
+                   "workers.dialects -> workers.trtllm.answers", "workers.trtllm.answers -> workers.service",
                    "orchestrator.upstream.base -> orchestrator.upstream.httptools.pool",
                    "orchestrator.upstream.httptools.stream -> orchestrator.upstream.httptools.pool"):
         assert broken in result.stdout, result.stdout

@@ -13,7 +13,7 @@ from typing import Any
 from frontend.kv_events import PREFIX_CHAIN_TOPIC, EventPublisher
 from workers.engines.base import Engine, ReportsKvCapacity
 from workers.prefix_holdings import PrefixHoldings
-from workers.serving import WorkerService
+from workers.service import WorkerService
 from workers.settings import WorkerSettings
 
 logger = logging.getLogger(__name__)

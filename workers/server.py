@@ -1,13 +1,13 @@
-"""The worker's HTTP front end: thin routes over ``WorkerService`` (parse -> call -> serialise); the lifecycle
-protocol's routes are in ``workers.trtllm.routes``, the KV events in ``workers.kv_event_publishing``."""
+"""The worker's HTTP front end: thin routes over ``WorkerService`` (parse -> call -> serialise). TensorRT-LLM's
+lifecycle and generation-first routes are in ``workers.trtllm.routes``, the KV events in
+``workers.kv_event_publishing``."""
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pybase64
 from fastapi import FastAPI, Request
@@ -51,14 +51,17 @@ from workers.engines.base import (
 from workers.engines.request import Phase
 from workers.handoff_counts import LedgerCounts, export_known_series
 from workers.kv_event_publishing import KvEventPublishing
+from workers.prepared_generation import PreparedGeneration
 from workers.registration import Registration
-from workers.serving import WorkerService
+from workers.service import WorkerService
 from workers.settings import WorkerSettings
 from workers.tokenize_counts import TokenizeCounts
 from workers.trtllm.body import parse_request_body
 from workers.trtllm.routes import install_lifecycle_routes
 
-logger = logging.getLogger(__name__)
+if TYPE_CHECKING:
+    from opentelemetry.trace import Span
+
 
 _STARTED = int(time.time())
 
@@ -117,12 +120,14 @@ def create_worker_app(
     install_body_schemas(app, [ChatCompletionRequest, CompletionRequest, ResponsesRequest])
 
     async def serve(request: Request, wire_model: type[GenerationWireRequest], endpoint: str) -> Response:
-        status = 500
+        """Read the body -> admit -> prepare -> a stream, or the whole answer; counted and traced once, with the
+        status the client got, when the answer (or the stream) ends."""
         # A child of the orchestrator's call when it sent a traceparent (None when tracing is off).
         span = tracing.start(span_names[endpoint], request.headers, server=True)
+        status = 500
         try:
             # The body before the limit: a client that sends it slowly holds its connection (for as long as the
-            # front end's body clock allows, entrypoints/http/limits.py), never one of the limit's slots.
+            # front end's body clock allows), never one of the limit's slots.
             raw = await read_body(request, settings.max_body_bytes)
             service.admit()
         except BaseException as exc:
@@ -130,45 +135,55 @@ def create_worker_app(
             metrics.requests.labels(role=settings.role, endpoint=endpoint, status=str(status)).inc()
             tracing.end(span, {"http.status_code": status}, exc if isinstance(exc, ServingError) else None)
             raise
-        released = False
-
-        def release_stream() -> None:
-            service.release()
-            tracing.end(span, {"http.status_code": 200})
-
+        streaming = False
         try:
-            body = parse_request_body(raw, request.headers)
-            # Under the disconnect watch too: a generation-first GEN waits here for its hand-off (up to
-            # generation_first_wait_s), and one whose orchestrator left must free its slot and stop asking for it.
-            prepared = await cancel_on_disconnect(
-                request, lambda: service.prepare(body, wire_model, trusted_chain_header(request.headers, chain_secret),
-                                                 request.headers))
+            prepared = await prepare(request, raw, wire_model)
             worker_tracing.prepared(span, prepared)
-            # CTX always answers whole: the orchestrator needs its hand-off fields, not a stream.
-            if prepared.wire.stream and prepared.request.phase is not Phase.CONTEXT_ONLY:
-                # Up to the first token (a whole prefill, or a KV fetch) a gone client must stop the work too.
-                with tracing.span("first_token", span) as first, tracing.use(first):
-                    frames = await cancel_on_disconnect(request, lambda: service.open_stream(prepared))
-                status, released = 200, True
-                return StreamingResponse(then_call(tracing.traced_frames("stream", span, frames), release_stream),
-                                         media_type=SSE_MEDIA_TYPE, headers=SSE_HEADERS)
-            with tracing.span(worker_tracing.engine_step(prepared), span) as step, tracing.use(step):
-                result = await cancel_on_disconnect(request, lambda: service.complete(prepared))
-                worker_tracing.completed(step, result)
-            if prepared.request.phase is Phase.CONTEXT_ONLY and await request.is_disconnected():
-                # The orchestrator left while the KV was being parked: no GEN will ever ask for this hand-off.
-                await release_parked(result)
-                raise ClientDisconnected()
+            if prepared.streams:
+                response = await stream(request, prepared, span)
+                streaming = True  # the stream's end releases the slot and ends the span
+            else:
+                response = await whole(request, prepared, span)
             status = 200
-            return json_response(result)
+            return response
         except BaseException as exc:
             status = answered_status(exc)  # a client that went away is a 499, not a failure of ours
             raise
         finally:
-            if not released:
+            if not streaming:
                 service.release()
                 tracing.end(span, {"http.status_code": status}, f"status {status}" if status >= 500 else None)
             metrics.requests.labels(role=settings.role, endpoint=endpoint, status=str(status)).inc()
+
+    async def prepare(request: Request, raw: bytes, wire_model: type[GenerationWireRequest]) -> PreparedGeneration:
+        body = parse_request_body(raw, request.headers)
+        # Under the disconnect watch too: a generation-first GEN waits here for its hand-off (up to
+        # generation_first_wait_s), and one whose orchestrator left must free its slot and stop asking for it.
+        return await cancel_on_disconnect(
+            request, lambda: service.prepare(body, wire_model, trusted_chain_header(request.headers, chain_secret),
+                                             request.headers))
+
+    async def stream(request: Request, prepared: PreparedGeneration, span: Span | None) -> Response:
+        # Up to the first token (a whole prefill, or a KV fetch) a gone client must stop the work too.
+        with tracing.span("first_token", span) as first, tracing.use(first):
+            frames = await cancel_on_disconnect(request, lambda: service.open_stream(prepared))
+
+        def ended() -> None:
+            service.release()
+            tracing.end(span, {"http.status_code": 200})
+
+        return StreamingResponse(then_call(tracing.traced_frames("stream", span, frames), ended),
+                                 media_type=SSE_MEDIA_TYPE, headers=SSE_HEADERS)
+
+    async def whole(request: Request, prepared: PreparedGeneration, span: Span | None) -> Response:
+        with tracing.span(worker_tracing.engine_step(prepared), span) as step, tracing.use(step):
+            result = await cancel_on_disconnect(request, lambda: service.complete(prepared))
+            worker_tracing.completed(step, result)
+        if prepared.request.phase is Phase.CONTEXT_ONLY and await request.is_disconnected():
+            # The orchestrator left while the KV was being parked: no GEN will ever ask for this hand-off.
+            await release_parked(result)
+            raise ClientDisconnected()
+        return json_response(result)
 
     @app.post("/v1/chat/completions", openapi_extra=json_body(ChatCompletionRequest))
     async def chat_completions(request: Request) -> Response:

@@ -1,4 +1,5 @@
-"""From engine outputs to text: incremental detokenization, stop strings, and early abort.
+"""From engine outputs to text: incremental detokenization, stop strings, and early abort; and a whole answer's text
+collected, sequence by sequence (``CollectedOutput``).
 
 ``stream_text`` owns the engine iterator: whatever ends the stream (a stop string, the client going away, an
 error), the iterator is closed, which aborts the request inside the engine. A request for n > 1 sequences has one
@@ -10,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from frontend.token_codec import TokenArray
 from workers.engines.base import Detokenizer, Engine, StopsSequences
@@ -29,6 +30,53 @@ class TextStep:
     prompt_token_ids: TokenArray | None = None
     index: int = 0  # which of the request's n sequences
     cached_tokens: int = 0
+
+
+@dataclass(slots=True)
+class CollectedChoice:
+    """One sequence's whole output."""
+
+    text_parts: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+
+
+@dataclass(slots=True)
+class CollectedOutput:
+    """A request's whole output, its text steps added as they come."""
+
+    choices: list[CollectedChoice]  # one per sequence, by index
+    handoff_state: bytes | None = None
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
+    real_prompt: TokenArray | None = None  # from the engine, when this request had a placeholder prompt
+    cached_tokens: int = 0
+
+    @classmethod
+    def of(cls, n: int) -> CollectedOutput:
+        return cls([CollectedChoice() for _ in range(n)])
+
+    def add(self, step: TextStep) -> None:
+        choice = self.choices[step.index]
+        choice.text_parts.append(step.text)
+        choice.token_ids.extend(step.token_ids)
+        choice.logprobs.extend(step.logprobs)
+        choice.finish_reason = step.finish_reason or choice.finish_reason
+        self.handoff_state = step.handoff_state or self.handoff_state
+        self.cached_tokens = step.cached_tokens or self.cached_tokens
+        if step.prompt_logprobs is not None:
+            self.prompt_logprobs = step.prompt_logprobs
+        if step.prompt_token_ids is not None:
+            self.real_prompt = step.prompt_token_ids
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(len(choice.token_ids) for choice in self.choices)
+
+    @property
+    def finished(self) -> bool:
+        """Every sequence has finished: no GEN continues any of them."""
+        return all(choice.finish_reason is not None for choice in self.choices)
 
 
 class StopStringMatcher:

@@ -43,7 +43,8 @@ from workers.engines.reference.ipc import encode_frame
 from workers.engines.request import GenerationRequest
 from workers.engines.synthetic import SyntheticEngine
 from workers.request_builder import handoff_from, phase_of, prepare_prompt, resolve_max_tokens, sampling_params_from
-from workers.serving import WorkerService, WorkerSettings
+from workers.service import WorkerService
+from workers.settings import WorkerSettings
 
 SIZES = (40_000, 131_072, 290_000)
 PATHS = ("list", "array", "floor")

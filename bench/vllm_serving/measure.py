@@ -190,7 +190,8 @@ def gen_prompt_path_in_process(bodies: dict[str, bytes], settings: Settings) -> 
     from frontend.openai_models import CompletionRequest
     from workers.engines.synthetic import SyntheticEngine
     from workers.engines.vllm.vllm_api import vllm_prompt
-    from workers.serving import WorkerService, WorkerSettings
+    from workers.service import WorkerService
+    from workers.settings import WorkerSettings
 
     engine = SyntheticEngine()
     service = WorkerService(engine, WorkerSettings(role="generation"), Metrics())

@@ -1,39 +1,36 @@
-"""Answering TensorRT-LLM's orchestrator: the CTX answer and whole answers in TensorRT-LLM's field set only.
+"""Answering TensorRT-LLM's orchestrator in its field set (``Trtllm``, chosen for a request whose
+``disaggregated_params`` lack our ``native_extensions``): its response models refuse unknown fields.
 
-TensorRT-LLM's orchestrator parses every whole answer with models that forbid unknown fields, so a request whose
-``disaggregated_params`` lacks ``native_extensions`` (our own orchestrator always sets it) is answered in its
-shape (docs/interop.md):
-
-- CTX: ``ctx_request_id`` an int, ``first_gen_log_probs`` instead of our ``first_gen_logprobs``, no
-  ``prompt_len``, and ``finish_reason: "not_finished"`` when GEN must continue (TensorRT-LLM calls GEN only on
-  ``"length"`` or ``"not_finished"``); the prompt as ``prompt_token_ids_b64`` when asked (chat only: TensorRT-LLM's
-  completion answer has no such field) and as a ``prompt_token_ids`` list otherwise.
-- every whole answer: no ``system_fingerprint`` and no ``prompt_logprobs``, which its response models lack.
-  Streams are relayed line by line by TensorRT-LLM, unparsed, and keep our chunk shape.
+- CTX: ``ctx_request_id`` an int, ``first_gen_log_probs``, no ``prompt_len``, ``finish_reason: "not_finished"``
+  when GEN must continue (it calls GEN only on ``"length"`` or ``"not_finished"``), and always the prompt;
+- every whole answer: no ``system_fingerprint`` and no ``prompt_logprobs``. Streams are relayed unparsed and keep
+  our chunk shape. docs/interop.md lists the fields.
 """
 
 from __future__ import annotations
 
+import logging
 import secrets
 import uuid
 from collections.abc import AsyncGenerator
 from typing import Any
 
 from frontend.disaggregated_params import DisaggregatedParams
-from frontend.errors import HandoffError
+from frontend.errors import HandoffError, UnsupportedParameterError
+from frontend.sampling import SamplingParams
 from frontend.token_codec import encode_prompt_tokens
 from frontend.trtllm.identity import LIFECYCLE_FIELDS, has_identity
+from workers.dialects import NATIVE, parked_state
 from workers.engines.base import Tokenizer
 from workers.engines.outputs import TokenLogprob
-from workers.engines.request import GenerationRequest
-from workers.text_stream import TextStep
+from workers.engines.request import GenerationRequest, Phase
+from workers.text_stream import CollectedOutput, TextStep
+from workers.trtllm.generation_first import HandoffBoard
+from workers.trtllm.lifecycle import LifecycleControl
+
+logger = logging.getLogger("disagg_serve.worker.generation_first")
 
 NOT_FINISHED = "not_finished"
-
-
-def answers_trtllm(disagg: DisaggregatedParams | None) -> bool:
-    """Whether this request came from TensorRT-LLM's orchestrator (or one that speaks only its wire)."""
-    return disagg is not None and not disagg.native_extensions
 
 
 def new_request_id(disagg: DisaggregatedParams | None) -> str:
@@ -43,6 +40,46 @@ def new_request_id(disagg: DisaggregatedParams | None) -> str:
     if disagg is not None and disagg.request_type == "context_only":
         return str(secrets.randbits(63))  # not guessable: it names a parked hand-off
     return uuid.uuid4().hex
+
+
+class Trtllm:
+    """TensorRT-LLM's shape; under lifecycle v1 its CTX answer also parks the attempt's artifact, and in generation
+    first it posts the hand-off on the board for the GEN that came first."""
+
+    def __init__(self, lifecycle: LifecycleControl, board: HandoffBoard) -> None:
+        self.lifecycle = lifecycle
+        self.board = board
+
+    def refuse_unservable(self, sampling: SamplingParams, phase: Phase) -> None:
+        if sampling.n > 1 and phase is not Phase.AGGREGATED:
+            # TensorRT-LLM's hand-off fields start one sequence; the others' first tokens have no field there.
+            raise UnsupportedParameterError("n > 1 is not served in TensorRT-LLM's disaggregated wire; send it to an "
+                                            "aggregated worker or through disagg-serve's orchestrator", param="n")
+
+    def answered_at_context(self, disagg: DisaggregatedParams | None, max_tokens: int) -> bool:
+        return finished_at_context(disagg, max_tokens)
+
+    def add_context_fields(self, body: dict[str, Any], request: GenerationRequest, disagg: DisaggregatedParams,
+                           out: CollectedOutput, endpoint: str) -> None:
+        if "choices" not in body:  # a Responses answer has no choice to carry TensorRT-LLM's fields: ours it is
+            NATIVE.add_context_fields(body, request, disagg, out, endpoint)
+            return
+        state = parked_state(out)
+        first = out.choices[0]  # n is 1 here: refuse_unservable refused more
+        add_context_fields(body, request, disagg, first.token_ids,
+                           first.logprobs if request.sampling.logprobs is not None else None, state, endpoint)
+        if self.lifecycle.enabled:  # v1: the parked KV is now this attempt's artifact
+            parked = out.handoff_state if state is not None else None
+            self.lifecycle.artifacts.park(disagg, request.request_id, parked)
+        if disagg.schedule_style == 1 and disagg.disagg_request_id is not None:
+            claim = str(disagg.transfer_session_id) if disagg.transfer_session_id is not None else None
+            if not self.board.post(disagg.disagg_request_id, body["choices"][0]["disaggregated_params"], claim):
+                logger.warning("generation-first hand-off of disagg_request_id %s already on the board: this "
+                               "one (ctx_request_id %s) is not posted, and its KV expires unused",
+                               disagg.disagg_request_id, request.request_id)
+
+    def finish_whole(self, body: dict[str, Any]) -> None:
+        strip_to_trtllm_fields(body)
 
 
 def add_context_fields(body: dict[str, Any], request: GenerationRequest, disagg: DisaggregatedParams,
@@ -112,7 +149,7 @@ def finished_at_context(disagg: DisaggregatedParams | None, max_tokens: int) -> 
     ``max_tokens`` is the request's resolved budget. Only first tokens that really used it up make such a request:
     with budget left, a missing state is a broken hand-off, and answering the first tokens as ``"length"`` would
     silently cut the output short (``handoff_from`` then refuses it by the field's name)."""
-    if not answers_trtllm(disagg) or disagg is None or disagg.request_type != "generation_only":
+    if disagg is None or disagg.request_type != "generation_only":
         return False
     first = disagg.first_gen_tokens
     return disagg.encoded_opaque_state is None and first is not None and 0 < len(first) >= max_tokens

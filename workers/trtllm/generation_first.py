@@ -15,11 +15,14 @@ import hmac
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
+from uuid import UUID
 
 import httpx
 
-from frontend.errors import HandoffError, UpstreamUnavailableError
+from frontend.disaggregated_params import DisaggregatedParams
+from frontend.errors import HandoffError, InvalidRequestError, UpstreamUnavailableError
 from frontend.trtllm.lifecycle import control_url
+from workers.trtllm.lifecycle import LifecycleControl
 
 HANDOFF_PATH = "/_internal/disagg/generation_first/{disagg_request_id}"
 CLAIM_HEADER = "x-disagg-handoff-claim"  # the attempt's claim on its hand-off (v1: its transfer_session_id)
@@ -107,3 +110,36 @@ async def pull_handoff(client: httpx.AsyncClient, ctx_info_endpoint: str, disagg
         raise UpstreamUnavailableError(f"the context worker answered {reply.status_code} for the hand-off")
     params: dict[str, Any] = reply.json()
     return params
+
+
+def comes_first(disagg: DisaggregatedParams | None) -> bool:
+    """A generation-first GEN request sent before CTX answered: it carries no hand-off yet."""
+    return (disagg is not None and disagg.request_type == "generation_only" and disagg.schedule_style == 1
+            and disagg.encoded_opaque_state is None and disagg.first_gen_tokens is None)
+
+
+async def wait_for_handoff(disagg: DisaggregatedParams, lifecycle: LifecycleControl, wait_s: float,
+                           grant: UUID | None) -> DisaggregatedParams:
+    """GEN came first: wait (up to ``wait_s``) for CTX's hand-off by ``disagg_request_id``, and return the request's
+    params with it. Under v1 a grant that ends while GEN waits ends the wait too."""
+    endpoint = disagg.ctx_info_endpoint
+    if isinstance(endpoint, list):
+        endpoint = endpoint[0] if endpoint else None
+    if not endpoint or disagg.disagg_request_id is None:
+        raise InvalidRequestError("a generation-first generation_only request needs ctx_info_endpoint and "
+                                  "disagg_request_id", param="disaggregated_params.ctx_info_endpoint")
+    # v1: the attempt's transfer_session_id is its claim on the hand-off.
+    claim = str(disagg.transfer_session_id) if disagg.transfer_session_id is not None else None
+    pull = asyncio.ensure_future(pull_handoff(lifecycle.http(), endpoint, disagg.disagg_request_id, wait_s, claim))
+    if grant is not None:
+        ended = asyncio.ensure_future(lifecycle.until_ended(grant))
+        try:
+            await asyncio.wait({pull, ended}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            ended.cancel()
+            if not pull.done():
+                pull.cancel()
+        lifecycle.ensure_live(grant)  # aborted or expired while it waited: the KV is freed, not taken
+    params = await pull
+    return disagg.model_copy(update={k: params.get(k) for k in (
+        "first_gen_tokens", "first_gen_log_probs", "ctx_request_id", "encoded_opaque_state")})

@@ -1,52 +1,45 @@
-"""How a worker answers: the engine's output rendered as one OpenAI body (CTX adds its hand-off fields) or as
-SSE frames, with echo, logprobs and forced tool calls.
+"""How a worker writes its answers: the engine's text as one OpenAI body or as SSE frames, with echo, logprobs (as
+clients read them: each token's text and bytes, vLLM's ``prompt_logprobs``) and forced tool calls. The context
+fields and the field set are the request's dialect's (``workers.dialects``).
 
-``ResponseRendering`` is a base of ``workers.serving.WorkerService``, which supplies the tokenizer, the lifecycle
-control and the hand-off board; the rendering reads them and nothing else of the service.
+The engine scores the prompt during prefill (on CTX in the disaggregated flow; the hand-off carries the scores to
+GEN), one entry per prompt token, ``None`` for the first, which has no context to be scored in.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from typing import Any
-
-import pybase64
 
 from frontend.errors import EngineError, InvalidRequestError, ServingError
 from frontend.openai_output import ChoiceOutput, StreamRenderer, TokenLogprobInfo, Usage, render_choices
-from frontend.token_codec import TokenArray, encode_prompt_tokens
+from frontend.token_codec import TokenArray
 from frontend.tool_calls import as_tool_call_message, tool_calls_from_text
-from workers.engines.base import Tokenizer
+from workers.engines.base import ProvidesTokenBytes, ProvidesTokenizer, Tokenizer
 from workers.engines.outputs import FinishReason, TokenLogprob
 from workers.engines.request import GenerationRequest, Phase
-from workers.prepared_generation import CollectedChoice, CollectedOutput, PreparedGeneration
-from workers.prompt_logprobs import echo_logprob_infos, token_logprob_info, vllm_prompt_logprobs
-from workers.text_stream import TextStep
-from workers.trtllm.answers import add_context_fields, answers_trtllm, strip_to_trtllm_fields
-from workers.trtllm.generation_first import HandoffBoard
-from workers.trtllm.lifecycle import LifecycleControl
+from workers.prepared_generation import PreparedGeneration
+from workers.text_stream import CollectedOutput, TextStep
 
-# The logger of the module this was split out of, as it was: what an operator's filters name.
-logger = logging.getLogger("workers.serving")
+logger = logging.getLogger("disagg_serve.worker")
+
+PromptLogprobs = Sequence[TokenLogprob | None]
 
 
-class ResponseRendering:
-    """Renders prepared requests' outputs; the service that runs them provides what is declared here."""
+class Renderer:
+    """Writes prepared requests' answers with the engine's tokenizer (asked each time: an engine has one only once it
+    has started)."""
 
-    lifecycle: LifecycleControl
-    board: HandoffBoard
+    def __init__(self, tokenizers: ProvidesTokenizer) -> None:
+        self._tokenizers = tokenizers
 
     @property
     def tokenizer(self) -> Tokenizer:
-        raise NotImplementedError  # WorkerService's: the engine's tokenizer
+        return self._tokenizers.get_tokenizer()
 
-    def _finish_grant(self, prepared: PreparedGeneration, ok: bool) -> None:
-        grant, prepared.grant = prepared.grant, None
-        if grant is not None:
-            self.lifecycle.finish(grant, ok)
-
-    def _render_whole(self, prepared: PreparedGeneration, out: CollectedOutput) -> dict[str, Any]:
+    def whole(self, prepared: PreparedGeneration, out: CollectedOutput) -> dict[str, Any]:
+        """The whole answer's body (CTX's with its hand-off fields)."""
         request = prepared.request
         sampling = request.sampling
         echoed_text, echoed_logprobs = "", []
@@ -68,73 +61,18 @@ class ResponseRendering:
             if calls is not None:
                 as_tool_call_message(body, calls, index)
         if request.phase is Phase.CONTEXT_ONLY:
-            self._add_context_fields(body, prepared, out)
-        if answers_trtllm(prepared.disagg):
-            strip_to_trtllm_fields(body)
+            assert prepared.disagg is not None
+            prepared.dialect.add_context_fields(body, request, prepared.disagg, out, prepared.ident.endpoint)
+        prepared.dialect.finish_whole(body)
         return body
 
-    def _add_context_fields(self, body: dict[str, Any], prepared: PreparedGeneration, out: CollectedOutput) -> None:
+    async def frames(self, prepared: PreparedGeneration, steps: AsyncGenerator[TextStep, None],
+                     first: TextStep | None, ended: Callable[[PreparedGeneration, bool], None]
+                     ) -> AsyncIterator[bytes]:
+        """The stream's SSE frames, from its ``first`` step on; ``ended(prepared, ok)`` once it ends, however."""
         request = prepared.request
-        disagg = prepared.disagg
-        assert disagg is not None
-        finished = all(choice.finish_reason is not None for choice in out.choices)
-        state = pybase64.b64encode(out.handoff_state).decode("ascii") \
-            if out.handoff_state is not None and not finished else None
-        with_logprobs = request.sampling.logprobs is not None
-        first, *more = out.choices
-        if answers_trtllm(disagg) and "choices" in body:  # n is 1 here: prepare refuses more for this wire
-            add_context_fields(body, request, disagg, first.token_ids, first.logprobs if with_logprobs else None,
-                               state, prepared.ident.endpoint)
-            if self.lifecycle.enabled:  # v1: the parked KV is now this attempt's artifact
-                parked = out.handoff_state if state is not None else None
-                self.lifecycle.artifacts.park(disagg, request.request_id, parked)
-            if disagg.schedule_style == 1 and disagg.disagg_request_id is not None:
-                claim = str(disagg.transfer_session_id) if disagg.transfer_session_id is not None else None
-                if not self.board.post(disagg.disagg_request_id, body["choices"][0]["disaggregated_params"], claim):
-                    logger.warning("generation-first hand-off of disagg_request_id %s already on the board: this "
-                                   "one (ctx_request_id %s) is not posted, and its KV expires unused",
-                                   disagg.disagg_request_id, request.request_id)
-            return
-        params: dict[str, Any] = {
-            "request_type": "context_only",
-            "ctx_request_id": request.request_id,
-            "disagg_request_id": disagg.disagg_request_id,
-            **self._sequence_start(first, with_logprobs),
-            "encoded_opaque_state": state,
-            "prompt_len": request.prompt_len,
-            "native_extensions": True,  # GEN gets these params back: it answers our orchestrator in our shape
-        }
-        if more:  # n > 1: one hand-off (the prompt's KV) starts every sequence
-            params["more_sequences"] = [self._sequence_start(choice, with_logprobs) for choice in more]
-        if out.cached_tokens:
-            params["cached_tokens"] = out.cached_tokens
-        if "choices" in body:
-            body["choices"][0]["disaggregated_params"] = params
-        else:
-            body["disaggregated_params"] = params
-        if disagg.return_prompt_token_ids_b64 and not finished:  # finished: no GEN will need it
-            body["prompt_token_ids"] = None
-            body["prompt_token_ids_b64"] = encode_prompt_tokens(request.prompt_token_ids_i32)
-
-    @staticmethod
-    def _sequence_start(choice: CollectedChoice, with_logprobs: bool) -> dict[str, Any]:
-        """What GEN needs to continue one sequence CTX started: its first token(s) (and their logprobs)."""
-        start: dict[str, Any] = {"first_gen_tokens": choice.token_ids}
-        if with_logprobs:
-            start["first_gen_logprobs"] = [
-                {"token_id": lp.token_id, "logprob": lp.logprob, "top": [list(t) for t in lp.top]}
-                for lp in choice.logprobs
-            ]
-        return start
-
-    async def _frames(
-        self,
-        prepared: PreparedGeneration,
-        renderer: StreamRenderer,
-        steps: AsyncGenerator[TextStep, None],
-        first: TextStep | None,
-    ) -> AsyncIterator[bytes]:
-        request = prepared.request
+        include_usage = bool(prepared.wire.stream_options and prepared.wire.stream_options.include_usage)
+        renderer = StreamRenderer(prepared.ident, include_usage)
         n = request.sampling.n
         per_choice = prepared.ident.endpoint != "responses"  # chat and completions end each choice apart
         completion_tokens = cached_tokens = 0
@@ -188,7 +126,7 @@ class ResponseRendering:
             for frame in renderer.error(EngineError(f"the engine failed: {type(exc).__name__}")):
                 yield frame
         finally:
-            self._finish_grant(prepared, ok)
+            ended(prepared, ok)
             await steps.aclose()
 
     @staticmethod
@@ -232,14 +170,14 @@ class ResponseRendering:
                                       param="echo")
         return self.tokenizer.decode(request.prompt_token_ids)
 
-    # -- logprob token strings --------------------------------------------------------------------------
+    # -- logprobs as clients read them ---------------------------------------------------------------------------
     def _echo_infos(self, request: GenerationRequest, real_prompt: TokenArray | None,
-                    scores: Sequence[TokenLogprob | None] | None) -> list[TokenLogprobInfo]:
+                    scores: PromptLogprobs | None) -> list[TokenLogprobInfo]:
         prompt = real_prompt if real_prompt is not None else request.prompt_token_ids
         return echo_logprob_infos(self.tokenizer, prompt, scores)
 
     def _prompt_logprobs(self, prepared: PreparedGeneration,
-                         scores: Sequence[TokenLogprob | None] | None) -> list[Any] | None:
+                         scores: PromptLogprobs | None) -> list[Any] | None:
         """vLLM's ``prompt_logprobs``, when the client asked for them (not when only echo needed them)."""
         if getattr(prepared.wire, "prompt_logprobs", None) is None or scores is None:
             return None
@@ -248,3 +186,46 @@ class ResponseRendering:
     def _logprob_infos(self, logprobs: Sequence[TokenLogprob]) -> list[TokenLogprobInfo]:
         tokenizer = self.tokenizer
         return [token_logprob_info(tokenizer, lp.token_id, lp.logprob, lp.top) for lp in logprobs]
+
+
+def token_logprob_info(tokenizer: Tokenizer, token_id: int, logprob: float | None,
+                       top: Sequence[tuple[int, float]] = ()) -> TokenLogprobInfo:
+    """One token's entry: its text and its alternatives', with their own bytes when the tokenizer knows them (the
+    text of a token that is only part of a character is U+FFFD, whose bytes are not the token's)."""
+    decode = tokenizer.decode
+    top_texts = tuple((decode([t]), v) for t, v in top)
+    if not isinstance(tokenizer, ProvidesTokenBytes):
+        return TokenLogprobInfo(decode([token_id]), logprob, top_texts)
+    raw = tokenizer.token_bytes
+    return TokenLogprobInfo(decode([token_id]), logprob, top_texts, raw(token_id), tuple(raw(t) for t, _ in top))
+
+
+def echo_logprob_infos(
+    tokenizer: Tokenizer, prompt: Sequence[int] | TokenArray, scores: PromptLogprobs | None
+) -> list[TokenLogprobInfo]:
+    """One entry per prompt token: its text always, its logprob and alternatives where the engine scored it."""
+    entries = []
+    for index, token_id in enumerate(prompt):
+        score = scores[index] if scores is not None and index < len(scores) else None
+        entries.append(token_logprob_info(tokenizer, int(token_id), score.logprob if score else None,
+                                          score.top if score is not None else ()))
+    return entries
+
+
+def vllm_prompt_logprobs(tokenizer: Tokenizer, scores: PromptLogprobs) -> list[dict[str, Any] | None]:
+    """vLLM's shape: per prompt token ``None`` or ``{token_id: {logprob, rank, decoded_token}}``, the prompt's own
+    token first, then the top alternatives; ``rank`` is 1-based, ``None`` where it was not among the top."""
+    decode = tokenizer.decode
+    rendered: list[dict[str, Any] | None] = []
+    for score in scores:
+        if score is None:
+            rendered.append(None)
+            continue
+        ranks = {token_id: rank for rank, (token_id, _) in enumerate(score.top, start=1)}
+        entry = {str(score.token_id): {"logprob": score.logprob, "rank": ranks.get(score.token_id),
+                                       "decoded_token": decode([score.token_id])}}
+        for token_id, logprob in score.top:
+            entry.setdefault(str(token_id), {"logprob": logprob, "rank": ranks[token_id],
+                                             "decoded_token": decode([token_id])})
+        rendered.append(entry)
+    return rendered
