@@ -59,6 +59,12 @@ def default_header_lines(defaults: list[tuple[bytes, bytes]]) -> bytes:
     return lines
 
 
+def head(status: int, default_headers: list[tuple[bytes, bytes]], header_lines: list[bytes]) -> bytes:
+    """An answer's head: the status line, the server's default headers, ``header_lines`` (as bytes), the blank
+    line. (A refusal the protocol answers without a cycle writes its head here too.)"""
+    return b"".join((STATUS_LINE[status], default_header_lines(default_headers), *header_lines, b"\r\n"))
+
+
 class FlowControl:
     """A connection's two directions: reading paused while a body's reader is behind, and writes paused while the
     transport holds more than its high-water mark (``drain`` waits until it is below its low-water mark again)."""
@@ -261,15 +267,13 @@ class RequestCycle:
         answer counts as started from here: no ``100 Continue`` after it, and no 500 in its place."""
         if self.more_body:
             self.keep_alive = False  # answered before its body is in: closed after the answer (``end``)
-        lines = [STATUS_LINE[status], default_header_lines(self.default_headers), *header_lines]
         if not self.keep_alive and not says_close:
-            lines.append(CLOSE)
+            header_lines.append(CLOSE)
         if chunked:
-            lines.append(CHUNKED)
-        lines.append(b"\r\n")
+            header_lines.append(CHUNKED)
         self.response_started = True
         self.waiting_for_100_continue = False
-        return b"".join(lines)
+        return head(status, self.default_headers, header_lines)
 
     def _write_body(self, body: bytes, more: bool) -> None:
         if self._bodiless:

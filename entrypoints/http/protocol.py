@@ -21,7 +21,7 @@ from typing import Any
 
 import httptools
 
-from entrypoints.http.cycle import HIGH_WATER_LIMIT, STATUS_LINE, FlowControl, RequestCycle, default_header_lines
+from entrypoints.http.cycle import HIGH_WATER_LIMIT, FlowControl, RequestCycle, head
 from entrypoints.http.exchange import CycleExchange
 from entrypoints.http.limits import ClientClocks, ClientLimits
 from frontend.asgi_fast_path import CLIENT_GONE, FastPathApp
@@ -565,15 +565,12 @@ class GuardedProtocol(DeclaredBodyReads, asyncio.BufferedProtocol):
 
     def _error_answer(self, error: ServingError, request_id: str | None) -> bytes:
         body = error_body(error)
-        lines = [STATUS_LINE[error.status_code]]
-        lines.append(default_header_lines(self.server_state.default_headers))
-        lines.append(b"content-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n" % len(body))
+        lines = [b"content-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n" % len(body)]
         for name, value in error.headers.items():  # (a 429's Retry-After)
             lines.append(b"%b: %b\r\n" % (name.lower().encode("latin-1"), value.encode("latin-1")))
         if request_id is not None:
             lines.append(b"x-request-id: %b\r\n" % request_id.encode())
-        lines += (b"\r\n", body)
-        return b"".join(lines)
+        return head(error.status_code, self.server_state.default_headers, lines) + body
 
     # -- what an exchange may do with its connection (``exchange.Connection``) -----------------------------------
     @property
