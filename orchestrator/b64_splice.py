@@ -1,18 +1,9 @@
 """The b64 prompt relayed as a span of CTX's answer bytes: found, never parsed, spliced into GEN's body.
 
-At 131k tokens ``prompt_token_ids_b64`` is ~700 KB of CTX's ~700.5 KB answer. Parsed whole, orjson builds a 700 KB
-``str`` from it, and encoding GEN's body copies it once more. Neither is needed: the orchestrator never reads the
-value. So CTX's answer is cut in two: the span of the string's characters (a ``memoryview`` into the answer, no
-copy) and the rest (~500 bytes), which is parsed as usual with the value left empty. GEN's body is encoded with the
-value still empty and goes out as three chunks, ``(head, span, tail)``, never joined by the orchestrator.
-
-Why a span found by bytes is the value and nothing else: in JSON a ``"`` inside a string is always written ``\\"``,
-so the byte sequence ``"prompt_token_ids_b64":"`` can only be a key followed by the start of its string value, and
-base64 has neither ``"`` nor ``\\``, so the value ends at the next ``"``. A span holding a backslash (an escaped
-character: not plain base64) is left to the ordinary parse. The rest, once parsed, must have the key at the top
-level with the empty value, or the cut is not used. A CTX that writes the key with spaces (``": "``) is parsed
-whole, as before.
-"""
+The span found by bytes can only be the value: a ``"`` inside a JSON string is always written ``\\"``, so
+``"prompt_token_ids_b64":"`` opens that key's value, and base64 holds neither ``"`` nor ``\\``, so the value ends at
+the next ``"``. A span with a backslash, a key written with spaces, or a rest whose top level lacks the emptied key
+is parsed whole."""
 
 from __future__ import annotations
 

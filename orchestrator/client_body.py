@@ -1,33 +1,10 @@
 """The client's body as the orchestrator holds it: parsed, except its long prompt strings, which stay the JSON bytes
-they came in as.
+they came in as (``RawText``, a view of the body: no copy).
 
-At 131k tokens a completion's prompt is ~524 KB of a ~524.4 KB body. Parsed whole, orjson builds a 524 KB ``str``
-(0.22-0.27 ms in-process, the largest single piece of a metadata-only request) and every worker body encodes it
-again (0.03-0.09 ms, more with newlines and quotes to escape). The orchestrator never reads that text beyond its
-first ``prefix_chars`` characters (``prefix_affinity``) and its size (a token estimate). So a long string literal in
-a prompt position is taken out of the body's bytes whole, quotes and escapes as the client wrote them
-(``RawText``, a view of the body: no copy), the rest (~300 bytes) is parsed as usual, and ``encode`` writes each
-worker body around it: the small encoded rest, with the literal as a chunk of its own (``transport.Body``), so each
-worker receives the very bytes the client sent, never copied by the orchestrator. (Written into one buffer instead,
-as an ``orjson.Fragment``, the copy cost ~375 page faults per request at 131k: a fresh 524 KB buffer each time.)
-
-**Finding the literals without parsing.** Outside a string JSON has no ``"``, so after a literal the next ``"``
-opens the next literal, and a literal ends at the first ``"`` after an even run of backslashes. The walk goes from
-literal to literal with ``bytes.find`` (memchr: ~6 us over 524 KB); a literal with many escaped quotes is ended
-with numpy instead of one ``find`` per quote. The walk keeps to a budget (``_Walk``) so that no body costs it more
-than parsing whole would. A literal is taken when it is at least ``MIN_LITERAL`` bytes long, is an object member's
-value and its key is one of ``prompt``, ``content`` or ``text``; the rest goes to orjson with a marker string in its
-place, and the markers must come back at a prompt position (the top-level ``prompt``, a
-message's ``content``, a content part's ``text``), each exactly once. Anything else - invalid JSON, a literal
-somewhere else, a repeated key, a body of many short strings - and the body is parsed whole, as before; so an
-error says what the full parse says.
-
-**What is not checked.** The text inside a literal taken is not validated here (UTF-8, escapes, control
-characters): the worker that parses it does, and its 400 reaches the client as for every field the orchestrator
-does not read (``flow_request.check_client_body``).
-
-``/v1/responses`` bodies are parsed whole: a stored response keeps its input items as values.
-"""
+The orchestrator reads no more of a prompt than its first characters and its size, so a long literal at a prompt
+position is found by bytes and never parsed; the rest goes to orjson, and each worker body is written around the
+literal as a chunk of its own. Anything unexpected is parsed whole, so an error says what the full parse says. How
+the literals are found, and what is left to the worker to check: docs/architecture.md, "The client's body"."""
 
 from __future__ import annotations
 
