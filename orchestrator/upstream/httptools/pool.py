@@ -2,7 +2,7 @@
 
 Why a client of our own: the orchestrator makes one kind of request (a POST of JSON bytes to a worker it knows, over
 a keep-alive connection), and a general client pays per request for what it does not need here (aiohttp's Python
-was ~20 % of the orchestrator's samples: docs/benchmarks.md, orchestrator cost). A request here is one
+takes ~20 % of the orchestrator's samples: docs/benchmarks.md, orchestrator cost). A request here is one
 ``writelines`` of its head and its body's chunks, CTX's b64 span never joined.
 
 What it keeps of a general client, because production needs it: LIFO reuse (the warm connections first), idle ones

@@ -179,7 +179,7 @@ async def test_a_body_of_chunks_arrives_as_their_concatenation(transport_class: 
 
 async def test_the_transport_sends_its_fixed_headers_on_every_request(transport_class: TransportClass) -> None:
     """The deployment secret's header goes with every call to a worker (POST, stream, GET), next to the caller's own
-    headers: what the workers' internal routes let the orchestrator in by (issue 44)."""
+    headers: what the workers' internal routes let the orchestrator in by."""
     seen: list[tuple[str, str | None, str | None]] = []
 
     async def record(request: Request) -> Response:
