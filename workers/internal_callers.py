@@ -1,17 +1,10 @@
-"""Who may reach a worker's internal surface: the holders of the deployment secret (``DISAGG_INTERNAL_TOKEN``,
-frontend/internal_secret.py) and, where TensorRT-LLM's orchestrator is in front, the holders of its own key
-(``internal_request_auth_key``, frontend/trtllm/auth.py), proved by its signatures.
+"""Who may reach a worker's internal surface: holders of the deployment secret (``DISAGG_INTERNAL_TOKEN``) and, with
+TensorRT-LLM's orchestrator in front, holders of its ``internal_request_auth_key``, proved by its signatures.
 
-What is guarded:
-- every ``/_internal/*`` route: the lifecycle control calls (token, or TensorRT-LLM's signature of the call) and
-  the generation-first hand-off board (token: only our own GEN asks it);
-- a completion request whose ``disaggregated_params`` name a place the worker would then reach (``ctx_info_endpoint``:
-  a generation-first GEN asks it for its hand-off, and its peer requests carry the token; ``encoded_opaque_state``:
-  where the KV comes from): token, or TensorRT-LLM's signature of those fields, as its workers require.
-
-With neither secret configured everything is open, as before (a laptop on loopback; the CLI warns once at start-up
-when a worker listens beyond loopback so). A refusal is a 401 in OpenAI's error shape, whatever the route's own
-error shape is: it says nothing about what the route would have answered.
+Guarded: every ``/_internal/*`` route, and a completion whose ``disaggregated_params`` name where the worker goes
+next (``ctx_info_endpoint``, ``encoded_opaque_state``) or post on the generation-first board. With neither secret
+configured everything is open (a laptop on loopback). A refusal is a 401 in OpenAI's shape, whatever the route's
+own error shape: it says nothing about what the route would have answered.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ import logging
 
 import httpx
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("disagg_serve.worker.registration")
 
 _RETRY_S = (0.5, 1.0, 2.0, 5.0)
 
