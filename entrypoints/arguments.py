@@ -19,8 +19,8 @@ from entrypoints.http.limits import (
     DEFAULT_MAX_HEAD_BYTES,
     DEFAULT_WORKER_MAX_BODY_READS_PER_CLIENT,
 )
-from frontend.client_timeouts import DEFAULT_SEND_TIMEOUT_S
 from frontend.http import DEFAULT_MAX_BODY_BYTES
+from frontend.send_timeout import DEFAULT_SEND_TIMEOUT_S
 from workers.engines.factory import ENGINE_NAMES
 from workers.engines.options import DEFAULT_TOKENIZE_CACHE_BYTES, TOKENIZER_BACKENDS, TOKENIZERS
 from workers.engines.vllm.memory import parse_size

@@ -12,7 +12,7 @@ What it keeps, each with the code that does the same for the routes FastAPI serv
 - ``X-Request-Id`` on every answer, errors included, and in the log context (``frontend.http._RequestIds``);
 - errors answered in OpenAI's shape, every 5xx logged with its request id and cause, an unexpected exception a 500
   that keeps the keep-alive connection (``frontend.http.install_error_handlers``);
-- a client that reads nothing for ``send_timeout_s`` is cut off (``frontend.client_timeouts``): one timer per
+- a client that reads nothing for ``send_timeout_s`` is cut off (``frontend.send_timeout``): one timer per
   request, re-armed only while a ``send`` is blocked;
 - a client that goes away cancels the handler wherever it waits (``cancel_on_disconnect``, ``StreamingResponse``):
   told by the server when it offers the ``CLIENT_GONE`` scope extension (``entrypoints/http/protocol.py``),
@@ -40,7 +40,6 @@ from starlette.datastructures import Headers
 from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from frontend.client_timeouts import TIMER_SLACK_S, SendTimeoutMiddleware, abort_connection
 from frontend.errors import ServingError, error_body
 from frontend.http import (
     CLIENT_CLOSED_REQUEST,
@@ -51,6 +50,7 @@ from frontend.http import (
     too_large,
 )
 from frontend.logging_setup import request_id_var
+from frontend.send_timeout import TIMER_SLACK_S, SendTimeoutMiddleware, abort_connection
 
 logger = logging.getLogger(__name__)
 
@@ -112,7 +112,7 @@ class FastPathApp(FastAPI):
 
     def limit_send_time(self, send_timeout_s: float) -> None:
         """Cut off a client that reads nothing for ``send_timeout_s``: the fast routes time their own sends, the
-        rest go through ``SendTimeoutMiddleware`` (``frontend.client_timeouts.with_send_timeout`` calls this)."""
+        rest go through ``SendTimeoutMiddleware`` (``frontend.send_timeout.with_send_timeout`` calls this)."""
         self._send_timeout_s = send_timeout_s
         self._rest = SendTimeoutMiddleware(partial(FastAPI.__call__, self), send_timeout_s)
 

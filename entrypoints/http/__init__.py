@@ -32,7 +32,7 @@ from entrypoints.http.limits import ClientLimits
 from entrypoints.http.listener import address
 from entrypoints.http.protocol import guarded_protocol
 from entrypoints.http.server import TickServer
-from frontend.client_timeouts import with_send_timeout
+from frontend.send_timeout import with_send_timeout
 
 STARTUP_FAILED = 3  # uvicorn's own exit status for an app whose start-up failed (uvicorn.run exits with it)
 KEEP_ALIVE_S = 75  # how long an idle kept connection stays open

@@ -12,8 +12,8 @@ import math
 from dataclasses import dataclass
 from typing import Protocol
 
-from frontend.client_timeouts import TIMER_SLACK_S
 from frontend.http import BodyBudget, BodyReads
+from frontend.send_timeout import TIMER_SLACK_S
 
 # How long a request's head (request line and headers) may take to arrive, from the connection's opening or its
 # first byte.

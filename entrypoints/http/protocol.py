@@ -25,7 +25,6 @@ from entrypoints.http.cycle import HIGH_WATER_LIMIT, FlowControl, RequestCycle, 
 from entrypoints.http.exchange import CycleExchange
 from entrypoints.http.limits import ClientClocks, ClientLimits
 from frontend.asgi_fast_path import CLIENT_GONE, FastPathApp
-from frontend.client_timeouts import ABORT_CONNECTION, TIMER_SLACK_S
 from frontend.errors import (
     HeadTooLargeError,
     InvalidRequestError,
@@ -36,6 +35,7 @@ from frontend.errors import (
 )
 from frontend.http import DEFAULT_MAX_BODY_BYTES_READING, BodyBudget, BodyReads, request_id_of
 from frontend.read_buffers import DeclaredBody, DeclaredBodyReads
+from frontend.send_timeout import ABORT_CONNECTION, TIMER_SLACK_S
 
 # The HTTP server's logger: what an operator's filters name.
 logger = logging.getLogger("disagg_serve.http")
@@ -384,7 +384,7 @@ class GuardedProtocol(DeclaredBodyReads, asyncio.BufferedProtocol):
                 exchange = CycleExchange(cycle, self, direct.send_timeout_s)
                 self._keep(self.loop.create_task(exchange.run(handler)))
                 return
-        # For an app served through ASGI: how frontend/client_timeouts.py drops a stalled client at once (close()
+        # For an app served through ASGI: how frontend/send_timeout.py drops a stalled client at once (close()
         # would first wait for the client to read what is still buffered, which it will not), and how the fast
         # path's exchange learns that the client left. (A direct exchange is given both itself.)
         cycle.scope["extensions"] = {ABORT_CONNECTION: {"abort": self.reset},

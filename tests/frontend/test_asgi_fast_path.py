@@ -26,9 +26,9 @@ from starlette.responses import Response, StreamingResponse
 from entrypoints.http.limits import ClientLimits
 from entrypoints.http.protocol import guarded_protocol
 from frontend.asgi_fast_path import ChunkWriter, Drained, Exchange, FastPathApp, LastChunkWriter
-from frontend.client_timeouts import with_send_timeout
 from frontend.errors import OverloadedError, UpstreamError
 from frontend.http import error_response, install_error_handlers, install_request_ids, json_response, read_body
+from frontend.send_timeout import with_send_timeout
 from frontend.sse import SSE_HEADERS, SSE_MEDIA_TYPE, SSE_RAW_HEADERS
 from tests.servers import ServerThread
 from tests.waiting import eventually

@@ -1,4 +1,4 @@
-"""``frontend/client_timeouts.py``'s send timer on a route served through ASGI, on the project's own protocol (a
+"""``frontend/send_timeout.py``'s send timer on a route served through ASGI, on the project's own protocol (a
 real server in a thread, a raw client socket that stops reading)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import uvloop
 from starlette.types import Receive, Scope, Send
 
 from entrypoints.http.protocol import guarded_protocol
-from frontend.client_timeouts import with_send_timeout
+from frontend.send_timeout import with_send_timeout
 from tests.servers import ServerThread
 from tests.waiting import eventually
 
@@ -36,7 +36,7 @@ def test_a_pipelined_answers_head_behind_a_client_that_stopped_reading_is_timed(
                           lifespan="off")
     port = int(server.start().rsplit(":", 1)[1])
     try:
-        with caplog.at_level(logging.WARNING, logger="frontend.client_timeouts"), socket.socket() as sock:
+        with caplog.at_level(logging.WARNING, logger="disagg_serve.http"), socket.socket() as sock:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
             sock.connect(("127.0.0.1", port))
             sock.sendall(b"GET /big HTTP/1.1\r\nHost: t\r\n\r\nGET /small HTTP/1.1\r\nHost: t\r\n\r\n")

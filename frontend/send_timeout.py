@@ -18,7 +18,7 @@ import logging
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("disagg_serve.http")  # the HTTP server's: it logs a client cut off
 
 DEFAULT_SEND_TIMEOUT_S = 60.0
 # A scope extension a server may offer: ``{"abort": callable}`` drops the connection at once (RST), buffer and all.
