@@ -3,7 +3,7 @@
     python -m bench.tracing_overhead [--requests 200000]
 
 One "request" is every hook the orchestrator's hot path runs for a streamed request (frontend/tracing.py and
-orchestrator/flow_tracing.py): the request and admission spans, the CTX call, the hand-off, the GEN call and the
+orchestrator/flow/spans.py): the request and admission spans, the CTX call, the hand-off, the GEN call and the
 stream wrapper, in the order the flow runs them. "No hooks" is the same loop with the hooks' lines removed; the
 difference is the price of the hooks when tracing is off. "On" exports to an OTLP endpoint nobody listens on;
 CPU time is this thread's only (the SDK exports from its own), i.e. what the event loop pays.
@@ -21,7 +21,7 @@ from typing import Any
 
 from bench.common import arguments
 from frontend import tracing
-from orchestrator import flow_tracing
+from orchestrator.flow import spans as flow_tracing
 
 REQUESTS = 200_000
 
@@ -51,9 +51,9 @@ async def _one_request_without_hooks(headers: dict[str, str], outgoing: dict[str
 
 
 def _fixtures() -> tuple[Any, Any, Any]:
-    from orchestrator.retry import Attempted
+    from orchestrator.flow.retry import Attempted
+    from orchestrator.protocols.base import ContextAnswer, PromptCarriage
     from orchestrator.upstream.base import Reply
-    from orchestrator.worker_protocol import ContextAnswer, PromptCarriage
 
     member: Any = SimpleNamespace(url="http://127.0.0.1:1")  # the hooks read only the worker's URL
     ctx = ContextAnswer({}, {"encoded_opaque_state": "x" * 64}, False, 1024, "A" * 5464)

@@ -61,7 +61,7 @@ class ServerGroupConfig(_Frozen):
     # --kv-transfer-config; orchestrator/protocols/vllm.py).
     protocol: Literal["detect", "native", "trtllm", "vllm"] = "detect"
     # context_servers: prefills one worker is given at once (its running window; 0: no limit). More wait at the
-    # orchestrator, by priority class, rather than in the engine's queue (orchestrator/disagg_flow.py).
+    # orchestrator, by priority class, rather than in the engine's queue (orchestrator/flow/disagg_flow.py).
     max_running_prefills: Annotated[int, Field(ge=0)] = 0
 
     @model_validator(mode="after")

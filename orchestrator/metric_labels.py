@@ -10,7 +10,7 @@ from collections.abc import Iterable
 from frontend.errors import UpstreamError
 from frontend.guardrail import FallbackReason
 from frontend.metrics import Metrics
-from orchestrator.flow_request import PATHS
+from orchestrator.flow.request import PATHS
 from orchestrator.routers import ROUTING_DECISIONS
 
 # The steps the retry policy runs (its ``step`` label).
@@ -19,7 +19,7 @@ GEN_STEP = "gen"
 MODELS_STEP = "models"  # /v1/models, asked of a CTX worker
 RETRIED_STEPS = (CTX_STEP, GEN_STEP, MODELS_STEP)
 # Retry reasons that are not an error type: a 5xx answer tried on another worker (the literal
-# orchestrator/retry.py counts; tests/orchestrator/test_metric_labels.py holds the two together), and CTX run again
+# orchestrator/flow/retry.py counts; tests/orchestrator/test_metric_labels.py holds the two together), and CTX run again
 # because the KV hand-off was lost with a failed GEN.
 STATUS_5XX = "status_5xx"
 HANDOFF_LOST = "handoff_lost"

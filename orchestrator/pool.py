@@ -19,8 +19,7 @@ from frontend.kv_events import reachable_endpoint
 from orchestrator.cache_index import CacheIndex, EventSource
 from orchestrator.circuit_breaker import CLOSED, CircuitBreaker
 from orchestrator.member import UNKNOWN_ENGINE_FACTS, PoolMember
-from orchestrator.protocols.registry import DEFAULT_PROTOCOL, detect_protocol
-from orchestrator.protocols.trtllm_lifecycle import read_server_info
+from orchestrator.protocols.registry import DEFAULT_PROTOCOL, detect_protocol, read_advertisement
 from orchestrator.routers import Router, RoutingKey
 from orchestrator.upstream.base import Transport, WorkerTimeouts
 from orchestrator.upstream.choice import make_transport
@@ -152,9 +151,9 @@ class WorkerPool:
             ok = reply.status_code == 200
             if ok and worker.facts is None:
                 facts, worker.protocol = await self._describe(worker)
-                # A trtllm-serve worker whose /server_info could not be read is not taken for a v0 one (a v1
-                # worker refuses v0 requests): its facts stay unset, it is not healthy yet, the next check retries.
-                ok = worker.protocol != "trtllm" or await read_server_info(worker)
+                # A worker whose advertisement could not be read (a trtllm-serve one's lifecycle) is not taken for
+                # one that advertises nothing: its facts stay unset, it is not healthy yet, the next check retries.
+                ok = await read_advertisement(worker)
                 if ok:
                     worker.facts = facts
         except UpstreamError:

@@ -23,7 +23,7 @@ from frontend.errors import (
     UnsupportedParameterError,
 )
 from frontend.sse import FrameSplitter, close_frames
-from orchestrator.flow_request import Answer, StreamedAnswer, WholeAnswer
+from orchestrator.flow.request import Answer, StreamedAnswer, WholeAnswer
 from orchestrator.response_store import MemoryResponseStore, ResponseStore, StoredResponse
 
 logger = logging.getLogger(__name__)

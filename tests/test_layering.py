@@ -42,7 +42,16 @@ def test_the_contract_reports_each_kind_of_break(tmp_path: Path) -> None:
         "frontend/__init__.py": "",
         "frontend/shared.py": "import workers.server\n",  # the shared layer imports a service
         "orchestrator/__init__.py": "",
-        "orchestrator/flow.py": "import workers.engines.engine\n",  # one service imports the other
+        "orchestrator/flow/__init__.py": "import workers.engines.engine\n",  # one service imports the other
+        "orchestrator/flow/steps.py": "import orchestrator.protocols.trtllm.wire\n",  # the flow names a protocol
+        "orchestrator/protocols/__init__.py": "",
+        "orchestrator/protocols/base.py": "import orchestrator.protocols.native\n",  # the interface, its implementation
+        "orchestrator/protocols/native.py": "",
+        "orchestrator/protocols/vllm.py": "",
+        "orchestrator/protocols/registry.py": "",
+        "orchestrator/protocols/choice.py": "",
+        "orchestrator/protocols/trtllm/__init__.py": "",
+        "orchestrator/protocols/trtllm/wire.py": "",
         "orchestrator/upstream/__init__.py": "",
         "orchestrator/upstream/base.py": "import orchestrator.upstream.httptools.pool\n",  # the interface, a client
         "orchestrator/upstream/choice.py": "",
@@ -84,7 +93,9 @@ def test_the_contract_reports_each_kind_of_break(tmp_path: Path) -> None:
                    "workers.engines.engine -> entrypoints.cli", "workers.engines.engine -> workers.server",
                    "workers.dialects -> workers.trtllm.answers", "workers.trtllm.answers -> workers.service",
                    "orchestrator.upstream.base -> orchestrator.upstream.httptools.pool",
-                   "orchestrator.upstream.httptools.stream -> orchestrator.upstream.httptools.pool"):
+                   "orchestrator.upstream.httptools.stream -> orchestrator.upstream.httptools.pool",
+                   "orchestrator.flow.steps -> orchestrator.protocols.trtllm.wire",
+                   "orchestrator.protocols.base -> orchestrator.protocols.native"):
         assert broken in result.stdout, result.stdout
 
 

@@ -1,1 +1,2 @@
-"""Worker protocols the orchestrator speaks, one module each, all implementing ``orchestrator.worker_protocol``."""
+"""The wires the orchestrator speaks to workers, each implementing ``base.WorkerProtocol`` (``registry`` detects
+which one a worker speaks), and the schedules that are a protocol's own (``choice`` picks one per request)."""

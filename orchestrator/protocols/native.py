@@ -18,8 +18,8 @@ from frontend.errors import UpstreamError
 from orchestrator.b64_splice import FIELD as B64_FIELD
 from orchestrator.b64_splice import encode_with_b64, parse_with_b64_span
 from orchestrator.client_body import encode
+from orchestrator.protocols.base import ContextAnswer, PromptCarriage, without_handoff_fields
 from orchestrator.upstream.base import Body, Reply
-from orchestrator.worker_protocol import ContextAnswer, PromptCarriage, without_handoff_fields
 
 # Metadata-only GEN bodies carry no token ids; and no prompt text when GEN reads the prompt from the hand-off.
 TOKEN_FIELDS = ("prompt_token_ids", "prompt_token_ids_b64")

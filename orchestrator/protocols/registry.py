@@ -12,17 +12,19 @@ orchestrator knows; disagg-serve workers announce theirs), then the card's ``own
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
 from frontend.config import OrchestratorConfig
+from orchestrator.member import PoolMember
+from orchestrator.protocols.base import WorkerProtocol
 from orchestrator.protocols.native import NativeProtocol
-from orchestrator.protocols.trtllm import TrtllmProtocol
+from orchestrator.protocols.trtllm.lifecycle import read_server_info
+from orchestrator.protocols.trtllm.wire import TrtllmProtocol
 from orchestrator.protocols.vllm import VllmProtocol
-from orchestrator.worker_protocol import WorkerProtocol
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("disagg_serve.protocols")
 
 DEFAULT_PROTOCOL = "native"
 
@@ -32,18 +34,28 @@ class ProtocolSpec:
     name: str
     build: Callable[[OrchestratorConfig], WorkerProtocol]
     owned_by: frozenset[str]  # the /v1/models ``owned_by`` of a worker that speaks this protocol and announces none
+    # What else a worker of this protocol advertises, read before it is taken as healthy: False where the read failed
+    # (it is read again at the next health check), never a guess.
+    read_advertisement: Callable[[PoolMember], Awaitable[bool]] | None = None
 
 
 PROTOCOLS: dict[str, ProtocolSpec] = {spec.name: spec for spec in (
     ProtocolSpec("native", lambda config: NativeProtocol(), frozenset({"disagg-serve"})),
     ProtocolSpec("trtllm", lambda config: TrtllmProtocol(strip_message_history=config.gen_strip_message_history),
-                 frozenset({"tensorrt_llm"})),
+                 frozenset({"tensorrt_llm"}), read_server_info),
     ProtocolSpec("vllm", lambda config: VllmProtocol(), frozenset({"vllm"})),
 )}
 
 
 def build_protocols(config: OrchestratorConfig) -> dict[str, WorkerProtocol]:
     return {name: spec.build(config) for name, spec in PROTOCOLS.items()}
+
+
+async def read_advertisement(worker: PoolMember) -> bool:
+    """Read what ``worker``'s protocol needs to know of it beyond its card (a trtllm-serve worker's lifecycle
+    advertisement); False where that read failed."""
+    spec = PROTOCOLS.get(worker.protocol)
+    return spec is None or spec.read_advertisement is None or await spec.read_advertisement(worker)
 
 
 def detect_protocol(card: dict[str, Any], url: str = "") -> str:

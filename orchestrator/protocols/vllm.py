@@ -19,8 +19,8 @@ import orjson
 
 from frontend.errors import UpstreamError
 from orchestrator.client_body import encode
+from orchestrator.protocols.base import ContextAnswer, PromptCarriage
 from orchestrator.upstream.base import Body, Reply
-from orchestrator.worker_protocol import ContextAnswer, PromptCarriage
 
 # What P is asked for: keep the prompt's KV for a decode elsewhere. NixlConnector reads every one of these names;
 # ExampleConnector saves the KV to its shared folder whatever they say.

@@ -9,9 +9,9 @@ import orjson
 import pytest
 
 from orchestrator.b64_splice import cut_b64_span, parse_with_b64_span, splice_b64_span
+from orchestrator.protocols.base import PromptCarriage
 from orchestrator.protocols.native import NativeProtocol
 from orchestrator.upstream.base import body_bytes
-from orchestrator.worker_protocol import PromptCarriage
 
 B64 = "QUJDRA==" * 25_000  # 200 KB: big enough that a copy or a str of it shows in tracemalloc
 

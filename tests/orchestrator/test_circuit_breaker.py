@@ -7,13 +7,13 @@ from __future__ import annotations
 from frontend.errors import UpstreamTimeoutError
 from frontend.metrics import Metrics
 from orchestrator.circuit_breaker import CLOSED, HALF_OPEN, OPEN, CircuitBreaker
+from orchestrator.flow.retry import RetryPolicy
 from orchestrator.pool import BreakerSettings, WorkerPool
-from orchestrator.retry import RetryPolicy
 from orchestrator.routers import RoundRobinRouter, RoutingKey
 from orchestrator.upstream.base import Reply, WorkerTimeouts
 from tests.cluster import sample
+from tests.orchestrator.flow.test_retry import post
 from tests.orchestrator.test_response_store import FakeClock
-from tests.orchestrator.test_retry import post
 from tests.orchestrator.upstream.scripted_transport import ScriptedTransports, Step
 
 A, B = "http://a:1", "http://b:1"

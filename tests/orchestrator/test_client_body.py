@@ -26,12 +26,12 @@ from orchestrator.client_body import (
     encode,
     parse_client_body,
 )
+from orchestrator.protocols.base import WorkerProtocol
 from orchestrator.protocols.native import NativeProtocol
-from orchestrator.protocols.trtllm import TrtllmProtocol
+from orchestrator.protocols.trtllm.wire import TrtllmProtocol
 from orchestrator.protocols.vllm import VllmProtocol
 from orchestrator.routers import routing_key
 from orchestrator.upstream.base import body_bytes
-from orchestrator.worker_protocol import WorkerProtocol
 
 # Characters that make a JSON string hard: quotes, backslashes (alone and in runs), controls, non-ASCII of every
 # UTF-8 width, an astral character (a surrogate pair when escaped).

@@ -12,9 +12,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from frontend.errors import UpstreamError, UpstreamTimeoutError, UpstreamUnavailableError
 from frontend.guardrail import FallbackReason
 from frontend.metrics import Metrics
+from orchestrator.flow.retry import RetryPolicy
 from orchestrator.metric_labels import RETRIED_STEPS, export_known_series
 from orchestrator.pool import WorkerPool
-from orchestrator.retry import RetryPolicy
 from orchestrator.routers import RoundRobinRouter, RoutingKey
 from orchestrator.upstream.base import Reply, WorkerTimeouts
 from tests.cluster import MODEL, start_orchestrator, start_worker

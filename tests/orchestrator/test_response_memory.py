@@ -18,7 +18,7 @@ from frontend.errors import (
     error_body,
 )
 from frontend.openai_output import ResponseIdentity, StreamRenderer, Usage, render_response
-from orchestrator.flow_request import Answer, StreamedAnswer, WholeAnswer
+from orchestrator.flow.request import Answer, StreamedAnswer, WholeAnswer
 from orchestrator.response_memory import ResponseMemory
 
 BODY: dict[str, Any] = {"model": "m", "input": "Hello"}

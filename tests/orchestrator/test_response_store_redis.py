@@ -14,12 +14,12 @@ from typing import Any
 import openai
 import orjson
 import pytest
-
 from bench.redis_server import RedisServer, redis_running
+
 from frontend.config import ResponseStoreConfig, parse_config
 from frontend.errors import ResponseStoreUnavailableError
 from frontend.metrics import Metrics
-from orchestrator.flow_request import StreamedAnswer, WholeAnswer
+from orchestrator.flow.request import StreamedAnswer, WholeAnswer
 from orchestrator.response_memory import ResponseMemory
 from orchestrator.response_store_redis import RedisResponseStore, redacted
 from orchestrator.server import create_orchestrator_app

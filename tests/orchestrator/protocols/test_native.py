@@ -9,9 +9,9 @@ import orjson
 import pytest
 
 from frontend.errors import UpstreamError
+from orchestrator.protocols.base import ContextAnswer, PromptCarriage, WorkerProtocol
 from orchestrator.protocols.native import NativeProtocol
 from orchestrator.upstream.base import Reply, body_bytes
-from orchestrator.worker_protocol import ContextAnswer, PromptCarriage, WorkerProtocol
 
 PROTOCOL: WorkerProtocol = NativeProtocol()
 B64 = "SGVsbG8sIHdvcmxkIQAAAA=="  # what CTX sent: opaque to the orchestrator

@@ -10,10 +10,10 @@ import pytest
 from frontend.config import parse_config
 from orchestrator.protocols.native import NativeProtocol
 from orchestrator.protocols.registry import PROTOCOLS, build_protocols, detect_protocol
-from orchestrator.protocols.trtllm import TrtllmProtocol
+from orchestrator.protocols.trtllm.wire import TrtllmProtocol
 from orchestrator.server import create_orchestrator_app
 from tests.cluster import Cluster, start_worker
-from tests.orchestrator.protocols.trtllm_worker import TrtllmWorker
+from tests.orchestrator.protocols.trtllm.trtllm_worker import TrtllmWorker
 from tests.servers import running
 from tests.waiting import eventually
 

@@ -9,10 +9,10 @@ import pytest
 
 from frontend.config import ConfigError, parse_config
 from frontend.errors import UpstreamError
+from orchestrator.protocols.base import PromptCarriage, WorkerProtocol
 from orchestrator.protocols.registry import detect_protocol
 from orchestrator.protocols.vllm import PREFILL_KV_TRANSFER_PARAMS, VllmProtocol
 from orchestrator.upstream.base import Reply, body_bytes
-from orchestrator.worker_protocol import PromptCarriage, WorkerProtocol
 
 PROTOCOL: WorkerProtocol = VllmProtocol()
 NIXL_ANSWER = {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": "e1",

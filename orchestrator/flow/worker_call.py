@@ -3,7 +3,7 @@ load, for routing), and from then on as holding it, until its own KV events say 
 
 from __future__ import annotations
 
-from orchestrator.flow_request import FlowRequest
+from orchestrator.flow.request import FlowRequest
 from orchestrator.member import PoolMember
 from orchestrator.metric_labels import GEN_POOL_NAME
 from orchestrator.pool import WorkerPool

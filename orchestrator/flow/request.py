@@ -11,13 +11,11 @@ from frontend.errors import InvalidRequestError
 from frontend.guardrail import BodyReading, read_body
 from frontend.openai_output import Endpoint
 from orchestrator.admission import DEFAULT
+from orchestrator.protocols.base import ContextAnswer
 from orchestrator.routers import RoutingKey
-from orchestrator.worker_protocol import ContextAnswer
 
 if TYPE_CHECKING:
     from opentelemetry.trace import Span
-
-    from orchestrator.protocols.trtllm_lifecycle import Attempt
 
 PATHS: dict[Endpoint, str] = {
     "chat": "/v1/chat/completions",
@@ -41,7 +39,6 @@ class FlowRequest:
     ctx_redone: bool = False
     span: Span | None = None  # the request's trace span (frontend.tracing); None when tracing is off
     priority: int = DEFAULT  # its class (orchestrator/admission.py), for the prefill gate
-    lifecycle: Attempt | None = None  # the CTX attempt's lifecycle v1 state, when its pair speaks v1
     conversation_id: str | None = None  # told to workers whose wire carries one (orchestrator/conversation.py)
     _guardrail_reading: BodyReading | None = None
 

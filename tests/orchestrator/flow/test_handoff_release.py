@@ -9,12 +9,12 @@ import orjson
 import pytest
 
 from frontend.errors import UpstreamUnavailableError
-from orchestrator.handoff_release import HandoffReleaser
+from orchestrator.flow.handoff_release import HandoffReleaser
 from orchestrator.pool import WorkerPool
+from orchestrator.protocols.base import ContextAnswer
 from orchestrator.protocols.native import NativeProtocol
 from orchestrator.routers import RoundRobinRouter
 from orchestrator.upstream.base import Reply, WorkerTimeouts
-from orchestrator.worker_protocol import ContextAnswer
 from tests.orchestrator.upstream.scripted_transport import ScriptedTransports, Step
 from tests.waiting import eventually_async
 
@@ -60,7 +60,7 @@ async def test_nothing_is_sent_for_a_request_ctx_never_handed_off() -> None:
 
 async def test_a_failed_release_is_only_logged(caplog: pytest.LogCaptureFixture) -> None:
     release, transports = releaser([UpstreamUnavailableError("worker http://ctx:1 is unreachable")])
-    with caplog.at_level(logging.INFO, logger="orchestrator.handoff_release"):
+    with caplog.at_level(logging.INFO, logger="disagg_serve.handoff_release"):
         release.release(HANDED_OFF, CTX_URL, {})
         assert await eventually_async(lambda: "expires on its own" in caplog.text)
     assert len(transports.by_url[CTX_URL].calls) == 1

@@ -7,9 +7,9 @@ import pytest
 
 from frontend.errors import UpstreamError, UpstreamTimeoutError, UpstreamUnavailableError
 from frontend.metrics import Metrics
+from orchestrator.flow.retry import RetryPolicy
 from orchestrator.member import PoolMember
 from orchestrator.pool import WorkerPool
-from orchestrator.retry import RetryPolicy
 from orchestrator.routers import RoundRobinRouter, RoutingKey
 from orchestrator.upstream.base import Reply, WorkerTimeouts
 from tests.cluster import sample

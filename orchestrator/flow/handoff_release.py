@@ -13,9 +13,9 @@ from collections.abc import Callable
 from frontend.errors import UpstreamError
 from orchestrator.member import PoolMember
 from orchestrator.pool import WorkerPool
-from orchestrator.worker_protocol import ContextAnswer, WorkerProtocol
+from orchestrator.protocols.base import ContextAnswer, WorkerProtocol
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("disagg_serve.handoff_release")
 
 
 class HandoffReleaser:

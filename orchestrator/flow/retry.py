@@ -99,7 +99,7 @@ class RetryPolicy:
             except BaseException:  # cancelled (the client left): no outcome for the worker
                 breaker.abandoned(trial)
                 raise
-            done = Attempted(answer, member, len(tried), tuple(tried[:-1]))
+            answered = Attempted(answer, member, len(tried), tuple(tried[:-1]))
             worker_failed = answer.status_code >= 500 and not is_deterministic(answer)
             if worker_failed:
                 breaker.failed(trial)
@@ -107,9 +107,9 @@ class RetryPolicy:
                 breaker.succeeded(trial)
             if worker_failed and not self._out_of_retries(tried):
                 self.metrics.retries.labels(step=step, reason="status_5xx").inc()
-                last = done
+                last = answered
                 continue
-            return done
+            return answered
 
     def _out_of_retries(self, tried: list[PoolMember]) -> bool:
         return len(tried) > self.max_retries

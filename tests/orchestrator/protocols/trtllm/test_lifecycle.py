@@ -1,7 +1,7 @@
 """Direction A under TensorRT-LLM's lifecycle protocol v1: our orchestrator in front of strict v1 trtllm-serve
 workers (``trtllm_worker`` with ``lifecycle_v1``), over real HTTP, the official client as the client.
 
-Each path of ``orchestrator/protocols/trtllm_lifecycle.py``: negotiation from ``GET /server_info`` (v0 where a
+Each path of ``orchestrator/protocols/trtllm/lifecycle.py``: negotiation from ``GET /server_info`` (v0 where a
 worker advertises nothing), the identity on CTX and its echo, the grant before GEN's request, its renewal, and the
 aborts of the grant and of CTX's artifact on every failure; then the control bodies we send, each checked to fail
 TensorRT-LLM's models when a field is dropped or renamed.
@@ -35,12 +35,12 @@ from frontend.trtllm.lifecycle import (
     GenerationGrantRequest,
 )
 from orchestrator.member import PoolMember
-from orchestrator.protocols.trtllm_lifecycle import Attempt, LifecycleClient, SettledStream, read_server_info
+from orchestrator.protocols.trtllm.lifecycle import Attempt, LifecycleClient, SettledStream, read_server_info
 from orchestrator.upstream.base import WorkerTimeouts
 from orchestrator.upstream.choice import make_transport
 from tests.cluster import Node, sample, start_orchestrator, total
-from tests.orchestrator.protocols.test_trtllm import MESSAGES
-from tests.orchestrator.protocols.trtllm_worker import FIRST, MODEL, REST, TrtllmWorker
+from tests.orchestrator.protocols.trtllm.test_wire import MESSAGES
+from tests.orchestrator.protocols.trtllm.trtllm_worker import FIRST, MODEL, REST, TrtllmWorker
 from tests.orchestrator.upstream.scripted_transport import ScriptedStream
 from tests.servers import running
 from tests.waiting import eventually, eventually_async

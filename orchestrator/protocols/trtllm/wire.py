@@ -1,18 +1,8 @@
 """TensorRT-LLM's context-first disaggregated wire (lifecycle protocol v0), as ``trtllm-serve`` workers expect it.
 
-What TensorRT-LLM's own orchestrator sends and reads, field for field (docs/interop.md names the version):
-
-- CTX gets the client's body with ``stream: false``, ``stream_options: null`` and ``disaggregated_params:
-  {request_type: context_only, disagg_request_id, schedule_style: 0, conversation_id,
-  return_prompt_token_ids_b64}``.
-- CTX answers an ordinary response; GEN is called only when ``choices[0].finish_reason`` is ``"length"`` or
-  ``"not_finished"``. Any other value means CTX finished the request.
-- GEN gets the client's body and CTX's ``disaggregated_params`` with ``request_type: generation_only``,
-  ``schedule_style``, ``conversation_id`` and ``ctx_usage`` (CTX's usage). Chat keeps ``messages`` (the last one
-  only when ``gen_strip_message_history`` is set) and adds ``prompt_token_ids_b64`` - the very string CTX sent -
-  or else CTX's ``prompt_token_ids`` list; completions replace ``prompt`` with CTX's ``prompt_token_ids``
-  (TensorRT-LLM's completion answer has no b64 form).
-
+What TensorRT-LLM's own orchestrator sends and reads, field for field (the table in docs/interop.md): CTX gets
+the client's body, whole, marked ``context_only``; GEN is called only when CTX's ``finish_reason`` is ``"length"``
+or ``"not_finished"``, and gets CTX's ``disaggregated_params`` marked ``generation_only`` with CTX's prompt tokens.
 TensorRT-LLM's models forbid unknown fields, so nothing of this project's own (``prompt_len``, release calls) is
 sent; its workers have no early hand-off release and no "hand-off lost" answer.
 """
@@ -31,8 +21,8 @@ from frontend.trtllm.identity import LIFECYCLE_FIELDS
 from orchestrator.b64_splice import encode_with_b64, parse_with_b64_span
 from orchestrator.client_body import encode
 from orchestrator.conversation import body_conversation_id
+from orchestrator.protocols.base import ContextAnswer, PromptCarriage, without_handoff_fields
 from orchestrator.upstream.base import Body, Reply
-from orchestrator.worker_protocol import ContextAnswer, PromptCarriage, without_handoff_fields
 
 CONTEXT_FIRST = 0  # TensorRT-LLM's DisaggScheduleStyle.CONTEXT_FIRST, an int on the wire
 GENERATION_FIRST = 1
@@ -69,7 +59,7 @@ class TrtllmProtocol:
     def context_request(self, body: dict[str, Any], *, return_prompt_tokens: bool,
                         conversation_id: str | None = None, disagg_request_id: int | None = None,
                         lifecycle: Mapping[str, Any] | None = None) -> Body:
-        """``lifecycle``: lifecycle v1's fields of this attempt (``trtllm_lifecycle.Attempt.ctx_params``), sent under
+        """``lifecycle``: lifecycle v1's fields of this attempt (``lifecycle.Attempt.ctx_params``), sent under
         ``disagg_request_id`` (its ``logical_request_id``); v0 without."""
         if "messages" not in body and "prompt" not in body:
             raise UnsupportedParameterError("TensorRT-LLM workers serve only chat and completions "

@@ -1,20 +1,10 @@
 """TensorRT-LLM's lifecycle protocol v1, our orchestrator's side: the control calls to trtllm-serve workers.
 
-What TensorRT-LLM's own orchestrator does under v1 (``openai_disagg_service.py``; docs/interop.md), done here for a
-CTX/GEN pair whose ``GET /server_info`` advertises v1 (a worker that advertises nothing stays on v0):
-
-- mint one attempt identity per CTX attempt (``new_identity``) and send it, with the CTX's control endpoint and its
-  advertisement, in CTX's ``disaggregated_params``; CTX must echo all of it unchanged;
-- before GEN gets its request, issue a *generation grant* on the chosen GEN (it reserves the room the KV will take),
-  renew it while the request lives (every min(interval, remaining / 3)), and let GEN release it when it finishes;
-- on every failure (CTX failed, GEN refused or failed, a timeout, the client gone) abort the grant and the context
-  artifact, so neither worker holds KV for a request nobody will finish;
-- a grant call whose answer was lost is *ambiguous*: the same body is sent again (the worker answers a replay of one
-  ``consumer_grant_id`` with the grant it already made, never a second one), and an accepted replay is aborted;
-- a v1 body is never retried over HTTP: a new attempt is a new identity.
-
-Control bodies are JSON (TensorRT-LLM sends them with aiohttp ``json=``, never msgpack) and validated both ways by
-the shared models in ``frontend.trtllm.lifecycle``.
+A pair whose ``GET /server_info`` advertises v1 refuses v0 requests, so each attempt is named by an identity CTX
+must echo, GEN is sent anything only under a grant it gave (renewed while the request lives), and every failure
+aborts the grant and CTX's artifact, so that neither worker holds KV for a request nobody will finish. What is sent
+when, and what a lost answer means, is in docs/interop.md (Lifecycle v1); bodies are validated both ways by the
+shared models in ``frontend.trtllm.lifecycle``.
 """
 
 from __future__ import annotations
@@ -57,7 +47,17 @@ from orchestrator.client_body import encode
 from orchestrator.member import PoolMember
 from orchestrator.upstream.base import OpenStream, Reply
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("disagg_serve.trtllm_lifecycle")
+
+
+def speaks_v1(worker: PoolMember) -> bool:
+    """A trtllm-serve worker that advertises lifecycle v1 (a v1 worker refuses a v0 request)."""
+    return worker.protocol == "trtllm" and worker.lifecycle is not None
+
+
+def generation_first_capable(worker: PoolMember) -> bool:
+    return speaks_v1(worker) and worker.lifecycle is not None and "GENERATION_FIRST" in worker.lifecycle.capabilities
+
 
 async def read_server_info(member: PoolMember, timeout_s: float = 5.0) -> bool:
     """``member``'s ``disaggregated_params`` from its ``GET /server_info`` (``member.disagg_info``: where a

@@ -1,4 +1,4 @@
-"""TensorRT-LLM's generation-first schedule (``orchestrator/generation_first.py``): our orchestrator in front of
+"""Generation first (``orchestrator/protocols/trtllm/generation_first.py``): our orchestrator in front of
 strict trtllm-serve workers (``trtllm_worker``), v0 and lifecycle v1, over real HTTP, the official client as the
 client: GEN sent first and CTX after, a GEN that cannot passed over, a CTX that finishes alone, a GEN that fails
 first.
@@ -11,8 +11,7 @@ import orjson
 import pytest
 
 from frontend.trtllm.lifecycle import CONTEXT_ARTIFACT_ABORT_PATH, GENERATION_GRANT_ABORT_PATH, GENERATION_GRANT_PATH
-from tests.orchestrator.protocols.test_trtllm import MESSAGES
-from tests.orchestrator.protocols.test_trtllm_lifecycle import (
+from tests.orchestrator.protocols.trtllm.test_lifecycle import (
     chat,
     fleet,
     hang_up_at_done_and_find_nothing_aborted,
@@ -20,7 +19,8 @@ from tests.orchestrator.protocols.test_trtllm_lifecycle import (
     params,
     v1,
 )
-from tests.orchestrator.protocols.trtllm_worker import FIRST, MODEL, REST, TrtllmWorker
+from tests.orchestrator.protocols.trtllm.test_wire import MESSAGES
+from tests.orchestrator.protocols.trtllm.trtllm_worker import FIRST, MODEL, REST, TrtllmWorker
 from tests.waiting import eventually
 
 GEN_FIRST = {"trtllm": {"schedule_style": "generation_first"}}

@@ -19,12 +19,12 @@ import pybase64
 import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
-from orchestrator.protocols.trtllm import TrtllmProtocol
+from orchestrator.protocols.base import PromptCarriage
+from orchestrator.protocols.trtllm.wire import TrtllmProtocol
 from orchestrator.routers import _rendezvous
 from orchestrator.upstream.base import body_bytes
-from orchestrator.worker_protocol import PromptCarriage
 from tests.cluster import start_orchestrator, start_worker
-from tests.orchestrator.protocols.trtllm_worker import FIRST, MODEL, REST, TrtllmWorker
+from tests.orchestrator.protocols.trtllm.trtllm_worker import FIRST, MODEL, REST, TrtllmWorker
 from tests.servers import running
 from tests.trtllm_wire import ChatCompletionRequest, CompletionRequest, DisaggregatedParams
 
@@ -268,7 +268,7 @@ def test_disagg_request_ids_come_from_a_secure_generator(monkeypatch: pytest.Mon
     import random
 
     from orchestrator.protocols.native import NativeProtocol
-    from orchestrator.protocols.trtllm import new_request_id
+    from orchestrator.protocols.trtllm.wire import new_request_id
 
     def predictable(_bits: int) -> int:
         raise AssertionError("random.getrandbits used for an id")

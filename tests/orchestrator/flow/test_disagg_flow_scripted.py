@@ -13,8 +13,8 @@ from frontend.config import parse_config
 from frontend.errors import RelayedError, UpstreamUnavailableError
 from frontend.guardrail import GenEngineFacts
 from frontend.metrics import Metrics
-from orchestrator.disagg_flow import DisaggFlow
-from orchestrator.flow_request import StreamedAnswer, WholeAnswer
+from orchestrator.flow.disagg_flow import DisaggFlow
+from orchestrator.flow.request import StreamedAnswer, WholeAnswer
 from orchestrator.pool import WorkerPool
 from orchestrator.routers import RoundRobinRouter
 from orchestrator.upstream.base import Reply, WorkerTimeouts

@@ -10,24 +10,24 @@ from typing import TYPE_CHECKING, Any
 
 from frontend import tracing
 from frontend.guardrail import FallbackReason
-from orchestrator.retry import Attempted
+from orchestrator.flow.retry import Attempted
+from orchestrator.protocols.base import ContextAnswer, PromptCarriage
 from orchestrator.upstream.base import Body, Reply, body_length
-from orchestrator.worker_protocol import ContextAnswer, PromptCarriage
 
 if TYPE_CHECKING:
     from opentelemetry.trace import Span
 
 
-def called(span: Span | None, done: Attempted[Any]) -> None:
+def called(span: Span | None, answered: Attempted[Any]) -> None:
     """A worker call (CTX, or GEN up to its first byte): who answered, after how many tries, with what."""
     if span is None:
         return
-    status = done.answer.status_code
+    status = answered.answer.status_code
     tracing.set_attributes(span, {
-        "disagg.worker": done.member.url,
-        "disagg.attempts": done.attempts,
+        "disagg.worker": answered.member.url,
+        "disagg.attempts": answered.attempts,
         "http.status_code": status,
-        "disagg.answer": "whole" if isinstance(done.answer, Reply) else "stream",
+        "disagg.answer": "whole" if isinstance(answered.answer, Reply) else "stream",
     })
 
 
