@@ -1,9 +1,7 @@
-"""Dynamic membership: workers found by DNS (a Kubernetes headless service) or registered over the admin API.
+"""Workers found by DNS (a Kubernetes headless service): a pool kept to what the name resolves to.
 
-A DNS blip never empties a pool: a failed lookup keeps the members it had. A worker that leaves stops getting
-new requests at once; its in-flight requests finish on their own connections (the pool closes its client when
-it is idle).
-"""
+A failed lookup keeps the members the pool had, so a DNS blip never empties it. Workers that register themselves
+join through the admin API instead (``POST /admin/workers`` in ``orchestrator.server``)."""
 
 from __future__ import annotations
 
