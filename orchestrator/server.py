@@ -43,9 +43,9 @@ from orchestrator.admission import DEFAULT, Admission, priority_of
 from orchestrator.cache_index import CacheIndex
 from orchestrator.client_body import parse_client_body
 from orchestrator.conversation import header_order, read_conversation
-from orchestrator.disagg_flow import DisaggFlow
 from orchestrator.discovery import DnsDiscovery
-from orchestrator.flow_request import PATHS, Answer, FlowRequest, StreamedAnswer, WholeAnswer, check_client_body
+from orchestrator.flow.disagg_flow import DisaggFlow
+from orchestrator.flow.request import PATHS, Answer, FlowRequest, StreamedAnswer, WholeAnswer, check_client_body
 from orchestrator.metric_labels import CTX_POOL_NAME, GEN_POOL_NAME, MODELS_STEP, export_known_series
 from orchestrator.pool import BreakerSettings, HealthMonitor, WorkerPool
 from orchestrator.relay import RelayedStream
