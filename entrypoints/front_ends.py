@@ -1,11 +1,8 @@
 """Several HTTP front-end processes on one port (``--api-workers N``), sharing one engine core per worker.
 
-One asyncio loop is a known ceiling for a Python front end. With N > 1 the command's process becomes a
-supervisor: it starts N copies of itself that each bind the same port with SO_REUSEPORT (the kernel spreads
-connections over them), gives them one Prometheus multiprocess directory so that any one of them reports the
-sum of all, and for the reference engine starts the single engine core they all connect to. Shutdown is
-ordered: the front ends get SIGTERM and drain their streams, then the engine core goes.
-"""
+One event loop caps a Python front end, so with N > 1 the command's process supervises N copies of itself, bound
+with SO_REUSEPORT, sharing one Prometheus multiprocess directory and, for the reference engine, one engine core.
+Shutdown is ordered: the front ends drain, then the engine core goes."""
 
 from __future__ import annotations
 

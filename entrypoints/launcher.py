@@ -1,17 +1,8 @@
 """``disagg-serve up``: one CTX, one GEN and the orchestrator as child processes on loopback.
 
-``up`` binds the three ports itself before anything starts, and hands each child its socket (``--listen-fd``): a
-port taken by the time a worker's engine has loaded (by the other worker's vLLM, say) cannot happen, and a port
-already in use (``--port``) is reported at once, not after the engines have loaded.
-
-Every child gets the same deployment secret (``DISAGG_INTERNAL_TOKEN``): the user's, or one ``up`` generates for
-this run, so that the system ``up`` starts has its internal routes shut to everyone else on the machine (and on the
-network, with ``--host 0.0.0.0``) without anyone having to think of it.
-
-Shutdown is explicit and ordered: on Ctrl-C or SIGTERM the orchestrator stops first (no new requests), then the
-workers; each child gets SIGTERM and a grace period, then SIGKILL. Children also get PR_SET_PDEATHSIG, so even a
-SIGKILLed launcher leaves no orphans behind.
-"""
+``up`` binds every port before a child starts and hands each child its socket (``--listen-fd``), so a port in use is
+reported at once, not after the engines load. Every child gets one deployment secret (the user's, or one generated
+for this run). Shutdown is ordered, orchestrator first, and ``PR_SET_PDEATHSIG`` leaves no orphans (docs/cli.md)."""
 
 from __future__ import annotations
 
