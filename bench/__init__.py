@@ -1,15 +1,9 @@
-"""Benchmarks: small single-purpose modules over one shared driver and one report writer.
+"""Benchmarks, grouped by benchmark: each measures one claim of docs/benchmarks.md against a baseline of the same run.
 
-- ``bench.common``: the driver: servers as real subprocesses, waited on until healthy and always stopped; the
-  parser every command starts from. ``bench.machine`` reads the machine and each process's CPU from /proc;
-  ``bench.figures`` has the statistics; ``bench.load_point`` runs one closed-loop load point (warm-up, window,
-  tail) with the load generator and the prober as processes; ``bench.py_spy`` profiles a process during one.
-- ``bench.report``: the writer: JSON, markdown tables, verdicts, the generated blocks of docs/benchmarks.md (their
-  markers name the command that writes them) and ``--docs``; ``bench.plots`` draws every PNG.
-- One benchmark, one command (``python -m bench.<name>``); a large one keeps its runs and command in
-  ``<name>.py`` and reads its result back in ``<name>_report.py``.
-
-Run the page's benchmarks with ``.venv/bin/python -m bench.run_all [--quick]``; see docs/benchmarks.md. Nothing
-here is a timed unit test: tests/bench/ only checks that each benchmark runs at a tiny size and returns well-formed
-results.
+- ``driver/``: what every benchmark runs on: servers as real subprocesses (``common``), the machine and CPU from /proc
+  (``machine``), bodies, the load generator, the event-loop prober, one closed-loop load point, py-spy profiles, a
+  real Redis server, and the writer of JSON, tables, plots and the page's generated blocks (``report``, ``plots``).
+- ``peers/``: what the benchmarks measure ours against: mock workers, a pass-through proxy, the Rust gateways, vLLM.
+- A larger benchmark is a folder (``benchmark.py`` its runs and command, ``report.py`` its tables and block, run as
+  ``python -m bench.<folder>``); a small one is one module. ``python -m bench.run_all`` runs them (run_all.py).
 """

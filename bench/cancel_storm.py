@@ -22,11 +22,11 @@ from typing import Any
 
 import httpx
 
-from bench.common import Processes, Server, arguments, http_get, open_raw_post
-from bench.figures import percentile, ratio
-from bench.machine import loadavg
+from bench.driver.common import Processes, Server, arguments, http_get, open_raw_post
+from bench.driver.machine import loadavg
+from bench.driver.report import fmt, markdown_table, print_and_save
 from bench.reference import prompt_of, start_reference_system, stream_once
-from bench.report import fmt, markdown_table, print_and_save
+from entrypoints.bench.statistics import percentile, ratio
 
 STORM_REQUESTS = 10
 LONG_WORDS = 2_000

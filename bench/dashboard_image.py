@@ -27,7 +27,7 @@ from pathlib import Path
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.common import (
+from bench.driver.common import (
     PYTHON,
     REPO_ROOT,
     Processes,

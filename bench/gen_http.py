@@ -18,11 +18,11 @@ from typing import Any
 
 import orjson
 
-from bench.bodies import GEN_KINDS, gen_body, random_tokens
-from bench.common import LOOPBACK, Processes, arguments, free_port, wait_healthy, worker_args
-from bench.figures import ratio
-from bench.machine import cpu_seconds
-from bench.report import fmt, markdown_table, print_and_save
+from bench.driver.bodies import GEN_KINDS, gen_body, random_tokens
+from bench.driver.common import LOOPBACK, Processes, arguments, free_port, wait_healthy, worker_args
+from bench.driver.machine import cpu_seconds
+from bench.driver.report import fmt, markdown_table, print_and_save
+from entrypoints.bench.statistics import ratio
 
 SIZES = (40_000, 131_072, 290_000)
 TARGET_SIZE = 131_072

@@ -23,11 +23,11 @@ from typing import Any
 import orjson
 from openai import AsyncOpenAI
 
-from bench import common, report
-from bench.common import Processes, Server, arguments
-from bench.figures import percentile, ratio
+from bench.driver import common, report
+from bench.driver.common import Processes, Server, arguments
+from bench.driver.report import fmt
 from bench.reference import prompt_of
-from bench.report import fmt
+from entrypoints.bench.statistics import percentile, ratio
 
 MODES = ("context_first", "generation_first")
 PROMPT_WORDS = (64, 1_024)

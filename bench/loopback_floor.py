@@ -16,8 +16,8 @@ import socket
 import sys
 from typing import Any
 
-from bench.common import arguments
-from bench.report import markdown_table
+from bench.driver.common import arguments
+from bench.driver.report import markdown_table
 
 SIZES = {"metadata-only at 131k (524 KB in, 524 KB out)": 524_366,
          "b64 relay at 131k (1.2 MB in, 1.2 MB out)": 524_366 + 699_052}

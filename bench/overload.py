@@ -26,7 +26,7 @@ from typing import Any
 
 import httpx
 
-from bench.common import (
+from bench.driver.common import (
     Processes,
     Server,
     arguments,
@@ -36,9 +36,9 @@ from bench.common import (
     wait_healthy,
     worker_args,
 )
-from bench.figures import median, percentile, ratio
-from bench.machine import cpu_seconds
-from bench.report import fmt, markdown_table, print_and_save
+from bench.driver.machine import cpu_seconds
+from bench.driver.report import fmt, markdown_table, print_and_save
+from entrypoints.bench.statistics import median, percentile, ratio
 
 MODEL = "simulated"
 KEYS = {"heavy": "heavy-key", "light": "light-key"}

@@ -24,7 +24,7 @@ from typing import Any
 import httpx
 import orjson
 
-from bench.common import (
+from bench.driver.common import (
     Processes,
     Server,
     arguments,
@@ -34,7 +34,7 @@ from bench.common import (
     wait_healthy,
     worker_args,
 )
-from bench.report import fmt, markdown_table, print_and_save
+from bench.driver.report import fmt, markdown_table, print_and_save
 
 PROMPT_TOKENS = (128, 512, 2048)
 MAX_TOKENS = 16

@@ -17,8 +17,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.figures import percentile
-from bench.redis_server import RedisMissingError, redis_running
+from bench.driver.redis_server import RedisMissingError, redis_running
+from entrypoints.bench.statistics import percentile
 from frontend.config import ResponseStoreConfig
 from orchestrator.response_store import MemoryResponseStore, ResponseStore
 from orchestrator.response_store_redis import RedisResponseStore

@@ -28,32 +28,31 @@ from bench import (
     client_body_parse,
     ctx_prompt_path,
     dashboard_image,
-    fleet,
-    fleet_report,
     gen_http,
     generation_first,
     loopback_floor,
-    orchestrator_cost,
-    orchestrator_cost_report,
     overload,
-    plots,
-    prompt_path,
-    prompt_path_report,
     reference,
-    report,
     response_store,
-    soak,
-    soak_report,
-    system_load,
-    system_load_report,
     tracing_overhead,
-    vllm_serving,
-    vllm_serving_measure,
-    vllm_serving_report,
 )
-from bench.common import REPO_ROOT, arguments
-from bench.machine import loadavg, machine_info, wait_for_quiet
-from bench.report import markdown_table, verdict, write_json
+from bench.driver import plots, report
+from bench.driver.common import REPO_ROOT, arguments
+from bench.driver.machine import loadavg, machine_info, wait_for_quiet
+from bench.driver.report import markdown_table, verdict, write_json
+from bench.fleet import benchmark as fleet
+from bench.fleet import report as fleet_report
+from bench.orchestrator_cost import benchmark as orchestrator_cost
+from bench.orchestrator_cost import report as orchestrator_cost_report
+from bench.prompt_path import benchmark as prompt_path
+from bench.prompt_path import report as prompt_path_report
+from bench.soak import benchmark as soak
+from bench.soak import report as soak_report
+from bench.system_load import benchmark as system_load
+from bench.system_load import report as system_load_report
+from bench.vllm_serving import benchmark as vllm_serving
+from bench.vllm_serving import measure as vllm_serving_measure
+from bench.vllm_serving import report as vllm_serving_report
 
 Result = dict[str, Any]
 
@@ -87,7 +86,7 @@ def _dashboard(mode: Mode) -> Result:
 
 
 def _vllm_missing() -> str | None:
-    from bench.vllm_processes import vllm_missing_reason
+    from bench.peers.vllm_processes import vllm_missing_reason
 
     return vllm_missing_reason()
 
@@ -178,8 +177,10 @@ BENCHMARKS: dict[str, Benchmark] = {
         lambda m: tracing_overhead.run(20_000 if m.quick else tracing_overhead.REQUESTS),
         tracing_overhead.tables),
 }
-# Commands in bench/ that are not benchmarks: the pieces benchmarks start, and this command.
-HELPERS = ("fleet_host", "loadgen", "mock_workers", "passthrough_proxy", "prober", "run_all", "rust_gateways")
+# Commands in bench/ that are not benchmarks (``python -m bench.<name>``): the pieces benchmarks start, and this
+# command.
+HELPERS = ("driver.loadgen", "driver.prober", "fleet.host", "peers.mock_workers", "peers.passthrough_proxy",
+           "peers.rust_gateways", "run_all")
 # The page's benchmarks: the default run, and the generated block of docs/benchmarks.md.
 NAMES = ("prompt_path", "gen_http", "system_load", "reference", "generation_first")
 DOCS_DIR = report.DOCS_DIR

@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator
 from types import SimpleNamespace
 from typing import Any
 
-from bench.common import arguments
+from bench.driver.common import arguments
 from frontend import tracing
 from orchestrator.flow import spans as flow_tracing
 

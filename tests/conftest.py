@@ -10,7 +10,7 @@ import openai
 import pytest
 from hypothesis import HealthCheck, settings
 
-from bench.redis_server import RedisMissingError, RedisServer, redis_running
+from bench.driver.redis_server import RedisMissingError, RedisServer, redis_running
 from tests.cluster import Cluster, cluster_running
 
 # One Hypothesis profile for the whole suite. No wall-clock deadline: a property test's examples run in

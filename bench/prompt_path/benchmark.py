@@ -20,7 +20,6 @@ import functools
 import gc
 import pickle
 import statistics
-import sys
 import time
 import tracemalloc
 from collections.abc import Callable, Coroutine
@@ -30,11 +29,11 @@ import numpy as np
 import orjson
 import pybase64
 
-from bench.bodies import gen_body, random_tokens
-from bench.common import arguments
-from bench.figures import ratio
-from bench.prompt_path_report import tables
-from bench.report import print_and_save
+from bench.driver.bodies import gen_body, random_tokens
+from bench.driver.common import arguments
+from bench.driver.report import print_and_save
+from bench.prompt_path.report import tables
+from entrypoints.bench.statistics import ratio
 from frontend.http import parse_json_object, validate_wire
 from frontend.metrics import Metrics
 from frontend.openai_models import CompletionRequest, refuse_unsupported_parameters
@@ -267,8 +266,3 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     result = run(tuple(args.sizes), runs=args.runs)
     return print_and_save(result, tables, args.json)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
-

@@ -16,10 +16,10 @@ import numpy as np
 import orjson
 import pybase64
 
-from bench.common import Server, http_get
-from bench.machine import cpu_seconds
+from bench.driver.common import Server, http_get
+from bench.driver.machine import cpu_seconds
+from bench.driver.report import fmt
 from bench.reference import _WORDS, stream_once
-from bench.report import fmt
 
 VLLM = "vLLM server"
 AGGREGATED = "ours, aggregated"
@@ -184,7 +184,7 @@ def gen_prompt_path_in_process(bodies: dict[str, bytes], settings: Settings) -> 
     and the bodies are re-encoded with its model name); ``vllm_prompt`` is the adapter's own function, given a
     ``TokensPrompt`` that is a plain dict (vLLM's is a TypedDict: a dict too).
     """
-    from bench.prompt_path import run_to_completion, time_interleaved
+    from bench.prompt_path.benchmark import run_to_completion, time_interleaved
     from frontend.http import parse_json_object
     from frontend.metrics import Metrics
     from frontend.openai_models import CompletionRequest

@@ -1,4 +1,5 @@
-"""Percentiles and summaries of latency samples, and JSON without NaN (shared with bench/)."""
+"""Percentiles, summaries and ratios of measured samples, and JSON without NaN: ``disagg-serve bench``'s, and what
+bench/ computes its figures with."""
 
 from __future__ import annotations
 
@@ -18,6 +19,15 @@ def percentile(values: Sequence[float], q: float) -> float:
     low = math.floor(rank)
     high = min(low + 1, len(ordered) - 1)
     return float(ordered[low] + (ordered[high] - ordered[low]) * (rank - low))
+
+
+def median(values: Sequence[float]) -> float:
+    return percentile(values, 50)
+
+
+def ratio(numerator: float, denominator: float) -> float:
+    """numerator / denominator, NaN when the denominator is not positive (e.g. under one 10 ms CPU tick)."""
+    return numerator / denominator if denominator > 0 else math.nan
 
 
 def summarize(values: Sequence[float]) -> dict[str, float]:

@@ -13,19 +13,13 @@ from typing import Any
 
 import pytest
 
-from bench import (
-    cancel_storm,
-    gen_http,
-    plots,
-    prompt_path,
-    prompt_path_report,
-    reference,
-    report,
-    run_all,
-    system_load,
-    system_load_report,
-)
-from bench.load_point import Phases
+from bench import cancel_storm, gen_http, reference, run_all
+from bench.driver import plots, report
+from bench.driver.load_point import Phases
+from bench.prompt_path import benchmark as prompt_path
+from bench.prompt_path import report as prompt_path_report
+from bench.system_load import benchmark as system_load
+from bench.system_load import report as system_load_report
 
 TINY = Phases(warmup_s=0.1, max_warmup_s=5.0, measure_s=0.3, max_measure_s=3.0, tail_s=5.0,
                           max_total_s=20.0, quiet_wait_s=0.0)
@@ -166,8 +160,8 @@ def test_cancel_storm_runs_on_both_setups(tmp_path: Path) -> None:
 
 
 def test_system_under_load_with_the_reference_tokenizer_compares_tokenization_setups() -> None:
-    from bench.bodies import corpus_text
-    from bench.common import TOKENIZE_SETUPS
+    from bench.driver.bodies import corpus_text
+    from bench.driver.common import TOKENIZE_SETUPS
     from workers.engines.synthetic import reference_tokens
 
     result = system_load.run((256,), (1,), TINY, profile=False, api_workers=False, idle_s=0.2,

@@ -17,12 +17,19 @@ BENCH_DIR = Path(run_all.__file__).parent
 
 
 def _commands() -> dict[str, str]:
-    """Every module in bench/ with a ``main``, and its source."""
+    """Every module in bench/ with a ``main``, by the name ``python -m bench.<name>`` runs it under, and its source: a
+    folder's ``benchmark.py`` runs as the folder (its ``__main__.py``)."""
     found = {}
-    for path in sorted(BENCH_DIR.glob("*.py")):
-        module = importlib.import_module(f"bench.{path.stem}")
+    for path in sorted(BENCH_DIR.rglob("*.py")):
+        if path.stem in {"__init__", "__main__"}:
+            continue
+        parts = path.relative_to(BENCH_DIR).with_suffix("").parts
+        module = importlib.import_module(".".join(("bench", *parts)))
         if callable(getattr(module, "main", None)):
-            found[path.stem] = path.read_text()
+            if parts[-1] == "benchmark":
+                assert (path.parent / "__main__.py").exists(), path
+                parts = parts[:-1]
+            found[".".join(parts)] = path.read_text()
     return found
 
 

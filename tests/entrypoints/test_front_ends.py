@@ -27,7 +27,7 @@ import pytest
 from prometheus_client.mmap_dict import MmapedDict
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.common import (
+from bench.driver.common import (
     Processes,
     Server,
     descendants,

@@ -11,7 +11,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from bench.common import Processes, child_env, free_port, orchestrator_config, wait_healthy, worker_args
+from bench.driver.common import Processes, child_env, free_port, orchestrator_config, wait_healthy, worker_args
 
 
 def test_each_turn_on_the_other_orchestrator_continues_the_conversation(tmp_path: Path, redis_url: str) -> None:

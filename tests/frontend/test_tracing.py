@@ -17,7 +17,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from bench.common import Processes, child_env, free_port, orchestrator_config, wait_healthy, worker_args
+from bench.driver.common import Processes, child_env, free_port, orchestrator_config, wait_healthy, worker_args
 from frontend import tracing
 from tests.otlp_receiver import OtlpReceiver, ReceivedSpan, otlp_receiver
 from tests.span_capture import captured_spans

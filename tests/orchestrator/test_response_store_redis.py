@@ -14,7 +14,7 @@ from typing import Any
 import openai
 import orjson
 import pytest
-from bench.redis_server import RedisServer, redis_running
+from bench.driver.redis_server import RedisServer, redis_running
 
 from frontend.config import ResponseStoreConfig, parse_config
 from frontend.errors import ResponseStoreUnavailableError

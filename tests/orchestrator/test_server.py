@@ -14,7 +14,7 @@ import orjson
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.common import open_raw_post
+from bench.driver.common import open_raw_post
 from frontend.openai_output import Endpoint
 from tests.cluster import (
     MODEL,

@@ -19,9 +19,8 @@ the synthetic engine it reads the prompt's token values: its cache keys are made
 the metadata-only guardrail relays real tokens to it). Its counters are on the worker's ``/metrics``
 (``disagg_engine_prefix_cache_*``, ``disagg_engine_prefill*``).
 
-``enable_fleet_ledger()`` (benchmarks only) makes every simulated engine of the process record its prefills in one
-``FleetLedger``: the best any cache could do on the same work, for each prefill in the order they start, is the
-prefix of its blocks prefilled anywhere in the fleet before.
+``observe_prefills(observer)`` (benchmarks only) shows every prefill of the process, as it starts, to one observer:
+``bench.fleet``'s ledger of what any cache could have hit.
 """
 
 from __future__ import annotations
@@ -31,7 +30,7 @@ import collections
 import contextlib
 import hashlib
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, replace
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
@@ -55,8 +54,8 @@ from workers.engines.synthetic import (
     token_at,
 )
 
-__all__ = ["BLOCK_TOKENS", "FleetLedger", "SimulatedConfig", "SimulatedEngine", "SimulatedStats", "block_keys",
-           "create", "enable_fleet_ledger", "fleet_ledger"]
+__all__ = ["BLOCK_TOKENS", "PrefillObserver", "SimulatedConfig", "SimulatedEngine", "SimulatedStats", "block_keys",
+           "create", "observe_prefills", "usable_blocks"]
 
 BLOCK_TOKENS = 16
 _ENGINE = "simulated"
@@ -82,55 +81,20 @@ def block_keys(tokens: TokenArray, block_tokens: int = BLOCK_TOKENS) -> list[byt
     return keys
 
 
-def _usable_blocks(prompt_len: int, block_tokens: int = BLOCK_TOKENS) -> int:
+def usable_blocks(prompt_len: int, block_tokens: int = BLOCK_TOKENS) -> int:
     """Blocks a prefill may take from a cache: the last token is always computed."""
     return max(prompt_len - 1, 0) // block_tokens
 
 
-class FleetLedger:
-    """Every block prefilled by any simulated engine of this process, kept without bound (benchmarks only).
-
-    For each prefill, in the order prefills start, ``record`` counts the tokens of the longest prefix of its
-    usable blocks that some prefill in the fleet had already started: what a cache holding everything, on the
-    worker that had it, would have given. No real cache can hit a block no prefill made, so the fleet's hit tokens
-    never exceed ``reachable_tokens``."""
-
-    def __init__(self) -> None:
-        self._seen: set[bytes] = set()
-        self.prefills = 0
-        self.queried_tokens = 0
-        self.reachable_tokens = 0
-
-    def record(self, keys: list[bytes], prompt_len: int) -> int:
-        reachable = 0
-        for key in keys[: _usable_blocks(prompt_len)]:
-            if key not in self._seen:
-                break
-            reachable += BLOCK_TOKENS
-        self._seen.update(keys)
-        self.prefills += 1
-        self.queried_tokens += prompt_len
-        self.reachable_tokens += reachable
-        return reachable
-
-    def snapshot(self) -> dict[str, int]:
-        return {"prefills": self.prefills, "queried_tokens": self.queried_tokens,
-                "reachable_tokens": self.reachable_tokens, "blocks": len(self._seen)}
+# (block keys, prompt length) of each prefill as it starts, for a benchmark's ledger (bench.fleet)
+PrefillObserver = Callable[[list[bytes], int], object]
+_PREFILL_OBSERVER: PrefillObserver | None = None
 
 
-_LEDGER: FleetLedger | None = None
-
-
-def enable_fleet_ledger() -> FleetLedger:
-    """Start (or return) the process-wide ledger every simulated engine records its prefills in."""
-    global _LEDGER
-    if _LEDGER is None:
-        _LEDGER = FleetLedger()
-    return _LEDGER
-
-
-def fleet_ledger() -> FleetLedger | None:
-    return _LEDGER
+def observe_prefills(observer: PrefillObserver | None) -> None:
+    """Show every prefill any simulated engine of this process starts to ``observer`` (None: to nobody)."""
+    global _PREFILL_OBSERVER
+    _PREFILL_OBSERVER = observer
 
 
 @dataclass(frozen=True, slots=True)
@@ -329,11 +293,11 @@ class SimulatedEngine:
     async def _prefill_now(self, request: GenerationRequest, aborted: asyncio.Event) -> int | None:
         prompt_len = request.prompt_len
         keys = [] if request.prompt_is_placeholder else block_keys(request.prompt_token_ids_i32)
-        usable = keys[: _usable_blocks(prompt_len)]
+        usable = keys[: usable_blocks(prompt_len)]
         cached = self._cache.match(usable) * BLOCK_TOKENS
-        ledger = _LEDGER
-        if ledger is not None:
-            ledger.record(keys, prompt_len)
+        observer = _PREFILL_OBSERVER
+        if observer is not None:
+            observer(keys, prompt_len)
         duration = self.config.prefill_base_s + (prompt_len - cached) / self.config.prefill_tokens_per_s
         started = time.monotonic()
         with contextlib.suppress(TimeoutError):

@@ -65,7 +65,7 @@ _metadata: TokenizerMetadata | None = None
 
 
 def _reference_metadata() -> TokenizerMetadata:
-    """The reference model's tokenizer metadata, read once per process (every worker of ``bench.fleet_host`` shares
+    """The reference model's tokenizer metadata, read once per process (every worker of ``bench.fleet.host`` shares
     it; each builds its own tokenizer, so no worker sees what another one cached)."""
     global _metadata
     with _metadata_lock:

@@ -14,12 +14,11 @@ import pytest
 from frontend.errors import HandoffError
 from frontend.sampling import SamplingParams
 from frontend.token_codec import TOKEN_DTYPE, TokenArray
-from workers.engines import simulated
 from workers.engines.base import ExposesMetrics, ReportsKvCapacity
 from workers.engines.factory import EngineOptions, create_engine
 from workers.engines.outputs import EngineOutput
 from workers.engines.request import GenerationRequest, Handoff, Phase
-from workers.engines.simulated import BLOCK_TOKENS, FleetLedger, SimulatedConfig, SimulatedEngine
+from workers.engines.simulated import BLOCK_TOKENS, SimulatedConfig, SimulatedEngine
 from workers.engines.synthetic import SYNTHETIC_TEXT
 
 RATE = 100_000.0  # tokens per second: a 1,000-token miss costs 10 ms
@@ -214,18 +213,6 @@ async def test_counters_are_on_metrics_and_the_capabilities_are_discoverable() -
     assert samples["disagg_engine_prefills_total"] == 2
     assert samples["disagg_engine_prefix_cache_capacity_tokens"] == 4_096
     assert samples["disagg_engine_prefill_busy_seconds_total"] > 0
-
-
-async def test_the_fleet_ledger_counts_what_any_cache_could_have_hit(monkeypatch: pytest.MonkeyPatch) -> None:
-    ledger = FleetLedger()
-    monkeypatch.setattr(simulated, "_LEDGER", ledger)
-    one, two = engine(), engine()
-    tokens = prompt(320, 11)
-    await run(one, request("a", tokens))
-    await run(two, request("b", tokens))  # a miss on this worker, a prefix the fleet had prefilled
-    assert two.stats().hit_tokens == 0
-    assert ledger.snapshot() == {"prefills": 2, "queried_tokens": 640, "reachable_tokens": 304, "blocks": 20}
-    assert one.stats().hit_tokens + two.stats().hit_tokens <= ledger.reachable_tokens
 
 
 def test_a_reference_tokenizer_worker_counts_real_tokens_and_a_follow_up_hits_its_cache() -> None:

@@ -14,8 +14,8 @@ from typing import Any
 
 import httpx
 import pytest
-from bench.common import open_raw_post
 
+from bench.driver.common import open_raw_post
 from frontend.config import parse_config
 from frontend.metrics import Metrics
 from orchestrator.server import create_orchestrator_app

@@ -1,0 +1,156 @@
+"""Many simulated workers in one process, for ``bench.fleet``: one event loop, one uvicorn server per worker.
+
+    python -m bench.fleet.host --control-port P --worker context:PORT ... --worker generation:PORT ...
+        [-- ENGINE FLAGS]
+
+Each worker is built by the real ``disagg-serve worker`` code (``entrypoints.cli.run_worker``, with its flags and
+defaults, KV events included) with only the final serve step taken over, and served with the limits the CLI gives
+every front end; they differ from a fleet of ``disagg-serve worker`` processes only in sharing one loop and one
+interpreter, which spares a 2-core machine a dozen processes. The engine flags after ``--`` (``--engine simulated``
+and its ``--simulated-*`` flags) go to every worker.
+
+A control server on ``--control-port`` answers ``GET /health`` and ``GET /ledger``: the process-wide
+``FleetLedger`` of every prefill the simulated engines ran (bench/fleet/ledger.py), the oracle the
+benchmark compares the fleet's prefix-cache hits with. SIGTERM or SIGINT stops every server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import socket
+import sys
+import threading
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+from unittest import mock
+
+import orjson
+import uvicorn
+import uvloop
+
+from bench.driver.common import arguments
+from bench.fleet.ledger import FleetLedger, record_every_prefill
+from entrypoints import cli
+from entrypoints.arguments import build_parser
+from entrypoints.http.limits import ClientLimits
+from entrypoints.http.protocol import guarded_protocol
+from entrypoints.http.server import TickServer
+from frontend.logging_setup import configure_logging
+from frontend.send_timeout import with_send_timeout
+
+LOOPBACK = "127.0.0.1"
+Scope = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
+Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
+
+
+def build_worker(role: str, port: int, engine_flags: list[str], log_level: str
+                 ) -> tuple[Any, argparse.Namespace, socket.socket]:
+    """The app ``disagg-serve worker`` would serve for these flags, its parsed arguments, and the socket it bound."""
+    argv = ["--log-level", log_level, "worker", "--role", role, "--host", LOOPBACK, "--port", str(port),
+            *engine_flags]
+    args = build_parser().parse_args(argv)
+    built: list[Any] = []
+
+    def keep(app: Any, _args: argparse.Namespace, listener: socket.socket) -> int:
+        built.append((app, listener))
+        return 0
+
+    with mock.patch.object(cli, "_serve", keep):
+        status = cli.run_worker(args, argv)
+    if status != 0 or len(built) != 1:
+        raise SystemExit(f"fleet_host: the {role} worker on port {port} was not built (status {status})")
+    app, listener = built[0]
+    return app, args, listener
+
+
+def worker_server(app: Any, args: argparse.Namespace) -> TickServer:
+    """As ``entrypoints.cli._serve`` configures it: the same protocol, head, body and send limits."""
+    limits = ClientLimits(args.header_timeout_s, args.body_timeout_s, args.max_head_bytes)
+    cuts = app.state.metrics.connections_cut
+    config = uvicorn.Config(with_send_timeout(app, args.client_send_timeout_s), host=args.host, port=args.port,
+                            log_level=args.log_level, loop="none", ws="none",
+                            http=guarded_protocol(limits, app,  # type: ignore[arg-type]
+                                                  lambda reason: cuts.labels(reason=reason).inc()),
+                            timeout_graceful_shutdown=5, timeout_keep_alive=75, access_log=False, log_config=None)
+    return TickServer(config)
+
+
+def control_app(ledger: FleetLedger, servers: list[TickServer]) -> Callable[[Scope, Receive, Send], Awaitable[None]]:
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return
+        path = scope["path"]
+        if path == "/health":
+            ready = all(s.started for s in servers)
+            status, body = (200, b'{"status":"ok"}') if ready else (503, b'{"status":"starting"}')
+        elif path == "/ledger":
+            status, body = 200, orjson.dumps(ledger.snapshot())
+        else:
+            status, body = 404, b'{"error":"not found"}'
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [(b"content-type", b"application/json")]})
+        await send({"type": "http.response.body", "body": body})
+
+    return app
+
+
+def main(argv: list[str] | None = None) -> int:
+    raw = list(sys.argv[1:] if argv is None else argv)
+    engine_flags: list[str] = []
+    if "--" in raw:
+        cut = raw.index("--")
+        raw, engine_flags = raw[:cut], raw[cut + 1 :]
+    parser = arguments(__doc__)
+    parser.add_argument("--control-port", type=int, required=True)
+    parser.add_argument("--worker", action="append", default=[], metavar="ROLE:PORT",
+                        help="a worker to serve (context, generation or both), once per worker")
+    parser.add_argument("--log-level", default="warning")
+    args = parser.parse_args(raw)
+    configure_logging(args.log_level, "text")
+    ledger = record_every_prefill()  # before any engine exists: every prefill of this process is recorded
+    servers: list[TickServer] = []
+    listeners: list[socket.socket | None] = []
+    for spec in args.worker:
+        role, _, port = spec.partition(":")
+        app, worker_args, listener = build_worker(role, int(port), engine_flags, args.log_level)
+        servers.append(worker_server(app, worker_args))
+        listeners.append(listener)
+    control = TickServer(uvicorn.Config(control_app(ledger, servers), host=LOOPBACK, port=args.control_port,
+                                         log_level=args.log_level, loop="none", lifespan="off",
+                                         access_log=False, log_config=None))
+    everything = [*servers, control]
+    listeners.append(None)  # the control server binds its own port
+
+    def stop(*_: object) -> None:
+        for server in everything:
+            server.should_exit = True
+
+    def serve_all() -> None:
+        # A thread of its own: uvicorn takes the process's signals only in the main thread, where one handler
+        # here stops every server at once instead of each server's replacing the last one's.
+        loop = uvloop.new_event_loop()
+        asyncio.set_event_loop(loop)
+
+        async def run() -> None:
+            await asyncio.gather(*(server.serve(sockets=[listener] if listener is not None else None)
+                                   for server, listener in zip(everything, listeners, strict=True)))
+
+        try:
+            loop.run_until_complete(run())
+        finally:
+            loop.close()
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    thread = threading.Thread(target=serve_all, name="fleet-host", daemon=True)
+    thread.start()
+    while thread.is_alive():
+        thread.join(0.5)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,88 @@
+"""Smoke run of ``bench.fleet`` at a tiny size: 2 CTX and 1 GEN simulated workers in their host process, a real
+orchestrator, a few streamed chat turns. It asserts only that the benchmark runs end to end and that its report
+is well formed (and, since no cache can hit a block no prefill made, that the hit ratio never beats the oracle);
+the figures come from ``python -m bench.fleet``."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bench.driver import report
+from bench.driver.common import TOKENIZE_SETUPS
+from bench.fleet import benchmark as fleet
+from bench.fleet import report as fleet_report
+from bench.fleet import work as fleet_work
+
+TINY_CHAT = replace(fleet_work.CHAT, system_tokens=1_500, session_rate=4.0, window_s=1.0, turns=2,
+                    turn_tokens=(100, 300), think_mean_s=0.05, max_tokens=4)
+TINY = fleet.Settings(ctx_workers=2, gen_workers=1, engine=fleet.Engine(cache_tokens=4_096), workloads=(TINY_CHAT,),
+                      quiet_wait_s=0.0, seed=3)  # seed 3: three conversations in the window
+
+
+@pytest.fixture(scope="module")
+def result() -> dict[str, Any]:
+    with pytest.MonkeyPatch.context() as patch:
+        # A router the orchestrator's config refuses: the benchmark notes it and goes on.
+        patch.setitem(fleet.ROUTERS, "refused", {"type": "no_such_router"})
+        return fleet.run(TINY, ["round_robin", "refused"])
+
+
+def test_one_router_measured_and_a_refused_one_skipped(result: dict[str, Any]) -> None:
+    measured, refused = result["cells"]
+    assert refused["router"] == "refused" and refused["skipped"]
+    assert measured["router"] == "round_robin" and measured["workload"] == "chat"
+    assert measured["errors"] == 0, measured["error_samples"]
+    sessions = fleet_work.sessions(TINY_CHAT, TINY.seed)
+    assert measured["requests"] == sum(len(s.turns) for s in sessions) >= 2
+    assert measured["ttft_ms"]["p50"] > 0 and measured["ttft_ms"]["n"] == measured["requests"]
+    assert len(measured["ctx_workers"]) == 2 and len(measured["gen_workers"]) == 1
+    assert measured["ctx_prefills"]["min"] <= measured["ctx_prefills"]["max"]
+    assert sum(w["prefills"] for w in measured["ctx_workers"]) + measured["gen_prefills"] == measured["requests"]
+    # The ledger saw every prefill the workers counted, and no cache beat it.
+    assert measured["ledger"]["queried_tokens"] == measured["queried_tokens"] > 0
+    assert 0 <= measured["hit_ratio"] <= measured["oracle_hit_ratio"] <= 1
+    assert measured["hit_ratio"] > 0  # every second turn repeats its first turn's prompt on a round robin of 2
+
+
+def test_tables_targets_block_and_plot(result: dict[str, Any], tmp_path: Path) -> None:
+    table = fleet_report.tables(result)
+    assert "| chat | round_robin |" in table and "refused (chat)" in table
+    assert fleet_report.targets(result) == []  # no cache_aware run here
+    block = fleet_report.generated_block(result, "fleet.png")
+    doc = tmp_path / "benchmarks.md"
+    doc.write_text("intro\n" + report.BEGIN + "\nother benchmarks\n" + report.END + "\n")
+    report.update_docs(doc, block, fleet_report.BEGIN, fleet_report.END)
+    report.update_docs(doc, block, fleet_report.BEGIN, fleet_report.END)  # replaced, not appended
+    text = doc.read_text()
+    assert text.count(fleet_report.BEGIN) == 1 and "other benchmarks" in text
+    assert fleet_report.plot(result, tmp_path / "fleet.png").read_bytes()[:4] == b"\x89PNG"
+
+
+TINY_AGENT = replace(fleet_work.AGENT, system_tokens=600, session_rate=2.0, window_s=1.0, turns=2,
+                     turn_tokens=(50, 150), think_mean_s=0.05, max_tokens=4)
+TINY_COMPARE = replace(TINY, ctx_workers=1, engine=fleet.Engine(cache_tokens=4_096, tokenizer="reference"),
+                       workloads=(TINY_AGENT,), seed=2, tokenize_setups=tuple(TOKENIZE_SETUPS))
+
+
+def test_tokenize_compare_runs_the_work_on_each_setup_in_real_tokens(tmp_path: Path) -> None:
+    result = fleet.run(TINY_COMPARE, ["cache_aware"])
+    cells = result["cells"]
+    assert [c["tokenize"] for c in cells] == list(TOKENIZE_SETUPS)
+    per_token = result["settings"]["chars_per_token"]
+    assert 2.5 < per_token < 5  # the reference BPE on real text, not one token per character
+    work = fleet_work.sessions(TINY_AGENT, TINY_COMPARE.seed, per_token, real_text=True)
+    for cell in cells:
+        assert cell["errors"] == 0, cell["error_samples"]
+        assert cell["followup_ttft_ms"]["n"] == len(work) and cell["followup_ttft_ms"]["p50"] > 0
+        # the longest prompt: the system prompt, two turns and an answer, in the reference tokenizer's tokens (real
+        # text's density varies from one stretch of it to the next: sizes hold on average, not per message)
+        assert 0.6 * (600 + 2 * 50) < cell["prompt_tokens_max"] < 1.4 * (600 + 2 * 150) + 60
+    assert cells[0]["prompt_tokens_max"] == cells[1]["prompt_tokens_max"]  # the same work, the same tokens
+    table = fleet_report.tables(result)
+    assert "| agent | cache_aware | full encode |" in table and "| agent | cache_aware | defaults |" in table
+    assert "cache_aware [defaults]" in table and "--tokenize-cache-mb 0 --tokenizer-backend tokenizers" in table
+    assert fleet_report.plot(result, tmp_path / "fleet.png").read_bytes()[:4] == b"\x89PNG"
