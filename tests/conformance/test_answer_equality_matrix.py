@@ -1,0 +1,262 @@
+"""Every deployment answers as the aggregated worker does: API x feature x wire x schedule, whole and streamed.
+
+Each cell sends one request shape (``CASES``) to one deployment (``answer_matrix.DEPLOYMENTS``: the native wire
+and TensorRT-LLM's, context first, generation first, GEN alone under ``max_local_prefill_length`` and past it,
+lifecycle v0 and v1 workers, GEN sent only the prompt's length) and to the aggregated oracle, and compares what
+the answers carry. A path added to the orchestrator is added to ``DEPLOYMENTS`` and diffed by construction.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from copy import deepcopy
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+from tests.conformance.answer_matrix import (
+    DEPLOYMENTS,
+    LONG_PREFIX,
+    Api,
+    Case,
+    Deployment,
+    Deployments,
+    RequestFailed,
+    ask,
+    deployments_running,
+    text,
+)
+from tests.workers.engines.reference.cluster import RefCluster
+
+GREEDY = {"temperature": 0}
+SEEDED = {"temperature": 1.0, "seed": 4242}
+# The tiny model's favourite tokens are bytes that decode to no text; a bias towards the lower-case letters (token id
+# 3 + byte) makes its answers readable, so that a stop string can be found in them.
+LETTERS = {str(3 + byte): 50 for byte in range(ord("a"), ord("z") + 1)}
+# The first byte of "é" (token id 3 + byte), alone: a token that is only part of a character.
+HALF_A_CHARACTER = {str(3 + "é".encode()[0]): 100}
+JSON_SCHEMA = {"type": "json_schema", "json_schema": {"name": "bounded", "strict": True, "schema": {
+    "type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0, "maximum": 9}},
+    "required": ["ok", "n"], "additionalProperties": False}}}
+
+
+def chat(prompt: str, **options: Any) -> Any:
+    return lambda long: {"messages": [{"role": "user", "content": text(prompt, long)}], "max_tokens": 4,
+                         **GREEDY, **options}
+
+
+def completion(prompt: str, **options: Any) -> Any:
+    return lambda long: {"prompt": text(prompt, long), "max_tokens": 4, **GREEDY, **options}
+
+
+def response(prompt: str, **options: Any) -> Any:
+    def body(long: bool) -> dict[str, Any]:
+        instructions = text(options.get("instructions", ""), long)
+        return {"input": prompt, "max_output_tokens": 4, "store": False, **GREEDY, **options,
+                **({"instructions": instructions} if instructions else {})}
+
+    return body
+
+
+def chain(long: bool) -> dict[str, Any]:
+    instructions = {"instructions": LONG_PREFIX} if long else {}
+    return {"chain": [{"input": "Hello there", "max_output_tokens": 3, **GREEDY, **instructions},
+                      {"input": "And then?", "max_output_tokens": 3, **GREEDY, **instructions}]}
+
+
+def function_call(long: bool) -> dict[str, Any]:
+    items = [{"role": "user", "content": text("What is the weather in Paris?", long)},
+             {"type": "function_call", "call_id": "call_1", "name": "get_weather",
+              "arguments": '{"city": "Paris"}'},
+             {"type": "function_call_output", "call_id": "call_1", "output": "12 C and sunny"}]
+    return {"input": items, "max_output_tokens": 4, "store": False, **GREEDY}
+
+
+CASES = (
+    Case("plain", "chat", chat("Say hello")),
+    Case("max-tokens-1", "chat", chat("Say hello", max_tokens=1)),
+    Case("max-tokens-1-half-a-character", "chat", chat("Say hello", max_tokens=1, logit_bias=HALF_A_CHARACTER)),
+    Case("logprobs", "chat", chat("Say hello", logprobs=True, top_logprobs=3)),
+    Case("n2", "chat", chat("Tell me a story", n=2, logprobs=True, **SEEDED, logit_bias=LETTERS)),
+    Case("stop", "chat", chat("Say hello", max_tokens=8, stop=["e"], logit_bias=LETTERS)),
+    Case("json", "chat", chat("Give me JSON", max_tokens=16, response_format=JSON_SCHEMA)),
+    Case("seed", "chat", chat("Tell me a story", **SEEDED, logit_bias=LETTERS)),
+    Case("prompt-logprobs", "chat", chat("Say hello", prompt_logprobs=2)),
+    Case("plain", "completions", completion("The capital of Germany is")),
+    Case("max-tokens-1", "completions", completion("The capital of Germany is", max_tokens=1)),
+    Case("max-tokens-1-half-a-character", "completions",
+         completion("The capital of Germany is", max_tokens=1, logit_bias=HALF_A_CHARACTER)),
+    Case("logprobs", "completions", completion("The capital of Germany is", logprobs=2)),
+    Case("echo-logprobs-1-token", "completions",
+         completion("The capital of Germany is", echo=True, logprobs=1, max_tokens=1)),
+    Case("echo-logprobs-2-tokens", "completions",
+         completion("The capital of Germany is", echo=True, logprobs=1, max_tokens=2)),
+    Case("n2", "completions", completion("Once upon a time", n=2, logprobs=1, **SEEDED, logit_bias=LETTERS)),
+    Case("stop", "completions", completion("Once upon a time", max_tokens=8, stop=["e"], logit_bias=LETTERS)),
+    Case("seed", "completions", completion("Once upon a time", **SEEDED, logit_bias=LETTERS)),
+    Case("prompt-logprobs", "completions", completion("The capital of Germany is", prompt_logprobs=2)),
+    Case("plain", "responses", response("Hello there")),
+    Case("instructions", "responses", response("Hello there", instructions="Be brief.")),
+    Case("json", "responses", response("Give me JSON", max_output_tokens=16, text={"format": {
+        "type": "json_schema", "name": "bounded", "strict": True,
+        "schema": JSON_SCHEMA["json_schema"]["schema"]}})),  # type: ignore[index]
+    Case("previous-response-chain", "responses", chain),
+    Case("function-call-items", "responses", function_call),
+)
+
+
+# -- what fails today ---------------------------------------------------------------------------------------------
+# Each known failure names its symptom, checked when the cell fails: a cell that fails any other way is a plain
+# failure, not an expected one; a cell that passes (its cause fixed) fails as XPASS(strict) until its mark goes.
+Observed = dict[str, Any] | RequestFailed
+
+
+class KnownWrongAnswer(AssertionError):
+    """The cell failed with the symptom of its known cause."""
+
+
+@dataclass(frozen=True)
+class KnownFailure:
+    reason: str
+    symptom: Callable[[Observed, dict[str, Any]], bool]
+
+
+def refused(fragment: str) -> Callable[[Observed, dict[str, Any]], bool]:
+    """A 400 whose message holds ``fragment``."""
+    return lambda observed, _: (isinstance(observed, RequestFailed) and observed.status == 400
+                                and fragment in observed.body)
+
+
+def equal_but_for(*paths: tuple[Any, ...], got: Any, expected: Any) -> Callable[[Observed, dict[str, Any]], bool]:
+    """Equal but for the value at each path, which is ``got`` where the oracle has ``expected`` (a value, or a
+    predicate on the value)."""
+    def at(answer: dict[str, Any], path: tuple[Any, ...]) -> Any:
+        for key in path:
+            answer = answer[key]
+        return answer
+
+    def check(value: Any, wanted: Any) -> bool:
+        return bool(wanted(value)) if callable(wanted) else bool(value == wanted)
+
+    def symptom(observed: Observed, oracle: dict[str, Any]) -> bool:
+        if isinstance(observed, RequestFailed):
+            return False
+        if not all(check(at(observed, p), got) and check(at(oracle, p), expected) for p in paths):
+            return False
+        return blanked(observed, paths) == blanked(oracle, paths)
+
+    return symptom
+
+
+def blanked(answer: dict[str, Any], paths: tuple[tuple[Any, ...], ...]) -> dict[str, Any]:
+    copy = deepcopy(answer)
+    for path in paths:
+        into = copy
+        for key in path[:-1]:
+            into = into[key]
+        into[path[-1]] = "<blanked>"
+    return copy
+
+
+def prompt_scores_null(values: list[Any]) -> bool:
+    return len(values) > 2 and all(v is None for v in values[:-1])
+
+
+def prompt_scores_real(values: list[Any]) -> bool:
+    return values[0] is None and all(v is not None for v in values[1:])
+
+
+ECHO_SCORES_LOST = KnownFailure(
+    "issue 49 item 1: echo + logprobs + max_tokens 1 on TensorRT-LLM's wire: CTX answers from its first token "
+    "without the prompt's logprobs, so every prompt token's token_logprobs and top_logprobs are null",
+    equal_but_for(("choices", 0, "logprobs", "token_logprobs"), ("choices", 0, "logprobs", "top_logprobs"),
+                  got=prompt_scores_null, expected=prompt_scores_real))
+N_REFUSED = KnownFailure(
+    "issue 49 item 2: n > 1 is refused on TensorRT-LLM's wire (400 'through disagg-serve's orchestrator')",
+    refused("n > 1 is not served in TensorRT-LLM's disaggregated wire"))
+RESPONSES_REFUSED = KnownFailure(
+    "issue 49 item 3: /v1/responses through CTX on TensorRT-LLM's wire is a 400",
+    refused("TensorRT-LLM workers serve only chat and completions disaggregated, not /v1/responses"))
+V1_WORKERS_REFUSED = KnownFailure(
+    "issue 49 item 4: the default orchestrator speaks native to workers started with lifecycle v1, which refuse "
+    "its CTX requests with a 400 that blames the client",
+    refused("protocol-v1 cross-side request is missing its negotiated attempt identity"))
+CHAT_PROMPT_LOGPROBS_DROPPED = KnownFailure(
+    "issue 49 item 5: prompt_logprobs is silently dropped from a whole answer on TensorRT-LLM's wire",
+    equal_but_for(("prompt_logprobs",), got=None, expected=bool))
+COMPLETION_PROMPT_LOGPROBS_DROPPED = KnownFailure(
+    CHAT_PROMPT_LOGPROBS_DROPPED.reason,
+    equal_but_for(("choices", 0, "prompt_logprobs"), got=None, expected=bool))
+HALF_A_CHARACTER_DECODED = KnownFailure(
+    "a request CTX finishes by its length on TensorRT-LLM's wire is answered by GEN's first_tokens_only "
+    "(workers/trtllm/answers.py), which decodes a first token that is part of a character as U+FFFD; the engine's "
+    "own answer holds it back (text '')",
+    equal_but_for(("choices", 0, "text"), got="\ufffd", expected=""))
+
+
+def known_failure(case: Case, deployment: Deployment, stream: bool) -> KnownFailure | None:
+    """Why this cell fails today, or None."""
+    if deployment.name == "default-v1-workers":
+        return V1_WORKERS_REFUSED
+    if not deployment.trtllm_through_ctx:
+        return None
+    if case.api == "responses":
+        return RESPONSES_REFUSED
+    if case.name == "n2":
+        return N_REFUSED
+    if case.name == "echo-logprobs-1-token":
+        return ECHO_SCORES_LOST
+    if case.name == "prompt-logprobs" and not stream:
+        return CHAT_PROMPT_LOGPROBS_DROPPED if case.api == "chat" else COMPLETION_PROMPT_LOGPROBS_DROPPED
+    if case.name == "max-tokens-1-half-a-character" or (case.api, case.name, deployment.long_prompts) == (
+            "chat", "max-tokens-1", True):
+        return HALF_A_CHARACTER_DECODED  # the long chat's greedy first token is part of a character too
+    return None
+
+
+def cells() -> Iterator[Any]:
+    for deployment in DEPLOYMENTS:
+        for case in CASES:
+            for stream in (False, True):
+                known = known_failure(case, deployment, stream)
+                marks = [pytest.mark.xfail(strict=True, raises=KnownWrongAnswer, reason=known.reason)] if known else []
+                yield pytest.param(deployment, case, stream, marks=marks,
+                                   id=f"{deployment.name}-{case.api}-{case.name}-{'stream' if stream else 'whole'}")
+
+
+@pytest.fixture(scope="module")
+def deployments(conformance_cluster: RefCluster) -> Iterator[Deployments]:
+    with deployments_running(conformance_cluster) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def oracle(deployments: Deployments) -> Any:
+    """The aggregated worker's answer to a (case, long, stream), asked once."""
+    answers: dict[tuple[Api, str, bool, bool], dict[str, Any]] = {}
+
+    def answer(case: Case, long: bool, stream: bool) -> dict[str, Any]:
+        key = (case.api, case.name, long, stream)
+        if key not in answers:
+            answers[key] = ask(deployments.oracle, case, long, stream, stored=False)
+        return answers[key]
+
+    return answer
+
+
+@pytest.mark.parametrize(("deployment", "case", "stream"), list(cells()))
+def test_the_deployment_answers_as_the_aggregated_worker(deployments: Deployments, oracle: Any,
+                                                        deployment: Deployment, case: Case, stream: bool) -> None:
+    expected = oracle(case, deployment.long_prompts, stream)
+    observed: Observed
+    try:
+        observed = ask(deployments.urls[deployment.name], case, deployment.long_prompts, stream)
+    except RequestFailed as failure:
+        observed = failure
+    known = known_failure(case, deployment, stream)
+    if known is not None and known.symptom(observed, expected):
+        raise KnownWrongAnswer(known.reason)
+    if isinstance(observed, RequestFailed):
+        raise observed
+    assert observed == expected
