@@ -25,11 +25,12 @@ import httpx
 import pytest
 import uvloop
 
-from entrypoints.http.limits import ClientLimits
+from entrypoints.http.limits import ClientClocks, ClientLimits
 from entrypoints.http.protocol import guarded_protocol
+from frontend.http import BodyBudget, BodyReads
 from tests.entrypoints.http.test_protocol import Recorder, connected, head, read_answer
 from tests.servers import ServerThread
-from tests.waiting import eventually
+from tests.waiting import eventually, eventually_async
 
 SEND_TIMEOUT_S = 2.0
 HEADER_TIMEOUT_S = 1.0
@@ -293,3 +294,82 @@ def test_heads_declaring_bodies_never_sent_do_not_shut_a_workers_routes(
                 received += chunk
             assert received == b"HTTP/1.1 100 Continue\r\n\r\n", received
         assert _served(port)
+
+
+# -- ClientClocks alone: a connection's clocks on an event loop, with a recorder for what they tell it --------------
+class Told:
+    """A connection's ``Cutoffs``, recording what its clocks tell it."""
+
+    def __init__(self) -> None:
+        self.told: list[str] = []
+
+    def head_too_slow(self) -> None:
+        self.told.append("head")
+
+    def body_too_slow(self, cause: str) -> None:
+        self.told.append(f"body: {cause}")
+
+    def body_over_budget(self) -> None:
+        self.told.append("budget")
+
+    def idle_too_long(self) -> None:
+        self.told.append("idle")
+
+
+def clocks(told: Told, bodies: BodyBudget | None = None, readers: BodyReads | None = None,
+           **limits: Any) -> ClientClocks:
+    return ClientClocks(told, asyncio.get_running_loop(), ClientLimits(**limits), bodies or BodyBudget(1 << 30),
+                        readers or BodyReads(0), keep_alive_s=0.05)
+
+
+async def test_a_body_that_brings_no_byte_is_too_slow_and_one_that_averages_too_little_is_too() -> None:
+    idle, slow = Told(), Told()
+    idle_clocks, slow_clocks = clocks(idle, body_timeout_s=0.5), clocks(slow, body_timeout_s=0.5, body_min_rate=1000)
+    assert idle_clocks.start_body("a") and slow_clocks.start_body("a")
+    for _ in range(8):  # a byte every 20 ms: never idle for 0.5 s, and far under 1,000 bytes/s
+        await asyncio.sleep(0.02)
+        slow_clocks.body_received(1)
+    assert await eventually_async(lambda: idle.told != [] and slow.told != [])
+    assert idle.told == ["body: no byte of it came for 0.5 s"]
+    assert len(slow.told) == 1 and "under the minimum of 1000 bytes/s after the first 0.5 s" in slow.told[0]
+
+
+async def test_a_body_done_stops_its_clock_and_gives_back_its_bytes_and_its_addresss_count() -> None:
+    told = Told()
+    bodies, readers = BodyBudget(1 << 30), BodyReads(1)
+    first = clocks(told, bodies, readers, body_timeout_s=0.05)
+    assert first.start_body("a") and first.body_timed
+    first.body_received(100)
+    assert (bodies.reading, clocks(told, bodies, readers).start_body("a")) == (100, False)  # the address's cap
+    first.body_done()
+    assert (bodies.reading, first.body_timed, clocks(told, bodies, readers).start_body("a")) == (0, False, True)
+    await asyncio.sleep(0.1)
+    assert told.told == []  # its timer fired, found no body, and stopped
+
+
+async def test_bytes_past_the_servers_budget_are_told_once_after_the_read() -> None:
+    told = Told()
+    bodies = BodyBudget(10)
+    holder, over = clocks(Told(), bodies), clocks(told, bodies)
+    holder.body_received(8)  # (a body alone is always let in)
+    over.body_received(8)
+    over.body_received(8)
+    assert told.told == []  # not inside the parser's callback
+    await asyncio.sleep(0)
+    assert told.told == ["budget"] and bodies.reading == 8
+
+
+async def test_a_head_clock_and_a_keep_alive_clock_tell_once_each_and_busy_keeps_a_connection() -> None:
+    told = Told()
+    connection = clocks(told, header_timeout_s=0.05)
+    connection.start_head()
+    assert connection.head_timed
+    assert await eventually_async(lambda: told.told == ["head"])
+    assert not connection.head_timed
+    connection.idle()
+    connection.busy()  # a request came: its answer's end starts the idle time again
+    await asyncio.sleep(0.1)  # (the timer fired, found the connection busy, and stopped)
+    assert told.told == ["head"]
+    connection.idle()
+    assert await eventually_async(lambda: told.told == ["head", "idle"])
+    connection.stop()
