@@ -94,6 +94,8 @@ class Recording(GuardedProtocol):
 
 
 def test_the_protocol_factory_is_called_with_config_server_state_and_app_state_and_shut_down_on_stop() -> None:
+    Recording.calls.clear()
+    Recording.shut.clear()
     protocol = guarded_protocol()
     recording = type("Recording", (Recording, protocol), {})
     server = TickServer(config(http=recording))
