@@ -237,13 +237,13 @@ def targets_section(results: dict[str, dict[str, Any]]) -> tuple[str, list[dict[
 
 # The page's sections, in order: benchmark, heading, its tables, the plot's alt text and file.
 PAGE_SECTIONS: tuple[tuple[str, str, Callable[[dict[str, Any]], str], str, str], ...] = (
-    ("prompt_path", "### 1. The prompt path: list vs array vs floor (in-process)", prompt_path_report.tables,
+    ("prompt_path", "### The prompt path: list vs array vs floor (in-process)", prompt_path_report.tables,
      "list vs array vs floor", "prompt_path.png"),
-    ("gen_http", "### 2. A GEN worker over HTTP: whole-process CPU per request", gen_http.tables,
+    ("gen_http", "### A GEN worker over HTTP: whole-process CPU per request", gen_http.tables,
      "CPU per request vs prompt length", "cpu_per_request.png"),
-    ("system_load", "### 3. The whole system under load (synthetic engine, streaming)", system_load_report.tables,
+    ("system_load", "### The whole system under load (synthetic engine, streaming)", system_load_report.tables,
      "latency vs concurrency", "load_latency.png"),
-    ("reference", "### 4. The reference engine: disaggregated vs aggregated (BLAS 1 thread)", reference.tables,
+    ("reference", "### The reference engine: disaggregated vs aggregated (BLAS 1 thread)", reference.tables,
      "reference engine", "reference.png"),
 )
 # Benchmarks the generated block of docs/benchmarks.md leaves out: their tables are printed here (their page is

@@ -175,8 +175,8 @@ def orchestrator_cost_plot(result: dict[str, Any], setups: list[str], path: Path
 
 
 def vllm_serving_plot(result: dict[str, Any], path: Path) -> Path:
-    """TTFT p50 and decode tokens/s of each set-up at each prompt size; the orchestrator's CPU per request beside
-    the quoted toy-proxy figures (bench.vllm_serving)."""
+    """TTFT p50 and decode tokens/s of each set-up at each prompt size; the orchestrator's CPU per request
+    (bench.vllm_serving)."""
     phases = result["phases"]
     setups = list(phases)
     sizes = result["method"]["prompts"]
@@ -209,12 +209,6 @@ def vllm_serving_plot(result: dict[str, Any], path: Path) -> Path:
             values.append(cell["cpu_ms_per_request"])
             nets.append(cell["cpu_ms_per_request"] - cell["idle_cpu_ms_per_s"] * cell["wall_ms_per_request"] / 1e3)
             colours.append(palette(index))
-    quoted = {"vLLM toy proxy\n(issue 14, quoted,\nmock workers)": 5.1,
-              "SGLang mini_lb\n(issue 14, quoted,\nmock workers)": 3.0}
-    for name, value in quoted.items():
-        names.append(name)
-        values.append(value)
-        colours.append("#bbbbbb")
     bars = axes[2].bar(range(len(names)), values, color=colours)
     axes[2].bar(range(len(nets)), nets, color="none", edgecolor="black", hatch="//",
                 label="net of idle CPU x request time")

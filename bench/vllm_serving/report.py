@@ -1,5 +1,5 @@
 """bench.vllm_serving's report: latency against vLLM's own server, GEN's CPU on the list and array paths, the
-orchestrator's CPU beside the figures quoted from issue 14, each phase's load; the generated block and the plot."""
+orchestrator's CPU, each phase's load; the generated block and the plot."""
 
 from __future__ import annotations
 
@@ -12,12 +12,6 @@ from bench.vllm_serving.measure import DISAGGREGATED, PD, VLLM
 from entrypoints.bench.statistics import ratio
 
 BEGIN, END = report.markers("vllm_serving")
-
-# Issue 14's figures: each proxy alone against mock workers, chat streaming 8 tokens, CPU of the proxy process per
-# request. Quoted, not measured in this run.
-QUOTED = {"vLLM toy P/D proxy (httpx, text only)": {1_024: "5.0-5.2", 40_000: "6.8-7.5", 131_072: "11.2-12.2"},
-          "SGLang mini_lb": {1_024: "2.8-3.2", 40_000: "4.1-4.8", 131_072: "8.7-10.0"},
-          "ours (bench.orchestrator_cost, vs pass-through)": {1_024: "~3.0", 131_072: "~4.9"}}
 
 
 def point(result: dict[str, Any], setup: str, words: int) -> dict[str, Any] | None:
@@ -68,9 +62,6 @@ def orchestrator_table(result: dict[str, Any]) -> str:
             rows.append([f"our orchestrator → {'our CTX + GEN on vLLM' if setup == DISAGGREGATED else 'vLLM P + D'}"
                          " (this run)", cell["prompt_tokens"], fmt(cell["cpu_ms_per_request"]), fmt(net),
                          fmt(cell["wall_ms_per_request"], 0), fmt(cell["idle_cpu_ms_per_s"]), cell["requests"]])
-    for name, figures in QUOTED.items():
-        rows.append([f"{name}: quoted from issue 14, mock workers, not this run",
-                     ", ".join(f"{k:,}: {v}" for k, v in figures.items()), "–", "–", "–", "–", "–"])
     return markdown_table(["proxy", "prompt tokens", "CPU ms/req", "net of idle CPU ms/req", "wall ms/req",
                            "idle CPU ms/s", "requests"], rows)
 
