@@ -1,18 +1,11 @@
-"""Benchmark: a cancel storm on the reference engine, then one short request; its TTFT against an idle system.
-
-Ten streamed completions with long prompts (~2,000 tokens each) are sent at once and abandoned after 100 ms (the
-client closes its TCP connection: no request is finished, no ``[DONE]`` read). Right after, one short streamed
-request (~50 tokens) follows and its time to first token is measured. If no abort reaches the engine, that request
-queues behind twenty thousand tokens of prefill nobody will read; if every abort lands within one scheduling step,
-it is served almost as fast as on an idle system. Measured on one aggregated (``both``) worker and on the
-disaggregated path (orchestrator + CTX + GEN, each its own process), every worker with ``--blas-threads 1``.
-
-A round is one idle short request, the storm, the short request after it, then a wait until the workers hold
-nothing. The result is a distribution over rounds (10 by default): p50, p90 and max of the idle TTFT and of the
-TTFT after the storm, per setup, and the ratio of the p90s against the target (1.5x); every round's figures are in
-the JSON. A median alone hides the tail a user meets one request in ten.
+"""A cancel storm on the reference engine, then one short request: its TTFT against an idle system, as a
+distribution over rounds.
 
     python -m bench.cancel_storm [--json PATH] [--rounds N]
+
+Ten long streamed completions are abandoned 100 ms in, then one short request follows: if no abort reaches the
+engine it queues behind their prefill. Measured on one aggregated worker and on the disaggregated path; p50, p90 and
+max per set-up (a median alone hides the tail a user meets one request in ten).
 """
 
 from __future__ import annotations

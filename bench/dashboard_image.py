@@ -2,14 +2,9 @@
 
     python -m bench.dashboard_image [--seconds 40] [--out docs/images/dashboard.png]
 
-Orchestrator + CTX + GEN run as ``disagg-serve`` subprocesses (the synthetic engine: 40 ms to the first token,
-10 ms a token; the reference engine's CPU prefill would measure the machine, not the frontend) while
-``disagg-serve bench`` puts a Poisson load on the orchestrator, at one rate and then four times that. The KV store
-and hand-off ledger panels need an engine with a KV store (the reference engine) and are left out. A scraper reads
-every process's ``/metrics`` every second, labelling each sample with ``instance`` as Prometheus would. The main
-panels' own PromQL, read from deploy/grafana/disagg-serve.json, is then evaluated over those scrapes (the few
-shapes the dashboard uses: ``sum by (...) (rate(...))``, ``histogram_quantile(q, sum by (le, ...) (rate(...)))``
-and ``sum by (...) (gauge)``; rates over a 10 s window) and drawn with matplotlib.
+The system runs on the synthetic engine under ``disagg-serve bench``'s Poisson load (one rate, then four times
+it); every process's ``/metrics`` is scraped each second, and the dashboard's own PromQL (from
+deploy/grafana/disagg-serve.json, the few shapes it uses) is evaluated over the scrapes and drawn with matplotlib.
 """
 
 from __future__ import annotations

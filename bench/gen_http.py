@@ -1,11 +1,8 @@
-"""Benchmark 2: a real GEN worker over HTTP, whole-process CPU seconds per request.
+"""A real GEN worker over HTTP: whole-process CPU seconds per request, the prompt as a list, as b64 or absent.
 
-``disagg-serve worker --role generation --engine synthetic`` runs as a subprocess; this process drives it over one
-keep-alive HTTP/1.1 connection, one request at a time, with ``max_tokens`` 1 generation_only bodies carrying the
-prompt as a ``prompt_token_ids`` list, as ``prompt_token_ids_b64``, or not at all (metadata-only: only
-``prompt_len`` travels). The figure is the worker's utime + stime (/proc/<pid>/stat, all threads) over a batch of
-requests divided by the batch size: HTTP parsing, routing, the prompt path, the engine and the response, everything
-the process spends on a request. Clock ticks are 10 ms, so each batch runs long enough to make that negligible.
+``python -m bench.gen_http``: the worker (synthetic engine) as a subprocess, one keep-alive connection, one request
+at a time; the figure is the worker's utime + stime over a batch divided by its size (everything the process spends
+on a request). Method: docs/benchmarks.md, "A GEN worker over HTTP".
 """
 
 from __future__ import annotations

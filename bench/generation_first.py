@@ -1,16 +1,10 @@
-"""Benchmark: TTFT of generation-first against context-first scheduling, our orchestrator to our reference-engine
-workers over TensorRT-LLM's protocol (issue 30, item 2).
-
-One CTX and one GEN ``disagg-serve worker`` (reference engine, ``--blas-threads 1``) per lifecycle protocol (v0,
-and v1 with ``--lifecycle-protocol-version 1`` unless ``--v0-only``), and in front of each pair two orchestrators
-whose server groups say ``protocol: trtllm``: one with ``trtllm.schedule_style: context_first``, one with
-``generation_first``. Streamed chat requests (temperature 0, ``ignore_eos``, a few prompt lengths) go through the
-openai client, the two schedules interleaved round by round (the order swapped every round) so that both meet the
-same machine state; at concurrency N a round is N requests at once to one schedule. Reported per lifecycle, prompt
-and concurrency: TTFT p50 / p90 of each schedule and gen-first / ctx-first; every answer must be the same text
-under both schedules (a benchmark that also asserts correctness).
+"""TTFT of generation-first against context-first scheduling, our orchestrator to our reference-engine workers over
+TensorRT-LLM's protocol.
 
     python -m bench.generation_first [--quick] [--out bench-results/generation_first.json]
+
+One CTX + GEN pair per lifecycle protocol (v0, v1), two orchestrators in front of each (one per schedule), the
+schedules interleaved round by round; every answer must be the same text under both. Figures: docs/interop.md.
 """
 
 from __future__ import annotations

@@ -1,19 +1,11 @@
-"""Overload: a burst of several times what the workers can run, of two tenants and mixed classes, against
-simulated workers; what admission (docs/admission.md) keeps for the interactive user, and what it costs.
-
-Two CTX and two GEN simulated workers (one prefill at a time each, ``--simulated-prefill-*``), an orchestrator that
-gives each CTX worker one prefill at a time (``max_running_prefills: 1``) and runs ``running`` requests at once, and
-two tenants: ``heavy`` (batch class, at most ``heavy_concurrent`` requests at once) and ``light`` (interactive).
-
-1. **Unloaded**: ``light`` alone, one streamed request at a time: TTFT.
-2. **Burst**: ``heavy`` keeps ``burst`` requests open at once (``burst_factor`` x ``running``: each one answered,
-   or refused, is sent again) while ``light`` sends a streamed request every ``light_every_s``: its TTFT, how
-   heavy's requests ended (200, 429 for its tenant limit, 429 from the queue), and that every request got exactly
-   one answer (none lost, no response id twice). The orchestrator's memory before and after.
-3. **Cost with no queueing**: the orchestrator's CPU per request, one request at a time, with tenants and the
-   prefill gate against a second orchestrator with neither (same workers, same requests), in paired rounds.
+"""Overload: a burst of several times what the workers can run, from two tenants of mixed classes, against simulated
+workers; what admission (docs/admission.md) keeps for the interactive user, and what it costs.
 
     python -m bench.overload [--json PATH] [--seconds S]
+
+Three phases: ``light`` alone (unloaded TTFT); ``heavy``'s burst while ``light`` keeps sending (its TTFT, how
+heavy's requests ended, every request answered exactly once); the orchestrator's CPU per request with tenants and
+the prefill gate against an orchestrator with neither.
 """
 
 from __future__ import annotations

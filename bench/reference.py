@@ -1,15 +1,9 @@
-"""Benchmark 4: the reference engine (SmolLM2-135M on the CPU), disaggregated against aggregated.
+"""The reference engine (SmolLM2-135M on the CPU), disaggregated against aggregated.
 
-Four ``disagg-serve`` subprocesses on loopback, every worker with ``--blas-threads 1`` (so that prefill is
-deterministic and bitwise equal on CTX and on the aggregated worker, and so that the figures do not depend on how
-many cores BLAS grabs): CTX + GEN behind the orchestrator (disaggregated) and one ``--role both`` worker
-(aggregated). One client streams ``/v1/completions`` at temperature 0 with ``ignore_eos`` and a small
-``max_tokens``, one request at a time, alternating the two set-ups. From each stream: time to first token (request
-sent -> first text frame), inter-token latency (gaps between text frames), decode tokens/s ((tokens - 1) / time
-from first to last text frame) and prompt tokens / TTFT (the prefill rate as a client sees it, hand-off
-included). On the disaggregated path GEN streams CTX's first token at once and only then fetches the KV
-from CTX, so the hand-off shows up as the gap between the first and the second token, reported apart; "steady"
-ITL and decode rate leave that first gap out.
+``python -m bench.reference``: CTX + GEN behind the orchestrator against one ``--role both`` worker, all with
+``--blas-threads 1`` (prefill bitwise equal, outputs checked identical), one client alternating the set-ups. The
+KV hand-off shows as the gap between the first and second token, reported apart. Method: docs/benchmarks.md, "The
+reference engine".
 """
 
 from __future__ import annotations

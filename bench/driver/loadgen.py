@@ -1,24 +1,10 @@
-"""The load generator: its own process, an asyncio closed loop of ``concurrency`` clients over httpx.
+"""The load generator: its own process, an asyncio closed loop of ``concurrency`` clients.
 
-Run as ``python -m bench.driver.loadgen --config CONFIG.json --out RESULT.json`` (bench.system_load does). Two modes:
-
-- ``orchestrator``: each client streams ``/v1/completions`` from the orchestrator (or whatever proxy ``url`` is);
-- ``direct``: each client does the orchestrator's work itself: CTX (context_only, stream false, asking for
-  ``prompt_token_ids_b64``), then GEN's stream with the body the orchestrator would send (CTX's hand-off with
-  request_type generation_only and the very b64 string relayed), so the difference is the orchestrator's hop.
-
-``"endpoint": "chat"`` in the config streams ``/v1/chat/completions`` instead, as chat clients send it: one user
-message whose content is the prompt text (``"completions"``, the default, sends it as ``prompt``).
-
-``"client": "aiohttp"`` in the config drives both modes with aiohttp instead of httpx: a cheaper client, so that
-the direct client's own cost (one orjson parse and dump of CTX's ~700 KB answer at 131k tokens) does not hide the
-proxy's hop (bench.orchestrator_cost uses it).
-
-Phases, all bounded in time: warm-up (not recorded) until ``warmup_s`` have passed and every client finished about
-one request; the measurement window until ``measure_s`` have passed and ``min_requests`` finished; then a tail that
-keeps the same load on until every request started in the window has finished (so the last ones do not run on an
-emptying system), then everything is cancelled. The CPU time of the given server processes is read from /proc at
-both ends of the window.
+``python -m bench.driver.loadgen --config CONFIG.json --out RESULT.json``. ``orchestrator`` mode streams from the
+orchestrator (or any proxy); ``direct`` mode does the orchestrator's work itself (CTX, then GEN with the relayed
+hand-off), so the difference is the orchestrator's hop. The config picks the endpoint (completions or chat) and the
+client (httpx, or the cheaper aiohttp). A point is a warm-up, a measurement window and a tail that keeps the load
+on until every request of the window has finished; the servers' CPU is read from /proc at both ends of the window.
 """
 
 from __future__ import annotations

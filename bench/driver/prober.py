@@ -1,13 +1,10 @@
 """Event-loop lag seen from outside: one thread per server sends ``GET /health`` every ``interval`` ms over a
-keep-alive connection and records how long the answer took.
+keep-alive connection and records how long the answer took (``/health`` does almost nothing, so its latency is
+the wait for the server's loop plus ~0.3 ms of loopback HTTP).
 
-``/health`` does almost nothing in each process (the synthetic engine's health is a constant), so its latency is
-the time a ready request waits for the server's event loop, plus a fixed ~0.3 ms of HTTP on loopback (the idle
-figure, reported beside). Run as
-``python -m bench.driver.prober --target NAME=URL ... --out FILE``; it stops on SIGTERM,
-after ``--max-s`` seconds, or once every target has ``--samples`` samples, whichever comes first, and writes
-``{name: [[unix_time, latency_ms | null], ...]}``. With ``--ready-file`` it creates that file once it is probing
-and a SIGTERM would be honoured: a caller waits for it instead of guessing how long a start-up takes.
+``python -m bench.driver.prober --target NAME=URL ... --out FILE``; it stops on SIGTERM, after ``--max-s``, or
+once every target has ``--samples`` samples. With ``--ready-file`` it creates that file once a SIGTERM would be
+honoured, so a caller waits for it instead of guessing a start-up time.
 """
 
 from __future__ import annotations

@@ -1,34 +1,10 @@
-"""A fleet on one machine: routers side by side on the same simulated work, against the best any cache could do.
+"""Routers side by side on the same simulated work, against the best any cache could do (the fleet's oracle).
 
 ``python -m bench.fleet [--quick] [--docs] [--routers NAME ...] [--workloads NAME ...] [--tokenizer reference]
-[--tokenize-compare]``. 8 CTX and 4 GEN workers on
-the simulated engine (workers/engines/simulated.py: one prefill at a time, its time the uncached tokens over a
-prefill rate, a bounded LRU prefix cache of 16-token blocks), all in one host process (``bench.fleet.host``) to
-spare the cores; one ``disagg-serve orchestrator`` in front of them per run, its CTX pool routed by the router under
-test. Every (router, workload) run starts from fresh workers with empty caches, and every router gets the very same
-work (seeded: the same prompts, arrival times and think times). Workloads:
-
-- ``chat``: conversations over two long shared system prompts; each turn is sent when the last answer has come
-  back plus a think time, with that answer appended as the assistant message; conversations start open-loop
-  (Poisson), at a rate that makes about ``turns x rate`` requests per second;
-- ``unrelated``: one-turn prompts that share nothing, open-loop;
-- ``agent``: agent loops over one long fixed tool prompt, each step the whole history plus a new tool result;
-- ``agent_growing`` (only when named): agent loops over a 90k-token context that grow past 100k tokens.
-
-``--tokenizer reference`` gives the workers the reference model's real tokenizer and the work real text (sizes stay in
-tokens: the text is written at its measured characters per token), so CTX pays real tokenization.
-``--tokenize-compare`` (which implies it) runs every (router, workload) twice on fresh workers: with
-``--tokenize-cache-mb 0 --tokenizer-backend tokenizers`` (a full Hugging Face ``tokenizers`` encode of the whole
-prompt every turn, as vLLM's and trtllm-serve's servers do) and with the defaults (the conversation cache), and
-tables TTFT of follow-up turns side by side.
-
-Chat and agent requests carry their conversation's ``x-session-id``. The client streams chat completions (httpx,
-raw SSE) and takes TTFT as request sent to first content. Read from the workers' ``/metrics`` after each run: the
-fleet's prefix-cache hit ratio (hit tokens over queried tokens, summed over every prefill), each CTX worker's
-prefills and simulated busy seconds. The oracle comes from the host's ``FleetLedger``: for each prefill in the order
-prefills start, the share of its blocks that form a prefix some earlier prefill anywhere in the fleet had already
-made: what one cache of unbounded size, shared by all, would hit (no real cache can hit more). A router the
-orchestrator refuses at start-up is skipped with a note.
+[--tokenize-compare]``. 8 CTX and 4 GEN simulated workers in one host process (``bench.fleet.host``), one
+orchestrator per (router, workload) run on fresh workers, the same seeded work for every router (``work``); hit
+ratios from the workers' ``/metrics``, the oracle from the host's ledger (``ledger``). Method: docs/benchmarks.md,
+"Routers on a simulated fleet".
 """
 
 from __future__ import annotations

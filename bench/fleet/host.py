@@ -3,15 +3,9 @@
     python -m bench.fleet.host --control-port P --worker context:PORT ... --worker generation:PORT ...
         [-- ENGINE FLAGS]
 
-Each worker is built by the real ``disagg-serve worker`` code (``entrypoints.cli.run_worker``, with its flags and
-defaults, KV events included) with only the final serve step taken over, and served with the limits the CLI gives
-every front end; they differ from a fleet of ``disagg-serve worker`` processes only in sharing one loop and one
-interpreter, which spares a 2-core machine a dozen processes. The engine flags after ``--`` (``--engine simulated``
-and its ``--simulated-*`` flags) go to every worker.
-
-A control server on ``--control-port`` answers ``GET /health`` and ``GET /ledger``: the process-wide
-``FleetLedger`` of every prefill the simulated engines ran (bench/fleet/ledger.py), the oracle the
-benchmark compares the fleet's prefix-cache hits with. SIGTERM or SIGINT stops every server.
+Each worker is built by the real ``disagg-serve worker`` code with only the final serve step taken over, so a
+2-core machine is spared a dozen processes. A control server answers ``GET /health`` and ``GET /ledger`` (the
+fleet's oracle, ``bench.fleet.ledger``); SIGTERM or SIGINT stops every server.
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ def _router(cell: dict[str, Any]) -> str:
     return cell["router"] if "tokenize" not in cell else f"{cell['router']} [{cell['tokenize']}]"
 
 
-TOKENIZE_TARGET = 10.0  # issue 43: follow-up TTFT p50 this many times lower than a full encode every turn
+TOKENIZE_TARGET = 10.0  # the target: follow-up TTFT p50 this many times lower than a full encode every turn
 
 
 def _ratio(base: dict[str, Any] | None, cell: dict[str, Any], key: str) -> float:
@@ -140,8 +140,8 @@ def parameters_table(result: dict[str, Any]) -> str:
 
 
 def targets(result: dict[str, Any], router: str = "cache_aware") -> list[dict[str, Any]]:
-    """The fleet aims for ``router``, per workload: a hit ratio within 0.02 of the oracle; on the chat work
-    (issue 27), TTFT p50 and p99 at least 1.3x better than round robin's and prefix_affinity's, same run."""
+    """The fleet aims for ``router``, per workload: a hit ratio within 0.02 of the oracle; on the chat work,
+    TTFT p50 and p99 at least 1.3x better than round robin's and prefix_affinity's, same run."""
     out = []
     cells = _cells(result)
     by = {(c["workload"], c["router"]): c for c in cells}

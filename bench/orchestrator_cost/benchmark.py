@@ -1,31 +1,10 @@
 """What the orchestrator process costs per request, beside a plain pass-through proxy and the Rust gateways moving
 the same requests.
 
-``python -m bench.orchestrator_cost [--quick] [--docs] [--endpoint chat|completions|both] [--no-gateways]``. Mock CTX
-and GEN workers (``mock_workers``) answer prebuilt bytes: CTX a context-only answer with the prompt as base64
-int32 (1k / 40k / 131k tokens), GEN a stream of 8 tokens, paced 1 ms apart by default (``--frame-gap-ms``; a GEN
-that sends its whole stream in one burst lets a proxy read it in one wake-up, which hides what each frame costs). In
-front of them, side by side in one run, each point taking its turn:
-
-- ``orchestrator``: ``disagg-serve orchestrator`` as configured by default (relays CTX's b64 string to GEN);
-- ``metadata-only``: the same with ``gen_tokids_metadata_only: true``, GEN's hand-off carrying the prompt's tokens
-  (so neither the b64 prompt nor the prompt text travels to GEN), at the largest prompt;
-- ``pass-through``: ``bench.peers.passthrough_proxy``, the baseline: client body to CTX, CTX's answer to GEN, GEN's
-  stream back, no JSON work;
-- ``vllm-router (Rust)`` and ``smg (Rust)``: vLLM's router and SGLang's Model Gateway from their PyPI wheels
-  (``bench.peers.rust_gateways``: installed into a side venv on first use, skipped with the reason where they cannot be;
-  ``--no-gateways`` leaves them out), each in its prefill/decode mode in front of a CTX mock that answers in its own
-  P/D wire and the same GEN mock as everyone else;
-- ``direct``: the load generator itself calls CTX then GEN (no proxy), at concurrency 1, for the added latency.
-
-The load generator (``loadgen``, its own process) runs closed loops of 1 / 16 / 64 streaming clients sending
-``/v1/chat/completions`` (one user message) and ``/v1/completions`` with a prompt of 4 characters per token, each
-endpoint its own cells. CPU per request is the proxy's process tree's utime + stime from ``/proc`` over the
-measurement window divided by the requests completed in it (for a gateway: its Python launcher and the Rust runtime
-in it); idle CPU is the same over a few seconds with no request (health checks and every background loop included).
-Each cell also counts the POSTs each mock leg answered, to show that both legs were called. Added latency is TTFT p50
-through a proxy minus TTFT p50 of the direct client. ``--profile`` also records the orchestrator with py-spy at the
-largest prompt, concurrency 1.
+``python -m bench.orchestrator_cost [--quick] [--docs] [--endpoint chat|completions|both] [--no-gateways]``. Every
+set-up stands in front of mock workers (``bench.peers.mock_workers``), each load point taking its turn; the load
+generator runs in its own process and CPU per request is the proxy's process tree's over the window. Method:
+docs/benchmarks.md, "The orchestrator's own cost".
 """
 
 from __future__ import annotations
@@ -88,7 +67,7 @@ ROUND_ROBIN = "orchestrator, round_robin"  # --compare-router: beside the defaul
 
 def api_workers_setup(count: int) -> tuple[str, dict[str, Any]]:
     """The orchestrator with ``count`` front-end processes sharing its port, measured at the highest concurrency
-    only (issue 14: req/s there against one process)."""
+    only (its target: req/s there against one process)."""
     return f"orchestrator x{count}", {API_WORKERS: count}
 
 

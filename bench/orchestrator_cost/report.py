@@ -1,6 +1,6 @@
 """bench.orchestrator_cost's report: CPU per request of each set-up against the pass-through baseline and the best
-Rust gateway, added latency against the direct client, idle CPU, the gateways' legs, the profile, and the targets of
-issues 14 and 31."""
+Rust gateway, added latency against the direct client, idle CPU, the gateways' legs, the profile, and the
+targets."""
 
 from __future__ import annotations
 
@@ -75,7 +75,7 @@ def endpoints_in(result: dict[str, Any]) -> list[str]:
 
 
 def _reference_endpoint(result: dict[str, Any]) -> str:
-    """The endpoint the older targets (issue 14) were set on: completions, where it was measured."""
+    """The endpoint the first targets were set on: completions, where they were measured."""
     found = endpoints_in(result)
     return "completions" if "completions" in found else (found[0] if found else "completions")
 
@@ -138,8 +138,8 @@ def tables(result: dict[str, Any]) -> str:
 
 
 def targets(result: dict[str, Any], setup: str = "orchestrator") -> list[dict[str, Any]]:
-    """The issues' targets for ``setup``, as measured in this run: issue 14's (on completions, where they were set)
-    and issue 31's, CPU per request at most the best Rust gateway's at every size, concurrency and endpoint."""
+    """The targets for ``setup``, as measured in this run: against the pass-through proxy (on completions, where they
+    were set), and CPU per request at most the best Rust gateway's at every size, concurrency and endpoint."""
     prompts, levels = _sizes(result)
     out: list[dict[str, Any]] = []
 

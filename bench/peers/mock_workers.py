@@ -1,33 +1,10 @@
-"""Mock CTX and GEN workers that answer prebuilt bytes, so that a benchmark measures the orchestrator alone.
+"""Mock CTX and GEN workers that answer prebuilt bytes, so that a benchmark measures the proxy in front of them alone.
 
-Run as
-``python -m bench.peers.mock_workers --role ctx|gen --port PORT --prompt-tokens N``. The answers are built once at
-start-up; a request costs the mock one parse of its head (httptools, the C parser uvicorn uses) and one write:
-
-- ``ctx``: every POST gets the answer of a prefill in the P/D wire of ``--flavour``:
-  - ``trtllm`` (the default, our orchestrator's wire): a context-only chat answer that GEN must continue
-    (``finish_reason`` "length", a hand-off in ``choices[0].disaggregated_params``) with the prompt as
-    ``prompt_token_ids_b64`` (N random int32 ids, ~5.3 bytes of base64 per token) unless the request asked
-    ``"return_prompt_token_ids_b64":false``;
-  - ``vllm`` (vLLM's router, ``--vllm-pd-disaggregation``): the one-token answer of a vLLM prefill (the router sends
-    ``max_tokens: 1`` and ``kv_transfer_params.do_remote_decode``) carrying the top-level ``kv_transfer_params``
-    that the router copies into the decode request;
-  - ``sglang`` (SGLang's Model Gateway, ``--pd-disaggregation``): the one-token answer of an SGLang prefill, which
-    the gateway reads and drops (it sends the request, with ``bootstrap_host``/``bootstrap_room``, to prefill and
-    decode at once and streams decode's answer);
-- ``gen``: every POST gets a chunked ``text/event-stream`` of ``--tokens`` chat deltas and ``data: [DONE]``, one
-  chunk per frame: all at once by default, or paced ``--frame-gap-ms`` apart (the first frame at once, each next
-  one a gap later, ``[DONE]`` a gap after the last token), as a real decode loop sends them. A GEN that sends its
-  frames in one burst lets a proxy read them in one wake-up, which hides what each frame costs it.
-
-Both answer ``GET /health`` and ``GET /v1/models`` (engine facts that admit metadata-only mode: no KV block reuse,
-the prompt's tokens travel with the KV), so the orchestrator's health checks find them as they find real workers;
-``GET /server_info`` and ``/get_server_info``, ``/model_info`` and ``/get_model_info`` as an SGLang server would (SMG
-probes them at registration and takes a worker that answers them, and not ``/version``, for SGLang), and
-``GET /mock_stats``: the POSTs answered so far (``{"posts": N}``), so that a benchmark can check that a gateway
-called both legs. Any other GET is a 404, and so is a POST to a ``.../render`` path, ``/tokenize`` or
-``/detokenize`` (vLLM's prompt rendering and tokenizing, which vLLM's router asks both legs for before routing by its
-cache_aware policy; without them it routes on the text): those are not counted.
+``python -m bench.peers.mock_workers --role ctx|gen --port PORT --prompt-tokens N``. A request costs the mock one
+parse of its head (httptools) and one write. CTX answers in the P/D wire of ``--flavour`` (``trtllm``, our
+orchestrator's; ``vllm`` and ``sglang``, the Rust gateways'); GEN streams ``--tokens`` chat deltas, paced
+``--frame-gap-ms`` apart as a decode loop sends them. Both answer the GETs that health checks and the gateways'
+registration probe, and ``GET /mock_stats`` counts the POSTs, so a benchmark sees that both legs were called.
 """
 
 from __future__ import annotations

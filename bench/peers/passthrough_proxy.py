@@ -1,15 +1,10 @@
-"""The baseline of ``bench.orchestrator_cost``: a plain pass-through proxy that moves the same bytes as the
-orchestrator and does no JSON work at all.
+"""The baseline of ``bench.orchestrator_cost``: a pass-through proxy that moves the same bytes as the orchestrator
+and does no JSON work at all.
 
-For each POST (to whatever path it came to: ``/v1/chat/completions`` and ``/v1/completions`` alike, so chat bodies
-pass as they are) it forwards the client's body to CTX as it came, reads CTX's whole answer, forwards that answer as it
-came as GEN's body (the same ~700 KB of base64 at 131k tokens that the orchestrator relays), and streams GEN's
-answer back chunk by chunk. It runs on the orchestrator's own server stack (uvicorn, uvloop, httptools) as a bare
-ASGI app (no framework) and calls the upstreams with one pooled aiohttp session. It has no retries, no health
-checks, no metrics and no background task: what it costs is close to what moving these bytes through one Python
-process costs, so "ours / pass-through" says how much the orchestrator adds on top.
-
-Run as ``python -m bench.peers.passthrough_proxy --port P --ctx URL --gen URL``.
+``python -m bench.peers.passthrough_proxy --port P --ctx URL --gen URL``. The client's body to CTX as it came,
+CTX's whole answer to GEN as its body, GEN's stream back chunk by chunk; a bare ASGI app on the orchestrator's own
+server stack with one pooled aiohttp session, no retries, health checks, metrics or background task: close to what
+moving these bytes through one Python process costs.
 """
 
 from __future__ import annotations

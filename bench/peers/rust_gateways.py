@@ -1,34 +1,10 @@
 """vLLM's router and SGLang's Model Gateway: the Rust gateways ``bench.orchestrator_cost`` measures beside ours.
 
-Both come from their PyPI wheels (a Rust core in a Python extension), pinned, installed into a side virtual
-environment of their own (``bench-results/gateways-venv``, git-ignored; reused while it holds the pinned versions)
-so that their dependencies never meet the project's. A gateway whose install fails is skipped with the reason,
-printed and kept in the result: the benchmark goes on without it.
-
-Each runs in its prefill/decode-disaggregated mode in front of ``mock_workers`` on loopback, with the CTX mock
-answering in the gateway's own P/D wire (``--flavour``) and the same GEN mock (the same pacing) as every other
-set-up:
-
-- ``vllm-router (Rust)``: ``vllm-router --vllm-pd-disaggregation --prefill CTX --decode GEN``. Per request it sends
-  the client's body to the prefill with ``max_tokens: 1``, ``stream: false`` and ``kv_transfer_params``
-  (``do_remote_decode``), then the body again to the decode with the prefill's ``kv_transfer_params``, and streams
-  the decode's answer back;
-- ``smg (Rust)``: ``smg launch --pd-disaggregation --prefill CTX --decode GEN``. It registers an HTTP worker as
-  SGLang when it answers ``/server_info`` (and not ``/version``), then sends each request, with
-  ``bootstrap_host``/``bootstrap_port``/``bootstrap_room`` added, to the prefill and the decode at once and streams
-  the decode's answer. ``--disable-tokenizer-autoload``: a pure P/D router needs no tokenizer (and there is no model
-  to fetch one from here); ``--model-alias synthetic=mock``: SMG routes by model name, and the clients ask for
-  ``synthetic`` where the mocks serve ``mock`` (vLLM's router and our orchestrator pass the name through).
-
-Both route with ``--policy round_robin`` by default (``policy=``): with one prefill and one decode every policy picks
-the same pair, and round_robin is each gateway's cheapest: vLLM's router's default, cache_aware, first asks both legs
-to turn the prompt into tokens (``POST /v1/chat/completions/render``, then ``/tokenize``: more round trips a request,
-which the mocks answer 404, so that it routes on the text) and keeps a prefix tree. So the gateways are measured at
-their cheapest, against our orchestrator as configured by default. Both log at warning level, as our orchestrator
-does in the benchmark; their metrics listeners go on free loopback ports.
-
-``python -m bench.peers.rust_gateways [--check]`` installs (or finds) them and prints what it found; ``--check`` also
-streams one chat and one completions request through each gateway in front of the mocks and shows what each leg got.
+Each comes from its pinned PyPI wheel, installed into a side virtual environment (``bench-results/gateways-venv``)
+so that its dependencies never meet the project's; one that cannot be installed is skipped with the reason. Each
+runs in its P/D mode in front of ``mock_workers``, at its cheapest routing policy (how each is driven:
+docs/benchmarks.md, "Against the Rust gateways"). ``python -m bench.peers.rust_gateways [--check]`` installs (or
+finds) them; ``--check`` also streams one request of each endpoint through each.
 """
 
 from __future__ import annotations

@@ -1,17 +1,9 @@
-"""Benchmark 1: GEN's prompt path in-process, the list path against the array path and the physical floor.
+"""GEN's prompt path in-process: the list path against the array path and the physical floor.
 
-The method of TensorRT-LLM issue #21998: for each prompt size, the same generation_only body goes through the
-project's own GEN code, exactly as a GEN worker runs it after reading the HTTP body:
-
-    parse_json_object (orjson) -> WorkerService.prepare (refuse_unsupported_parameters, wire-model validation,
-    prepare_prompt decode, sampling params, hand-off, GenerationRequest) -> the reference adapter's submit
-    encoding (submit_frame + encode_frame, the bytes written to the engine core's socket)
-
-once with a client ``prompt_token_ids`` list (the list path) and once with ``prompt_token_ids_b64`` (the array
-path). The floor is what no implementation can avoid for the array body: ``orjson.loads`` + ``pybase64.b64decode(
-validate=True)`` + ``np.frombuffer``. 5 warm-ups, then 9 runs of 10 operations; the figure is the median run / 10.
-The three paths take their runs in turn, so that drift (other load, the allocator's state) hits them alike.
-Peak Python allocation comes from tracemalloc, in separate passes so tracing never slows the timed runs.
+``python -m bench.prompt_path``: for each prompt size the same generation_only body goes through GEN's own code as
+a worker runs it (parse, ``WorkerService.prepare``, the reference adapter's submit encoding), once with a
+``prompt_token_ids`` list and once with ``prompt_token_ids_b64``; the floor is what no implementation avoids for
+the array body. Method: docs/benchmarks.md, "The prompt path".
 """
 
 from __future__ import annotations

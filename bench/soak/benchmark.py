@@ -2,16 +2,9 @@
 
     python -m bench.soak --minutes 3 --concurrency 64 [--json bench-results/soak.json]
 
-Every process is a real ``disagg-serve`` subprocess on loopback (synthetic engine, small inter-token latency), so
-the figures are the front end's own. The load is a bounded asyncio loop of the official OpenAI wire format over
-httpx: half streaming, ~10% of clients hanging up early on purpose. Midway the GEN worker gets SIGTERM and is
-started again on the same port; errors that overlap that window are *expected*, every other error is not.
-
-Reported: requests ok / cancelled by the client / expected errors / unexpected errors (with samples), the RSS
-of each process over time (flat after warm-up: the last quarter's median against the second quarter's), the KV
-store entries and in-flight gauges at the end (all 0), and the open file descriptors of each process at its start
-and at the end (``/proc/PID/fd``). It prints a table and writes JSON; the exit status is 1 if anything unexpected
-happened.
+Errors that overlap GEN's restart are expected, any other is not; RSS must stay flat after warm-up, the in-flight
+gauges end at 0 and no descriptor leaks (docs/reliability.md, "Soak"). The exit status is 1 if anything
+unexpected happened.
 """
 
 from __future__ import annotations

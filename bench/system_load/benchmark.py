@@ -1,18 +1,10 @@
-"""Benchmark 3: the whole system under load on the synthetic engine.
+"""The whole system under load on the synthetic engine: the orchestrator's added latency and CPU.
 
-Orchestrator + CTX + GEN run as ``disagg-serve`` subprocesses on loopback; the load generator (bench.driver.loadgen) and
-the event-loop prober (bench.driver.prober) are processes of their own. For each prompt size and concurrency, the same
-closed-loop streaming load runs twice: through the orchestrator, and with the client calling CTX then GEN itself
-with the bodies the orchestrator would send. The difference is the orchestrator's added latency. The worst point
-is then run once more under py-spy (sampling the orchestrator) to say where its time goes.
-
-``--tokenizer reference`` gives CTX and GEN the reference model's real tokenizer and the prompts real text (sizes
-stay in tokens: the text is written at its measured characters per token), so CTX pays real tokenization.
-``--tokenize-compare`` (which implies it) adds a scenario: at the target prompt (131k) the orchestrator's load runs on
-fresh workers once per tokenization set-up (a full Hugging Face ``tokenizers`` encode of every prompt, as vLLM's and
-trtllm-serve's servers do, and the defaults), tabled side by side. Every request of a point sends the same prompt,
-unless ``--distinct-prompts``: then each opens with its own number, so no cache of tokenized text (or of KV) holds
-any of it.
+``python -m bench.system_load``: orchestrator + CTX + GEN as ``disagg-serve`` subprocesses, the load generator and
+the event-loop prober as processes of their own. Each prompt size and concurrency runs through the orchestrator and
+with a client that calls CTX then GEN itself; the difference is the orchestrator's added latency, and the worst
+point runs again under py-spy. ``--tokenizer reference`` and ``--tokenize-compare`` make CTX pay real tokenization.
+Method: docs/benchmarks.md, "The system under load".
 """
 
 from __future__ import annotations

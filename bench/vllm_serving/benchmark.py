@@ -1,35 +1,9 @@
 """Serving on vLLM: vLLM's own server against our aggregated worker, our CTX + GEN pair and our orchestrator in
-front of a vLLM P/D pair; GEN's CPU per request on the array path vs the list path; the orchestrator's CPU.
+front of a vLLM P/D pair; GEN's CPU per request on the array path against the list path; the orchestrator's CPU.
 
-``python -m bench.vllm_serving [--quick] [--docs]``, with vLLM installed, under ``flock /work/vllm.lock`` on a
-shared machine. Four phases, one after the other, each with at most two vLLM instances alive (~5 GB each; every
-instance float32, eager, one OMP thread, 2 GiB of KV cache, ``bench.peers.vllm_processes``):
-
-- ``vLLM server``: ``python -m vllm.entrypoints.openai.api_server``, alone: the baseline;
-- ``ours, aggregated``: ``disagg-serve worker --engine vllm --role both``;
-- ``ours, CTX + GEN``: our orchestrator and our CTX and GEN workers on ``--engine vllm``, KV through vLLM's
-  ExampleConnector (a folder both instances share);
-- ``ours in front of vLLM P/D``: our orchestrator (``protocol: vllm``) in front of two plain vLLM servers, P and D,
-  sharing ExampleConnector's folder.
-
-Latency: one client streams ``/v1/completions`` at temperature 0 with ``ignore_eos``, one request at a time, a
-distinct prompt per request (random common words, one token each) so that no prefix cache hides the prefill, the
-same prompts on every set-up; TTFT (request sent -> first text frame) and decode tokens/s after the first token
-((tokens - 1) / first-to-last text frame), the median of the runs, after one warm-up request per size.
-
-GEN's CPU per request (phase 3): the CTX worker's context-only answer for one prompt per size is turned into two
-generation-only bodies for the GEN worker, one carrying CTX's ``prompt_token_ids_b64`` (the array path, what our
-orchestrator sends) and one carrying the same tokens as a ``prompt_token_ids`` JSON list (the list path: the
-prompt is a Python ``list[int]`` from the moment the body is parsed, as a naive front end has it). Both are wire
-forms GEN already accepts, so no switch in the product is needed. Sent straight to GEN (``max_tokens`` 2: one
-decode step), in alternating batches; the figure is the GEN worker process's own utime + stime (``/proc/<pid>/stat``,
-not vLLM's engine-core child) per request. The same bodies also go through GEN's parse path in this process (
-``WorkerService.prepare`` on a synthetic engine, then the vLLM adapter's own ``vllm_prompt``), which resolves what
-10 ms clock ticks cannot, and the adapter's one unavoidable ``tolist()`` is timed alone.
-
-The orchestrator's CPU per request (phases 3 and 4): chat, streamed, 8 tokens, one ~1k-token prompt repeated (the
-orchestrator's work does not depend on the prefill, and vLLM's prefix cache makes each request short), from
-``/proc/<pid>/stat`` of the orchestrator process over the batch, beside the toy-proxy figures quoted from issue 14.
+``python -m bench.vllm_serving [--quick] [--docs]``, with vLLM installed (``flock /work/vllm.lock`` on a shared
+machine). Four phases in turn, at most two vLLM instances alive (``bench.peers.vllm_processes``); the method is in
+docs/benchmarks.md, "Serving on vLLM".
 """
 
 from __future__ import annotations

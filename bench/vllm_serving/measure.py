@@ -36,7 +36,7 @@ class Settings:
     prompts: tuple[int, ...] = (511, 2_047)
     runs: int = 3
     max_tokens: int = 32
-    cost_prompt: int = 1_024  # the orchestrator's CPU: issue 14's smallest prompt
+    cost_prompt: int = 1_024  # the orchestrator's CPU: orchestrator_cost's smallest prompt
     cost_requests: int = 20
     cost_max_tokens: int = 8
     gen_cpu_rounds: int = 3  # list and array batches taken in turn
