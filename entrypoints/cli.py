@@ -86,7 +86,7 @@ def _internal_secret(command: str) -> tuple[bool, InternalSecret | None]:
 
 def _supervise(args: argparse.Namespace, argv: Sequence[str], engine_options: Any = None) -> int:
     """``--api-workers N`` with N > 1: this process supervises N front ends (and the shared engine core)."""
-    from entrypoints.front_ends import FrontEndSupervisor
+    from entrypoints.supervisor import FrontEndSupervisor
 
     if args.port == 0:
         print("disagg-serve: --api-workers needs a fixed --port (the front ends share it)", file=sys.stderr)

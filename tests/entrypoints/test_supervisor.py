@@ -36,8 +36,7 @@ from bench.driver.common import (
     wait_healthy,
     worker_args,
 )
-from entrypoints import front_ends
-from entrypoints.front_ends import FrontEndSupervisor
+from entrypoints.supervisor import FrontEndSupervisor
 from tests.waiting import eventually
 from tests.workers.engines.reference.tiny_model import write_tiny_model
 
@@ -215,7 +214,7 @@ def _no_stray_environment(monkeypatch: pytest.MonkeyPatch) -> None:
 def supervisor(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[FrontEndSupervisor, list[list[int]]]]:
     """A supervisor, and what each of its watch loop's waits returned: a wait that ended by its timeout (60 s here)
     rather than by a wake-up returns an empty list."""
-    monkeypatch.setattr(front_ends, "_WATCH_S", 60.0)
+    monkeypatch.setattr("entrypoints.supervisor._WATCH_S", 60.0)
     woken_by: list[list[int]] = []
     real_select = select.select
 
