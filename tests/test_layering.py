@@ -35,6 +35,11 @@ def test_the_source_tree_keeps_every_layering_contract() -> None:
 
 def test_the_contract_reports_each_kind_of_break(tmp_path: Path) -> None:
     files = {
+        "bench/__init__.py": "",
+        "bench/driver/__init__.py": "",
+        "bench/driver/common.py": "import bench.peers.mock_workers\n",  # the driver, a peer
+        "bench/peers/__init__.py": "",
+        "bench/peers/mock_workers.py": "",
         "entrypoints/__init__.py": "",
         "entrypoints/cli.py": "import orchestrator.flow\nimport workers.server\n",  # allowed: on top
         "entrypoints/http/__init__.py": "import uvicorn\n",  # allowed: the HTTP server
@@ -88,7 +93,8 @@ def test_the_contract_reports_each_kind_of_break(tmp_path: Path) -> None:
     result = _lint_imports(tmp_path, tmp_path)
     assert result.returncode == 1, result.stdout + result.stderr
     assert f"{len(contracts)} broken" in result.stdout, result.stdout
-    for broken in ("frontend.shared -> workers.server", "entrypoints.launcher -> uvicorn",
+    for broken in ("bench.driver.common -> bench.peers.mock_workers",
+                   "frontend.shared -> workers.server", "entrypoints.launcher -> uvicorn",
                    "orchestrator.flow -> workers.engines.engine",
                    "workers.engines.engine -> entrypoints.cli", "workers.engines.engine -> workers.server",
                    "workers.dialects -> workers.trtllm.answers", "workers.trtllm.answers -> workers.service",
