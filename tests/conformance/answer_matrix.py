@@ -37,16 +37,22 @@ MODEL = "tiny"
 LOCAL_LIMIT = 64
 LONG_PREFIX = "Read this first, then answer the question after it. " * 6
 
-Workers = Literal["v0", "v1"]
+Workers = Literal["v0", "v1"]  # TensorRT-LLM's lifecycle protocol version the pair was started with
 Api = Literal["chat", "completions", "responses"]
+# What GEN is sent: the request alone, our native hand-off (with the prompt's token ids, or only its length), or
+# TensorRT-LLM's hand-off after CTX answered or before (generation first), under lifecycle v0 or v1.
+Schedule = Literal["gen-alone", "native", "native-length-only", "trtllm-context-first-v0",
+                   "trtllm-context-first-v1", "trtllm-generation-first-v0", "trtllm-generation-first-v1"]
 
 
 @dataclass(frozen=True)
 class Deployment:
-    """An orchestrator's settings, the worker pair behind it, and whether its prompts cross ``LOCAL_LIMIT``."""
+    """An orchestrator's settings, the worker pair behind it, whether its prompts cross ``LOCAL_LIMIT``, and the
+    schedule its requests run (None: none today, see the matrix's known failures)."""
 
     name: str
     workers: Workers
+    schedule: Schedule | None
     options: Mapping[str, Any] = field(default_factory=dict)
     long_prompts: bool = False
 
@@ -67,18 +73,31 @@ def _trtllm(**trtllm: Any) -> dict[str, Any]:
 
 _LOCAL = {"max_local_prefill_length": LOCAL_LIMIT}
 DEPLOYMENTS = (
-    Deployment("native", "v0"),
-    Deployment("native-metadata-only", "v0", {"gen_tokids_metadata_only": True}),
-    Deployment("native-local-short", "v0", _LOCAL),  # GEN prefills alone
-    Deployment("native-local-long", "v0", _LOCAL, long_prompts=True),  # through CTX
-    Deployment("trtllm-v0", "v0", _trtllm()),
-    Deployment("trtllm-v0-gen-first", "v0", _trtllm(schedule_style="generation_first")),
-    Deployment("trtllm-local-short", "v0", {**_trtllm(), **_LOCAL}),
-    Deployment("trtllm-local-long", "v0", {**_trtllm(), **_LOCAL}, long_prompts=True),
-    Deployment("default-v1-workers", "v1"),  # our default orchestrator (protocol detect) before v1 workers
-    Deployment("trtllm-v1", "v1", _trtllm()),
-    Deployment("trtllm-v1-gen-first", "v1", _trtllm(schedule_style="generation_first")),
+    Deployment("native", "v0", "native"),
+    Deployment("native-metadata-only", "v0", "native-length-only", {"gen_tokids_metadata_only": True}),
+    Deployment("native-local-short", "v0", "gen-alone", _LOCAL),
+    Deployment("native-local-long", "v0", "native", _LOCAL, long_prompts=True),
+    Deployment("trtllm-v0", "v0", "trtllm-context-first-v0", _trtllm()),
+    Deployment("trtllm-v0-gen-first", "v0", "trtllm-generation-first-v0", _trtllm(schedule_style="generation_first")),
+    Deployment("trtllm-local-short", "v0", "gen-alone", {**_trtllm(), **_LOCAL}),
+    Deployment("trtllm-local-long", "v0", "trtllm-context-first-v0", {**_trtllm(), **_LOCAL}, long_prompts=True),
+    Deployment("default-v1-workers", "v1", None),  # our default orchestrator (protocol detect) before v1 workers
+    Deployment("trtllm-v1", "v1", "trtllm-context-first-v1", _trtllm()),
+    Deployment("trtllm-v1-gen-first", "v1", "trtllm-generation-first-v1", _trtllm(schedule_style="generation_first")),
 )
+
+
+def schedule_of(gen_body: dict[str, Any]) -> Schedule:
+    """The schedule a request ran, read from the body GEN was sent."""
+    params = gen_body.get("disaggregated_params")
+    if params is None:
+        return "gen-alone"
+    if params.get("native_extensions"):
+        return "native" if "prompt_token_ids_b64" in gen_body else "native-length-only"
+    v1 = "consumer_grant_id" in params  # a lifecycle v1 grant
+    if params.get("schedule_style") == 1:
+        return "trtllm-generation-first-v1" if v1 else "trtllm-generation-first-v0"
+    return "trtllm-context-first-v1" if v1 else "trtllm-context-first-v0"
 
 
 @dataclass
