@@ -1,13 +1,9 @@
 """The typed engine adapter: the one boundary between the HTTP front end and whatever runs the model.
 
-In the style of httpx's transports: ``Engine`` has one method that matters (``generate``) and four for its life,
-with typed values in and out (``workers.engines.request``, ``workers.engines.outputs``). Every engine implements
-all five. What only some engines can do is a separate small protocol that an engine may also implement and the
-worker discovers with ``isinstance``: ``ProvidesTokenizer`` (and of its tokenizer ``ProvidesTokenBytes``),
-``KVHandoffStore``, ``HealthCheck``, ``StopsSequences``. An adapter
-translates its runtime's errors into ``frontend.errors`` types at this boundary (``raise EngineError(...) from
-exc``); no foreign exception type leaks into the server.
-"""
+``Engine`` has one method that matters (``generate``) and four for its life, typed values in and out. What only
+some engines can do is a small protocol of its own that the worker finds with ``isinstance`` (``ProvidesTokenizer``,
+``KVHandoffStore``, ``HealthCheck``, ``StopsSequences``, ...). An adapter translates its runtime's errors into
+``frontend.errors`` types here (``raise EngineError(...) from exc``): no foreign exception reaches the server."""
 
 from __future__ import annotations
 

@@ -1,13 +1,9 @@
 """The reference engine core: its own process, so no HTTP event loop ever blocks on the model.
 
-It listens on a Unix socket. Each HTTP front end that connects (one, or several with ``--api-workers``)
-gets a ``ready`` frame once the model is loaded (model facts, tokenizer vocabulary, load time, memory) and
-then submits requests; outputs go back on the channel that submitted them. Reader threads move incoming
-frames onto one queue, so a long prefill chunk never stalls a socket; the main thread alternates between
-that queue and scheduler steps.
+It serves one or more front ends (``--api-workers``) over a Unix socket; reader threads queue incoming frames, so a
+long prefill chunk never stalls a socket, and the main thread alternates between that queue and scheduler steps.
 
-    python -m workers.engines.reference.core --listen PATH [--model GGUF] [options]
-"""
+    python -m workers.engines.reference.core --listen PATH [--model GGUF] [options]"""
 
 from __future__ import annotations
 

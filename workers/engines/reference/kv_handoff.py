@@ -1,13 +1,9 @@
 """The KV hand-off format: what a CTX engine exports and a GEN engine imports.
 
-    b"DSKV1\\n" | u32 header length | JSON header | K bytes | V bytes | prompt int32 bytes (optional)
+    b"DSKV1\n" | u32 header length | JSON header | K bytes | V bytes | prompt int32 bytes (optional)
 
-The header states dtype, layout, RoPE convention, token count and the model hash, so a GEN worker running a
-different model, or expecting a different prompt length, refuses the hand-off instead of decoding garbage. K and
-V are float32 ``[layers, kv_heads, n, head_dim]`` (keys after RoPE). The prompt's real int32 ids ride along when
-the CTX engine is configured to put them there, which lets GEN serve penalty and echo requests that the
-orchestrator sent without token ids.
-"""
+The header (dtype, layout, RoPE convention, token count, model hash) lets GEN refuse a hand-off that is not its own
+instead of decoding garbage. The layout and when the prompt's ids ride along: docs/engines.md."""
 
 from __future__ import annotations
 

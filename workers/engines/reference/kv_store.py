@@ -1,12 +1,8 @@
 """Where CTX keeps exported KV until GEN takes it: bounded by bytes, with a time to live, one-time keys.
 
-An entry leaves the store when GEN has taken it, when it is released (the orchestrator's release: GEN refused it,
-no GEN could take it, the client left; or its request was aborted in the core), or when it expires: nothing is
-stranded, and the ledger (``ledger``) counts every entry parked and every way one left, so that parked always
-equals taken + released + expired + parked now. Keys are 256-bit random tokens compared in constant time; a taken
-entry is gone, so a replayed fetch fails. The transfer server runs in the engine core process (like an engine's own
-KV transfer agent), so the KV bytes never pass through an HTTP front end's event loop.
-"""
+An entry leaves when GEN takes it, when it is released or aborted, or when it expires, and the ``ledger`` counts
+each way, so nothing is stranded unnoticed. Keys are 256-bit random tokens compared in constant time. The transfer
+server runs in the engine core, so KV bytes never pass through an HTTP front end's event loop."""
 
 from __future__ import annotations
 

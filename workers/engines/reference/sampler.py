@@ -1,13 +1,8 @@
 """Per-request token sampling: penalties, temperature, top-k/top-p, seeded draws and logprobs.
 
-Reproducibility across workers: the random draw for output position i comes from a fresh
-PCG64 generator seeded with (seed, i), never from a generator threaded through the request.
-A GEN worker that continues a request after the CTX worker chose the first token(s) therefore
-draws exactly what a single worker would have, given the same logits.
-
-With ``n`` > 1, sequence i draws as a request with seed ``seed + i`` would (vLLM's rule, wrapping in 64 bits):
-sequence 0 keeps the request's own stream, every worker derives the same seeds, and no two sequences share one.
-"""
+The draw for output position i comes from a fresh PCG64 generator seeded with (seed, i), never from one threaded
+through the request, so a GEN worker that continues after CTX's first token(s) draws what a single worker would.
+Sequence i of n draws as a request seeded ``seed + i`` would (vLLM's rule, wrapping in 64 bits)."""
 
 from __future__ import annotations
 

@@ -1,15 +1,10 @@
 """The engine core's scheduler: chunked prefill and per-sequence decode, interleaved step by step.
 
-Each ``step`` runs one prefill chunk of the oldest waiting request, then one decode step of every running
-sequence, so a long prompt never starves the streams already running. Decoding stays per sequence (not
-batched) on purpose: batched BLAS changes bits with the batch's composition, and this engine exists to show
-disaggregated output equal to aggregated output, token for token, whatever the load.
-
-A request for n > 1 sequences is prefilled once and forked after the prefill: every sequence chooses its first
-token from the same logits with its own sampler (seed + index), then decodes on its own copy of the prompt's KV
-(``fork_kv`` says why a copy). A CTX worker parks the prompt's KV once with all n first tokens; GEN forks it.
-Every output names its sequence (``index``); the request's last output carries ``done``.
-"""
+Each ``step`` runs one prefill chunk of the oldest waiting request, then one decode step of every running sequence,
+so a long prompt never starves running streams. Decoding is per sequence, not batched, because batched BLAS changes
+bits with the batch's composition, and this engine must give disaggregated output equal to aggregated output token
+for token. A request for n > 1 sequences is prefilled once and forked (docs/engines.md); every output names its
+sequence (``index``), and the request's last output carries ``done``."""
 
 from __future__ import annotations
 

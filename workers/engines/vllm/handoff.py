@@ -1,12 +1,8 @@
 """The vllm engine's KV hand-off state: what CTX's answer carries in ``encoded_opaque_state`` for GEN.
 
-The KV itself travels through vLLM's KV connector (NixlConnector on GPUs, ExampleConnector's shared folder on the
-CPU); this state only says which KV and from what. ``kv_transfer_params`` is what CTX's vLLM answered (Nixl's
-``remote_engine_id``, ``remote_block_ids``, ``remote_host``, ``remote_port``; nothing for ExampleConnector), handed
-to GEN's vLLM with ``do_remote_prefill``. The model hash and prompt length let GEN refuse a hand-off that cannot be
-its own before vLLM silently recomputes or, worse, reads the wrong KV. ``seed`` is the one CTX sampled with: GEN
-chooses the first token(s) again and must draw what CTX drew, also when the client sent no seed.
-"""
+The KV travels through vLLM's KV connector; this state says which KV and from what: CTX's ``kv_transfer_params``
+for GEN's ``do_remote_prefill``, the model hash and prompt length (so GEN refuses a hand-off that is not its own
+before vLLM reads the wrong KV), and the seed CTX sampled with, which GEN must draw with again."""
 
 from __future__ import annotations
 
