@@ -1,5 +1,5 @@
 """The CLI and the deployment secret (``DISAGG_INTERNAL_TOKEN``): read once at start-up, refused when too short, and
-one warning when a worker listens beyond loopback without it (issue 44). Each run is its own process: ``main()`` sets
+one warning when a worker listens beyond loopback without it. Each run is its own process: ``main()`` sets
 up the root logger."""
 
 from __future__ import annotations

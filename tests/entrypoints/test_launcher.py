@@ -1,6 +1,6 @@
 """``disagg-serve up`` (entrypoints/launcher.py): the whole system on one machine is protected by default, every child
-started with one deployment secret (issue 44: on bb7e60b ``up`` started them with none, their internal routes open
-to every process on the machine, and to the network with ``--host 0.0.0.0``)."""
+started with one deployment secret, so their internal routes are shut to every other process on the machine (and to
+the network, with ``--host 0.0.0.0``)."""
 
 from __future__ import annotations
 

@@ -305,7 +305,7 @@ async def test_a_subscriber_is_delivered_only_once_the_worker_answered() -> None
     assert not silent.delivered
 
 
-# -- who may connect, and what a replay may cost (issue 44, item 4) ---------------------------------------------
+# -- who may connect, and what a replay may cost -----------------------------------------------------------------------
 SECRET = InternalSecret("the-deployment-secret-0123456789")
 _HANDSHAKE: dict[int, str] = {
     zmq.EVENT_HANDSHAKE_SUCCEEDED: "succeeded", zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "failed",

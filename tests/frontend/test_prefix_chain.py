@@ -109,7 +109,7 @@ def test_far_links_are_named_by_their_last_bytes_and_any_piece_boundaries_agree(
     assert chain_of(pieces) == chain
 
 
-# -- keyed names (issue 44, item 4) ------------------------------------------------------------------------------
+# -- keyed names -------------------------------------------------------------------------------------------------------
 DOCUMENTS = [bytes(random.Random(seed).randrange(256) for _ in range(4_096)) for seed in range(3)]
 
 

@@ -1,4 +1,4 @@
-"""The orchestrator's credentials on its calls to workers (issue 44), whole requests over real HTTP: workers that
+"""The orchestrator's credentials on its calls to workers, whole requests over real HTTP: workers that
 require the deployment secret serve an orchestrator that holds it and refuse one that does not; workers that require
 TensorRT-LLM's own key (``internal_request_auth_key``, spoken to in its wire under lifecycle v1) serve an
 orchestrator that signs its grant calls and GEN requests with it, and refuse one that does not."""

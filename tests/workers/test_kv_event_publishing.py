@@ -270,7 +270,7 @@ async def test_an_endpoint_in_use_fails_start_up_and_closes_the_engine() -> None
         await taken.aclose()
 
 
-# -- with the deployment secret (issue 44, item 4) -----------------------------------------------------------------
+# -- with the deployment secret ----------------------------------------------------------------------------------------
 SECRET = InternalSecret("the-deployment-secret-0123456789")
 
 

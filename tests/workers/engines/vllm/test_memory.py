@@ -19,8 +19,8 @@ from workers.engines.vllm.memory import (
     startup_failure_hint,
 )
 
-# The machine of issue 26: vLLM's message said "Available memory on node 0 (13.3/16.34 GiB)".
-ISSUE_MACHINE = HostMemory(node=0, total=int(16.34 * GiB), available=int(13.3 * GiB))
+# A machine where vLLM refused to start, saying "Available memory on node 0 (13.3/16.34 GiB)".
+REFUSED_HOST = HostMemory(node=0, total=int(16.34 * GiB), available=int(13.3 * GiB))
 WEIGHTS = 517 * MiB  # the converted SmolLM2 checkpoint
 
 
@@ -31,7 +31,7 @@ def unreadable() -> HostMemory:
 def args(*, kv: int | None = None, utilization: float | None = None, engines: int = 2, on_cpu: bool = True,
          environ: dict[str, str] | None = None) -> dict[str, object]:
     return memory_engine_args(kv_cache_memory_bytes=kv, gpu_memory_utilization=utilization, engines_on_host=engines,
-                              on_cpu=on_cpu, environ=environ or {}, memory=lambda: ISSUE_MACHINE,
+                              on_cpu=on_cpu, environ=environ or {}, memory=lambda: REFUSED_HOST,
                               weights=lambda: WEIGHTS)
 
 
@@ -41,7 +41,7 @@ def test_two_cpu_engines_each_get_an_explicit_kv_cache_and_together_fit() -> Non
     kv = shared["kv_cache_memory_bytes"]
     assert isinstance(kv, int) and kv % MiB == 0
     # Both engines' KV, weights and runtime fit in what was available, with room to spare.
-    assert 2 * (kv + WEIGHTS + 2 * GiB) <= 0.9 * ISSUE_MACHINE.available
+    assert 2 * (kv + WEIGHTS + 2 * GiB) <= 0.9 * REFUSED_HOST.available
     assert kv > 2 * GiB  # and each still has a useful cache (more than the 2 GiB the docs used to set by hand)
 
 
@@ -81,7 +81,7 @@ def test_a_host_too_small_for_its_engines_refuses_naming_the_settings() -> None:
 
 
 def test_vllms_memory_refusal_on_the_cpu_says_what_to_set_with_values_that_fit() -> None:
-    hint = startup_failure_hint(True, ISSUE_MACHINE, WEIGHTS, None, None, {})
+    hint = startup_failure_hint(True, REFUSED_HOST, WEIGHTS, None, None, {})
     assert hint is not None
     assert "0.92" in hint and "15.03 GiB" in hint and "13.30 of 16.34 GiB" in hint
     # A KV cache that fits what is available (13.3 * 0.9 - weights - runtime = 9.5 GiB), in both spellings.
@@ -91,17 +91,17 @@ def test_vllms_memory_refusal_on_the_cpu_says_what_to_set_with_values_that_fit()
 
 
 def test_a_kv_cache_asked_for_beyond_the_available_memory_is_named() -> None:
-    hint = startup_failure_hint(True, ISSUE_MACHINE, WEIGHTS, None, None, {"VLLM_CPU_KVCACHE_SPACE": "14"})
+    hint = startup_failure_hint(True, REFUSED_HOST, WEIGHTS, None, None, {"VLLM_CPU_KVCACHE_SPACE": "14"})
     assert hint is not None and "(14.00 GiB)" in hint and "--kv-cache-memory-bytes 9G" in hint
-    hint = startup_failure_hint(True, ISSUE_MACHINE, WEIGHTS, 20 * GiB, None, {})
+    hint = startup_failure_hint(True, REFUSED_HOST, WEIGHTS, 20 * GiB, None, {})
     assert hint is not None and "(20.00 GiB)" in hint
 
 
 def test_no_hint_where_memory_was_not_the_cause() -> None:
     roomy = HostMemory(0, 64 * GiB, 60 * GiB)
     assert startup_failure_hint(True, roomy, WEIGHTS, None, None, {}) is None
-    assert startup_failure_hint(True, ISSUE_MACHINE, WEIGHTS, 4 * GiB, None, {}) is None
-    assert startup_failure_hint(True, ISSUE_MACHINE, WEIGHTS, None, 0.5, {}) is None
+    assert startup_failure_hint(True, REFUSED_HOST, WEIGHTS, 4 * GiB, None, {}) is None
+    assert startup_failure_hint(True, REFUSED_HOST, WEIGHTS, None, 0.5, {}) is None
     assert startup_failure_hint(False, None, WEIGHTS, None, None, {}) is None
 
 
