@@ -23,6 +23,7 @@ from orchestrator.server import create_orchestrator_app
 from tests.cluster import Recorder
 from tests.servers import running
 from tests.workers.engines.reference.cluster import RefCluster
+from tests.workers.engines.reference.ledger import ADMIN_KEY
 from workers.engines.reference.engine import ReferenceEngine
 from workers.engines.reference.options import ReferenceOptions
 from workers.server import create_worker_app
@@ -105,11 +106,13 @@ class Deployments:
     oracle: str  # the aggregated worker's URL
     urls: dict[str, str]  # an orchestrator's URL by deployment name
     apps: dict[str, FastAPI]  # an orchestrator's app by deployment name (its metrics)
+    ctx: dict[Workers, str]  # each pair's CTX worker's URL (its hand-off ledger)
     gen: dict[Workers, Recorder]  # what each pair's GEN worker was sent
 
 
 def _worker(stack: contextlib.ExitStack, role: Role, options: ReferenceOptions,
             **settings: Any) -> tuple[str, Recorder]:
+    settings = {"admin_key": ADMIN_KEY, **settings}  # the hand-off ledger's key, as on the cluster's workers
     recorder = Recorder(create_worker_app(ReferenceEngine(options), WorkerSettings(role=role, **settings)))
     return stack.enter_context(running(recorder)), recorder
 
@@ -135,7 +138,8 @@ def deployments_running(cluster: RefCluster) -> Iterator[Deployments]:
                                    "generation_servers": {"urls": [gen], "protocol": protocol}, **settings})
             apps[deployment.name] = create_orchestrator_app(config)
             urls[deployment.name] = stack.enter_context(running(apps[deployment.name]))
-        yield Deployments(cluster.aggregated.url, urls, apps, {"v0": cluster.gen.recorder, "v1": gen_v1_recorder})
+        yield Deployments(cluster.aggregated.url, urls, apps, {"v0": cluster.ctx.url, "v1": ctx_v1},
+                          {"v0": cluster.gen.recorder, "v1": gen_v1_recorder})
 
 
 # -- requests ----------------------------------------------------------------------------------------------------

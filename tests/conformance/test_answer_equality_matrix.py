@@ -13,11 +13,13 @@ from copy import deepcopy
 from dataclasses import dataclass
 from typing import Any
 
+import httpx
 import pytest
 
 from tests.conformance.answer_matrix import (
     DEPLOYMENTS,
     LONG_PREFIX,
+    MODEL,
     Api,
     Case,
     Deployment,
@@ -29,6 +31,7 @@ from tests.conformance.answer_matrix import (
     text,
 )
 from tests.workers.engines.reference.cluster import RefCluster
+from tests.workers.engines.reference.ledger import assert_ledger_balances
 
 GREEDY = {"temperature": 0}
 SEEDED = {"temperature": 1.0, "seed": 4242}
@@ -278,3 +281,16 @@ def test_each_deployment_runs_the_schedule_it_is_named_for(deployments: Deployme
     sent = [e for e in recorder.posts()[before:] if e.path == CASES[0].path]
     assert len(sent) == 1
     assert schedule_of(sent[0].request_json()) == deployment.schedule
+
+
+@pytest.mark.parametrize("deployment", [d for d in DEPLOYMENTS if d.schedule is not None], ids=lambda d: d.name)
+def test_a_client_that_leaves_mid_stream_leaves_nothing_parked(deployments: Deployments,
+                                                               deployment: Deployment) -> None:
+    """The client hangs up after the first event; CTX's hand-off ledger balances (nor did the matrix's requests
+    before it leave anything parked)."""
+    body = {**chat("Tell me a long story", max_tokens=200)(deployment.long_prompts), "model": MODEL, "stream": True}
+    with httpx.stream("POST", deployments.urls[deployment.name] + "/v1/chat/completions", json=body,
+                      timeout=60) as reply:
+        assert reply.status_code == 200
+        assert next(reply.iter_lines()).startswith("data: ")
+    assert_ledger_balances(deployments.ctx[deployment.workers])
