@@ -66,9 +66,9 @@ async def read_body(request: Request, max_bytes: int) -> bytes:
 
 
 # The most bytes of request bodies a front end holds while they are read. Only bytes received count: a declared
-# length costs nothing until its bytes come (16 heads declaring 64 MiB each once shut the OpenAI routes for half an
-# hour). Requests are admitted only once their body is in, so without this any number of clients could each make it
-# hold up to the body limit; the guarded protocol (entrypoints/http/protocol.py) charges each body's bytes as they
+# length costs nothing until its bytes come, so a few heads declaring huge bodies cannot take the whole budget.
+# Requests are admitted only once their body is in, so without this any number of clients could each make it hold
+# up to the body limit; the guarded protocol (entrypoints/http/protocol.py) charges each body's bytes as they
 # arrive and gives them back once the body is whole (or abandoned).
 DEFAULT_MAX_BODY_BYTES_READING = 1024 * 1024 * 1024
 # The most request bodies one tenant may have being read at once (orchestrator/server.py; 0: no cap): past it, a
