@@ -232,7 +232,7 @@ def targets_section(results: dict[str, dict[str, Any]]) -> tuple[str, list[dict[
             collected += module.targets(results[name])
 
     rows = [[t["target"], t["measured"], verdict(t["met"]), verdict(t.get("aim_met"))] for t in collected]
-    return markdown_table(["target", "measured", "issue figure", "DESIGN aim"], rows), collected
+    return markdown_table(["target", "measured", "verdict", "DESIGN aim"], rows), collected
 
 
 # The page's sections, in order: benchmark, heading, its tables, the plot's alt text and file.

@@ -167,7 +167,7 @@ def targets(result: dict[str, Any], setup: str = "orchestrator") -> list[dict[st
             ratio(many["requests_per_s"], one["requests_per_s"]) if one and many else None, 1.7, "x", at_least=True)
     if not any(c["setup"] in GATEWAYS for c in result["cells"]):
         skipped = "; ".join(f"{n}: {g['note']}" for n, g in result.get("gateways", {}).items() if not g["available"])
-        out.append({"target": "CPU/req <= the best Rust gateway's (issue 31): no Rust gateway measured"
+        out.append({"target": "CPU/req <= the best Rust gateway's: no Rust gateway measured"
                               + (f" ({skipped})" if skipped else " (--no-gateways)"), "measured": "–", "met": None})
         return out
     for endpoint in endpoints_in(result):
@@ -182,7 +182,7 @@ def targets(result: dict[str, Any], setup: str = "orchestrator") -> list[dict[st
 
 
 def targets_table(result: dict[str, Any]) -> str:
-    return markdown_table(["target (issues 14, 31)", "measured", "verdict"],
+    return markdown_table(["target", "measured", "verdict"],
                           [[t["target"], t["measured"], verdict(t["met"])] for t in targets(result)])
 
 

@@ -61,7 +61,7 @@ def test_tables_targets_block_and_plot(result: dict[str, Any], tmp_path: Path) -
     targets = orchestrator_cost_report.targets(result)
     assert len(targets) == 9 and targets[7]["target"].startswith("req/s of `orchestrator x2` >= 1.7x")
     assert targets[7]["met"] is not None
-    assert targets[-1]["target"].startswith("CPU/req <= the best Rust gateway's (issue 31): no Rust gateway measured")
+    assert targets[-1]["target"].startswith("CPU/req <= the best Rust gateway's: no Rust gateway measured")
     assert targets[-1]["met"] is None
     block = orchestrator_cost_report.generated_block(result, "plot.png")
     doc = tmp_path / "benchmarks.md"
