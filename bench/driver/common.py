@@ -219,8 +219,13 @@ def chars_per_token(sample: str, tokenizer: str) -> float:
 
 # -- the command line every benchmark has ----------------------------------------------------------------------
 def arguments(doc: str | None) -> argparse.ArgumentParser:
-    """A benchmark's (or a helper process's) parser, described by the first paragraph of its module docstring."""
-    return argparse.ArgumentParser(description=doc.split("\n\n")[0] if doc else None)
+    """A benchmark's (or a helper process's) parser, described by the first paragraph of its module docstring; a
+    folder's command (its ``__main__.py``) is named as it is run, ``python -m bench.<folder>``."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    name: str = spec.name if spec is not None else ""
+    folder = name.removesuffix(".__main__") if name.startswith("bench.") else name
+    prog = f"python -m {folder}" if folder != name else None
+    return argparse.ArgumentParser(prog=prog, description=doc.split("\n\n")[0] if doc else None)
 
 
 def add_docs_flag(parser: argparse.ArgumentParser, name: str) -> None:
