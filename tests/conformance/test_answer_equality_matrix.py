@@ -79,6 +79,13 @@ def function_call(long: bool) -> dict[str, Any]:
     return {"input": items, "max_output_tokens": 4, "store": False, **GREEDY}
 
 
+def function_call_chain(long: bool) -> dict[str, Any]:
+    """A follow-up whose input is a function call and its output, after the turn that asked."""
+    asked, called, answered = function_call(long)["input"]
+    return {"chain": [{"input": [asked], "max_output_tokens": 3, **GREEDY},
+                      {"input": [called, answered], "max_output_tokens": 3, **GREEDY}]}
+
+
 CASES = (
     Case("plain", "chat", chat("Say hello")),
     Case("max-tokens-1", "chat", chat("Say hello", max_tokens=1)),
@@ -110,6 +117,7 @@ CASES = (
         "schema": JSON_SCHEMA["json_schema"]["schema"]}})),  # type: ignore[index]
     Case("previous-response-chain", "responses", chain),
     Case("function-call-items", "responses", function_call),
+    Case("previous-response-chain-function-call", "responses", function_call_chain),
 )
 
 
