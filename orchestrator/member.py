@@ -23,10 +23,12 @@ class PoolMember:
         self.url = transport.url
         self.healthy = False
         self.facts: GenEngineFacts | None = None  # from the worker's /v1/models, once it is healthy
-        self.protocol = "native"  # the wire it speaks (orchestrator.protocols.registry), read with the facts
+        self.protocol = "native"  # the wire it is spoken to in (orchestrator.protocols.registry), read with the facts
+        self.wires: frozenset[str] = frozenset()  # every wire its card announces that this orchestrator knows
         # A trtllm-serve worker's lifecycle v1 advertisement (its GET /server_info), read with the facts; None: v0.
         self.lifecycle: TransceiverLifecycleAdvertisement | None = None
         self.disagg_info: dict[str, Any] | None = None  # its GET /server_info's disaggregated_params
+        self.unroutable: str | None = None  # why it takes no requests though it answers (a deployment mismatch)
         self.inflight = 0
         self.inflight_prompt_tokens = 0
         self.inflight_prefill_tokens = 0  # of those, the ones a cache-aware router expects it to compute

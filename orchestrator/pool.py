@@ -19,7 +19,7 @@ from frontend.kv_events import reachable_endpoint
 from orchestrator.cache_index import CacheIndex, EventSource
 from orchestrator.circuit_breaker import CLOSED, CircuitBreaker
 from orchestrator.member import UNKNOWN_ENGINE_FACTS, PoolMember
-from orchestrator.protocols.registry import DEFAULT_PROTOCOL, detect_protocol, read_advertisement
+from orchestrator.protocols.registry import DEFAULT_PROTOCOL, announced_protocols, detect_protocol, read_advertisement
 from orchestrator.routers import Router, RoutingKey
 from orchestrator.upstream.base import Transport, WorkerTimeouts
 from orchestrator.upstream.choice import make_transport
@@ -134,6 +134,8 @@ class WorkerPool:
         worker = self._only(only, tried) if only is not None else self.router.pick(self.workers, key, tried)
         if worker is None:
             detail = f" (tried {', '.join(w.url for w in tried)})" if tried else ""
+            # A deployment mismatch is the operator's to fix: said, rather than left for the logs.
+            detail += "".join(f"; {w.url} takes no requests: {w.unroutable}" for w in self.workers if w.unroutable)
             raise UpstreamUnavailableError(f"no healthy {self.name} worker is available{detail}")
         return worker
 
@@ -152,8 +154,9 @@ class WorkerPool:
             if ok and worker.facts is None:
                 facts, worker.protocol = await self._describe(worker)
                 # A worker whose advertisement could not be read (a trtllm-serve one's lifecycle) is not taken for
-                # one that advertises nothing: its facts stay unset, it is not healthy yet, the next check retries.
-                ok = await read_advertisement(worker)
+                # one that advertises nothing, nor one that cannot be spoken to for one that can: its facts stay
+                # unset, it is not healthy yet, the next check reads it again.
+                ok = await read_advertisement(worker, wire_fixed=self.protocol is not None)
                 if ok:
                     worker.facts = facts
         except UpstreamError:
@@ -181,6 +184,7 @@ class WorkerPool:
             protocol = self.protocol
         else:
             protocol = detect_protocol(card, worker.url) if isinstance(card, dict) else DEFAULT_PROTOCOL
+        worker.wires = announced_protocols(card) if isinstance(card, dict) else frozenset()
         logger.info("%s worker %s speaks %s", self.name, worker.url, protocol)
         if worker in self.workers:  # not one removed while its card was being read: nothing would close it
             self.index.subscribe(worker.url, _event_source(card, worker.url))

@@ -34,7 +34,7 @@ class ContextFirst:
             return await self.run_generation_step(request, ctx, steps)
         except BaseException:
             # GEN refused the request, no GEN could take it, or the client left: free CTX's parked KV now.
-            steps.releaser.release(request.ctx, request.ctx_worker, request.headers)
+            steps.releaser.release(request.ctx, request.ctx_worker, request.headers, request.wire)
             raise
 
     async def run_generation_step(self, request: FlowRequest, ctx: ContextAnswer, steps: Steps) -> Answer:
@@ -45,8 +45,8 @@ class ContextFirst:
             with tracing.span("handoff", request.span) as span:
                 carriage, reason = steps.prompt_carriage(request, ctx, gen)
                 fallback = fallback or reason
-                body = steps.protocol_of(gen).generation_request(request.body, ctx, carriage,
-                                                                 conversation_id=request.conversation_id)
+                body = steps.wire(request, gen).generation_request(request.body, ctx, carriage,
+                                                                   conversation_id=request.conversation_id)
                 spans.handed_off(span, ctx, carriage, reason, body)
             return body
 

@@ -52,6 +52,8 @@ class DisaggFlow:
 
     async def run(self, request: FlowRequest) -> Answer:
         """The request's answer; a worker's own error answer is raised as ``RelayedError``."""
+        if self.schedules.trtllm_wire:  # a request TensorRT-LLM's wire cannot carry: over ours, or refused
+            self.schedules.choose_wire(request)
         if self.placement.may_skip_ctx:
             answer = await self.placement.run_on_gen_alone(request, self.steps)
             if answer is not None:

@@ -26,12 +26,14 @@ class HandoffReleaser:
         self.timeout_s = timeout_s
         self._tasks: set[asyncio.Task[None]] = set()  # held so that a running release is not collected
 
-    def release(self, ctx: ContextAnswer | None, ctx_worker: str | None, headers: dict[str, str]) -> None:
-        """Release ``ctx``'s hand-off on the CTX worker at URL ``ctx_worker``, if it is still in the pool."""
+    def release(self, ctx: ContextAnswer | None, ctx_worker: str | None, headers: dict[str, str],
+                wire: WorkerProtocol | None = None) -> None:
+        """Release ``ctx``'s hand-off on the CTX worker at URL ``ctx_worker``, if it is still in the pool, in ``wire``
+        (the one it was made in) or else that worker's own."""
         member = next((w for w in self.ctx_pool.workers if w.url == ctx_worker), None)
         if member is None or ctx is None:
             return
-        request = self.protocol_of(member).release_request(ctx)
+        request = (wire or self.protocol_of(member)).release_request(ctx)
         if request is None:
             return
         path, body = request

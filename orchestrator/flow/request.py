@@ -11,7 +11,7 @@ from frontend.errors import InvalidRequestError
 from frontend.guardrail import BodyReading, read_body
 from frontend.openai_output import Endpoint
 from orchestrator.admission import DEFAULT
-from orchestrator.protocols.base import ContextAnswer
+from orchestrator.protocols.base import ContextAnswer, WorkerProtocol
 from orchestrator.routers import RoutingKey
 
 if TYPE_CHECKING:
@@ -40,6 +40,8 @@ class FlowRequest:
     span: Span | None = None  # the request's trace span (frontend.tracing); None when tracing is off
     priority: int = DEFAULT  # its class (orchestrator/admission.py), for the prefill gate
     conversation_id: str | None = None  # told to workers whose wire carries one (orchestrator/conversation.py)
+    # The wire both workers are spoken to in, where their own cannot carry this request; None: each worker's own.
+    wire: WorkerProtocol | None = None
     _guardrail_reading: BodyReading | None = None
 
     @property

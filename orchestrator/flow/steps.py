@@ -1,6 +1,6 @@
 """The steps a schedule composes: the CTX step, what of the prompt travels to GEN, the GEN call, GEN's answer.
 
-Each step is one method over the two pools, the retry policy and each worker's own wire (``protocol_of``); a
+Each step is one method over the two pools, the retry policy and each worker's own wire (``wire``); a
 schedule (``orchestrator.flow.context_first``, ``orchestrator.protocols.trtllm``) says in which order they run.
 The orchestrator never decodes the prompt: CTX's answer is parsed once, without its ``prompt_token_ids_b64``, and
 those very bytes go to GEN as a chunk of GEN's body (``b64_splice``).
@@ -71,6 +71,10 @@ class Steps:
         """The wire ``member`` speaks, as its pool detected it (``orchestrator.protocols.registry``)."""
         return self.protocols[member.protocol if member is not None else DEFAULT_PROTOCOL]
 
+    def wire(self, request: FlowRequest, member: PoolMember | None) -> WorkerProtocol:
+        """The wire ``member`` is spoken to in for ``request``: its own, unless the request set one for both."""
+        return request.wire or self.protocol_of(member)
+
     # -- CTX ------------------------------------------------------------------------------------------------------
     async def run_context_step(self, request: FlowRequest, attempt: CtxAttempt | None = None) -> ContextAnswer:
         """CTX's answer (also ``request.ctx``), each try made by ``attempt`` (a plain ``call_ctx`` by default),
@@ -97,14 +101,14 @@ class Steps:
         self.ctx_latency(answered.member.url).observe(time.perf_counter() - started)
         if answered.answer.status_code != 200:
             raise RelayedError(answered.answer.status_code, answered.answer.content)
-        request.ctx = self.protocol_of(answered.member).read_context_answer(answered.answer.content)
+        request.ctx = self.wire(request, answered.member).read_context_answer(answered.answer.content)
         self.sign_for_gen(request.headers, request.ctx.handoff)  # for GEN, sent what CTX handed off
         return request.ctx
 
     async def call_ctx(self, request: FlowRequest, member: PoolMember, return_tokens: bool) -> Reply:
         """One CTX try on ``member``, in its own wire."""
-        body = self.protocol_of(member).context_request(request.body, return_prompt_tokens=return_tokens,
-                                                        conversation_id=request.conversation_id)
+        body = self.wire(request, member).context_request(request.body, return_prompt_tokens=return_tokens,
+                                                          conversation_id=request.conversation_id)
         return await post(self.ctx_pool, member, request, body, request.key)
 
     def _ctx_returns_tokens(self, request: FlowRequest) -> bool:
@@ -118,8 +122,9 @@ class Steps:
 
     def answer_from_context(self, request: FlowRequest, ctx: ContextAnswer) -> Answer:
         """CTX finished the request by itself (EOS, a stop string, or max_tokens at the first token)."""
-        ctx_worker = next((w for w in self.ctx_pool.workers if w.url == request.ctx_worker), None)
-        response = self.protocol_of(ctx_worker).finished_response(ctx)
+        wire = request.wire or self.protocol_of(next((w for w in self.ctx_pool.workers
+                                                      if w.url == request.ctx_worker), None))
+        response = wire.finished_response(ctx)
         if not request.streaming:
             return WholeAnswer(orjson.dumps(response))
         options = request.body.get("stream_options")
@@ -177,7 +182,7 @@ class Steps:
         """A retried GEN found the hand-off gone (an earlier GEN took it before failing): CTX must run again.
         After a CTX rerun any such answer counts, first attempt included: the hand-off was fresh."""
         return (isinstance(answered.answer, Reply) and (answered.attempts >= 2 or request.ctx_redone)
-                and self.protocol_of(answered.member).handoff_lost(answered.answer))
+                and self.wire(request, answered.member).handoff_lost(answered.answer))
 
     def gen_answer(self, request: FlowRequest, answered: Attempted[GenAnswer], key: RoutingKey,
                    on_end: Callable[[], None] | None = None) -> Answer:

@@ -5,21 +5,32 @@ advertise (their ``GET /server_info``, read at their health checks): generation 
 (``trtllm.schedule_style``) and the CTX the router picks is a trtllm-serve worker that can run it (under lifecycle
 v1: it and some GEN advertise GENERATION_FIRST); lifecycle v1 (``trtllm.lifecycle_protocol: auto``) where a CTX
 advertises it. TensorRT-LLM has no per-request downgrade: a fleet is set up consistently.
+
+A request TensorRT-LLM's wire cannot carry (``trtllm.wire.uncarried``) goes over our native wire where every
+worker spoken to in TensorRT-LLM's also speaks ours, and is refused, whatever its placement, where one does not.
 """
 
 from __future__ import annotations
 
 from frontend.config import OrchestratorConfig
+from frontend.errors import UnsupportedParameterError, UpstreamUnavailableError
 from frontend.metrics import Metrics
 from orchestrator.flow.context_first import ContextFirst
 from orchestrator.flow.request import FlowRequest
 from orchestrator.flow.schedule import Schedule
 from orchestrator.member import PoolMember
 from orchestrator.pool import WorkerPool
+from orchestrator.protocols.native import NativeProtocol
+from orchestrator.protocols.registry import TRTLLM
 from orchestrator.protocols.trtllm.context_first_v1 import ContextFirstV1
 from orchestrator.protocols.trtllm.generation_first import GenerationFirst
-from orchestrator.protocols.trtllm.lifecycle import LifecycleClient, generation_first_capable, speaks_v1
-from orchestrator.protocols.trtllm.wire import TrtllmProtocol
+from orchestrator.protocols.trtllm.lifecycle import (
+    LIFECYCLE_FLAG,
+    LifecycleClient,
+    generation_first_capable,
+    speaks_v1,
+)
+from orchestrator.protocols.trtllm.wire import TrtllmProtocol, uncarried
 
 
 class ScheduleChoice:
@@ -36,13 +47,39 @@ class ScheduleChoice:
         self.context_first_v1 = ContextFirstV1(self.context_first, lifecycle, wire)
         self.generation_first = (GenerationFirst(lifecycle, wire)
                                  if config.trtllm.schedule_style == "generation_first" else None)
-        # Whether some CTX advertises v1, read again whenever a CTX's health changes (its advertisement is read
-        # before it turns healthy): the pools of other fleets never run v1's schedule.
-        self.v1_ctx = False
-        ctx_pool.on_health_change.append(self._read_ctx_pool)
-        self._read_ctx_pool()
+        self.native = NativeProtocol()
+        # What the workers advertise, read again whenever one's health changes (its advertisement is read before it
+        # turns healthy), so that a request of another fleet pays nothing for TensorRT-LLM's variants: some CTX
+        # advertises v1; some worker is spoken to in TensorRT-LLM's wire; every such worker also speaks ours; some
+        # worker advertises v1 to an orchestrator set to v0.
+        self.v1_ctx = self.trtllm_wire = self.native_too = self.v1_unspoken = False
+        for pool in (ctx_pool, gen_pool):
+            pool.on_health_change.append(self._read_pools)
+        self._read_pools()
+
+    def choose_wire(self, request: FlowRequest) -> None:
+        """Where some worker is spoken to in TensorRT-LLM's wire (``trtllm_wire``): a request it cannot carry goes
+        over our native wire (``request.wire``) if every such worker speaks it too, else is refused; raised too
+        where the workers advertise a lifecycle this orchestrator was set not to speak."""
+        if self.v1_unspoken:
+            raise UpstreamUnavailableError(
+                f"the workers were started with lifecycle protocol v1 ({LIFECYCLE_FLAG}) and this orchestrator "
+                "speaks v0 to them (trtllm.lifecycle_protocol: v0), which they refuse: start them without, or set "
+                "trtllm.lifecycle_protocol: auto")
+        what = uncarried(request.endpoint, request.body)
+        if what is None:
+            return
+        if self.native_too:
+            request.wire = self.native
+            return
+        raise UnsupportedParameterError(
+            f"{what[0]} is not served over TensorRT-LLM's disaggregated wire, the only one these workers speak "
+            f"(trtllm-serve, or ours started with lifecycle protocol v1: {LIFECYCLE_FLAG}); serve it with "
+            "workers that also speak disagg-serve's native wire", param=what[1])
 
     def choose(self, request: FlowRequest) -> Schedule:
+        if request.wire is not None:
+            return self.context_first  # the wire the request needs, whatever the pair's own
         if self.generation_first is not None:
             ctx = self.ctx_pool.pick(request.key)
             if self._runs_generation_first(ctx):
@@ -58,5 +95,11 @@ class ScheduleChoice:
         return generation_first_capable(ctx) and any(w.routable and generation_first_capable(w)
                                                      for w in self.gen_pool.workers)
 
-    def _read_ctx_pool(self) -> None:
+    def _read_pools(self) -> None:
+        workers = [*self.ctx_pool.workers, *self.gen_pool.workers]
         self.v1_ctx = self.v1 and any(speaks_v1(w) for w in self.ctx_pool.workers)
+        self.v1_unspoken = not self.v1 and any(speaks_v1(w) for w in workers)
+        on_trtllm = [w for w in workers if w.protocol == TRTLLM]
+        self.trtllm_wire = bool(on_trtllm) or self.v1_unspoken
+        # A worker started with lifecycle v1 refuses ours (no attempt identity): it speaks TensorRT-LLM's only.
+        self.native_too = all("native" in w.wires and w.lifecycle is None for w in on_trtllm)

@@ -82,7 +82,9 @@ DEPLOYMENTS = (
     Deployment("trtllm-v0-gen-first", "v0", "trtllm-generation-first-v0", _trtllm(schedule_style="generation_first")),
     Deployment("trtllm-local-short", "v0", "gen-alone", {**_trtllm(), **_LOCAL}),
     Deployment("trtllm-local-long", "v0", "trtllm-context-first-v0", {**_trtllm(), **_LOCAL}, long_prompts=True),
-    Deployment("default-v1-workers", "v1", None),  # our default orchestrator (protocol detect) before v1 workers
+    # Our default orchestrator (protocol detect) before v1 workers: they announce our wire first, and are spoken to in
+    # TensorRT-LLM's, the only one that carries v1.
+    Deployment("default-v1-workers", "v1", "trtllm-context-first-v1"),
     Deployment("trtllm-v1", "v1", "trtllm-context-first-v1", _trtllm()),
     Deployment("trtllm-v1-gen-first", "v1", "trtllm-generation-first-v1", _trtllm(schedule_style="generation_first")),
 )

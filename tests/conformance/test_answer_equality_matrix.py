@@ -177,35 +177,13 @@ def blanked(answer: dict[str, Any], paths: tuple[tuple[Any, ...], ...]) -> dict[
     return copy
 
 
-def prompt_scores_null(values: list[Any]) -> bool:
-    return len(values) > 2 and all(v is None for v in values[:-1])
-
-
-def prompt_scores_real(values: list[Any]) -> bool:
-    return values[0] is None and all(v is not None for v in values[1:])
-
-
-ECHO_SCORES_LOST = KnownFailure(
-    "issue 49 item 1: echo + logprobs + max_tokens 1 on TensorRT-LLM's wire: CTX answers from its first token "
-    "without the prompt's logprobs, so every prompt token's token_logprobs and top_logprobs are null",
-    equal_but_for(("choices", 0, "logprobs", "token_logprobs"), ("choices", 0, "logprobs", "top_logprobs"),
-                  got=prompt_scores_null, expected=prompt_scores_real))
-N_REFUSED = KnownFailure(
-    "issue 49 item 2: n > 1 is refused on TensorRT-LLM's wire (400 'through disagg-serve's orchestrator')",
-    refused("n > 1 is not served in TensorRT-LLM's disaggregated wire"))
-RESPONSES_REFUSED = KnownFailure(
-    "issue 49 item 3: /v1/responses through CTX on TensorRT-LLM's wire is a 400",
-    refused("TensorRT-LLM workers serve only chat and completions disaggregated, not /v1/responses"))
-V1_WORKERS_REFUSED = KnownFailure(
-    "issue 49 item 4: the default orchestrator speaks native to workers started with lifecycle v1, which refuse "
-    "its CTX requests with a 400 that blames the client",
-    refused("protocol-v1 cross-side request is missing its negotiated attempt identity"))
-CHAT_PROMPT_LOGPROBS_DROPPED = KnownFailure(
-    "issue 49 item 5: prompt_logprobs is silently dropped from a whole answer on TensorRT-LLM's wire",
-    equal_but_for(("prompt_logprobs",), got=None, expected=bool))
-COMPLETION_PROMPT_LOGPROBS_DROPPED = KnownFailure(
-    CHAT_PROMPT_LOGPROBS_DROPPED.reason,
-    equal_but_for(("choices", 0, "prompt_logprobs"), got=None, expected=bool))
+NOT_ON_TRTLLMS_WIRE_ONLY = KnownFailure(
+    "by design: a pair that speaks TensorRT-LLM's wire only (here ours started with lifecycle v1) is never sent what "
+    "that wire cannot carry (the Responses API, n > 1, the prompt's logprobs): refused, whatever the placement, with "
+    "the setting named (docs/interop.md)",
+    refused("is not served over TensorRT-LLM's disaggregated wire"))
+# What TensorRT-LLM's wire cannot carry: over our native one where both workers speak it, else refused.
+UNCARRIED_CASES = ("n2", "echo-logprobs-1-token", "prompt-logprobs")
 HALF_A_CHARACTER_DECODED = KnownFailure(
     "a request CTX finishes by its length on TensorRT-LLM's wire is answered by GEN's first_tokens_only "
     "(workers/trtllm/answers.py), which decodes a first token that is part of a character as U+FFFD; the engine's "
@@ -215,18 +193,11 @@ HALF_A_CHARACTER_DECODED = KnownFailure(
 
 def known_failure(case: Case, deployment: Deployment, stream: bool) -> KnownFailure | None:
     """Why this cell fails today, or None."""
-    if deployment.schedule is None:
-        return V1_WORKERS_REFUSED
-    if not deployment.trtllm_through_ctx:
+    on_trtllm = deployment.trtllm_through_ctx or deployment.workers == "v1"  # v1 workers: only TensorRT-LLM's
+    if not on_trtllm:
         return None
-    if case.api == "responses":
-        return RESPONSES_REFUSED
-    if case.name == "n2":
-        return N_REFUSED
-    if case.name == "echo-logprobs-1-token":
-        return ECHO_SCORES_LOST
-    if case.name == "prompt-logprobs" and not stream:
-        return CHAT_PROMPT_LOGPROBS_DROPPED if case.api == "chat" else COMPLETION_PROMPT_LOGPROBS_DROPPED
+    if deployment.workers == "v1" and (case.api == "responses" or case.name in UNCARRIED_CASES):
+        return NOT_ON_TRTLLMS_WIRE_ONLY
     if case.name == "max-tokens-1-half-a-character" or (case.api, case.name, deployment.long_prompts) == (
             "chat", "max-tokens-1", True):
         return HALF_A_CHARACTER_DECODED  # the long chat's greedy first token is part of a character too

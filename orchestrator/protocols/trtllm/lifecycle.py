@@ -59,12 +59,17 @@ def generation_first_capable(worker: PoolMember) -> bool:
     return speaks_v1(worker) and worker.lifecycle is not None and "GENERATION_FIRST" in worker.lifecycle.capabilities
 
 
+# How a worker is started in a lifecycle version: ours, and trtllm-serve.
+LIFECYCLE_FLAG = "--lifecycle-protocol-version (TRTLLM_DISAGG_LIFECYCLE_PROTOCOL_VERSION for trtllm-serve)"
+
+
 async def read_server_info(member: PoolMember, timeout_s: float = 5.0) -> bool:
     """``member``'s ``disaggregated_params`` from its ``GET /server_info`` (``member.disagg_info``: where a
     generation-first GEN finds its CTX) and its lifecycle v1 advertisement (``member.lifecycle``; None for a v0
-    worker: one that advertises none or a v0 one, or has no such route, is spoken to in v0). False, with
-    nothing set, where the read failed (no answer, a timeout, a 5xx, a body that is not JSON): it is read again
-    later, never taken for a v0 worker."""
+    worker: one that advertises none or a v0 one, or has no such route, is spoken to in v0). False where the read
+    failed (no answer, a timeout, a 5xx, a body that is not JSON), nothing set: it is read again later, never taken
+    for a v0 worker; and False where it advertises a lifecycle this orchestrator cannot drive (``not_routable``),
+    which would refuse v0 as well."""
     try:
         reply = await member.transport.get(SERVER_INFO_PATH, timeout_s)
         if reply.status_code >= 500:
@@ -76,23 +81,29 @@ async def read_server_info(member: PoolMember, timeout_s: float = 5.0) -> bool:
         return False
     params = info.get("disaggregated_params") if isinstance(info, dict) else None
     member.disagg_info = params if isinstance(params, dict) else None
-    member.lifecycle = _advertisement(member, member.disagg_info or {})
+    member.lifecycle = None
+    raw = (member.disagg_info or {}).get("context_transceiver_lifecycle")
+    if raw is None:
+        return True
+    try:
+        advertisement = TransceiverLifecycleAdvertisement.model_validate(raw)
+        if advertisement.protocol_version == 0:
+            return True  # v0, said out loud
+        validate_generation_safe_advertisement(advertisement, role="worker")
+    except (ValueError, LifecycleNegotiationError) as exc:  # pydantic's ValidationError is a ValueError
+        not_routable(member, f"it advertises a lifecycle this orchestrator cannot drive ({exc}); start it in "
+                     f"lifecycle protocol 0 or 1 ({LIFECYCLE_FLAG})")
+        return False
+    logger.info("worker %s advertises lifecycle protocol v1 (incarnation %s)", member.url, advertisement.instance_id)
+    member.lifecycle = advertisement
     return True
 
 
-def _advertisement(member: PoolMember, info: dict[str, Any]) -> TransceiverLifecycleAdvertisement | None:
-    raw = info.get("context_transceiver_lifecycle")
-    if raw is None:
-        return None
-    try:
-        advertisement = TransceiverLifecycleAdvertisement.model_validate(raw)
-        validate_generation_safe_advertisement(advertisement, role="worker")
-    except (ValueError, LifecycleNegotiationError) as exc:  # pydantic's ValidationError is a ValueError
-        logger.warning("worker %s advertises a lifecycle it cannot be driven in (%s); speaking v0 to it",
-                       member.url, exc)
-        return None
-    logger.info("worker %s advertises lifecycle protocol v1 (incarnation %s)", member.url, advertisement.instance_id)
-    return advertisement
+def not_routable(member: PoolMember, why: str) -> None:
+    """``member`` answers, but takes no requests: a deployment mismatch, logged for the operator once per cause."""
+    if member.unroutable != why:
+        logger.warning("worker %s takes no requests: %s", member.url, why)
+    member.unroutable = why
 
 
 def control_endpoint(member: PoolMember) -> str:

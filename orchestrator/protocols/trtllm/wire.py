@@ -37,6 +37,23 @@ DISAGGREGATED_PARAMS_FIELDS = frozenset({
 })
 
 
+def uncarried(endpoint: str, body: Mapping[str, Any]) -> tuple[str, str] | None:
+    """(what, its parameter) of a request this wire cannot carry through CTX, None for any other: its bodies have no
+    field for the Responses API's input, n > 1 sequences, or the prompt's logprobs (CTX answers from its first token
+    without them: asked for alone, or echoed where CTX answers alone)."""
+    if endpoint == "responses":
+        return "/v1/responses", "input"
+    n = body.get("n")
+    if isinstance(n, int) and n > 1:
+        return "n > 1", "n"
+    if body.get("prompt_logprobs") is not None:
+        return "prompt_logprobs", "prompt_logprobs"
+    if (endpoint == "completions" and body.get("echo") is True and body.get("logprobs") not in (None, False)
+            and body.get("max_tokens") == 1):  # answered by CTX alone, from its first token
+        return "echo with logprobs and max_tokens 1 (the prompt's logprobs)", "echo"
+    return None
+
+
 def new_request_id() -> int:
     return secrets.randbits(63)  # names a hand-off on a CTX board: not guessable (workers/trtllm/generation_first.py)
 

@@ -139,12 +139,17 @@ def test_a_v1_ctx_without_a_v1_gen_fails_cleanly() -> None:
     assert gen.bodies == [] and ctx.control_paths() == [CONTEXT_ARTIFACT_ABORT_PATH]
 
 
-def test_v1_off_by_configuration_sends_v0_which_a_v1_worker_refuses() -> None:
+def test_v1_off_by_configuration_before_v1_workers_is_a_503_for_the_operator() -> None:
+    """v0 is what a v1 worker refuses: a deployment mismatch, said to the operator as a 5xx naming both settings,
+    never sent to the workers to come back as a 400 that blames the client."""
     ctx, gen = v1("ctx"), v1("gen")
     v0_only = {"lifecycle_protocol": "v0"}
-    with fleet([ctx], [gen], trtllm=v0_only) as (client, _), pytest.raises(openai.BadRequestError) as refused:
+    with fleet([ctx], [gen], trtllm=v0_only) as (client, _), pytest.raises(openai.InternalServerError) as refused:
         chat(client, False)
-    assert "missing its negotiated attempt identity" in refused.value.message and gen.calls == []
+    assert refused.value.status_code == 503
+    assert "--lifecycle-protocol-version" in refused.value.message
+    assert "trtllm.lifecycle_protocol" in refused.value.message
+    assert ctx.bodies == [] and gen.bodies == [] and gen.calls == []
 
 
 # -- GEN refuses, or its answer is lost -------------------------------------------------------------------------
