@@ -87,7 +87,7 @@ class ScheduleChoice:
         return self.context_first_v1 if self.v1_ctx else self.context_first
 
     def _runs_generation_first(self, ctx: PoolMember) -> bool:
-        if ctx.protocol != "trtllm":
+        if ctx.protocol != TRTLLM:
             return False
         if not (self.v1 and speaks_v1(ctx)):
             return True  # v0
