@@ -22,6 +22,9 @@ logger = logging.getLogger(__name__)
 
 SENT_LINKS_PER_WORKER = 65_536  # what-was-sent-where for a worker without events: ~1 GiB of prompt text at most
 MAX_HELD_LINKS = 4 * 1024 * 1024  # links one worker's events may name (~128 MiB of sets): past that, a bad worker
+# How long a newly followed worker's replay may keep the orchestrator from calling itself ready: a replay answer
+# takes milliseconds; one that has not come by then is not waited for (routing goes on from what was sent).
+CATCH_UP_S = 5.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,7 +38,7 @@ class EventSource:
 
 
 class _WorkerHoldings:
-    __slots__ = ("held", "held_bytes", "recent_at", "recent_bytes", "sent", "source", "subscriber")
+    __slots__ = ("followed_at", "held", "held_bytes", "recent_at", "recent_bytes", "sent", "source", "subscriber")
 
     def __init__(self) -> None:
         self.held: set[int] = set()  # from the worker's events
@@ -47,6 +50,7 @@ class _WorkerHoldings:
         self.sent: collections.OrderedDict[int, float] = collections.OrderedDict()  # link -> when sent here
         self.source: EventSource | None = None
         self.subscriber: EventSubscriber | None = None
+        self.followed_at = 0.0  # when the current source was first followed
 
     @property
     def live(self) -> bool:
@@ -81,6 +85,7 @@ class CacheIndex:
         holdings.held.clear()
         holdings.held_bytes = 0
         holdings.source = source
+        holdings.followed_at = self._clock()
         if source is not None:
             holdings.subscriber = EventSubscriber(source.endpoint, source.replay_endpoint,
                                                   lambda events: self.apply(url, events),
@@ -92,6 +97,16 @@ class CacheIndex:
         """``url`` announced events and they flow."""
         holdings = self._workers.get(url)
         return holdings is not None and holdings.live
+
+    def catching_up(self, url: str) -> bool:
+        """``url`` keeps a history of its events (a replay socket) that this process has not read yet, and has
+        not been waited for ``CATCH_UP_S``: routing to it now would be blind to what it already holds."""
+        holdings = self._workers.get(url)
+        if holdings is None or holdings.source is None or holdings.source.replay_endpoint is None:
+            return False
+        subscriber = holdings.subscriber
+        return (subscriber is not None and not subscriber.delivered
+                and self._clock() - holdings.followed_at < CATCH_UP_S)
 
     def apply(self, url: str, events: list[KVCacheEvent]) -> None:
         """A batch of ``url``'s events. A link they name is no longer a guess from what was sent: stored, it is

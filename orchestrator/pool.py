@@ -128,6 +128,10 @@ class WorkerPool:
     def has_healthy(self) -> bool:
         return any(w.healthy for w in self.workers)
 
+    def catching_up(self) -> list[str]:
+        """Healthy workers whose KV-event history this process is still reading (``CacheIndex.catching_up``)."""
+        return [w.url for w in self.workers if w.healthy and self.index.catching_up(w.url)]
+
     def pick(self, key: RoutingKey, exclude: Iterable[PoolMember] = ()) -> PoolMember:
         tried = list(exclude)
         only = key.only  # a request only one worker can take goes there or nowhere

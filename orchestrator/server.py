@@ -382,12 +382,17 @@ def create_orchestrator_app(
 
     @app.get("/health")
     async def health() -> Response:
-        ready = ctx_pool.has_healthy and gen_pool.has_healthy
-        body = {
+        # Ready once both roles have a healthy worker and the KV-event history of those that keep one has been
+        # read (CATCH_UP_S at most each): before that, cache-aware routing would send follow-ups blind.
+        catching_up = ctx_pool.catching_up() + gen_pool.catching_up()
+        ready = ctx_pool.has_healthy and gen_pool.has_healthy and not catching_up
+        body: dict[str, object] = {
             "status": "ok" if ready else "unavailable",
             "context_servers": {w.url: w.healthy for w in ctx_pool.workers},
             "generation_servers": {w.url: w.healthy for w in gen_pool.workers},
         }
+        if catching_up:
+            body["kv_events_catching_up"] = catching_up
         return json_response(body, status_code=200 if ready else 503)
 
     @app.get("/metrics")

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
-from frontend.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+import zmq
+import zmq.asyncio
+
+from frontend.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, EventPublisher
 from frontend.prefix_chain import chain_of
-from orchestrator.cache_index import SENT_LINKS_PER_WORKER, CacheIndex, EventSource
+from orchestrator.cache_index import CATCH_UP_S, SENT_LINKS_PER_WORKER, CacheIndex, EventSource
+from tests.waiting import eventually_async
 
 W1, W2 = "http://w1", "http://w2"
 SYSTEM = b"s" * 8192
@@ -128,3 +132,45 @@ def test_work_a_worker_was_given_is_read_from_its_events_and_fades() -> None:
     index.apply(W1, [AllBlocksCleared(), stored(CHAIN.links)])  # a snapshot: a picture, not new work
     assert index.recent_bytes(W1) == given / 2
     assert index.recent_bytes(W2) is None  # no events flow from it
+
+
+async def test_a_worker_is_caught_up_once_its_event_history_has_been_read() -> None:
+    """A worker with a replay socket: until its history is read, routing to it would be blind (``/health`` says
+    so); a published batch (or an empty history's answer) ends it."""
+    publisher = EventPublisher("tcp://127.0.0.1:0", "tcp://127.0.0.1:0")
+    publisher.start()
+    publisher.publish([stored((7,))])
+    index = CacheIndex()
+    try:
+        assert not index.catching_up("http://w")  # not followed: nothing to wait for
+        index.subscribe("http://w", EventSource(publisher.endpoint, publisher.replay_endpoint, "a"))
+        assert await eventually_async(lambda: not index.catching_up("http://w"))
+        assert index.publishes("http://w")
+    finally:
+        await index.aclose()
+        await publisher.aclose()
+
+
+async def test_a_replay_that_never_answers_is_waited_for_a_bounded_time() -> None:
+    """A replay socket that takes the request and says nothing keeps the worker catching up for ``CATCH_UP_S``
+    only; a worker without a replay socket has no history to wait for."""
+    clock = Clock()
+    context = zmq.asyncio.Context.instance()
+    silent = context.socket(zmq.ROUTER)
+    silent.bind("tcp://127.0.0.1:0")
+    live = context.socket(zmq.PUB)
+    live.bind("tcp://127.0.0.1:0")
+    index = CacheIndex(clock=clock)
+    try:
+        endpoint = live.getsockopt_string(zmq.LAST_ENDPOINT)
+        index.subscribe("http://silent", EventSource(endpoint, silent.getsockopt_string(zmq.LAST_ENDPOINT), "a"))
+        index.subscribe("http://no-history", EventSource(endpoint, None, "a"))
+        assert await silent.poll(60_000)  # the replay request arrived, and goes unanswered
+        assert index.catching_up("http://silent")
+        assert not index.catching_up("http://no-history")
+        clock.now += CATCH_UP_S
+        assert not index.catching_up("http://silent")
+    finally:
+        await index.aclose()
+        silent.close(linger=0)
+        live.close(linger=0)
