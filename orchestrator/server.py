@@ -149,6 +149,7 @@ def create_orchestrator_app(
                    for pool, group in ((ctx_pool, config.context_servers), (gen_pool, config.generation_servers))
                    if group.discovery is not None]
     inflight = {"count": 0}
+    started = {"ready": False}  # /health said ready once: from then on only worker health decides
     try:
         tenants = Tenants(config.tenants, metrics, process_share=config.admission.process_share)
     except ValueError as exc:
@@ -382,10 +383,12 @@ def create_orchestrator_app(
 
     @app.get("/health")
     async def health() -> Response:
-        # Ready once both roles have a healthy worker and the KV-event history of those that keep one has been
-        # read (CATCH_UP_S at most each): before that, cache-aware routing would send follow-ups blind.
+        # Ready once both roles have a healthy worker and, the first time, once the KV-event history of those that
+        # keep one has been read (CATCH_UP_S at most each): before that, cache-aware routing would send follow-ups
+        # blind. Later, a worker that restarts is caught up with while the others serve: readiness does not flap.
         catching_up = ctx_pool.catching_up() + gen_pool.catching_up()
-        ready = ctx_pool.has_healthy and gen_pool.has_healthy and not catching_up
+        ready = ctx_pool.has_healthy and gen_pool.has_healthy and (not catching_up or started["ready"])
+        started["ready"] = started["ready"] or ready
         body: dict[str, object] = {
             "status": "ok" if ready else "unavailable",
             "context_servers": {w.url: w.healthy for w in ctx_pool.workers},
