@@ -70,12 +70,22 @@ class Usage:
 
 
 @dataclass(frozen=True, slots=True)
+class ResponsesSettings:
+    """What a Responses request set that its Response object repeats (null where it set nothing)."""
+
+    instructions: str | None = None
+    temperature: float | None = None
+    max_output_tokens: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class ResponseIdentity:
     endpoint: Endpoint
     response_id: str
     model: str
     created: int = field(default_factory=lambda: int(time.time()))
     system_fingerprint: str = SYSTEM_FINGERPRINT
+    settings: ResponsesSettings = ResponsesSettings()
 
 
 def _bytes_of(text: str, raw: bytes | None) -> list[int]:
@@ -210,6 +220,9 @@ def _responses_object(
         "created_at": ident.created,
         "model": ident.model,
         "status": status,
+        "instructions": ident.settings.instructions,
+        "temperature": ident.settings.temperature,
+        "max_output_tokens": ident.settings.max_output_tokens,
         "output": output,
         "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
         "error": None,
@@ -365,7 +378,10 @@ def replay_as_stream(endpoint: Endpoint, response: dict[str, Any], include_usage
     choices, text, logprobs, prompt logprobs, fingerprint and usage the whole answer has."""
     usage = Usage.from_openai(response.get("usage"))
     if endpoint == "responses":
-        ident = ResponseIdentity(endpoint, response["id"], response["model"], response["created_at"])
+        settings = ResponsesSettings(response.get("instructions"), response.get("temperature"),
+                                     response.get("max_output_tokens"))
+        ident = ResponseIdentity(endpoint, response["id"], response["model"], response["created_at"],
+                                 settings=settings)
         output = response.get("output") or []
         text = output[0]["content"][0]["text"] if output else ""
         renderer = StreamRenderer(ident, include_usage)

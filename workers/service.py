@@ -15,8 +15,8 @@ from frontend.disaggregated_params import DisaggregatedParams
 from frontend.errors import EngineError, InvalidRequestError, ModelNotFoundError, OverloadedError, ServingError
 from frontend.http import validate_wire
 from frontend.metrics import Metrics
-from frontend.openai_models import GenerationWireRequest, refuse_unsupported_parameters
-from frontend.openai_output import ResponseIdentity
+from frontend.openai_models import GenerationWireRequest, ResponsesRequest, refuse_unsupported_parameters
+from frontend.openai_output import ResponseIdentity, ResponsesSettings
 from frontend.prefix_chain import PrefixChain
 from frontend.structured_output import output_constraint
 from workers.dialects import NATIVE, AnswerDialect
@@ -44,6 +44,13 @@ from workers.trtllm.lifecycle import LifecycleControl
 logger = logging.getLogger("disagg_serve.worker")
 
 _ID_PREFIX = {"chat": "chatcmpl-", "completions": "cmpl-", "responses": "resp_"}
+
+
+def responses_settings(wire: GenerationWireRequest) -> ResponsesSettings:
+    """What a Responses request set that its Response object repeats; nothing for the other endpoints."""
+    if not isinstance(wire, ResponsesRequest):
+        return ResponsesSettings()
+    return ResponsesSettings(wire.instructions, wire.temperature, wire.max_output_tokens)
 
 
 class WorkerService:
@@ -157,7 +164,8 @@ class WorkerService:
         if phase is Phase.GENERATION_ONLY:
             self.metrics.gen_prompt_path.labels(path=prompt.path.value).inc()
         endpoint = endpoint_of(wire)
-        ident = ResponseIdentity(endpoint, _ID_PREFIX[endpoint] + request_id, info.model)
+        ident = ResponseIdentity(endpoint, _ID_PREFIX[endpoint] + request_id, info.model,
+                                 settings=responses_settings(wire))
         tool_call = constraint is not None and constraint.tool_call
         # Only an engine run holds the prompt's KV: not an answer made of CTX's first tokens alone.
         chain = self._chain(chain_header, request_id) if chain_header and not answered_at_context else None

@@ -280,3 +280,27 @@ def test_the_synthetic_engine_refuses_n_above_1_by_name(cluster: Cluster, node: 
     assert reply.status_code == 400
     assert reply.json()["error"]["param"] == "n"
     assert reply.json()["error"]["code"] == "unsupported_parameter"
+
+
+@pytest.mark.parametrize("node", ["aggregated", "orchestrator"])
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_a_response_object_repeats_what_the_request_set(cluster: Cluster, node: str, stream: bool) -> None:
+    """instructions, temperature and max_output_tokens as the request set them (they read null before), whole and in
+    the stream's created and final events; null where the request set nothing. Through CTX and GEN, GEN gets no
+    instructions (the prompt travels as tokens), so only the other two are checked there."""
+    url = getattr(cluster, node).url + "/v1/responses"
+    set_ = {"instructions": "Be kind.", "temperature": 0.5, "max_output_tokens": 3}
+    checked = set_ if node == "aggregated" else ("temperature", "max_output_tokens")
+    unset = {"instructions": None, "temperature": None, "max_output_tokens": 2}  # a budget keeps the stream short
+    for asked, expected in ((set_, set_), ({"max_output_tokens": 2}, unset)):
+        reply = httpx.post(url, json={"model": MODEL, "input": "hi", "stream": stream, **asked}, timeout=30)
+        assert reply.status_code == 200, reply.text
+        if not stream:
+            objects = [reply.json()]
+        else:
+            events = [orjson.loads(line[6:]) for line in reply.text.splitlines() if line.startswith("data: ")]
+            objects = [e["response"] for e in events if e["type"] in ("response.created", "response.incomplete",
+                                                                     "response.completed")]
+            assert len(objects) == 2
+        for answer in objects:
+            assert {name: answer[name] for name in checked} == {name: expected[name] for name in checked}
