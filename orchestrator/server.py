@@ -15,10 +15,12 @@ from pydantic import BaseModel
 from starlette.responses import Response
 
 from frontend import tracing
+from frontend.anthropic.errors import as_anthropic
+from frontend.anthropic.models import CountTokensRequest, MessagesRequest
 from frontend.asgi_fast_path import Exchange, FastPathApp
 from frontend.auth import check_bearer, require_bearer
 from frontend.config import ConfigError, OrchestratorConfig, ResponseStoreConfig, ServerGroupConfig
-from frontend.errors import AuthenticationError, InvalidRequestError, ModelNotFoundError
+from frontend.errors import AuthenticationError, InvalidRequestError, ModelNotFoundError, ServingError
 from frontend.http import (
     REQUEST_ID_HEADER,
     BodyBudget,
@@ -46,6 +48,7 @@ from orchestrator.conversation import header_order, read_conversation
 from orchestrator.discovery import DnsDiscovery
 from orchestrator.flow.disagg_flow import DisaggFlow
 from orchestrator.flow.request import PATHS, Answer, FlowRequest, StreamedAnswer, WholeAnswer, check_client_body
+from orchestrator.messages import COUNT_TOKENS_PATH, MESSAGES_PATH, authorization, count_tokens, serve_messages
 from orchestrator.metric_labels import CTX_POOL_NAME, GEN_POOL_NAME, MODELS_STEP, export_known_series
 from orchestrator.pool import BreakerSettings, HealthMonitor, WorkerPool
 from orchestrator.relay import RelayedStream
@@ -57,8 +60,9 @@ from orchestrator.upstream.base import WorkerTimeouts
 from orchestrator.upstream.choice import make_transport
 
 ROLE = "orchestrator"
-SPAN_NAMES: dict[Endpoint, str] = {"chat": "orchestrator chat", "completions": "orchestrator completions",
-                                   "responses": "orchestrator responses"}  # built once, not per request
+SPAN_NAMES: dict[str, str] = {"chat": "orchestrator chat", "completions": "orchestrator completions",
+                              "responses": "orchestrator responses",
+                              "messages": "orchestrator messages"}  # built once, not per request
 WIRE_MODELS: dict[Endpoint, type[BaseModel]] = {"chat": ChatCompletionRequest, "completions": CompletionRequest,
                                                 "responses": ResponsesRequest}  # for the OpenAPI schema
 logger = logging.getLogger("disagg_serve.orchestrator")
@@ -190,7 +194,8 @@ def create_orchestrator_app(
     app.state.pools = pools
     install_error_handlers(app)
     install_request_ids(app)
-    install_body_schemas(app, [ChatCompletionRequest, CompletionRequest, ResponsesRequest])
+    install_body_schemas(app, [ChatCompletionRequest, CompletionRequest, ResponsesRequest, MessagesRequest,
+                               CountTokensRequest])
 
     # Label lookups made once, not per request (frontend.metrics.LabelledChildren says what they cost).
     inflight_gauge = metrics.engine_inflight.labels(role=ROLE)
@@ -214,7 +219,7 @@ def create_orchestrator_app(
             check_bearer(authorization, api_key)
         return tenant
 
-    def release(endpoint: Endpoint, started: float, span: Any, flow_request: FlowRequest | None,
+    def release(endpoint: str, started: float, span: Any, flow_request: FlowRequest | None,
                 status: int) -> None:
         """The request's end, counted: ``flow_request`` is None for a request that failed before its body was
         parsed. (Its slots are freed before: ``free_slots``.)"""
@@ -231,11 +236,14 @@ def create_orchestrator_app(
                                                  "ctx_worker": flow_request.ctx_worker if flow_request else None,
                                                  "gen_worker": flow_request.gen_worker if flow_request else None})
 
-    async def handle(exchange: Exchange, endpoint: Endpoint) -> None:
+    async def handle(exchange: Exchange, endpoint: Endpoint, label: str | None = None) -> None:
         """The hot path, served bare (``frontend.asgi_fast_path``): admit -> read -> flow -> answer or stream.
-        The exchange turns what this raises into the answer; a client that leaves cancels this coroutine."""
+        The exchange turns what this raises into the answer; a client that leaves cancels this coroutine.
+        ``label``: the route's name in metrics and traces where it is not ``endpoint`` (``/v1/messages`` runs
+        as chat: orchestrator/messages.py)."""
+        label = label or endpoint
         # The request's trace: a child of the client's traceparent when it sent one (None when tracing is off).
-        span = tracing.start(SPAN_NAMES[endpoint], exchange.headers, server=True) if tracing.enabled() else None
+        span = tracing.start(SPAN_NAMES[label], exchange.headers, server=True) if tracing.enabled() else None
         admission = tracing.start("admission", span)
         try:
             tenant = authenticate(exchange.header(b"authorization"))
@@ -275,8 +283,8 @@ def create_orchestrator_app(
                 raise
         except BaseException as exc:
             status = exchange.status_of(exc)
-            requests_count(ROLE, endpoint, str(status)).inc()
-            request_latency(endpoint).observe(time.perf_counter() - started)
+            requests_count(ROLE, label, str(status)).inc()
+            request_latency(label).observe(time.perf_counter() - started)
             tracing.end(admission, error=exc)
             tracing.end(span, {"http.status_code": status})
             raise
@@ -344,11 +352,24 @@ def create_orchestrator_app(
             raise
         finally:
             free_slots()
-            release(endpoint, started, span, flow_request, status)
+            release(label, started, span, flow_request, status)
 
     for endpoint, path in PATHS.items():
         app.fast_post(path, partial(handle, endpoint=endpoint), name=path.removeprefix("/v1/").replace("/", "_"),
                       openapi_extra=json_body(WIRE_MODELS[endpoint]))
+
+    app.fast_post(MESSAGES_PATH, partial(serve_messages, handle=partial(handle, endpoint="chat", label="messages")),
+                  name="messages", openapi_extra=json_body(MessagesRequest))
+
+    @app.post(COUNT_TOKENS_PATH, openapi_extra=json_body(CountTokensRequest))
+    async def messages_count_tokens(request: Request) -> Response:
+        try:
+            authenticate(authorization(lambda name: request.headers.get(name.decode("latin-1"))))
+            raw = await read_body(request, config.max_body_bytes)
+            counted = await count_tokens(flow.retry, ctx_pool, raw, {REQUEST_ID_HEADER: request.state.request_id})
+        except ServingError as exc:
+            raise as_anthropic(exc) from exc
+        return JSONBytesResponse(counted)
 
     @app.get("/v1/responses/{response_id}")
     async def stored_response(request: Request, response_id: str) -> Response:

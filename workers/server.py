@@ -14,6 +14,7 @@ from fastapi import FastAPI, Request
 from starlette.responses import Response, StreamingResponse
 
 from frontend import tracing
+from frontend.anthropic.models import CountTokensRequest, MessagesRequest
 from frontend.auth import require_bearer
 from frontend.errors import InvalidRequestError, ModelNotFoundError, ServingError
 from frontend.http import (
@@ -51,6 +52,7 @@ from workers.engines.base import (
 from workers.engines.request import Phase
 from workers.handoff_counts import LedgerCounts, export_known_series
 from workers.kv_event_publishing import KvEventPublishing
+from workers.messages import install_messages_routes
 from workers.prepared_generation import PreparedGeneration
 from workers.registration import Registration
 from workers.service import WorkerService
@@ -78,7 +80,8 @@ def create_worker_app(
     counted = LedgerCounts(metrics)
     tokenized = TokenizeCounts(metrics)
     export_known_series(metrics, engine, settings.role)
-    span_names = {e: f"{settings.role} {e}" for e in ("chat", "completions", "responses")}  # not per request
+    # Built once, not per request.
+    span_names = {e: f"{settings.role} {e}" for e in ("chat", "completions", "responses", "messages")}
     kv_events = KvEventPublishing(engine, settings, service)
     chain_secret = settings.internal_secret  # a prefix chain is believed only from its holder (the orchestrator)
 
@@ -117,7 +120,8 @@ def create_worker_app(
     app.state.body_budget = BodyBudget(settings.max_body_bytes_reading)
     install_error_handlers(app)
     install_request_ids(app)
-    install_body_schemas(app, [ChatCompletionRequest, CompletionRequest, ResponsesRequest])
+    install_body_schemas(app, [ChatCompletionRequest, CompletionRequest, ResponsesRequest, MessagesRequest,
+                               CountTokensRequest])
 
     async def serve(request: Request, wire_model: type[GenerationWireRequest], endpoint: str) -> Response:
         """Read the body -> admit -> prepare -> a stream, or the whole answer; counted and traced once, with the
@@ -235,6 +239,7 @@ def create_worker_app(
         return json_response({"released": released})
 
     install_lifecycle_routes(app, settings, service.lifecycle, service.board)
+    install_messages_routes(app, service, settings, metrics, serve)
 
     def model_card() -> dict[str, Any]:
         info = engine.info

@@ -1,0 +1,127 @@
+"""A chat answer's SSE stream as Anthropic's event stream, in its order: ``message_start``, ``ping``, per content
+block ``content_block_start`` / ``content_block_delta`` (``text_delta``, ``input_json_delta``) /
+``content_block_stop``, then ``message_delta`` (stop reason and usage) and ``message_stop``; or an ``error`` event
+where the chat stream ended with an error. The chat stream is asked for its usage (``stream_options``): its last
+chunk fills ``message_delta``'s usage, which carries the prompt's counts too (``message_start`` cannot: they are
+known at the end)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import orjson
+
+from frontend.anthropic.errors import error_event_from_openai
+from frontend.anthropic.translate import message_id, stop_reason, tool_use_block, usage
+from frontend.sse import FrameSplitter, close_frames, event_frame
+
+_DATA = b"data: "
+_DONE = b"[DONE]"
+
+
+class MessagesStream:
+    """The translation's state: which content block is open, and what the end events will say."""
+
+    def __init__(self) -> None:
+        self.started = False
+        self.ended = False
+        self.block: int | None = None  # the open block's index
+        self.blocks = 0
+        self.finish: str | None = None
+        self.usage: dict[str, Any] | None = None
+
+    def events(self, frame: bytes) -> list[bytes]:
+        """The events for one whole chat SSE frame (``data: ...``)."""
+        if self.ended:
+            return []
+        data = _data_of(frame)
+        if data is None:
+            return []
+        if data == _DONE:
+            return self._end()
+        payload = orjson.loads(data)
+        if "error" in payload:
+            self.ended = True
+            return [error_event_from_openai(payload)]
+        events = [] if self.started else self._start(payload)
+        if payload.get("usage"):
+            self.usage = payload["usage"]
+        for choice in payload.get("choices") or ():
+            delta = choice.get("delta") or {}
+            text = delta.get("content")
+            if text:
+                events += self._text(text)
+            for call in delta.get("tool_calls") or ():
+                events += self._tool_use(call)
+            if choice.get("finish_reason") is not None:
+                self.finish = choice["finish_reason"]
+                events += self._close_block()
+        return events
+
+    def _start(self, chunk: dict[str, Any]) -> list[bytes]:
+        self.started = True
+        message = {"id": message_id(str(chunk.get("id", ""))), "type": "message", "role": "assistant",
+                   "model": chunk.get("model", ""), "content": [], "stop_reason": None, "stop_sequence": None,
+                   "usage": {"input_tokens": 0, "output_tokens": 0}}
+        return [event_frame("message_start", {"type": "message_start", "message": message}),
+                event_frame("ping", {"type": "ping"})]
+
+    def _text(self, text: str) -> list[bytes]:
+        events = []
+        if self.block is None:
+            events.append(self._open({"type": "text", "text": ""}))
+        events.append(event_frame("content_block_delta", {"type": "content_block_delta", "index": self.block,
+                                                          "delta": {"type": "text_delta", "text": text}}))
+        return events
+
+    def _tool_use(self, call: dict[str, Any]) -> list[bytes]:
+        block = tool_use_block(call)
+        arguments = orjson.dumps(block["input"]).decode()
+        events = [*self._close_block(), self._open({**block, "input": {}})]
+        events.append(event_frame("content_block_delta", {"type": "content_block_delta", "index": self.block,
+                                                          "delta": {"type": "input_json_delta",
+                                                                    "partial_json": arguments}}))
+        return [*events, *self._close_block()]
+
+    def _open(self, content_block: dict[str, Any]) -> bytes:
+        self.block = self.blocks
+        self.blocks += 1
+        return event_frame("content_block_start", {"type": "content_block_start", "index": self.block,
+                                                   "content_block": content_block})
+
+    def _close_block(self) -> list[bytes]:
+        if self.block is None:
+            return []
+        index, self.block = self.block, None
+        return [event_frame("content_block_stop", {"type": "content_block_stop", "index": index})]
+
+    def _end(self) -> list[bytes]:
+        self.ended = True
+        events = self._close_block()
+        delta = {"stop_reason": stop_reason(self.finish), "stop_sequence": None}
+        events.append(event_frame("message_delta", {"type": "message_delta", "delta": delta,
+                                                    "usage": usage(self.usage)}))
+        events.append(event_frame("message_stop", {"type": "message_stop"}))
+        return events
+
+
+def _data_of(frame: bytes) -> bytes | None:
+    for line in frame.split(b"\n"):
+        if line.startswith(_DATA):
+            return line[len(_DATA):].strip()
+    return None
+
+
+async def messages_events(frames: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """``frames`` (a chat stream, in pieces of any size) as Anthropic's events; ``frames`` is closed however this
+    ends."""
+    splitter = FrameSplitter()
+    stream = MessagesStream()
+    try:
+        async for piece in frames:
+            events = [event for frame in splitter.feed(piece) for event in stream.events(frame)]
+            if events:
+                yield b"".join(events)
+    finally:
+        await close_frames(frames)

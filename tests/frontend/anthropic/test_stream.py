@@ -1,0 +1,83 @@
+"""A chat stream as Anthropic's event stream, whatever its chunking."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import orjson
+import pydantic
+from anthropic.types import RawMessageStreamEvent
+
+from frontend.anthropic.stream import messages_events
+from frontend.errors import UpstreamError, sse_error_event
+from frontend.sse import DONE_FRAME, data_frame
+
+EVENTS = pydantic.TypeAdapter(RawMessageStreamEvent)
+
+
+def chunk(delta: dict[str, Any] | None = None, finish: str | None = None, usage: dict[str, Any] | None = None
+          ) -> bytes:
+    choices = [] if delta is None else [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]
+    return data_frame({"id": "chatcmpl-7", "object": "chat.completion.chunk", "created": 1, "model": "m",
+                       "choices": choices, "usage": usage})
+
+
+USAGE = {"prompt_tokens": 9, "completion_tokens": 2, "total_tokens": 11, "prompt_tokens_details": {"cached_tokens": 0}}
+
+
+async def events_of(frames: list[bytes], piece: int | None = None) -> list[tuple[str, dict[str, Any]]]:
+    raw = b"".join(frames)
+    pieces = [raw[i:i + piece] for i in range(0, len(raw), piece)] if piece else frames
+
+    async def source() -> AsyncIterator[bytes]:
+        for p in pieces:
+            yield p
+
+    out = b"".join([e async for e in messages_events(source())])
+    parsed = []
+    for frame in out.decode().split("\n\n"):
+        if frame:
+            name, data = frame.split("\n")
+            parsed.append((name.removeprefix("event: "), orjson.loads(data.removeprefix("data: "))))
+    return parsed
+
+
+async def test_text_stream_in_any_chunking() -> None:
+    frames = [chunk({"role": "assistant", "content": ""}), chunk({"content": "He"}), chunk({"content": "llo"}),
+              chunk({}, "length"), chunk(usage=USAGE), DONE_FRAME]
+    whole = await events_of(frames)
+    assert whole == await events_of(frames, piece=7)
+    assert [name for name, _ in whole] == ["message_start", "ping", "content_block_start", "content_block_delta",
+                                           "content_block_delta", "content_block_stop", "message_delta",
+                                           "message_stop"]
+    assert all(name == payload["type"] for name, payload in whole)
+    start = whole[0][1]["message"]
+    assert start["id"] == "msg_7" and start["content"] == [] and start["stop_reason"] is None
+    assert [p["delta"]["text"] for n, p in whole if n == "content_block_delta"] == ["He", "llo"]
+    assert whole[-2][1] == {"type": "message_delta", "delta": {"stop_reason": "max_tokens", "stop_sequence": None},
+                            "usage": {"input_tokens": 9, "output_tokens": 2, "cache_creation_input_tokens": 0,
+                                      "cache_read_input_tokens": 0}}
+    for name, payload in whole:
+        if name != "ping":
+            EVENTS.validate_python(payload)
+
+
+async def test_a_tool_call_is_a_tool_use_block() -> None:
+    call = {"index": 0, "id": "call_7", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}
+    events = await events_of([chunk({"role": "assistant", "content": ""}), chunk({"tool_calls": [call]}),
+                              chunk({}, "tool_calls"), chunk(usage=USAGE), DONE_FRAME])
+    assert [name for name, _ in events][2:] == ["content_block_start", "content_block_delta", "content_block_stop",
+                                                "message_delta", "message_stop"]
+    assert events[2][1]["content_block"] == {"type": "tool_use", "id": "toolu_7", "name": "f", "input": {}}
+    assert events[3][1]["delta"] == {"type": "input_json_delta", "partial_json": '{"a":1}'}
+    assert events[-2][1]["delta"]["stop_reason"] == "tool_use"
+
+
+async def test_a_failed_stream_ends_with_an_error_event() -> None:
+    events = await events_of([chunk({"role": "assistant", "content": ""}), chunk({"content": "x"}),
+                              sse_error_event(UpstreamError("the GEN worker failed")), DONE_FRAME])
+    name, payload = events[-1]
+    assert name == "error"
+    assert payload == {"type": "error", "error": {"type": "api_error", "message": "the GEN worker failed"}}
+    assert "message_stop" not in [n for n, _ in events]

@@ -1,0 +1,80 @@
+"""``/v1/messages`` on the orchestrator's edge (synthetic workers): Anthropic's credentials, its 529 where admission
+sheds load, its error shape for count_tokens, and the metrics' ``messages`` label."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import anthropic
+import httpx
+import pytest
+
+from frontend.config import parse_config
+from orchestrator.server import create_orchestrator_app
+from tests.cluster import MODEL, start_worker
+from tests.servers import running
+from workers.engines.synthetic import SyntheticConfig
+
+KEY = "secret"
+BODY: dict[str, Any] = {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
+
+
+@pytest.fixture(scope="module")
+def url() -> Iterator[str]:
+    with contextlib.ExitStack() as stack:
+        slow = SyntheticConfig(inter_token_latency_s=0.02)
+        ctx = start_worker(stack, "context", slow)
+        gen = start_worker(stack, "generation", slow)
+        config = parse_config({"context_servers": {"urls": [ctx.url]}, "generation_servers": {"urls": [gen.url]},
+                               "max_concurrent_requests": 1, "admission": {"max_queued": 0}})
+        yield stack.enter_context(running(create_orchestrator_app(config, api_key=KEY)))
+
+
+def test_x_api_key_and_bearer_both_authenticate(url: str) -> None:
+    by_key = anthropic.Anthropic(base_url=url, api_key=KEY, max_retries=0).messages.create(**BODY)
+    assert by_key.type == "message"
+    by_bearer = anthropic.Anthropic(base_url=url, auth_token=KEY, max_retries=0).messages.create(**BODY)
+    assert by_bearer.usage.output_tokens == by_key.usage.output_tokens
+    with pytest.raises(anthropic.AuthenticationError) as refused:
+        anthropic.Anthropic(base_url=url, api_key="wrong", max_retries=0).messages.create(**BODY)
+    assert refused.value.body["error"]["type"] == "authentication_error"  # type: ignore[index]
+    counted = httpx.post(url + "/v1/messages/count_tokens", headers={"x-api-key": "wrong"}, json=BODY)
+    assert counted.status_code == 401 and counted.json()["type"] == "error"
+
+
+def test_admission_sheds_load_as_anthropics_529(url: str) -> None:
+    started = threading.Event()
+
+    def hold_the_slot() -> None:
+        with httpx.stream("POST", url + "/v1/messages", headers={"x-api-key": KEY}, timeout=60,
+                          json={**BODY, "max_tokens": 100, "stream": True}) as held:
+            for _ in held.iter_bytes():
+                started.set()
+
+    holder = threading.Thread(target=hold_the_slot)
+    holder.start()
+    try:
+        assert started.wait(30)
+        shed = httpx.post(url + "/v1/messages", headers={"x-api-key": KEY}, json=BODY, timeout=30)
+        assert shed.status_code == 529, shed.text
+        assert shed.json()["error"]["type"] == "overloaded_error"
+        assert "retry-after" in shed.headers
+    finally:
+        holder.join(60)
+    shed_lines = [line for line in httpx.get(url + "/metrics").text.splitlines()
+                  if line.startswith("disagg_requests_total{") and 'status="529"' in line]
+    assert len(shed_lines) == 1 and 'endpoint="messages"' in shed_lines[0]
+
+
+def test_count_tokens_errors_are_anthropics(url: str) -> None:
+    reply = httpx.post(url + "/v1/messages/count_tokens", headers={"x-api-key": KEY},
+                       json={"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image"}]}]})
+    assert reply.status_code == 400
+    assert reply.json() == {"type": "error", "error": {"type": "invalid_request_error",
+                                                       "message": reply.json()["error"]["message"]}}
+    assert reply.json()["error"]["message"].startswith("messages.0.content.0.type")
+    not_json = httpx.post(url + "/v1/messages/count_tokens", headers={"x-api-key": KEY}, content=b"[1]")
+    assert not_json.status_code == 400 and not_json.json()["type"] == "error"
