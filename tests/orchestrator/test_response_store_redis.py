@@ -14,8 +14,8 @@ from typing import Any
 import openai
 import orjson
 import pytest
-from bench.driver.redis_server import RedisServer, redis_running
 
+from bench.driver.redis_server import RedisServer, redis_running
 from frontend.config import ResponseStoreConfig, parse_config
 from frontend.errors import ResponseStoreUnavailableError
 from frontend.metrics import Metrics
