@@ -49,6 +49,7 @@ class MessagesExchange(Exchange):
         super().__init__(client.scope, None)
         self.client = client
         self.request_id = client.request_id
+        self.stop_sequences: tuple[str, ...] = ()  # the request's, once its body is read
 
     def header(self, name: bytes) -> str | None:
         if name == b"authorization":
@@ -60,19 +61,21 @@ class MessagesExchange(Exchange):
         return self.client.headers
 
     async def read_body(self, max_bytes: int) -> bytes:
-        raw = await self.client.read_body(max_bytes)
-        return orjson.dumps(messages_request(parse_json_object(raw)).chat)
+        translated = messages_request(parse_json_object(await self.client.read_body(max_bytes)))
+        self.stop_sequences = translated.stop_sequences
+        return orjson.dumps(translated.chat)
 
     async def answer(self, body: bytes, status: int = 200, headers: Iterable[tuple[bytes, bytes]] = ()) -> None:
         if status == 200:
-            body = orjson.dumps(message_from_chat(orjson.loads(body)))
+            body = orjson.dumps(message_from_chat(orjson.loads(body), self.stop_sequences))
         await self.client.answer(body, status, headers)
 
     async def stream(self, frames: AsyncIterator[bytes], headers: RawHeaders) -> None:
-        await self.client.stream(messages_events(frames), headers)
+        await self.client.stream(messages_events(frames, self.stop_sequences), headers)
 
     async def push(self, pushed: PushedStream, headers: RawHeaders) -> None:
-        await self.client.stream(messages_events(pushed.frames()), headers)  # each chunk is read and rewritten
+        # Each chunk is read and rewritten: iterated, not pushed.
+        await self.client.stream(messages_events(pushed.frames(), self.stop_sequences), headers)
 
     def status_of(self, exc: BaseException) -> int:
         if isinstance(exc, ServingError):

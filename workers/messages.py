@@ -40,16 +40,17 @@ def install_messages_routes(app: FastAPI, service: WorkerService, settings: Work
         async def messages(request: Request) -> Response:
             try:
                 raw = await read_body(request, settings.max_body_bytes)
-                chat = orjson.dumps(messages_request(parse_json_object(raw)).chat)
+                translated = messages_request(parse_json_object(raw))
             except ServingError as exc:
                 metrics.requests.labels(role=settings.role, endpoint="messages",
                                         status=str(answered_status(as_anthropic(exc)))).inc()
                 raise as_anthropic(exc) from exc
             try:
-                answer = await serve(_with_body(request, chat), ChatCompletionRequest, "messages")
+                answer = await serve(_with_body(request, orjson.dumps(translated.chat)), ChatCompletionRequest,
+                                     "messages")
             except ServingError as exc:
                 raise as_anthropic(exc) from exc
-            return _in_anthropic_shape(answer)
+            return _in_anthropic_shape(answer, translated.stop_sequences)
 
     @app.post("/v1/messages/count_tokens", openapi_extra=json_body(CountTokensRequest))
     async def count_tokens(request: Request) -> Response:
@@ -88,8 +89,9 @@ def _with_body(request: Request, body: bytes) -> Request:
     return Request(scope, receive)
 
 
-def _in_anthropic_shape(answer: Response) -> Response:
+def _in_anthropic_shape(answer: Response, stop_sequences: tuple[str, ...]) -> Response:
     if isinstance(answer, StreamingResponse):
-        answer.body_iterator = messages_events(answer.body_iterator)  # type: ignore[arg-type]  # bytes frames
+        answer.body_iterator = messages_events(answer.body_iterator,  # type: ignore[arg-type]  # bytes frames
+                                               stop_sequences)
         return answer
-    return JSONBytesResponse(orjson.dumps(message_from_chat(orjson.loads(answer.body))))
+    return JSONBytesResponse(orjson.dumps(message_from_chat(orjson.loads(answer.body), stop_sequences)))

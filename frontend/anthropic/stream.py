@@ -3,7 +3,8 @@ block ``content_block_start`` / ``content_block_delta`` (``text_delta``, ``input
 ``content_block_stop``, then ``message_delta`` (stop reason and usage) and ``message_stop``; or an ``error`` event
 where the chat stream ended with an error. The chat stream is asked for its usage (``stream_options``): its last
 chunk fills ``message_delta``'s usage, which carries the prompt's counts too (``message_start`` cannot: they are
-known at the end)."""
+known at the end). With stop sequences, the chunks' logprobs are read for the tokens' bytes (which stop sequence
+ended the answer: ``frontend.anthropic.translate.matched_stop``) and not passed on."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from typing import Any
 import orjson
 
 from frontend.anthropic.errors import error_event_from_openai
-from frontend.anthropic.translate import message_id, stop_reason, tool_use_block, usage
+from frontend.anthropic.translate import matched_stop, message_id, stop_reason, token_bytes, tool_use_block, usage
 from frontend.sse import FrameSplitter, close_frames, event_frame
 
 _DATA = b"data: "
@@ -23,7 +24,10 @@ _DONE = b"[DONE]"
 class MessagesStream:
     """The translation's state: which content block is open, and what the end events will say."""
 
-    def __init__(self) -> None:
+    def __init__(self, stop_sequences: tuple[str, ...] = ()) -> None:
+        self.stop_sequences = stop_sequences
+        self.text: list[str] = []  # what was said, and the tokens' bytes, while a stop sequence may end it
+        self.generated: list[bytes] = []
         self.started = False
         self.ended = False
         self.block: int | None = None  # the open block's index
@@ -50,6 +54,9 @@ class MessagesStream:
         for choice in payload.get("choices") or ():
             delta = choice.get("delta") or {}
             text = delta.get("content")
+            if self.stop_sequences:
+                self.generated.append(token_bytes(choice.get("logprobs")))
+                self.text.append(text or "")
             if text:
                 events += self._text(text)
             for call in delta.get("tool_calls") or ():
@@ -99,7 +106,10 @@ class MessagesStream:
     def _end(self) -> list[bytes]:
         self.ended = True
         events = self._close_block()
-        delta = {"stop_reason": stop_reason(self.finish), "stop_sequence": None}
+        stop = None
+        if self.finish == "stop":
+            stop = matched_stop("".join(self.text), b"".join(self.generated), self.stop_sequences)
+        delta = {"stop_reason": stop_reason(self.finish, stop), "stop_sequence": stop}
         events.append(event_frame("message_delta", {"type": "message_delta", "delta": delta,
                                                     "usage": usage(self.usage)}))
         events.append(event_frame("message_stop", {"type": "message_stop"}))
@@ -113,11 +123,12 @@ def _data_of(frame: bytes) -> bytes | None:
     return None
 
 
-async def messages_events(frames: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-    """``frames`` (a chat stream, in pieces of any size) as Anthropic's events; ``frames`` is closed however this
-    ends."""
+async def messages_events(frames: AsyncIterator[bytes], stop_sequences: tuple[str, ...] = ()
+                          ) -> AsyncIterator[bytes]:
+    """``frames`` (a chat stream, in pieces of any size) as Anthropic's events; ``stop_sequences``: the request's;
+    ``frames`` is closed however this ends."""
     splitter = FrameSplitter()
-    stream = MessagesStream()
+    stream = MessagesStream(stop_sequences)
     try:
         async for piece in frames:
             events = [event for frame in splitter.feed(piece) for event in stream.events(frame)]

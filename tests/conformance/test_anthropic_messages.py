@@ -116,12 +116,24 @@ def test_stop_sequences_end_the_answer_as_the_aggregated_workers(conformance_clu
                                                                       extra_body=GREEDY)
     text = "".join(block.text for block in unstopped.content if block.type == "text")
     stop = text[4:6]  # a stop sequence the greedy answer reaches
-    answers = [sdk(node).messages.create(model="tiny", max_tokens=16, messages=USER, stop_sequences=[stop],
+    stops = ["never said", stop]
+    answers = [sdk(node).messages.create(model="tiny", max_tokens=16, messages=USER, stop_sequences=stops,
                                          extra_body=GREEDY) for node in nodes(conformance_cluster)]
     assert answers[0].content == answers[1].content
     stopped = "".join(block.text for block in answers[0].content if block.type == "text")
     assert text.startswith(stopped) and stop not in stopped
-    assert answers[0].stop_reason == "end_turn"  # a stop string reads end_turn: docs/conformance.md
+    for answer in answers:
+        assert (answer.stop_reason, answer.stop_sequence) == ("stop_sequence", stop)
+        assert_strict(answer)
+    for node in nodes(conformance_cluster):
+        with sdk(node).messages.stream(model="tiny", max_tokens=16, messages=USER, stop_sequences=stops,
+                                       extra_body=GREEDY) as stream:
+            final = stream.get_final_message()
+        assert (final.stop_reason, final.stop_sequence) == ("stop_sequence", stop)
+        assert "".join(block.text for block in final.content if block.type == "text") == stopped
+    unreached = sdk(conformance_cluster.orchestrator).messages.create(
+        model="tiny", max_tokens=16, messages=USER, stop_sequences=["never said"], extra_body=GREEDY)
+    assert (unreached.stop_reason, unreached.stop_sequence) == ("max_tokens", None)
 
 
 def test_tool_use_round_trip(conformance_cluster: RefCluster) -> None:

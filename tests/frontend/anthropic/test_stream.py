@@ -26,7 +26,8 @@ def chunk(delta: dict[str, Any] | None = None, finish: str | None = None, usage:
 USAGE = {"prompt_tokens": 9, "completion_tokens": 2, "total_tokens": 11, "prompt_tokens_details": {"cached_tokens": 0}}
 
 
-async def events_of(frames: list[bytes], piece: int | None = None) -> list[tuple[str, dict[str, Any]]]:
+async def events_of(frames: list[bytes], piece: int | None = None, stops: tuple[str, ...] = ()
+                    ) -> list[tuple[str, dict[str, Any]]]:
     raw = b"".join(frames)
     pieces = [raw[i:i + piece] for i in range(0, len(raw), piece)] if piece else frames
 
@@ -34,7 +35,7 @@ async def events_of(frames: list[bytes], piece: int | None = None) -> list[tuple
         for p in pieces:
             yield p
 
-    out = b"".join([e async for e in messages_events(source())])
+    out = b"".join([e async for e in messages_events(source(), stops)])
     parsed = []
     for frame in out.decode().split("\n\n"):
         if frame:
@@ -81,3 +82,21 @@ async def test_a_failed_stream_ends_with_an_error_event() -> None:
     assert name == "error"
     assert payload == {"type": "error", "error": {"type": "api_error", "message": "the GEN worker failed"}}
     assert "message_stop" not in [n for n, _ in events]
+
+
+def with_logprobs(frame: bytes, *tokens: bytes) -> bytes:
+    payload = orjson.loads(frame.removeprefix(b"data: "))
+    payload["choices"][0]["logprobs"] = {"content": [{"token": "", "logprob": 0.0, "bytes": list(t),
+                                                      "top_logprobs": []} for t in tokens], "refusal": None}
+    return data_frame(payload)
+
+
+async def test_a_stop_sequence_is_told_in_message_delta() -> None:
+    frames = [chunk({"role": "assistant", "content": ""}), with_logprobs(chunk({"content": "He"}), b"He"),
+              with_logprobs(chunk({"content": "y"}), b"y", b" S"), with_logprobs(chunk({}, "stop"), b"TOP"),
+              chunk(usage=USAGE), DONE_FRAME]
+    events = await events_of(frames, stops=(" STOP",))
+    assert events[-2][1]["delta"] == {"stop_reason": "stop_sequence", "stop_sequence": " STOP"}
+    assert all("logprobs" not in payload.get("delta", {}) for _, payload in events)
+    assert (await events_of(frames, stops=("nope",)))[-2][1]["delta"] == {"stop_reason": "end_turn",
+                                                                           "stop_sequence": None}

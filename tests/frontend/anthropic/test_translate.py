@@ -7,7 +7,13 @@ from typing import Any
 import pytest
 from anthropic.types import Message
 
-from frontend.anthropic.translate import count_tokens_request, message_from_chat, messages_request, usage
+from frontend.anthropic.translate import (
+    count_tokens_request,
+    matched_stop,
+    message_from_chat,
+    messages_request,
+    usage,
+)
 from frontend.errors import InvalidRequestError
 
 TOOL: dict[str, Any] = {"name": "get_weather", "description": "The weather.",
@@ -30,6 +36,8 @@ def test_sampling_stops_stream_and_session_carry_over() -> None:
                                           metadata={"user_id": "u-1"}))
     chat = translated.chat
     assert (chat["temperature"], chat["top_p"], chat["top_k"], chat["stop"]) == (0.2, 0.9, 5, ["\n\n"])
+    assert chat["logprobs"] is True  # the tokens' bytes say which stop sequence ended the answer
+    assert translated.stop_sequences == ("\n\n",)
     assert chat["stream"] is True and chat["stream_options"] == {"include_usage": True}
     assert chat["conversation_params"] == {"conversation_id": "u-1"}  # the session key of cache-aware routing
     assert translated.streaming
@@ -149,3 +157,30 @@ def test_a_tool_call_answer() -> None:
 def test_usage_without_cache() -> None:
     assert usage({"prompt_tokens": 7, "completion_tokens": 1}) == {
         "input_tokens": 7, "output_tokens": 1, "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0}
+
+
+def logprobs(*tokens: bytes) -> dict[str, Any]:
+    return {"content": [{"token": t.decode("utf-8", "replace"), "logprob": 0.0, "bytes": list(t), "top_logprobs": []}
+                        for t in tokens], "refusal": None}
+
+
+def test_the_stop_sequence_is_read_from_the_tokens_bytes() -> None:
+    answer = chat_answer(content="It is")
+    answer["choices"][0]["logprobs"] = logprobs(b"It", b" is", b" END", b"ING")
+    message = message_from_chat(answer, ("\n", " END"))
+    assert (message["stop_reason"], message["stop_sequence"]) == ("stop_sequence", " END")
+    Message.model_validate(message)
+    answer["choices"][0]["logprobs"] = logprobs(b"It", b" is", b"</s>")  # the model ended its turn
+    assert message_from_chat(answer, (" END",))["stop_reason"] == "end_turn"
+
+
+@pytest.mark.parametrize(("text", "generated", "stops", "matched"), [
+    ("ab", b"abXYZ", ("XY", "Q"), "XY"),
+    ("ab", b"abXYZ", ("XYZ", "X"), "X"),  # the shortest is the one the tokens reached first
+    ("ab", b"ab", ("X",), None),
+    ("\u00e9", "\u00e9!".encode(), ("!",), "!"),
+    ("", b"STOP", ("STOP",), "STOP"),
+    ("a\ufffd", b"a\xe9!", ("!",), "!"),  # a byte that is no character: compared as text
+])
+def test_matched_stop(text: str, generated: bytes, stops: tuple[str, ...], matched: str | None) -> None:
+    assert matched_stop(text, generated, stops) == matched
