@@ -179,7 +179,7 @@ def refuse_unservable(body: dict[str, Any]) -> None:
         raise UnsupportedParameterError("only speed 'standard' is served here", param="speed")
     for index, tool in enumerate(_list(body.get("tools"))):
         kind = tool.get("type") if isinstance(tool, dict) else None
-        if kind is not None and kind not in CLIENT_TOOL_TYPES:
+        if isinstance(kind, str) and kind not in CLIENT_TOOL_TYPES:
             raise UnsupportedParameterError(f"the server tool '{kind}' is not supported: only client tools "
                                             "(type 'custom' or none) are", param=f"tools.{index}.type")
     system = body.get("system")
