@@ -28,7 +28,7 @@ from frontend.anthropic.models import (
     ToolUseBlock,
     refuse_unservable,
 )
-from frontend.errors import InvalidRequestError
+from frontend.errors import InvalidRequestError, UnsupportedParameterError
 from frontend.http import validate_wire
 
 DEFAULT_TEMPERATURE = 1.0  # Anthropic's, where a request sets none
@@ -109,6 +109,12 @@ def _chat_messages(request: CountTokensRequest) -> list[dict[str, Any]]:
     if system:
         text = system if isinstance(system, str) else "\n\n".join(block.text for block in system)
         messages.append({"role": "system", "content": text})
+    last = request.messages[-1]
+    if last.role == "assistant":
+        # Prefill: Anthropic continues the final assistant turn; a chat template closes it and opens another.
+        raise UnsupportedParameterError("a final assistant turn (prefill) is not supported: the chat templates "
+                                        "here close an assistant turn; end with a user turn",
+                                        param=f"messages.{len(request.messages) - 1}.role")
     for message in request.messages:
         content = message.content
         if isinstance(content, str):

@@ -105,6 +105,8 @@ def test_output_config_format_is_a_json_schema_response_format() -> None:
     ({"tools": [TOOL], "tool_choice": {"type": "tool", "name": "other"}}, "tool_choice.name"),
     ({"tool_choice": {"type": "any"}}, "tool_choice"),
     ({"container": "c"}, "container"),
+    ({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "The answer is ("}]},
+     "messages.1.role"),
     ({"speed": "fast"}, "speed"),
     ({"tools": [TOOL], "tool_choice": {"type": "any"},
       "output_config": {"format": {"type": "json_schema", "schema": {"type": "object"}}}}, "output_config.format"),
