@@ -1,5 +1,6 @@
-"""``/v1/messages`` on the orchestrator's edge (synthetic workers): Anthropic's credentials, its 529 where admission
-sheds load, its error shape for count_tokens, and the metrics' ``messages`` label."""
+"""``/v1/messages`` on the orchestrator's edge (synthetic workers): it runs as chat through CTX and GEN, with
+``metadata.user_id`` as the conversation; Anthropic's credentials, its 529 where admission sheds load, its error
+shape for count_tokens, the metrics' ``messages`` label, and a client that leaves stopping both legs."""
 
 from __future__ import annotations
 
@@ -14,8 +15,9 @@ import pytest
 
 from frontend.config import parse_config
 from orchestrator.server import create_orchestrator_app
-from tests.cluster import MODEL, start_worker
+from tests.cluster import MODEL, Node, sample, start_worker
 from tests.servers import running
+from tests.waiting import eventually
 from workers.engines.synthetic import SyntheticConfig
 
 KEY = "secret"
@@ -23,14 +25,45 @@ BODY: dict[str, Any] = {"model": MODEL, "max_tokens": 4, "messages": [{"role": "
 
 
 @pytest.fixture(scope="module")
-def url() -> Iterator[str]:
+def system() -> Iterator[tuple[str, Node, Node]]:
     with contextlib.ExitStack() as stack:
         slow = SyntheticConfig(inter_token_latency_s=0.02)
         ctx = start_worker(stack, "context", slow)
         gen = start_worker(stack, "generation", slow)
         config = parse_config({"context_servers": {"urls": [ctx.url]}, "generation_servers": {"urls": [gen.url]},
                                "max_concurrent_requests": 1, "admission": {"max_queued": 0}})
-        yield stack.enter_context(running(create_orchestrator_app(config, api_key=KEY)))
+        yield stack.enter_context(running(create_orchestrator_app(config, api_key=KEY))), ctx, gen
+
+
+@pytest.fixture
+def url(system: tuple[str, Node, Node]) -> str:
+    return system[0]
+
+
+def test_it_runs_as_chat_through_ctx_and_gen_with_the_user_as_the_conversation(
+        system: tuple[str, Node, Node]) -> None:
+    url, ctx, gen = system
+    assert ctx.recorder is not None and gen.recorder is not None
+    ctx_before, gen_before = len(ctx.recorder.posts()), len(gen.recorder.posts())
+    client = anthropic.Anthropic(base_url=url, api_key=KEY, max_retries=0)
+    client.messages.create(**BODY, metadata={"user_id": "agent-42"})
+    (to_ctx,) = ctx.recorder.posts()[ctx_before:]
+    (to_gen,) = gen.recorder.posts()[gen_before:]
+    assert to_ctx.path == to_gen.path == "/v1/chat/completions"
+    assert to_ctx.request_json()["conversation_params"] == {"conversation_id": "agent-42"}
+    assert to_ctx.request_json()["disaggregated_params"]["request_type"] == "context_only"
+
+
+def test_a_client_that_leaves_stops_both_legs(system: tuple[str, Node, Node]) -> None:
+    url, ctx, gen = system
+    with httpx.stream("POST", url + "/v1/messages", headers={"x-api-key": KEY}, timeout=60,
+                      json={**BODY, "max_tokens": 1000, "stream": True}) as reply:
+        for piece in reply.iter_bytes():
+            if b"content_block_delta" in piece:
+                break  # gone mid-stream
+    # 1000 tokens at 20 ms each would hold GEN for 20 s: it stops well before.
+    assert eventually(lambda: sample(gen.metrics, "disagg_engine_inflight_requests", role="generation") == 0, 5.0)
+    assert sample(ctx.metrics, "disagg_engine_inflight_requests", role="context") == 0
 
 
 def test_x_api_key_and_bearer_both_authenticate(url: str) -> None:
