@@ -9,6 +9,7 @@ from typing import Any, Protocol
 import pybase64
 
 from frontend.disaggregated_params import DisaggregatedParams
+from frontend.openai_models import GenerationWireRequest
 from frontend.sampling import SamplingParams
 from frontend.token_codec import encode_prompt_tokens
 from workers.engines.request import GenerationRequest, Phase
@@ -16,11 +17,12 @@ from workers.text_stream import CollectedChoice, CollectedOutput
 
 
 class AnswerDialect(Protocol):
-    def refuse_unservable(self, sampling: SamplingParams, phase: Phase) -> None:
-        """Refuse, before the engine runs, what this shape's hand-off cannot carry."""
+    def refuse_unservable(self, wire: GenerationWireRequest, sampling: SamplingParams, phase: Phase) -> None:
+        """Refuse, before the engine runs, what this shape cannot carry."""
 
-    def answered_at_context(self, disagg: DisaggregatedParams | None, max_tokens: int) -> bool:
-        """Whether CTX's first tokens are this GEN request's whole answer (no engine is asked)."""
+    def answered_at_context(self, disagg: DisaggregatedParams | None, sampling: SamplingParams) -> bool:
+        """Whether CTX's first tokens are this GEN request's whole answer (no engine is asked); ``sampling`` has its
+        budget resolved."""
 
     def add_context_fields(self, body: dict[str, Any], request: GenerationRequest, disagg: DisaggregatedParams,
                            out: CollectedOutput, endpoint: str) -> None:
@@ -51,10 +53,10 @@ def sequence_start(choice: CollectedChoice, with_logprobs: bool) -> dict[str, An
 class Native:
     """Our own shape: every field we have, the hand-off of n sequences, the prompt as base64 int32 when asked."""
 
-    def refuse_unservable(self, sampling: SamplingParams, phase: Phase) -> None:
+    def refuse_unservable(self, wire: GenerationWireRequest, sampling: SamplingParams, phase: Phase) -> None:
         return None
 
-    def answered_at_context(self, disagg: DisaggregatedParams | None, max_tokens: int) -> bool:
+    def answered_at_context(self, disagg: DisaggregatedParams | None, sampling: SamplingParams) -> bool:
         return False  # our CTX says when it finished, and our orchestrator then calls no GEN
 
     def add_context_fields(self, body: dict[str, Any], request: GenerationRequest, disagg: DisaggregatedParams,

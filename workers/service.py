@@ -73,6 +73,7 @@ class WorkerService:
         self.callers = InternalCallers(secret, settings.trtllm_auth_key)
         self.renderer = Renderer(engine)
         self._trtllm = Trtllm(self.lifecycle, self.board)
+        self._trtllm_for_us = Trtllm(self.lifecycle, self.board, keeps_prompt_logprobs=True)
 
     @property
     def tokenizer(self) -> Tokenizer:
@@ -97,10 +98,13 @@ class WorkerService:
         self._inflight_gauge.dec()
 
     # -- prepare ----------------------------------------------------------------------------------------------------
-    def dialect_of(self, disagg: DisaggregatedParams | None) -> AnswerDialect:
+    def dialect_of(self, disagg: DisaggregatedParams | None, from_our_process: bool = False) -> AnswerDialect:
         """The answer's shape: TensorRT-LLM's for a cross-side caller that did not ask for ours (our orchestrator
-        always sets ``native_extensions``), ours otherwise. Chosen here only."""
-        return self._trtllm if disagg is not None and not disagg.native_extensions else NATIVE
+        sets ``native_extensions`` on its own wire), ours otherwise; TensorRT-LLM's keeps our ``prompt_logprobs``
+        for a caller that proved it is one of this deployment's processes. Chosen here only."""
+        if disagg is None or disagg.native_extensions:
+            return NATIVE
+        return self._trtllm_for_us if from_our_process else self._trtllm
 
     async def prepare(self, body: dict[str, Any], wire_model: type[GenerationWireRequest],
                       chain_header: str | None = None, headers: Mapping[str, str] | None = None
@@ -130,7 +134,8 @@ class WorkerService:
                 assert disagg is not None
                 disagg = await wait_for_handoff(disagg, self.lifecycle, self.settings.lifecycle.generation_first_wait_s,
                                                 grant)
-            prepared = await self._prepare(wire, disagg, phase, request_id, chain_header)
+            dialect = self.dialect_of(disagg, self.callers.has_token(headers or {}))
+            prepared = await self._prepare(wire, disagg, dialect, phase, request_id, chain_header)
         except BaseException:
             if grant is not None:
                 self.lifecycle.finish(grant, ok=False)
@@ -138,18 +143,17 @@ class WorkerService:
         prepared.grant = grant
         return prepared
 
-    async def _prepare(self, wire: GenerationWireRequest, disagg: DisaggregatedParams | None, phase: Phase,
-                       request_id: str, chain_header: str | None) -> PreparedGeneration:
+    async def _prepare(self, wire: GenerationWireRequest, disagg: DisaggregatedParams | None, dialect: AnswerDialect,
+                       phase: Phase, request_id: str, chain_header: str | None) -> PreparedGeneration:
         info = self.engine.info
-        dialect = self.dialect_of(disagg)
         constraint = output_constraint(wire)
         sampling = sampling_params_from(wire, info, constraint)
-        dialect.refuse_unservable(sampling, phase)
+        dialect.refuse_unservable(wire, sampling, phase)
         prompt = await prepare_prompt(wire, sampling, info, self.tokenizer)
         sampling = resolve_max_tokens(wire, sampling, int(prompt.tokens.size), info)
         assert sampling.max_tokens is not None
         # Decided against the resolved budget: only first tokens that used it all up finish the request at CTX.
-        answered_at_context = dialect.answered_at_context(disagg, sampling.max_tokens)
+        answered_at_context = dialect.answered_at_context(disagg, sampling)
         if answered_at_context:
             phase = Phase.AGGREGATED  # nothing to continue from: answered from CTX's first tokens (_text_steps)
         handoff = None if answered_at_context else handoff_from(disagg, info.vocab_size, sampling.n)

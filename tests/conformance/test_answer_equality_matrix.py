@@ -184,11 +184,6 @@ NOT_ON_TRTLLMS_WIRE_ONLY = KnownFailure(
     refused("is not served over TensorRT-LLM's disaggregated wire"))
 # What TensorRT-LLM's wire cannot carry: over our native one where both workers speak it, else refused.
 UNCARRIED_CASES = ("n2", "echo-logprobs-1-token", "prompt-logprobs")
-HALF_A_CHARACTER_DECODED = KnownFailure(
-    "a request CTX finishes by its length on TensorRT-LLM's wire is answered by GEN's first_tokens_only "
-    "(workers/trtllm/answers.py), which decodes a first token that is part of a character as U+FFFD; the engine's "
-    "own answer holds it back (text '')",
-    equal_but_for(("choices", 0, "text"), got="\ufffd", expected=""))
 
 
 def known_failure(case: Case, deployment: Deployment, stream: bool) -> KnownFailure | None:
@@ -198,9 +193,6 @@ def known_failure(case: Case, deployment: Deployment, stream: bool) -> KnownFail
         return None
     if deployment.workers == "v1" and (case.api == "responses" or case.name in UNCARRIED_CASES):
         return NOT_ON_TRTLLMS_WIRE_ONLY
-    if case.name == "max-tokens-1-half-a-character" or (case.api, case.name, deployment.long_prompts) == (
-            "chat", "max-tokens-1", True):
-        return HALF_A_CHARACTER_DECODED  # the long chat's greedy first token is part of a character too
     return None
 
 

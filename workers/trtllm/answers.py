@@ -3,8 +3,8 @@
 
 - CTX: ``ctx_request_id`` an int, ``first_gen_log_probs``, no ``prompt_len``, ``finish_reason: "not_finished"``
   when GEN must continue (it calls GEN only on ``"length"`` or ``"not_finished"``), and always the prompt;
-- every whole answer: no ``system_fingerprint`` and no ``prompt_logprobs``. Streams are relayed unparsed and keep
-  our chunk shape. docs/interop.md lists the fields.
+- every whole answer: no ``system_fingerprint``, and ``prompt_logprobs`` only where nothing else would carry them
+  (``Trtllm``). Streams are relayed unparsed and keep our chunk shape. docs/interop.md lists the fields.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from typing import Any
 
 from frontend.disaggregated_params import DisaggregatedParams
 from frontend.errors import HandoffError, UnsupportedParameterError
+from frontend.openai_models import GenerationWireRequest
 from frontend.sampling import SamplingParams
 from frontend.token_codec import encode_prompt_tokens
 from frontend.trtllm.identity import LIFECYCLE_FIELDS, has_identity
@@ -31,6 +32,7 @@ from workers.trtllm.lifecycle import LifecycleControl
 logger = logging.getLogger("disagg_serve.worker.generation_first")
 
 NOT_FINISHED = "not_finished"
+GEN_PENDING_FINISH_REASONS = ("length", NOT_FINISHED)  # a CTX answer that TensorRT-LLM continues on GEN
 
 
 def new_request_id(disagg: DisaggregatedParams | None) -> str:
@@ -44,20 +46,44 @@ def new_request_id(disagg: DisaggregatedParams | None) -> str:
 
 class Trtllm:
     """TensorRT-LLM's shape; under lifecycle v1 its CTX answer also parks the attempt's artifact, and in generation
-    first it posts the hand-off on the board for the GEN that came first."""
+    first it posts the hand-off on the board for the GEN that came first.
 
-    def __init__(self, lifecycle: LifecycleControl, board: HandoffBoard) -> None:
+    ``prompt_logprobs`` has no field in TensorRT-LLM's whole answers: kept for a caller that proved it is one of this
+    deployment's own processes (``keeps_prompt_logprobs``: our orchestrator reads our fields), and for any other
+    caller never dropped silently: a whole answer that would lose it is refused, a CTX answer drops it only when GEN
+    answers the request."""
+
+    def __init__(self, lifecycle: LifecycleControl, board: HandoffBoard, *,
+                 keeps_prompt_logprobs: bool = False) -> None:
         self.lifecycle = lifecycle
         self.board = board
+        self.keeps_prompt_logprobs = keeps_prompt_logprobs
 
-    def refuse_unservable(self, sampling: SamplingParams, phase: Phase) -> None:
+    def refuse_unservable(self, wire: GenerationWireRequest, sampling: SamplingParams, phase: Phase) -> None:
         if sampling.n > 1 and phase is not Phase.AGGREGATED:
             # TensorRT-LLM's hand-off fields start one sequence; the others' first tokens have no field there.
             raise UnsupportedParameterError("n > 1 is not served in TensorRT-LLM's disaggregated wire; send it to an "
                                             "aggregated worker or through disagg-serve's orchestrator", param="n")
+        if (getattr(wire, "prompt_logprobs", None) is not None and not self.keeps_prompt_logprobs
+                and not wire.stream and phase is not Phase.CONTEXT_ONLY):
+            raise UnsupportedParameterError("prompt_logprobs has no field in TensorRT-LLM's whole answers; stream the "
+                                            "request, or send it through disagg-serve's orchestrator on its native "
+                                            "wire", param="prompt_logprobs")
 
-    def answered_at_context(self, disagg: DisaggregatedParams | None, max_tokens: int) -> bool:
-        return finished_at_context(disagg, max_tokens)
+    def answered_at_context(self, disagg: DisaggregatedParams | None, sampling: SamplingParams) -> bool:
+        assert sampling.max_tokens is not None
+        if not finished_at_context(disagg, sampling.max_tokens):
+            return False
+        if sampling.prompt_logprobs is not None:
+            # CTX scored the prompt, but TensorRT-LLM's hand-off has no field for the scores: answered from the
+            # first token alone, every prompt token's logprob would read null.
+            echoed = sampling.echo and sampling.logprobs is not None
+            raise UnsupportedParameterError(
+                f"{'echo with logprobs' if echoed else 'prompt_logprobs'} needs the prompt's logprobs, which "
+                "TensorRT-LLM's hand-off does not carry, and CTX's first token ended this request; send it to an "
+                "aggregated worker or through disagg-serve's orchestrator on its native wire",
+                param="echo" if echoed else "prompt_logprobs")
+        return True
 
     def add_context_fields(self, body: dict[str, Any], request: GenerationRequest, disagg: DisaggregatedParams,
                            out: CollectedOutput, endpoint: str) -> None:
@@ -79,7 +105,9 @@ class Trtllm:
                                disagg.disagg_request_id, request.request_id)
 
     def finish_whole(self, body: dict[str, Any]) -> None:
-        strip_to_trtllm_fields(body)
+        # A CTX answer GEN continues reaches TensorRT-LLM's orchestrator only: GEN's answer is the client's.
+        continued = any(choice.get("finish_reason") in GEN_PENDING_FINISH_REASONS for choice in body.get("choices", ()))
+        strip_to_trtllm_fields(body, prompt_logprobs=continued and not self.keeps_prompt_logprobs)
 
 
 def add_context_fields(body: dict[str, Any], request: GenerationRequest, disagg: DisaggregatedParams,
@@ -120,9 +148,12 @@ def lifecycle_echo(disagg: DisaggregatedParams) -> dict[str, Any]:
     return echoed
 
 
-def strip_to_trtllm_fields(body: dict[str, Any]) -> None:
-    """Drop what TensorRT-LLM's response models do not have (they refuse unknown fields)."""
+def strip_to_trtllm_fields(body: dict[str, Any], *, prompt_logprobs: bool) -> None:
+    """Drop what TensorRT-LLM's response models do not have (they refuse unknown fields): ``system_fingerprint``,
+    and ``prompt_logprobs`` when told to."""
     body.pop("system_fingerprint", None)
+    if not prompt_logprobs:
+        return
     body.pop("prompt_logprobs", None)
     for choice in body.get("choices", ()):
         choice.pop("prompt_logprobs", None)
@@ -162,5 +193,6 @@ async def first_tokens_only(disagg: DisaggregatedParams, tokenizer: Tokenizer,
     if any(not 0 <= t < vocab_size for t in tokens):
         raise HandoffError(f"first_gen_tokens must be token ids in [0, {vocab_size})",
                            param="disaggregated_params.first_gen_tokens")
-    yield TextStep(tokenizer.decode(tokens), tokens, first_gen_logprobs_from(disagg.first_gen_log_probs),
-                   finish_reason="length")
+    # As the engine's own answer reads them: a token that is only part of a character is held back, never U+FFFD.
+    text = tokenizer.detokenizer().add(tokens)
+    yield TextStep(text, tokens, first_gen_logprobs_from(disagg.first_gen_log_probs), finish_reason="length")

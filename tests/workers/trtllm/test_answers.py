@@ -276,3 +276,62 @@ def test_ctx_request_ids_come_from_a_secure_generator(monkeypatch: pytest.Monkey
 
     monkeypatch.setattr(random, "getrandbits", predictable)
     assert int(new_request_id(DisaggregatedParams(request_type="context_only"))) < 2**63
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_echo_with_logprobs_that_ctx_finishes_is_refused_not_answered_with_null_scores(
+        cluster: RefCluster, stream: bool) -> None:
+    """The shape evaluation harnesses score a prompt with (echo, logprobs, max_tokens 1): CTX's first token ends the
+    request and TensorRT-LLM's orchestrator calls GEN anyway, whose hand-off has no field for the prompt's scores.
+    Answered from the first token alone, every prompt token's logprob read null; now GEN refuses, naming echo."""
+    body = client_body(COMPLETIONS, cluster.model, max_tokens=1, echo=True, logprobs=1, stream=stream)
+    ctx = response_model(COMPLETIONS).model_validate(
+        post(cluster.ctx.url + COMPLETIONS, trtllm_context_body(COMPLETIONS, body, 41, False)).json())
+    assert ctx.choices[0].finish_reason == "length" and needs_generation(ctx)
+    reply = post(cluster.gen.url + COMPLETIONS, trtllm_generation_body(COMPLETIONS, body, ctx, 41))
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert error["param"] == "echo" and "native wire" in error["message"]
+
+
+def test_ctxs_answer_from_its_first_token_carries_the_prompts_logprobs_on_our_wire(cluster: RefCluster) -> None:
+    """On our own wire the orchestrator answers from CTX's body when CTX finished: it holds the echoed prompt's real
+    scores, as the aggregated worker's answer does."""
+    body = client_body(COMPLETIONS, cluster.model, max_tokens=1, echo=True, logprobs=1)
+    reply = post(cluster.ctx.url + COMPLETIONS, {**body, "disaggregated_params": {
+        "request_type": "context_only", "native_extensions": True}})
+    assert reply.status_code == 200, reply.text
+    choice = reply.json()["choices"][0]
+    aggregated = post(cluster.aggregated.url + COMPLETIONS, body).json()["choices"][0]
+    scores = choice["logprobs"]["token_logprobs"]
+    assert scores[0] is None and None not in scores[1:]
+    assert choice["finish_reason"] == "length" and choice["logprobs"] == aggregated["logprobs"]
+
+
+@pytest.mark.parametrize("path", [CHAT, COMPLETIONS], ids=["chat", "completions"])
+def test_prompt_logprobs_are_never_dropped_silently_from_a_whole_answer_in_tensorrt_llms_shape(
+        cluster: RefCluster, path: str) -> None:
+    """TensorRT-LLM's whole answers have no prompt_logprobs field; a GEN whole answer asked for them by a caller
+    that is not one of ours is refused (it dropped them before), while a stream keeps them."""
+    body = client_body(path, cluster.model, max_tokens=2)
+    ctx_reply = post(cluster.ctx.url + path, {**trtllm_context_body(path, body, 42, False), "prompt_logprobs": 1})
+    assert "prompt_logprobs" not in orjson.dumps(ctx_reply.json()).decode()  # GEN answers the client
+    ctx = response_model(path).model_validate(ctx_reply.json())
+    gen_body = {**trtllm_generation_body(path, body, ctx, 42), "prompt_logprobs": 1}
+    reply = post(cluster.gen.url + path, gen_body)
+    assert reply.status_code == 400, reply.text
+    assert reply.json()["error"]["param"] == "prompt_logprobs"
+    streamed = post(cluster.gen.url + path, {**gen_body, "stream": True})
+    assert streamed.status_code == 200 and '"prompt_logprobs":[null,' in streamed.text
+
+
+async def test_a_first_token_that_is_part_of_a_character_is_held_back_as_the_engine_holds_it() -> None:
+    """GEN's answer from CTX's first token alone reads it as the engine's own answer does: a token that is only part
+    of a UTF-8 character adds no text (it read U+FFFD before)."""
+    from frontend.disaggregated_params import DisaggregatedParams
+    from workers.engines.byte_tokenizer import ByteTokenizer
+    from workers.trtllm.answers import first_tokens_only
+
+    half = DisaggregatedParams(request_type="generation_only", first_gen_tokens=[0xC3])
+    [step] = [step async for step in first_tokens_only(half, ByteTokenizer(512), 512)]
+    assert step.text == "" and step.token_ids == (0xC3,) and step.finish_reason == "length"
