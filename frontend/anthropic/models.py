@@ -38,7 +38,8 @@ class ToolUseBlock(WireModel):
     name: str
     input: dict[str, Any]
     cache_control: CacheControl | None = None
-    caller: Any = None  # how the SDK echoes a call back: history only
+    caller: Any = None  # who made the call, as the SDK echoes it back: history only
+    toolset_name: str | None = None
 
 
 class ToolResultBlock(WireModel):
@@ -47,6 +48,7 @@ class ToolResultBlock(WireModel):
     content: str | list[TextBlock] | None = None
     is_error: StrictBool | None = None
     cache_control: CacheControl | None = None
+    toolset_name: str | None = None
 
     def text(self) -> str:
         if self.content is None:
