@@ -245,6 +245,7 @@ def test_errors_come_in_anthropics_shape(conformance_cluster: RefCluster, body: 
         assert reply.status_code == status, reply.text
         error = reply.json()
         assert set(error) == {"type", "error"} and error["type"] == "error"
+        assert_strict(ErrorResponse.model_validate(error))
         assert error["error"]["type"] == kind and names in error["error"]["message"]
 
 
