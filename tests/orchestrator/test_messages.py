@@ -1,6 +1,7 @@
 """``/v1/messages`` on the orchestrator's edge (synthetic workers): it runs as chat through CTX and GEN, with
 ``metadata.user_id`` as the conversation; Anthropic's credentials, its 529 where admission sheds load, its error
-shape for count_tokens, the metrics' ``messages`` label, and a client that leaves stopping both legs."""
+shape for count_tokens, the metrics' ``messages`` label, a client that leaves stopping both legs, and a GEN that
+dies mid-stream ending the stream with Anthropic's error event."""
 
 from __future__ import annotations
 
@@ -11,11 +12,13 @@ from typing import Any
 
 import anthropic
 import httpx
+import orjson
 import pytest
 
 from frontend.config import parse_config
 from orchestrator.server import create_orchestrator_app
-from tests.cluster import MODEL, Node, sample, start_worker
+from tests.cluster import MODEL, Node, sample, start_orchestrator, start_worker
+from tests.orchestrator.test_faults import dying_gen
 from tests.servers import running
 from tests.waiting import eventually
 from workers.engines.synthetic import SyntheticConfig
@@ -111,3 +114,29 @@ def test_count_tokens_errors_are_anthropics(url: str) -> None:
     assert reply.json()["error"]["message"].startswith("messages.0.content.0.type")
     not_json = httpx.post(url + "/v1/messages/count_tokens", headers={"x-api-key": KEY}, content=b"[1]")
     assert not_json.status_code == 400 and not_json.json()["type"] == "error"
+
+
+def test_a_gen_dying_mid_stream_ends_the_stream_with_an_anthropic_error_event(
+        system: tuple[str, Node, Node]) -> None:
+    _, ctx, _ = system
+    with contextlib.ExitStack() as stack:
+        dying_url = stack.enter_context(running(dying_gen("breaks")))
+        orchestrator = start_orchestrator(stack, [ctx.url], [dying_url])
+        with httpx.stream("POST", orchestrator.url + "/v1/messages", timeout=30,
+                          json={**BODY, "max_tokens": 50, "stream": True}) as reply:
+            assert reply.status_code == 200
+            frames = reply.read().split(b"\n\n")
+        assert frames[-1] == b""
+        name, data = frames[-2].split(b"\n")
+        assert name == b"event: error"
+        error = orjson.loads(data.removeprefix(b"data: "))
+        assert error["type"] == "error" and error["error"]["type"] == "api_error"
+        assert "GEN" in error["error"]["message"]
+        assert b"event: message_stop" not in b"".join(frames)
+        received: list[str] = []
+        client = anthropic.Anthropic(base_url=orchestrator.url, api_key="x", max_retries=0)
+        with pytest.raises(anthropic.APIStatusError) as caught, \
+                client.messages.stream(**{**BODY, "max_tokens": 50}) as stream:
+            received.extend(stream.text_stream)
+        assert "".join(received) == "The "
+        assert "GEN" in str(caught.value)
