@@ -8,6 +8,7 @@ import pytest
 
 from frontend.disaggregated_params import DisaggregatedParams
 from frontend.errors import UnsupportedParameterError
+from frontend.internal_secret import INTERNAL_TOKEN_HEADER, InternalSecret
 from frontend.metrics import Metrics
 from frontend.openai_models import CompletionRequest
 from frontend.sampling import SamplingParams
@@ -99,3 +100,21 @@ async def test_prompt_logprobs_are_kept_for_our_own_callers_and_never_dropped_si
         dialect.finish_whole(body)
         assert "system_fingerprint" not in body
         assert ("prompt_logprobs" in body["choices"][0]) is kept  # type: ignore[index]
+
+
+async def test_a_caller_proves_it_is_ours_with_the_deployment_secret() -> None:
+    """The Trtllm dialect that keeps prompt_logprobs is chosen for a request carrying the deployment secret; without
+    it (or with a wrong one) a whole answer asking for them is refused before the engine runs."""
+    secret = InternalSecret("s" * 32)
+    service = WorkerService(SyntheticEngine(), WorkerSettings(internal_secret=secret), Metrics())
+    body = {"model": service.engine.info.model, "prompt": "hi", "max_tokens": 1, "prompt_logprobs": 1,
+            "disaggregated_params": {"request_type": "context_and_generation"}}
+    try:
+        for headers in ({}, {INTERNAL_TOKEN_HEADER: "t" * 32}):
+            with pytest.raises(UnsupportedParameterError) as refused:
+                await service.prepare(dict(body), CompletionRequest, headers=headers)
+            assert refused.value.param == "prompt_logprobs"
+        prepared = await service.prepare(dict(body), CompletionRequest, headers=secret.headers())
+        assert isinstance(prepared.dialect, Trtllm) and prepared.dialect.keeps_prompt_logprobs
+    finally:
+        await service.lifecycle.aclose()
