@@ -1,10 +1,13 @@
 """Anthropic's Messages API through the orchestrator (CTX then GEN) on the tiny reference model, driven by the
 official ``anthropic`` SDK: text, system, multi-turn, stop sequences, a tool-use round trip, streams assembled by
 the SDK's own helpers, count_tokens and errors; each disaggregated answer equals the aggregated worker's token for
-token, and every object and event we emit parses strictly with the SDK's own types (no field it does not know)."""
+token, and every object and event we emit parses strictly with the SDK's own types (no field it does not know);
+on workers with KV block reuse a repeated prompt is reported as read from the prefix cache."""
 
 from __future__ import annotations
 
+import pathlib
+from collections.abc import Iterator
 from typing import Any
 
 import anthropic
@@ -15,7 +18,10 @@ import pydantic
 import pytest
 from anthropic.types import ErrorResponse, Message, MessageTokensCount, RawMessageStreamEvent
 
-from tests.workers.engines.reference.cluster import RefCluster, RefNode
+from tests.workers.engines.reference.cluster import RefCluster, RefNode, reference_cluster
+from tests.workers.engines.reference.tiny_model import write_tiny_model
+from workers.engines.reference.options import ReferenceOptions
+from workers.engines.reference.prefix_cache import BLOCK_TOKENS
 
 GREEDY: dict[str, Any] = {"temperature": 0}  # the SDK sends no temperature; older clients do: as extra_body
 USER: Any = [{"role": "user", "content": "What is the weather in Paris?"}]
@@ -266,3 +272,32 @@ def test_anthropic_headers_are_accepted(conformance_cluster: RefCluster) -> None
                                 "anthropic-beta": "prompt-caching-2024-07-31"},
                        json={"model": "tiny", "max_tokens": 2, "messages": USER})
     assert reply.status_code == 200, reply.text
+
+
+@pytest.fixture(scope="module")
+def reuse_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RefCluster]:
+    model: pathlib.Path = write_tiny_model(tmp_path_factory.mktemp("reuse") / "tiny.gguf", seed=0)
+    options = ReferenceOptions(model_path=str(model), served_model_name="tiny", blas_threads=1, kv_block_reuse=True)
+    with reference_cluster(options) as cluster:
+        yield cluster
+
+
+@pytest.mark.parametrize("streamed", [False, True])
+def test_a_repeated_prompt_is_read_from_the_prefix_cache(reuse_cluster: RefCluster, streamed: bool) -> None:
+    story = f"{streamed}: " + "The quick brown fox jumps over the lazy dog and runs into the forest. " * 4
+    body: dict[str, Any] = {"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": story}],
+                            "extra_body": GREEDY}
+    client = sdk(reuse_cluster.orchestrator)
+    usages = []
+    for _ in range(2):
+        if streamed:
+            with client.messages.stream(**body) as stream:
+                usages.append(stream.get_final_message().usage)
+        else:
+            usages.append(client.messages.create(**body).usage)
+    first, second = usages
+    assert first.cache_read_input_tokens is not None and second.cache_read_input_tokens is not None
+    # (The chat template's opening is in the cache from any earlier request: only the story's blocks are new.)
+    assert second.cache_read_input_tokens >= first.cache_read_input_tokens + BLOCK_TOKENS
+    assert second.input_tokens + second.cache_read_input_tokens == \
+        first.input_tokens + first.cache_read_input_tokens  # the same prompt
