@@ -1,7 +1,7 @@
 """``/v1/messages`` on the orchestrator's edge (synthetic workers): it runs as chat through CTX and GEN, with
 ``metadata.user_id`` as the conversation; Anthropic's credentials, its 529 where admission sheds load, its error
 shape for count_tokens, the metrics' ``messages`` label, a client that leaves stopping both legs, and a GEN that
-dies mid-stream ending the stream with Anthropic's error event."""
+dies mid-stream ending the stream with Anthropic's error event; one trace, its root span named for the route."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from orchestrator.server import create_orchestrator_app
 from tests.cluster import MODEL, Node, sample, start_orchestrator, start_worker
 from tests.orchestrator.test_faults import dying_gen
 from tests.servers import running
+from tests.span_capture import captured_spans
 from tests.waiting import eventually
 from workers.engines.synthetic import SyntheticConfig
 
@@ -140,3 +141,17 @@ def test_a_gen_dying_mid_stream_ends_the_stream_with_an_anthropic_error_event(
             received.extend(stream.text_stream)
         assert "".join(received) == "The "
         assert "GEN" in str(caught.value)
+
+
+def test_one_request_is_one_trace_named_messages_at_the_edge(system: tuple[str, Node, Node],
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    url, _, _ = system
+    with captured_spans(monkeypatch) as exported:
+        reply = httpx.post(url + "/v1/messages", headers={"x-api-key": KEY}, json=BODY, timeout=30)
+        assert reply.status_code == 200
+        assert eventually(lambda: "generation chat" in {span.name for span in exported.get_finished_spans()})
+        spans = exported.get_finished_spans()
+    (root,) = [span for span in spans if span.name == "orchestrator messages"]
+    assert {span.context.trace_id for span in spans} == {root.context.trace_id}
+    names = {span.name for span in spans}
+    assert {"admission", "ctx.call", "handoff", "gen.call", "context chat", "generation chat"} <= names
