@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import ConfigDict, Field, StrictBool, StrictInt, model_validator
+from pydantic import ConfigDict, Field, StrictBool, StrictInt, field_validator, model_validator
 
 from frontend.errors import UnsupportedParameterError
 from frontend.wire_model import WireModel
@@ -66,16 +66,10 @@ class MessageParam(WireModel):
     content: str | list[ContentBlock]
 
 
-class ToolInputSchema(WireModel):
-    model_config = ConfigDict(extra="allow", frozen=True)  # a JSON schema: any keyword
-
-    type: Literal["object"]
-
-
 class Tool(WireModel):
     name: Annotated[str, Field(min_length=1, max_length=128)]
     description: str | None = None
-    input_schema: ToolInputSchema
+    input_schema: dict[str, Any]  # a JSON schema, kept as sent: its key order is the output's
     type: Literal["custom"] | None = None
     cache_control: CacheControl | None = None
     strict: bool | None = None  # the input is always held to its schema when a call is forced
@@ -83,6 +77,13 @@ class Tool(WireModel):
     eager_input_streaming: bool | None = None
     defer_loading: bool | None = None
     allowed_callers: list[Any] | None = None
+
+    @field_validator("input_schema")
+    @classmethod
+    def _an_object(cls, schema: dict[str, Any]) -> dict[str, Any]:
+        if schema.get("type") != "object":
+            raise ValueError("the input schema must be of type 'object'")
+        return schema
 
 
 class ToolChoiceAuto(WireModel):

@@ -84,7 +84,7 @@ def _chat_prompt(request: CountTokensRequest) -> dict[str, Any]:
         chat["tools"] = [{"type": "function", "function": {
             "name": tool.name,
             **({"description": tool.description} if tool.description else {}),
-            "parameters": tool.input_schema.model_dump(mode="json", exclude_none=True),
+            "parameters": tool.input_schema,
         }} for tool in request.tools]
     choice = request.tool_choice
     if isinstance(choice, ToolChoiceAny):
