@@ -13,7 +13,7 @@ string's too: what follows the text there says which stop sequence ended it (``m
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import orjson
 
@@ -31,6 +31,7 @@ from frontend.anthropic.models import (
 from frontend.errors import InvalidRequestError, UnsupportedParameterError
 from frontend.http import validate_wire
 
+RequestT = TypeVar("RequestT", MessagesRequest, CountTokensRequest)
 DEFAULT_TEMPERATURE = 1.0  # Anthropic's, where a request sets none
 MESSAGE_ID_PREFIX = "msg_"
 TOOL_USE_ID_PREFIX = "toolu_"
@@ -51,7 +52,7 @@ class Translated:
 def messages_request(body: dict[str, Any]) -> Translated:
     """A ``/v1/messages`` body, checked and translated; ``InvalidRequestError`` naming the field."""
     refuse_unservable(body)
-    request = validate_wire(MessagesRequest, body)
+    request = _validated(MessagesRequest, body)
     chat = _chat_prompt(request)
     chat["max_tokens"] = request.max_tokens
     chat["temperature"] = request.temperature if request.temperature is not None else DEFAULT_TEMPERATURE
@@ -74,7 +75,17 @@ def messages_request(body: dict[str, Any]) -> Translated:
 def count_tokens_request(body: dict[str, Any]) -> dict[str, Any]:
     """A ``/v1/messages/count_tokens`` body as the chat request whose prompt it counts."""
     refuse_unservable(body)
-    return _chat_prompt(validate_wire(CountTokensRequest, body))
+    return _chat_prompt(_validated(CountTokensRequest, body))
+
+
+def _validated(model: type[RequestT], body: dict[str, Any]) -> RequestT:
+    """``body`` as ``model``; an unknown field refused in Anthropic's words."""
+    try:
+        return validate_wire(model, body)
+    except InvalidRequestError as exc:
+        if exc.param is not None and exc.message.startswith("unrecognized request argument"):
+            raise InvalidRequestError(f"{exc.param}: Extra inputs are not permitted", param=exc.param) from exc
+        raise
 
 
 def _chat_prompt(request: CountTokensRequest) -> dict[str, Any]:

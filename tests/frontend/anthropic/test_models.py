@@ -40,3 +40,4 @@ def test_unknown_fields_are_refused_by_name() -> None:
     with pytest.raises(ServingError) as refused:
         messages_request({**BASE, "temprature": 1})
     assert refused.value.param == "temprature"
+    assert refused.value.message == "temprature: Extra inputs are not permitted"  # Anthropic's words
