@@ -44,6 +44,12 @@ def url(system: tuple[str, Node, Node]) -> str:
     return system[0]
 
 
+def idle(url: str) -> bool:
+    """The orchestrator holds no request (its one running slot is free for the next test)."""
+    metrics = httpx.get(url + "/metrics").text
+    return 'disagg_engine_inflight_requests{role="orchestrator"} 0.0' in metrics
+
+
 def test_it_runs_as_chat_through_ctx_and_gen_with_the_user_as_the_conversation(
         system: tuple[str, Node, Node]) -> None:
     url, ctx, gen = system
@@ -68,6 +74,7 @@ def test_a_client_that_leaves_stops_both_legs(system: tuple[str, Node, Node]) ->
     # 1000 tokens at 20 ms each would hold GEN for 20 s: it stops well before.
     assert eventually(lambda: sample(gen.metrics, "disagg_engine_inflight_requests", role="generation") == 0, 5.0)
     assert sample(ctx.metrics, "disagg_engine_inflight_requests", role="context") == 0
+    assert eventually(lambda: idle(url))
 
 
 def test_x_api_key_and_bearer_both_authenticate(url: str) -> None:
@@ -83,13 +90,15 @@ def test_x_api_key_and_bearer_both_authenticate(url: str) -> None:
 
 
 def test_admission_sheds_load_as_anthropics_529(url: str) -> None:
-    started = threading.Event()
+    started, done = threading.Event(), threading.Event()
 
     def hold_the_slot() -> None:
         with httpx.stream("POST", url + "/v1/messages", headers={"x-api-key": KEY}, timeout=60,
                           json={**BODY, "max_tokens": 100, "stream": True}) as held:
             for _ in held.iter_bytes():
                 started.set()
+                if done.is_set():
+                    break  # the slot is freed as the client leaves
 
     holder = threading.Thread(target=hold_the_slot)
     holder.start()
@@ -100,7 +109,9 @@ def test_admission_sheds_load_as_anthropics_529(url: str) -> None:
         assert shed.json()["error"]["type"] == "overloaded_error"
         assert "retry-after" in shed.headers
     finally:
+        done.set()
         holder.join(60)
+        assert eventually(lambda: idle(url))
     shed_lines = [line for line in httpx.get(url + "/metrics").text.splitlines()
                   if line.startswith("disagg_requests_total{") and 'status="529"' in line]
     assert len(shed_lines) == 1 and 'endpoint="messages"' in shed_lines[0]
