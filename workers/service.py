@@ -123,10 +123,14 @@ class WorkerService:
             self.callers.require_for_params(headers or {}, disagg.model_dump(mode="json"))
         phase = phase_of(disagg)
         self._check_role(phase)
-        check_request(disagg, self.settings.role, self.lifecycle)
+        # TensorRT-LLM's lifecycle v1 governs TensorRT-LLM's wire; our orchestrator's own wire (native_extensions)
+        # hands off through our KV transfer, which it does not touch: a v1 worker serves both.
+        trtllm_wire = disagg is not None and not disagg.native_extensions
+        if trtllm_wire:
+            check_request(disagg, self.settings.role, self.lifecycle)
         request_id = new_request_id(disagg)
         grant = None
-        if self.lifecycle.enabled and phase is Phase.GENERATION_ONLY:
+        if trtllm_wire and self.lifecycle.enabled and phase is Phase.GENERATION_ONLY:
             assert disagg is not None
             grant = self.lifecycle.bind(disagg, request_id)
         try:

@@ -73,9 +73,9 @@ class ScheduleChoice:
             request.wire = self.native
             return
         raise UnsupportedParameterError(
-            f"{what[0]} is not served over TensorRT-LLM's disaggregated wire, the only one these workers speak "
-            f"(trtllm-serve, or ours started with lifecycle protocol v1: {LIFECYCLE_FLAG}); serve it with "
-            "workers that also speak disagg-serve's native wire", param=what[1])
+            f"{what[0]} is not served over TensorRT-LLM's disaggregated wire, the only one some of these workers "
+            "speak (trtllm-serve): serve it with workers that also speak disagg-serve's native wire (announced in "
+            "engine_info.disagg_protocols), as disagg-serve's own workers do", param=what[1])
 
     def choose(self, request: FlowRequest) -> Schedule:
         if request.wire is not None:
@@ -101,5 +101,5 @@ class ScheduleChoice:
         self.v1_unspoken = not self.v1 and any(speaks_v1(w) for w in workers)
         on_trtllm = [w for w in workers if w.protocol == TRTLLM]
         self.trtllm_wire = bool(on_trtllm) or self.v1_unspoken
-        # A worker started with lifecycle v1 refuses ours (no attempt identity): it speaks TensorRT-LLM's only.
-        self.native_too = all("native" in w.wires and w.lifecycle is None for w in on_trtllm)
+        # Ours, started with lifecycle v1, serves our wire too (v1 governs TensorRT-LLM's wire only).
+        self.native_too = all("native" in w.wires for w in on_trtllm)

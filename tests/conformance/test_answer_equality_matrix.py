@@ -8,9 +8,7 @@ the answers carry. A path added to the orchestrator is added to ``DEPLOYMENTS`` 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from copy import deepcopy
-from dataclasses import dataclass
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -24,7 +22,6 @@ from tests.conformance.answer_matrix import (
     Case,
     Deployment,
     Deployments,
-    RequestFailed,
     ask,
     deployments_running,
     schedule_of,
@@ -121,88 +118,11 @@ CASES = (
 )
 
 
-# -- what fails today ---------------------------------------------------------------------------------------------
-# Each known failure names its symptom, checked when the cell fails: a cell that fails any other way is a plain
-# failure, not an expected one; a cell that passes (its cause fixed) fails as XPASS(strict) until its mark goes.
-Observed = dict[str, Any] | RequestFailed
-
-
-class KnownWrongAnswer(AssertionError):
-    """The cell failed with the symptom of its known cause."""
-
-
-@dataclass(frozen=True)
-class KnownFailure:
-    reason: str
-    symptom: Callable[[Observed, dict[str, Any]], bool]
-
-
-def refused(fragment: str) -> Callable[[Observed, dict[str, Any]], bool]:
-    """A 400 whose message holds ``fragment``."""
-    return lambda observed, _: (isinstance(observed, RequestFailed) and observed.status == 400
-                                and fragment in observed.body)
-
-
-def equal_but_for(*paths: tuple[Any, ...], got: Any, expected: Any) -> Callable[[Observed, dict[str, Any]], bool]:
-    """Equal but for the value at each path, which is ``got`` where the oracle has ``expected`` (a value, or a
-    predicate on the value)."""
-    def at(answer: dict[str, Any], path: tuple[Any, ...]) -> Any:
-        for key in path:
-            answer = answer[key]
-        return answer
-
-    def check(value: Any, wanted: Any) -> bool:
-        return bool(wanted(value)) if callable(wanted) else bool(value == wanted)
-
-    def symptom(observed: Observed, oracle: dict[str, Any]) -> bool:
-        if isinstance(observed, RequestFailed):
-            return False
-        try:
-            if not all(check(at(observed, p), got) and check(at(oracle, p), expected) for p in paths):
-                return False
-        except (KeyError, IndexError, TypeError):  # another shape: not this symptom
-            return False
-        return blanked(observed, paths) == blanked(oracle, paths)
-
-    return symptom
-
-
-def blanked(answer: dict[str, Any], paths: tuple[tuple[Any, ...], ...]) -> dict[str, Any]:
-    copy = deepcopy(answer)
-    for path in paths:
-        into = copy
-        for key in path[:-1]:
-            into = into[key]
-        into[path[-1]] = "<blanked>"
-    return copy
-
-
-NOT_ON_TRTLLMS_WIRE_ONLY = KnownFailure(
-    "by design: a pair that speaks TensorRT-LLM's wire only (here ours started with lifecycle v1) is never sent what "
-    "that wire cannot carry (the Responses API, n > 1, the prompt's logprobs): refused, whatever the placement, with "
-    "the setting named (docs/interop.md)",
-    refused("is not served over TensorRT-LLM's disaggregated wire"))
-# What TensorRT-LLM's wire cannot carry: over our native one where both workers speak it, else refused.
-UNCARRIED_CASES = ("n2", "echo-logprobs-1-token", "prompt-logprobs")
-
-
-def known_failure(case: Case, deployment: Deployment, stream: bool) -> KnownFailure | None:
-    """Why this cell fails today, or None."""
-    on_trtllm = deployment.trtllm_through_ctx or deployment.workers == "v1"  # v1 workers: only TensorRT-LLM's
-    if not on_trtllm:
-        return None
-    if deployment.workers == "v1" and (case.api == "responses" or case.name in UNCARRIED_CASES):
-        return NOT_ON_TRTLLMS_WIRE_ONLY
-    return None
-
-
 def cells() -> Iterator[Any]:
     for deployment in DEPLOYMENTS:
         for case in CASES:
             for stream in (False, True):
-                known = known_failure(case, deployment, stream)
-                marks = [pytest.mark.xfail(strict=True, raises=KnownWrongAnswer, reason=known.reason)] if known else []
-                yield pytest.param(deployment, case, stream, marks=marks,
+                yield pytest.param(deployment, case, stream,
                                    id=f"{deployment.name}-{case.api}-{case.name}-{'stream' if stream else 'whole'}")
 
 
@@ -230,16 +150,7 @@ def oracle(deployments: Deployments) -> Any:
 def test_the_deployment_answers_as_the_aggregated_worker(deployments: Deployments, oracle: Any,
                                                         deployment: Deployment, case: Case, stream: bool) -> None:
     expected = oracle(case, deployment.long_prompts, stream)
-    observed: Observed
-    try:
-        observed = ask(deployments.urls[deployment.name], case, deployment.long_prompts, stream)
-    except RequestFailed as failure:
-        observed = failure
-    known = known_failure(case, deployment, stream)
-    if known is not None and known.symptom(observed, expected):
-        raise KnownWrongAnswer(known.reason)
-    if isinstance(observed, RequestFailed):
-        raise observed
+    observed = ask(deployments.urls[deployment.name], case, deployment.long_prompts, stream)
     assert observed == expected
 
 

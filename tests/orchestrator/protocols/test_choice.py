@@ -80,16 +80,24 @@ def test_trtllm_serve_workers_refuse_it_alike_whatever_the_placement(case: str, 
     assert reply.status_code == 400, reply.text
     error = reply.json()["error"]
     assert "is not served over TensorRT-LLM's disaggregated wire" in error["message"]
-    assert "trtllm-serve" in error["message"] and "--lifecycle-protocol-version" in error["message"]
+    assert "trtllm-serve" in error["message"] and "disagg_protocols" in error["message"]
     assert error["param"] == param
     assert ctx.bodies == [] and gen.bodies == []
 
 
-def test_our_workers_started_with_lifecycle_v1_refuse_it_with_the_setting_named() -> None:
+def test_our_workers_started_with_lifecycle_v1_serve_it_over_our_wire() -> None:
+    """Lifecycle v1 governs TensorRT-LLM's wire only: our v1 workers, behind an orchestrator of default
+    configuration, take what that wire carries in v1 and what it cannot carry over ours."""
     v1 = LifecycleSettings(protocol_version=1)
     with contextlib.ExitStack() as stack:
         ctx, gen = start_worker(stack, "context", lifecycle=v1), start_worker(stack, "generation", lifecycle=v1)
         orchestrator = start_orchestrator(stack, [ctx.url], [gen.url])
-        reply = post(orchestrator, *UNCARRIED["responses"][:2])
-        assert post(orchestrator, "/v1/chat/completions", CHAT).status_code == 200  # what the wire carries: served
-    assert reply.status_code == 400 and "--lifecycle-protocol-version" in reply.json()["error"]["message"]
+        assert post(orchestrator, "/v1/chat/completions", CHAT).status_code == 200
+        before = len(ctx_bodies(ctx))
+        # n > 1 is in the answer matrix: the synthetic engine samples one sequence.
+        for case in ("responses", "prompt-logprobs", "echo-logprobs"):
+            reply = post(orchestrator, *UNCARRIED[case][:2])
+            assert reply.status_code == 200, (case, reply.text)
+        sent = ctx_bodies(ctx)[:before]
+        assert sent[-1]["disaggregated_params"].get("context_transceiver_lifecycle") is not None  # chat: v1
+        assert all(body["disaggregated_params"].get("native_extensions") is True for body in ctx_bodies(ctx)[before:])
