@@ -76,6 +76,7 @@ class NativeProtocol:
         if carriage is PromptCarriage.CTX_TOKENS:
             for name in PROMPT_TEXT_FIELDS:  # GEN takes the array path and never reads the text
                 gen_body.pop(name, None)
+            _repeat_instructions(body, gen_body)
             if ctx.prompt_b64 is not None:
                 return encode_with_b64(gen_body, ctx.prompt_b64)  # CTX's very bytes (or str), never decoded
         elif carriage is PromptCarriage.LENGTH_ONLY or carriage is PromptCarriage.NOTHING:
@@ -83,6 +84,7 @@ class NativeProtocol:
             # either: the body stops growing with the prompt.
             for name in TOKEN_FIELDS if carriage is PromptCarriage.LENGTH_ONLY else PROMPT_FIELDS:
                 gen_body.pop(name, None)
+            _repeat_instructions(body, gen_body)
         elif "prompt_token_ids" not in body:
             params.pop("prompt_len", None)  # no tokens travel: GEN tokenizes the text itself (the baseline)
         return encode(gen_body)
@@ -100,3 +102,10 @@ class NativeProtocol:
         if not isinstance(state, str) or ctx_id is None:
             return None
         return RELEASE_PATH, orjson.dumps({"ctx_request_id": str(ctx_id), "encoded_opaque_state": state})
+
+
+def _repeat_instructions(body: dict[str, Any], gen_body: dict[str, Any]) -> None:
+    """A Response object repeats the request's instructions, and GEN writes it: it gets them to repeat, never to
+    read as prompt (the prompt travels as tokens or as its length)."""
+    if "instructions" in body:
+        gen_body["instructions"] = body["instructions"]

@@ -307,6 +307,7 @@ def _response_answer(url: str, body: dict[str, Any], stream: bool, stored: bool)
             history = [*request["input"], *response["output"]]
     usage = response.get("usage") or {}
     return {"status": response["status"], "incomplete": response.get("incomplete_details"),
+            "settings": {k: response.get(k) for k in ("instructions", "temperature", "max_output_tokens")},
             "output": [_item(item) for item in response["output"]],
             "usage": {k: usage.get(k) for k in ("input_tokens", "output_tokens", "total_tokens")}}
 

@@ -202,3 +202,13 @@ def test_with_the_store_off_store_true_and_previous_response_id_are_refused(conf
             with pytest.raises(openai.BadRequestError) as caught:
                 ask(client, False, input="Hi", **request)
             assert caught.value.param == next(iter(request))
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_response_repeats_the_settings_it_was_asked_with(client: openai.OpenAI, stream: bool) -> None:
+    """Through CTX and GEN as on one worker: the Response object says what instructions, temperature and
+    max_output_tokens the request set (GEN writes it, so it is sent the instructions to repeat)."""
+    answer = ask(client, stream, input="Hello there", instructions="Be brief.")
+    assert (answer.instructions, answer.temperature, answer.max_output_tokens) == ("Be brief.", 0, 4)
+    plain = ask(client, stream, input="Hello there")
+    assert plain.instructions is None

@@ -102,7 +102,8 @@ def test_length_only_sends_the_length_and_the_text_but_no_token_ids() -> None:
 
 def test_nothing_sends_neither_text_nor_token_ids() -> None:
     _, sent, _ = gen_request(chat_body(instructions="be brief"), PromptCarriage.NOTHING)
-    assert not {"messages", "prompt", "input", "instructions", "prompt_token_ids", "prompt_token_ids_b64"} & set(sent)
+    assert not {"messages", "prompt", "input", "prompt_token_ids", "prompt_token_ids_b64"} & set(sent)
+    assert sent["instructions"] == "be brief"  # to repeat in a Response object, not read as prompt
     assert sent["disaggregated_params"]["prompt_len"] == 4
 
 
