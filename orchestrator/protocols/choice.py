@@ -30,7 +30,7 @@ from orchestrator.protocols.trtllm.lifecycle import (
     generation_first_capable,
     speaks_v1,
 )
-from orchestrator.protocols.trtllm.wire import TrtllmProtocol, uncarried
+from orchestrator.protocols.trtllm.wire import TrtllmProtocol, echoes_logprobs, uncarried
 
 
 class ScheduleChoice:
@@ -68,6 +68,8 @@ class ScheduleChoice:
                 "trtllm.lifecycle_protocol: auto")
         what = uncarried(request.endpoint, request.body)
         if what is None:
+            if self.native_too and echoes_logprobs(request.endpoint, request.body):
+                request.wire = self.native
             return
         if self.native_too:
             request.wire = self.native

@@ -48,10 +48,15 @@ def uncarried(endpoint: str, body: Mapping[str, Any]) -> tuple[str, str] | None:
         return "n > 1", "n"
     if body.get("prompt_logprobs") is not None:
         return "prompt_logprobs", "prompt_logprobs"
-    if (endpoint == "completions" and body.get("echo") is True and body.get("logprobs") not in (None, False)
-            and body.get("max_tokens") == 1):  # answered by CTX alone, from its first token
+    if echoes_logprobs(endpoint, body) and body.get("max_tokens") == 1:  # answered by CTX alone, from its first token
         return "echo with logprobs and max_tokens 1 (the prompt's logprobs)", "echo"
     return None
+
+
+def echoes_logprobs(endpoint: str, body: Mapping[str, Any]) -> bool:
+    """A completion that echoes its prompt with logprobs: this wire carries them only where GEN answers, so one that
+    CTX ends at its first token (a stop, EOS) would lose them; where our wire is spoken too, it goes over ours."""
+    return endpoint == "completions" and body.get("echo") is True and body.get("logprobs") not in (None, False)
 
 
 def new_request_id() -> int:

@@ -60,6 +60,18 @@ def test_what_trtllms_wire_cannot_carry_goes_over_ours_where_both_workers_speak_
         assert all(v is not None for v in reply.json()["choices"][0]["logprobs"]["token_logprobs"][1:])
 
 
+def test_an_echo_with_logprobs_goes_over_ours_whatever_its_max_tokens(ours_on_trtllm: tuple[Node, Node]) -> None:
+    """TensorRT-LLM's wire carries the prompt's logprobs only where GEN answers: one CTX ends at its first token
+    (EOS, a stop) would lose them, so where both workers speak ours it goes over ours."""
+    orchestrator, ctx = ours_on_trtllm
+    path, body, _ = UNCARRIED["echo-logprobs"]
+    before = len(ctx_bodies(ctx))
+    reply = post(orchestrator, path, {**body, "max_tokens": 3})
+    assert reply.status_code == 200, reply.text
+    (sent,) = ctx_bodies(ctx)[before:]
+    assert sent["disaggregated_params"].get("native_extensions") is True
+
+
 def test_what_trtllms_wire_carries_stays_on_it(ours_on_trtllm: tuple[Node, Node]) -> None:
     orchestrator, ctx = ours_on_trtllm
     before = len(ctx_bodies(ctx))
