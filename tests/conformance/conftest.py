@@ -18,3 +18,12 @@ def conformance_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Re
     model: pathlib.Path = write_tiny_model(tmp_path_factory.mktemp("conformance") / "tiny.gguf", seed=0)
     with reference_cluster(ReferenceOptions(model_path=str(model), served_model_name="tiny", blas_threads=1)) as c:
         yield c
+
+
+@pytest.fixture(scope="session")
+def reuse_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RefCluster]:
+    """A cluster whose workers reuse KV blocks (``--kv-block-reuse``): what the prefix cache saves is seen."""
+    model: pathlib.Path = write_tiny_model(tmp_path_factory.mktemp("reuse") / "tiny.gguf", seed=0)
+    options = ReferenceOptions(model_path=str(model), served_model_name="tiny", blas_threads=1, kv_block_reuse=True)
+    with reference_cluster(options) as cluster:
+        yield cluster

@@ -6,8 +6,6 @@ on workers with KV block reuse a repeated prompt is reported as read from the pr
 
 from __future__ import annotations
 
-import pathlib
-from collections.abc import Iterator
 from typing import Any
 
 import anthropic
@@ -18,9 +16,7 @@ import pydantic
 import pytest
 from anthropic.types import ErrorResponse, Message, MessageTokensCount, RawMessageStreamEvent
 
-from tests.workers.engines.reference.cluster import RefCluster, RefNode, reference_cluster
-from tests.workers.engines.reference.tiny_model import write_tiny_model
-from workers.engines.reference.options import ReferenceOptions
+from tests.workers.engines.reference.cluster import RefCluster, RefNode
 from workers.engines.reference.prefix_cache import BLOCK_TOKENS
 
 GREEDY: dict[str, Any] = {"temperature": 0}  # the SDK sends no temperature; older clients do: as extra_body
@@ -272,14 +268,6 @@ def test_anthropic_headers_are_accepted(conformance_cluster: RefCluster) -> None
                                 "anthropic-beta": "prompt-caching-2024-07-31"},
                        json={"model": "tiny", "max_tokens": 2, "messages": USER})
     assert reply.status_code == 200, reply.text
-
-
-@pytest.fixture(scope="module")
-def reuse_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RefCluster]:
-    model: pathlib.Path = write_tiny_model(tmp_path_factory.mktemp("reuse") / "tiny.gguf", seed=0)
-    options = ReferenceOptions(model_path=str(model), served_model_name="tiny", blas_threads=1, kv_block_reuse=True)
-    with reference_cluster(options) as cluster:
-        yield cluster
 
 
 @pytest.mark.parametrize("streamed", [False, True])

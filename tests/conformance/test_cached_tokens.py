@@ -6,27 +6,15 @@ worker alike; a prompt seen for the first time reports 0."""
 from __future__ import annotations
 
 import itertools
-import pathlib
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
-from tests.workers.engines.reference.cluster import RefCluster, RefNode, reference_cluster
-from tests.workers.engines.reference.tiny_model import write_tiny_model
-from workers.engines.reference.options import ReferenceOptions
+from tests.workers.engines.reference.cluster import RefCluster, RefNode
 from workers.engines.reference.prefix_cache import BLOCK_TOKENS
 
 STORY = "The quick brown fox jumps over the lazy dog and runs into the forest, where it finds a river. " * 4
 _fresh = itertools.count()
-
-
-@pytest.fixture(scope="module")
-def reuse_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RefCluster]:
-    model: pathlib.Path = write_tiny_model(tmp_path_factory.mktemp("reuse") / "tiny.gguf", seed=0)
-    options = ReferenceOptions(model_path=str(model), served_model_name="tiny", blas_threads=1, kv_block_reuse=True)
-    with reference_cluster(options) as cluster:
-        yield cluster
 
 
 def cached_and_prompt_tokens(node: RefNode, endpoint: str, text: str, streamed: bool,
