@@ -207,15 +207,22 @@ def template_message(message: ChatMessage) -> dict[str, str]:
     written into its content the way Hermes-style templates do (``<tool_call>{"name", "arguments"}</tool_call>``),
     and a tool's answer keeps the ``tool`` role. The deprecated ``function`` role is a tool answer.
     """
-    role = {"developer": "system", "function": "tool"}.get(message.role, message.role)
-    parts = [message.text()] if message.text() else []
-    parts.extend(_tool_call_text(call) for call in message.calls())
-    rendered = {"role": role, "content": "\n".join(parts)}
+    role = _TEMPLATE_ROLES.get(message.role, message.role)
+    text = message.text()
+    calls = message.calls()
+    if calls:
+        parts = [text] if text else []
+        parts.extend(_tool_call_text(call) for call in calls)
+        text = "\n".join(parts)
+    rendered = {"role": role, "content": text}
     if message.name is not None:
         rendered["name"] = message.name
     if message.tool_call_id is not None:
         rendered["tool_call_id"] = message.tool_call_id
     return rendered
+
+
+_TEMPLATE_ROLES = {"developer": "system", "function": "tool"}
 
 
 def _tool_call_text(call: FunctionCall) -> str:

@@ -39,23 +39,24 @@ class CachedPrompt:
                 + self.token_cuts.nbytes + _ENTRY_OVERHEAD_BYTES)
         object.__setattr__(self, "nbytes", size)
 
-    def agreement(self, text: str) -> int:
-        """How many of this entry's cuts ``text`` agrees with it up to (0: none)."""
+    def agreement(self, text: str) -> tuple[int, bool]:
+        """How many of this entry's cuts ``text`` agrees with it up to (0: none), and whether ``text`` starts with
+        all of this entry's text."""
         if text.startswith(self.text):
-            return len(self.char_cuts)
+            return len(self.char_cuts), True
         cuts = self.char_cuts
-        if text.startswith(self.text[: int(cuts[-1])]):  # all but the tail after the last cut (a copy: rare path)
-            return len(cuts)
-        agreed, disagreed, agreed_chars = 0, len(cuts), 0  # agreed cuts hold; cut `disagreed` does not
+        # Galloping from the start, then halving: each step compares (and copies) only the stretch not yet known
+        # to agree, so another conversation that shares a system prompt costs about that prompt, not this text.
+        agreed, disagreed, agreed_chars, step = 0, len(cuts) + 1, 0, 1  # agreed cuts hold; cut `disagreed` not
         while disagreed - agreed > 1:
-            middle = (agreed + disagreed) // 2
+            middle = min(agreed + step, disagreed - 1) if step else (agreed + disagreed) // 2
             end = int(cuts[middle - 1])
-            # Compare only the stretch not yet known to agree: no copy of what was already compared.
             if text.startswith(self.text[agreed_chars:end], agreed_chars):
                 agreed, agreed_chars = middle, end
+                step *= 2
             else:
-                disagreed = middle
-        return agreed
+                disagreed, step = middle, 0
+        return agreed, False
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +68,7 @@ class Reuse:
     char_cuts: Cuts
     token_cuts: Cuts
     entry: CachedPrompt  # where it came from (the ids stay valid if the entry is evicted meanwhile: they are its own)
+    extends: bool  # the prompt starts with all of the entry's text (a follow-up of it): its entry replaces this one
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,20 +93,26 @@ class ConversationCache:
         self._texts: list[str] = []  # sorted; self._entries[i].text is self._texts[i]
         self._entries: list[CachedPrompt] = []
         self._lru: OrderedDict[int, CachedPrompt] = OrderedDict()  # id(entry) -> entry, least recent first
+        self._by_text: dict[int, CachedPrompt] = {}  # id(entry.text) -> entry
         self._bytes = 0
         self._lookups = self._hits = self._reused = self._evictions = 0
 
-    def find(self, text: str) -> Reuse | None:
+    def find(self, text: str, extends: str | None = None) -> Reuse | None:
         """The longest exact start of ``text`` whose ids are cached; None when nothing agrees. Counts nothing: the
-        prompt that takes it says so with ``taken``."""
+        prompt that takes it says so with ``taken``. ``extends``: a text ``text`` is known to start with (built on
+        it): its entry, if held, is taken without comparing texts (a longer branch held elsewhere is not sought)."""
         with self._lock:
-            best = self._best(text)
+            held = self._by_text.get(id(extends)) if extends is not None else None
+            if held is not None and held.text is extends:
+                best: tuple[int, bool, CachedPrompt] | None = (len(held.char_cuts), True, held)
+            else:
+                best = self._best(text)
         if best is None:
             return None
-        agreed, entry = best
+        agreed, whole, entry = best
         tokens = int(entry.token_cuts[agreed - 1])
         return Reuse(int(entry.char_cuts[agreed - 1]), entry.ids[:tokens], entry.char_cuts[:agreed],
-                     entry.token_cuts[:agreed], entry)
+                     entry.token_cuts[:agreed], entry, whole)
 
     def taken(self, reuse: Reuse | None) -> None:
         """Count one look-up, and ``reuse`` (if any) as used: a hit, its tokens, its entry the most recent."""
@@ -117,12 +125,16 @@ class ConversationCache:
             if id(reuse.entry) in self._lru:
                 self._lru.move_to_end(id(reuse.entry))
 
-    def store(self, entry: CachedPrompt) -> None:
-        """Keep ``entry``; an entry it extends (the same conversation, a turn earlier) goes."""
+    def store(self, entry: CachedPrompt, extended: CachedPrompt | None = None) -> None:
+        """Keep ``entry``; an entry it extends (the same conversation, a turn earlier) goes. ``extended``: such an
+        entry, already known (``Reuse.extends``), whose place the new one takes without comparing texts again."""
         size = entry.nbytes
         if size > self._max_bytes or not entry.text:
             return
         with self._lock:
+            if extended is not None and id(extended) in self._lru and self._replace(extended, entry):
+                self._evict()
+                return
             place = bisect.bisect_left(self._texts, entry.text)
             if place < len(self._texts) and self._texts[place] == entry.text:
                 self._lru.move_to_end(id(self._entries[place]))
@@ -130,23 +142,45 @@ class ConversationCache:
             if place > 0 and entry.text.startswith(self._texts[place - 1]):
                 self._remove(place - 1)
                 place -= 1
-            self._texts.insert(place, entry.text)
-            self._entries.insert(place, entry)
-            self._lru[id(entry)] = entry
-            self._bytes += size
-            while self._bytes > self._max_bytes:
-                oldest = next(iter(self._lru.values()))
-                self._remove(self._index_of(oldest))
-                self._evictions += 1
+            self._insert(place, entry)
+            self._evict()
 
-    def _best(self, text: str) -> tuple[int, CachedPrompt] | None:
-        """(cuts agreed, entry) of the entry that agrees with ``text`` the longest; the caller holds the lock."""
+    def _replace(self, extended: CachedPrompt, entry: CachedPrompt) -> bool:
+        """Put ``entry``, whose text starts with ``extended``'s, in its place if nothing sorts between them (any
+        text that does starts with ``extended``'s too: another branch of the conversation). The caller holds the
+        lock; False: nothing changed."""
+        place = self._index_of(extended)  # its own text compares to itself at no cost
+        if len(entry.text) == len(extended.text):  # the same prompt again
+            self._lru.move_to_end(id(extended))
+            return True
+        if place + 1 < len(self._texts) and not entry.text < self._texts[place + 1]:
+            return False
+        self._remove(place)
+        self._insert(place, entry)
+        return True
+
+    def _insert(self, place: int, entry: CachedPrompt) -> None:
+        self._texts.insert(place, entry.text)
+        self._entries.insert(place, entry)
+        self._lru[id(entry)] = entry
+        self._by_text[id(entry.text)] = entry
+        self._bytes += entry.nbytes
+
+    def _evict(self) -> None:
+        while self._bytes > self._max_bytes:
+            oldest = next(iter(self._lru.values()))
+            self._remove(self._index_of(oldest))
+            self._evictions += 1
+
+    def _best(self, text: str) -> tuple[int, bool, CachedPrompt] | None:
+        """(cuts agreed, whether ``text`` extends it, entry) of the entry that agrees with ``text`` the longest;
+        the caller holds the lock."""
         place = bisect.bisect_right(self._texts, text)
-        best: tuple[int, CachedPrompt] | None = None
+        best: tuple[int, bool, CachedPrompt] | None = None
         for entry in self._entries[max(place - 1, 0): place + 1]:
-            agreed = entry.agreement(text)
+            agreed, extends = entry.agreement(text)
             if agreed and (best is None or agreed > best[0]):
-                best = (agreed, entry)
+                best = (agreed, extends, entry)
         return best
 
     def stats(self) -> CacheStats:
@@ -164,4 +198,5 @@ class ConversationCache:
         entry = self._entries.pop(place)
         del self._texts[place]
         del self._lru[id(entry)]
+        del self._by_text[id(entry.text)]
         self._bytes -= entry.nbytes

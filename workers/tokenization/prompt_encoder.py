@@ -28,6 +28,9 @@ log = logging.getLogger("disagg_serve.tokenization")
 # Below this many new characters a prompt is encoded as its pieces between added tokens: splitting it further for
 # threads costs more than it gives. Past it, long pieces are cut before spaces into about four pieces per thread.
 PARALLEL_MIN_CHARS = 32_768
+# Up to this many new characters (a follow-up turn's) are encoded in one call, not piece by piece: a batch wakes
+# the encoder's threads, which costs more than such a text's BPE.
+ONE_CALL_MAX_CHARS = 4_096
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +67,9 @@ class PromptEncoder:
         if self._rules.refusals and not self._whole:
             log.warning("this tokenizer is encoded whole on every request, with no conversation cache and no "
                         "parallel pieces: %s", "; ".join(self._rules.refusals))
+        # Whether each id is an added token's: where the cuts fall in the ids of a text encoded in one call.
+        self._is_added = np.zeros(max(tokenizer.get_vocab_size(with_added_tokens=True), 1), dtype=bool)
+        self._is_added[list(tokenizer.get_added_tokens_decoder())] = True
         self._lock = threading.Lock()
         self._prompts = self._encoded = 0
         # new_chars' last answer, for the encode of the same string that follows it (one slot: a look-up is cheap,
@@ -74,8 +80,10 @@ class PromptEncoder:
     def encoder_name(self) -> str:
         return self._encoder.name
 
-    def encode(self, text: str) -> TokenArray:
-        """The ids of ``text`` (read-only int32), equal to one whole encode of it."""
+    def encode(self, text: str, extends: str | None = None) -> TokenArray:
+        """The ids of ``text`` (read-only int32), equal to one whole encode of it. ``extends``: a text ``text`` is
+        known to start with, by construction (``ChatRenderer.extended``): its cached ids are found without comparing
+        texts."""
         if not text:
             return np.empty(0, dtype=TOKEN_DTYPE)
         if self._rules.added_tokens is None or self._whole:
@@ -84,34 +92,51 @@ class PromptEncoder:
             return _read_only(ids)
         reuse = None
         if self._cache is not None:
-            reuse = self._found_for(text)
+            reuse = self._found_for(text, extends)
             self._cache.taken(reuse)
         start = reuse.chars if reuse is not None else 0
         ends = self._rules.ends_of_added_tokens(text, start)
-        pieces, cut_pieces = self._pieces(text, start, ends)
-        new_ids, offsets = self._encoder.encode_pieces(pieces) if pieces else (np.empty(0, TOKEN_DTYPE), None)
+        new_ids, tokens_at = self._encode_from(text, start, ends)
         self._count(int(new_ids.size))
         ids = new_ids if reuse is None else np.concatenate((reuse.ids, new_ids))
-        if self._cache is not None and ends and offsets is not None:
-            self._remember(text, ids, reuse, ends, offsets[np.asarray(cut_pieces) + 1])
+        if self._cache is not None and ends and tokens_at is not None:
+            self._remember(text, ids, reuse, ends, tokens_at)
         return _read_only(ids)
 
-    def new_chars(self, text: str) -> int:
+    def _encode_from(self, text: str, start: int, ends: list[int]) -> tuple[TokenArray, Cuts | None]:
+        """The ids of ``text[start:]`` (``start`` is a cut) and how many of them precede each cut in ``ends``."""
+        if start == len(text):
+            return np.empty(0, TOKEN_DTYPE), None
+        if len(text) - start <= ONE_CALL_MAX_CHARS:
+            # The pieces' ids one after another are the whole stretch's (the cuts are exact), and each added-token
+            # match is one added id: if the ids hold no more added ids than ``ends`` has matches (BPE made none),
+            # the k-th added id ends the k-th match.
+            new_ids, _ = self._encoder.encode_pieces([text[start:]])
+            after_added = np.flatnonzero(self._is_added[new_ids]) + 1
+            if after_added.size == len(ends):
+                return new_ids, after_added.astype(np.int64)
+        pieces, cut_pieces = self._pieces(text, start, ends)
+        if not pieces:
+            return np.empty(0, TOKEN_DTYPE), None
+        new_ids, offsets = self._encoder.encode_pieces(pieces)
+        return new_ids, offsets[np.asarray(cut_pieces, dtype=np.int64) + 1].astype(np.int64)
+
+    def new_chars(self, text: str, extends: str | None = None) -> int:
         """How much of ``text`` an ``encode`` now would encode (the rest is cached): what decides whether encoding it
         is worth a thread hop. A look-up only, no encoding."""
         if self._cache is None:
             return len(text)
-        reuse = self._cache.find(text)
+        reuse = self._cache.find(text, extends)
         self._last_found = (text, reuse)  # the encode that usually follows looks it up no second time
         return len(text) - (reuse.chars if reuse is not None else 0)
 
-    def _found_for(self, text: str) -> Reuse | None:
+    def _found_for(self, text: str, extends: str | None) -> Reuse | None:
         last = self._last_found
         if last is not None and last[0] is text:  # this very string was just looked up (by new_chars)
             self._last_found = None
             return last[1]
         assert self._cache is not None
-        return self._cache.find(text)
+        return self._cache.find(text, extends)
 
     def stats(self) -> TokenizeStats:
         with self._lock:
@@ -156,7 +181,8 @@ class PromptEncoder:
         kept = _read_only(ids[: int(token_cuts[-1])])
         assert self._cache is not None
         # The view keeps the whole array alive (a completion prompt may run long after its last cut): counted whole.
-        self._cache.store(CachedPrompt(text, kept, char_cuts, token_cuts, held_ids_bytes=ids.nbytes))
+        self._cache.store(CachedPrompt(text, kept, char_cuts, token_cuts, held_ids_bytes=ids.nbytes),
+                          reuse.entry if reuse is not None and reuse.extends else None)
 
 
 class LazyPromptEncoder:
@@ -182,11 +208,11 @@ class LazyPromptEncoder:
         """None until the first prompt."""
         return None if self._encoder is None else self._encoder.stats()
 
-    def new_chars(self, text: str) -> int:
+    def new_chars(self, text: str, extends: str | None = None) -> int:
         """``PromptEncoder.new_chars``; before the encoder is built, all of ``text`` (so that the first prompt, which
         builds it, ~0.3 s with fastokens' load and probe, does so off the event loop)."""
         encoder = self._encoder
-        return len(text) if encoder is None else encoder.new_chars(text)
+        return len(text) if encoder is None else encoder.new_chars(text, extends)
 
 
 _SPACE_AFTER_NON_SPACE = re.compile(r"(?<=\S) ")

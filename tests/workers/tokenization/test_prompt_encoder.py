@@ -106,14 +106,17 @@ def _check_conversation(encoder: PromptEncoder, hf: Tokenizer, render: Render,
 PROPERTY = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 
+@pytest.mark.parametrize("one_call", [True, False], ids=["one_call", "pieces"])
 @pytest.mark.parametrize("tokenizer", ["reference", "hf_checkpoint", "tiny"])
 @PROPERTY
 @given(start=messages, steps=edits)
 def test_every_shipped_or_tested_tokenizer_turn_after_turn(
-        tokenizer: str, request: pytest.FixtureRequest, start: list[tuple[str, str]],
-        steps: list[tuple[str, str, int]]) -> None:
+        tokenizer: str, one_call: bool, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch,
+        start: list[tuple[str, str]], steps: list[tuple[str, str, int]]) -> None:
     """The reference model's tokenizer, the vllm engine's (the same model as a checkpoint folder, read by
-    HFTokenizer) and the tiny test model's."""
+    HFTokenizer) and the tiny test model's; what a turn adds encoded in one call (its cuts read from the added ids)
+    and piece by piece."""
+    monkeypatch.setattr(prompt_encoder_module, "ONE_CALL_MAX_CHARS", 1 << 20 if one_call else -1)
     chosen: GGUFTokenizer | HFTokenizer = request.getfixturevalue(tokenizer)
     encoder = PromptEncoder(chosen._tokenizer, TokenizeConfig(cache_bytes=1 << 20))
     _check_conversation(encoder, chosen._tokenizer, chosen.render_chat, start, steps)
@@ -129,6 +132,35 @@ def test_pieces_cut_before_spaces_for_threads_turn_after_turn(
     monkeypatch.setattr(prompt_encoder_module, "PARALLEL_MIN_CHARS", 8)
     encoder = PromptEncoder(reference._tokenizer, TokenizeConfig(cache_bytes=1 << 20, threads=8))
     _check_conversation(encoder, reference._tokenizer, reference.render_chat, start, steps)
+
+
+@pytest.mark.parametrize("tokenizer", ["reference", "hf_checkpoint"])
+@PROPERTY
+@given(start=messages, steps=edits)
+def test_the_tokenizers_own_path_turn_after_turn(
+        tokenizer: str, request: pytest.FixtureRequest, start: list[tuple[str, str]],
+        steps: list[tuple[str, str, int]]) -> None:
+    """As a worker serves a chat: the template rendered through its rendered-turns cache, the text's ids found
+    from the render it was built on; the text is the whole render's and the ids one whole encode's."""
+    chosen: GGUFTokenizer | HFTokenizer = request.getfixturevalue(tokenizer)
+    assert chosen._template is not None and chosen._template._shape is not None
+    whole_template = compile_chat_template(_reference_template(), 0)
+    conversation = [{"role": role, "content": text} for role, text in start]
+    for step in [None, *steps]:
+        if step is not None:
+            conversation = _apply(conversation, step)
+        fresh = [dict(message) for message in conversation]
+        text = chosen.render_chat(fresh)
+        assert text == render_chat_template(whole_template, conversation, True, chosen._bos_token,
+                                            chosen._eos_token)
+        chosen.new_chars(text)
+        assert chosen.encode(text).tolist() == _whole(chosen._tokenizer, text)
+
+
+def _reference_template() -> str:
+    field = GGUFReader(default_model_path()).get_field("tokenizer.chat_template")
+    assert field is not None
+    return str(field.contents())
 
 
 # A template that renders an earlier turn differently once later turns exist (it marks only the latest user turn):
@@ -191,6 +223,57 @@ def test_a_follow_up_turn_encodes_only_what_it_adds(reference: GGUFTokenizer,
     stats = encoder.stats()
     assert stats.cache is not None and stats.cache.hits == 1 and stats.cache.entries == 1  # the turn replaced it
     assert stats.cache.reused_tokens == first_ids.size - 3  # all but "assistant\n", which follows the last cut
+
+
+def test_a_text_built_on_a_held_one_finds_its_ids_without_comparing(reference: GGUFTokenizer,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    encoder = PromptEncoder(reference._tokenizer, TokenizeConfig())
+    cache = encoder._cache
+    assert cache is not None
+    first = reference.render_chat(_long_conversation(6, 200))
+    encoder.encode(first)
+    turn = "Sure.<|im_end|>\n<|im_start|>user\nMore?<|im_end|>\n<|im_start|>assistant\n"
+    follow_up = first + turn
+    best = cache._best
+
+    def no_comparing(text: str) -> object:
+        raise AssertionError("the texts were compared")
+
+    monkeypatch.setattr(cache, "_best", no_comparing)
+    assert encoder.encode(follow_up, extends=first).tolist() == _whole(reference._tokenizer, follow_up)
+    stats = cache.stats()
+    assert stats.hits == 1 and stats.entries == 1  # the follow-up took its entry's place
+    monkeypatch.setattr(cache, "_best", best)
+    # An equal text that is another object (not what the cache holds) is compared as before: still exact.
+    again = follow_up + turn
+    assert encoder.encode(again, extends="".join(list(follow_up))).tolist() == _whole(reference._tokenizer, again)
+    assert cache.stats().hits == 2
+
+
+def test_a_turn_whose_ids_hold_an_added_id_no_match_made_is_encoded_piece_by_piece(
+        reference: GGUFTokenizer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Were BPE to make an added token's id out of plain text, the added ids would not say where the cuts are: the
+    stretch is then encoded piece by piece (here an ordinary word's id is marked as added to stand for that)."""
+    encoder = PromptEncoder(reference._tokenizer, TokenizeConfig())
+    first = reference.render_chat(_long_conversation(4, 100))
+    encoder.encode(first)
+    word = int(reference._tokenizer.encode("hello", add_special_tokens=False).ids[0])
+    encoder._is_added[word] = True
+    calls: list[int] = []
+    original = encoder._encoder.encode_pieces
+
+    def counting(pieces: list[str]) -> object:
+        calls.append(len(pieces))
+        return original(pieces)
+
+    monkeypatch.setattr(encoder._encoder, "encode_pieces", counting)
+    follow_up = first + "hello<|im_end|>\n<|im_start|>user\nhello again<|im_end|>\n<|im_start|>assistant\n"
+    assert encoder.encode(follow_up).tolist() == _whole(reference._tokenizer, follow_up)
+    assert calls[0] == 1 and calls[1] > 1  # one call, refused, then the pieces
+    encoder._is_added[word] = False
+    again = follow_up + "Sure.<|im_end|>\n<|im_start|>user\nMore?<|im_end|>\n<|im_start|>assistant\n"
+    assert encoder.encode(again).tolist() == _whole(reference._tokenizer, again)  # the cuts kept were right
+    assert calls[2:] == [1]
 
 
 def test_the_cache_stays_within_its_bytes_least_recently_used_out_first(reference: GGUFTokenizer) -> None:

@@ -15,6 +15,7 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 from workers.engines.options import TokenizeConfig
 from workers.engines.reference.model_file import TokenizerMetadata
 from workers.tokenization.prompt_encoder import LazyPromptEncoder, TokenizeStats
+from workers.tokenization.rendered_turns import ChatRenderer
 
 I32Array = npt.NDArray[np.int32]
 
@@ -56,7 +57,9 @@ def _raise_exception(message: str) -> None:
     raise ChatTemplateError(message)
 
 
-def compile_chat_template(source: str | None) -> jinja2.Template | None:
+def compile_chat_template(source: str | None, cache_bytes: int = 0) -> ChatRenderer | None:
+    """The template's renderer; ``cache_bytes`` > 0: it keeps conversations' rendered turns, up to that many bytes
+    (``workers.tokenization.rendered_turns``)."""
     if source is None:
         return None
     # Same environment settings as HF transformers, so templates written for it render identically;
@@ -64,12 +67,17 @@ def compile_chat_template(source: str | None) -> jinja2.Template | None:
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
     env.globals["raise_exception"] = _raise_exception
     try:
-        return env.from_string(source)
+        return ChatRenderer(env.from_string(source), source, cache_bytes)
     except jinja2.TemplateError as exc:
         raise ChatTemplateError(f"chat template does not compile: {exc}") from exc
 
 
-def render_chat_template(template: jinja2.Template | None, messages: list[dict[str, str]],
+def rendered_turns_bytes(tokenize: TokenizeConfig | None) -> int:
+    """The rendered-turns cache's bound: half the conversation cache's (``--tokenize-cache-mb``), off with it."""
+    return (tokenize or TokenizeConfig()).cache_bytes // 2
+
+
+def render_chat_template(template: ChatRenderer | None, messages: list[dict[str, str]],
                          add_generation_prompt: bool, bos_token: str, eos_token: str) -> str:
     if template is None:
         raise ChatTemplateError("this model has no chat template")
@@ -122,12 +130,8 @@ class GGUFTokenizer:
         self._eos_ids = frozenset(stops)
         self._bos_token = meta.tokens[meta.bos_token_id] if meta.bos_token_id is not None else ""
         self._eos_token = meta.tokens[meta.eos_token_id] if meta.eos_token_id is not None else ""
-        self._template = self._compile_template(meta.chat_template)
+        self._template = compile_chat_template(meta.chat_template, rendered_turns_bytes(tokenize))
         self._prompts = LazyPromptEncoder(tokenizer, tokenize)
-
-    @staticmethod
-    def _compile_template(source: str | None) -> jinja2.Template | None:
-        return compile_chat_template(source)
 
     @property
     def vocab_size(self) -> int:
@@ -148,11 +152,16 @@ class GGUFTokenizer:
     def encode(self, text: str) -> I32Array:
         """Token ids for text (read-only); control tokens written in the text become their single ids. A text
         that extends one encoded recently encodes only what it adds (workers/tokenization)."""
-        return self._prompts.get().encode(text)
+        return self._prompts.get().encode(text, self._extended(text))
 
     def new_chars(self, text: str) -> int:
         """How much of ``text`` ``encode`` would encode now (``workers.engines.base.EncodesIncrementally``)."""
-        return self._prompts.new_chars(text)
+        return self._prompts.new_chars(text, self._extended(text))
+
+    def _extended(self, text: str) -> str | None:
+        """The earlier render ``text`` was built on, if it is the chat template's latest (its ids are then found
+        without comparing texts)."""
+        return self._template.extended(text) if self._template is not None else None
 
     def tokenize_stats(self) -> TokenizeStats | None:
         return self._prompts.stats()
@@ -186,17 +195,8 @@ class GGUFTokenizer:
     def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
         if self._template is None:
             raise ChatTemplateError("this model file has no tokenizer.chat_template")
-        try:
-            return self._template.render(
-                messages=messages,
-                add_generation_prompt=add_generation_prompt,
-                bos_token=self._bos_token,
-                eos_token=self._eos_token,
-            )
-        except ChatTemplateError:
-            raise
-        except Exception as exc:  # a template can fail in many ways (undefined, type errors, sandbox)
-            raise ChatTemplateError(f"chat template failed to render: {exc}") from exc
+        return render_chat_template(self._template, messages, add_generation_prompt, self._bos_token,
+                                    self._eos_token)
 
 
 class IncrementalDetokenizer:

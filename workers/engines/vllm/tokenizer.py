@@ -22,6 +22,7 @@ from workers.engines.reference.tokenizer import (
     IncrementalDetokenizer,
     compile_chat_template,
     render_chat_template,
+    rendered_turns_bytes,
 )
 from workers.tokenization.prompt_encoder import LazyPromptEncoder, TokenizeStats
 
@@ -62,7 +63,7 @@ class HFTokenizer:
         template = config.get("chat_template")
         if isinstance(template, list):  # several named templates: the default one serves chat
             template = next((t.get("template") for t in template if t.get("name") == "default"), None)
-        self._template = compile_chat_template(template)
+        self._template = compile_chat_template(template, rendered_turns_bytes(tokenize))
         self._bos_token = _token_text(config.get("bos_token"))
         self._eos_token = _token_text(config.get("eos_token"))
         eos = _ids(generation.get("eos_token_id")) or _ids(model_config.get("eos_token_id"))
@@ -83,11 +84,16 @@ class HFTokenizer:
 
     def encode(self, text: str) -> npt.NDArray[np.int32]:
         # No special tokens added: a chat template writes its own BOS; a raw completion prompt is used as sent.
-        return self._prompts.get().encode(text)
+        return self._prompts.get().encode(text, self._extended(text))
 
     def new_chars(self, text: str) -> int:
         """How much of ``text`` ``encode`` would encode now (``workers.engines.base.EncodesIncrementally``)."""
-        return self._prompts.new_chars(text)
+        return self._prompts.new_chars(text, self._extended(text))
+
+    def _extended(self, text: str) -> str | None:
+        """The earlier render ``text`` was built on, if it is the chat template's latest (its ids are then found
+        without comparing texts)."""
+        return self._template.extended(text) if self._template is not None else None
 
     def tokenize_stats(self) -> TokenizeStats | None:
         return self._prompts.stats()
