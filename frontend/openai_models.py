@@ -72,6 +72,8 @@ ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 class StreamOptions(WireModel):
     include_usage: bool | None = False
+    # vLLM's and TensorRT-LLM's: with include_usage, every chunk carries the usage so far (the first: the prompt's)
+    continuous_usage_stats: bool | None = False
     include_obfuscation: bool | None = None  # OpenAI's padding against length side channels: nothing to pad here
 
 

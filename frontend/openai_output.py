@@ -236,9 +236,13 @@ def _responses_object(
 class StreamRenderer:
     """Turns text deltas into the endpoint's stream frames, in order: ``begin``, ``delta``..., ``finish``."""
 
-    def __init__(self, ident: ResponseIdentity, include_usage: bool = False) -> None:
+    def __init__(self, ident: ResponseIdentity, include_usage: bool = False, continuous_usage: bool = False) -> None:
         self.ident = ident
         self.include_usage = include_usage
+        # Chat and completions, as vLLM's continuous_usage_stats: every chunk carries ``usage``, the counts so far,
+        # which the caller keeps current (so the first chunk already says the prompt's).
+        self.continuous_usage = include_usage and continuous_usage
+        self.usage: Usage | None = None
         self._text_parts: list[str] = []
         self._sequence = 0
         # Completions, per choice: where the next logprob token starts in that choice's whole streamed text.
@@ -257,7 +261,9 @@ class StreamRenderer:
             "choices": [choice] if choice else [],
         }
         if self.include_usage:
-            payload["usage"] = usage  # null until the last chunk, as OpenAI streams it
+            if usage is None and self.continuous_usage and self.usage is not None:
+                usage = self.usage.as_openai(self.ident.endpoint)
+            payload["usage"] = usage  # else null until the last chunk, as OpenAI streams it
         if top:
             payload.update(top)
         return data_frame(payload)
@@ -373,9 +379,11 @@ def stream_error_frames(endpoint: Endpoint, error: ServingError, sequence_number
     return [sse_error_event(error), DONE_FRAME]
 
 
-def replay_as_stream(endpoint: Endpoint, response: dict[str, Any], include_usage: bool) -> list[bytes]:
+def replay_as_stream(endpoint: Endpoint, response: dict[str, Any], include_usage: bool,
+                     continuous_usage: bool = False) -> list[bytes]:
     """Re-render a whole response (from a CTX that finished the request itself) as the client's stream: the same
-    choices, text, logprobs, prompt logprobs, fingerprint and usage the whole answer has."""
+    choices, text, logprobs, prompt logprobs, fingerprint and usage the whole answer has (``continuous_usage``:
+    on every chunk, the prompt's alone on the first)."""
     usage = Usage.from_openai(response.get("usage"))
     if endpoint == "responses":
         settings = ResponsesSettings(response.get("instructions"), response.get("temperature"),
@@ -394,8 +402,10 @@ def replay_as_stream(endpoint: Endpoint, response: dict[str, Any], include_usage
     ident = ResponseIdentity(endpoint, response["id"], response["model"], response["created"],
                              response.get("system_fingerprint") or SYSTEM_FINGERPRINT)
     choices = response["choices"]
-    renderer = StreamRenderer(ident, include_usage)
+    renderer = StreamRenderer(ident, include_usage, continuous_usage)
+    renderer.usage = Usage(usage.prompt_tokens, 0, usage.cached_tokens)
     frames = renderer.begin(len(choices))
+    renderer.usage = usage
     for choice in choices:
         text = (choice["message"]["content"] if endpoint == "chat" else choice["text"]) or ""
         logprobs = choice.get("logprobs")

@@ -71,14 +71,17 @@ class Renderer:
                      ) -> AsyncIterator[bytes]:
         """The stream's SSE frames, from its ``first`` step on; ``ended(prepared, ok)`` once it ends, however."""
         request = prepared.request
-        include_usage = bool(prepared.wire.stream_options and prepared.wire.stream_options.include_usage)
-        renderer = StreamRenderer(prepared.ident, include_usage)
+        options = prepared.wire.stream_options
+        renderer = StreamRenderer(prepared.ident, bool(options and options.include_usage),
+                                  bool(options and options.continuous_usage_stats))
         n = request.sampling.n
         per_choice = prepared.ident.endpoint != "responses"  # chat and completions end each choice apart
         completion_tokens = cached_tokens = 0
         finishes: dict[int, FinishReason | None] = {}
         ok = False
         try:
+            if renderer.continuous_usage:  # the prompt's counts from the first chunk on
+                renderer.usage = Usage(request.prompt_len, 0, first.cached_tokens if first is not None else 0)
             for frame in renderer.begin(n):
                 yield frame
             scores = first.prompt_logprobs if first is not None else None
@@ -92,6 +95,8 @@ class Renderer:
             while step is not None:
                 completion_tokens += len(step.token_ids)
                 cached_tokens = step.cached_tokens or cached_tokens
+                if renderer.continuous_usage:
+                    renderer.usage = Usage(request.prompt_len, completion_tokens, cached_tokens)
                 logprobs = self._logprob_infos(step.logprobs) if request.sampling.logprobs is not None else None
                 text = step.text
                 if prepared.tool_call:

@@ -1,10 +1,12 @@
 """A chat answer's SSE stream as Anthropic's event stream, in its order: ``message_start``, ``ping``, per content
 block ``content_block_start`` / ``content_block_delta`` (``text_delta``, ``input_json_delta``) /
 ``content_block_stop``, then ``message_delta`` (stop reason and usage) and ``message_stop``; or an ``error`` event
-where the chat stream ended with an error. The chat stream is asked for its usage (``stream_options``): its last
-chunk fills ``message_delta``'s usage, which carries the prompt's counts too (``message_start`` cannot: they are
-known at the end). With stop sequences, the chunks' logprobs are read for the tokens' bytes (which stop sequence
-ended the answer: ``frontend.anthropic.translate.matched_stop``) and not passed on."""
+where the chat stream ended with an error. The chat stream is asked for its usage on every chunk
+(``stream_options.continuous_usage_stats``, vLLM's and TensorRT-LLM's option, which our workers and a CTX-finished
+answer's replay honour too): its first chunk gives ``message_start`` the prompt's counts (as Anthropic's does: input
+and cache-read tokens), its last fills ``message_delta``'s usage. With stop sequences, the chunks' logprobs are
+read for the tokens' bytes (which stop sequence ended the answer: ``frontend.anthropic.translate.matched_stop``) and
+not passed on."""
 
 from __future__ import annotations
 
@@ -70,7 +72,7 @@ class MessagesStream:
         self.started = True
         message = {"id": message_id(str(chunk.get("id", ""))), "type": "message", "role": "assistant",
                    "model": chunk.get("model", ""), "content": [], "stop_reason": None, "stop_sequence": None,
-                   "usage": {"input_tokens": 0, "output_tokens": 0}}
+                   "usage": usage(chunk.get("usage"))}
         return [event_frame("message_start", {"type": "message_start", "message": message}),
                 event_frame("ping", {"type": "ping"})]
 

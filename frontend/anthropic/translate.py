@@ -66,7 +66,8 @@ def messages_request(body: dict[str, Any]) -> Translated:
         chat["logprobs"] = True  # every token's bytes: which stop sequence ended the answer (``matched_stop``)
     if request.stream:
         chat["stream"] = True
-        chat["stream_options"] = {"include_usage": True}  # the message_delta event's usage
+        # Usage on every chunk: the first's (the prompt's) for message_start, the last's for message_delta.
+        chat["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
     if request.metadata is not None and request.metadata.user_id and request.metadata.user_id.strip():
         chat["conversation_params"] = {"conversation_id": request.metadata.user_id}
     return Translated(chat, bool(request.stream), stops)

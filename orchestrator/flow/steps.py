@@ -128,8 +128,10 @@ class Steps:
         if not request.streaming:
             return WholeAnswer(orjson.dumps(response))
         options = request.body.get("stream_options")
-        include_usage = isinstance(options, dict) and options.get("include_usage") is True
-        return StreamedAnswer(_iterate(replay_as_stream(request.endpoint, response, include_usage)))
+        options = options if isinstance(options, dict) else {}
+        include_usage = options.get("include_usage") is True
+        continuous = include_usage and options.get("continuous_usage_stats") is True
+        return StreamedAnswer(_iterate(replay_as_stream(request.endpoint, response, include_usage, continuous)))
 
     async def redo_context(self, request: FlowRequest) -> ContextAnswer:
         request.ctx_redone = True

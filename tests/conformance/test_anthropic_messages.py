@@ -6,6 +6,7 @@ on workers with KV block reuse a repeated prompt is reported as read from the pr
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import anthropic
@@ -16,7 +17,7 @@ import pydantic
 import pytest
 from anthropic.types import ErrorResponse, Message, MessageTokensCount, RawMessageStreamEvent
 
-from tests.workers.engines.reference.cluster import RefCluster, RefNode
+from tests.workers.engines.reference.cluster import RefCluster, RefNode, start_orchestrator
 from workers.engines.reference.prefix_cache import BLOCK_TOKENS
 
 GREEDY: dict[str, Any] = {"temperature": 0}  # the SDK sends no temperature; older clients do: as extra_body
@@ -206,6 +207,24 @@ def test_the_event_sequence_is_anthropics(conformance_cluster: RefCluster) -> No
     assert tool_events[-2]["delta"]["stop_reason"] == "tool_use"
 
 
+@pytest.mark.parametrize("placement", ["through CTX", "GEN alone"])
+def test_message_start_says_the_prompts_tokens(conformance_cluster: RefCluster, placement: str) -> None:
+    body: dict[str, Any] = {"model": "tiny", "max_tokens": 3, "messages": USER, **GREEDY}
+    aggregated = raw_message(conformance_cluster.aggregated, **body).usage
+    with contextlib.ExitStack() as stack:
+        orchestrator = conformance_cluster.orchestrator
+        if placement == "GEN alone":  # conditional disaggregation: the prompt is prefilled where it is decoded
+            orchestrator = start_orchestrator(stack, [conformance_cluster.ctx.url], [conformance_cluster.gen.url],
+                                              max_local_prefill_length=100_000)
+        for node in (orchestrator, conformance_cluster.aggregated):
+            events = raw_events(node, **body)
+            started, final = events[0]["message"]["usage"], events[-2]["usage"]
+            assert started["output_tokens"] == 0 and final["output_tokens"] == 3
+            for name in ("input_tokens", "cache_read_input_tokens"):
+                assert started[name] == final[name] == getattr(aggregated, name), name
+            assert started["input_tokens"] > 0
+
+
 def test_output_config_format_holds_the_answer_to_the_schema(conformance_cluster: RefCluster) -> None:
     schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
               "additionalProperties": False}
@@ -280,7 +299,11 @@ def test_a_repeated_prompt_is_read_from_the_prefix_cache(reuse_cluster: RefClust
     for _ in range(2):
         if streamed:
             with client.messages.stream(**body) as stream:
+                started = next(iter(stream))
                 usages.append(stream.get_final_message().usage)
+            assert started.type == "message_start"  # the prompt's counts, the cache's included, come first
+            assert started.message.usage.input_tokens == usages[-1].input_tokens
+            assert started.message.usage.cache_read_input_tokens == usages[-1].cache_read_input_tokens
         else:
             usages.append(client.messages.create(**body).usage)
     first, second = usages

@@ -253,3 +253,27 @@ def test_usage_shapes() -> None:
     assert Usage.from_openai(Usage(11, 3, 5).as_openai("responses")) == Usage(11, 3, 5)
     assert USAGE.as_openai("responses")["input_tokens"] == 11
     assert USAGE.as_openai("responses")["output_tokens"] == 3
+
+
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+def test_continuous_usage_puts_the_counts_so_far_on_every_chunk(endpoint: Endpoint) -> None:
+    renderer = StreamRenderer(ident(endpoint), include_usage=True, continuous_usage=True)
+    renderer.usage = Usage(11, 0, 4)
+    frames = renderer.begin()
+    renderer.usage = Usage(11, 1, 4)
+    frames += renderer.delta("Hi")
+    frames += renderer.finish("stop", Usage(11, 1, 4))
+    usages = [data["usage"] for _, data in parse_frames(frames[:-1])]
+    if endpoint == "chat":  # its first chunk (the role's) comes before any token: the prompt's counts alone
+        assert usages.pop(0) == Usage(11, 0, 4).as_openai(endpoint)
+    assert usages == [Usage(11, 1, 4).as_openai(endpoint)] * len(usages) and usages
+    assert not StreamRenderer(ident(endpoint), include_usage=False, continuous_usage=True).continuous_usage
+
+
+def test_a_replay_with_continuous_usage_says_the_prompts_counts_first() -> None:
+    whole = orjson.loads(orjson.dumps(render_response(ident("chat"), "Hi!", "stop", Usage(11, 3, 4))))
+    frames = replay_as_stream("chat", whole, include_usage=True, continuous_usage=True)
+    usages = [data["usage"] for _, data in parse_frames(frames[:-1])]
+    assert usages[0] == Usage(11, 0, 4).as_openai("chat")
+    assert usages[-1] == Usage(11, 3, 4).as_openai("chat")
+    assert None not in usages

@@ -64,6 +64,37 @@ def test_it_runs_as_chat_through_ctx_and_gen_with_the_user_as_the_conversation(
     assert to_ctx.request_json()["disaggregated_params"]["request_type"] == "context_only"
 
 
+def start_events(url: str, **body: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A streamed answer's ``message_start`` usage and its final usage, as the SDK assembles them."""
+    client = anthropic.Anthropic(base_url=url, api_key=KEY, max_retries=0)
+    with client.messages.stream(**{**BODY, **body}) as stream:
+        events = list(stream)
+        final = stream.get_final_message()
+    assert events[0].type == "message_start"
+    return events[0].message.usage.model_dump(), final.usage.model_dump()
+
+
+@pytest.mark.parametrize("placement", ["through CTX", "GEN alone", "CTX alone"])
+def test_message_start_says_the_prompts_tokens(system: tuple[str, Node, Node], placement: str) -> None:
+    """The prompt's counts are known before the first token: GEN's stream says them from its first chunk on, and so
+    does the replay of an answer CTX finished (max_tokens 1)."""
+    url, ctx, gen = system
+    body = {"max_tokens": 1} if placement == "CTX alone" else {}
+    with contextlib.ExitStack() as stack:
+        if placement == "GEN alone":  # conditional disaggregation: a short prompt is prefilled where it is decoded
+            url = start_orchestrator(stack, [ctx.url], [gen.url], max_local_prefill_length=100_000).url
+        assert eventually(lambda: idle(system[0]))
+        assert ctx.recorder is not None and gen.recorder is not None
+        ctx_before, gen_before = len(ctx.recorder.posts()), len(gen.recorder.posts())
+        started, final = start_events(url, **body)
+        whole = anthropic.Anthropic(base_url=url, api_key=KEY, max_retries=0).messages.create(**{**BODY, **body})
+        assert (len(ctx.recorder.posts()) == ctx_before) is (placement == "GEN alone")
+        assert (len(gen.recorder.posts()) == gen_before) is (placement == "CTX alone")
+    assert started["input_tokens"] > 0 and started["output_tokens"] == 0
+    for name in ("input_tokens", "cache_read_input_tokens"):
+        assert started[name] == final[name] == getattr(whole.usage, name)
+
+
 def test_a_client_that_leaves_stops_both_legs(system: tuple[str, Node, Node]) -> None:
     url, ctx, gen = system
     with httpx.stream("POST", url + "/v1/messages", headers={"x-api-key": KEY}, timeout=60,

@@ -64,6 +64,21 @@ async def test_text_stream_in_any_chunking() -> None:
             EVENTS.validate_python(payload)
 
 
+async def test_message_start_carries_the_prompts_counts_from_the_first_chunk() -> None:
+    # The chat stream is asked for usage on every chunk: its first says the prompt's, as Anthropic's message_start.
+    first = {"prompt_tokens": 9, "completion_tokens": 0, "total_tokens": 9,
+             "prompt_tokens_details": {"cached_tokens": 4}}
+    last = {**first, "completion_tokens": 2, "total_tokens": 11}
+    events = await events_of([chunk({"role": "assistant", "content": ""}, usage=first),
+                              chunk({"content": "Hi"}, usage={**first, "completion_tokens": 1}),
+                              chunk({}, "length", usage=last), chunk(usage=last), DONE_FRAME])
+    start = events[0][1]["message"]["usage"]
+    assert start == {"input_tokens": 5, "output_tokens": 0, "cache_creation_input_tokens": 0,
+                     "cache_read_input_tokens": 4}
+    assert events[-2][1]["usage"] == {**start, "output_tokens": 2}
+    EVENTS.validate_python(events[0][1])
+
+
 async def test_a_tool_call_is_a_tool_use_block() -> None:
     call = {"index": 0, "id": "call_7", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}
     events = await events_of([chunk({"role": "assistant", "content": ""}), chunk({"tool_calls": [call]}),

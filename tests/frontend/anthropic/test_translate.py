@@ -38,7 +38,7 @@ def test_sampling_stops_stream_and_session_carry_over() -> None:
     assert (chat["temperature"], chat["top_p"], chat["top_k"], chat["stop"]) == (0.2, 0.9, 5, ["\n\n"])
     assert chat["logprobs"] is True  # the tokens' bytes say which stop sequence ended the answer
     assert translated.stop_sequences == ("\n\n",)
-    assert chat["stream"] is True and chat["stream_options"] == {"include_usage": True}
+    assert chat["stream"] is True and chat["stream_options"] == {"include_usage": True, "continuous_usage_stats": True}
     assert chat["conversation_params"] == {"conversation_id": "u-1"}  # the session key of cache-aware routing
     assert translated.streaming
 
