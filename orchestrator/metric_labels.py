@@ -30,6 +30,10 @@ PREFILL_PLACEMENTS = (ON_CTX, ON_GEN_SHORT, ON_GEN_CACHED)
 CTX_POOL_NAME, GEN_POOL_NAME = "ctx", "gen"  # the pools' names (orchestrator.server): a metric label
 POOLS = (CTX_POOL_NAME, GEN_POOL_NAME)
 RESPONSE_STORE_OPERATIONS = ("get", "put", "delete")  # the calls a shared Responses store counts and times
+# The routes' ``endpoint`` label: the flow's endpoints, and /v1/messages, which runs as chat under its own name
+# (orchestrator/messages.py; tests/orchestrator/test_metric_labels.py holds the route's label to this one).
+MESSAGES_ENDPOINT = "messages"
+ENDPOINT_LABELS = (*PATHS, MESSAGES_ENDPOINT)
 
 
 def upstream_failure_reasons() -> tuple[str, ...]:
@@ -58,7 +62,7 @@ def export_known_series(metrics: Metrics, ctx_workers: Iterable[str], gen_worker
             metrics.routing_decisions.labels(pool=pool, decision=decision)
     for placement in PREFILL_PLACEMENTS:
         metrics.prefill_placement.labels(placement=placement)
-    for endpoint in PATHS:
+    for endpoint in ENDPOINT_LABELS:
         metrics.request_latency.labels(endpoint=endpoint)
     for operation in RESPONSE_STORE_OPERATIONS:
         metrics.response_store_errors.labels(operation=operation)

@@ -55,7 +55,7 @@ def test_a_fresh_orchestrator_exports_every_known_series_at_zero() -> None:
         assert value(fresh, "disagg_ctx_step_seconds_count", worker=ctx.url) == 0
         assert value(fresh, "disagg_gen_first_byte_seconds_count", worker=gen.url) == 0
         assert value(fresh, "disagg_gen_first_byte_seconds_bucket", worker=gen.url, le="+Inf") == 0
-        for endpoint in ("chat", "completions", "responses"):
+        for endpoint in ("chat", "completions", "responses", "messages"):
             assert value(fresh, "disagg_request_latency_seconds_count", endpoint=endpoint) == 0, endpoint
 
         # A request is counted in the series exported at start-up: the pool's worker URLs are the flow's labels.
@@ -63,11 +63,19 @@ def test_a_fresh_orchestrator_exports_every_known_series_at_zero() -> None:
         reply = httpx.post(orchestrator.url + "/v1/completions", timeout=30,
                            json={"model": MODEL, "prompt": "hello", "max_tokens": 4, "stream": True})
         assert reply.status_code == 200 and reply.text.endswith("data: [DONE]\n\n"), reply.text
+        # /v1/messages runs as chat, counted under its own label: one of those exported too.
+        message = httpx.post(orchestrator.url + "/v1/messages", timeout=30,
+                             json={"model": MODEL, "max_tokens": 2, "stream": True,
+                                   "messages": [{"role": "user", "content": "hi"}]})
+        assert message.status_code == 200 and "event: message_stop" in message.text, message.text
         served = scrape(orchestrator.url)
     for name in ("disagg_ctx_step_seconds_count", "disagg_gen_first_byte_seconds_count"):
         assert series(served, name) == series(fresh, name)
-        assert sum(v for (sample_name, _), v in served.items() if sample_name == name) == 1, name
+        assert sum(v for (sample_name, _), v in served.items() if sample_name == name) == 2, name
+    assert series(served, "disagg_request_latency_seconds_count") == \
+        series(fresh, "disagg_request_latency_seconds_count")
     assert value(served, "disagg_request_latency_seconds_count", endpoint="completions") == 1
+    assert value(served, "disagg_request_latency_seconds_count", endpoint="messages") == 1
 
 
 A, B = "http://a:1", "http://b:1"
