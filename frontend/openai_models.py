@@ -20,6 +20,7 @@ from frontend.openai_parameters import (
     refuse_unsupported,
 )
 from frontend.responses_items import ResponsesInput, chat_turns
+from frontend.responses_tools import ResponsesNamedToolChoice, ResponsesToolChoice, ResponsesTools
 from frontend.wire_model import WireModel
 
 __all__ = ["UNSUPPORTED_PARAMETERS", "refuse_unsupported_parameters"]
@@ -230,6 +231,10 @@ class ResponsesRequest(SamplingFields):
     metadata: dict[str, str] | None = None
     previous_response_id: str | None = None
     text: ResponsesText | None = None
+    # Function tools, read as chat's (``chat_tools``) by ``frontend.structured_output``.
+    tools: ResponsesTools | None = None
+    tool_choice: ResponsesToolChoice | None = None
+    parallel_tool_calls: StrictBool | None = None  # at most one call is made, which either value allows
 
     @model_validator(mode="after")
     def _stateless(self) -> ResponsesRequest:
@@ -253,6 +258,19 @@ class ResponsesRequest(SamplingFields):
     @property
     def requested_max_tokens(self) -> int | None:
         return self.max_output_tokens
+
+    def chat_tools(self) -> list[ChatTool]:
+        """The function tools as chat's ``tools``."""
+        return [ChatTool(type="function", function=FunctionDefinition(
+            name=tool.name, description=tool.description, parameters=tool.parameters, strict=tool.strict))
+            for tool in self.tools or ()]
+
+    def chat_tool_choice(self) -> ToolChoice | None:
+        """``tool_choice`` as chat's: a named function moves under ``function``."""
+        choice = self.tool_choice
+        if isinstance(choice, ResponsesNamedToolChoice):
+            return NamedToolChoice(type="function", function=ToolChoiceFunction(name=choice.name))
+        return choice
 
 
 GenerationWireRequest = ChatCompletionRequest | CompletionRequest | ResponsesRequest

@@ -76,6 +76,16 @@ class ResponsesSettings:
     instructions: str | None = None
     temperature: float | None = None
     max_output_tokens: int | None = None
+    tools: tuple[dict[str, Any], ...] = ()  # the function tools, as the SDK's ``FunctionTool``
+    tool_choice: str | dict[str, Any] = "auto"  # OpenAI's defaults where the request set none
+    parallel_tool_calls: bool = True
+
+    @classmethod
+    def of(cls, response: dict[str, Any]) -> ResponsesSettings:
+        """The settings a Response object repeats (a replayed one's)."""
+        return cls(response.get("instructions"), response.get("temperature"), response.get("max_output_tokens"),
+                   tuple(response.get("tools") or ()), response.get("tool_choice") or "auto",
+                   response.get("parallel_tool_calls", True))
 
 
 @dataclass(frozen=True, slots=True)
@@ -210,10 +220,34 @@ def _message_item(ident: ResponseIdentity, text: str, status: str) -> dict[str, 
             "content": content}
 
 
+def function_call_items(response_id: str, calls: Sequence[dict[str, Any]], status: str) -> list[dict[str, Any]]:
+    """Chat-shaped tool calls (``frontend.tool_calls``) as the Responses API's ``function_call`` output items."""
+    item_id = "fc_" + response_id[5:]
+    return [{"type": "function_call", "id": item_id + (f"_{index}" if index else ""), "call_id": call["id"],
+             "name": call["function"]["name"], "arguments": call["function"]["arguments"], "status": status}
+            for index, call in enumerate(calls)]
+
+
+def as_function_call_output(body: dict[str, Any], calls: Sequence[dict[str, Any]]) -> None:
+    """Turn a whole Response object's text into the function calls it made, as OpenAI answers a call."""
+    body["output"] = function_call_items(body["id"], calls, "completed")
+
+
+def _calls_of(output: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A Response object's ``function_call`` items, chat-shaped (the inverse of ``function_call_items``)."""
+    return [{"id": item["call_id"], "type": "function",
+             "function": {"name": item["name"], "arguments": item["arguments"]}}
+            for item in output if item.get("type") == "function_call"]
+
+
 def _responses_object(
-    ident: ResponseIdentity, text: str | None, finish_reason: str | None, usage: Usage | None, status: str
+    ident: ResponseIdentity, text: str | None, finish_reason: str | None, usage: Usage | None, status: str,
+    output: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    output = [] if text is None else [_message_item(ident, text, "completed")]
+    """``output``: the items, where they are not one message of ``text`` (none: no item yet)."""
+    if output is None:
+        output = [] if text is None else [_message_item(ident, text, "completed")]
+    settings = ident.settings
     return {
         "id": ident.response_id,
         "object": "response",
@@ -226,17 +260,22 @@ def _responses_object(
         "output": output,
         "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
         "error": None,
-        "parallel_tool_calls": False,
-        "tool_choice": "none",
-        "tools": [],
+        "parallel_tool_calls": settings.parallel_tool_calls,
+        "tool_choice": settings.tool_choice,
+        "tools": list(settings.tools),
         "usage": usage.as_openai("responses") if usage else None,
     }
 
 
 class StreamRenderer:
-    """Turns text deltas into the endpoint's stream frames, in order: ``begin``, ``delta``..., ``finish``."""
+    """Turns text deltas into the endpoint's stream frames, in order: ``begin``, ``delta``..., ``finish``.
 
-    def __init__(self, ident: ResponseIdentity, include_usage: bool = False, continuous_usage: bool = False) -> None:
+    ``tool_call``: the answer is held back to be sent whole as a function call (or, cut short, as text): a Responses
+    stream then opens its output item only once it knows which it is (``finish_function_calls`` or the first
+    text)."""
+
+    def __init__(self, ident: ResponseIdentity, include_usage: bool = False, continuous_usage: bool = False,
+                 tool_call: bool = False) -> None:
         self.ident = ident
         self.include_usage = include_usage
         # Chat and completions, as vLLM's continuous_usage_stats: every chunk carries ``usage``, the counts so far,
@@ -245,6 +284,7 @@ class StreamRenderer:
         self.usage: Usage | None = None
         self._text_parts: list[str] = []
         self._sequence = 0
+        self._message_open = not tool_call  # a Responses stream's message item: added at ``begin`` unless held
         # Completions, per choice: where the next logprob token starts in that choice's whole streamed text.
         self._text_offsets: dict[int, int] = {}
 
@@ -281,12 +321,18 @@ class StreamRenderer:
         if self.ident.endpoint == "completions":
             return []
         in_progress = _responses_object(self.ident, None, None, None, status="in_progress")
+        frames = [
+            self._event("response.created", {"response": in_progress}),
+            self._event("response.in_progress", {"response": in_progress}),
+        ]
+        return [*frames, *self._open_message()] if self._message_open else frames
+
+    def _open_message(self) -> list[bytes]:
+        self._message_open = True
         item = _message_item(self.ident, "", "in_progress")
         item["content"] = []
         part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
         return [
-            self._event("response.created", {"response": in_progress}),
-            self._event("response.in_progress", {"response": in_progress}),
             self._event("response.output_item.added", {"output_index": 0, "item": item}),
             self._event("response.content_part.added",
                         {"item_id": item["id"], "output_index": 0, "content_index": 0, "part": part}),
@@ -322,9 +368,10 @@ class StreamRenderer:
                 choice["prompt_logprobs"] = prompt_logprobs
             return [self._chunk(choice)]
         item_id = "msg_" + self.ident.response_id[5:]
-        return [self._event("response.output_text.delta",
-                            {"item_id": item_id, "output_index": 0, "content_index": 0, "delta": text,
-                             "logprobs": []})]
+        opened = [] if self._message_open else self._open_message()
+        return [*opened, self._event("response.output_text.delta",
+                                     {"item_id": item_id, "output_index": 0, "content_index": 0, "delta": text,
+                                      "logprobs": []})]
 
     def tool_calls(self, calls: Sequence[dict[str, Any]], choice: int = 0) -> list[bytes]:
         """A chat delta for choice ``choice`` with whole tool calls (id, type, name, arguments), each with its
@@ -356,6 +403,7 @@ class StreamRenderer:
         final = _responses_object(self.ident, text, finish_reason, usage, status=_responses_status(finish_reason))
         done_type = "response.incomplete" if final["status"] == "incomplete" else "response.completed"
         return [
+            *([] if self._message_open else self._open_message()),
             self._event("response.output_text.done",
                         {"item_id": item["id"], "output_index": 0, "content_index": 0, "text": text,
                          "logprobs": []}),
@@ -365,6 +413,24 @@ class StreamRenderer:
             self._event("response.output_item.done", {"output_index": 0, "item": item}),
             self._event(done_type, {"response": final}),
         ]
+
+    def finish_function_calls(self, calls: Sequence[dict[str, Any]], usage: Usage) -> list[bytes]:
+        """Responses: the end of a held-back answer that is function calls (chat-shaped, ``frontend.tool_calls``),
+        each item added, its arguments sent whole in one delta, and done, as OpenAI streams a call."""
+        items = function_call_items(self.ident.response_id, calls, "completed")
+        frames = []
+        for index, item in enumerate(items):
+            frames += [
+                self._event("response.output_item.added",
+                            {"output_index": index, "item": {**item, "arguments": "", "status": "in_progress"}}),
+                self._event("response.function_call_arguments.delta",
+                            {"item_id": item["id"], "output_index": index, "delta": item["arguments"]}),
+                self._event("response.function_call_arguments.done",
+                            {"item_id": item["id"], "output_index": index, "arguments": item["arguments"]}),
+                self._event("response.output_item.done", {"output_index": index, "item": item}),
+            ]
+        final = _responses_object(self.ident, None, "stop", usage, status="completed", output=items)
+        return [*frames, self._event("response.completed", {"response": final})]
 
     def error(self, error: ServingError) -> list[bytes]:
         frames = stream_error_frames(self.ident.endpoint, error, self._sequence)
@@ -386,15 +452,16 @@ def replay_as_stream(endpoint: Endpoint, response: dict[str, Any], include_usage
     on every chunk, the prompt's alone on the first)."""
     usage = Usage.from_openai(response.get("usage"))
     if endpoint == "responses":
-        settings = ResponsesSettings(response.get("instructions"), response.get("temperature"),
-                                     response.get("max_output_tokens"))
         ident = ResponseIdentity(endpoint, response["id"], response["model"], response["created_at"],
-                                 settings=settings)
+                                 settings=ResponsesSettings.of(response))
         output = response.get("output") or []
-        text = output[0]["content"][0]["text"] if output else ""
-        renderer = StreamRenderer(ident, include_usage)
+        function_calls = _calls_of(output)
+        renderer = StreamRenderer(ident, include_usage, tool_call=bool(function_calls))
         # The renderer numbers events as it makes them: make them in the order they are sent.
         frames = renderer.begin()
+        if function_calls:
+            return [*frames, *renderer.finish_function_calls(function_calls, usage)]
+        text = output[0]["content"][0]["text"] if output else ""
         if text:
             frames += renderer.delta_rendered(text, None)
         finish = "length" if response.get("status") == "incomplete" else "stop"

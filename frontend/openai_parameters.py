@@ -72,9 +72,8 @@ _CHAT: dict[str, Neutral] = {
 }
 _RESPONSES: dict[str, Neutral] = {
     **_COMMON,
-    **_REASONING,
-    "tools": _null_or_empty,  # Responses-style function tools are not implemented: use chat completions
-    "tool_choice": _one_of("none", "auto"),  # 'auto' with no tools is 'none'
+    # tools, tool_choice and parallel_tool_calls are Responses wire fields (``frontend.openai_models``).
+    **{name: neutral for name, neutral in _REASONING.items() if name != "parallel_tool_calls"},
     "include": _null_or_empty,
     "truncation": _one_of("disabled"),
     "background": _one_of(False),
@@ -92,9 +91,10 @@ UNSUPPORTED_BY_ENDPOINT: Mapping[WireEndpoint, Mapping[str, Neutral]] = {
     "completions": _COMMON,
     "responses": _RESPONSES,
 }
-# Names some wire model implements on another endpoint (the completions prompt, chat's top_logprobs and tools, the
-# Responses API's store and metadata): only the endpoint's own table can judge them.
-_IMPLEMENTED_ELSEWHERE = frozenset({"prompt", "top_logprobs", "store", "metadata", "tools", "tool_choice"})
+# Names some wire model implements on another endpoint (the completions prompt, chat's top_logprobs, the
+# Responses API's store, metadata and tools): only the endpoint's own table can judge them.
+_IMPLEMENTED_ELSEWHERE = frozenset({"prompt", "top_logprobs", "store", "metadata", "tools", "tool_choice",
+                                    "parallel_tool_calls"})
 # The rest, whichever endpoint: what a body-level check that knows no endpoint can judge (``refuse_unsupported``).
 UNSUPPORTED_PARAMETERS: frozenset[str] = frozenset(
     name for table in UNSUPPORTED_BY_ENDPOINT.values() for name in table if name not in _IMPLEMENTED_ELSEWHERE

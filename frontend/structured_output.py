@@ -1,5 +1,5 @@
-"""Structured output: a request's ``response_format``, ``text.format`` or forced tool call, reduced to the one JSON
-schema an engine enforces token by token.
+"""Structured output: a request's ``response_format``, ``text.format`` or forced tool call (chat's or the Responses
+API's), reduced to the one JSON schema an engine enforces token by token.
 
 Schemas are compiled here, at the worker's edge, with the engine core's options (``json_grammar``), so a schema the
 engine cannot compile is a 400 naming the field. The schema travels as compact JSON text in the client's key order:
@@ -20,6 +20,7 @@ from frontend.openai_models import (
     GenerationWireRequest,
     ResponseFormat,
     ResponsesRequest,
+    ToolChoice,
 )
 
 # Compact separators and no free whitespace: a small model offered free whitespace may spend its whole budget on
@@ -61,20 +62,30 @@ def check_json_schema(schema: dict[str, Any], param: str) -> str:
 def output_constraint(wire: GenerationWireRequest) -> OutputConstraint | None:
     """The constraint a validated request asks for, or None for free text."""
     if isinstance(wire, ChatCompletionRequest):
-        forced = _forced_tools(wire)
+        forced = _forced_tools(wire.tools or [], wire.tool_choice)
         if forced is not None:
             if wire.response_format is not None and wire.response_format.type != "text":
                 raise InvalidRequestError("a forced tool call and a JSON response_format cannot be combined",
                                           param="response_format")
-            return _tool_call_constraint(wire.tools or [], forced)
+            return _tool_call_constraint(wire.tools or [], forced, "tools.{}.function.parameters")
         return _format_constraint(wire.response_format, "response_format")
-    if isinstance(wire, ResponsesRequest) and wire.text is not None and wire.text.format is not None:
-        return _format_constraint(wire.text.format.as_response_format(), "text.format")
+    if isinstance(wire, ResponsesRequest):
+        text_format = wire.text.format.as_response_format() if wire.text and wire.text.format else None
+        tools = wire.chat_tools()  # the Responses API's function tools are chat's, their fields flat
+        forced = _forced_tools(tools, wire.chat_tool_choice())
+        if forced is not None:
+            if text_format is not None and text_format.type != "text":
+                raise InvalidRequestError("a forced tool call and a JSON text.format cannot be combined",
+                                          param="text.format")
+            return _tool_call_constraint(tools, forced, "tools.{}.parameters")
+        return _format_constraint(text_format, "text.format")
     return None
 
 
 def tools_in_prompt(wire: GenerationWireRequest) -> list[ChatTool]:
     """The tools the prompt describes: all of them unless the client chose ``none``."""
+    if isinstance(wire, ResponsesRequest) and wire.tool_choice != "none":
+        return wire.chat_tools()
     if not isinstance(wire, ChatCompletionRequest) or not wire.tools or wire.tool_choice == "none":
         return []
     return list(wire.tools)
@@ -91,12 +102,10 @@ def _format_constraint(response_format: ResponseFormat | None, param: str) -> Ou
     return OutputConstraint(check_json_schema(spec.json_schema, param), tool_call=False, param=param)
 
 
-def _forced_tools(wire: ChatCompletionRequest) -> list[int] | None:
+def _forced_tools(tools: list[ChatTool], choice: ToolChoice | None) -> list[int] | None:
     """Indexes of the tools one of which must be called, or None when no call is forced."""
-    choice = wire.tool_choice
     if choice is None or (isinstance(choice, str) and choice in ("none", "auto")):
         return None
-    tools = wire.tools or []
     if not tools:
         raise InvalidRequestError("tool_choice forces a tool call, but no tools were given", param="tool_choice")
     if choice == "required":
@@ -109,12 +118,13 @@ def _forced_tools(wire: ChatCompletionRequest) -> list[int] | None:
     return named[:1]
 
 
-def _tool_call_constraint(tools: list[ChatTool], forced: list[int]) -> OutputConstraint:
+def _tool_call_constraint(tools: list[ChatTool], forced: list[int], parameters_param: str) -> OutputConstraint:
+    """``parameters_param``: where a tool's parameters are on the wire, ``{}`` its index."""
     options = []
     for index in forced:
         function = tools[index].function
         parameters = function.parameters if function.parameters is not None else _NO_ARGUMENTS
-        check_json_schema(parameters, f"tools.{index}.function.parameters")
+        check_json_schema(parameters, parameters_param.format(index))
         options.append({
             "type": "object",
             "properties": {"name": {"const": function.name}, "arguments": parameters},

@@ -3,9 +3,10 @@
 Entry points on top may import everything; ``orchestrator`` and ``workers`` never import each other; the shared
 layer (``frontend``) imports neither; ``workers.engines`` imports no HTTP server module; the upstream client's
 interface (``orchestrator.upstream.base``) imports none of its clients, and the upstream package has no import
-cycle. A second test proves the contract bites: the same configuration over a small tree that breaks each rule
-reports every break. And no module imports uvicorn's submodules (its protocol and cycle classes are private code:
-docs/http.md); only ``entrypoints.http`` imports uvicorn at all.
+cycle; Anthropic's wire (``frontend.anthropic``) stays at the edge, out of the flow, the worker protocols and the
+worker's service and renderer. A second test proves the contract bites: the same configuration over a small tree
+that breaks each rule reports every break. And no module imports uvicorn's submodules (its protocol and cycle
+classes are private code: docs/http.md); only ``entrypoints.http`` imports uvicorn at all.
 """
 
 from __future__ import annotations
@@ -46,6 +47,8 @@ def test_the_contract_reports_each_kind_of_break(tmp_path: Path) -> None:
         "entrypoints/launcher.py": "import uvicorn\n",  # uvicorn outside the HTTP server
         "frontend/__init__.py": "",
         "frontend/shared.py": "import workers.server\n",  # the shared layer imports a service
+        "frontend/anthropic/__init__.py": "",
+        "frontend/anthropic/stream.py": "",
         "orchestrator/__init__.py": "",
         "orchestrator/flow/__init__.py": "import workers.engines.engine\n",  # one service imports the other
         "orchestrator/flow/steps.py": "import orchestrator.protocols.trtllm.wire\n",  # the flow names a protocol
@@ -67,7 +70,7 @@ def test_the_contract_reports_each_kind_of_break(tmp_path: Path) -> None:
         "orchestrator/upstream/httptools/connection.py": "",
         "workers/__init__.py": "",
         "workers/server.py": "import frontend.shared\n",
-        "workers/service.py": "",
+        "workers/service.py": "import frontend.anthropic.stream\n",  # the path speaks an edge's wire
         "workers/registration.py": "",
         "workers/engines/__init__.py": "",
         "workers/engines/engine.py": "import workers.server\nimport entrypoints.cli\n",  # HTTP server; a launcher
@@ -101,7 +104,8 @@ def test_the_contract_reports_each_kind_of_break(tmp_path: Path) -> None:
                    "orchestrator.upstream.base -> orchestrator.upstream.httptools.pool",
                    "orchestrator.upstream.httptools.stream -> orchestrator.upstream.httptools.pool",
                    "orchestrator.flow.steps -> orchestrator.protocols.trtllm.wire",
-                   "orchestrator.protocols.base -> orchestrator.protocols.native"):
+                   "orchestrator.protocols.base -> orchestrator.protocols.native",
+                   "workers.service -> frontend.anthropic.stream"):
         assert broken in result.stdout, result.stdout
 
 

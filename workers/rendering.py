@@ -13,7 +13,14 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from typing import Any
 
 from frontend.errors import EngineError, InvalidRequestError, ServingError
-from frontend.openai_output import ChoiceOutput, StreamRenderer, TokenLogprobInfo, Usage, render_choices
+from frontend.openai_output import (
+    ChoiceOutput,
+    StreamRenderer,
+    TokenLogprobInfo,
+    Usage,
+    as_function_call_output,
+    render_choices,
+)
 from frontend.token_codec import TokenArray
 from frontend.tool_calls import as_tool_call_message, tool_calls_from_text
 from workers.engines.base import ProvidesTokenBytes, ProvidesTokenizer, Tokenizer
@@ -58,7 +65,9 @@ class Renderer:
         body = render_choices(prepared.ident, choices, usage, self._prompt_logprobs(prepared, out.prompt_logprobs))
         for index, choice in enumerate(out.choices):
             calls = self._tool_calls(prepared, choices[index].text, choice.finish_reason, index)
-            if calls is not None:
+            if calls is not None and prepared.ident.endpoint == "responses":
+                as_function_call_output(body, calls)
+            elif calls is not None:
                 as_tool_call_message(body, calls, index)
         if request.phase is Phase.CONTEXT_ONLY:
             assert prepared.disagg is not None
@@ -73,7 +82,7 @@ class Renderer:
         request = prepared.request
         options = prepared.wire.stream_options
         renderer = StreamRenderer(prepared.ident, bool(options and options.include_usage),
-                                  bool(options and options.continuous_usage_stats))
+                                  bool(options and options.continuous_usage_stats), tool_call=prepared.tool_call)
         n = request.sampling.n
         per_choice = prepared.ident.endpoint != "responses"  # chat and completions end each choice apart
         completion_tokens = cached_tokens = 0
@@ -119,7 +128,7 @@ class Renderer:
                         for frame in self._choice_end_frames(prepared, renderer, held[index], None, index)]
                 ends += renderer.end(usage)
             else:
-                ends = renderer.finish(finishes.get(0), usage)
+                ends = self._response_end_frames(prepared, renderer, held[0], finishes.get(0), usage)
             for frame in ends:
                 yield frame
             ok = len(finishes) == n and "abort" not in finishes.values()
@@ -155,6 +164,18 @@ class Renderer:
             frames = renderer.delta(text, None, None, index) if text else []
             return [*frames, *renderer.finish_choice(finish, index)]
         return [*renderer.tool_calls(calls, index), *renderer.finish_choice("tool_calls", index)]
+
+    def _response_end_frames(self, prepared: PreparedGeneration, renderer: StreamRenderer, held: list[str],
+                             finish: str | None, usage: Usage) -> list[bytes]:
+        """The frames that end a Responses stream: a held-back tool call as its function call items (or its text,
+        when cut short by ``max_output_tokens``), then the final event."""
+        if not prepared.tool_call:
+            return renderer.finish(finish, usage)
+        text = "".join(held)
+        calls = self._tool_calls(prepared, text, finish)
+        if calls is None:
+            return [*(renderer.delta(text) if text else []), *renderer.finish(finish, usage)]
+        return renderer.finish_function_calls(calls, usage)
 
     def _echo_frames(self, request: GenerationRequest, renderer: StreamRenderer, first: TextStep | None,
                      prompt_logprobs: list[Any] | None) -> list[bytes]:

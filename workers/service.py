@@ -18,6 +18,7 @@ from frontend.metrics import Metrics
 from frontend.openai_models import GenerationWireRequest, ResponsesRequest, refuse_unsupported_parameters
 from frontend.openai_output import ResponseIdentity, ResponsesSettings
 from frontend.prefix_chain import PrefixChain
+from frontend.responses_tools import ResponsesNamedToolChoice
 from frontend.structured_output import output_constraint
 from workers.dialects import NATIVE, AnswerDialect
 from workers.engines.base import Engine, KVHandoffStore, ProvidesTokenizer, Tokenizer
@@ -50,7 +51,12 @@ def responses_settings(wire: GenerationWireRequest) -> ResponsesSettings:
     """What a Responses request set that its Response object repeats; nothing for the other endpoints."""
     if not isinstance(wire, ResponsesRequest):
         return ResponsesSettings()
-    return ResponsesSettings(wire.instructions, wire.temperature, wire.max_output_tokens)
+    choice = wire.tool_choice
+    return ResponsesSettings(wire.instructions, wire.temperature, wire.max_output_tokens,
+                             tuple(tool.echoed() for tool in wire.tools or ()),
+                             {"type": "function", "name": choice.name} if isinstance(choice, ResponsesNamedToolChoice)
+                             else choice or "auto",
+                             wire.parallel_tool_calls if wire.parallel_tool_calls is not None else True)
 
 
 class WorkerService:

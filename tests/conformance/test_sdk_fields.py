@@ -62,7 +62,6 @@ def test_chat_accepts_neutral_values(conformance_cluster: RefCluster, field: str
     assert reply.object == "chat.completion"
 
 
-TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
 REFUSED_CHAT_VALUES: list[tuple[str, Any]] = [
     ("tool_choice", "required"),  # a call forced with no tools to call (structured output: item 5)
     ("audio", {"voice": "alloy", "format": "wav"}), ("modalities", ["text", "audio"]),
@@ -86,7 +85,7 @@ def test_chat_refuses_values_it_cannot_honour_by_name(
 
 
 REFUSED_RESPONSES_VALUES: list[tuple[str, Any]] = [
-    ("tools", [TOOL]), ("tool_choice", "required"),
+    ("tool_choice", "required"),  # a call forced with no tools to call (built-in tools: test_responses_tools.py)
     ("background", True), ("truncation", "auto"), ("top_logprobs", 3),
     ("include", ["message.output_text.logprobs"]), ("reasoning", {"effort": "high"}),
     ("conversation", "conv_1"), ("prompt", {"id": "pmpt_1"}), ("max_tool_calls", 2), ("image", {"x": 1}),

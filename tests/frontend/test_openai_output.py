@@ -14,9 +14,11 @@ from frontend.errors import UpstreamError
 from frontend.openai_output import (
     Endpoint,
     ResponseIdentity,
+    ResponsesSettings,
     StreamRenderer,
     TokenLogprobInfo,
     Usage,
+    as_function_call_output,
     render_response,
     replay_as_stream,
     stream_error_frames,
@@ -277,3 +279,71 @@ def test_a_replay_with_continuous_usage_says_the_prompts_counts_first() -> None:
     assert usages[0] == Usage(11, 0, 4).as_openai("chat")
     assert usages[-1] == Usage(11, 3, 4).as_openai("chat")
     assert None not in usages
+
+
+# -- Responses function calls ------------------------------------------------------------------------------------
+CALL = {"id": "call_abc123", "type": "function", "function": {"name": "weather", "arguments": '{"city":"Paris"}'}}
+TOOLS_SET = ResponsesSettings(tools=({"type": "function", "name": "weather", "description": None,
+                                      "parameters": {"type": "object"}, "strict": None},),
+                              tool_choice={"type": "function", "name": "weather"}, parallel_tool_calls=False)
+
+
+def test_a_response_repeats_its_tools_settings_and_openais_defaults() -> None:
+    plain = render_response(ident("responses"), "Hi", "stop", USAGE)
+    assert (plain["tools"], plain["tool_choice"], plain["parallel_tool_calls"]) == ([], "auto", True)
+    with_tools = render_response(ResponseIdentity("responses", "resp_abc123", "m", 1, settings=TOOLS_SET), "Hi",
+                                 "stop", USAGE)
+    response = Response.model_validate(with_tools)
+    assert response.tools[0].type == "function" and response.tools[0].name == "weather"
+    assert with_tools["tool_choice"] == {"type": "function", "name": "weather"}
+    assert with_tools["parallel_tool_calls"] is False
+
+
+def test_a_whole_function_call_is_a_function_call_item() -> None:
+    body = render_response(ident("responses"), '{"name": "weather"}', "stop", USAGE)
+    as_function_call_output(body, [CALL])
+    response = Response.model_validate(body)
+    (item,) = response.output
+    assert item.type == "function_call" and item.model_dump(exclude_none=True) == {
+        "type": "function_call", "id": "fc_abc123", "call_id": "call_abc123", "name": "weather",
+        "arguments": '{"city":"Paris"}', "status": "completed"}
+    assert response.status == "completed" and response.output_text == ""
+
+
+def test_a_held_back_call_streams_as_openai_streams_a_function_call() -> None:
+    renderer = StreamRenderer(ident("responses"), tool_call=True)
+    frames = [*renderer.begin(), *renderer.delta(""), *renderer.finish_function_calls([CALL], USAGE)]
+    assert validate_responses_events(frames) == [
+        "response.created", "response.in_progress", "response.output_item.added",
+        "response.function_call_arguments.delta", "response.function_call_arguments.done",
+        "response.output_item.done", "response.completed"]
+    parsed = [data for _, data in parse_frames(frames)]
+    assert [data["sequence_number"] for data in parsed] == list(range(len(frames)))
+    added, delta, done, item_done, completed = parsed[2:]
+    assert added["item"] == {**item_done["item"], "arguments": "", "status": "in_progress"}
+    assert delta["delta"] == done["arguments"] == '{"city":"Paris"}'
+    assert completed["response"]["output"] == [item_done["item"]]
+    assert completed["response"]["status"] == "completed"
+
+
+def test_a_held_back_answer_that_is_text_opens_its_message_late() -> None:
+    renderer = StreamRenderer(ident("responses"), tool_call=True)
+    frames = renderer.begin()
+    assert validate_responses_events(frames) == ["response.created", "response.in_progress"]
+    frames += [*renderer.delta('{"na'), *renderer.finish("length", USAGE)]
+    assert validate_responses_events(frames)[2:] == [
+        "response.output_item.added", "response.content_part.added", "response.output_text.delta",
+        "response.output_text.done", "response.content_part.done", "response.output_item.done",
+        "response.incomplete"]
+    assert parse_frames(frames)[-1][1]["response"]["output"][0]["content"][0]["text"] == '{"na'
+
+
+def test_the_replay_of_a_function_call_streams_the_call() -> None:
+    body = render_response(ResponseIdentity("responses", "resp_abc123", "m", 1, settings=TOOLS_SET), "", "stop",
+                           USAGE)
+    as_function_call_output(body, [CALL])
+    frames = replay_as_stream("responses", orjson.loads(orjson.dumps(body)), include_usage=False)
+    assert "response.function_call_arguments.delta" in validate_responses_events(frames)
+    final = parse_frames(frames)[-1][1]["response"]
+    assert {k: final[k] for k in ("output", "tools", "tool_choice", "parallel_tool_calls", "usage")} == \
+        {k: body[k] for k in ("output", "tools", "tool_choice", "parallel_tool_calls", "usage")}

@@ -76,3 +76,43 @@ def test_the_prompt_describes_the_tools_unless_none() -> None:
     none = ChatCompletionRequest.model_validate({"model": "m", "messages": USER, "tools": TOOLS,
                                                  "tool_choice": "none"})
     assert tools_in_prompt(none) == []
+
+
+# -- the Responses API's function tools: chat's, their fields flat ------------------------------------------------
+RESPONSES_TOOLS = [{"type": "function", "name": "f", "parameters": SCHEMA}, {"type": "function", "name": "g"}]
+
+
+def responses(**fields: Any) -> ResponsesRequest:
+    return ResponsesRequest.model_validate({"model": "m", "input": "hi", **fields})
+
+
+def test_a_responses_forced_call_is_chats() -> None:
+    for choice, chat_choice in (("required", "required"), ({"type": "function", "name": "g"},
+                                                           {"type": "function", "function": {"name": "g"}})):
+        constraint = output_constraint(responses(tools=RESPONSES_TOOLS, tool_choice=choice))
+        assert constraint is not None and constraint.tool_call
+        assert constraint == chat(tools=TOOLS, tool_choice=chat_choice)
+    assert output_constraint(responses(tools=RESPONSES_TOOLS)) is None
+    assert output_constraint(responses(tools=RESPONSES_TOOLS, tool_choice="auto")) is None
+
+
+def test_the_responses_prompt_describes_the_tools_unless_none() -> None:
+    assert tools_in_prompt(responses(tools=RESPONSES_TOOLS)) == tools_in_prompt(
+        ChatCompletionRequest.model_validate({"model": "m", "messages": USER, "tools": TOOLS}))
+    assert tools_in_prompt(responses(tools=RESPONSES_TOOLS, tool_choice="none")) == []
+    assert tools_in_prompt(responses()) == []
+
+
+@pytest.mark.parametrize(("fields", "param"), [
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": RESPONSES_TOOLS, "tool_choice": {"type": "function", "name": "h"}}, "tool_choice"),
+    ({"tools": [{"type": "function", "name": "f", "parameters": {"$ref": "#/x"}}], "tool_choice": "required"},
+     "tools.0.parameters"),
+    ({"tools": RESPONSES_TOOLS, "tool_choice": "required", "text": {"format": {"type": "json_object"}}},
+     "text.format"),
+])
+def test_a_responses_request_that_cannot_be_served_is_a_400_naming_the_field(fields: dict[str, Any],
+                                                                             param: str) -> None:
+    with pytest.raises(InvalidRequestError) as caught:
+        output_constraint(responses(**fields))
+    assert caught.value.param == param
