@@ -11,6 +11,7 @@ parse per streamed chunk, on this route only. ``count_tokens`` asks a CTX worker
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 
 import orjson
@@ -31,6 +32,8 @@ COUNT_TOKENS_PATH = "/v1/messages/count_tokens"
 COUNT_TOKENS_STEP = "count_tokens"  # asked of a CTX worker, like /v1/models
 API_KEY_HEADER = b"x-api-key"
 
+logger = logging.getLogger("disagg_serve.messages")
+
 
 def authorization(header: Callable[[bytes], str | None]) -> str | None:
     """The request's credentials: ``Authorization`` as everywhere, else Anthropic's ``x-api-key`` as a bearer."""
@@ -50,6 +53,7 @@ class MessagesExchange(Exchange):
         self.client = client
         self.request_id = client.request_id
         self.stop_sequences: tuple[str, ...] = ()  # the request's, once its body is read
+        self.streaming = False  # its stream has begun: an error after that cuts the connection
 
     def header(self, name: bytes) -> str | None:
         if name == b"authorization":
@@ -71,10 +75,12 @@ class MessagesExchange(Exchange):
         await self.client.answer(body, status, headers)
 
     async def stream(self, frames: AsyncIterator[bytes], headers: RawHeaders) -> None:
+        self.streaming = True
         await self.client.stream(messages_events(frames, self.stop_sequences), headers)
 
     async def push(self, pushed: PushedStream, headers: RawHeaders) -> None:
         # Each chunk is read and rewritten: iterated, not pushed.
+        self.streaming = True
         await self.client.stream(messages_events(pushed.frames(), self.stop_sequences), headers)
 
     def status_of(self, exc: BaseException) -> int:
@@ -84,14 +90,21 @@ class MessagesExchange(Exchange):
 
 
 async def serve_messages(exchange: Exchange, handle: Callable[[Exchange], Awaitable[None]]) -> None:
-    """``handle`` (the chat route's, on a ``MessagesExchange``), its errors raised in Anthropic's shape."""
+    """``handle`` (the chat route's, on a ``MessagesExchange``), its errors raised in Anthropic's shape. What the
+    exchange answers is logged there (every 5xx, with the request id and cause); logged here: an unexpected error,
+    whose cause the client's 500 does not say, and an error once the stream has begun, which cuts the connection."""
+    messages = MessagesExchange(exchange)
     try:
-        await handle(MessagesExchange(exchange))
+        await handle(messages)
     except ClientDisconnected:
         raise
     except ServingError as exc:
+        if messages.streaming:
+            logger.error("request %s: its stream was cut on %s: %s", exchange.request_id, MESSAGES_PATH, exc.message)
         raise as_anthropic(exc) from exc
     except Exception as exc:
+        logger.exception("request %s failed on %s: %s: %s", exchange.request_id, MESSAGES_PATH,
+                         type(exc).__name__, exc)
         raise AnthropicError(ServingError("internal server error")) from exc
 
 

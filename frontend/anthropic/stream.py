@@ -6,18 +6,24 @@ where the chat stream ended with an error. The chat stream is asked for its usag
 answer's replay honour too): its first chunk gives ``message_start`` the prompt's counts (as Anthropic's does: input
 and cache-read tokens), its last fills ``message_delta``'s usage. With stop sequences, the chunks' logprobs are
 read for the tokens' bytes (which stop sequence ended the answer: ``frontend.anthropic.translate.matched_stop``) and
-not passed on."""
+not passed on. A chunk that cannot be translated ends the stream with an ``error`` event, logged with the request id
+and its cause, rather than cutting the connection."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
 import orjson
 
-from frontend.anthropic.errors import error_event_from_openai
+from frontend.anthropic.errors import error_event, error_event_from_openai
 from frontend.anthropic.translate import matched_stop, message_id, stop_reason, token_bytes, tool_use_block, usage
+from frontend.errors import ServingError
+from frontend.logging_setup import request_id_var
 from frontend.sse import FrameSplitter, close_frames, event_frame
+
+logger = logging.getLogger("disagg_serve.messages")
 
 _DATA = b"data: "
 _DONE = b"[DONE]"
@@ -133,7 +139,13 @@ async def messages_events(frames: AsyncIterator[bytes], stop_sequences: tuple[st
     stream = MessagesStream(stop_sequences)
     try:
         async for piece in frames:
-            events = [event for frame in splitter.feed(piece) for event in stream.events(frame)]
+            try:
+                events = [event for frame in splitter.feed(piece) for event in stream.events(frame)]
+            except Exception:
+                logger.exception("request %s: a chat chunk could not be written as Anthropic's events",
+                                 request_id_var.get())
+                yield error_event(ServingError("internal server error"))
+                return
             if events:
                 yield b"".join(events)
     finally:

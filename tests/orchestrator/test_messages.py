@@ -1,13 +1,16 @@
 """``/v1/messages`` on the orchestrator's edge (synthetic workers): it runs as chat through CTX and GEN, with
 ``metadata.user_id`` as the conversation; Anthropic's credentials, its 529 where admission sheds load, its error
 shape for count_tokens, the metrics' ``messages`` label, a client that leaves stopping both legs, and a GEN that
-dies mid-stream ending the stream with Anthropic's error event; one trace, its root span named for the route."""
+dies mid-stream ending the stream with Anthropic's error event; one trace, its root span named for the route;
+``message_start`` saying the prompt's tokens wherever the prompt is prefilled; an unexpected error, and one after
+the stream began, logged with the request id and cause."""
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import anthropic
@@ -15,7 +18,11 @@ import httpx
 import orjson
 import pytest
 
+from frontend.anthropic.errors import AnthropicError
+from frontend.asgi_fast_path import Exchange, RawHeaders
 from frontend.config import parse_config
+from frontend.errors import UpstreamError
+from orchestrator.messages import MESSAGES_PATH, serve_messages
 from orchestrator.server import create_orchestrator_app
 from tests.cluster import MODEL, Node, sample, start_orchestrator, start_worker
 from tests.orchestrator.test_faults import dying_gen
@@ -196,3 +203,50 @@ def test_one_request_is_one_trace_named_messages_at_the_edge(system: tuple[str, 
     (root,) = [span for span in spans if span.name == "orchestrator messages"]
     names = {span.name for span in spans if span.context.trace_id == root.context.trace_id}  # one trace
     assert {"admission", "ctx.call", "handoff", "gen.call", "context chat", "generation chat"} <= names
+
+
+class SilentExchange(Exchange):
+    """An exchange whose client takes whatever is sent: the route's own behaviour, without a server."""
+
+    def __init__(self) -> None:
+        super().__init__({"type": "http", "path": MESSAGES_PATH, "headers": [(b"x-request-id", b"req-9")]}, None)
+
+    async def _send_start(self, status: int, headers: RawHeaders) -> None:
+        pass
+
+    async def _send_body(self, body: bytes, more: bool) -> None:
+        pass
+
+
+def messages_records(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
+    return [record for record in caplog.records if record.name == "disagg_serve.messages"]
+
+
+async def test_an_unexpected_error_is_a_500_logged_with_the_request_id_and_cause(
+        caplog: pytest.LogCaptureFixture) -> None:
+    async def broken(_: Exchange) -> None:
+        raise RuntimeError("a bug")
+
+    with pytest.raises(AnthropicError) as raised:
+        await serve_messages(SilentExchange(), broken)
+    assert raised.value.status_code == 500
+    assert raised.value.to_dict() == {"type": "error", "error": {"type": "api_error",
+                                                                 "message": "internal server error"}}
+    (record,) = messages_records(caplog)
+    assert "req-9" in record.getMessage() and "RuntimeError: a bug" in record.getMessage()
+    assert record.exc_info is not None
+
+
+async def test_an_error_once_the_stream_has_begun_is_logged_with_the_request_id_and_cause(
+        caplog: pytest.LogCaptureFixture) -> None:
+    async def frames() -> AsyncIterator[bytes]:
+        yield b'data: {"id": "chatcmpl-1", "model": "m", "choices": []}\n\n'
+
+    async def cut(exchange: Exchange) -> None:
+        await exchange.stream(frames(), [])
+        raise UpstreamError("the GEN stream broke")
+
+    with pytest.raises(AnthropicError):
+        await serve_messages(SilentExchange(), cut)
+    (record,) = messages_records(caplog)
+    assert "req-9" in record.getMessage() and "the GEN stream broke" in record.getMessage()

@@ -7,10 +7,12 @@ from typing import Any
 
 import orjson
 import pydantic
+import pytest
 from anthropic.types import RawMessageStreamEvent
 
 from frontend.anthropic.stream import messages_events
 from frontend.errors import UpstreamError, sse_error_event
+from frontend.logging_setup import request_id_var
 from frontend.sse import DONE_FRAME, data_frame
 
 EVENTS = pydantic.TypeAdapter(RawMessageStreamEvent)
@@ -97,6 +99,31 @@ async def test_a_failed_stream_ends_with_an_error_event() -> None:
     assert name == "error"
     assert payload == {"type": "error", "error": {"type": "api_error", "message": "the GEN worker failed"}}
     assert "message_stop" not in [n for n, _ in events]
+
+
+async def test_a_chunk_that_cannot_be_translated_ends_the_stream_with_an_error_event_logged(
+        caplog: pytest.LogCaptureFixture) -> None:
+    closed: list[bool] = []
+
+    async def source() -> AsyncIterator[bytes]:
+        try:
+            yield chunk({"role": "assistant", "content": ""}) + chunk({"content": "x"})
+            yield b"data: {not json\n\n"
+            yield chunk({"content": "never read"})
+        finally:
+            closed.append(True)
+
+    token = request_id_var.set("req-7")
+    try:
+        out = b"".join([e async for e in messages_events(source())])
+    finally:
+        request_id_var.reset(token)
+    *_, last = [frame for frame in out.decode().split("\n\n") if frame]
+    assert last.startswith("event: error\n")
+    assert orjson.loads(last.split("\n")[1].removeprefix("data: "))["error"]["type"] == "api_error"
+    assert closed == [True]  # the chat stream is closed: GEN stops
+    (record,) = [r for r in caplog.records if r.name == "disagg_serve.messages"]
+    assert "req-7" in record.getMessage() and record.exc_info is not None  # the request id and the cause
 
 
 def with_logprobs(frame: bytes, *tokens: bytes) -> bytes:
