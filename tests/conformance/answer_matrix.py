@@ -278,6 +278,20 @@ def reassembled(api: Api, chunks: list[dict[str, Any]]) -> dict[str, Any]:
     return result
 
 
+# A chain turn's ``call_id`` that means the one of the function call the turn before made (each server names its own).
+PREVIOUS_CALL_ID = "<the previous turn's call_id>"
+
+
+def _with_previous_call_id(turn: dict[str, Any], response: dict[str, Any]) -> dict[str, Any]:
+    if not isinstance(turn["input"], list):
+        return dict(turn)
+    ids = [item["call_id"] for item in response.get("output", ()) if item["type"] == "function_call"]
+    assert ids or PREVIOUS_CALL_ID not in str(turn["input"]), f"the turn before made no function call: {response}"
+    items = [{**item, "call_id": ids[0]} if item.get("call_id") == PREVIOUS_CALL_ID else item
+             for item in turn["input"]]
+    return {**turn, "input": items}
+
+
 def _response_answer(url: str, body: dict[str, Any], stream: bool, stored: bool) -> dict[str, Any]:
     """A Responses answer; with ``chain``, its last turn's, each turn after the first a follow-up of the one before
     (by ``previous_response_id`` where ``stored``, as OpenAI keeps a conversation: instructions not carried)."""
@@ -286,11 +300,12 @@ def _response_answer(url: str, body: dict[str, Any], stream: bool, stored: bool)
     previous = None
     response: dict[str, Any] = {}
     for turn in turns:
-        request = dict(turn)
+        request = _with_previous_call_id(turn, response)
         if stored and previous is not None:
             request["previous_response_id"] = previous
         elif not stored:
-            said = [{"role": "user", "content": turn["input"]}] if isinstance(turn["input"], str) else turn["input"]
+            said = [{"role": "user", "content": turn["input"]}] if isinstance(turn["input"], str) \
+                else request["input"]
             request["input"] = [*history, *said]
             request["store"] = False
         if not stream:
@@ -302,12 +317,17 @@ def _response_answer(url: str, body: dict[str, Any], stream: bool, stored: bool)
             response = final["response"]
             deltas = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
             assert deltas == _output_text(response), (deltas, response)
+            arguments = ["".join(e["delta"] for e in events if e["type"] == "response.function_call_arguments.delta"
+                                 and e["item_id"] == item["id"])
+                         for item in response["output"] if item["type"] == "function_call"]
+            assert arguments == [item["arguments"] for item in response["output"] if item["type"] == "function_call"]
         previous = response["id"]
         if not stored:
             history = [*request["input"], *response["output"]]
     usage = response.get("usage") or {}
     return {"status": response["status"], "incomplete": response.get("incomplete_details"),
-            "settings": {k: response.get(k) for k in ("instructions", "temperature", "max_output_tokens")},
+            "settings": {k: response.get(k) for k in ("instructions", "temperature", "max_output_tokens", "tools",
+                                                      "tool_choice", "parallel_tool_calls")},
             "output": [_item(item) for item in response["output"]],
             "usage": {k: usage.get(k) for k in ("input_tokens", "output_tokens", "total_tokens")}}
 

@@ -18,6 +18,7 @@ from tests.conformance.answer_matrix import (
     DEPLOYMENTS,
     LONG_PREFIX,
     MODEL,
+    PREVIOUS_CALL_ID,
     Api,
     Case,
     Deployment,
@@ -83,6 +84,21 @@ def function_call_chain(long: bool) -> dict[str, Any]:
                       {"input": [called, answered], "max_output_tokens": 3, **GREEDY}]}
 
 
+# One short function tool (every character of it is prompt: the long prompts must stay inside the context of 512).
+HOUR = {"type": "function", "name": "hour", "parameters": {"type": "object", "properties": {"h": {"enum": [1, 2]}},
+                                                            "required": ["h"], "additionalProperties": False}}
+
+
+def tool_call_chain(long: bool) -> dict[str, Any]:
+    """A forced call (a named function), then its output, by ``previous_response_id``; the follow-up's tools are
+    echoed but left out of the prompt (``none``)."""
+    output = {"type": "function_call_output", "call_id": PREVIOUS_CALL_ID, "output": "2"}
+    return {"chain": [{"input": text("Which hour?", long), "tools": [HOUR], "max_output_tokens": 48,
+                       "tool_choice": {"type": "function", "name": "hour"}, **GREEDY},
+                      {"input": [output], "tools": [HOUR], "tool_choice": "none", "max_output_tokens": 3,
+                       **GREEDY}]}
+
+
 CASES = (
     Case("plain", "chat", chat("Say hello")),
     Case("max-tokens-1", "chat", chat("Say hello", max_tokens=1)),
@@ -115,6 +131,9 @@ CASES = (
     Case("previous-response-chain", "responses", chain),
     Case("function-call-items", "responses", function_call),
     Case("previous-response-chain-function-call", "responses", function_call_chain),
+    Case("tool-call", "responses", response("Which hour?", tools=[HOUR], tool_choice="required",
+                                            parallel_tool_calls=False, max_output_tokens=48)),
+    Case("tool-call-chain", "responses", tool_call_chain),
 )
 
 
