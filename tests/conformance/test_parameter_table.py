@@ -39,6 +39,7 @@ PROVED_ELSEWHERE = {
     "GET /v1/responses/{id}": "test_responses_multi_turn.test_a_stored_response_can_be_retrieved_and_deleted",
     "DELETE /v1/responses/{id}": "test_responses_multi_turn.test_a_stored_response_can_be_retrieved_and_deleted",
     "n": "test_n_conformance.test_n_choices_disaggregated_equal_aggregated",
+    "tools": "test_responses_tools.test_a_bad_tools_request_is_a_400_naming_the_parameter",  # a built-in tool's type
 }
 
 
