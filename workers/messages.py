@@ -1,10 +1,12 @@
 """Anthropic's Messages API on a worker: ``/v1/messages`` where the worker serves clients itself (role ``both``),
 as the chat request it translates to (``frontend.anthropic``), its answer written back in Anthropic's shape; and
 ``/v1/messages/count_tokens`` on every role, which the orchestrator asks of a CTX worker: the prompt is rendered
-and tokenized as the chat request's would be, and no engine runs."""
+and tokenized as the chat request's would be, and no engine runs. Every error is answered in Anthropic's shape, an
+unexpected one too (logged with the request id and its cause, which its 500 does not say)."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -13,12 +15,19 @@ from fastapi import FastAPI, Request
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Message
 
-from frontend.anthropic.errors import as_anthropic
+from frontend.anthropic.errors import AnthropicError, as_anthropic
 from frontend.anthropic.models import CountTokensRequest, MessagesRequest
 from frontend.anthropic.stream import messages_events
 from frontend.anthropic.translate import count_tokens_request, message_from_chat, messages_request
 from frontend.errors import ModelNotFoundError, ServingError
-from frontend.http import JSONBytesResponse, answered_status, parse_json_object, read_body, validate_wire
+from frontend.http import (
+    ClientDisconnected,
+    JSONBytesResponse,
+    answered_status,
+    parse_json_object,
+    read_body,
+    validate_wire,
+)
 from frontend.metrics import Metrics
 from frontend.openai_models import ChatCompletionRequest, GenerationWireRequest
 from frontend.openapi import json_body
@@ -28,6 +37,8 @@ from workers.service import WorkerService
 from workers.settings import WorkerSettings
 
 Serve = Callable[[Request, type[GenerationWireRequest], str], Awaitable[Response]]
+
+logger = logging.getLogger("disagg_serve.messages")
 
 
 def install_messages_routes(app: FastAPI, service: WorkerService, settings: WorkerSettings, metrics: Metrics,
@@ -41,15 +52,22 @@ def install_messages_routes(app: FastAPI, service: WorkerService, settings: Work
             try:
                 raw = await read_body(request, settings.max_body_bytes)
                 translated = messages_request(parse_json_object(raw))
-            except ServingError as exc:
+            except ClientDisconnected:
+                raise
+            except Exception as exc:
+                error = as_anthropic(exc) if isinstance(exc, ServingError) else _unexpected(request, exc)
                 metrics.requests.labels(role=settings.role, endpoint="messages",
-                                        status=str(answered_status(as_anthropic(exc)))).inc()
-                raise as_anthropic(exc) from exc
+                                        status=str(answered_status(error))).inc()
+                raise error from exc
             try:
                 answer = await serve(_with_body(request, orjson.dumps(translated.chat)), ChatCompletionRequest,
                                      "messages")
             except ServingError as exc:
                 raise as_anthropic(exc) from exc
+            except ClientDisconnected:
+                raise
+            except Exception as exc:
+                raise _unexpected(request, exc) from exc
             return _in_anthropic_shape(answer, translated.stop_sequences)
 
     @app.post("/v1/messages/count_tokens", openapi_extra=json_body(CountTokensRequest))
@@ -59,6 +77,17 @@ def install_messages_routes(app: FastAPI, service: WorkerService, settings: Work
             return JSONBytesResponse(orjson.dumps({"input_tokens": await prompt_tokens(service, chat)}))
         except ServingError as exc:
             raise as_anthropic(exc) from exc
+        except ClientDisconnected:
+            raise
+        except Exception as exc:
+            raise _unexpected(request, exc) from exc
+
+
+def _unexpected(request: Request, exc: Exception) -> AnthropicError:
+    """An exception no layer expected: logged with its cause, answered as Anthropic's 500."""
+    logger.exception("request %s failed on %s: %s: %s", getattr(request.state, "request_id", "-"), request.url.path,
+                     type(exc).__name__, exc)
+    return AnthropicError(ServingError("internal server error"))
 
 
 async def prompt_tokens(service: WorkerService, chat: dict[str, Any]) -> int:
