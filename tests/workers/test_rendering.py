@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from frontend.openai_models import CompletionRequest
+from frontend.openai_models import CompletionRequest, ResponsesRequest
 from frontend.openai_output import ResponseIdentity
 from frontend.sampling import SamplingParams
 from frontend.token_codec import TOKEN_DTYPE
@@ -112,3 +112,37 @@ async def _nothing(_: str) -> None:
 
 async def _kept(_: str, __: bytes) -> bool:
     return False
+
+
+def responses_call(phase: Phase = Phase.AGGREGATED) -> PreparedGeneration:
+    """A Responses request whose answer is a forced call (its structured output made it ``tool_call``)."""
+    wire = ResponsesRequest.model_validate({"model": "m", "input": "hi", "tool_choice": "required", "tools": [
+        {"type": "function", "name": "f", "parameters": {"type": "object"}}]})
+    request = GenerationRequest("123", PROMPT, SamplingParams(max_tokens=32), phase=phase)
+    return PreparedGeneration(wire, request, ResponseIdentity("responses", "resp_123", "m"), None, NATIVE,
+                              tool_call=True)
+
+
+CALL_TEXT = b'{"name": "f", "arguments": {"a": 1}}'
+
+
+def test_a_whole_responses_call_is_a_function_call_item() -> None:
+    body = Renderer(Tokenizers()).whole(responses_call(), collected(CALL_TEXT, "stop"))
+    assert body["output"] == [{"type": "function_call", "id": "fc_123", "call_id": "call_123", "name": "f",
+                               "arguments": '{"a":1}', "status": "completed"}]
+    assert body["status"] == "completed"
+    cut = Renderer(Tokenizers()).whole(responses_call(), collected(CALL_TEXT[:6], "length"))
+    assert cut["output"][0]["type"] == "message" and cut["status"] == "incomplete"
+
+
+async def test_a_streamed_responses_call_is_held_back_and_sent_as_a_function_call() -> None:
+    async def steps() -> Any:
+        yield TextStep(CALL_TEXT[4:].decode(), tuple(CALL_TEXT[4:]), finish_reason="stop")
+
+    frames = Renderer(Tokenizers()).frames(responses_call(), steps(),
+                                           TextStep(CALL_TEXT[:4].decode(), tuple(CALL_TEXT[:4])),
+                                           lambda _, ok: None)
+    events = [frame.split(b"\n")[0].removeprefix(b"event: ").decode() async for frame in frames]
+    assert events == ["response.created", "response.in_progress", "response.output_item.added",
+                      "response.function_call_arguments.delta", "response.function_call_arguments.done",
+                      "response.output_item.done", "response.completed"]
