@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BeforeValidator, ConfigDict, Field, StrictBool
 
-from frontend.errors import UnsupportedParameterError
+from frontend.errors import InvalidRequestError, UnsupportedParameterError
 from frontend.wire_model import WireModel
 
 
@@ -45,6 +45,10 @@ def _refuse_built_in_tools(tools: Any) -> Any:
     if isinstance(tools, list):
         for index, tool in enumerate(tools):
             kind = _tool_type(tool)
+            if kind == "function" and isinstance(tool, dict) and "function" in tool and "name" not in tool:
+                raise InvalidRequestError(
+                    "a Responses function tool is flat: {'type': 'function', 'name': ..., 'parameters': ...}, "
+                    "not chat's nested 'function' object", param=f"tools.{index}.name")
             if isinstance(kind, str) and kind != "function":
                 raise UnsupportedParameterError(
                     f"tool type {kind!r} is not supported by this server: it runs no built-in tools, only "

@@ -58,6 +58,12 @@ def test_another_tool_choice_is_refused_naming_it(choice: Any, param: str) -> No
     assert caught.value.param.startswith("tool_choice")
 
 
+def test_chats_nested_tool_shape_is_refused_saying_the_fields_are_flat() -> None:
+    with pytest.raises(ServingError) as caught:
+        request(tools=[{"type": "function", "function": {"name": "f"}}])
+    assert caught.value.param == "tools.0.name" and "flat" in str(caught.value)
+
+
 @pytest.mark.parametrize(("fields", "param"), [
     ({"tools": [{"type": "function"}]}, "tools.0.name"),
     ({"tools": [{"type": "function", "name": ""}]}, "tools.0.name"),
