@@ -22,7 +22,7 @@ from frontend.anthropic.stream import messages_events
 from frontend.anthropic.translate import message_from_chat, messages_request
 from frontend.asgi_fast_path import Exchange, PushedStream, RawHeaders
 from frontend.errors import RelayedError, ServingError
-from frontend.http import ClientDisconnected, parse_json_object
+from frontend.http import REQUEST_ID_HEADER, ClientDisconnected, parse_json_object
 from orchestrator.flow.retry import RetryPolicy
 from orchestrator.pool import WorkerPool
 from orchestrator.routers import RoutingKey
@@ -110,10 +110,17 @@ async def serve_messages(exchange: Exchange, handle: Callable[[Exchange], Awaita
 
 async def count_tokens(retry: RetryPolicy, ctx_pool: WorkerPool, raw: bytes, headers: dict[str, str]) -> bytes:
     """``/v1/messages/count_tokens``: the body, checked by a CTX worker, which counts its prompt with its
-    tokenizer; its answer as it came, its error in Anthropic's shape."""
+    tokenizer; its answer as it came, its error in Anthropic's shape (an unexpected one logged with its cause)."""
     parse_json_object(raw)  # a body that is no JSON object is refused here, not sent on
-    done = await retry.run(COUNT_TOKENS_STEP, ctx_pool, RoutingKey(),
-                           lambda ctx: ctx.transport.post(COUNT_TOKENS_PATH, raw, headers), judges_workers=False)
+    try:
+        done = await retry.run(COUNT_TOKENS_STEP, ctx_pool, RoutingKey(),
+                               lambda ctx: ctx.transport.post(COUNT_TOKENS_PATH, raw, headers), judges_workers=False)
+    except ServingError:
+        raise
+    except Exception as exc:
+        logger.exception("request %s failed on %s: %s: %s", headers.get(REQUEST_ID_HEADER, "-"), COUNT_TOKENS_PATH,
+                         type(exc).__name__, exc)
+        raise AnthropicError(ServingError("internal server error")) from exc
     reply = done.answer
     if reply.status_code != 200:
         raise AnthropicError(RelayedError(reply.status_code, reply.content))

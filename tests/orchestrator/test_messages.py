@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Iterator
 from typing import Any
 
 import anthropic
@@ -22,8 +22,14 @@ from frontend.anthropic.errors import AnthropicError
 from frontend.asgi_fast_path import Exchange, RawHeaders
 from frontend.config import parse_config
 from frontend.errors import UpstreamError
-from orchestrator.messages import MESSAGES_PATH, serve_messages
+from frontend.metrics import Metrics
+from orchestrator.flow.retry import AnswerT, Attempted, RetryPolicy
+from orchestrator.member import PoolMember
+from orchestrator.messages import MESSAGES_PATH, count_tokens, serve_messages
+from orchestrator.pool import WorkerPool
+from orchestrator.routers import RoundRobinRouter, RoutingKey
 from orchestrator.server import create_orchestrator_app
+from orchestrator.upstream.base import WorkerTimeouts
 from tests.cluster import MODEL, Node, sample, start_orchestrator, start_worker
 from tests.orchestrator.test_faults import dying_gen
 from tests.servers import running
@@ -250,3 +256,22 @@ async def test_an_error_once_the_stream_has_begun_is_logged_with_the_request_id_
         await serve_messages(SilentExchange(), cut)
     (record,) = messages_records(caplog)
     assert "req-9" in record.getMessage() and "the GEN stream broke" in record.getMessage()
+
+
+class BrokenRetry(RetryPolicy):
+    """A policy with a bug in it."""
+
+    async def run(self, step: str, pool: WorkerPool, key: RoutingKey,
+                  attempt: Callable[[PoolMember], Awaitable[AnswerT]], avoid: Collection[PoolMember] = (),
+                  judges_workers: bool = True) -> Attempted[AnswerT]:
+        raise RuntimeError("a bug")
+
+
+async def test_count_tokens_answers_an_unexpected_error_as_anthropics_500_logged_with_its_cause(
+        caplog: pytest.LogCaptureFixture) -> None:
+    pool = WorkerPool("ctx", RoundRobinRouter(), WorkerTimeouts())
+    with pytest.raises(AnthropicError) as raised:
+        await count_tokens(BrokenRetry(0, Metrics()), pool, orjson.dumps(BODY), {"X-Request-Id": "req-12"})
+    assert raised.value.status_code == 500 and raised.value.kind == "api_error"
+    (record,) = messages_records(caplog)
+    assert "req-12" in record.getMessage() and "RuntimeError: a bug" in record.getMessage()
