@@ -209,10 +209,9 @@ def template_message(message: ChatMessage) -> dict[str, str]:
     """
     role = _TEMPLATE_ROLES.get(message.role, message.role)
     text = message.text()
-    calls = message.calls()
-    if calls:
+    if message.tool_calls or message.function_call is not None:
         parts = [text] if text else []
-        parts.extend(_tool_call_text(call) for call in calls)
+        parts.extend(_tool_call_text(call) for call in message.calls())
         text = "\n".join(parts)
     rendered = {"role": role, "content": text}
     if message.name is not None:
