@@ -22,6 +22,7 @@ from workers.engines.options import TokenizeConfig
 from workers.tokenization.conversation_cache import CachedPrompt, CacheStats, ConversationCache, Cuts, Reuse
 from workers.tokenization.cut_rules import CutRules, cut_rules_of
 from workers.tokenization.piece_encoder import PieceEncoder, load_piece_encoder
+from workers.tokenization.rendered_turns import RenderStats
 
 log = logging.getLogger("disagg_serve.tokenization")
 
@@ -39,6 +40,7 @@ class TokenizeStats:
     prompts: int
     encoded_tokens: int  # ids the encoder produced (the rest came from the cache)
     cache: CacheStats | None  # None: no cache (off, or this tokenizer has no exact cut)
+    rendered: RenderStats | None = None  # the chat template's rendered-turns cache, where the tokenizer has one
 
 
 def host_threads() -> int:

@@ -11,8 +11,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.workers.tokenization.test_prompt_encoder import FRAGMENTS, ROLES, SHIFTING_TEMPLATE
-from workers.engines.reference.model_file import default_model_path
-from workers.engines.reference.tokenizer import ChatTemplateError, compile_chat_template
+from workers.engines.reference.model_file import _read_tokenizer, default_model_path
+from workers.engines.reference.tokenizer import ChatTemplateError, GGUFTokenizer, compile_chat_template
 from workers.tokenization.rendered_turns import ChatRenderer
 
 
@@ -190,3 +190,15 @@ def test_off_keeps_nothing() -> None:
     assert cached is not None
     _render(cached, [{"role": "user", "content": "hi"}])
     assert cached.stats().entries == 0 and cached._shape is None
+
+
+def test_the_tokenizers_stats_carry_its_rendered_turns() -> None:
+    tokenizer = GGUFTokenizer(_read_tokenizer(GGUFReader(default_model_path())))
+    conversation = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello."}]
+    tokenizer.encode(tokenizer.render_chat(conversation))
+    follow_up = [*conversation, {"role": "assistant", "content": "Hi."}, {"role": "user", "content": "Again."}]
+    tokenizer.encode(tokenizer.render_chat(follow_up))
+    stats = tokenizer.tokenize_stats()
+    assert stats is not None and stats.rendered is not None and stats.cache is not None
+    assert (stats.rendered.renders, stats.rendered.hits, stats.rendered.entries) == (2, 1, 1)
+    assert stats.cache.hits == 1

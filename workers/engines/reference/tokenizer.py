@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import pathlib
 from collections.abc import Sequence
 from typing import Any, Protocol
@@ -164,7 +165,10 @@ class GGUFTokenizer:
         return self._template.extended(text) if self._template is not None else None
 
     def tokenize_stats(self) -> TokenizeStats | None:
-        return self._prompts.stats()
+        stats = self._prompts.stats()
+        if stats is None or self._template is None:
+            return stats
+        return dataclasses.replace(stats, rendered=self._template.stats())
 
     def decode(
         self, ids: Sequence[int] | npt.NDArray[np.integer[Any]], skip_special_tokens: bool = True

@@ -8,6 +8,7 @@ in the same sandbox as the reference engine's; ids that end generation come from
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pathlib
 from collections.abc import Sequence
@@ -96,7 +97,10 @@ class HFTokenizer:
         return self._template.extended(text) if self._template is not None else None
 
     def tokenize_stats(self) -> TokenizeStats | None:
-        return self._prompts.stats()
+        stats = self._prompts.stats()
+        if stats is None or self._template is None:
+            return stats
+        return dataclasses.replace(stats, rendered=self._template.stats())
 
     def decode(self, ids: Sequence[int] | npt.NDArray[np.integer[Any]], skip_special_tokens: bool = True) -> str:
         return self._tokenizer.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
