@@ -170,7 +170,7 @@ def tables(result: dict[str, Any]) -> str:
                      fmt(ms["tokenize (tokenizers)"], 1), fmt(ms["whole (tokenizers)"], 1),
                      f"{row['tokenize_speedup']:.0f}x", f"{row['whole_speedup']:.0f}x", fmt(ms["gen"], 3)])
     encoder = result["method"]["encoder"]
-    return ("CTX prompt path per request, ms (median); ours: the conversation cache and "
+    return ("CTX prompt path per request, ms (median); ours: the rendered-turns and conversation caches and "
             f"{encoder}; baseline: one Hugging Face tokenizers encode of the whole prompt every turn\n\n"
             + markdown_table(headers, body) + "\n")
 
