@@ -262,7 +262,8 @@ def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokenize-cache-mb", type=_positive_float, default=DEFAULT_TOKENIZE_CACHE_BYTES / 2**20,
                         metavar="MIB",
                         help="keep what was tokenized for recent conversations, up to this many MiB, so that a "
-                             "follow-up turn tokenizes only what it adds; 0: off (default 256)")
+                             "follow-up turn tokenizes only what it adds, and their rendered turns, up to half as "
+                             "much again (mostly the same texts, counted twice); 0: off (default 256)")
     parser.add_argument("--tokenizer-backend", choices=TOKENIZER_BACKENDS, default="auto",
                         help="auto: fastokens where it loads the model's tokenizer exactly, else Hugging Face "
                              "tokenizers, with the conversation cache; tokenizers: one whole Hugging Face tokenizers "
