@@ -113,15 +113,16 @@ async def count_tokens(retry: RetryPolicy, ctx_pool: WorkerPool, raw: bytes, hea
     tokenizer; its answer as it came, its error in Anthropic's shape (an unexpected one logged with its cause)."""
     parse_json_object(raw)  # a body that is no JSON object is refused here, not sent on
     try:
-        done = await retry.run(COUNT_TOKENS_STEP, ctx_pool, RoutingKey(),
-                               lambda ctx: ctx.transport.post(COUNT_TOKENS_PATH, raw, headers), judges_workers=False)
+        answered = await retry.run(COUNT_TOKENS_STEP, ctx_pool, RoutingKey(),
+                                   lambda ctx: ctx.transport.post(COUNT_TOKENS_PATH, raw, headers),
+                                   judges_workers=False)
     except ServingError:
         raise
     except Exception as exc:
         logger.exception("request %s failed on %s: %s: %s", headers.get(REQUEST_ID_HEADER, "-"), COUNT_TOKENS_PATH,
                          type(exc).__name__, exc)
         raise AnthropicError(ServingError("internal server error")) from exc
-    reply = done.answer
+    reply = answered.answer
     if reply.status_code != 200:
         raise AnthropicError(RelayedError(reply.status_code, reply.content))
     return reply.content

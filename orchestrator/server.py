@@ -386,21 +386,21 @@ def create_orchestrator_app(
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
         authenticate(request.headers.get("authorization"))
-        done = await flow.retry.run(MODELS_STEP, ctx_pool, RoutingKey(),
-                                    lambda ctx: ctx.transport.get("/v1/models", config.connect_timeout_s),
-                                    judges_workers=False)
-        return JSONBytesResponse(done.answer.content, status_code=done.answer.status_code)
+        answered = await flow.retry.run(MODELS_STEP, ctx_pool, RoutingKey(),
+                                        lambda ctx: ctx.transport.get("/v1/models", config.connect_timeout_s),
+                                        judges_workers=False)
+        return JSONBytesResponse(answered.answer.content, status_code=answered.answer.status_code)
 
     @app.get("/v1/models/{model_id:path}")
     async def model(request: Request, model_id: str) -> Response:
         """One model's card (the SDK's ``models.retrieve``): the CTX workers' card of that id, or a 404."""
         authenticate(request.headers.get("authorization"))
-        done = await flow.retry.run(MODELS_STEP, ctx_pool, RoutingKey(),
-                                    lambda ctx: ctx.transport.get("/v1/models", config.connect_timeout_s),
-                                    judges_workers=False)
-        if done.answer.status_code != 200:
-            return JSONBytesResponse(done.answer.content, status_code=done.answer.status_code)
-        return json_response(model_card(orjson.loads(done.answer.content), model_id))
+        answered = await flow.retry.run(MODELS_STEP, ctx_pool, RoutingKey(),
+                                        lambda ctx: ctx.transport.get("/v1/models", config.connect_timeout_s),
+                                        judges_workers=False)
+        if answered.answer.status_code != 200:
+            return JSONBytesResponse(answered.answer.content, status_code=answered.answer.status_code)
+        return json_response(model_card(orjson.loads(answered.answer.content), model_id))
 
     @app.get("/health")
     async def health() -> Response:
