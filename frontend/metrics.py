@@ -126,6 +126,14 @@ class Metrics:
             multiprocess_mode="livesum")
         self.tokenize_cache_entries = Gauge(
             "disagg_tokenize_cache_entries", "Conversations the cache holds", registry=r, multiprocess_mode="livesum")
+        self.tokenize_render_hits = Counter(
+            "disagg_tokenize_render_hits", "Chat renders that reused an earlier turn's rendered text", registry=r)
+        self.tokenize_render_reused_messages = Counter(
+            "disagg_tokenize_render_reused_messages", "Messages taken rendered from an earlier turn instead of being "
+            "rendered again", registry=r)
+        self.tokenize_render_bytes = Gauge(
+            "disagg_tokenize_render_bytes", "Bytes the rendered-turns cache counts (its texts are mostly the "
+            "conversation cache's own objects)", registry=r, multiprocess_mode="livesum")
         # The orchestrator's store of Responses API answers (read when scraped; one process's memory).
         self.response_store_entries = Gauge("disagg_response_store_entries", "Responses API answers stored",
                                             registry=r, multiprocess_mode="max")

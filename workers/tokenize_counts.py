@@ -18,6 +18,11 @@ class TokenizeCounts:
         m, feed = self._metrics, self._feed
         feed.add(m.tokenize_prompts, "prompts", stats.prompts)
         feed.add(m.tokenize_encoded_tokens, "encoded", stats.encoded_tokens)
+        rendered = stats.rendered
+        if rendered is not None:
+            feed.add(m.tokenize_render_hits, "render_hits", rendered.hits)
+            feed.add(m.tokenize_render_reused_messages, "render_reused", rendered.reused_messages)
+            m.tokenize_render_bytes.set(rendered.bytes)
         cache = stats.cache
         if cache is None:
             return

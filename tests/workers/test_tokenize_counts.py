@@ -56,3 +56,7 @@ def test_a_follow_up_turn_is_served_from_the_conversation_cache_and_counted() ->
     assert encoded < usages[0] + 200
     assert _metric(metrics, "disagg_tokenize_cache_entries") == 1  # one conversation, its latest turn
     assert _metric(metrics, "disagg_tokenize_cache_bytes") > 0
+    # The reference tokenizer's chat template renders message by message: each follow-up rendered only its turns.
+    assert _metric(metrics, "disagg_tokenize_render_hits_total") == 2
+    assert _metric(metrics, "disagg_tokenize_render_reused_messages_total") == 1 + 3
+    assert _metric(metrics, "disagg_tokenize_render_bytes") > 0
