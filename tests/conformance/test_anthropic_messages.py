@@ -17,6 +17,7 @@ import pydantic
 import pytest
 from anthropic.types import ErrorResponse, Message, MessageTokensCount, RawMessageStreamEvent
 
+from tests.conformance.sdk_strict import assert_strict, named_events
 from tests.workers.engines.reference.cluster import RefCluster, RefNode, start_orchestrator
 from workers.engines.reference.prefix_cache import BLOCK_TOKENS
 
@@ -40,16 +41,6 @@ def nodes(cluster: RefCluster) -> tuple[RefNode, RefNode]:
     return cluster.orchestrator, cluster.aggregated
 
 
-def assert_strict(model: pydantic.BaseModel) -> None:
-    """No field the SDK's type does not define, at any depth (its models keep unknown fields as extras)."""
-    assert not model.model_extra, f"{type(model).__name__} has fields the SDK does not know: {model.model_extra}"
-    for name in type(model).model_fields:
-        value = getattr(model, name)
-        for item in value if isinstance(value, list) else [value]:
-            if isinstance(item, pydantic.BaseModel):
-                assert_strict(item)
-
-
 def raw_message(node: RefNode, **body: Any) -> Message:
     reply = httpx.post(node.url + "/v1/messages", json=body, timeout=120)
     assert reply.status_code == 200, reply.text
@@ -64,12 +55,7 @@ def raw_events(node: RefNode, **body: Any) -> list[dict[str, Any]]:
     with httpx.stream("POST", node.url + "/v1/messages", json={**body, "stream": True}, timeout=120) as reply:
         assert reply.status_code == 200
         assert reply.headers["content-type"].startswith("text/event-stream")
-        for frame in reply.read().decode().split("\n\n"):
-            if not frame.strip():
-                continue
-            name, data = frame.split("\n")
-            payload = orjson.loads(data.removeprefix("data: "))
-            assert name == f"event: {payload['type']}"
+        for payload in named_events(reply):
             if payload["type"] == "ping":  # the SDK skips pings: it has no type for them
                 assert payload == {"type": "ping"}
             else:

@@ -18,6 +18,7 @@ import pydantic
 import pytest
 from openai.types.responses import Response, ResponseFunctionToolCall, ResponseStreamEvent
 
+from tests.conformance.sdk_strict import assert_strict, named_events
 from tests.workers.engines.reference.cluster import RefCluster, RefNode
 
 # Short: every character of a tool is prompt, and the tiny model's context is 512 tokens of (mostly) one byte each.
@@ -37,16 +38,6 @@ ASK: Any = {"model": "tiny", "input": "Weather in Paris?", "max_output_tokens": 
 EVENTS = pydantic.TypeAdapter(ResponseStreamEvent)
 
 
-def assert_strict(model: pydantic.BaseModel) -> None:
-    """No field the SDK's type does not define, at any depth (its models keep unknown fields as extras)."""
-    assert not model.model_extra, f"{type(model).__name__} has fields the SDK does not know: {model.model_extra}"
-    for name in type(model).model_fields:
-        value = getattr(model, name)
-        for item in value if isinstance(value, list) else [value]:
-            if isinstance(item, pydantic.BaseModel):
-                assert_strict(item)
-
-
 def whole(node: RefNode, **body: Any) -> Response:
     reply = httpx.post(node.url + "/v1/responses", json={**ASK, **body}, timeout=120)
     assert reply.status_code == 200, reply.text
@@ -60,12 +51,7 @@ def streamed(node: RefNode, **body: Any) -> list[dict[str, Any]]:
     events = []
     with httpx.stream("POST", node.url + "/v1/responses", json={**ASK, **body, "stream": True}, timeout=120) as reply:
         assert reply.status_code == 200, reply.read()
-        for frame in reply.read().decode().split("\n\n"):
-            if not frame.strip():
-                continue
-            name, data = frame.split("\n")
-            payload = orjson.loads(data.removeprefix("data: "))
-            assert name == f"event: {payload['type']}"
+        for payload in named_events(reply):
             event = EVENTS.validate_python(payload)
             assert isinstance(event, pydantic.BaseModel)
             assert_strict(event)
