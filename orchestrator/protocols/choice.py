@@ -67,12 +67,10 @@ class ScheduleChoice:
                 "speaks v0 to them (trtllm.lifecycle_protocol: v0), which they refuse: start them without, or set "
                 "trtllm.lifecycle_protocol: auto")
         what = uncarried(request.endpoint, request.body)
-        if what is None:
-            if self.native_too and echoes_logprobs(request.endpoint, request.body):
-                request.wire = self.native
-            return
-        if self.native_too:
+        if self.native_too and (what is not None or echoes_logprobs(request.endpoint, request.body)):
             request.wire = self.native
+            return
+        if what is None:
             return
         raise UnsupportedParameterError(
             f"{what[0]} is not served over TensorRT-LLM's disaggregated wire, the only one some of these workers "
