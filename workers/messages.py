@@ -19,7 +19,7 @@ from frontend.anthropic.errors import AnthropicError, as_anthropic
 from frontend.anthropic.models import CountTokensRequest, MessagesRequest
 from frontend.anthropic.stream import messages_events
 from frontend.anthropic.translate import count_tokens_request, message_from_chat, messages_request
-from frontend.errors import ModelNotFoundError, ServingError
+from frontend.errors import ServingError
 from frontend.http import (
     ClientDisconnected,
     JSONBytesResponse,
@@ -93,10 +93,8 @@ def _unexpected(request: Request, exc: Exception) -> AnthropicError:
 async def prompt_tokens(service: WorkerService, chat: dict[str, Any]) -> int:
     """How many tokens the chat request's prompt is, tools and output format included, as the engine would get it."""
     wire = validate_wire(ChatCompletionRequest, chat)
+    service.require_model(wire.model)
     info = service.engine.info
-    if wire.model != info.model:
-        raise ModelNotFoundError(f"the model '{wire.model}' does not exist; this worker serves '{info.model}'",
-                                 param="model")
     sampling = sampling_params_from(wire, info, output_constraint(wire))
     prompt = await prepare_prompt(wire, sampling, info, service.tokenizer)
     return int(prompt.tokens.size)

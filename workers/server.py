@@ -16,7 +16,7 @@ from starlette.responses import Response, StreamingResponse
 from frontend import tracing
 from frontend.anthropic.models import CountTokensRequest, MessagesRequest
 from frontend.auth import require_bearer
-from frontend.errors import InvalidRequestError, ModelNotFoundError, ServingError
+from frontend.errors import InvalidRequestError, ServingError
 from frontend.http import (
     BodyBudget,
     ClientDisconnected,
@@ -271,9 +271,7 @@ def create_worker_app(
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str) -> Response:
-        if model_id != engine.info.model:
-            raise ModelNotFoundError(f"the model '{model_id}' does not exist; this worker serves "
-                                     f"'{engine.info.model}'", param="model")
+        service.require_model(model_id)
         return json_response(model_card())
 
     @app.get("/health")

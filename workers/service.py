@@ -112,6 +112,13 @@ class WorkerService:
             return NATIVE
         return self._trtllm_for_us if from_our_process else self._trtllm
 
+    def require_model(self, model: str) -> None:
+        """A 404 in OpenAI's shape unless ``model`` is the one this worker serves."""
+        served = self.engine.info.model
+        if model != served:
+            raise ModelNotFoundError(f"the model '{model}' does not exist; this worker serves '{served}'",
+                                     param="model")
+
     async def prepare(self, body: dict[str, Any], wire_model: type[GenerationWireRequest],
                       chain_header: str | None = None, headers: Mapping[str, str] | None = None
                       ) -> PreparedGeneration:
@@ -120,10 +127,7 @@ class WorkerService:
         goes next (``workers.internal_callers``)."""
         refuse_unsupported_parameters(body)
         wire = validate_wire(wire_model, body)
-        info = self.engine.info
-        if wire.model != info.model:
-            raise ModelNotFoundError(f"the model '{wire.model}' does not exist; this worker serves '{info.model}'",
-                                     param="model")
+        self.require_model(wire.model)
         disagg = wire.disaggregated_params
         if disagg is not None and not self.callers.open:
             self.callers.require_for_params(headers or {}, disagg.model_dump(mode="json"))
