@@ -22,7 +22,12 @@ from entrypoints.http.limits import (
 from frontend.http import DEFAULT_MAX_BODY_BYTES
 from frontend.send_timeout import DEFAULT_SEND_TIMEOUT_S
 from workers.engines.factory import ENGINE_NAMES
-from workers.engines.options import DEFAULT_TOKENIZE_CACHE_BYTES, TOKENIZER_BACKENDS, TOKENIZERS
+from workers.engines.options import (
+    DEFAULT_TOKENIZE_CACHE_BYTES,
+    KV_LOAD_FAILURE_POLICIES,
+    TOKENIZER_BACKENDS,
+    TOKENIZERS,
+)
 from workers.engines.vllm.memory import parse_size
 
 DESCRIPTION = "``disagg-serve``: the one command line for laptops, containers and Kubernetes alike."
@@ -238,6 +243,10 @@ def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         help="reference engine: keep the prompt's token ids out of the KV hand-off")
     parser.add_argument("--kv-ttl-s", type=_positive_float, default=120.0,
                         help="reference engine: seconds a CTX keeps an untaken KV hand-off (default 120)")
+    parser.add_argument("--kv-load-failure-policy", choices=KV_LOAD_FAILURE_POLICIES, default="fail",
+                        help="reference engine, GEN: when a hand-off's KV cannot be fetched, fail the request "
+                             "(default; the orchestrator runs CTX again) or recompute the prompt here, as vLLM's "
+                             "policy of that name (the answer reports it: disagg_gen_prompt_tokens_recomputed_total)")
     parser.add_argument("--blas-threads", type=int, default=None,
                         help="reference engine: BLAS threads of the engine core (pin it equal on CTX and GEN)")
     parser.add_argument("--kv-transfer-config", default=None,
@@ -301,6 +310,8 @@ def engine_arguments(args: argparse.Namespace) -> list[str]:
         argv.append("--no-prompt-tokens-in-handoff")
     if args.blas_threads is not None:
         argv += ["--blas-threads", str(args.blas_threads)]
+    if args.kv_load_failure_policy != "fail":
+        argv += ["--kv-load-failure-policy", args.kv_load_failure_policy]
     argv += ["--kv-ttl-s", str(args.kv_ttl_s), "--tokenizer", args.tokenizer,
              "--tokenize-cache-mb", str(args.tokenize_cache_mb), "--tokenizer-backend", args.tokenizer_backend]
     if args.tokenize_threads is not None:

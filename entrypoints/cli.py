@@ -124,6 +124,7 @@ def run_worker(args: argparse.Namespace, argv: Sequence[str]) -> int:
         kv_advertise_host=args.kv_advertise_host,
         kv_port=args.kv_port,
         kv_ttl_s=args.kv_ttl_s,
+        kv_load_failure_policy=args.kv_load_failure_policy,
         blas_threads=args.blas_threads,
         core_socket=args.engine_core_socket,
         tokenizer=args.tokenizer,

@@ -182,6 +182,18 @@ class TrtllmConfig(_Frozen):
         return self
 
 
+class PairProbeConfig(_Frozen):
+    """The pair probe (orchestrator/pair_probe.py): a tiny disaggregated request through each CTX/GEN pair, checking
+    that GEN took the KV from CTX rather than computing the prompt again; a pair that fails is kept out of routing
+    until it passes. Off by default: every probe is a prefill and a decode step on each pair's workers (GPU time on
+    a real fleet). ``POST /admin/pair-probe`` runs one on demand whatever this says."""
+
+    enabled: bool = False  # at start-up (once the pools' first health check is in), then every interval_s
+    interval_s: Annotated[float, Field(gt=0)] = 300.0
+    timeout_s: Annotated[float, Field(gt=0)] = 30.0  # one pair's CTX call and GEN call, each
+    concurrency: Annotated[int, Field(ge=1)] = 4  # pairs probed at once
+
+
 class OrchestratorConfig(_Frozen):
     hostname: str = "127.0.0.1"
     port: Annotated[int, Field(ge=0, le=65535)] = 8000
@@ -214,6 +226,7 @@ class OrchestratorConfig(_Frozen):
     max_local_prefill_length: Annotated[int, Field(ge=0)] = 0
     response_store: ResponseStoreConfig = ResponseStoreConfig()
     trtllm: TrtllmConfig = TrtllmConfig()
+    pair_probe: PairProbeConfig = PairProbeConfig()
     # Secrets come from the environment (DISAGG_API_KEY, DISAGG_ADMIN_KEY) or the command line, not this file.
 
     @field_validator("upstream_client", mode="before")

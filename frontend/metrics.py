@@ -57,6 +57,22 @@ class Metrics:
             "disagg_gen_first_byte_seconds", "Orchestrator: GEN request sent to its first byte, by GEN worker",
             ["worker"], buckets=_LATENCY_BUCKETS, registry=r,
         )
+        # GEN workers that prefilled prompt tokens the KV hand-off should have carried (orchestrator/recompute_watch.py)
+        self.gen_prompt_recomputed = Counter(
+            "disagg_gen_prompt_tokens_recomputed", "Orchestrator: prompt tokens a GEN worker computed itself although "
+            "CTX had handed their KV off (a failed or misconfigured KV transfer), by pool and GEN worker",
+            ["pool", "worker"], registry=r,
+        )
+        # The pair probe (orchestrator/pair_probe.py): each CTX/GEN pair's last verdict, and the probes by outcome.
+        self.pair_probe_passing = Gauge(
+            "disagg_pair_probe_passing", "Orchestrator: 1 while the CTX/GEN pair passed its last probe (GEN took the "
+            "KV from CTX), 0 while it failed (kept out of routing)", ["ctx", "gen"], registry=r,
+            multiprocess_mode="livemin",
+        )
+        self.pair_probes = Counter(
+            "disagg_pair_probes", "Orchestrator: pair probes run, by outcome (passed, recomputed, failed, unverified)",
+            ["outcome"], registry=r,
+        )
         self.inter_token_latency = Histogram(
             "disagg_inter_token_latency_seconds", "Orchestrator: gap between stream chunks relayed from GEN",
             buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5), registry=r,

@@ -71,3 +71,4 @@ def export_known_series(metrics: Metrics, ctx_workers: Iterable[str], gen_worker
         metrics.ctx_latency.labels(worker=url)
     for url in gen_workers:
         metrics.gen_first_byte.labels(worker=url)
+        metrics.gen_prompt_recomputed.labels(pool=GEN_POOL_NAME, worker=url)

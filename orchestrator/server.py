@@ -50,6 +50,8 @@ from orchestrator.flow.disagg_flow import DisaggFlow
 from orchestrator.flow.request import PATHS, Answer, FlowRequest, StreamedAnswer, WholeAnswer, check_client_body
 from orchestrator.messages import COUNT_TOKENS_PATH, MESSAGES_PATH, authorization, count_tokens, serve_messages
 from orchestrator.metric_labels import CTX_POOL_NAME, GEN_POOL_NAME, MODELS_STEP, export_known_series
+from orchestrator.pair_probe import PairProbe
+from orchestrator.pair_probe_routes import install_pair_probe_routes
 from orchestrator.pool import BreakerSettings, HealthMonitor, WorkerPool
 from orchestrator.relay import RelayedStream
 from orchestrator.response_memory import ResponseMemory
@@ -140,6 +142,7 @@ def create_orchestrator_app(
                      internal_secret)
     pools = {"context": ctx_pool, "generation": gen_pool}
     flow = DisaggFlow(config, ctx_pool, gen_pool, metrics, trtllm_auth_key=trtllm_auth_key)
+    pair_probe = PairProbe(config.pair_probe, flow, metrics)
     # previous_response_id and store: only /v1/responses reaches it.
     if response_store is None:
         response_store = make_response_store(config.response_store, metrics)
@@ -174,11 +177,13 @@ def create_orchestrator_app(
         await stored_responses.store.start()
         await monitor.check_now()
         monitor.start()
+        pair_probe.start()  # (if enabled) its first round in the background, once the pools' health is known
         lag_monitor.start()
         trimmer.start()
         try:
             yield
         finally:
+            await pair_probe.stop()
             await lag_monitor.stop()
             await trimmer.stop()
             for discovery in discoveries:
@@ -455,4 +460,5 @@ def create_orchestrator_app(
         }
         return json_response(listing)
 
+    install_pair_probe_routes(app, pair_probe, admin_key)
     return app

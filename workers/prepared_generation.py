@@ -24,6 +24,8 @@ class PreparedGeneration:
     answered_at_context: bool = False  # CTX's first tokens used up max_tokens: they are the whole answer
     chain: PrefixChain | None = None  # the prompt's prefix chain, recorded once the engine holds its KV
     grant: UUID | None = None  # lifecycle v1: the generation grant this GEN request runs under
+    # GEN, once its engine accepted the hand-off: prompt tokens it computed itself (frontend/prompt_report.py)
+    recomputed_tokens: int | None = None
 
     @property
     def streams(self) -> bool:

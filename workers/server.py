@@ -50,7 +50,7 @@ from workers.engines.base import (
     ReportsTokenizeStats,
 )
 from workers.engines.request import Phase
-from workers.handoff_counts import LedgerCounts, export_known_series
+from workers.handoff_counts import LedgerCounts, export_known_series, prompt_report_headers
 from workers.kv_event_publishing import KvEventPublishing
 from workers.messages import install_messages_routes
 from workers.prepared_generation import PreparedGeneration
@@ -177,7 +177,7 @@ def create_worker_app(
             tracing.end(span, {"http.status_code": 200})
 
         return StreamingResponse(then_call(tracing.traced_frames("stream", span, frames), ended),
-                                 media_type=SSE_MEDIA_TYPE, headers=SSE_HEADERS)
+                                 media_type=SSE_MEDIA_TYPE, headers={**SSE_HEADERS, **prompt_report_headers(prepared)})
 
     async def whole(request: Request, prepared: PreparedGeneration, span: Span | None) -> Response:
         with tracing.span(worker_tracing.engine_step(prepared), span) as step, tracing.use(step):
@@ -187,7 +187,7 @@ def create_worker_app(
             # The orchestrator left while the KV was being parked: no GEN will ever ask for this hand-off.
             await release_parked(result)
             raise ClientDisconnected()
-        return json_response(result)
+        return json_response(result, headers=prompt_report_headers(prepared))
 
     @app.post("/v1/chat/completions", openapi_extra=json_body(ChatCompletionRequest))
     async def chat_completions(request: Request) -> Response:
@@ -236,6 +236,7 @@ def create_worker_app(
             raise InvalidRequestError("encoded_opaque_state is not valid base64",
                                       param="encoded_opaque_state") from exc
         released = isinstance(engine, KVHandoffStore) and await engine.release_handoff(ctx_id, raw_state)
+        service.handoff_counts.released()  # (an engine without a store: the worker's own ledger)
         return json_response({"released": released})
 
     install_lifecycle_routes(app, settings, service.lifecycle, service.board)

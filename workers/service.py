@@ -23,6 +23,7 @@ from frontend.structured_output import output_constraint
 from workers.dialects import NATIVE, AnswerDialect
 from workers.engines.base import Engine, KVHandoffStore, ProvidesTokenizer, Tokenizer
 from workers.engines.request import GenerationRequest, Phase
+from workers.handoff_counts import StorelessHandoffs
 from workers.internal_callers import InternalCallers
 from workers.prefix_holdings import PrefixHoldings
 from workers.prepared_generation import PreparedGeneration
@@ -78,6 +79,7 @@ class WorkerService:
         self.board = HandoffBoard(settings.lifecycle.artifact_ttl_s, settings.lifecycle.clock)
         self.callers = InternalCallers(secret, settings.trtllm_auth_key)
         self.renderer = Renderer(engine)
+        self.handoff_counts = StorelessHandoffs(metrics, engine)
         self._trtllm = Trtllm(self.lifecycle, self.board)
         self._trtllm_for_us = Trtllm(self.lifecycle, self.board, keeps_prompt_logprobs=True)
 
@@ -216,7 +218,7 @@ class WorkerService:
         ok = False
         try:
             async for step in self._text_steps(prepared):
-                self._took_handoff(prepared)
+                self._took_handoff(prepared, step)
                 if unheld:
                     unheld = False
                     self._hold(prepared)
@@ -229,6 +231,8 @@ class WorkerService:
             raise EngineError(f"the engine failed: {type(exc).__name__}") from exc
         finally:
             self._finish_grant(prepared, ok)
+        if collected.handoff_state is not None and prepared.request.phase is Phase.CONTEXT_ONLY:
+            self.handoff_counts.parked()
         return self.renderer.whole(prepared, collected)
 
     async def open_stream(self, prepared: PreparedGeneration) -> AsyncIterator[bytes]:
@@ -252,7 +256,7 @@ class WorkerService:
             self._finish_grant(prepared, False)
             raise
         if first is not None:
-            self._took_handoff(prepared)
+            self._took_handoff(prepared, first)
             self._hold(prepared)
         return self.renderer.frames(prepared, steps, first, self._finish_grant)
 
@@ -262,10 +266,14 @@ class WorkerService:
             return first_tokens_only(prepared.disagg, self.tokenizer, self.engine.info.vocab_size)
         return stream_text(self.engine, self.tokenizer.detokenizer, prepared.request)
 
-    def _took_handoff(self, prepared: PreparedGeneration) -> None:
-        """The first output of a GEN request: its engine holds the KV, CTX no longer does."""
+    def _took_handoff(self, prepared: PreparedGeneration, step: TextStep) -> None:
+        """The first output of a GEN request: its engine holds the KV, CTX no longer does; and what of the prompt
+        it computed itself is known (its answer's head says so: ``workers.handoff_counts``)."""
         if prepared.grant is not None:
             self.lifecycle.handoff_taken(prepared.grant)
+        if prepared.recomputed_tokens is None and prepared.request.phase is Phase.GENERATION_ONLY:
+            prepared.recomputed_tokens = step.recomputed_tokens
+            self.handoff_counts.taken()
 
     def _hold(self, prepared: PreparedGeneration) -> None:
         """The engine has this request's prompt KV (its first output came): record it for routing."""

@@ -30,6 +30,7 @@ class TextStep:
     prompt_token_ids: TokenArray | None = None
     index: int = 0  # which of the request's n sequences
     cached_tokens: int = 0
+    recomputed_tokens: int = 0  # GEN's first step: prompt tokens its engine computed itself (EngineOutput's)
 
 
 @dataclass(slots=True)
@@ -131,7 +132,7 @@ class SequenceText:
             text += self.matcher.flush()
         self.finished = finish is not None
         step = TextStep(text, output.token_ids, output.logprobs, finish, output.handoff_state, output.prompt_logprobs,
-                        output.prompt_token_ids, output.index, output.cached_tokens)
+                        output.prompt_token_ids, output.index, output.cached_tokens, output.recomputed_tokens)
         return step, stopped
 
 
@@ -161,7 +162,8 @@ async def stream_text(
                 if index == 0:
                     opening = dataclasses.replace(opening, prompt_logprobs=accepted.prompt_logprobs,
                                                   prompt_token_ids=accepted.prompt_token_ids,
-                                                  cached_tokens=handoff.cached_tokens)
+                                                  cached_tokens=handoff.cached_tokens,
+                                                  recomputed_tokens=accepted.recomputed_tokens)
                 step, stopped = sequences[index].step(opening)
                 yield step
                 if stopped:

@@ -29,9 +29,11 @@ from orchestrator.flow.retry import Attempted, RetryPolicy
 from orchestrator.flow.worker_call import count_as_held, post
 from orchestrator.member import PoolMember
 from orchestrator.metric_labels import CTX_STEP, GEN_STEP, HANDOFF_LOST
+from orchestrator.pair_health import PairHealth
 from orchestrator.pool import WorkerPool
 from orchestrator.protocols.base import ContextAnswer, PromptCarriage, WorkerProtocol
 from orchestrator.protocols.registry import DEFAULT_PROTOCOL, build_protocols
+from orchestrator.recompute_watch import RecomputeWatch
 from orchestrator.relay import RelayedStream
 from orchestrator.routers import RoutingKey
 from orchestrator.upstream.base import Body, OpenStream, Reply
@@ -58,6 +60,8 @@ class Steps:
         self.sign_for_gen = sign_for_gen
         self.ctx_latency = LabelledChildren(metrics.ctx_latency)  # by worker, looked up once per worker
         self.gen_first_byte = LabelledChildren(metrics.gen_first_byte)
+        self.recomputes = RecomputeWatch(metrics, gen_pool.name)  # what of the prompt each GEN computed itself
+        self.pairs = PairHealth()  # CTX/GEN pairs the pair probe keeps out of routing (orchestrator/pair_probe.py)
         # Each CTX worker's running window (context_servers.max_running_prefills): prefills past the room of the
         # workers that take requests wait here, by priority, instead of in an engine's queue.
         window = config.context_servers.max_running_prefills
@@ -93,7 +97,9 @@ class Steps:
         started = time.perf_counter()
         with tracing.span("ctx.call", request.span, headers=request.headers, client=True) as span:
             # Past the prefill gate some worker has room in its window: those without are picked last.
-            full = [w for w in self.ctx_pool.workers if not w.has_room] if self.prefill_gate is not None else ()
+            full = [w for w in self.ctx_pool.workers if not w.has_room] if self.prefill_gate is not None else []
+            if self.pairs:  # and those whose every routable GEN partner failed the pair probe
+                full = [*full, *self.pairs.ctxs_to_avoid(self.ctx_pool.workers, self.gen_pool.workers)]
             answered = await self.retry.run(CTX_STEP, self.ctx_pool, request.key,
                                             lambda member: attempt(request, member, return_tokens), avoid=full)
             spans.called(span, answered)
@@ -171,6 +177,8 @@ class Steps:
                 return stream
             return Reply(stream.status_code, await stream.read())  # an error answer is whole: read, closed
 
+        if self.pairs:  # GEN workers that failed the pair probe with this request's CTX: picked last
+            avoid = (*avoid, *self.pairs.gens_to_avoid(request.ctx_worker, self.gen_pool.workers))
         started = time.perf_counter()
         with tracing.span("gen.call", request.span, headers=request.headers, client=True) as span:
             answered = await (retry or self.retry).run(GEN_STEP, self.gen_pool, key,
@@ -178,6 +186,8 @@ class Steps:
             spans.called(span, answered)
         if not isinstance(answered.answer, Reply):
             self.gen_first_byte(answered.member.url).observe(time.perf_counter() - started)
+        self.recomputes.saw(answered.member.url, answered.answer.status_code, answered.answer.prompt_report,
+                            request.ctx_worker)
         return answered
 
     def handoff_lost(self, request: FlowRequest, answered: Attempted[GenAnswer]) -> bool:

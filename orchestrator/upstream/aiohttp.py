@@ -18,6 +18,7 @@ from aiohttp.abc import AbstractStreamWriter
 from aiohttp.payload import Payload
 
 from frontend.errors import UpstreamError, UpstreamTimeoutError, UpstreamUnavailableError
+from frontend.prompt_report import PROMPT_TOKENS_HEADER
 from orchestrator.upstream.base import Body, Reply, WorkerTimeouts, body_length, push_chunks
 
 _JSON_HEADERS = {"Content-Type": "application/json"}
@@ -65,7 +66,7 @@ class AiohttpTransport:
         with _translated(self.url):
             response = await self._send(path, body, headers)
             try:
-                return Reply(response.status, await response.read())
+                return Reply(response.status, await response.read(), _prompt_report(response))
             finally:
                 response.release()
 
@@ -106,6 +107,10 @@ class AiohttpStream:
     @property
     def status_code(self) -> int:
         return self._response.status
+
+    @property
+    def prompt_report(self) -> bytes | None:
+        return _prompt_report(self._response)
 
     async def chunks(self) -> AsyncGenerator[bytes, None]:
         try:
@@ -173,3 +178,8 @@ def translate_aiohttp_error(exc: aiohttp.ClientError | TimeoutError, url: str) -
         # Only a refused connection says the worker is gone (the pool takes it out until a health check passes).
         return UpstreamUnavailableError(f"worker {url} is unreachable ({type(exc).__name__})")
     return UpstreamError(f"worker {url} failed: {type(exc).__name__}: {exc}")
+
+
+def _prompt_report(response: aiohttp.ClientResponse) -> bytes | None:
+    value = response.headers.get(PROMPT_TOKENS_HEADER)
+    return value.encode("latin-1") if value is not None else None

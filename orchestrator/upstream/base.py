@@ -16,7 +16,9 @@ Contract of every implementation:
   caller's retry policy decides, on another worker), while aiohttp retries it once on a fresh connection;
 - one connection pool per worker, kept until ``aclose``;
 - ``headers`` given when the transport is made go with every request, GETs included: the deployment secret's
-  header (frontend/internal_secret.py), which proves each call comes from one of the deployment's processes.
+  header (frontend/internal_secret.py), which proves each call comes from one of the deployment's processes;
+- of the answer's headers, only ``x-disagg-prompt-tokens`` is kept (``prompt_report``: a GEN's account of what of
+  its prompt came through the hand-off, frontend/prompt_report.py); the rest are not the orchestrator's business.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ class Reply:
 
     status_code: int
     content: bytes
+    prompt_report: bytes | None = None  # the answer's x-disagg-prompt-tokens header, as it came
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +57,11 @@ class OpenStream(Protocol):
 
     @property
     def status_code(self) -> int: ...
+
+    @property
+    def prompt_report(self) -> bytes | None:
+        """The answer's ``x-disagg-prompt-tokens`` header, as it came (None without one)."""
+        ...
 
     def chunks(self) -> AsyncGenerator[bytes, None]:
         """The body as it arrives, unchanged; failures mid-way raise ``UpstreamError``; closes at the end."""

@@ -707,3 +707,33 @@ def test_only_the_orchestrators_reach_the_workers_and_the_workers_each_other_for
     assert not [k for k in off if k[0] == "NetworkPolicy"]
     assert "WARNING: networkPolicy.enabled is false" in notes({"networkPolicy": {"enabled": False}})
     assert "NetworkPolicies let only this release's orchestrators reach the workers" in notes(None)
+
+
+# -- alerts for KV that never moved -----------------------------------------------------------------------------
+def test_the_alert_rules_are_an_opt_in_prometheus_rule_over_metrics_the_orchestrator_exports() -> None:
+    from frontend.metrics import Metrics
+
+    assert not [m for m in render(None) if m["kind"] == "PrometheusRule"]
+    rule = by_kind(render({"prometheusRule": {"enabled": True, "labels": {"release": "kps"}}}))[
+        ("PrometheusRule", f"{PREFIX}-alerts")]
+    assert rule["apiVersion"] == "monitoring.coreos.com/v1" and rule["metadata"]["labels"]["release"] == "kps"
+    [group] = rule["spec"]["groups"]
+    alerts = {r["alert"]: r for r in group["rules"]}
+    assert set(alerts) == {"DisaggGenRecomputingPrompts", "DisaggKVPairProbeFailing"}
+    exported = {metric.name for metric in Metrics().registry.collect()}  # counters without their _total
+    for alert in alerts.values():
+        names = set(re.findall(r"disagg_\w+", alert["expr"]))
+        assert names and {re.sub(r"_total$", "", n) for n in names} <= exported, alert["expr"]
+        assert alert["for"] == "10m" and alert["labels"] == {"severity": "warning"}
+        # Prometheus's own template variables reach the rule unexpanded by Helm.
+        assert "{{ $labels." in alert["annotations"]["summary"]
+
+
+def test_the_pair_probe_is_set_in_the_orchestrators_config() -> None:
+    def pair_probe(values: dict[str, Any] | None) -> Any:
+        configmap = by_kind(render(values))[("ConfigMap", f"{PREFIX}-orchestrator")]
+        return parse_config(yaml.safe_load(configmap["data"]["orchestrator.yaml"])).pair_probe
+
+    assert not pair_probe(None).enabled  # off by default: each probe costs the pairs' workers a prefill
+    on = pair_probe({"orchestrator": {"config": {"pair_probe": {"enabled": True, "interval_s": 60}}}})
+    assert on.enabled and on.interval_s == 60

@@ -39,6 +39,7 @@ class SimulatedConfig:
 DEFAULT_TOKENIZE_CACHE_BYTES = 256 << 20
 TOKENIZERS = ("byte", "reference")  # the synthetic and simulated engines' choice (``--tokenizer``)
 TOKENIZER_BACKENDS = ("auto", "tokenizers")
+KV_LOAD_FAILURE_POLICIES = ("fail", "recompute")  # ``--kv-load-failure-policy`` (the reference engine's GEN)
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +81,9 @@ class EngineOptions:
     kv_advertise_host: str | None = None  # how GEN workers reach it, if not kv_host
     kv_port: int = 0
     kv_ttl_s: float = 120.0
+    # GEN, when the hand-off's KV cannot be fetched (reference engine): "fail" the request, or "recompute" the prompt
+    # (vLLM's kv_load_failure_policy; the answer says so: frontend/prompt_report.py)
+    kv_load_failure_policy: str = "fail"
     blas_threads: int | None = None
     core_socket: str | None = None  # several front ends of one worker share the engine core listening here
     # synthetic and simulated engines: "byte" (one token per UTF-8 byte, free) or "reference" (the reference model's

@@ -56,3 +56,6 @@ class EngineOutput:
     index: int = 0  # which of the request's n sequences
     cached_tokens: int = 0  # first output only: prompt tokens whose KV was reused (block reuse), not computed
     chose_first_tokens: bool = False  # GENERATION_ONLY, first output only: see above
+    # GENERATION_ONLY, first output only: prompt tokens this engine prefilled itself because their KV did not come
+    # through the hand-off (a failed transfer it recovered from by computing them: frontend/prompt_report.py)
+    recomputed_tokens: int = 0

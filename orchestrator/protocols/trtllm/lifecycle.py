@@ -379,6 +379,10 @@ class SettledStream:
     def status_code(self) -> int:
         return self.stream.status_code
 
+    @property
+    def prompt_report(self) -> bytes | None:
+        return self.stream.prompt_report
+
     def answered(self) -> None:
         """GEN sent the stream's end marker (the relay hands it on to the client): GEN finished the request and
         released its grant, so a close from here on (a client that hangs up at ``[DONE]``, before GEN's last bytes

@@ -15,6 +15,7 @@ from typing import cast
 import httptools
 
 from frontend.errors import UpstreamError, UpstreamTimeoutError
+from frontend.prompt_report import PROMPT_TOKENS_HEADER_BYTES
 from frontend.read_buffers import DeclaredBody, DeclaredBodyReads
 from orchestrator.upstream.base import Body
 
@@ -34,6 +35,7 @@ class WorkerConnection(DeclaredBodyReads, asyncio.BufferedProtocol):
         self.url = url
         self.idle_since = 0.0
         self.status = 0
+        self.prompt_report: bytes | None = None  # the answer's x-disagg-prompt-tokens header (upstream/base.py)
         self.complete = False  # the current answer has arrived whole
         self.flow_controlled = False  # a stream: pause the socket while the reader is far behind
         self._transport: asyncio.Transport | None = None
@@ -77,6 +79,7 @@ class WorkerConnection(DeclaredBodyReads, asyncio.BufferedProtocol):
         self._resume()
         self._used = True
         self.status = 0
+        self.prompt_report = None
         self.complete = self._headers_done = self._received_any = self._keep_alive = False
         self.flow_controlled = self._delimited = self._interim = False
         self._head_bytes = 0
@@ -256,6 +259,8 @@ class WorkerConnection(DeclaredBodyReads, asyncio.BufferedProtocol):
         if name in _BODY_FRAMING:
             self._delimited = True
             self._declared = value if name == b"content-length" and not self._declared else b"-"
+        elif name == PROMPT_TOKENS_HEADER_BYTES:
+            self.prompt_report = value
 
     def on_headers_complete(self) -> None:
         if self.complete:

@@ -114,7 +114,7 @@ class HttptoolsTransport:
     async def _reply(self, connection: WorkerConnection) -> Reply:
         """The whole answer; the connection back to the pool, or closed if it was not read to its end."""
         try:
-            return Reply(connection.status, await connection.whole_body())
+            return Reply(connection.status, await connection.whole_body(), connection.prompt_report)
         finally:
             self._give_back(connection)
 

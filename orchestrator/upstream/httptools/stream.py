@@ -22,10 +22,15 @@ class HttptoolsStream:
         self._forget = forget
         self._connection: WorkerConnection | None = connection
         self._status = connection.status
+        self._prompt_report = connection.prompt_report
 
     @property
     def status_code(self) -> int:
         return self._status
+
+    @property
+    def prompt_report(self) -> bytes | None:
+        return self._prompt_report
 
     async def chunks(self) -> AsyncGenerator[bytes, None]:
         try:

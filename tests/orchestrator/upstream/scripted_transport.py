@@ -23,6 +23,7 @@ class ScriptedStream:
     closed: bool = False
     iterated: list[bytes] = field(default_factory=list)
     stalls: bool = False  # after the parts, neither ends nor fails: waits until it is closed
+    prompt_report: bytes | None = None  # its x-disagg-prompt-tokens header
 
     async def chunks(self) -> AsyncGenerator[bytes, None]:
         try:
@@ -82,7 +83,8 @@ class ScriptedTransport:
 
     async def open_stream(self, path: str, body: Body, headers: dict[str, str] | None = None) -> ScriptedStream:
         step = self._next(Call("STREAM", path, body_bytes(body), headers))
-        stream = step if isinstance(step, ScriptedStream) else ScriptedStream(step.status_code, [step.content])
+        stream = step if isinstance(step, ScriptedStream) else ScriptedStream(
+            step.status_code, [step.content], prompt_report=step.prompt_report)
         self.opened.append(stream)
         return stream
 

@@ -24,6 +24,7 @@ import numpy as np
 from frontend import tracing
 from frontend.sampling import SamplingParams
 from frontend.token_codec import TOKEN_DTYPE
+from workers.engines.options import KV_LOAD_FAILURE_POLICIES
 from workers.engines.reference.core_tracing import SERVICE_NAME, CoreSpans
 from workers.engines.reference.grammar import GrammarCompiler
 from workers.engines.reference.ipc import ChannelClosed, Header, read_frame_blocking, send_frame_blocking
@@ -56,6 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--prefill-chunk", type=int, default=512)
     parser.add_argument("--no-prompt-tokens-in-handoff", action="store_true")
     parser.add_argument("--prefix-cache-bytes", type=int, default=0, help="KV block reuse budget; 0 = off")
+    parser.add_argument("--kv-load-failure-policy", choices=KV_LOAD_FAILURE_POLICIES, default="fail",
+                        help="GEN, when the hand-off's KV cannot be fetched: fail the request, or recompute the prompt")
     return parser
 
 
@@ -171,6 +174,7 @@ class Core:
             prompt_tokens_in_handoff=not self.args.no_prompt_tokens_in_handoff,
             kv_url_base=f"http://{f'[{advertise}]' if ':' in advertise else advertise}:{transfer.port}",
             prefix_cache_bytes=self.args.prefix_cache_bytes,
+            kv_load_failure=self.args.kv_load_failure_policy,
         )
         scheduler = Scheduler(model, config, store, self.emit,
                               wake=lambda: self.inbox.put((0, {"op": "wake"}, b"")),

@@ -68,6 +68,7 @@ def engine_output(message: Header, payload: bytes) -> EngineOutput:
         prompt_token_ids=np.frombuffer(payload, TOKEN_DTYPE) if message.get("prompt_tokens") else None,
         index=int(message.get("index", 0)),
         cached_tokens=int(message.get("cached_tokens", 0)),
+        recomputed_tokens=int(message.get("recomputed_tokens", 0)),
     )
 
 

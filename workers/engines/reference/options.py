@@ -29,6 +29,7 @@ class ReferenceOptions:
     startup_timeout_s: float = 300.0
     core_socket: str | None = None  # connect to a running core (shared by several front ends); None: spawn one
     tokenize: TokenizeConfig = field(default_factory=TokenizeConfig)  # the front end's prompt encoder
+    kv_load_failure_policy: str = "fail"  # KV_LOAD_FAILURE_POLICIES: what GEN does when a KV fetch fails
     restart_dead_core: bool = True  # off: a core that dies leaves the worker unhealthy (503) until it is restarted
 
 
@@ -45,6 +46,7 @@ def reference_options(options: EngineOptions) -> ReferenceOptions:
         blas_threads=options.blas_threads,
         core_socket=options.core_socket,
         tokenize=options.tokenize,
+        kv_load_failure_policy=options.kv_load_failure_policy,
     )
 
 
@@ -62,6 +64,8 @@ def core_command(options: ReferenceOptions, socket_path: str) -> list[str]:
         command.append("--no-prompt-tokens-in-handoff")
     if o.kv_block_reuse:
         command += ["--prefix-cache-bytes", str(o.kv_block_reuse_bytes)]
+    if o.kv_load_failure_policy != "fail":
+        command += ["--kv-load-failure-policy", o.kv_load_failure_policy]
     return command
 
 

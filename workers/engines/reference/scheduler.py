@@ -26,7 +26,7 @@ from workers.engines.reference.kv_store import KVStore, KVStoreFull
 from workers.engines.reference.prefix_cache import PrefixCache
 from workers.engines.reference.sampler import Sampler, log_softmax, top_logprobs
 from workers.engines.reference.sequences import Sequence, SubmitSpec
-from workers.engines.reference.transformer import Interrupted, Transformer, export_kv, fork_kv
+from workers.engines.reference.transformer import Interrupted, KVCache, Transformer, export_kv, fork_kv
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +41,10 @@ class SchedulerConfig:
     prompt_tokens_in_handoff: bool = True
     kv_url_base: str = ""  # "http://host:port" of this core's KV transfer server
     prefix_cache_bytes: int = 0  # KV block reuse: 0 = off
+    # GEN, when the hand-off's KV cannot be fetched: "fail" the request (the orchestrator runs CTX again), or
+    # "recompute" the prompt here and go on (vLLM's kv_load_failure_policy): the answer is the same, the work twice
+    # over, and the first output says how many tokens were computed (frontend/prompt_report.py).
+    kv_load_failure: str = "fail"
 
 
 class Scheduler:
@@ -148,30 +152,47 @@ class Scheduler:
             try:
                 fetched = future.result()
             except HandoffUnreachable as exc:
-                self._fail(request_id, "upstream", str(exc))
+                self._fetch_failed(spec, "upstream", str(exc))
                 continue
             except HandoffUnavailable as exc:
-                self._fail(request_id, "handoff", str(exc))
+                self._fetch_failed(spec, "handoff", str(exc))
                 continue
             except Exception as exc:  # a transfer bug must fail one request, not the core
                 logger.exception("KV fetch failed for %s", request_id)
-                self._fail(request_id, "engine", f"KV fetch failed: {type(exc).__name__}")
+                self._fetch_failed(spec, "engine", f"KV fetch failed: {type(exc).__name__}")
                 continue
-            self._start_generation(spec, fetched)
+            handoff = fetched.handoff
+            self._start_generation(spec, fetched.cache, handoff.prompt_tokens, handoff.prompt_logprobs,
+                                   fetched.nbytes)
 
-    def _start_generation(self, spec: SubmitSpec, fetched: FetchedHandoff) -> None:
-        handoff: KVHandoff = fetched.handoff
+    def _fetch_failed(self, spec: SubmitSpec, kind: str, message: str) -> None:
+        """A GEN request whose KV did not arrive: failed, or (``kv_load_failure`` "recompute", with the prompt's
+        real tokens at hand) queued to prefill its prompt here, as an aggregated request would."""
+        if self.config.kv_load_failure != "recompute" or spec.placeholder:
+            self._fail(spec.request_id, kind, message)
+            return
+        logger.warning("request %s: the KV hand-off did not arrive (%s); prefilling its %d prompt tokens here",
+                       spec.request_id, message, int(spec.prompt.shape[0]))
+        seq = Sequence(spec, self.model.new_cache(int(spec.prompt.shape[0]) + 16))
+        if self.prefix_cache is not None and spec.sampling.prompt_logprobs is None:
+            seq.prefilled = seq.cached_tokens = self.prefix_cache.load_prefix(spec.prompt, seq.cache)
+        self._prefill_queue.append(seq)
+
+    def _start_generation(self, spec: SubmitSpec, cache: KVCache, carried_prompt: TokenArray | None,
+                          carried_prompt_logprobs: list[Any] | None, nbytes: int, recomputed: int = 0) -> None:
+        """Decode on from the prompt's KV in ``cache``: fetched from CTX (``nbytes`` of it, with the prompt and its
+        logprobs where the hand-off carried them), or ``recomputed`` here after a failed fetch."""
         prompt = spec.prompt
         if spec.placeholder:
-            if handoff.prompt_tokens is not None:
-                prompt = handoff.prompt_tokens  # the real prompt, carried beside the KV
+            if carried_prompt is not None:
+                prompt = carried_prompt  # the real prompt, carried beside the KV
             elif spec.sampling.reads_prompt_token_values:
                 self._fail(spec.request_id, "handoff", "this request reads prompt token values, but neither the "
                            "request nor the KV hand-off carries the prompt's tokens")
                 return
         if self.prefix_cache is not None:
             # Keyed by the token values this worker holds: real ones, or a placeholder's (hence the guardrail).
-            self.prefix_cache.insert(prompt, fetched.cache)
+            self.prefix_cache.insert(prompt, cache)
         starts = spec.starts
         try:
             # Each sequence's grammar state is rebuilt from the request and replayed over the first token(s) CTX
@@ -184,16 +205,17 @@ class Scheduler:
         except GrammarError as exc:
             self._fail(spec.request_id, "request", str(exc))
             return
-        report_prompt_logprobs = handoff.prompt_logprobs is not None and spec.sampling.prompt_logprobs is not None
+        report_prompt_logprobs = carried_prompt_logprobs is not None and spec.sampling.prompt_logprobs is not None
         # Echo on a placeholder: the front end needs the real prompt, which came with the KV.
         report_prompt = spec.placeholder and spec.sampling.echo and prompt is not spec.prompt
         # Always answered: the front end holds the first token back until the hand-off is accepted.
         opening: dict[str, Any] = {"op": "output", "id": spec.request_id, "tokens": [], "logprobs": None,
-                                   "finish": None, "prompt_tokens": report_prompt, "handoff_bytes": fetched.nbytes}
+                                   "finish": None, "prompt_tokens": report_prompt, "handoff_bytes": nbytes,
+                                   "recomputed_tokens": recomputed}
         if report_prompt_logprobs:
-            opening["prompt_logprobs"] = handoff.prompt_logprobs
+            opening["prompt_logprobs"] = carried_prompt_logprobs
         # Fork before any sequence decodes its first tokens into the cache it was given.
-        caches = [fetched.cache, *(fork_kv(fetched.cache) for _ in starts[1:])]
+        caches = [cache, *(fork_kv(cache) for _ in starts[1:])]
         finished: list[dict[str, Any]] = []
         for index, (first, cache) in enumerate(zip(starts, caches, strict=True)):
             seq = Sequence(spec, cache, index=index, constraint=constraints[index])
@@ -247,6 +269,10 @@ class Scheduler:
         if seq.prefilled < spec.prompt.shape[0]:
             return
         self._prefill_queue.popleft()
+        if spec.phase == "generation_only":  # a hand-off whose KV did not arrive, computed here (_fetch_failed)
+            logprobs = seq.prompt_logprobs if spec.sampling.prompt_logprobs is not None else None
+            self._start_generation(spec, seq.cache, None, logprobs, 0, int(spec.prompt.shape[0]) - seq.cached_tokens)
+            return
         if self.prefix_cache is not None:
             self.prefix_cache.insert(spec.prompt, seq.cache)
         self._fork_after_prefill(seq, logits)

@@ -1,0 +1,186 @@
+"""KV that never moved, seen for real: reference-engine workers where one CTX's KV cannot be fetched.
+
+The failure is a real misconfiguration, not a test hook: the bad CTX advertises its KV transfer server at 127.0.0.2,
+where nothing listens (the server binds 127.0.0.1), so every fetch from it is refused, as when a pod advertises an
+address its peers cannot reach. The GEN runs ``kv_load_failure_policy="recompute"`` (vLLM's policy of that name):
+it prefills the prompt itself and answers right, only at twice the cost. The good CTX hands off as it should.
+One set of workers serves every test (each reference worker is an engine core process); orchestrators, which are
+cheap, are made per test.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import pathlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import pytest
+
+from frontend.config import parse_config
+from frontend.prompt_report import PROMPT_TOKENS_HEADER, PromptReport, read_prompt_report
+from orchestrator.server import create_orchestrator_app
+from tests.cluster import sample
+from tests.servers import running
+from tests.waiting import eventually
+from tests.workers.engines.reference.cluster import RefNode, start_reference_worker
+from tests.workers.engines.reference.tiny_model import write_tiny_model
+from workers.engines.reference.options import ReferenceOptions
+
+ADMIN = "pair-probe-admin"
+PROMPT = "The quick brown fox jumps over the lazy dog, and then the dog jumps over the fox."
+
+
+@dataclass
+class Workers:
+    good_ctx: RefNode
+    bad_ctx: RefNode
+    gen: RefNode
+
+
+@pytest.fixture(scope="module")
+def workers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Workers]:
+    model: pathlib.Path = write_tiny_model(tmp_path_factory.mktemp("pair-probe") / "tiny.gguf", seed=0)
+    options = ReferenceOptions(model_path=str(model), served_model_name="tiny", blas_threads=1)
+    with contextlib.ExitStack() as stack:
+        good = start_reference_worker(stack, "context", options)
+        bad = start_reference_worker(stack, "context", ReferenceOptions(
+            model_path=str(model), served_model_name="tiny", blas_threads=1, kv_advertise_host="127.0.0.2"))
+        gen = start_reference_worker(stack, "generation", ReferenceOptions(
+            model_path=str(model), served_model_name="tiny", blas_threads=1, kv_load_failure_policy="recompute"))
+        yield Workers(good, bad, gen)
+
+
+@contextlib.contextmanager
+def orchestrator(ctx: list[RefNode], gen: RefNode, admin_key: str | None = None, **options: Any) -> Iterator[RefNode]:
+    config = parse_config({"context_servers": {"urls": [c.url for c in ctx]},
+                           "generation_servers": {"urls": [gen.url]}, **options})
+    app = create_orchestrator_app(config, admin_key=admin_key)
+    with running(app) as url:
+        yield RefNode(url, app)
+
+
+def recomputed(node: RefNode, gen: RefNode) -> float:
+    return sample(node.app.state.metrics, "disagg_gen_prompt_tokens_recomputed_total", pool="gen", worker=gen.url)
+
+
+def complete(node: RefNode, prompt: str = PROMPT, stream: bool = False) -> tuple[str, int]:
+    """The greedy answer's text and the prompt's length as the server counted it."""
+    client = node.client()
+    if not stream:
+        answer = client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0)
+        assert answer.usage is not None
+        return answer.choices[0].text, answer.usage.prompt_tokens
+    text, prompt_tokens = "", 0
+    for chunk in client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0, stream=True,
+                                           stream_options={"include_usage": True}):
+        text += "".join(choice.text for choice in chunk.choices)
+        if chunk.usage is not None:
+            prompt_tokens = chunk.usage.prompt_tokens
+    return text, prompt_tokens
+
+
+def test_a_gen_that_recomputes_is_counted_logged_once_and_still_answers_right(
+        workers: Workers, caplog: pytest.LogCaptureFixture) -> None:
+    with orchestrator([workers.good_ctx], workers.gen) as good, orchestrator([workers.bad_ctx], workers.gen) as bad:
+        expected, prompt_tokens = complete(good)
+        assert recomputed(good, workers.gen) == 0  # exported at 0 from start-up, and still 0: the KV moved
+        with caplog.at_level(logging.WARNING, logger="disagg_serve.recompute"):
+            assert complete(bad) == (expected, prompt_tokens)  # the same greedy answer, paid for twice
+            assert recomputed(bad, workers.gen) == prompt_tokens
+            assert complete(bad, stream=True) == (expected, prompt_tokens)  # a stream's head says so too
+        assert recomputed(bad, workers.gen) == 2 * prompt_tokens
+        lines = [r.getMessage() for r in caplog.records if r.name == "disagg_serve.recompute"]
+        assert len(lines) == 1, lines  # the first case of the minute, not one line per answer
+        assert workers.gen.url in lines[0] and workers.bad_ctx.url in lines[0]
+        assert f"computed {prompt_tokens} of {prompt_tokens} prompt tokens itself" in lines[0]
+
+
+def handed_off(ctx: RefNode, gen: RefNode) -> httpx.Response:
+    """CTX then GEN, called as our orchestrator calls them (its own wire), without one."""
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 4, "temperature": 0}
+    ctx_reply = httpx.post(ctx.url + "/v1/completions", timeout=60, json={**body, "disaggregated_params": {
+        "request_type": "context_only", "disagg_request_id": 1, "native_extensions": True,
+        "return_prompt_token_ids_b64": True}})
+    assert ctx_reply.status_code == 200, ctx_reply.text
+    answer = ctx_reply.json()
+    params = answer["choices"][0]["disaggregated_params"]
+    return httpx.post(gen.url + "/v1/completions", timeout=60, json={
+        **body, "prompt_token_ids_b64": answer["prompt_token_ids_b64"],
+        "disaggregated_params": {**params, "request_type": "generation_only"}})
+
+
+def test_each_gen_answer_says_what_of_the_prompt_came_through_the_hand_off(workers: Workers) -> None:
+    moved = handed_off(workers.good_ctx, workers.gen)
+    assert moved.status_code == 200, moved.text
+    prompt_tokens = moved.json()["usage"]["prompt_tokens"]
+    assert read_prompt_report(moved.headers[PROMPT_TOKENS_HEADER]) == PromptReport(prompt_tokens, 0)
+    lost = handed_off(workers.bad_ctx, workers.gen)
+    assert lost.status_code == 200, lost.text
+    assert read_prompt_report(lost.headers[PROMPT_TOKENS_HEADER]) == PromptReport(0, prompt_tokens)
+    assert lost.json()["choices"][0]["text"] == moved.json()["choices"][0]["text"]
+    # A CTX answer is no GEN answer: it carries no report.
+    ctx_only = httpx.post(workers.good_ctx.url + "/v1/completions", timeout=60, json={
+        "model": "tiny", "prompt": PROMPT, "max_tokens": 4, "disaggregated_params": {
+            "request_type": "context_only", "disagg_request_id": 2, "native_extensions": True}})
+    assert PROMPT_TOKENS_HEADER not in ctx_only.headers
+
+
+def probe(node: RefNode, method: str = "POST", key: str = ADMIN) -> httpx.Response:
+    return httpx.request(method, node.url + "/admin/pair-probe", headers={"Authorization": f"Bearer {key}"},
+                         timeout=120)
+
+
+def test_the_probe_keeps_the_failing_pair_out_of_routing_and_passes_the_good_one(workers: Workers) -> None:
+    good_pair, bad_pair = (workers.good_ctx.url, workers.gen.url), (workers.bad_ctx.url, workers.gen.url)
+    with orchestrator([workers.good_ctx, workers.bad_ctx], workers.gen, admin_key=ADMIN) as node:
+        assert probe(node, key="wrong").status_code == 401
+        reply = probe(node)
+        assert reply.status_code == 200, reply.text
+        verdicts = {(v["ctx"], v["gen"]): v for v in reply.json()["pairs"]}
+        assert verdicts[good_pair]["outcome"] == "passed" and verdicts[good_pair]["computed_by_gen"] == 0
+        assert verdicts[bad_pair]["outcome"] == "recomputed"
+        assert "did not come from the CTX worker" in verdicts[bad_pair]["cause"]
+        assert reply.json()["kept_out_of_routing"] == [{"ctx": bad_pair[0], "gen": bad_pair[1],
+                                                        "cause": verdicts[bad_pair]["cause"]}]
+        metrics = node.app.state.metrics
+        assert sample(metrics, "disagg_pair_probe_passing", ctx=good_pair[0], gen=good_pair[1]) == 1
+        assert sample(metrics, "disagg_pair_probe_passing", ctx=bad_pair[0], gen=bad_pair[1]) == 0
+        assert sample(metrics, "disagg_pair_probes_total", outcome="recomputed") == 1
+        # The probe's own recompute was real work, and is counted as such.
+        after_probe = recomputed(node, workers.gen)
+        assert after_probe == verdicts[bad_pair]["prompt_tokens"]
+        # Now every request goes through the pair that passed: no prompt is computed twice any more (the cache-
+        # aware router would otherwise spread these different prompts over both CTX workers).
+        for i in range(6):
+            complete(node, prompt=f"{i} {PROMPT}")
+        assert recomputed(node, workers.gen) == after_probe
+        assert probe(node, method="GET").json()["kept_out_of_routing"][0]["ctx"] == bad_pair[0]
+
+
+def test_an_enabled_probe_runs_at_start_up(workers: Workers) -> None:
+    with orchestrator([workers.good_ctx, workers.bad_ctx], workers.gen,
+                      pair_probe={"enabled": True, "interval_s": 3600}) as node:
+        metrics = node.app.state.metrics
+        assert eventually(lambda: sample(metrics, "disagg_pair_probes_total", outcome="passed")
+                          + sample(metrics, "disagg_pair_probes_total", outcome="recomputed") == 2)
+        assert sample(metrics, "disagg_pair_probe_passing", ctx=workers.bad_ctx.url, gen=workers.gen.url) == 0
+        # (no admin key configured: the on-demand route is closed, as every admin route is without one)
+        assert probe(node).status_code in (401, 403, 404)
+
+
+def test_a_pair_whose_gen_fails_the_fetch_is_failed_with_its_cause(workers: Workers,
+                                                                   tmp_path_factory: pytest.TempPathFactory) -> None:
+    """A GEN on the default policy ("fail") refuses the hand-off it cannot fetch: the pair fails, with the cause."""
+    model = write_tiny_model(tmp_path_factory.mktemp("strict") / "tiny.gguf", seed=0)
+    with contextlib.ExitStack() as stack:
+        strict_gen = start_reference_worker(stack, "generation", ReferenceOptions(
+            model_path=str(model), served_model_name="tiny", blas_threads=1))
+        with orchestrator([workers.bad_ctx], strict_gen, admin_key=ADMIN) as node:
+            (verdict,) = probe(node).json()["pairs"]
+    assert verdict["outcome"] == "failed"
+    assert "the GEN worker answered" in verdict["cause"] and "KV fetch" in verdict["cause"]
+
