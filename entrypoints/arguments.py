@@ -21,6 +21,7 @@ from entrypoints.http.limits import (
 )
 from frontend.http import DEFAULT_MAX_BODY_BYTES
 from frontend.send_timeout import DEFAULT_SEND_TIMEOUT_S
+from workers.drain import DEFAULT_DRAIN_TIMEOUT_S
 from workers.engines.factory import ENGINE_NAMES
 from workers.engines.options import (
     DEFAULT_TOKENIZE_CACHE_BYTES,
@@ -122,6 +123,10 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--kv-events-replay-endpoint", default=None, metavar="ZMQ_ENDPOINT",
                         help="where subscribers ask for KV-event batches they missed: default tcp://HOST:0; "
                              "'off': no replay")
+    worker.add_argument("--drain-timeout-s", type=_positive_float, default=DEFAULT_DRAIN_TIMEOUT_S,
+                        help="on SIGTERM, how long the requests in flight may take to finish while new ones are "
+                             "refused and /health says draining; what is left then is cut (default "
+                             f"{DEFAULT_DRAIN_TIMEOUT_S:g})")
     worker.add_argument("--lifecycle-protocol-version", type=int, choices=(0, 1), default=None,
                         help="TensorRT-LLM's disaggregated lifecycle protocol this worker answers (1: generation "
                              "grants, artifact abort; default: TRTLLM_DISAGG_LIFECYCLE_PROTOCOL_VERSION, else 0)")

@@ -13,7 +13,7 @@ import logging
 import os
 import socket
 import sys
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -59,7 +59,8 @@ def _listener(args: argparse.Namespace, host: str, port: int) -> socket.socket |
     return listener
 
 
-def _serve(app: Any, args: argparse.Namespace, listener: socket.socket) -> int:
+def _serve(app: Any, args: argparse.Namespace, listener: socket.socket,
+           before_stop: Callable[[], Awaitable[object]] | None = None) -> int:
     """Serve ``app`` on ``listener`` (``entrypoints.http.serve``) with the limits the command line sets against
     slow and hostile clients (docs/http.md): ``--max-head-bytes``, ``--header-timeout-s``, ``--body-timeout-s``,
     ``--body-min-rate``, ``--max-body-reads-per-client`` (by default higher on a worker, whose clients are its
@@ -70,7 +71,8 @@ def _serve(app: Any, args: argparse.Namespace, listener: socket.socket) -> int:
             DEFAULT_MAX_BODY_READS_PER_CLIENT
     limits = ClientLimits(args.header_timeout_s, args.body_timeout_s, args.max_head_bytes, args.body_min_rate,
                           per_client)
-    return serve(app, listener, limits, send_timeout_s=args.client_send_timeout_s, log_level=args.log_level)
+    return serve(app, listener, limits, send_timeout_s=args.client_send_timeout_s, log_level=args.log_level,
+                 before_stop=before_stop)
 
 
 def _internal_secret(command: str) -> tuple[bool, InternalSecret | None]:
@@ -103,7 +105,8 @@ def _supervise(args: argparse.Namespace, argv: Sequence[str], engine_options: An
         options = reference_options(engine_options)
         core_command_for = lambda path: core_command(options, path)  # noqa: E731 - a one-line closure
         core_env = make_core_env(options)
-    return FrontEndSupervisor(argv, args.api_workers, core_command_for, core_env).run()
+    return FrontEndSupervisor(argv, args.api_workers, core_command_for, core_env,
+                              drain_timeout_s=getattr(args, "drain_timeout_s", None)).run()
 
 
 def run_worker(args: argparse.Namespace, argv: Sequence[str]) -> int:
@@ -180,14 +183,14 @@ def run_worker(args: argparse.Namespace, argv: Sequence[str]) -> int:
                               admin_key=args.admin_key or None,
                               kv_events_endpoint=events, kv_events_replay_endpoint=replay, lifecycle=lifecycle,
                               internal_secret=secret, trtllm_auth_key=trtllm_auth_key_from_env(),
-                              advertise_url=args.advertise_url or None)
+                              advertise_url=args.advertise_url or None, drain_timeout_s=args.drain_timeout_s)
     registration = None
     if args.register:
         advertise = args.advertise_url or f"http://{args.host}:{args.port}"
         registration = Registration(args.register, advertise, args.role, args.admin_key)
     tracing.configure(f"disagg-serve-{args.role}", args.role)
     app = create_worker_app(engine, settings, registration=registration)
-    return _serve(app, args, listener)
+    return _serve(app, args, listener, before_stop=app.state.drain.run)  # SIGTERM drains first (workers/drain.py)
 
 
 def kv_events_endpoints(args: argparse.Namespace) -> tuple[str | None, str | None]:

@@ -22,6 +22,7 @@ from frontend.process_lifetime import die_with_parent
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 _DRAIN_S = 35.0  # a little over uvicorn's graceful shutdown, so streams in flight can finish
+_AFTER_DRAIN_S = 5.0  # a worker front end's stop past its own drain (--drain-timeout-s): the cut and the exit
 _WATCH_S = 5.0  # the watch loop's longest sleep: it is woken at once by any signal, a child's exit included
 
 
@@ -32,11 +33,14 @@ class FrontEndSupervisor:
         count: int,
         core_command_for: Callable[[str], list[str]] | None = None,
         core_env: dict[str, str] | None = None,
+        drain_timeout_s: float | None = None,
     ) -> None:
         self.argv = list(argv)
         self.count = count
         self.core_command_for = core_command_for  # given the socket path, the engine core's command line
         self.core_env = core_env
+        # How long the front ends may take to stop: a worker's drain and then some, else uvicorn's graceful stop.
+        self.drain_s = _DRAIN_S if drain_timeout_s is None else drain_timeout_s + _AFTER_DRAIN_S
         self.workdir = Path(tempfile.mkdtemp(prefix="disagg-front-ends-"))
         self.children: list[subprocess.Popen[bytes]] = []
         self.core: subprocess.Popen[bytes] | None = None
@@ -104,7 +108,7 @@ class FrontEndSupervisor:
         for process in self.children:
             if process.poll() is None:
                 process.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + _DRAIN_S
+        deadline = time.monotonic() + self.drain_s
         for process in self.children:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 process.wait(timeout=max(0.1, deadline - time.monotonic()))

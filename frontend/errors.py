@@ -186,6 +186,19 @@ class ResponseStoreUnavailableError(ServingError):
         return {"Retry-After": "1"}
 
 
+class WorkerDrainingError(ServingError):
+    """A worker that is draining (SIGTERM, workers/drain.py) takes no new request. Nothing of it ran, so the
+    orchestrator sends it to another worker and does not count it against this one."""
+
+    status_code = 503
+    error_type = "service_unavailable"
+    default_code = "worker_draining"
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": "1"}
+
+
 class UpstreamError(ServingError):
     status_code = 502
     error_type = "upstream_error"

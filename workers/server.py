@@ -16,7 +16,7 @@ from starlette.responses import Response, StreamingResponse
 from frontend import tracing
 from frontend.anthropic.models import CountTokensRequest, MessagesRequest
 from frontend.auth import require_bearer
-from frontend.errors import InvalidRequestError, ServingError
+from frontend.errors import InvalidRequestError, ServingError, WorkerDrainingError
 from frontend.http import (
     BodyBudget,
     ClientDisconnected,
@@ -42,6 +42,7 @@ from frontend.openapi import install_body_schemas, json_body
 from frontend.prefix_chain import trusted_chain_header
 from frontend.sse import SSE_HEADERS, SSE_MEDIA_TYPE
 from workers import worker_tracing
+from workers.drain import Drain
 from workers.engines.base import (
     Engine,
     ExposesMetrics,
@@ -84,6 +85,9 @@ def create_worker_app(
     span_names = {e: f"{settings.role} {e}" for e in ("chat", "completions", "responses", "messages")}
     kv_events = KvEventPublishing(engine, settings, service)
     chain_secret = settings.internal_secret  # a prefix chain is believed only from its holder (the orchestrator)
+    # SIGTERM drains first (the server runs ``drain.run`` before it stops): a registered worker leaves at once.
+    drain = Drain(settings.drain_timeout_s, lambda: service.inflight,
+                  on_begin=registration.leave if registration is not None else None)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -115,6 +119,7 @@ def create_worker_app(
     app.state.service = service
     app.state.metrics = metrics
     app.state.kv_events = kv_events
+    app.state.drain = drain
     # What bodies being read may hold, in bytes received: the front end's protocol charges them as they come
     # (entrypoints/http/protocol.py).
     app.state.body_budget = BodyBudget(settings.max_body_bytes_reading)
@@ -133,6 +138,9 @@ def create_worker_app(
             # The body before the limit: a client that sends it slowly holds its connection (for as long as the
             # front end's body clock allows), never one of the limit's slots.
             raw = await read_body(request, settings.max_body_bytes)
+            if drain.draining:
+                raise WorkerDrainingError("this worker is draining (it is shutting down): send the request to "
+                                          "another worker")
             service.admit()
         except BaseException as exc:
             status = answered_status(exc)
@@ -277,6 +285,9 @@ def create_worker_app(
 
     @app.get("/health")
     async def health() -> Response:
+        if drain.draining:  # a 503 of its own: an orchestrator stops routing here at once, without a failure
+            return json_response({"status": "draining", "role": settings.role, "inflight": service.inflight},
+                                 status_code=503)
         healthy = ready["engine"] and (not isinstance(engine, HealthCheck) or await engine.health())
         return json_response({"status": "ok" if healthy else "unavailable", "role": settings.role,
                               "inflight": service.inflight}, status_code=200 if healthy else 503)

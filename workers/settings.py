@@ -7,6 +7,7 @@ from typing import Literal
 
 from frontend.http import DEFAULT_MAX_BODY_BYTES_READING
 from frontend.internal_secret import InternalSecret
+from workers.drain import DEFAULT_DRAIN_TIMEOUT_S
 from workers.trtllm.settings import LifecycleSettings
 
 Role = Literal["context", "generation", "both"]  # what a worker serves: CTX, GEN, or both (aggregated)
@@ -34,3 +35,5 @@ class WorkerSettings:
     # Where this worker's peers reach it (``--advertise-url``): what /server_info and a grant name, never the
     # caller's Host header. None: the address the connection came in on.
     advertise_url: str | None = None
+    # SIGTERM's drain (workers/drain.py): how long the requests in flight may take to finish before they are cut.
+    drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import socket
 import sys
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import uvicorn
@@ -37,13 +38,17 @@ from frontend.send_timeout import with_send_timeout
 STARTUP_FAILED = 3  # uvicorn's own exit status for an app whose start-up failed (uvicorn.run exits with it)
 KEEP_ALIVE_S = 75  # how long an idle kept connection stays open
 GRACEFUL_SHUTDOWN_S = 30  # how long a stop waits for the answers in progress before it cancels them
+AFTER_DRAIN_S = 1  # the same, after a drain (``before_stop``) that already waited for them: what is left is cut
 
 
-def serve(app: Any, listener: socket.socket, limits: ClientLimits, *, send_timeout_s: float, log_level: str) -> int:
+def serve(app: Any, listener: socket.socket, limits: ClientLimits, *, send_timeout_s: float, log_level: str,
+          before_stop: Callable[[], Awaitable[object]] | None = None) -> int:
     """Serve ``app`` on ``listener`` (bound, not yet listening), holding every client to ``limits`` and cutting
     off one that takes nothing of an answer for ``send_timeout_s`` (the protocol's flow control already caps what a
-    client that does not read makes us buffer). The exit status: 0 after a clean stop, ``STARTUP_FAILED`` for an
-    app that did not start or a port another socket listened on first."""
+    client that does not read makes us buffer). ``before_stop``: what a stop runs while the server still listens
+    (a worker's drain, workers/drain.py); the answers still running after it are cut within ``AFTER_DRAIN_S``. The
+    exit status: 0 after a clean stop, ``STARTUP_FAILED`` for an app that did not start or a port another socket
+    listened on first."""
     cuts = app.state.metrics.connections_cut
     host, port = address(listener)
     config = uvicorn.Config(with_send_timeout(app, send_timeout_s), host=host, port=port,
@@ -52,9 +57,9 @@ def serve(app: Any, listener: socket.socket, limits: ClientLimits, *, send_timeo
                             # (uvicorn calls ``http`` as a protocol factory; its hint names only asyncio.Protocol.)
                             ws="none", http=guarded_protocol(limits, app,  # type: ignore[arg-type]
                                                   lambda reason: cuts.labels(reason=reason).inc()),
-                            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, timeout_keep_alive=KEEP_ALIVE_S,
-                            access_log=False, log_config=None)
-    server = TickServer(config)
+                            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S if before_stop is None else AFTER_DRAIN_S,
+                            timeout_keep_alive=KEEP_ALIVE_S, access_log=False, log_config=None)
+    server = TickServer(config, before_stop)
     try:
         server.run(sockets=[listener])
     except OSError as exc:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Awaitable, Callable
 
 import uvicorn
 
@@ -20,7 +21,10 @@ _DATE_EVERY = 10  # uvicorn renews the Date header when its tick counter is a mu
 class TickServer(uvicorn.Server):
     """uvicorn's ``Server`` with a one-second tick, woken at once by ``should_exit``."""
 
-    def __init__(self, config: uvicorn.Config) -> None:
+    def __init__(self, config: uvicorn.Config, before_stop: Callable[[], Awaitable[object]] | None = None) -> None:
+        # What a stop runs first, while the server still listens and serves (a worker's drain): the sockets close
+        # and the graceful shutdown begins only after it, or at once on a forced exit (a second Ctrl-C).
+        self.before_stop = before_stop
         self._should_exit = False
         self._wake: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -50,3 +54,19 @@ class TickServer(uvicorn.Server):
                 await asyncio.wait_for(self._wake.wait(), TICK_S)
             self._wake.clear()  # a should_exit set back to False waits for the next tick again
             should_exit = await self.on_tick(counter)
+        if self.before_stop is not None and not self.force_exit:
+            await self._before_stop(self.before_stop, counter)
+
+    async def _before_stop(self, before_stop: Callable[[], Awaitable[object]], counter: int) -> None:
+        """Run ``before_stop`` with the server still ticking (the ``Date`` header renewed), until it ends or a forced
+        exit cancels it."""
+        task = asyncio.ensure_future(before_stop())
+        while not task.done():
+            await asyncio.wait([task], timeout=TICK_S)
+            if self.force_exit:
+                task.cancel()
+                break
+            counter = (counter + _DATE_EVERY) % 864_000
+            await self.on_tick(counter)
+        with contextlib.suppress(asyncio.CancelledError):
+            await task

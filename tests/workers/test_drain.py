@@ -1,0 +1,145 @@
+"""A worker's drain on SIGTERM (workers/drain.py), on the real HTTP server the command runs (entrypoints/http's
+``TickServer`` with the drain as its ``before_stop``), stopped the way its signal handler stops it.
+
+The engine holds its streams at a gate the test opens, so "a stream still in flight" is a state, not a race.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import socket
+import threading
+from collections.abc import AsyncGenerator, Iterator
+from dataclasses import dataclass
+
+import httpx
+import orjson
+import pytest
+import uvicorn
+
+from entrypoints.http.server import TickServer
+from tests.waiting import eventually
+from workers.engines.outputs import EngineOutput
+from workers.engines.request import GenerationRequest
+from workers.engines.synthetic import SyntheticEngine, synthetic_text
+from workers.server import create_worker_app
+from workers.settings import WorkerSettings
+
+MAX_TOKENS = 6
+
+
+class GatedEngine(SyntheticEngine):
+    """The synthetic engine, each stream held after its first token until ``gate`` opens."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = threading.Event()
+        self.held = 0  # streams waiting at the gate now
+
+    def generate(self, request: GenerationRequest) -> AsyncGenerator[EngineOutput, None]:
+        return self._held(super().generate(request))
+
+    async def _held(self, outputs: AsyncGenerator[EngineOutput, None]) -> AsyncGenerator[EngineOutput, None]:
+        first = True
+        async for output in outputs:
+            yield output
+            if first:
+                first = False
+                self.held += 1
+                try:
+                    await asyncio.to_thread(self.gate.wait, 60)  # the test's thread opens it
+                finally:
+                    self.held -= 1
+
+
+@dataclass
+class DrainingWorker:
+    url: str
+    engine: GatedEngine
+    server: TickServer
+    thread: threading.Thread
+
+    def sigterm(self) -> None:
+        self.server.handle_exit(signal.SIGTERM, None)  # what uvicorn's handler for the signal calls
+
+
+@contextlib.contextmanager
+def draining_worker(drain_timeout_s: float) -> Iterator[DrainingWorker]:
+    engine = GatedEngine()
+    app = create_worker_app(engine, WorkerSettings(role="both", drain_timeout_s=drain_timeout_s))
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", loop="asyncio", ws="none",
+                            timeout_graceful_shutdown=1, lifespan="on")
+    server = TickServer(config, before_stop=app.state.drain.run)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [listener]}, daemon=True)
+    thread.start()
+    assert eventually(lambda: server.started or not thread.is_alive())
+    worker = DrainingWorker(f"http://127.0.0.1:{port}", engine, server, thread)
+    try:
+        yield worker
+    finally:
+        engine.gate.set()
+        server.should_exit = True
+        thread.join(timeout=30)
+        listener.close()
+
+
+def chat_body(stream: bool) -> dict[str, object]:
+    return {"model": "synthetic", "messages": [{"role": "user", "content": "hello"}], "max_tokens": MAX_TOKENS,
+            "stream": stream}
+
+
+def frames_of(lines: Iterator[str]) -> Iterator[dict[str, object] | str]:
+    for line in lines:
+        if line.startswith("data: "):
+            data = line.removeprefix("data: ")
+            yield data if data == "[DONE]" else orjson.loads(data)
+
+
+def test_a_draining_worker_refuses_new_requests_says_so_and_lets_its_stream_finish() -> None:
+    with draining_worker(drain_timeout_s=60) as worker, httpx.Client(timeout=30) as client, \
+            client.stream("POST", worker.url + "/v1/chat/completions", json=chat_body(True)) as stream:
+        assert stream.status_code == 200
+        frames = frames_of(stream.iter_lines())
+        first = next(frames)
+        assert eventually(lambda: worker.engine.held == 1)  # the stream is in flight, held at the gate
+
+        worker.sigterm()
+        assert eventually(lambda: httpx.get(worker.url + "/health", timeout=10).status_code == 503)
+        health = httpx.get(worker.url + "/health", timeout=10).json()
+        assert health["status"] == "draining" and health["inflight"] == 1
+
+        for streamed in (False, True):  # a new request, whole or streamed, is refused before it runs
+            refused = httpx.post(worker.url + "/v1/chat/completions", json=chat_body(streamed), timeout=10)
+            assert refused.status_code == 503
+            assert refused.headers["retry-after"] == "1"
+            error = refused.json()["error"]
+            assert error["code"] == "worker_draining" and error["type"] == "service_unavailable"
+        assert worker.thread.is_alive()  # still serving: the stream in flight holds the drain open
+
+        worker.engine.gate.set()
+        rest = list(frames)
+        assert rest[-1] == "[DONE]"
+        text = "".join(str(f["choices"][0]["delta"].get("content") or "")  # type: ignore[index]
+                       for f in [first, *rest[:-1]] if isinstance(f, dict) and f.get("choices"))
+        assert text == synthetic_text(MAX_TOKENS)
+    # Nothing in flight any more: the drain ends and the server stops by itself.
+    worker.thread.join(timeout=60)
+    assert not worker.thread.is_alive()
+
+
+def test_a_stream_still_running_at_the_drain_timeout_is_cut() -> None:
+    with draining_worker(drain_timeout_s=0.2) as worker, httpx.Client(timeout=30) as client, \
+            client.stream("POST", worker.url + "/v1/chat/completions", json=chat_body(True)) as stream:
+        frames = frames_of(stream.iter_lines())
+        next(frames)
+        assert eventually(lambda: worker.engine.held == 1)
+        worker.sigterm()  # the gate never opens: the stream outlives the drain
+        with pytest.raises(httpx.RemoteProtocolError):  # cut: the answer's chunked body never ends
+            list(frames)
+        worker.thread.join(timeout=60)
+        assert not worker.thread.is_alive()
