@@ -1,0 +1,62 @@
+"""Hermes' tagged calls read out of an answer, streamed in pieces of any size as whole."""
+
+from __future__ import annotations
+
+import pytest
+
+from frontend.tool_parsers.base import ArgumentsPiece, CallOpened, ParsedAnswer, ParsedCall, TextPiece, parse_whole
+from frontend.tool_parsers.hermes import HermesParser
+from tests.frontend.tool_parsers.reading import read, summary
+
+TWO_CALLS = ('Let me check.\n<tool_call>\n{"name": "weather", "arguments": {"city": "Paris", "days": [1, {"a": "}"}]}}'
+             '\n</tool_call>\n<tool_call>{"name": "time", "arguments": {}}</tool_call>')
+WEATHER = ("weather", '{"city": "Paris", "days": [1, {"a": "}"}]}')
+
+
+@pytest.mark.parametrize("piece", [1, 2, 3, 7, 1000])
+def test_text_then_several_calls_in_pieces_of_any_size(piece: int) -> None:
+    assert summary(read(HermesParser(parallel=True), TWO_CALLS, piece)) == \
+        ("Let me check.", [WEATHER, ("time", "{}")])
+
+
+def test_the_arguments_stream_as_they_come_not_once_complete() -> None:
+    parser = HermesParser(parallel=True)
+    assert parser.feed("Hi <tool_c") == [TextPiece("Hi")]  # a possible marker, and the space before it, wait
+    assert parser.feed('all>{"name": "f", "argu') == []
+    assert parser.feed('ments": {"x"') == [CallOpened(0, "f"), ArgumentsPiece(0, '{"x"')]
+    assert parser.feed(": 1") == [ArgumentsPiece(0, ": 1")]
+    assert parser.feed("}}</tool_call>") == [ArgumentsPiece(0, "}")]
+    assert parser.finish() == [] and not parser.incomplete
+
+
+def test_one_call_when_parallel_calls_are_off() -> None:
+    assert parse_whole(HermesParser(parallel=False), TWO_CALLS) == \
+        ParsedAnswer("Let me check.", (ParsedCall(*WEATHER),))
+
+
+@pytest.mark.parametrize("text", ["plain text", "a < b and <tool_ maybe", "<tool_call> not json",
+                                  'x <tool_call>["name"]</tool_call>', "<tool_call>{\"name\": 3, \"arguments\": {}}"])
+def test_text_that_holds_no_call_is_text_as_written(text: str) -> None:
+    for piece in (1, 4, 100):
+        assert summary(read(HermesParser(parallel=True), text, piece)) == (text, [])
+    assert parse_whole(HermesParser(parallel=True), text) is None
+
+
+def test_a_call_written_another_way_is_read_once_whole() -> None:
+    parsed = parse_whole(HermesParser(parallel=True), '<tool_call>{"arguments": {"x": 1}, "name": "f"}</tool_call>')
+    assert parsed == ParsedAnswer(None, (ParsedCall("f", '{"x":1}'),))
+    as_string = '<tool_call>{"name": "f", "arguments": "{\\"x\\": 1}"}</tool_call>'
+    assert parse_whole(HermesParser(parallel=True), as_string) == ParsedAnswer(None, (ParsedCall("f", '{"x":1}'),))
+
+
+def test_an_answer_cut_short_inside_a_call_is_incomplete() -> None:
+    parser = HermesParser(parallel=True)
+    events = read(parser, '<tool_call>{"name": "f", "arguments": {"x": 1', 3)
+    assert parser.incomplete and summary(events) == ("", [("f", '{"x": 1')])
+    assert parse_whole(HermesParser(parallel=True), '<tool_call>{"name": "f", "arguments": {"x"') is None
+
+
+def test_text_after_the_calls_is_not_the_clients() -> None:
+    answer = '<tool_call>{"name": "f", "arguments": {}}</tool_call> and then I said more'
+    parsed = parse_whole(HermesParser(parallel=True), answer)
+    assert parsed == ParsedAnswer(None, (ParsedCall("f", "{}"),))
