@@ -152,6 +152,7 @@ class ChatCompletionRequest(SamplingFields):
     response_format: ResponseFormat | None = None
     tools: list[ChatTool] | None = None
     tool_choice: ToolChoice | None = None
+    parallel_tool_calls: StrictBool | None = None  # several calls in one answer (``frontend.tool_calls``)
 
     @model_validator(mode="after")
     def _has_messages(self) -> ChatCompletionRequest:
@@ -234,7 +235,7 @@ class ResponsesRequest(SamplingFields):
     # Function tools, read as chat's (``chat_tools``) by ``frontend.structured_output``.
     tools: ResponsesTools | None = None
     tool_choice: ResponsesToolChoice | None = None
-    parallel_tool_calls: StrictBool | None = None  # at most one call is made, which either value allows
+    parallel_tool_calls: StrictBool | None = None  # several calls in one answer (``frontend.tool_calls``)
 
     @model_validator(mode="after")
     def _stateless(self) -> ResponsesRequest:

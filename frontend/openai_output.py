@@ -215,22 +215,32 @@ def _responses_status(finish_reason: str | None) -> str:
 
 
 def _message_item(ident: ResponseIdentity, text: str, status: str) -> dict[str, Any]:
+    return _message_item_of(ident.response_id, text, status)
+
+
+def _message_item_of(response_id: str, text: str, status: str) -> dict[str, Any]:
     content = [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]
-    return {"type": "message", "id": "msg_" + ident.response_id[5:], "status": status, "role": "assistant",
+    return {"type": "message", "id": "msg_" + response_id[5:], "status": status, "role": "assistant",
             "content": content}
+
+
+def function_call_item_id(response_id: str, index: int) -> str:
+    """The id of a Response's ``index``-th function call item."""
+    return "fc_" + response_id[5:] + (f"_{index}" if index else "")
 
 
 def function_call_items(response_id: str, calls: Sequence[dict[str, Any]], status: str) -> list[dict[str, Any]]:
     """Chat-shaped tool calls (``frontend.tool_calls``) as the Responses API's ``function_call`` output items."""
-    item_id = "fc_" + response_id[5:]
-    return [{"type": "function_call", "id": item_id + (f"_{index}" if index else ""), "call_id": call["id"],
+    return [{"type": "function_call", "id": function_call_item_id(response_id, index), "call_id": call["id"],
              "name": call["function"]["name"], "arguments": call["function"]["arguments"], "status": status}
             for index, call in enumerate(calls)]
 
 
-def as_function_call_output(body: dict[str, Any], calls: Sequence[dict[str, Any]]) -> None:
-    """Turn a whole Response object's text into the function calls it made, as OpenAI answers a call."""
-    body["output"] = function_call_items(body["id"], calls, "completed")
+def as_function_call_output(body: dict[str, Any], calls: Sequence[dict[str, Any]], text: str | None = None) -> None:
+    """Turn a whole Response object's output into the function calls it made, after a message of the ``text``
+    before them if there was any, as OpenAI answers a call."""
+    message = [_message_item_of(body["id"], text, "completed")] if text else []
+    body["output"] = [*message, *function_call_items(body["id"], calls, "completed")]
 
 
 def _calls_of(output: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -270,9 +280,11 @@ def _responses_object(
 class StreamRenderer:
     """Turns text deltas into the endpoint's stream frames, in order: ``begin``, ``delta``..., ``finish``.
 
-    ``tool_call``: the answer is held back to be sent whole as a function call (or, cut short, as text): a Responses
-    stream then opens its output item only once it knows which it is (``finish_function_calls`` or the first
-    text)."""
+    Tool calls come as they are read from the answer (``frontend.tool_parsers``): chat's ``delta.tool_calls``, a
+    call's first with its id and name, then its arguments in pieces; the Responses API's output items, a message
+    of the text before the calls (opened at its first text) and a ``function_call`` item per call, its arguments in
+    ``response.function_call_arguments.delta`` events. ``tool_call``: the answer may be calls, so a Responses
+    stream opens its message item only once text comes."""
 
     def __init__(self, ident: ResponseIdentity, include_usage: bool = False, continuous_usage: bool = False,
                  tool_call: bool = False) -> None:
@@ -284,7 +296,13 @@ class StreamRenderer:
         self.usage: Usage | None = None
         self._text_parts: list[str] = []
         self._sequence = 0
-        self._message_open = not tool_call  # a Responses stream's message item: added at ``begin`` unless held
+        self._open_at_begin = not tool_call  # a Responses stream's message item: added at ``begin`` unless held
+        # The Responses API's output items: those done, and the one open (a message or a function call).
+        self._items: list[dict[str, Any]] = []
+        self._message_index: int | None = None
+        self._call: dict[str, Any] | None = None
+        self._call_arguments: list[str] = []
+        self._calls = 0
         # Completions, per choice: where the next logprob token starts in that choice's whole streamed text.
         self._text_offsets: dict[int, int] = {}
 
@@ -325,19 +343,55 @@ class StreamRenderer:
             self._event("response.created", {"response": in_progress}),
             self._event("response.in_progress", {"response": in_progress}),
         ]
-        return [*frames, *self._open_message()] if self._message_open else frames
+        return [*frames, *self._open_message()] if self._open_at_begin else frames
 
+    # -- the Responses API's output items --------------------------------------------------------------------------
     def _open_message(self) -> list[bytes]:
-        self._message_open = True
+        index = self._message_index = len(self._items)
         item = _message_item(self.ident, "", "in_progress")
         item["content"] = []
         part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
         return [
-            self._event("response.output_item.added", {"output_index": 0, "item": item}),
+            self._event("response.output_item.added", {"output_index": index, "item": item}),
             self._event("response.content_part.added",
-                        {"item_id": item["id"], "output_index": 0, "content_index": 0, "part": part}),
+                        {"item_id": item["id"], "output_index": index, "content_index": 0, "part": part}),
         ]
 
+    def _close_message(self) -> list[bytes]:
+        index = self._message_index
+        if index is None:
+            return []
+        self._message_index = None
+        text = "".join(self._text_parts)
+        self._text_parts = []
+        item = _message_item(self.ident, text, "completed")
+        self._items.append(item)
+        return [
+            self._event("response.output_text.done",
+                        {"item_id": item["id"], "output_index": index, "content_index": 0, "text": text,
+                         "logprobs": []}),
+            self._event("response.content_part.done",
+                        {"item_id": item["id"], "output_index": index, "content_index": 0,
+                         "part": item["content"][0]}),
+            self._event("response.output_item.done", {"output_index": index, "item": item}),
+        ]
+
+    def _close_call(self, status: str) -> list[bytes]:
+        call = self._call
+        if call is None:
+            return []
+        self._call = None
+        index = len(self._items)
+        arguments = "".join(self._call_arguments)
+        item = {**call, "arguments": arguments, "status": status}
+        self._items.append(item)
+        return [
+            self._event("response.function_call_arguments.done",
+                        {"item_id": item["id"], "output_index": index, "arguments": arguments}),
+            self._event("response.output_item.done", {"output_index": index, "item": item}),
+        ]
+
+    # -- text ------------------------------------------------------------------------------------------------------
     def delta(
         self, text: str, logprobs: Sequence[TokenLogprobInfo] | None = None, prompt_logprobs: list[Any] | None = None,
         index: int = 0,
@@ -357,7 +411,6 @@ class StreamRenderer:
         self, text: str, logprobs: dict[str, Any] | None, prompt_logprobs: list[Any] | None = None, index: int = 0
     ) -> list[bytes]:
         """A delta of choice ``index`` whose logprobs are already in the endpoint's shape (a replayed answer's)."""
-        self._text_parts.append(text)
         if self.ident.endpoint == "chat":
             choice = {"index": index, "delta": {"content": text}, "logprobs": logprobs, "finish_reason": None}
             top = {"prompt_logprobs": prompt_logprobs} if prompt_logprobs is not None else None
@@ -367,19 +420,55 @@ class StreamRenderer:
             if prompt_logprobs is not None:
                 choice["prompt_logprobs"] = prompt_logprobs
             return [self._chunk(choice)]
-        item_id = "msg_" + self.ident.response_id[5:]
-        opened = [] if self._message_open else self._open_message()
-        return [*opened, self._event("response.output_text.delta",
-                                     {"item_id": item_id, "output_index": 0, "content_index": 0, "delta": text,
-                                      "logprobs": []})]
+        if not text:
+            return []
+        frames = self._close_call("completed")
+        if self._message_index is None:
+            frames += self._open_message()
+        self._text_parts.append(text)
+        frames.append(self._event("response.output_text.delta",
+                                  {"item_id": "msg_" + self.ident.response_id[5:], "output_index": self._message_index,
+                                   "content_index": 0, "delta": text, "logprobs": []}))
+        return frames
+
+    # -- tool calls ------------------------------------------------------------------------------------------------
+    def tool_call_opened(self, call_id: str, name: str, call_index: int, choice: int = 0) -> list[bytes]:
+        """A call of choice ``choice`` begins: chat's delta with its ``index`` among the choice's calls, id and
+        name; the Responses API's ``function_call`` item, added in progress."""
+        if self.ident.endpoint == "chat":
+            call = {"index": call_index, "id": call_id, "type": "function",
+                    "function": {"name": name, "arguments": ""}}
+            return [self._chunk({"index": choice, "delta": {"tool_calls": [call]}, "logprobs": None,
+                                 "finish_reason": None})]
+        frames = [*self._close_message(), *self._close_call("completed")]
+        item_id = function_call_item_id(self.ident.response_id, self._calls)
+        self._calls += 1
+        self._call = {"type": "function_call", "id": item_id, "call_id": call_id, "name": name}
+        self._call_arguments = []
+        item = {**self._call, "arguments": "", "status": "in_progress"}
+        return [*frames, self._event("response.output_item.added", {"output_index": len(self._items), "item": item})]
+
+    def tool_call_arguments(self, piece: str, call_index: int, choice: int = 0) -> list[bytes]:
+        """The next piece of the open call's arguments."""
+        if not piece:
+            return []
+        if self.ident.endpoint == "chat":
+            call = {"index": call_index, "function": {"arguments": piece}}
+            return [self._chunk({"index": choice, "delta": {"tool_calls": [call]}, "logprobs": None,
+                                 "finish_reason": None})]
+        assert self._call is not None
+        self._call_arguments.append(piece)
+        return [self._event("response.function_call_arguments.delta",
+                            {"item_id": self._call["id"], "output_index": len(self._items), "delta": piece})]
 
     def tool_calls(self, calls: Sequence[dict[str, Any]], choice: int = 0) -> list[bytes]:
         """A chat delta for choice ``choice`` with whole tool calls (id, type, name, arguments), each with its
-        ``index`` among that choice's calls."""
+        ``index`` among that choice's calls (a replayed answer's)."""
         indexed = [{"index": index, **call} for index, call in enumerate(calls)]
         body = {"index": choice, "delta": {"tool_calls": indexed}, "logprobs": None, "finish_reason": None}
         return [self._chunk(body)]
 
+    # -- the end ---------------------------------------------------------------------------------------------------
     def finish_choice(self, finish_reason: str | None, index: int = 0) -> list[bytes]:
         """Chat and completions: the chunk that ends choice ``index``."""
         choice: dict[str, Any] = {"index": index, "logprobs": None, "finish_reason": finish_reason}
@@ -395,42 +484,29 @@ class StreamRenderer:
         return [*usage_frames, DONE_FRAME]
 
     def finish(self, finish_reason: str | None, usage: Usage) -> list[bytes]:
+        """The end: chat's and completions' finish chunk and end, or the Responses API's open items done and the
+        final event (a Response that made no item has one empty message)."""
         endpoint = self.ident.endpoint
         if endpoint in ("chat", "completions"):
             return [*self.finish_choice(finish_reason), *self.end(usage)]
-        text = "".join(self._text_parts)
-        item = _message_item(self.ident, text, "completed")
-        final = _responses_object(self.ident, text, finish_reason, usage, status=_responses_status(finish_reason))
-        done_type = "response.incomplete" if final["status"] == "incomplete" else "response.completed"
-        return [
-            *([] if self._message_open else self._open_message()),
-            self._event("response.output_text.done",
-                        {"item_id": item["id"], "output_index": 0, "content_index": 0, "text": text,
-                         "logprobs": []}),
-            self._event("response.content_part.done",
-                        {"item_id": item["id"], "output_index": 0, "content_index": 0,
-                         "part": item["content"][0]}),
-            self._event("response.output_item.done", {"output_index": 0, "item": item}),
-            self._event(done_type, {"response": final}),
-        ]
+        cut = finish_reason == "length"
+        frames = self._close_call("incomplete" if cut else "completed")
+        if not self._items and self._message_index is None:
+            frames += self._open_message()
+        frames += self._close_message()
+        status = _responses_status(finish_reason)
+        final = _responses_object(self.ident, None, finish_reason, usage, status=status, output=list(self._items))
+        done_type = "response.incomplete" if status == "incomplete" else "response.completed"
+        return [*frames, self._event(done_type, {"response": final})]
 
     def finish_function_calls(self, calls: Sequence[dict[str, Any]], usage: Usage) -> list[bytes]:
-        """Responses: the end of a held-back answer that is function calls (chat-shaped, ``frontend.tool_calls``),
-        each item added, its arguments sent whole in one delta, and done, as OpenAI streams a call."""
-        items = function_call_items(self.ident.response_id, calls, "completed")
+        """Responses: whole function calls (chat-shaped, ``frontend.tool_calls``; a replayed answer's), each item
+        added, its arguments in one delta, and done, then the final event."""
         frames = []
-        for index, item in enumerate(items):
-            frames += [
-                self._event("response.output_item.added",
-                            {"output_index": index, "item": {**item, "arguments": "", "status": "in_progress"}}),
-                self._event("response.function_call_arguments.delta",
-                            {"item_id": item["id"], "output_index": index, "delta": item["arguments"]}),
-                self._event("response.function_call_arguments.done",
-                            {"item_id": item["id"], "output_index": index, "arguments": item["arguments"]}),
-                self._event("response.output_item.done", {"output_index": index, "item": item}),
-            ]
-        final = _responses_object(self.ident, None, "stop", usage, status="completed", output=items)
-        return [*frames, self._event("response.completed", {"response": final})]
+        for index, call in enumerate(calls):
+            frames += self.tool_call_opened(call["id"], call["function"]["name"], index)
+            frames += self.tool_call_arguments(call["function"]["arguments"], index)
+        return [*frames, *self.finish("stop", usage)]
 
     def error(self, error: ServingError) -> list[bytes]:
         frames = stream_error_frames(self.ident.endpoint, error, self._sequence)
@@ -455,15 +531,17 @@ def replay_as_stream(endpoint: Endpoint, response: dict[str, Any], include_usage
         ident = ResponseIdentity(endpoint, response["id"], response["model"], response["created_at"],
                                  settings=ResponsesSettings.of(response))
         output = response.get("output") or []
-        function_calls = _calls_of(output)
-        renderer = StreamRenderer(ident, include_usage, tool_call=bool(function_calls))
+        renderer = StreamRenderer(ident, include_usage, tool_call=bool(_calls_of(output)))
         # The renderer numbers events as it makes them: make them in the order they are sent.
         frames = renderer.begin()
-        if function_calls:
-            return [*frames, *renderer.finish_function_calls(function_calls, usage)]
-        text = output[0]["content"][0]["text"] if output else ""
-        if text:
-            frames += renderer.delta_rendered(text, None)
+        made = 0
+        for item in output:
+            if item.get("type") == "function_call":
+                frames += renderer.tool_call_opened(item["call_id"], item["name"], made)
+                frames += renderer.tool_call_arguments(item["arguments"], made)
+                made += 1
+            elif item["content"] and item["content"][0]["text"]:
+                frames += renderer.delta_rendered(item["content"][0]["text"], None)
         finish = "length" if response.get("status") == "incomplete" else "stop"
         return [*frames, *renderer.finish(finish, usage)]
     ident = ResponseIdentity(endpoint, response["id"], response["model"], response["created"],

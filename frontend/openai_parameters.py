@@ -31,10 +31,6 @@ def _any_string(value: Any) -> bool:
     return value is None or isinstance(value, str)
 
 
-def _any_bool(value: Any) -> bool:
-    return value is None or isinstance(value, bool)
-
-
 def _string_map(value: Any) -> bool:
     # Metadata only tags a stored object; this server stores nothing, so any tags are honoured by keeping none.
     return value is None or (isinstance(value, dict) and all(isinstance(v, str) for v in value.values()))
@@ -50,16 +46,15 @@ _COMMON: dict[str, Neutral] = {
     "moderation": _null,
     "no_repeat_ngram_size": _one_of(0),  # vLLM's name; no engine here implements it
 }
-# Reasoning, and the one tools parameter neither endpoint reads: chat and the Responses API share them.
+# Reasoning: chat and the Responses API share it.
 _REASONING: dict[str, Neutral] = {
-    "parallel_tool_calls": _any_bool,  # at most one call is made, which any value allows
     "reasoning_effort": _null,
     "reasoning": _null_or_empty,
 }
 _CHAT: dict[str, Neutral] = {
     **_COMMON,
     **_REASONING,
-    # tools, tool_choice and response_format are chat wire fields (``frontend.structured_output``).
+    # tools, tool_choice, parallel_tool_calls and response_format are chat wire fields (``frontend.tool_calls``).
     "functions": _null_or_empty,
     "function_call": _one_of("none", "auto"),
     "audio": _null,
@@ -73,7 +68,7 @@ _CHAT: dict[str, Neutral] = {
 _RESPONSES: dict[str, Neutral] = {
     **_COMMON,
     # tools, tool_choice and parallel_tool_calls are Responses wire fields (``frontend.openai_models``).
-    **{name: neutral for name, neutral in _REASONING.items() if name != "parallel_tool_calls"},
+    **_REASONING,
     "include": _null_or_empty,
     "truncation": _one_of("disabled"),
     "background": _one_of(False),
@@ -93,8 +88,7 @@ UNSUPPORTED_BY_ENDPOINT: Mapping[WireEndpoint, Mapping[str, Neutral]] = {
 }
 # Names some wire model implements on another endpoint (the completions prompt, chat's top_logprobs, the
 # Responses API's store, metadata and tools): only the endpoint's own table can judge them.
-_IMPLEMENTED_ELSEWHERE = frozenset({"prompt", "top_logprobs", "store", "metadata", "tools", "tool_choice",
-                                    "parallel_tool_calls"})
+_IMPLEMENTED_ELSEWHERE = frozenset({"prompt", "top_logprobs", "store", "metadata", "tools", "tool_choice"})
 # The rest, whichever endpoint: what a body-level check that knows no endpoint can judge (``refuse_unsupported``).
 UNSUPPORTED_PARAMETERS: frozenset[str] = frozenset(
     name for table in UNSUPPORTED_BY_ENDPOINT.values() for name in table if name not in _IMPLEMENTED_ELSEWHERE

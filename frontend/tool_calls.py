@@ -1,24 +1,72 @@
-"""Tool calls: how tools reach the prompt, and how a generated call becomes OpenAI's ``message.tool_calls``.
+"""Tool calls: how tools reach the prompt, how a request's answer is read for calls (``ToolCalling``), and how the
+calls read become OpenAI's ``message.tool_calls``.
 
-SmolLM2's chat template has no notion of tools, so the tools are described in the system prompt, in the same
-``{"name", "arguments"}`` shape the model is then asked (and, when a call is forced, constrained) to answer in;
-earlier calls in the history are rendered that way too (``workers.request_builder.template_message``).
+The tools are described in the system prompt (SmolLM2's chat template has no notion of tools), with how to call
+one: in the model's tool-call format (``frontend.tool_parsers``) when the model chooses (``tool_choice: "auto"``),
+as the bare ``{"name", "arguments"}`` object the grammar holds it to when a call is forced. Earlier calls in the
+history are rendered in Hermes' tags (``workers.request_builder.template_message``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
 
-from frontend.openai_models import ChatTool
+from frontend.errors import InvalidRequestError
+from frontend.openai_models import ChatCompletionRequest, ChatTool, GenerationWireRequest, ResponsesRequest
+from frontend.structured_output import OutputConstraint, tools_in_prompt
+from frontend.tool_parsers import ToolCallFormat, forced
+from frontend.tool_parsers.base import ParsedCall, ToolCallParser
+from frontend.tool_parsers.forced import ForcedCallParser
 
-# Short on purpose: every character is prompt, and small models have small contexts.
-_INSTRUCTIONS = 'To call a function, answer only {"name": <function name>, "arguments": <its arguments>}. Functions:'
+
+@dataclass(frozen=True, slots=True)
+class ToolCalling:
+    """How one request's answer is read for calls: a forced call, or the model's own format when it chooses."""
+
+    format: ToolCallFormat | None  # None: the call is forced
+    parallel: bool = True  # several calls in one answer (``parallel_tool_calls``); a forced call is one
+
+    @property
+    def forced(self) -> bool:
+        return self.format is None
+
+    @property
+    def instructions(self) -> str:
+        return forced.INSTRUCTIONS if self.format is None else self.format.instructions
+
+    def parser(self) -> ToolCallParser:
+        """A reader for one answer (one per choice)."""
+        return ForcedCallParser() if self.format is None else self.format.parser(self.parallel)
 
 
-def tools_system_text(tools: list[ChatTool]) -> str:
-    lines = [_INSTRUCTIONS]
+FORCED = ToolCalling(None, parallel=False)
+
+
+def tool_calling_for(wire: GenerationWireRequest, constraint: OutputConstraint | None,
+                     model_format: ToolCallFormat | None) -> ToolCalling | None:
+    """How the answer to ``wire`` is read for calls; None: it is text. ``model_format``: the worker's format
+    (``frontend.tool_parsers.choose_format``), None where no parser reads its model's calls."""
+    if constraint is not None:  # a forced call, or a JSON output format: the grammar decides what the answer is
+        return FORCED if constraint.tool_call else None
+    if not tools_in_prompt(wire):
+        return None
+    if model_format is None:
+        if isinstance(wire, ChatCompletionRequest | ResponsesRequest) and wire.tool_choice == "auto":
+            raise InvalidRequestError(
+                "tool_choice 'auto' needs a tool-call parser, and none reads this model's tool calls: start the "
+                "worker with --tool-call-parser NAME, or force a call with 'required' or a named function",
+                param="tool_choice")
+        return None  # the tools are described and the answer is text, as without a parser
+    parallel = getattr(wire, "parallel_tool_calls", None) is not False
+    return ToolCalling(model_format, parallel)
+
+
+def tools_system_text(tools: list[ChatTool], instructions: str = forced.INSTRUCTIONS) -> str:
+    lines = [f"{instructions} Functions:"]
     for tool in tools:
         function = tool.function
         described: dict[str, Any] = {"name": function.name}
@@ -29,11 +77,13 @@ def tools_system_text(tools: list[ChatTool]) -> str:
     return "\n".join(lines)
 
 
-def with_tools_prompt(messages: list[dict[str, str]], tools: list[ChatTool]) -> list[dict[str, str]]:
-    """The template's messages with the tools described in the system message (added first when there is none)."""
+def with_tools_prompt(messages: list[dict[str, str]], tools: list[ChatTool],
+                      instructions: str = forced.INSTRUCTIONS) -> list[dict[str, str]]:
+    """The template's messages with the tools described in the system message (added first when there is none);
+    ``instructions``: how to call one (``ToolCalling.instructions``)."""
     if not tools:
         return messages
-    text = tools_system_text(tools)
+    text = tools_system_text(tools, instructions)
     if messages and messages[0]["role"] == "system":
         first = dict(messages[0])
         first["content"] = f"{first['content']}\n\n{text}" if first["content"] else text
@@ -41,22 +91,21 @@ def with_tools_prompt(messages: list[dict[str, str]], tools: list[ChatTool]) -> 
     return [{"role": "system", "content": text}, *messages]
 
 
-def tool_calls_from_text(text: str, call_id: str) -> list[dict[str, Any]] | None:
-    """OpenAI's ``tool_calls`` for a generated ``{"name", "arguments"}`` object; None when the text is not one
-    (an answer cut short by ``max_tokens``)."""
-    try:
-        call = orjson.loads(text)
-    except orjson.JSONDecodeError:
-        return None
-    if not isinstance(call, dict) or not isinstance(call.get("name"), str) or not isinstance(call.get("arguments"),
-                                                                                             dict):
-        return None
-    arguments = orjson.dumps(call["arguments"]).decode()
-    return [{"id": call_id, "type": "function", "function": {"name": call["name"], "arguments": arguments}}]
+def openai_tool_calls(calls: Sequence[ParsedCall], call_id: str) -> list[dict[str, Any]]:
+    """Calls read from an answer as OpenAI's ``tool_calls``; the first's id is ``call_id``, the next ones'
+    ``call_id`` and their index (``call_id_of``)."""
+    return [{"id": call_id_of(call_id, index), "type": "function",
+             "function": {"name": call.name, "arguments": call.arguments}} for index, call in enumerate(calls)]
 
 
-def as_tool_call_message(body: dict[str, Any], calls: list[dict[str, Any]], index: int = 0) -> None:
-    """Turn the text of a whole chat answer's choice ``index`` into its tool calls, as OpenAI answers a call."""
+def call_id_of(call_id: str, index: int) -> str:
+    return call_id + (f"-{index}" if index else "")  # "_" + the choice's index ends a choice's call_id
+
+
+def as_tool_call_message(body: dict[str, Any], calls: list[dict[str, Any]], content: str | None,
+                         index: int = 0) -> None:
+    """Choice ``index`` of a whole chat answer as the calls it made, after the text before them, as OpenAI answers
+    a call."""
     choice = body["choices"][index]
-    choice["message"] = {"role": "assistant", "content": None, "tool_calls": calls}
+    choice["message"] = {"role": "assistant", "content": content, "tool_calls": calls}
     choice["finish_reason"] = "tool_calls"

@@ -95,8 +95,9 @@ async def prompt_tokens(service: WorkerService, chat: dict[str, Any]) -> int:
     wire = validate_wire(ChatCompletionRequest, chat)
     service.require_model(wire.model)
     info = service.engine.info
-    sampling = sampling_params_from(wire, info, output_constraint(wire))
-    prompt = await prepare_prompt(wire, sampling, info, service.tokenizer)
+    constraint = output_constraint(wire)
+    sampling = sampling_params_from(wire, info, constraint)
+    prompt = await prepare_prompt(wire, sampling, info, service.tokenizer, service.tool_calling(wire, constraint))
     return int(prompt.tokens.size)
 
 

@@ -9,6 +9,7 @@ from frontend.disaggregated_params import DisaggregatedParams
 from frontend.openai_models import GenerationWireRequest
 from frontend.openai_output import ResponseIdentity
 from frontend.prefix_chain import PrefixChain
+from frontend.tool_calls import ToolCalling
 from workers.dialects import AnswerDialect
 from workers.engines.request import GenerationRequest, Phase
 
@@ -20,7 +21,7 @@ class PreparedGeneration:
     ident: ResponseIdentity
     disagg: DisaggregatedParams | None
     dialect: AnswerDialect  # the shape of its answer (workers.dialects), chosen once
-    tool_call: bool = False  # the output is a forced tool call, answered as message.tool_calls
+    tool_calling: ToolCalling | None = None  # how its answer is read for tool calls; None: it is text
     answered_at_context: bool = False  # CTX's first tokens used up max_tokens: they are the whole answer
     chain: PrefixChain | None = None  # the prompt's prefix chain, recorded once the engine holds its KV
     grant: UUID | None = None  # lifecycle v1: the generation grant this GEN request runs under

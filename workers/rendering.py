@@ -22,7 +22,8 @@ from frontend.openai_output import (
     render_choices,
 )
 from frontend.token_codec import TokenArray
-from frontend.tool_calls import as_tool_call_message, tool_calls_from_text
+from frontend.tool_calls import as_tool_call_message, call_id_of, openai_tool_calls
+from frontend.tool_parsers.base import CallOpened, TextPiece, ToolCallParser, ToolEvent, parse_whole
 from workers.engines.base import ProvidesTokenBytes, ProvidesTokenizer, Tokenizer
 from workers.engines.outputs import FinishReason, TokenLogprob
 from workers.engines.request import GenerationRequest, Phase
@@ -63,12 +64,18 @@ class Renderer:
                                         logprob_entries))
         usage = Usage(request.prompt_len, out.completion_tokens, out.cached_tokens)
         body = render_choices(prepared.ident, choices, usage, self._prompt_logprobs(prepared, out.prompt_logprobs))
+        tool_calling = prepared.tool_calling
         for index, choice in enumerate(out.choices):
-            calls = self._tool_calls(prepared, choices[index].text, choice.finish_reason, index)
-            if calls is not None and prepared.ident.endpoint == "responses":
-                as_function_call_output(body, calls)
-            elif calls is not None:
-                as_tool_call_message(body, calls, index)
+            if tool_calling is None:
+                break
+            parsed = parse_whole(tool_calling.parser(), "".join(choice.text_parts))
+            if parsed is None:
+                continue
+            calls = openai_tool_calls(parsed.calls, _call_id(prepared, index))
+            if prepared.ident.endpoint == "responses":
+                as_function_call_output(body, calls, parsed.content)
+            else:
+                as_tool_call_message(body, calls, parsed.content, index)
         if request.phase is Phase.CONTEXT_ONLY:
             assert prepared.disagg is not None
             prepared.dialect.add_context_fields(body, request, prepared.disagg, out, prepared.ident.endpoint)
@@ -82,7 +89,8 @@ class Renderer:
         request = prepared.request
         options = prepared.wire.stream_options
         renderer = StreamRenderer(prepared.ident, bool(options and options.include_usage),
-                                  bool(options and options.continuous_usage_stats), tool_call=prepared.tool_call)
+                                  bool(options and options.continuous_usage_stats),
+                                  tool_call=prepared.tool_calling is not None)
         n = request.sampling.n
         per_choice = prepared.ident.endpoint != "responses"  # chat and completions end each choice apart
         completion_tokens = cached_tokens = 0
@@ -99,7 +107,10 @@ class Renderer:
                 for frame in self._echo_frames(request, renderer, first, prompt_logprobs):
                     yield frame
                 prompt_logprobs = None
-            held: list[list[str]] = [[] for _ in range(n)]  # each choice's tool call: sent whole once complete
+            # Each choice's reader, where the answer may be tool calls, and how many calls it has made.
+            tool_calling = prepared.tool_calling
+            parsers = [tool_calling.parser() for _ in range(n)] if tool_calling is not None else None
+            calls = [0] * n
             step = first
             while step is not None:
                 completion_tokens += len(step.token_ids)
@@ -107,17 +118,19 @@ class Renderer:
                 if renderer.continuous_usage:
                     renderer.usage = Usage(request.prompt_len, completion_tokens, cached_tokens)
                 logprobs = self._logprob_infos(step.logprobs) if request.sampling.logprobs is not None else None
-                text = step.text
-                if prepared.tool_call:
-                    held[step.index].append(text)
-                    text = ""
-                for frame in renderer.delta(text, logprobs, prompt_logprobs, step.index):
+                if parsers is None:
+                    frames = renderer.delta(step.text, logprobs, prompt_logprobs, step.index)
+                else:
+                    events = parsers[step.index].feed(step.text)
+                    frames = self._tool_frames(prepared, renderer, events, calls, step.index, logprobs,
+                                               prompt_logprobs)
+                for frame in frames:
                     yield frame
                 prompt_logprobs = None
                 if step.finish_reason is not None:
                     finishes[step.index] = step.finish_reason
                     if per_choice:
-                        for frame in self._choice_end_frames(prepared, renderer, held[step.index],
+                        for frame in self._choice_end_frames(prepared, renderer, parsers, calls,
                                                              step.finish_reason, step.index):
                             yield frame
                 step = await anext(steps, None)
@@ -125,10 +138,10 @@ class Renderer:
             if per_choice:
                 unfinished = [index for index in range(n) if index not in finishes]
                 ends = [frame for index in unfinished
-                        for frame in self._choice_end_frames(prepared, renderer, held[index], None, index)]
+                        for frame in self._choice_end_frames(prepared, renderer, parsers, calls, None, index)]
                 ends += renderer.end(usage)
             else:
-                ends = self._response_end_frames(prepared, renderer, held[0], finishes.get(0), usage)
+                ends = self._response_end_frames(prepared, renderer, parsers, calls, finishes.get(0), usage)
             for frame in ends:
                 yield frame
             ok = len(finishes) == n and "abort" not in finishes.values()
@@ -143,39 +156,53 @@ class Renderer:
             ended(prepared, ok)
             await steps.aclose()
 
-    @staticmethod
-    def _tool_calls(prepared: PreparedGeneration, text: str, finish: str | None,
-                    index: int = 0) -> list[dict[str, Any]] | None:
-        """The forced tool call a finished choice made; None for plain text or a call cut short."""
-        if not prepared.tool_call or finish != "stop":
-            return None
-        call_id = "call_" + prepared.request.request_id + (f"_{index}" if index else "")
-        return tool_calls_from_text(text, call_id)
+    def _tool_frames(self, prepared: PreparedGeneration, renderer: StreamRenderer, events: list[ToolEvent],
+                     calls: list[int], index: int, logprobs: Sequence[TokenLogprobInfo] | None = None,
+                     prompt_logprobs: list[Any] | None = None) -> list[bytes]:
+        """What choice ``index``'s reader made known, as frames: text as text deltas (the step's logprobs with the
+        first, or alone), calls as tool-call deltas; ``calls``: each choice's count of calls, kept here."""
+        frames: list[bytes] = []
+        text: list[str] = []
 
-    def _choice_end_frames(self, prepared: PreparedGeneration, renderer: StreamRenderer, held: list[str],
-                           finish: str | None, index: int) -> list[bytes]:
-        """The frames that end choice ``index``: a held-back tool call first (the whole call, or its text when
-        cut short by ``max_tokens``), then the finish chunk."""
-        if not prepared.tool_call:
+        def flush_text() -> None:
+            nonlocal logprobs, prompt_logprobs
+            if text or logprobs or prompt_logprobs is not None:
+                frames.extend(renderer.delta("".join(text), logprobs, prompt_logprobs, index))
+                text.clear()
+                logprobs, prompt_logprobs = None, None
+
+        for event in events:
+            if isinstance(event, TextPiece):
+                text.append(event.text)
+                continue
+            flush_text()
+            if isinstance(event, CallOpened):
+                calls[index] += 1
+                call_id = call_id_of(_call_id(prepared, index), event.index)
+                frames += renderer.tool_call_opened(call_id, event.name, event.index, index)
+            else:
+                frames += renderer.tool_call_arguments(event.text, event.index, index)
+        flush_text()
+        return frames
+
+    def _choice_end_frames(self, prepared: PreparedGeneration, renderer: StreamRenderer,
+                           parsers: list[ToolCallParser] | None, calls: list[int], finish: str | None,
+                           index: int) -> list[bytes]:
+        """The frames that end choice ``index``: what its reader held back, then the finish chunk (``tool_calls``
+        where the choice ended its turn after calls)."""
+        if parsers is None:
             return renderer.finish_choice(finish, index)
-        text = "".join(held)
-        calls = self._tool_calls(prepared, text, finish, index)
-        if calls is None:
-            frames = renderer.delta(text, None, None, index) if text else []
-            return [*frames, *renderer.finish_choice(finish, index)]
-        return [*renderer.tool_calls(calls, index), *renderer.finish_choice("tool_calls", index)]
+        frames = self._tool_frames(prepared, renderer, parsers[index].finish(), calls, index)
+        return [*frames, *renderer.finish_choice("tool_calls" if calls[index] and finish == "stop" else finish,
+                                                 index)]
 
-    def _response_end_frames(self, prepared: PreparedGeneration, renderer: StreamRenderer, held: list[str],
-                             finish: str | None, usage: Usage) -> list[bytes]:
-        """The frames that end a Responses stream: a held-back tool call as its function call items (or its text,
-        when cut short by ``max_output_tokens``), then the final event."""
-        if not prepared.tool_call:
-            return renderer.finish(finish, usage)
-        text = "".join(held)
-        calls = self._tool_calls(prepared, text, finish)
-        if calls is None:
-            return [*(renderer.delta(text) if text else []), *renderer.finish(finish, usage)]
-        return renderer.finish_function_calls(calls, usage)
+    def _response_end_frames(self, prepared: PreparedGeneration, renderer: StreamRenderer,
+                             parsers: list[ToolCallParser] | None, calls: list[int], finish: str | None,
+                             usage: Usage) -> list[bytes]:
+        """The frames that end a Responses stream: what its reader held back, then the open items done and the
+        final event."""
+        frames = [] if parsers is None else self._tool_frames(prepared, renderer, parsers[0].finish(), calls, 0)
+        return [*frames, *renderer.finish(finish, usage)]
 
     def _echo_frames(self, request: GenerationRequest, renderer: StreamRenderer, first: TextStep | None,
                      prompt_logprobs: list[Any] | None) -> list[bytes]:
@@ -212,6 +239,11 @@ class Renderer:
     def _logprob_infos(self, logprobs: Sequence[TokenLogprob]) -> list[TokenLogprobInfo]:
         tokenizer = self.tokenizer
         return [token_logprob_info(tokenizer, lp.token_id, lp.logprob, lp.top) for lp in logprobs]
+
+
+def _call_id(prepared: PreparedGeneration, choice: int) -> str:
+    """The id of choice ``choice``'s first call (``frontend.tool_calls.call_id_of`` numbers the next ones)."""
+    return "call_" + prepared.request.request_id + (f"_{choice}" if choice else "")
 
 
 def token_logprob_info(tokenizer: Tokenizer, token_id: int, logprob: float | None,

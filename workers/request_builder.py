@@ -29,7 +29,8 @@ from frontend.openai_output import Endpoint
 from frontend.sampling import SamplingParams, sampling_from_request
 from frontend.structured_output import OutputConstraint, tools_in_prompt
 from frontend.token_codec import TokenArray, decode_prompt_tokens, token_array_from_list
-from frontend.tool_calls import with_tools_prompt
+from frontend.tool_calls import ToolCalling, with_tools_prompt
+from frontend.tool_parsers import forced
 from workers.engines.base import EncodesIncrementally, Tokenizer
 from workers.engines.outputs import EngineInfo, TokenLogprob
 from workers.engines.request import Handoff, Phase, PromptPath, SequenceStart, placeholder_prompt
@@ -94,8 +95,10 @@ def _max_tokens_field(wire: GenerationWireRequest) -> str:
 
 
 async def prepare_prompt(
-    wire: GenerationWireRequest, sampling: SamplingParams, info: EngineInfo, tokenizer: Tokenizer
+    wire: GenerationWireRequest, sampling: SamplingParams, info: EngineInfo, tokenizer: Tokenizer,
+    tool_calling: ToolCalling | None = None,
 ) -> PreparedPrompt:
+    """``tool_calling``: how the answer is read for calls, which says how the prompt asks for one."""
     disagg = wire.disaggregated_params
     expected_len = disagg.prompt_len if disagg is not None and disagg.request_type == "generation_only" else None
     limit = info.max_context
@@ -113,7 +116,7 @@ async def prepare_prompt(
         return PreparedPrompt(tokens, PromptPath.LIST, token_list)
     if expected_len is not None:
         return _metadata_only_prompt(wire, sampling, expected_len, info)
-    text = _prompt_text(wire, tokenizer)
+    text = _prompt_text(wire, tokenizer, tool_calling.instructions if tool_calling else forced.INSTRUCTIONS)
     # A follow-up turn encodes only what it adds (the rest is cached): a thread hop would cost it more than that.
     new = tokenizer.new_chars(text) if isinstance(tokenizer, EncodesIncrementally) else len(text)
     if new > _TOKENIZE_IN_THREAD_CHARS:
@@ -178,7 +181,7 @@ def _explicit_token_list(wire: GenerationWireRequest) -> list[int] | None:
     return None
 
 
-def _prompt_text(wire: GenerationWireRequest, tokenizer: Tokenizer) -> str:
+def _prompt_text(wire: GenerationWireRequest, tokenizer: Tokenizer, tool_instructions: str) -> str:
     if isinstance(wire, CompletionRequest):
         prompt = wire.prompt
         if prompt is None:
@@ -195,7 +198,8 @@ def _prompt_text(wire: GenerationWireRequest, tokenizer: Tokenizer) -> str:
     if any(m.has_media for m in messages):
         raise UnsupportedParameterError("this model accepts text only (no images or audio)", param=field)
     try:
-        return tokenizer.render_chat(with_tools_prompt([template_message(m) for m in messages], tools_in_prompt(wire)))
+        return tokenizer.render_chat(with_tools_prompt([template_message(m) for m in messages], tools_in_prompt(wire),
+                                                       tool_instructions))
     except ValueError as exc:  # the model's chat template refused these messages
         raise InvalidRequestError(f"the chat template cannot render these messages: {exc}", param=field) from exc
 

@@ -19,9 +19,11 @@ from frontend.openai_models import GenerationWireRequest, ResponsesRequest, refu
 from frontend.openai_output import ResponseIdentity, ResponsesSettings
 from frontend.prefix_chain import PrefixChain
 from frontend.responses_tools import ResponsesNamedToolChoice
-from frontend.structured_output import output_constraint
+from frontend.structured_output import OutputConstraint, output_constraint
+from frontend.tool_calls import ToolCalling, tool_calling_for
+from frontend.tool_parsers import ToolCallFormat, choose_format
 from workers.dialects import NATIVE, AnswerDialect
-from workers.engines.base import Engine, KVHandoffStore, ProvidesTokenizer, Tokenizer
+from workers.engines.base import DeclaresChatTemplate, Engine, KVHandoffStore, ProvidesTokenizer, Tokenizer
 from workers.engines.request import GenerationRequest, Phase
 from workers.handoff_counts import StorelessHandoffs
 from workers.internal_callers import InternalCallers
@@ -79,6 +81,7 @@ class WorkerService:
         self.board = HandoffBoard(settings.lifecycle.artifact_ttl_s, settings.lifecycle.clock)
         self.callers = InternalCallers(secret, settings.trtllm_auth_key)
         self.renderer = Renderer(engine)
+        self._tool_format: tuple[ToolCallFormat | None] | None = None  # (the format,) once chosen
         self.handoff_counts = StorelessHandoffs(metrics, engine)
         self._trtllm = Trtllm(self.lifecycle, self.board)
         self._trtllm_for_us = Trtllm(self.lifecycle, self.board, keeps_prompt_logprobs=True)
@@ -87,6 +90,15 @@ class WorkerService:
     def tokenizer(self) -> Tokenizer:
         """The engine's tokenizer (asked each time: an engine has one only once it has started)."""
         return self._tokenizer_source.get_tokenizer()
+
+    def tool_calling(self, wire: GenerationWireRequest, constraint: OutputConstraint | None) -> ToolCalling | None:
+        """How the answer to ``wire`` is read for tool calls, in the format ``--tool-call-parser`` names or the
+        model's chat template declares (chosen at the first request: the tokenizer comes with the started engine)."""
+        if self._tool_format is None:
+            tokenizer = self.tokenizer
+            template = tokenizer.chat_template if isinstance(tokenizer, DeclaresChatTemplate) else None
+            self._tool_format = (choose_format(self.settings.tool_call_parser, template),)
+        return tool_calling_for(wire, constraint, self._tool_format[0])
 
     async def _release_handoff(self, ctx_request_id: str, state: bytes) -> bool:
         engine = self.engine
@@ -165,7 +177,8 @@ class WorkerService:
         constraint = output_constraint(wire)
         sampling = sampling_params_from(wire, info, constraint)
         dialect.refuse_unservable(wire, sampling, phase)
-        prompt = await prepare_prompt(wire, sampling, info, self.tokenizer)
+        tool_calling = self.tool_calling(wire, constraint)
+        prompt = await prepare_prompt(wire, sampling, info, self.tokenizer, tool_calling)
         sampling = resolve_max_tokens(wire, sampling, int(prompt.tokens.size), info)
         assert sampling.max_tokens is not None
         # Decided against the resolved budget: only first tokens that used it all up finish the request at CTX.
@@ -186,10 +199,9 @@ class WorkerService:
         endpoint = endpoint_of(wire)
         ident = ResponseIdentity(endpoint, _ID_PREFIX[endpoint] + request_id, info.model,
                                  settings=responses_settings(wire))
-        tool_call = constraint is not None and constraint.tool_call
         # Only an engine run holds the prompt's KV: not an answer made of CTX's first tokens alone.
         chain = self._chain(chain_header, request_id) if chain_header and not answered_at_context else None
-        return PreparedGeneration(wire, request, ident, disagg, dialect, tool_call=tool_call,
+        return PreparedGeneration(wire, request, ident, disagg, dialect, tool_calling=tool_calling,
                                   answered_at_context=answered_at_context, chain=chain)
 
     def _check_role(self, phase: Phase) -> None:

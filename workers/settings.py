@@ -35,5 +35,8 @@ class WorkerSettings:
     # Where this worker's peers reach it (``--advertise-url``): what /server_info and a grant name, never the
     # caller's Host header. None: the address the connection came in on.
     advertise_url: str | None = None
+    # The tool-call format of ``tool_choice: "auto"`` answers (``--tool-call-parser``; frontend/tool_parsers/).
+    # None: the one the model's chat template declares.
+    tool_call_parser: str | None = None
     # SIGTERM's drain (workers/drain.py): how long the requests in flight may take to finish before they are cut.
     drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S

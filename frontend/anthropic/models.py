@@ -88,12 +88,12 @@ class Tool(WireModel):
 
 class ToolChoiceAuto(WireModel):
     type: Literal["auto"]
-    disable_parallel_tool_use: bool | None = None  # one call per answer here either way
+    disable_parallel_tool_use: bool | None = None  # chat's parallel_tool_calls, negated
 
 
 class ToolChoiceAny(WireModel):
     type: Literal["any"]
-    disable_parallel_tool_use: bool | None = None
+    disable_parallel_tool_use: bool | None = None  # a forced call is one call
 
 
 class ToolChoiceTool(WireModel):

@@ -18,7 +18,7 @@ from typing import Any
 import orjson
 
 from frontend.anthropic.errors import error_event, error_event_from_openai
-from frontend.anthropic.translate import matched_stop, message_id, stop_reason, token_bytes, tool_use_block, usage
+from frontend.anthropic.translate import matched_stop, message_id, stop_reason, token_bytes, tool_use_id, usage
 from frontend.errors import ServingError
 from frontend.logging_setup import request_id_var
 from frontend.sse import FrameSplitter, close_frames, event_frame
@@ -39,6 +39,7 @@ class MessagesStream:
         self.started = False
         self.ended = False
         self.block: int | None = None  # the open block's index
+        self.text_block = False  # the open block is text (else a tool_use)
         self.blocks = 0
         self.finish: str | None = None
         self.usage: dict[str, Any] | None = None
@@ -84,6 +85,8 @@ class MessagesStream:
 
     def _text(self, text: str) -> list[bytes]:
         events = []
+        if self.block is not None and not self.text_block:
+            events += self._close_block()
         if self.block is None:
             events.append(self._open({"type": "text", "text": ""}))
         events.append(event_frame("content_block_delta", {"type": "content_block_delta", "index": self.block,
@@ -91,17 +94,25 @@ class MessagesStream:
         return events
 
     def _tool_use(self, call: dict[str, Any]) -> list[bytes]:
-        block = tool_use_block(call)
-        arguments = orjson.dumps(block["input"]).decode()
-        events = [*self._close_block(), self._open({**block, "input": {}})]
-        events.append(event_frame("content_block_delta", {"type": "content_block_delta", "index": self.block,
-                                                          "delta": {"type": "input_json_delta",
-                                                                    "partial_json": arguments}}))
-        return [*events, *self._close_block()]
+        """One chat tool-call delta: a call's first (with its id and name) opens a ``tool_use`` block, and the
+        arguments of it and of those after it are ``input_json_delta`` pieces of that block."""
+        events: list[bytes] = []
+        function = call.get("function") or {}
+        if call.get("id"):
+            block = {"type": "tool_use", "id": tool_use_id(str(call["id"])), "name": function.get("name", ""),
+                     "input": {}}
+            events += [*self._close_block(), self._open(block)]
+        arguments = function.get("arguments")
+        if arguments and self.block is not None:
+            events.append(event_frame("content_block_delta", {"type": "content_block_delta", "index": self.block,
+                                                              "delta": {"type": "input_json_delta",
+                                                                        "partial_json": arguments}}))
+        return events
 
     def _open(self, content_block: dict[str, Any]) -> bytes:
         self.block = self.blocks
         self.blocks += 1
+        self.text_block = content_block["type"] == "text"
         return event_frame("content_block_start", {"type": "content_block_start", "index": self.block,
                                                    "content_block": content_block})
 

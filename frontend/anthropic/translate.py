@@ -3,8 +3,10 @@
 The translation is the whole of Anthropic's API here: the orchestrator's flow and the workers serve the chat
 request it makes (so placement, routing, the KV hand-off, retries and metadata-only apply unchanged), and the
 answer is written back at the same edge. Tools ride on the project's structured output: ``any`` and ``tool``
-force a call held to the tool's ``input_schema``; ``auto`` describes the tools and lets the model answer freely
-(what it writes is text); ``output_config.format`` is ``response_format``. ``metadata.user_id`` becomes the chat
+force a call held to the tool's ``input_schema``; ``auto`` describes the tools and lets the model answer freely,
+its calls read out of its text by the worker's tool-call parser (``frontend.tool_parsers``) as chat's ``auto``
+(``disable_parallel_tool_use``: chat's ``parallel_tool_calls: false``); ``output_config.format`` is
+``response_format``. ``metadata.user_id`` becomes the chat
 request's ``conversation_params``: the session key cache-aware routing keys on (orchestrator/conversation.py).
 A chat answer says "stop" for a turn's end and a stop string alike, and leaves the string out of its text; with
 ``stop_sequences`` the chat request asks for logprobs, whose entries hold every generated token's bytes, the stop
@@ -22,6 +24,7 @@ from frontend.anthropic.models import (
     MessagesRequest,
     TextBlock,
     ToolChoiceAny,
+    ToolChoiceAuto,
     ToolChoiceNone,
     ToolChoiceTool,
     ToolResultBlock,
@@ -105,6 +108,10 @@ def _chat_prompt(request: CountTokensRequest) -> dict[str, Any]:
         chat["tool_choice"] = {"type": "function", "function": {"name": choice.name}}
     elif isinstance(choice, ToolChoiceNone) and request.tools:
         chat["tool_choice"] = "none"
+    elif isinstance(choice, ToolChoiceAuto) and request.tools:
+        chat["tool_choice"] = "auto"
+        if choice.disable_parallel_tool_use:
+            chat["parallel_tool_calls"] = False
     output = request.output_config
     if output is not None and output.format is not None:
         if isinstance(choice, ToolChoiceAny | ToolChoiceTool):

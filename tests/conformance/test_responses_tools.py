@@ -88,15 +88,18 @@ def test_a_forced_call_is_a_function_call_item_equal_on_every_deployment(conform
 def test_a_streamed_call_comes_as_openai_streams_it(conformance_cluster: RefCluster) -> None:
     body = {"tools": [WEATHER], "tool_choice": "required", "parallel_tool_calls": False}
     events = streamed(conformance_cluster.orchestrator, **body)
-    assert [e["type"] for e in events] == [
+    types = [e["type"] for e in events]
+    deltas = [e for e in events if e["type"] == "response.function_call_arguments.delta"]
+    assert types == [
         "response.created", "response.in_progress", "response.output_item.added",
-        "response.function_call_arguments.delta", "response.function_call_arguments.done",
+        *["response.function_call_arguments.delta"] * len(deltas), "response.function_call_arguments.done",
         "response.output_item.done", "response.completed"]
-    added, delta, done, item_done, completed = events[2:]
+    assert len(deltas) > 1  # the arguments in the pieces they are generated in, not once the call is complete
+    added, done, item_done, completed = events[2], *events[-3:]
     assert added["item"]["type"] == "function_call" and added["item"]["status"] == "in_progress"
     assert added["item"]["arguments"] == "" and added["item"]["name"] == "weather"
-    assert delta["item_id"] == done["item_id"] == added["item"]["id"] == item_done["item"]["id"]
-    assert delta["delta"] == done["arguments"] == item_done["item"]["arguments"]
+    assert {d["item_id"] for d in deltas} == {done["item_id"]} == {added["item"]["id"]} == {item_done["item"]["id"]}
+    assert "".join(d["delta"] for d in deltas) == done["arguments"] == item_done["item"]["arguments"]
     assert completed["response"]["output"] == [item_done["item"]]
     assert completed["response"]["parallel_tool_calls"] is False
     # The same call, whole and on one worker.
@@ -115,8 +118,26 @@ def test_the_sdks_stream_helper_assembles_the_call(conformance_cluster: RefClust
     assert call.name == "weather"
 
 
+def test_a_stream_cut_short_inside_the_arguments_ends_with_the_call_incomplete(conformance_cluster: RefCluster
+                                                                                ) -> None:
+    body = {"tools": [WEATHER], "tool_choice": "required"}
+    complete = whole(conformance_cluster.orchestrator, **body)
+    assert complete.usage is not None
+    arguments = the_call(complete).arguments
+    # A few tokens short of the whole call: inside '{"city": "Paris"}', whose pieces are already out.
+    events = streamed(conformance_cluster.orchestrator, **body, max_output_tokens=complete.usage.output_tokens - 3)
+    response = Response.model_validate(events[-1]["response"])
+    assert events[-1]["type"] == "response.incomplete" and response.status == "incomplete"
+    (item,) = response.output
+    assert isinstance(item, ResponseFunctionToolCall) and item.status == "incomplete"
+    assert item.arguments and arguments.startswith(item.arguments) and item.arguments != arguments
+    sent = "".join(e["delta"] for e in events if e["type"] == "response.function_call_arguments.delta")
+    assert sent == item.arguments
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_call_cut_short_is_text_and_incomplete(conformance_cluster: RefCluster, stream: bool) -> None:
+    # Cut before its name is known: no call has begun, the stream's text is the answer.
     body = {"tools": [WEATHER], "tool_choice": "required", "max_output_tokens": 4}
     if stream:
         events = streamed(conformance_cluster.orchestrator, **body)

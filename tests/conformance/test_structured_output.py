@@ -236,15 +236,19 @@ def test_n_forced_tool_calls_come_one_per_choice(conformance_cluster: RefCluster
     body: Any = {"model": "tiny", "messages": MESSAGES, "tools": [WEATHER_TOOL, TIME_TOOL], "tool_choice": "required",
                  "max_tokens": 64, "temperature": 0.8, "seed": 9, "n": 2}
     if stream:
-        calls: dict[int, list[Any]] = {}
+        # Per choice, per call index: [id, name, arguments], the arguments' pieces joined as a client joins them.
+        calls: dict[int, dict[int, list[Any]]] = {}
         finishes: dict[int, str | None] = {}
         for chunk in client.chat.completions.create(**body, stream=True):
             for c in chunk.choices:
                 assert not c.delta.content
-                calls.setdefault(c.index, []).extend(c.delta.tool_calls or ())
+                for d in c.delta.tool_calls or ():
+                    entry = calls.setdefault(c.index, {}).setdefault(d.index, [None, None, ""])
+                    entry[0] = d.id or entry[0]
+                    entry[1] = (d.function.name if d.function else None) or entry[1]
+                    entry[2] += (d.function.arguments if d.function else None) or ""
                 finishes[c.index] = c.finish_reason or finishes.get(c.index)
-        got = [(finishes[i], [(d.index, d.id, d.function.name, d.function.arguments) for d in calls[i] if d.function])
-               for i in sorted(calls)]
+        got = [(finishes[i], [(index, *entry) for index, entry in sorted(calls[i].items())]) for i in sorted(calls)]
     else:
         reply = client.chat.completions.create(**body)
         got = [(c.finish_reason, [(i, t.id, t.function.name, t.function.arguments)

@@ -28,11 +28,12 @@ def test_any_other_value_is_a_400_naming_it(endpoint: Any, name: str, value: Any
     assert caught.value.param == name
 
 
-def test_the_responses_tools_parameters_are_left_to_the_wire_model() -> None:
+def test_the_tools_parameters_are_left_to_the_wire_model() -> None:
     body = {"tools": [{"type": "web_search"}], "tool_choice": {"type": "function", "name": "f"},
             "parallel_tool_calls": "no"}  # the wire model refuses each, naming it (frontend.responses_tools)
     assert drop_neutral_parameters("responses", body) == body
-    assert drop_neutral_parameters("chat", {"parallel_tool_calls": True}) == {}
+    # Chat's parallel_tool_calls says whether an answer may make several calls (frontend.tool_calls).
+    assert drop_neutral_parameters("chat", {"parallel_tool_calls": False}) == {"parallel_tool_calls": False}
 
 
 def test_a_name_of_another_endpoint_is_left_to_the_wire_model() -> None:

@@ -7,11 +7,14 @@ import asyncio
 from typing import Any
 
 import numpy as np
+import orjson
 
-from frontend.openai_models import CompletionRequest, ResponsesRequest
+from frontend.openai_models import ChatCompletionRequest, CompletionRequest, ResponsesRequest
 from frontend.openai_output import ResponseIdentity
 from frontend.sampling import SamplingParams
 from frontend.token_codec import TOKEN_DTYPE
+from frontend.tool_calls import FORCED, ToolCalling
+from frontend.tool_parsers import FORMATS
 from workers.dialects import NATIVE, AnswerDialect
 from workers.engines.byte_tokenizer import ByteTokenizer
 from workers.engines.outputs import FinishReason, TokenLogprob
@@ -120,7 +123,7 @@ def responses_call(phase: Phase = Phase.AGGREGATED) -> PreparedGeneration:
         {"type": "function", "name": "f", "parameters": {"type": "object"}}]})
     request = GenerationRequest("123", PROMPT, SamplingParams(max_tokens=32), phase=phase)
     return PreparedGeneration(wire, request, ResponseIdentity("responses", "resp_123", "m"), None, NATIVE,
-                              tool_call=True)
+                              tool_calling=FORCED)
 
 
 CALL_TEXT = b'{"name": "f", "arguments": {"a": 1}}'
@@ -129,13 +132,13 @@ CALL_TEXT = b'{"name": "f", "arguments": {"a": 1}}'
 def test_a_whole_responses_call_is_a_function_call_item() -> None:
     body = Renderer(Tokenizers()).whole(responses_call(), collected(CALL_TEXT, "stop"))
     assert body["output"] == [{"type": "function_call", "id": "fc_123", "call_id": "call_123", "name": "f",
-                               "arguments": '{"a":1}', "status": "completed"}]
+                               "arguments": '{"a": 1}', "status": "completed"}]  # as generated
     assert body["status"] == "completed"
     cut = Renderer(Tokenizers()).whole(responses_call(), collected(CALL_TEXT[:6], "length"))
     assert cut["output"][0]["type"] == "message" and cut["status"] == "incomplete"
 
 
-async def test_a_streamed_responses_call_is_held_back_and_sent_as_a_function_call() -> None:
+async def test_a_streamed_responses_call_is_sent_as_a_function_call() -> None:
     async def steps() -> Any:
         yield TextStep(CALL_TEXT[4:].decode(), tuple(CALL_TEXT[4:]), finish_reason="stop")
 
@@ -146,3 +149,69 @@ async def test_a_streamed_responses_call_is_held_back_and_sent_as_a_function_cal
     assert events == ["response.created", "response.in_progress", "response.output_item.added",
                       "response.function_call_arguments.delta", "response.function_call_arguments.done",
                       "response.output_item.done", "response.completed"]
+
+
+# -- tool_choice "auto": the model's own format, read as it comes ------------------------------------------------------
+AUTO_ANSWER = ('I will look.\n<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>\n'
+               '<tool_call>\n{"name": "g", "arguments": {}}\n</tool_call>')
+
+
+def chat_auto(parallel: bool = True) -> PreparedGeneration:
+    wire = ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                                                 "stream": True})
+    request = GenerationRequest("123", PROMPT, SamplingParams(max_tokens=64), phase=Phase.AGGREGATED)
+    return PreparedGeneration(wire, request, ResponseIdentity("chat", "chatcmpl-123", "m"), None, NATIVE,
+                              tool_calling=ToolCalling(FORMATS["hermes"], parallel))
+
+
+async def streamed_chunks(prepared: PreparedGeneration, text: str, piece: int, finish: FinishReason) -> list[Any]:
+    """The stream's chunks for ``text`` generated ``piece`` characters at a time."""
+    pieces = [text[i:i + piece] for i in range(0, len(text), piece)]
+
+    async def steps() -> Any:
+        for index, rest in enumerate(pieces[1:], start=1):
+            yield TextStep(rest, (1,), finish_reason=finish if index == len(pieces) - 1 else None)
+
+    first = TextStep(pieces[0], (1,), finish_reason=finish if len(pieces) == 1 else None)
+    frames = Renderer(Tokenizers()).frames(prepared, steps(), first, lambda _, ok: None)
+    return [orjson.loads(frame.removeprefix(b"data: ")) async for frame in frames if frame != b"data: [DONE]\n\n"]
+
+
+def test_a_whole_chat_answer_in_the_models_format_is_its_text_then_its_calls() -> None:
+    body = Renderer(Tokenizers()).whole(chat_auto(), collected(AUTO_ANSWER.encode(), "stop"))
+    choice = body["choices"][0]
+    assert choice["finish_reason"] == "tool_calls"
+    assert choice["message"] == {"role": "assistant", "content": "I will look.", "tool_calls": [
+        {"id": "call_123", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}},
+        {"id": "call_123-1", "type": "function", "function": {"name": "g", "arguments": "{}"}}]}
+    one = Renderer(Tokenizers()).whole(chat_auto(parallel=False), collected(AUTO_ANSWER.encode(), "stop"))
+    assert [call["function"]["name"] for call in one["choices"][0]["message"]["tool_calls"]] == ["f"]
+    plain = Renderer(Tokenizers()).whole(chat_auto(), collected(b"no call <tool here", "stop"))
+    assert plain["choices"][0]["message"] == {"role": "assistant", "content": "no call <tool here"}
+    assert plain["choices"][0]["finish_reason"] == "stop"
+
+
+async def test_a_streamed_chat_answer_sends_text_then_each_calls_arguments_in_pieces() -> None:
+    for piece in (1, 3, len(AUTO_ANSWER)):
+        chunks = await streamed_chunks(chat_auto(), AUTO_ANSWER, piece, "stop")
+        deltas = [chunk["choices"][0]["delta"] for chunk in chunks if chunk["choices"]]
+        text = "".join(delta.get("content") or "" for delta in deltas)
+        assert text == "I will look."  # the marker and the whitespace before it never reach the client
+        calls = [call for delta in deltas for call in delta.get("tool_calls") or ()]
+        assert [(call["index"], call["id"], call["function"]["name"]) for call in calls if "id" in call] == \
+            [(0, "call_123", "f"), (1, "call_123-1", "g")]
+        arguments = ["".join(call["function"]["arguments"] for call in calls if call["index"] == index)
+                     for index in (0, 1)]
+        assert arguments == ['{"a": 1}', "{}"]
+        if piece == 1:  # as generated: one piece per step, not one delta once the call is complete
+            assert len([call for call in calls if call["index"] == 0]) == len('{"a": 1}') + 1
+        assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+async def test_a_stream_cut_short_inside_a_call_ends_with_length_after_the_pieces_sent() -> None:
+    cut = AUTO_ANSWER[:AUTO_ANSWER.index('"a": 1') + 4]
+    chunks = await streamed_chunks(chat_auto(), cut, 2, "length")
+    calls = [call for chunk in chunks if chunk["choices"] for call in chunk["choices"][0]["delta"].get("tool_calls")
+             or ()]
+    assert "".join(call["function"]["arguments"] for call in calls) == '{"a":'
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"

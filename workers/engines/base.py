@@ -77,6 +77,17 @@ class ProvidesTokenBytes(Protocol):
 
 
 @runtime_checkable
+class DeclaresChatTemplate(Protocol):
+    """A tokenizer that shows its chat template's source: the worker reads which tool-call format the model writes
+    from it (``frontend.tool_parsers.format_of_template``)."""
+
+    @property
+    def chat_template(self) -> str | None:
+        """The template's Jinja source; None where the model has none."""
+        ...
+
+
+@runtime_checkable
 class EncodesIncrementally(Protocol):
     """A tokenizer that keeps what it encoded (workers/tokenization/): a prompt that extends a recent one costs only
     what it adds, so whether to encode it off the event loop depends on that, not on the prompt's length."""

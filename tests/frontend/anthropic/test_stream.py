@@ -88,7 +88,31 @@ async def test_a_tool_call_is_a_tool_use_block() -> None:
     assert [name for name, _ in events][2:] == ["content_block_start", "content_block_delta", "content_block_stop",
                                                 "message_delta", "message_stop"]
     assert events[2][1]["content_block"] == {"type": "tool_use", "id": "toolu_7", "name": "f", "input": {}}
-    assert events[3][1]["delta"] == {"type": "input_json_delta", "partial_json": '{"a":1}'}
+    assert events[3][1]["delta"] == {"type": "input_json_delta", "partial_json": '{"a": 1}'}  # as generated
+    assert events[-2][1]["delta"]["stop_reason"] == "tool_use"
+
+
+async def test_text_then_calls_streamed_in_pieces_are_a_text_block_then_tool_use_blocks() -> None:
+    def opened(index: int, call_id: str, name: str) -> dict[str, Any]:
+        return {"tool_calls": [{"index": index, "id": call_id, "type": "function",
+                                "function": {"name": name, "arguments": ""}}]}
+
+    def piece(index: int, text: str) -> dict[str, Any]:
+        return {"tool_calls": [{"index": index, "function": {"arguments": text}}]}
+
+    frames = [chunk({"role": "assistant", "content": ""}), chunk({"content": "Let me look."}),
+              chunk(opened(0, "call_7", "f")), chunk(piece(0, '{"a"')), chunk(piece(0, ": 1}")),
+              chunk(opened(1, "call_7-1", "g")), chunk(piece(1, "{}")), chunk({}, "tool_calls"), chunk(usage=USAGE),
+              DONE_FRAME]
+    events = await events_of(frames)
+    starts = [payload["content_block"] for name, payload in events if name == "content_block_start"]
+    assert starts == [{"type": "text", "text": ""}, {"type": "tool_use", "id": "toolu_7", "name": "f", "input": {}},
+                      {"type": "tool_use", "id": "toolu_7-1", "name": "g", "input": {}}]
+    json_pieces = [(payload["index"], payload["delta"]["partial_json"]) for name, payload in events
+                   if name == "content_block_delta" and payload["delta"]["type"] == "input_json_delta"]
+    assert json_pieces == [(1, '{"a"'), (1, ": 1}"), (2, "{}")]
+    stops = [payload["index"] for name, payload in events if name == "content_block_stop"]
+    assert stops == [0, 1, 2]
     assert events[-2][1]["delta"]["stop_reason"] == "tool_use"
 
 

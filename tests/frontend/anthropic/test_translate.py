@@ -73,12 +73,21 @@ def test_system_blocks_and_turns_become_chat_messages() -> None:
 
 
 @pytest.mark.parametrize(("choice", "chat_choice"), [
-    ({"type": "auto"}, None), ({"type": "any"}, "required"), ({"type": "none"}, "none"),
+    ({"type": "auto"}, "auto"), ({"type": "any"}, "required"), ({"type": "none"}, "none"),
     ({"type": "tool", "name": "get_weather", "disable_parallel_tool_use": True},
      {"type": "function", "function": {"name": "get_weather"}}),
 ])
 def test_tool_choice(choice: dict[str, Any], chat_choice: Any) -> None:
     assert messages_request(request(tools=[TOOL], tool_choice=choice)).chat.get("tool_choice") == chat_choice
+
+
+@pytest.mark.parametrize(("choice", "parallel"), [
+    ({"type": "auto"}, None), ({"type": "auto", "disable_parallel_tool_use": False}, None),
+    ({"type": "auto", "disable_parallel_tool_use": True}, False),
+])
+def test_disable_parallel_tool_use_is_chats_parallel_tool_calls_false(choice: dict[str, Any],
+                                                                      parallel: bool | None) -> None:
+    assert messages_request(request(tools=[TOOL], tool_choice=choice)).chat.get("parallel_tool_calls") is parallel
 
 
 def test_output_config_format_is_a_json_schema_response_format() -> None:

@@ -132,6 +132,7 @@ class GGUFTokenizer:
         self._bos_token = meta.tokens[meta.bos_token_id] if meta.bos_token_id is not None else ""
         self._eos_token = meta.tokens[meta.eos_token_id] if meta.eos_token_id is not None else ""
         self._template = compile_chat_template(meta.chat_template, rendered_turns_bytes(tokenize))
+        self.chat_template: str | None = meta.chat_template  # its source (``DeclaresChatTemplate``)
         self._prompts = LazyPromptEncoder(tokenizer, tokenize)
 
     @property

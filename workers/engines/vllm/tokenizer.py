@@ -65,6 +65,7 @@ class HFTokenizer:
         if isinstance(template, list):  # several named templates: the default one serves chat
             template = next((t.get("template") for t in template if t.get("name") == "default"), None)
         self._template = compile_chat_template(template, rendered_turns_bytes(tokenize))
+        self.chat_template: str | None = template if isinstance(template, str) else None  # DeclaresChatTemplate
         self._bos_token = _token_text(config.get("bos_token"))
         self._eos_token = _token_text(config.get("eos_token"))
         eos = _ids(generation.get("eos_token_id")) or _ids(model_config.get("eos_token_id"))
