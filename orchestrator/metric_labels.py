@@ -30,6 +30,9 @@ PREFILL_PLACEMENTS = (ON_CTX, ON_GEN_SHORT, ON_GEN_CACHED)
 CTX_POOL_NAME, GEN_POOL_NAME = "ctx", "gen"  # the pools' names (orchestrator.server): a metric label
 POOLS = (CTX_POOL_NAME, GEN_POOL_NAME)
 RESPONSE_STORE_OPERATIONS = ("get", "put", "delete")  # the calls a shared Responses store counts and times
+# How a pair probe of a CTX/GEN pair ended (orchestrator/pair_probe.py says what each means).
+PROBE_PASSED, PROBE_RECOMPUTED, PROBE_FAILED, PROBE_UNVERIFIED = "passed", "recomputed", "failed", "unverified"
+PROBE_OUTCOMES = (PROBE_PASSED, PROBE_RECOMPUTED, PROBE_FAILED, PROBE_UNVERIFIED)
 # The routes' ``endpoint`` label: the flow's endpoints, and /v1/messages, which runs as chat under its own name
 # (orchestrator/messages.py; tests/orchestrator/test_metric_labels.py holds the route's label to this one).
 MESSAGES_ENDPOINT = "messages"
@@ -62,6 +65,8 @@ def export_known_series(metrics: Metrics, ctx_workers: Iterable[str], gen_worker
             metrics.routing_decisions.labels(pool=pool, decision=decision)
     for placement in PREFILL_PLACEMENTS:
         metrics.prefill_placement.labels(placement=placement)
+    for outcome in PROBE_OUTCOMES:
+        metrics.pair_probes.labels(outcome=outcome)
     for endpoint in ENDPOINT_LABELS:
         metrics.request_latency.labels(endpoint=endpoint)
     for operation in RESPONSE_STORE_OPERATIONS:

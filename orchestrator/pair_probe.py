@@ -37,12 +37,14 @@ from frontend.metrics import Metrics
 from orchestrator.flow.disagg_flow import DisaggFlow
 from orchestrator.flow.worker_call import post
 from orchestrator.member import PoolMember
+from orchestrator.metric_labels import PROBE_FAILED as FAILED
+from orchestrator.metric_labels import PROBE_PASSED as PASSED
+from orchestrator.metric_labels import PROBE_RECOMPUTED as RECOMPUTED
+from orchestrator.metric_labels import PROBE_UNVERIFIED as UNVERIFIED
 from orchestrator.protocols.registry import DEFAULT_PROTOCOL
 
 logger = logging.getLogger("disagg_serve.pair_probe")
 
-PASSED, RECOMPUTED, FAILED, UNVERIFIED = "passed", "recomputed", "failed", "unverified"
-OUTCOMES = (PASSED, RECOMPUTED, FAILED, UNVERIFIED)
 # The probe's prompt: a few dozen tokens in any tokenizer, enough to fill a KV block or two; its answer is two tokens.
 PROBE_PROMPT = ("A pair probe checks that the generation worker takes the prompt's KV cache from the context "
                 "worker instead of computing the prompt again by itself.")
@@ -53,7 +55,7 @@ PROBE_MAX_TOKENS = 2
 class PairVerdict:
     ctx: str
     gen: str
-    outcome: str  # one of OUTCOMES
+    outcome: str  # one of orchestrator.metric_labels.PROBE_OUTCOMES
     cause: str = ""  # why it did not pass, in words
     prompt_tokens: int | None = None  # as GEN accounted for them
     computed: int | None = None  # of those, computed by GEN itself

@@ -209,8 +209,8 @@ class VllmEngine:
         params = {"do_remote_decode": True} if wants_more else None
         firsts: dict[int, EngineOutput] = {}
         kv_params = None
-        async for output, answered in self._outputs(request, request.prompt_token_ids_i32, 1, params, seed):
-            kv_params = answered if answered is not None else kv_params
+        async for output, out in self._outputs(request, request.prompt_token_ids_i32, 1, params, seed):
+            kv_params = out.kv_transfer_params if out.kv_transfer_params is not None else kv_params
             finish = output.finish_reason
             if finish == "length" and wants_more:  # our cap of one token, not the client's: GEN goes on
                 finish = None
@@ -240,9 +240,12 @@ class VllmEngine:
         watch = FirstTokenWatch(starts)
         held: list[EngineOutput] | None = []  # until every sequence has begun: vLLM ending the request before
         # that (an abort) is an error before the first byte of the answer, not an answer missing a sequence
+        cached: int | None = None  # prompt tokens vLLM found cached or loaded through its connector
         async with contextlib.aclosing(self._outputs(request, request.prompt_token_ids_i32, request.max_tokens,
                                                      state.for_decode(), seed)) as outputs:
-            async for output, _ in outputs:
+            async for output, out in outputs:
+                if cached is None:
+                    cached = int(getattr(out, "num_cached_tokens", None) or 0)
                 differed = watch.see(output)
                 if differed is not None:
                     self._count_differed(request, differed, starts[differed])
@@ -253,7 +256,9 @@ class VllmEngine:
                 held.append(output)
                 if watch.done:
                     first, *rest = _without_empty_tail(held)
-                    yield dataclasses.replace(first, chose_first_tokens=True)
+                    block = getattr(self._llm.vllm_config.cache_config, "block_size", None) or 1
+                    yield dataclasses.replace(first, chose_first_tokens=True, recomputed_tokens=recomputed_tokens(
+                        request.prompt_len, cached or 0, int(block)))
                     for kept in rest:
                         yield kept
                     held = None
@@ -294,8 +299,7 @@ class VllmEngine:
                                           token_logprobs(completion, request.sampling.logprobs),
                                           finish_reason_of(completion.finish_reason), index=completion.index)
                     for index in range(copies):  # greedy n > 1: the one sequence, as each of the n
-                        yield (output if copies == 1 else dataclasses.replace(output, index=index)), \
-                            out.kv_transfer_params
+                        yield (output if copies == 1 else dataclasses.replace(output, index=index)), out
         except ServingError:
             raise
         except (ValueError, vllm.ClientError) as exc:  # vLLM's input checks: a prompt over the context, a schema, ...
@@ -312,6 +316,16 @@ class VllmEngine:
 
 
 _SAMPLING_LABELS = ("greedy", "sampled")
+
+
+def recomputed_tokens(prompt_len: int, cached: int, block_size: int) -> int:
+    """GEN: the prompt tokens vLLM computed itself that the connector should have loaded, from vLLM's count of
+    the request's cached tokens (found in its prefix cache or loaded through the connector). Only whole KV blocks
+    before the prompt's last token count: vLLM computes the last token whatever it loaded (its logits choose the
+    next one), and a connector may move whole blocks only (ExampleConnector does), so the tail of a partial block
+    computed again is no sign of a KV that never moved; a transfer that failed leaves whole blocks uncached."""
+    expected = (prompt_len - 1) // block_size * block_size
+    return max(0, expected - cached)
 
 
 def _without_empty_tail(held: list[EngineOutput]) -> list[EngineOutput]:

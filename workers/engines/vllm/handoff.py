@@ -28,8 +28,11 @@ class VllmHandoff:
                              "kv_transfer_params": self.kv_transfer_params, "seed": self.seed})
 
     def for_decode(self) -> dict[str, Any]:
-        """GEN's ``kv_transfer_params``: CTX's answer, told to fetch (``do_remote_prefill``) and not to send on."""
-        return {**(self.kv_transfer_params or {}), "do_remote_prefill": True, "do_remote_decode": False}
+        """GEN's ``kv_transfer_params``: CTX's answer, told to fetch (``do_remote_prefill``) and not to send on.
+        Without CTX's ``remote_prefill_cached_tokens``: vLLM would report that as GEN's cached tokens, and GEN's own
+        count (what it found cached or loaded through the connector) is what tells a KV that never moved."""
+        params = {k: v for k, v in (self.kv_transfer_params or {}).items() if k != "remote_prefill_cached_tokens"}
+        return {**params, "do_remote_prefill": True, "do_remote_decode": False}
 
 
 def parse_handoff(opaque_state: bytes, model_hash: str, prompt_len: int) -> VllmHandoff:

@@ -35,21 +35,25 @@ class RequestOutput:
     outputs: list[Completion]
     finished: bool
     kv_transfer_params: dict[str, Any] | None = None
+    num_cached_tokens: int | None = None  # vLLM's count, on every output of a request
 
 
 class StandInLLM:
     """``AsyncLLM.generate``, answering with ``tokens`` one a step (what GEN's vLLM chooses from the loaded KV)."""
 
-    def __init__(self, tokens: list[int]) -> None:
+    def __init__(self, tokens: list[int], cached: int | None = None) -> None:
         self.tokens = tokens
+        self.cached = cached  # prompt tokens it found cached or loaded through the connector
         self.asked: list[Any] = []
         self.aborted: list[str] = []
+        self.vllm_config = SimpleNamespace(cache_config=SimpleNamespace(block_size=4))
 
     async def generate(self, prompt: Any, sampling: Any, request_id: str) -> AsyncIterator[RequestOutput]:
         self.asked.append(sampling)
         for position, token in enumerate(self.tokens):
             last = position == len(self.tokens) - 1
-            yield RequestOutput([Completion([token], finish_reason="length" if last else None)], last)
+            yield RequestOutput([Completion([token], finish_reason="length" if last else None)], last,
+                                num_cached_tokens=self.cached)
 
     async def abort(self, request_id: str) -> None:
         self.aborted.append(request_id)
@@ -99,6 +103,17 @@ async def test_gens_first_token_is_the_answers_when_it_is_not_ctxs_and_is_counte
     (asked,) = llm.asked
     assert asked["max_tokens"] == 4 and asked["seed"] == 7
     assert asked["extra_args"]["kv_transfer_params"]["do_remote_prefill"] is True
+
+
+@pytest.mark.parametrize(("cached", "recomputed"), [(8, 0), (9, 0), (4, 4), (0, 8), (None, 8)])
+async def test_gen_reports_the_whole_blocks_of_the_prompt_vllm_computed_itself(cached: int | None,
+                                                                               recomputed: int) -> None:
+    """A 10-token prompt in 4-token blocks: the connector moves the two whole blocks before the last token (8
+    tokens); what vLLM computed of those is reported, never the tail it computes anyway (frontend/prompt_report.py)."""
+    engine = started_engine(StandInLLM([40, 42, 43, 44], cached=cached))
+    outputs = [o async for o in engine.generate(gen_request(ctx_first_token=40))]
+    assert outputs[0].recomputed_tokens == recomputed
+    assert not any(o.recomputed_tokens for o in outputs[1:])
 
 
 async def test_gens_first_token_equal_to_ctxs_counts_nothing() -> None:

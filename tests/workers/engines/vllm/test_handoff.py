@@ -21,6 +21,13 @@ def test_the_state_round_trips_and_gen_fetches_without_sending_on() -> None:
     assert handoff.seed is None
 
 
+def test_gen_counts_its_own_cached_tokens_not_ctxs() -> None:
+    # vLLM would report P's remote_prefill_cached_tokens as D's own: GEN's count must be its own, to see a KV that
+    # never moved (workers/engines/vllm/engine.py: recomputed_tokens).
+    handoff = VllmHandoff("hash", 300, {**NIXL, "remote_prefill_cached_tokens": 256})
+    assert handoff.for_decode() == {**NIXL, "do_remote_prefill": True, "do_remote_decode": False}
+
+
 def test_the_seed_ctx_sampled_with_reaches_gen() -> None:
     assert parse_handoff(VllmHandoff("hash", 300, None, -12).encode(), "hash", 300).seed == -12
 
