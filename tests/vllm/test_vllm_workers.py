@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.cluster import Node, start_orchestrator
+from tests.cluster import Node, sample, start_orchestrator
 from tests.vllm.answers import (
     ASK,
     MAX_TOKENS,
@@ -143,6 +143,9 @@ def test_a_prompt_of_whole_kv_blocks_crosses_the_hand_off(aggregated: Aggregated
         answer = complete_ids(client, WHOLE_BLOCKS_PROMPT)
         assert answer == aggregated.whole_blocks
         assert disaggregated.gen.loaded_external_kv(hits_before), disaggregated.gen.metric(EXTERNAL_HITS) - hits_before
+        # And GEN's answer said so: it computed none of the prompt's blocks itself (frontend/prompt_report.py).
+        assert sample(disaggregated.orchestrator.metrics, "disagg_gen_prompt_tokens_recomputed_total", pool="gen",
+                      worker=disaggregated.gen.url) == 0
         # GEN's engine core lives on: the next request is served too.
         assert complete_ids(client, [*WHOLE_BLOCKS_PROMPT[:-1], 42]).completion_tokens > 1
 
