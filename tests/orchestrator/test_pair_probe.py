@@ -10,14 +10,19 @@ cheap, are made per test.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import pathlib
+import threading
+import urllib.parse
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
+import orjson
+import pybase64
 import pytest
 
 from frontend.config import parse_config
@@ -159,6 +164,82 @@ def test_the_probe_keeps_the_failing_pair_out_of_routing_and_passes_the_good_one
             complete(node, prompt=f"{i} {PROMPT}")
         assert recomputed(node, workers.gen) == after_probe
         assert probe(node, method="GET").json()["kept_out_of_routing"][0]["ctx"] == bad_pair[0]
+
+
+class Forwarder:
+    """A TCP forwarder from ``listen`` to ``target`` (host, port), in its own thread and loop: the network path to
+    the bad CTX's advertised KV address, put right."""
+
+    def __init__(self, listen: tuple[str, int], target: tuple[str, int]) -> None:
+        self.listen, self.target = listen, target
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.server: asyncio.Server | None = None
+        self.connections: set[asyncio.Task[None]] = set()
+
+    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(ConnectionError):
+            while data := await reader.read(65536):
+                writer.write(data)
+                await writer.drain()
+        writer.close()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self.connections.add(task)
+        try:
+            upstream_reader, upstream_writer = await asyncio.open_connection(*self.target)
+            await asyncio.gather(self._pipe(reader, upstream_writer), self._pipe(upstream_reader, writer))
+        finally:
+            self.connections.discard(task)
+
+    def __enter__(self) -> Forwarder:
+        self.thread.start()
+        self.server = asyncio.run_coroutine_threadsafe(
+            asyncio.start_server(self._serve, *self.listen), self.loop).result(timeout=10)
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        async def close() -> None:
+            assert self.server is not None
+            self.server.close()
+            for task in list(self.connections):  # (a GEN's fetch closes its connection; any left is cut)
+                task.cancel()
+            await asyncio.gather(*self.connections, return_exceptions=True)
+
+        asyncio.run_coroutine_threadsafe(close(), self.loop).result(timeout=10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=10)
+
+
+def advertised_kv_address(ctx: RefNode) -> tuple[str, int]:
+    """Where ``ctx`` tells GEN workers to fetch its KV from (read from a hand-off it gives out, then released)."""
+    reply = httpx.post(ctx.url + "/v1/completions", timeout=60, json={
+        "model": "tiny", "prompt": PROMPT, "max_tokens": 4, "disaggregated_params": {
+            "request_type": "context_only", "disagg_request_id": 3, "native_extensions": True}})
+    params = reply.json()["choices"][0]["disaggregated_params"]
+    httpx.post(ctx.url + "/v1/disagg/release", timeout=60, json={
+        "ctx_request_id": params["ctx_request_id"], "encoded_opaque_state": params["encoded_opaque_state"]})
+    kv_url = urllib.parse.urlsplit(orjson.loads(pybase64.b64decode(params["encoded_opaque_state"]))["kv_url"])
+    assert kv_url.hostname is not None and kv_url.port is not None
+    return kv_url.hostname, kv_url.port
+
+
+def test_a_pair_kept_out_is_routable_again_once_a_probe_passes(workers: Workers) -> None:
+    bad_pair = (workers.bad_ctx.url, workers.gen.url)
+    host, port = advertised_kv_address(workers.bad_ctx)
+    assert host == "127.0.0.2"
+    with orchestrator([workers.good_ctx, workers.bad_ctx], workers.gen, admin_key=ADMIN) as node:
+        verdicts = {(v["ctx"], v["gen"]): v["outcome"] for v in probe(node).json()["pairs"]}
+        assert verdicts[bad_pair] == "recomputed"
+        # The operator puts the network path right: the advertised address now reaches the KV transfer server.
+        with Forwarder((host, port), ("127.0.0.1", port)):
+            reply = probe(node).json()
+            verdicts = {(v["ctx"], v["gen"]): v["outcome"] for v in reply["pairs"]}
+            assert verdicts[bad_pair] == "passed" and reply["kept_out_of_routing"] == []
+            metrics = node.app.state.metrics
+            assert sample(metrics, "disagg_pair_probe_passing", ctx=bad_pair[0], gen=bad_pair[1]) == 1
 
 
 def test_an_enabled_probe_runs_at_start_up(workers: Workers) -> None:
