@@ -72,6 +72,7 @@ class PairProbe:
         self.metrics = metrics
         self.pairs = flow.steps.pairs
         self.last: list[PairVerdict] = []  # the latest round's verdicts
+        self._judged: set[tuple[str, str]] = set()  # (CTX, GEN) pairs with a verdict on the gauge
         self._round = asyncio.Lock()  # one round at a time: an admin call during a periodic round waits for it
         self._task: asyncio.Task[None] | None = None
 
@@ -107,17 +108,33 @@ class PairProbe:
 
             async def one(ctx: PoolMember, gen: PoolMember) -> PairVerdict:
                 async with room:
-                    return await self.probe_pair(ctx, gen)
+                    try:
+                        return await self.probe_pair(ctx, gen)
+                    except Exception as exc:  # a bug of the probe's own judges no pair
+                        logger.exception("pair probe: CTX %s -> GEN %s could not be probed", ctx.url, gen.url)
+                        return PairVerdict(ctx.url, gen.url, UNVERIFIED, f"the probe failed: {type(exc).__name__}")
 
             verdicts = list(await asyncio.gather(*(one(ctx, gen) for ctx in ctxs for gen in gens)))
+            self._forget_workers_gone()
             for verdict in verdicts:
                 self._apply(verdict)
             self.last = verdicts
             return verdicts
 
+    def _forget_workers_gone(self) -> None:
+        """The pairs of a worker no longer in its pool are judged no more: out of routing state and of the gauge
+        (a worker that is only unhealthy keeps its pairs' standing: it may come back as broken as it went)."""
+        present = ({w.url for w in self.flow.ctx_pool.workers}, {w.url for w in self.flow.gen_pool.workers})
+        for ctx, gen in [pair for pair in self._judged if pair[0] not in present[0] or pair[1] not in present[1]]:
+            self._judged.discard((ctx, gen))
+            self.pairs.passed(ctx, gen)
+            self.metrics.pair_probe_passing.remove(ctx, gen)
+
     def _apply(self, verdict: PairVerdict) -> None:
         self.metrics.pair_probes.labels(outcome=verdict.outcome).inc()
         ctx, gen = verdict.ctx, verdict.gen
+        if verdict.outcome in (PASSED, RECOMPUTED, FAILED):
+            self._judged.add((ctx, gen))
         if verdict.outcome == PASSED:
             self.metrics.pair_probe_passing.labels(ctx=ctx, gen=gen).set(1)
             if self.pairs.passed(ctx, gen):

@@ -242,6 +242,20 @@ def test_a_pair_kept_out_is_routable_again_once_a_probe_passes(workers: Workers)
             assert sample(metrics, "disagg_pair_probe_passing", ctx=bad_pair[0], gen=bad_pair[1]) == 1
 
 
+def test_the_pairs_of_a_worker_that_left_its_pool_are_judged_no_more(workers: Workers) -> None:
+    with orchestrator([workers.good_ctx, workers.bad_ctx], workers.gen, admin_key=ADMIN) as node:
+        assert probe(node).json()["kept_out_of_routing"]
+        left = httpx.request("DELETE", node.url + "/admin/workers", headers={"Authorization": f"Bearer {ADMIN}"},
+                             json={"role": "context", "url": workers.bad_ctx.url}, timeout=30)
+        assert left.status_code == 200, left.text
+        reply = probe(node).json()
+        assert reply["kept_out_of_routing"] == []
+        assert [(v["ctx"], v["outcome"]) for v in reply["pairs"]] == [(workers.good_ctx.url, "passed")]
+        registry = node.app.state.metrics.registry
+        assert registry.get_sample_value("disagg_pair_probe_passing",
+                                         {"ctx": workers.bad_ctx.url, "gen": workers.gen.url}) is None
+
+
 def test_an_enabled_probe_runs_at_start_up(workers: Workers) -> None:
     with orchestrator([workers.good_ctx, workers.bad_ctx], workers.gen,
                       pair_probe={"enabled": True, "interval_s": 3600}) as node:
