@@ -2,7 +2,9 @@
 to a deadline, instead of an immediate 429.
 
 Lower classes leave a reserve free for ``interactive``; a client that leaves while queued is out of the queue at
-once, through its handler's cancellation. Classes, bounds and ``Retry-After``: docs/admission.md."""
+once, through its handler's cancellation. A request that finds no worker to serve it waits, within the same
+timeout, while one is expected back (a worker restarting or draining). Classes, bounds and ``Retry-After``:
+docs/admission.md."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from frontend.config import AdmissionConfig
 from frontend.errors import InvalidRequestError, OverloadedError, UpstreamUnavailableError
@@ -62,6 +65,16 @@ class DrainRate:
             self._finished.popleft()
 
 
+class WorkerWait(Protocol):
+    """What the admission queue knows of the workers a request needs, when none can serve it now."""
+
+    def expected(self) -> bool:
+        """Whether one is expected back (a worker draining or restarting): a request then waits for it."""
+
+    async def back(self, timeout_s: float) -> None:
+        """Return once one serves again; ``UpstreamUnavailableError`` if none does within ``timeout_s``."""
+
+
 @dataclass(eq=False)
 class _Waiter:
     priority: int
@@ -70,15 +83,18 @@ class _Waiter:
 
 class Admission:
     """``limit`` running at once: a number, or a function of the moment (the prefill gate's: the room of the CTX
-    workers that take requests now); ``gate`` names it in refusals and metrics."""
+    workers that take requests now); ``gate`` names it in refusals and metrics. ``has_workers``: whether a request
+    could be served now; ``worker_wait``: where a request that could not waits for a worker expected back."""
 
     def __init__(self, limit: int | Callable[[], int], config: AdmissionConfig, metrics: Metrics,
                  has_workers: Callable[[], bool], clock: Callable[[], float] = time.monotonic,
-                 gate: str = "orchestrator") -> None:
+                 gate: str = "orchestrator", worker_wait: WorkerWait | None = None) -> None:
         self._limit = limit
         self.config = config
         self.gate = gate
         self._has_workers = has_workers
+        self._worker_wait = worker_wait
+        self.awaiting_workers = 0  # requests waiting for a worker to come back (bounded by max_queued too)
         self.running = [0, 0, 0]
         self._queues: tuple[deque[_Waiter], ...] = (deque(), deque(), deque())
         self._drain = DrainRate(clock)
@@ -103,6 +119,8 @@ class Admission:
     async def admit(self, priority: int) -> None:
         """Return once the request may run (it then holds a slot until ``release``); raise a 429 or 503 if it may
         not. Cancelled while waiting, it holds nothing."""
+        if self._worker_wait is not None and not self._has_workers() and self._worker_wait.expected():
+            await self._wait_for_workers(self._worker_wait, priority)
         if self._may_run(priority) and not any(self._queues[p] for p in range(priority + 1)):
             self._start(priority, "admitted")
             return
@@ -140,6 +158,22 @@ class Admission:
                 self._leave(waiter, "left")
             raise
         self._wait[priority].observe(self._clock() - enqueued)
+
+    async def _wait_for_workers(self, wait: WorkerWait, priority: int) -> None:
+        """No worker could serve a request now, but one is expected back: it waits up to the queue's timeout; a
+        503 ``upstream_unavailable`` if none came back in time, or at once if as many wait as may queue."""
+        if self.awaiting_workers + self.queued >= self.config.max_queued:
+            self._outcomes[priority, "no_worker"].inc()
+            raise UpstreamUnavailableError(f"no healthy worker is available, and {self.config.max_queued} requests "
+                                           "already wait for one")
+        self.awaiting_workers += 1
+        try:
+            await wait.back(self.config.queue_timeout_s)
+        except UpstreamUnavailableError:
+            self._outcomes[priority, "no_worker"].inc()
+            raise
+        finally:
+            self.awaiting_workers -= 1
 
     def release(self, priority: int) -> None:
         """A request that was admitted has finished (however it ended)."""

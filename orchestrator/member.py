@@ -29,6 +29,9 @@ class PoolMember:
         self.lifecycle: TransceiverLifecycleAdvertisement | None = None
         self.disagg_info: dict[str, Any] | None = None  # its GET /server_info's disaggregated_params
         self.unroutable: str | None = None  # why it takes no requests though it answers (a deployment mismatch)
+        # It said it is draining (its /health, or a 503 ``worker_draining`` answer): out of routing at once, not
+        # counted as a failure; a check that finds it healthy again (a new process on the address) clears it.
+        self.draining = False
         self.inflight = 0
         self.inflight_prompt_tokens = 0
         self.inflight_prefill_tokens = 0  # of those, the ones a cache-aware router expects it to compute
@@ -59,11 +62,18 @@ class PoolMember:
             self._successes += 1
             if not self.healthy and self._successes >= recovery_threshold:
                 self.healthy = True
+                self.draining = False
         else:
             self._successes = 0
             self._failures += 1
             if self.healthy and self._failures >= failure_threshold:
                 self.healthy = False
+
+    def mark_draining(self) -> None:
+        """The worker is shutting down gracefully: no new request goes there until a health check passes again."""
+        self.draining = True
+        self.healthy = False
+        self._successes = 0
 
     def mark_unreachable(self) -> None:
         """Passive health: a refused connection takes the worker out at once; the monitor brings it back."""

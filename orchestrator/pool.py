@@ -6,6 +6,7 @@ The pool owns each member's state (``PoolMember``); the members' transports only
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -25,6 +26,11 @@ from orchestrator.upstream.base import Transport, WorkerTimeouts
 from orchestrator.upstream.choice import make_transport
 
 logger = logging.getLogger(__name__)
+
+# While requests wait for a worker of an empty pool (``wait_for_worker``), the members that are down are checked this
+# often, and the first good check takes one back: a restarted worker is used the moment it answers.
+PROBE_WHILE_WAITING_S = 0.05
+_RECHECK_S = 0.25  # a waiter also looks again this often: a circuit breaker turns half-open without an event
 
 
 @dataclass(frozen=True)
@@ -58,6 +64,7 @@ class WorkerPool:
         index: CacheIndex | None = None,
         breaker: BreakerSettings | None = None,
         max_running: int | None = None,
+        wait_for_worker_s: float = 0.0,
     ) -> None:
         self.name = name
         # What each member holds, from the KV events its card announces (and what was sent where); routers that
@@ -71,10 +78,16 @@ class WorkerPool:
         self.recovery_threshold = recovery_threshold
         self.breaker = breaker or BreakerSettings()
         self.max_running = max_running  # each member's window (None: none)
+        # How long a request that finds no worker waits for one to come back (``wait_for_worker``); 0: not at all.
+        self.wait_for_worker_s = wait_for_worker_s
         self.on_health_change: list[Callable[[], None]] = []  # e.g. the prefill gate: room came or went
         self.workers: list[PoolMember] = []
         self._sources: dict[str, str] = {}  # url -> "static" | "dns" | "registered"
         self._closing: set[asyncio.Task[None]] = set()
+        self._checking: set[PoolMember] = set()  # members whose health check is under way (monitor or probe)
+        self._waiting = 0  # requests in ``wait_for_worker`` now
+        self._came_back: asyncio.Event | None = None  # set (and replaced) each time a member turns healthy
+        self._prober: asyncio.Task[None] | None = None  # checks the members that are down while requests wait
 
     # -- membership ---------------------------------------------------------------------------------------
     def add(self, url: str, source: str = "static") -> PoolMember:
@@ -128,6 +141,46 @@ class WorkerPool:
     def has_healthy(self) -> bool:
         return any(w.healthy for w in self.workers)
 
+    def expects_worker(self) -> bool:
+        """Whether a worker of this pool is expected to take requests again soon: one said it is draining (a
+        restart or a rollout: it or its replacement comes back). A pool emptied by its configuration, its DNS name
+        or the admin API expects none, nor one whose workers crashed or never answered: nothing says they return."""
+        return any(w.draining and w.unroutable is None for w in self.workers)
+
+    async def wait_for_worker(self, timeout_s: float | None = None) -> bool:
+        """Wait up to ``timeout_s`` (default ``wait_for_worker_s``) until some member takes requests: True once one
+        does, False at once when none is expected back (``expects_worker``), or when the time is up. While anyone
+        waits, the members that are down are checked every ``PROBE_WHILE_WAITING_S`` and one good check takes a
+        member back."""
+        if any(w.routable for w in self.workers):
+            return True
+        if timeout_s is None:
+            timeout_s = self.wait_for_worker_s
+        if timeout_s <= 0:
+            return False
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        self._waiting += 1
+        if self._prober is None or self._prober.done():
+            self._prober = loop.create_task(self._probe_while_waiting(), name=f"{self.name}-pool-probe")
+        try:
+            while not any(w.routable for w in self.workers):
+                left = deadline - loop.time()
+                if left <= 0 or not self.expects_worker():
+                    return False
+                if self._came_back is None:
+                    self._came_back = asyncio.Event()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._came_back.wait(), min(left, _RECHECK_S))
+            return True
+        finally:
+            self._waiting -= 1
+
+    async def _probe_while_waiting(self) -> None:
+        while self._waiting:
+            await asyncio.gather(*(self._check(w) for w in list(self.workers) if not w.healthy))
+            await asyncio.sleep(PROBE_WHILE_WAITING_S)
+
     def catching_up(self) -> list[str]:
         """Healthy workers whose KV-event history this process is still reading (``CacheIndex.catching_up``)."""
         return [w.url for w in self.workers if w.healthy and self.index.catching_up(w.url)]
@@ -152,9 +205,21 @@ class WorkerPool:
         await asyncio.gather(*(self._check(worker) for worker in list(self.workers)))
 
     async def _check(self, worker: PoolMember) -> None:
+        if worker in self._checking:  # the monitor's round and the waiters' probe met: one check is enough
+            return
+        self._checking.add(worker)
+        try:
+            await self._check_once(worker)
+        finally:
+            self._checking.discard(worker)
+
+    async def _check_once(self, worker: PoolMember) -> None:
         try:
             reply = await worker.transport.get("/health", self.timeouts.health_s)
             ok = reply.status_code == 200
+            if not ok and _says_draining(reply.content):
+                self._draining(worker)
+                return
             if ok and worker.facts is None:
                 facts, worker.protocol = await self._describe(worker)
                 # A worker whose advertisement could not be read (a trtllm-serve one's lifecycle) is not taken for
@@ -166,15 +231,39 @@ class WorkerPool:
         except UpstreamError:
             ok = False
         was_healthy = worker.healthy
-        worker.record_health(ok, self.failure_threshold, self.recovery_threshold)
+        # Requests waiting for a worker take one back on its first good check, not after the recovery threshold.
+        worker.record_health(ok, self.failure_threshold, 1 if self._waiting else self.recovery_threshold)
         if worker.healthy != was_healthy:
             logger.info("%s worker %s is now %s", self.name, worker.url, "healthy" if worker.healthy else "unhealthy")
+            if worker.healthy:
+                # What its circuit breaker counted while it was down (refused connections, a restart's cut
+                # streams) is health's, and said nothing of the process that answers now.
+                if worker.breaker.state != CLOSED:
+                    worker.breaker = self.breaker.make(worker.url)
+                if self._came_back is not None:
+                    self._came_back.set()
+                    self._came_back = None
             for listener in self.on_health_change:
                 listener()
             if not worker.healthy:
                 # A worker that comes back may come back with another engine (and, restarted, with a new events
                 # incarnation on its card: the index then starts its picture afresh).
                 worker.facts = None
+
+    def _draining(self, worker: PoolMember) -> None:
+        """``worker`` says it is draining (its /health, or a 503 ``worker_draining`` answer): out of routing now,
+        and not a failure (its breaker counts nothing)."""
+        was_routable = worker.healthy
+        worker.mark_draining()
+        worker.facts = None  # it comes back as a new process, maybe with another engine
+        if was_routable:
+            logger.info("%s worker %s is draining: no new requests go there", self.name, worker.url)
+            for listener in self.on_health_change:
+                listener()
+
+    def draining(self, worker: PoolMember) -> None:
+        """A worker answered a request with 503 ``worker_draining``: as its /health would say (``_draining``)."""
+        self._draining(worker)
 
     async def _describe(self, worker: PoolMember) -> tuple[GenEngineFacts, str]:
         """The worker's engine facts and the protocol it speaks, from its own model card."""
@@ -201,10 +290,20 @@ class WorkerPool:
 
     async def aclose(self) -> None:
         await self.index.aclose()
+        if self._prober is not None:
+            self._prober.cancel()
         for task in list(self._closing):
             task.cancel()
         await asyncio.gather(*(w.transport.aclose() for w in self.workers), *self._closing,
                              return_exceptions=True)
+
+
+def _says_draining(content: bytes) -> bool:
+    """Whether a worker's non-200 /health body says it is draining (workers/drain.py), not that it is broken."""
+    try:
+        return bool(orjson.loads(content).get("status") == "draining")
+    except (orjson.JSONDecodeError, AttributeError):
+        return False
 
 
 def _event_source(card: object, worker_url: str) -> EventSource | None:
@@ -218,6 +317,26 @@ def _event_source(card: object, worker_url: str) -> EventSource | None:
                            str(events.get("incarnation", "")), capacity if isinstance(capacity, int) else 0)
     except (KeyError, TypeError, AttributeError):
         return None
+
+
+class PoolsWait:
+    """The pools a request needs, for the admission queue (``orchestrator.admission.WorkerWait``): whether each
+    that has no healthy worker expects one back, and waiting until they all have one."""
+
+    def __init__(self, pools: list[WorkerPool]) -> None:
+        self.pools = pools
+
+    def expected(self) -> bool:
+        lacking = [pool for pool in self.pools if not pool.has_healthy]
+        return bool(lacking) and all(pool.expects_worker() for pool in lacking)
+
+    async def back(self, timeout_s: float) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        for pool in self.pools:
+            if not pool.has_healthy and not await pool.wait_for_worker(max(0.0, deadline - loop.time())):
+                raise UpstreamUnavailableError(f"no healthy {pool.name} worker is available: none came back "
+                                               f"within {timeout_s:g} s")
 
 
 class HealthMonitor(BackgroundLoop):

@@ -52,7 +52,7 @@ from orchestrator.messages import COUNT_TOKENS_PATH, MESSAGES_PATH, authorizatio
 from orchestrator.metric_labels import CTX_POOL_NAME, GEN_POOL_NAME, MODELS_STEP, export_known_series
 from orchestrator.pair_probe import PairProbe
 from orchestrator.pair_probe_routes import install_pair_probe_routes
-from orchestrator.pool import BreakerSettings, HealthMonitor, WorkerPool
+from orchestrator.pool import BreakerSettings, HealthMonitor, PoolsWait, WorkerPool
 from orchestrator.relay import RelayedStream
 from orchestrator.response_memory import ResponseMemory
 from orchestrator.response_store import MemoryResponseStore, ResponseStore
@@ -86,7 +86,9 @@ def _pool(name: str, group: ServerGroupConfig, config: OrchestratorConfig, metri
                       protocol=None if group.protocol == "detect" else group.protocol,
                       breaker=BreakerSettings(config.circuit_breaker.failures, config.circuit_breaker.cooldown_s,
                                               lambda url, state: circuit(name, url).set(state)),
-                      max_running=group.max_running_prefills or None)
+                      max_running=group.max_running_prefills or None,
+                      # A request that finds no worker waits for one to come back as long as it would queue.
+                      wait_for_worker_s=config.admission.queue_timeout_s)
     for url in group.urls:
         pool.add(url, "static")
     return pool
@@ -163,7 +165,9 @@ def create_orchestrator_app(
         raise ConfigError(str(exc)) from exc
     local_prefill = config.max_local_prefill_length > 0  # a short prompt needs no CTX worker
     admission_queue = Admission(config.max_concurrent_requests, config.admission, metrics,
-                                has_workers=lambda: gen_pool.has_healthy and (ctx_pool.has_healthy or local_prefill))
+                                has_workers=lambda: gen_pool.has_healthy and (ctx_pool.has_healthy or local_prefill),
+                                # A request that finds no worker waits while one of those it needs is coming back.
+                                worker_wait=PoolsWait([gen_pool] if local_prefill else [gen_pool, ctx_pool]))
     lag_monitor = LoopLagMonitor(metrics.event_loop_lag, is_idle=lambda: inflight["count"] == 0)
     trimmer = IdleMemoryTrimmer(lambda: inflight["count"] == 0)
 

@@ -4,7 +4,10 @@ A step is tried on one worker after another (the router picks, never one already
 its answer: a transport error, or a 5xx status (for a stream: before the first byte). After ``max_retries``
 retries, or once no untried worker is left, the last failure stands: a transport error is raised naming the step,
 a 5xx answer is returned for the caller to relay with the worker's own message. A refused connection also takes
-the worker out of routing at once (passive health). Any other status is an answer, returned as it is.
+the worker out of routing at once (passive health). A 503 ``worker_draining`` (the worker is shutting down and ran
+nothing) is no failure and no try: the request goes elsewhere. When no worker can take a request now but one of
+the pool's may come back, it waits for one (``WorkerPool.wait_for_worker``), once. Any other status is an answer,
+returned as it is.
 
 Each outcome also feeds the worker's circuit breaker (orchestrator/circuit_breaker.py): a transport error or a
 5xx that is not deterministic counts as the worker's failure, any other answer as its success.
@@ -23,7 +26,12 @@ from typing import Generic, Protocol, TypeVar
 
 import orjson
 
-from frontend.errors import DETERMINISTIC_FAILURE_CODES, UpstreamError, UpstreamUnavailableError
+from frontend.errors import (
+    DETERMINISTIC_FAILURE_CODES,
+    UpstreamError,
+    UpstreamUnavailableError,
+    WorkerDrainingError,
+)
 from frontend.metrics import Metrics
 from orchestrator.circuit_breaker import Trial
 from orchestrator.member import PoolMember
@@ -70,10 +78,16 @@ class RetryPolicy:
         """
         tried: list[PoolMember] = []
         last: Attempted[AnswerT] | UpstreamError | None = None  # the failure that stands if no worker is left
+        waited = False
         while True:
             try:
                 member = _pick(pool, key, tried, avoid)
             except UpstreamUnavailableError:
+                # None to take it now, but one may come back (restarting, draining): the request waits for it,
+                # once, up to the pool's bound (the admission queue's timeout).
+                if not waited and await pool.wait_for_worker():
+                    waited = True
+                    continue
                 # No untried worker left: the last failure stands. A healthy worker that answered 5xx is not
                 # 'unavailable': its own answer is what the client gets.
                 if isinstance(last, UpstreamError):
@@ -99,6 +113,12 @@ class RetryPolicy:
             except BaseException:  # cancelled (the client left): no outcome for the worker
                 breaker.abandoned(trial)
                 raise
+            if answer.status_code == 503 and is_draining(answer):
+                # Refused unrun by a worker that is shutting down: not its failure, and not a try of this request.
+                breaker.abandoned(trial)
+                pool.draining(member)
+                tried.pop()
+                continue
             answered = Attempted(answer, member, len(tried), tuple(tried[:-1]))
             worker_failed = answer.status_code >= 500 and not is_deterministic(answer)
             if worker_failed:
@@ -146,11 +166,19 @@ def _named(step: str, attempts: int, exc: UpstreamError) -> UpstreamError:
 
 def is_deterministic(answer: _Answered) -> bool:
     """Whether a worker's 5xx says the request itself failed the engine (``DETERMINISTIC_FAILURE_CODES``)."""
+    return _error_code(answer) in DETERMINISTIC_FAILURE_CODES
+
+
+def is_draining(answer: _Answered) -> bool:
+    """Whether a worker's answer is its refusal while it drains (``WorkerDrainingError``: nothing of it ran)."""
+    return _error_code(answer) == WorkerDrainingError.default_code
+
+
+def _error_code(answer: _Answered) -> object:
     content = getattr(answer, "content", None)
     if not isinstance(content, bytes):
-        return False
+        return None
     try:
-        code = orjson.loads(content)["error"]["code"]
+        return orjson.loads(content)["error"]["code"]
     except (orjson.JSONDecodeError, KeyError, TypeError):
-        return False
-    return code in DETERMINISTIC_FAILURE_CODES
+        return None

@@ -325,3 +325,72 @@ def test_a_gen_that_stalls_after_its_end_marker_holds_no_slot_and_no_connection(
         assert keep_alive.post(url, json=ask).status_code == 200
     assert eventually(lambda: stalling.released == released + 1)  # the orchestrator closed its connection to GEN
     assert sample(orchestrator.metrics, "disagg_engine_inflight_requests", role="orchestrator") == 0
+
+
+class WorkerComingBack:
+    """A ``WorkerWait`` whose worker comes back when the test says so (or never, when ``expected`` is False)."""
+
+    def __init__(self, expected: bool = True) -> None:
+        self.is_expected = expected
+        self.returned = asyncio.Event()
+        self.waiting = 0
+
+    def expected(self) -> bool:
+        return self.is_expected
+
+    async def back(self, timeout_s: float) -> None:
+        self.waiting += 1
+        try:
+            async with asyncio.timeout(timeout_s):
+                await self.returned.wait()
+        except TimeoutError:
+            raise UpstreamUnavailableError("no healthy gen worker is available: none came back") from None
+        finally:
+            self.waiting -= 1
+
+
+def admission_waiting_for(wait: WorkerComingBack, workers: dict[str, bool], metrics: Metrics | None = None,
+                          **config: Any) -> Admission:
+    return Admission(4, AdmissionConfig.model_validate(config), metrics or Metrics(), lambda: workers["up"],
+                     FakeClock(), worker_wait=wait)
+
+
+async def test_a_request_that_finds_no_worker_waits_for_one_expected_back_and_runs_when_it_is() -> None:
+    wait, workers = WorkerComingBack(), {"up": False}
+    admission = admission_waiting_for(wait, workers)
+    task = asyncio.create_task(admission.admit(DEFAULT))
+    assert await eventually_async(lambda: wait.waiting == 1)
+    assert not task.done() and admission.awaiting_workers == 1
+    workers["up"] = True
+    wait.returned.set()
+    await task
+    assert admission.running == [0, 1, 0] and admission.awaiting_workers == 0
+
+
+async def test_a_wait_for_a_worker_that_does_not_come_back_in_time_is_a_503_counted_no_worker() -> None:
+    metrics = Metrics()
+    admission = admission_waiting_for(WorkerComingBack(), {"up": False}, metrics, queue_timeout_s=0.01)
+    with pytest.raises(UpstreamUnavailableError, match="none came back"):
+        await admission.admit(DEFAULT)
+    assert counted(metrics, "default", "no_worker") == 1
+    assert admission.running == [0, 0, 0] and admission.awaiting_workers == 0
+
+
+async def test_with_no_worker_expected_back_a_request_does_not_wait() -> None:
+    wait = WorkerComingBack(expected=False)
+    admission = admission_waiting_for(wait, {"up": False})
+    await admission.admit(DEFAULT)  # a free slot: the flow itself answers 503, naming the pool it lacks
+    assert wait.waiting == 0
+
+
+async def test_no_more_requests_wait_for_a_worker_than_may_queue() -> None:
+    wait = WorkerComingBack()
+    admission = admission_waiting_for(wait, {"up": False}, max_queued=1)
+    first = asyncio.create_task(admission.admit(DEFAULT))
+    assert await eventually_async(lambda: wait.waiting == 1)
+    with pytest.raises(UpstreamUnavailableError, match="already wait"):
+        await admission.admit(DEFAULT)
+    first.cancel()  # a client that leaves while it waits holds nothing
+    with contextlib.suppress(asyncio.CancelledError):
+        await first
+    assert admission.awaiting_workers == 0 and admission.running == [0, 0, 0]
