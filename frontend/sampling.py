@@ -47,6 +47,9 @@ class SamplingParams:
     # Structured output: the output must be JSON valid against this schema (compact JSON text, the engine's cache
     # key; ``frontend.structured_output``). It reads only output tokens, never prompt token values.
     json_schema: str | None = None
+    # Or an llguidance grammar in its Lark syntax (``tool_choice: "auto"``'s text or well-formed calls,
+    # ``frontend.tool_parsers``); never both. It too reads only output tokens.
+    grammar: str | None = None
     # Sequences sampled from one prompt: it is prefilled once and its KV forked (sequence i seeds with seed + i).
     n: int = 1
 

@@ -118,18 +118,24 @@ def _forced_tools(tools: list[ChatTool], choice: ToolChoice | None) -> list[int]
     return named[:1]
 
 
+def call_schema(tool: ChatTool) -> dict[str, Any]:
+    """The JSON schema of a call of ``tool``: ``{"name": <its name>, "arguments": <valid against its parameters>}``,
+    in that order."""
+    function = tool.function
+    parameters = function.parameters if function.parameters is not None else _NO_ARGUMENTS
+    return {
+        "type": "object",
+        "properties": {"name": {"const": function.name}, "arguments": parameters},
+        "required": ["name", "arguments"],
+        "additionalProperties": False,
+    }
+
+
 def _tool_call_constraint(tools: list[ChatTool], forced: list[int], parameters_param: str) -> OutputConstraint:
     """``parameters_param``: where a tool's parameters are on the wire, ``{}`` its index."""
     options = []
     for index in forced:
-        function = tools[index].function
-        parameters = function.parameters if function.parameters is not None else _NO_ARGUMENTS
-        check_json_schema(parameters, parameters_param.format(index))
-        options.append({
-            "type": "object",
-            "properties": {"name": {"const": function.name}, "arguments": parameters},
-            "required": ["name", "arguments"],
-            "additionalProperties": False,
-        })
+        check_json_schema(call_schema(tools[index])["properties"]["arguments"], parameters_param.format(index))
+        options.append(call_schema(tools[index]))
     schema = options[0] if len(options) == 1 else {"anyOf": options}
     return OutputConstraint(check_json_schema(schema, "tools"), tool_call=True, param="tool_choice")

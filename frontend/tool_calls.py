@@ -9,18 +9,23 @@ history are rendered in Hermes' tags (``workers.request_builder.template_message
 
 from __future__ import annotations
 
+import functools
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import llguidance
 import orjson
 
 from frontend.errors import InvalidRequestError
 from frontend.openai_models import ChatCompletionRequest, ChatTool, GenerationWireRequest, ResponsesRequest
-from frontend.structured_output import OutputConstraint, tools_in_prompt
+from frontend.structured_output import OutputConstraint, call_schema, tools_in_prompt
 from frontend.tool_parsers import ToolCallFormat, forced
 from frontend.tool_parsers.base import ParsedCall, ToolCallParser
 from frontend.tool_parsers.forced import ForcedCallParser
+
+logger = logging.getLogger("disagg_serve.tool_calls")
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,6 +34,9 @@ class ToolCalling:
 
     format: ToolCallFormat | None  # None: the call is forced
     parallel: bool = True  # several calls in one answer (``parallel_tool_calls``); a forced call is one
+    # The format's grammar of text or well-formed calls (``SamplingParams.grammar``), where it has one and every
+    # tool's parameters compile; a forced call's grammar is the request's JSON schema instead.
+    grammar: str | None = None
 
     @property
     def forced(self) -> bool:
@@ -62,7 +70,25 @@ def tool_calling_for(wire: GenerationWireRequest, constraint: OutputConstraint |
                 param="tool_choice")
         return None  # the tools are described and the answer is text, as without a parser
     parallel = getattr(wire, "parallel_tool_calls", None) is not False
-    return ToolCalling(model_format, parallel)
+    grammar = None
+    if model_format.grammar is not None:
+        grammar = model_format.grammar([call_schema(tool) for tool in tools_in_prompt(wire)], parallel)
+        if not _compiles(grammar):  # parameters the grammar compiler refuses: the answer is read, not held
+            grammar = None
+    return ToolCalling(model_format, parallel, grammar)
+
+
+@functools.lru_cache(maxsize=256)
+def _compiles(grammar: str) -> bool:
+    """Whether llguidance compiles ``grammar`` (once per distinct grammar: a client sends the same tools again)."""
+    try:
+        error = llguidance.LLMatcher.validate_grammar(llguidance.LLMatcher.grammar_from_lark(grammar))
+    except ValueError as exc:
+        error = str(exc)
+    if error:
+        logger.info("tool_choice auto: the tools' grammar does not compile, answers are read without it: %s",
+                    error.splitlines()[0])
+    return not error
 
 
 def tools_system_text(tools: list[ChatTool], instructions: str = forced.INSTRUCTIONS) -> str:

@@ -7,6 +7,7 @@ aggregated serving. The answer's shape (``workers.dialects``) is chosen once, in
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from typing import Any
@@ -176,8 +177,10 @@ class WorkerService:
         info = self.engine.info
         constraint = output_constraint(wire)
         sampling = sampling_params_from(wire, info, constraint)
-        dialect.refuse_unservable(wire, sampling, phase)
         tool_calling = self.tool_calling(wire, constraint)
+        if tool_calling is not None and tool_calling.grammar is not None and info.supports_structured_output:
+            sampling = dataclasses.replace(sampling, grammar=tool_calling.grammar)  # auto: text or well-formed calls
+        dialect.refuse_unservable(wire, sampling, phase)
         prompt = await prepare_prompt(wire, sampling, info, self.tokenizer, tool_calling)
         sampling = resolve_max_tokens(wire, sampling, int(prompt.tokens.size), info)
         assert sampling.max_tokens is not None

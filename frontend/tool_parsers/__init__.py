@@ -7,8 +7,9 @@ parser here reads gets none: ``tool_choice: "auto"`` is then refused with a 400 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from frontend.tool_parsers import hermes, llama3_json, mistral
 from frontend.tool_parsers.base import ToolCallParser
@@ -23,10 +24,13 @@ class ToolCallFormat:
     instructions: str  # how the prompt asks for a call, where the template does not say
     parser: Callable[[bool], ToolCallParser]  # a reader for one answer; its argument: several calls allowed
     template_markers: tuple[str, ...]  # text a chat template that writes calls this way holds
+    # The grammar (llguidance's Lark) of an answer that is text or well-formed calls, from the calls' object
+    # schemas and whether several are allowed; None: the answer is read, not held to one.
+    grammar: Callable[[Sequence[dict[str, Any]], bool], str] | None = None
 
 
 FORMATS: dict[str, ToolCallFormat] = {
-    "hermes": ToolCallFormat("hermes", hermes.INSTRUCTIONS, HermesParser, (hermes.OPEN,)),
+    "hermes": ToolCallFormat("hermes", hermes.INSTRUCTIONS, HermesParser, (hermes.OPEN,), hermes.grammar),
     "llama3_json": ToolCallFormat("llama3_json", llama3_json.INSTRUCTIONS, Llama3JsonParser,
                                   (llama3_json.PYTHON_TAG,)),
     "mistral": ToolCallFormat("mistral", mistral.INSTRUCTIONS, MistralParser, (mistral.MARKER,)),

@@ -1,8 +1,10 @@
-"""Constrained decoding in the engine core: a JSON schema becomes a per-step mask of the tokens that keep the output
-valid, computed by llguidance over this model's tokenizer (docs/engines.md says why llguidance).
+"""Constrained decoding in the engine core: a JSON schema (or a grammar in llguidance's Lark syntax) becomes a
+per-step mask of the tokens that keep the output valid, computed by llguidance over this model's tokenizer
+(docs/engines.md says why llguidance).
 
 A request gets a ``deep_copy`` of a cached compiled matcher, which shares its lexer and parser tables; the cache is
-bounded and keyed by the schema's compact JSON text. The llguidance tokenizer is built on the first grammar request."""
+bounded and keyed by the schema's compact JSON text (or the grammar's text). The llguidance tokenizer is built on
+the first grammar request."""
 
 from __future__ import annotations
 
@@ -84,26 +86,29 @@ class GrammarCompiler:
             )
         return self._ll_tokenizer
 
-    def constraint(self, schema_text: str) -> TokenConstraint:
+    def constraint(self, text: str, lark: bool = False) -> TokenConstraint:
+        """A fresh state of the JSON schema ``text`` (or, ``lark``, of the Lark grammar ``text``)."""
+        key = ("lark:" if lark else "json:") + text
         with self._lock:
-            compiled = self._compiled.get(schema_text)
+            compiled = self._compiled.get(key)
             if compiled is None:
-                compiled = self._compile(schema_text)
-                self._compiled[schema_text] = compiled
+                compiled = self._compile(text, lark)
+                self._compiled[key] = compiled
                 while len(self._compiled) > self._capacity:
                     self._compiled.popitem(last=False)
             else:
-                self._compiled.move_to_end(schema_text)
+                self._compiled.move_to_end(key)
             return TokenConstraint(compiled.deep_copy(), self._vocab_size)
 
-    def _compile(self, schema_text: str) -> llguidance.LLMatcher:
+    def _compile(self, text: str, lark: bool) -> llguidance.LLMatcher:
+        what = "grammar" if lark else "JSON schema"
         try:
-            grammar = json_grammar(schema_text)
+            grammar = llguidance.LLMatcher.grammar_from_lark(text) if lark else json_grammar(text)
         except ValueError as exc:
-            raise GrammarError(f"invalid JSON schema: {exc}") from exc
+            raise GrammarError(f"invalid {what}: {exc}") from exc
         matcher = llguidance.LLMatcher(self._tokenizer(), grammar, log_level=0)
         if matcher.is_error():
-            raise GrammarError(f"invalid JSON schema: {matcher.get_error()}")
+            raise GrammarError(f"invalid {what}: {matcher.get_error()}")
         self.compilations += 1
         return matcher
 

@@ -240,11 +240,15 @@ class Scheduler:
             self.emit(message)
 
     def _constraint(self, spec: SubmitSpec) -> TokenConstraint | None:
-        if spec.sampling.json_schema is None:
+        sampling = spec.sampling
+        if sampling.json_schema is None and sampling.grammar is None:
             return None
         if self.grammars is None:
             raise GrammarError("this engine core has no grammar compiler")
-        return self.grammars.constraint(spec.sampling.json_schema)
+        if sampling.grammar is not None:
+            return self.grammars.constraint(sampling.grammar, lark=True)
+        assert sampling.json_schema is not None
+        return self.grammars.constraint(sampling.json_schema)
 
     def _sampler(self, spec: SubmitSpec, prompt: TokenArray, index: int, so_far: tuple[int, ...] = ()) -> Sampler:
         return Sampler(spec.sampling, prompt, self.vocab_size, output_so_far=so_far, sequence_index=index)

@@ -57,6 +57,8 @@ def vllm_sampling_fields(
         fields["logit_bias"] = dict(sampling.logit_bias)
     if sampling.json_schema is not None:
         fields["structured_outputs"] = {"json": guidance_schema(sampling.json_schema)}
+    elif sampling.grammar is not None:  # Lark with its %llguidance header, which the guidance backend reads as such
+        fields["structured_outputs"] = {"grammar": sampling.grammar}
     if kv_transfer_params is not None:
         fields["extra_args"] = {"kv_transfer_params": kv_transfer_params}
     return fields

@@ -7,6 +7,7 @@ import numpy as np
 import orjson
 import pytest
 
+from frontend.tool_parsers import hermes
 from tests.workers.engines.reference.conftest import Engine
 from workers.engines.reference.grammar import GrammarCompiler, GrammarError
 
@@ -112,3 +113,26 @@ def test_a_fork_is_an_independent_state_at_the_same_place(compiler: GrammarCompi
     assert original.complete and not fork.complete
     fork.advance_all(tiny.tokenizer.encode("false}").tolist())
     assert fork.complete
+
+
+def test_a_lark_grammar_is_compiled_and_cached_apart_from_a_schema(compiler: GrammarCompiler, tiny: Engine) -> None:
+    # tool_choice auto's grammar (frontend.tool_parsers.hermes): text, or text then a well-formed call.
+    call = {"type": "object", "properties": {"name": {"const": "f"}, "arguments": orjson.loads(SCHEMA)},
+            "required": ["name", "arguments"], "additionalProperties": False}
+    lark = hermes.grammar([call], parallel=False)
+
+    def accepts(text: str) -> bool:
+        constraint = compiler.constraint(lark, lark=True)
+        try:
+            constraint.advance_all(tiny.tokenizer.encode(text).tolist())
+        except GrammarError:
+            return False
+        return constraint.complete
+
+    assert accepts("Just text, even with a < b in it.")
+    assert accepts('Let me see.<tool_call>\n{"name": "f", "arguments": {"ok": true}}\n</tool_call>')
+    assert not accepts('<tool_call>\n{"name": "g", "arguments": {"ok": true}}\n</tool_call>')  # no such tool
+    assert not accepts('<tool_call>\n{"name": "f", "arguments": {"ok": 1}}\n</tool_call>')  # invalid arguments
+    assert not accepts("text that opens <tool_call> and never calls")
+    with pytest.raises(GrammarError):
+        compiler.constraint("start: (", lark=True)

@@ -52,8 +52,9 @@ def byte_level_alphabet() -> list[str]:
     return [chr(mapping[b]) for b in range(256)]
 
 
-def tiny_vocab() -> tuple[list[str], list[str], list[int]]:
-    """(tokens, merges as "a b" strings, token types)."""
+def tiny_vocab(added_tokens: tuple[str, ...] = ()) -> tuple[list[str], list[str], list[int]]:
+    """(tokens, merges as "a b" strings, token types); ``added_tokens`` (printable ASCII) last, user-defined tokens
+    whose text is their own, as Hermes' and Qwen's ``<tool_call>``."""
     tokens = [*CONTROL_TOKENS, *byte_level_alphabet()]
     types = [int(TokenType.CONTROL)] * len(CONTROL_TOKENS) + [int(TokenType.NORMAL)] * 256
     known = set(tokens)
@@ -65,6 +66,9 @@ def tiny_vocab() -> tuple[list[str], list[str], list[int]]:
             tokens.append(merged)
             types.append(int(TokenType.NORMAL))
             known.add(merged)
+    for added in added_tokens:
+        tokens.append(added)
+        types.append(int(TokenType.USER_DEFINED))
     return tokens, [f"{a} {b}" for a, b in _MERGES], types
 
 
@@ -81,6 +85,7 @@ def write_tiny_model(
     rope_base: float = 10000.0,
     tied_output: bool = True,
     tensor_type: GGMLQuantizationType = GGMLQuantizationType.F32,
+    added_tokens: tuple[str, ...] = (),
 ) -> pathlib.Path:
     """Write a random llama GGUF to `path` and return it.
 
@@ -88,7 +93,7 @@ def write_tiny_model(
     """
     path = pathlib.Path(path)
     rng = np.random.default_rng(seed)
-    tokens, merges, types = tiny_vocab()
+    tokens, merges, types = tiny_vocab(added_tokens)
     vocab = len(tokens)
     head_dim = d_model // n_heads
 

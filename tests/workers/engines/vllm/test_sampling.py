@@ -9,6 +9,7 @@ import pytest
 from frontend.errors import UnsupportedParameterError
 from frontend.sampling import SamplingParams
 from frontend.structured_output import JSON_OPTIONS, check_json_schema, json_grammar
+from frontend.tool_parsers import hermes
 from workers.engines.vllm.sampling import (
     guidance_schema,
     refuse_n_across_handoff,
@@ -66,6 +67,15 @@ def test_a_json_schema_reaches_vllm_as_the_grammar_our_front_end_compiles() -> N
     vllm_compiles = llguidance.LLMatcher.grammar_from_json_schema(sent, defaults={"whitespace_flexible": True})
     assert vllm_compiles == json_grammar(schema)
     assert "structured_outputs" not in vllm_sampling_fields(SamplingParams(max_tokens=5), 5, {2}, None)
+
+
+def test_tool_choice_autos_grammar_reaches_vllm_as_lark_for_its_guidance_backend() -> None:
+    lark = hermes.grammar([{"type": "object", "properties": {"name": {"const": "f"}, "arguments": {"type": "object"}},
+                            "required": ["name", "arguments"]}], parallel=True)
+    fields = vllm_sampling_fields(SamplingParams(max_tokens=5, grammar=lark), 5, {2}, None)
+    assert fields["structured_outputs"] == {"grammar": lark}
+    assert lark.startswith("%llguidance")  # what llguidance reads as its Lark syntax
+    assert not llguidance.LLMatcher.validate_grammar(llguidance.LLMatcher.grammar_from_lark(lark))
 
 
 def test_a_boolean_schema_passes_as_it_is() -> None:
