@@ -21,6 +21,7 @@ from entrypoints.http.limits import (
 )
 from frontend.http import DEFAULT_MAX_BODY_BYTES
 from frontend.send_timeout import DEFAULT_SEND_TIMEOUT_S
+from frontend.tool_parsers import FORMATS as TOOL_CALL_FORMATS
 from workers.drain import DEFAULT_DRAIN_TIMEOUT_S
 from workers.engines.factory import ENGINE_NAMES
 from workers.engines.options import (
@@ -113,6 +114,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="announce this worker to an orchestrator at start-up, and leave at shutdown")
     worker.add_argument("--advertise-url", default=None,
                         help="the URL the orchestrator should use for this worker (default http://HOST:PORT)")
+    worker.add_argument("--tool-call-parser", choices=sorted(TOOL_CALL_FORMATS), default=None,
+                        help="how tool_choice 'auto' reads the model's tool calls out of its answers (hermes: "
+                             "<tool_call> tags; llama3_json: a bare JSON call; mistral: [TOOL_CALLS]); default: the "
+                             "format the chat template writes calls in, hermes for one that knows no tools")
     worker.add_argument("--admin-key", default=None,
                         help="the deployment's admin key: sent to the orchestrator for --register, and required by "
                              "this worker's admin endpoints (GET /v1/disagg/handoffs; without it they answer 403)")

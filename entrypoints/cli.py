@@ -183,7 +183,8 @@ def run_worker(args: argparse.Namespace, argv: Sequence[str]) -> int:
                               admin_key=args.admin_key or None,
                               kv_events_endpoint=events, kv_events_replay_endpoint=replay, lifecycle=lifecycle,
                               internal_secret=secret, trtllm_auth_key=trtllm_auth_key_from_env(),
-                              advertise_url=args.advertise_url or None, drain_timeout_s=args.drain_timeout_s)
+                              advertise_url=args.advertise_url or None, drain_timeout_s=args.drain_timeout_s,
+                              tool_call_parser=args.tool_call_parser)
     registration = None
     if args.register:
         advertise = args.advertise_url or f"http://{args.host}:{args.port}"
