@@ -227,6 +227,24 @@ def test_orchestrator_discovers_the_workers_headless_services() -> None:
     assert (config.hostname, config.port, config.gen_tokids_metadata_only) == ("0.0.0.0", 8000, False)
 
 
+@pytest.mark.parametrize(("drain", "pre_stop"), [(None, None), (120, 0)], ids=["default", "long_drain_no_pre_stop"])
+def test_a_workers_grace_period_follows_its_drain_and_its_pre_stop_sleep(drain: int | None,
+                                                                         pre_stop: int | None) -> None:
+    given = {} if drain is None else {c: {"drainTimeoutSeconds": drain, "preStopSleepSeconds": pre_stop}
+                                      for c in ("ctx", "gen")}
+    resources = by_kind(render(given or None))
+    drain, pre_stop = drain or 30, 5 if pre_stop is None else pre_stop
+    for component in ("ctx", "gen"):
+        deployment = resources[("Deployment", f"{PREFIX}-{component}")]
+        assert env_of(deployment)["DISAGG_DRAIN_TIMEOUT_S"]["value"] == str(drain)  # the worker's --drain-timeout-s
+        assert deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == pre_stop + drain + 10
+        lifecycle = container(deployment).get("lifecycle")
+        if pre_stop:
+            assert lifecycle == {"preStop": {"exec": {"command": ["sleep", str(pre_stop)]}}}
+        else:
+            assert lifecycle is None
+
+
 def test_non_default_values() -> None:
     resources = by_kind(render(NON_DEFAULT))
     hpas = {name: m["spec"] for (kind, name), m in resources.items() if kind == "HorizontalPodAutoscaler"}
