@@ -25,6 +25,8 @@ class Outcome:
     kind: str  # ok | cancelled | error
     detail: str = ""
     streaming: bool = False
+    ttft_s: float | None = None  # a stream's: its first piece of text, from the request's start
+    max_gap_s: float | None = None  # a stream's: the longest wait between two pieces of text (its worst stall)
 
 
 @dataclass
@@ -38,6 +40,9 @@ class Settings:
     sample_every_s: float
     settle_s: float
     seed: int
+    gens: int = 1  # GEN workers
+    kill_every_s: float | None = None  # SIGKILL one GEN (in turn) this often, and start it again
+    roll_every_s: float | None = None  # SIGTERM one GEN (in turn) this often, wait for its exit, start it again
 
 
 async def one_request(client: httpx.AsyncClient, url: str, rng: random.Random, settings: Settings) -> Outcome:
@@ -75,6 +80,9 @@ async def _streamed(client: httpx.AsyncClient, url: str, body: dict[str, Any], m
     parts: list[str] = []
     frames = 0
     buffer = b""
+    first: float | None = None  # when the first piece of text came, and the last one
+    last = started
+    max_gap = 0.0
     async with client.stream("POST", url + "/v1/chat/completions", content=orjson.dumps(body)) as response:
         if response.status_code != 200:
             text = (await response.aread()).decode(errors="replace")
@@ -88,13 +96,22 @@ async def _streamed(client: httpx.AsyncClient, url: str, body: dict[str, Any], m
                     text = "".join(parts)
                     if text != synthetic_text(max_tokens):
                         return Outcome(started, time.monotonic(), "error", f"wrong text {text[:60]!r}", True)
-                    return Outcome(started, time.monotonic(), "ok", streaming=True)
+                    return Outcome(started, time.monotonic(), "ok", streaming=True,
+                                   ttft_s=None if first is None else first - started, max_gap_s=max_gap)
                 payload = orjson.loads(frame.removeprefix(b"data: "))
                 if "error" in payload:
                     return Outcome(started, time.monotonic(), "error",
                                    f"stream error event: {payload['error'].get('message', '')[:200]}", True)
                 if payload.get("choices"):
-                    parts.append(payload["choices"][0]["delta"].get("content") or "")
+                    piece = payload["choices"][0]["delta"].get("content") or ""
+                    if piece:
+                        now = time.monotonic()
+                        if first is None:
+                            first = now
+                        else:
+                            max_gap = max(max_gap, now - last)
+                        last = now
+                    parts.append(piece)
             if leave_after is not None and frames >= leave_after:
                 return Outcome(started, time.monotonic(), "cancelled", streaming=True)  # leaves: closes the stream
     return Outcome(started, time.monotonic(), "error", "the stream ended without [DONE]", True)

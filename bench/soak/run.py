@@ -1,5 +1,5 @@
-"""A soak's run: its ``disagg-serve`` processes, GEN's restart window, and every request's outcome: what the
-command drives and the report reads."""
+"""A soak's run: its ``disagg-serve`` processes, each GEN stop and start (``GenEvent``), and every request's outcome:
+what the command drives and the report reads."""
 
 from __future__ import annotations
 
@@ -78,18 +78,28 @@ class Proc:
 
 
 @dataclass
-class RestartWindow:
-    sigterm_at: float | None = None
+class GenEvent:
+    """One GEN worker stopped and started again: ``kind`` is the signal (``SIGTERM``: drained first; ``SIGKILL``:
+    gone at once, its streams cut), and the times are the load's clock."""
+
+    kind: str
+    role: str
+    signal_at: float
+    exited_at: float | None = None
     healthy_at: float | None = None
     old_pid: int | None = None
     new_pid: int | None = None
     exit_status: int | None = None
 
     def covers(self, started: float, ended: float, slack_s: float) -> bool:
-        if self.sigterm_at is None:
-            return False
+        """Whether a request that ran from ``started`` to ``ended`` overlaps this event (until the worker was healthy
+        again, plus ``slack_s``)."""
         end = (self.healthy_at if self.healthy_at is not None else float("inf")) + slack_s
-        return started <= end and ended >= self.sigterm_at
+        return started <= end and ended >= self.signal_at
+
+    def in_flight(self, started: float, ended: float) -> bool:
+        """Whether a request was running when the signal was sent (the one a kill cuts, or a drain lets finish)."""
+        return started <= self.signal_at <= ended
 
 
 @dataclass
@@ -98,6 +108,10 @@ class Run:
     processes: dict[str, Proc]
     outcomes: list[Outcome] = field(default_factory=list)
     samples: list[dict[str, Any]] = field(default_factory=list)
-    restart: RestartWindow = field(default_factory=RestartWindow)
+    events: list[GenEvent] = field(default_factory=list)
     load_started: float = 0.0
     load_ended: float = 0.0
+
+    @property
+    def gens(self) -> list[Proc]:
+        return [proc for role, proc in self.processes.items() if role.startswith("gen")]
