@@ -29,8 +29,8 @@ class _State(Enum):
 
 
 class JsonCall:
-    """One call object's reader. ``feed`` returns the text after the object once it has closed or the reader has
-    failed (the failing character is in ``seen``), else None."""
+    """One call object's reader. ``feed`` returns the text after the object once it has closed, or from the first
+    character that cannot open one where the reader failed (what it read is ``seen``), else None."""
 
     def __init__(self) -> None:
         self._state = _State.HEAD
@@ -69,9 +69,10 @@ class JsonCall:
             self._seen.append(char)
             closed = self._step(char)
             if self._state is _State.HEAD:
-                if not self._seen_could_open():
+                if not self._seen_could_open():  # the character that cannot open a call is given back unread
+                    self._seen.pop()
                     self._state = _State.FAILED
-                    return text[position + 1:]
+                    return text[position:]
                 if char == ":" and not self._in_string:
                     self._open_if_head()
             elif self._state is _State.ARGUMENTS:

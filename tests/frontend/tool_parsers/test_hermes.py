@@ -60,3 +60,9 @@ def test_text_after_the_calls_is_not_the_clients() -> None:
     answer = '<tool_call>{"name": "f", "arguments": {}}</tool_call> and then I said more'
     parsed = parse_whole(HermesParser(parallel=True), answer)
     assert parsed == ParsedAnswer(None, (ParsedCall("f", "{}"),))
+
+
+def test_a_call_right_after_a_tag_with_no_call_is_still_read() -> None:
+    text = '<tool_call> <tool_call>{"name": "f", "arguments": {}}</tool_call>'
+    for piece in (1, 5, 100):
+        assert summary(read(HermesParser(parallel=True), text, piece)) == ("<tool_call> ", [("f", "{}")])
