@@ -347,3 +347,54 @@ def test_the_replay_of_a_function_call_streams_the_call() -> None:
     final = parse_frames(frames)[-1][1]["response"]
     assert {k: final[k] for k in ("output", "tools", "tool_choice", "parallel_tool_calls", "usage")} == \
         {k: body[k] for k in ("output", "tools", "tool_choice", "parallel_tool_calls", "usage")}
+
+
+def test_text_then_calls_stream_as_a_message_item_then_function_call_items() -> None:
+    renderer = StreamRenderer(ident("responses"), tool_call=True)
+    frames = [*renderer.begin(), *renderer.delta("Let me look."),
+              *renderer.tool_call_opened("call_abc123", "weather", 0), *renderer.tool_call_arguments('{"city"', 0),
+              *renderer.tool_call_arguments(': "Paris"}', 0), *renderer.tool_call_opened("call_abc123-1", "time", 1),
+              *renderer.tool_call_arguments("{}", 1), *renderer.finish("stop", USAGE)]
+    assert validate_responses_events(frames)[2:] == [
+        "response.output_item.added", "response.content_part.added", "response.output_text.delta",
+        "response.output_text.done", "response.content_part.done", "response.output_item.done",
+        "response.output_item.added", "response.function_call_arguments.delta",
+        "response.function_call_arguments.delta", "response.function_call_arguments.done",
+        "response.output_item.done",
+        "response.output_item.added", "response.function_call_arguments.delta",
+        "response.function_call_arguments.done", "response.output_item.done", "response.completed"]
+    parsed = [data for _, data in parse_frames(frames)]
+    assert [data["sequence_number"] for data in parsed] == list(range(len(frames)))
+    final = Response.model_validate(parsed[-1]["response"])
+    message, weather, time = final.output
+    assert final.status == "completed" and final.output_text == "Let me look."
+    assert message.type == "message"
+    assert weather.type == "function_call" and (weather.id, weather.arguments) == ("fc_abc123", '{"city": "Paris"}')
+    assert time.type == "function_call" and (time.id, time.call_id) == ("fc_abc123_1", "call_abc123-1")
+    indexes = [(data["type"], data.get("output_index")) for data in parsed if "output_index" in data]
+    assert {index for kind, index in indexes if kind.startswith("response.output_text")} == {0}
+    assert {index for kind, index in indexes if kind.startswith("response.function_call")} == {1, 2}
+    # The whole answer says the same, and its replay streams it again.
+    body = render_response(ident("responses"), "Let me look.", "stop", USAGE)
+    as_function_call_output(body, [{"id": "call_abc123", "type": "function",
+                                    "function": {"name": "weather", "arguments": '{"city": "Paris"}'}},
+                                   {"id": "call_abc123-1", "type": "function",
+                                    "function": {"name": "time", "arguments": "{}"}}], "Let me look.")
+    assert body["output"] == parsed[-1]["response"]["output"]
+    replayed = replay_as_stream("responses", orjson.loads(orjson.dumps(body)), include_usage=False)
+    assert parse_frames(replayed)[-1][1]["response"]["output"] == body["output"]
+
+
+def test_chat_tool_call_deltas_carry_the_id_and_name_first_then_the_arguments_in_pieces() -> None:
+    renderer = StreamRenderer(ident("chat"), tool_call=True)
+    frames = [*renderer.tool_call_opened("call_abc123", "weather", 0, choice=1),
+              *renderer.tool_call_arguments('{"city"', 0, choice=1), *renderer.tool_call_arguments("", 0, choice=1)]
+    chunks = [ChatCompletionChunk.model_validate(data) for _, data in parse_frames(frames)]
+    assert len(chunks) == 2  # an empty piece sends nothing
+    first, second = (chunk.choices[0] for chunk in chunks)
+    assert first.index == second.index == 1
+    (opened,) = first.delta.tool_calls or []
+    assert (opened.index, opened.id, opened.type) == (0, "call_abc123", "function")
+    assert opened.function is not None and (opened.function.name, opened.function.arguments) == ("weather", "")
+    (piece,) = second.delta.tool_calls or []
+    assert piece.id is None and piece.function is not None and piece.function.arguments == '{"city"'
