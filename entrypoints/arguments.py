@@ -156,6 +156,10 @@ def build_parser() -> argparse.ArgumentParser:
                       help="keep Responses API answers in this Redis or Valkey (redis://HOST:6379/0, rediss://, "
                            "unix://), shared by every process and replica (or DISAGG_RESPONSE_STORE_URL); "
                            "default: this process's memory")
+    orch.add_argument("--migration-limit", type=int, default=None, metavar="N",
+                      help="a GEN stream that breaks after the client has part of the answer continues on another "
+                           "GEN worker, at most N times per request (0: never); overrides the config's "
+                           "migration_limit (default 2)")
     _add_front_end_arguments(orch)
 
     up = sub.add_parser("up", help="start orchestrator + one CTX + one GEN on this machine and serve")

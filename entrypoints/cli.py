@@ -219,7 +219,7 @@ def run_orchestrator(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
     try:
         config = load_config(args.config, hostname=args.host, port=args.port,
-                             response_store_url=args.response_store_url or None)
+                             response_store_url=args.response_store_url or None, migration_limit=args.migration_limit)
     except ConfigError as exc:
         print(f"disagg-serve orchestrator: {exc}", file=sys.stderr)
         return 2

@@ -206,6 +206,9 @@ class OrchestratorConfig(_Frozen):
     request_timeout_s: Annotated[float, Field(gt=0)] = 600.0
     connect_timeout_s: Annotated[float, Field(gt=0)] = 5.0
     max_retries: Annotated[int, Field(ge=0, le=10)] = 1
+    # A GEN stream that breaks after the client has part of the answer continues on another GEN worker, at most
+    # this many times per request (0: never; the stream then ends with an error event).
+    migration_limit: Annotated[int, Field(ge=0, le=10)] = 2
     # The HTTP client of the calls to workers (orchestrator/upstream/choice.py: make_transport).
     upstream_client: Literal["httptools", "aiohttp"] = "httptools"
     health_check_interval_s: Annotated[float, Field(gt=0)] = 2.0

@@ -50,6 +50,9 @@ class DisaggregatedParams(WireModel):
     return_prompt_token_ids_b64: bool = False
     more_sequences: list[MoreSequenceStart] | None = None  # sequences 1..n-1, by index
     cached_tokens: Annotated[int, Field(ge=0)] | None = None  # prompt tokens CTX reused from its KV blocks
+    # A stream continued on another GEN (orchestrator/flow/migration.py): ``first_gen_tokens`` are the tokens the
+    # client has, and these the sizes of the steps the broken stream wrote them in (its text depends on them).
+    first_gen_steps: list[Annotated[StrictInt, Field(ge=1)]] | None = None
     native_extensions: bool = False
     # TensorRT-LLM's fields that mean nothing to this engine are accepted and left unread: draft tokens are a
     # speculative hint, the rank / endpoint / usage / thinking fields describe TensorRT-LLM's own engines.

@@ -53,6 +53,12 @@ class Metrics:
             "disagg_ctx_step_seconds", "Orchestrator: time in the CTX step, by CTX worker", ["worker"],
             buckets=_LATENCY_BUCKETS, registry=r,
         )
+        # Streams that broke after the client had part of the answer (orchestrator/flow/migration.py): by the GEN
+        # worker that broke and what became of the stream (resumed on another, failed, over_limit, not_resumable).
+        self.stream_migrations = Counter(
+            "disagg_stream_migrations", "Orchestrator: GEN streams that broke mid-way, by pool, worker and outcome",
+            ["pool", "worker", "outcome"], registry=r,
+        )
         self.gen_first_byte = Histogram(
             "disagg_gen_first_byte_seconds", "Orchestrator: GEN request sent to its first byte, by GEN worker",
             ["worker"], buckets=_LATENCY_BUCKETS, registry=r,

@@ -6,6 +6,10 @@ is written to the client from the callback that read it from GEN, waking no coro
 pieces (tracing, a tenant's token count, a kept Responses answer) iterates them (``RelayedStream.frames``). Past a
 final end marker GEN has ``TAIL_S`` to end its body, so a GEN that stalls there cannot hold the client's
 connection until the worker read timeout; its connection is then closed.
+
+With a ``StreamMigration`` (``orchestrator.flow.migration``) a stream that breaks before its final end marker is
+not ended with an error event but continued on another GEN worker: every piece goes through the migration's
+``feed`` first (whole frames only, its token ids stripped), and its ``resume`` gives the stream to relay next.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import logging
 import time
 from collections.abc import AsyncGenerator, Callable
 from contextlib import aclosing
+from typing import Protocol
 
 import orjson
 
@@ -31,6 +36,23 @@ logger = logging.getLogger(__name__)
 _ERROR_EVENT = b"event: error"  # an end marker that another engine's Responses stream may follow with more events
 _STREAM_ENDS = (DONE_FRAME, b"event: response.completed", b"event: response.incomplete", _ERROR_EVENT)
 TAIL_S = 2.0  # how long GEN's stream is awaited past its final end marker (see above)
+
+
+class StreamMigration(Protocol):
+    """What the relay asks of a stream that may move to another GEN worker (``orchestrator.flow.migration``)."""
+
+    def feed(self, chunk: bytes) -> bytes:
+        """What of GEN's ``chunk`` the client gets."""
+        ...
+
+    @property
+    def broken(self) -> str | None:
+        """GEN's own error message, once it wrote an error event (held back from the client)."""
+        ...
+
+    async def resume(self, failed: PoolMember, reason: str) -> tuple[OpenStream, PoolMember] | None:
+        """The stream that goes on where the client is, on another worker; None where there is none."""
+        ...
 
 
 class _Watch:
@@ -96,12 +118,14 @@ class RelayedStream:
     then hangs up before GEN's last bytes (the end of its chunked body) are read, as the openai SDK does right
     after ``[DONE]``."""
 
-    __slots__ = ("endpoint", "member", "metrics", "on_end", "prompt_tokens", "started", "stream", "tail_s")
+    __slots__ = ("endpoint", "member", "metrics", "migration", "on_end", "prompt_tokens", "started", "stream",
+                 "tail_s")
 
     def __init__(self, stream: OpenStream, member: PoolMember, prompt_tokens: int, endpoint: Endpoint,
                  started: float, metrics: Metrics, on_end: Callable[[], None] | None = None,
-                 tail_s: float = TAIL_S) -> None:
-        self.stream = stream
+                 tail_s: float = TAIL_S, migration: StreamMigration | None = None) -> None:
+        self.stream = stream  # GEN's stream being relayed: another one's after a migration
+        self.migration = migration
         self.on_end = on_end
         self.tail_s = tail_s
         self.member = member
@@ -122,17 +146,26 @@ class RelayedStream:
             callback()
         self.on_end = both
 
+    async def aclose(self) -> None:
+        """Close the GEN stream being relayed (idempotent)."""
+        await self.stream.aclose()
+
     async def push(self, write: ChunkWriter, drained: Drained, finish: LastChunkWriter) -> None:
         """Each piece to ``write`` as it is read, the one that holds a final end marker (``_Watch.final``) to
         ``finish`` (which ends the client's answer with it, in one send) and nothing after it; a stream that ends
         without one ends with the error event, as ``frames``. Past the final marker GEN has ``tail_s`` to end."""
         watch = _Watch(self.started, self.metrics, self.on_end)
         loop = asyncio.get_running_loop()
+        migration = self.migration
         tail = asyncio.timeout(None)  # no deadline until the final marker has passed
 
         def take(chunk: bytes) -> bool:
             if watch.final:
                 return True  # past the end marker: nothing for the client
+            if migration is not None:
+                chunk = migration.feed(chunk)
+                if not chunk:
+                    return True
             watch.feed(chunk)
             if watch.final:
                 finish(chunk)  # the client's answer ends with this piece, in its send
@@ -140,19 +173,26 @@ class RelayedStream:
                 return True
             return write(chunk)
 
-        failure: UpstreamError | None = None
-        with self.member.carrying(self.prompt_tokens, 0):  # its first byte came: the prompt is computed
-            try:
-                async with tail:
-                    await self.stream.push(take, drained)
-            except UpstreamError as exc:
-                failure = exc
-            except TimeoutError:
-                if not tail.expired():
-                    raise
-                self._stalled()
-            finally:
-                await self.stream.aclose()
+        while True:
+            failure: UpstreamError | None = None
+            tail = asyncio.timeout(None)
+            with self.member.carrying(self.prompt_tokens, 0):  # its first byte came: the prompt is computed
+                try:
+                    async with tail:
+                        await self.stream.push(take, drained)
+                except UpstreamError as exc:
+                    failure = exc
+                except TimeoutError:
+                    if not tail.expired():
+                        raise
+                    self._stalled()
+                finally:
+                    await self.stream.aclose()
+            if not watch.final and migration is not None:
+                failure = await self._migrate(migration, failure)
+                if failure is None:
+                    continue  # relayed on from the continuation's stream
+            break
         ending = self._ending(watch, failure)  # (which logs a break, after the end marker too)
         if watch.final:
             return  # the client's answer was whole, however GEN's stream went on after its end marker
@@ -162,11 +202,34 @@ class RelayedStream:
 
     async def frames(self) -> AsyncGenerator[bytes, None]:
         watch = _Watch(self.started, self.metrics, self.on_end)
-        failure: UpstreamError | None = None
+        migration = self.migration
+        while True:
+            failure: UpstreamError | None = None
+            async with aclosing(self._frames_of_one(watch)) as pieces:
+                async for piece in pieces:
+                    if isinstance(piece, UpstreamError):
+                        failure = piece
+                        break
+                    yield piece
+            if not watch.final and migration is not None:
+                failure = await self._migrate(migration, failure)
+                if failure is None:
+                    continue
+            break
+        for frame in self._ending(watch, failure):
+            yield frame
+
+    async def _frames_of_one(self, watch: _Watch) -> AsyncGenerator[bytes | UpstreamError, None]:
+        """The pieces of the GEN stream being relayed, then the failure that ended it, if one did."""
+        migration = self.migration
         with self.member.carrying(self.prompt_tokens, 0):
             try:
                 async with aclosing(self.stream.chunks()) as chunks:
                     async for chunk in chunks:
+                        if migration is not None:
+                            chunk = migration.feed(chunk)
+                            if not chunk:
+                                continue
                         watch.feed(chunk)
                         yield chunk
                         if watch.final:
@@ -184,11 +247,20 @@ class RelayedStream:
                                 break
                             yield chunk
             except UpstreamError as exc:
-                failure = exc
+                yield exc
             finally:
                 await self.stream.aclose()
-        for frame in self._ending(watch, failure):
-            yield frame
+
+    async def _migrate(self, migration: StreamMigration, failure: UpstreamError | None) -> UpstreamError | None:
+        """The GEN stream broke before its final end marker: relay on from a continuation (None), or the failure
+        that ends the client's stream."""
+        broken = migration.broken
+        reason = failure.message if failure is not None else broken or "its stream ended before it was complete"
+        resumed = await migration.resume(self.member, reason)
+        if resumed is None:
+            return failure or UpstreamError(broken or "the GEN stream ended before it was complete")
+        self.stream, self.member = resumed
+        return None
 
     def _stalled(self) -> None:
         logger.warning("GEN worker %s did not end its stream within %g s of its end marker: its connection is "

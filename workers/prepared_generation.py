@@ -25,6 +25,9 @@ class PreparedGeneration:
     answered_at_context: bool = False  # CTX's first tokens used up max_tokens: they are the whole answer
     chain: PrefixChain | None = None  # the prompt's prefix chain, recorded once the engine holds its KV
     grant: UUID | None = None  # lifecycle v1: the generation grant this GEN request runs under
+    # The orchestrator asked for each streamed piece's token ids (frontend/stream_token_ids.py), to continue the
+    # stream on another worker if this one breaks.
+    stream_token_ids: bool = False
     # GEN, once its engine accepted the hand-off: prompt tokens it computed itself (frontend/prompt_report.py)
     recomputed_tokens: int | None = None
 

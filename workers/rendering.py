@@ -12,6 +12,7 @@ import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from typing import Any
 
+from frontend import stream_token_ids
 from frontend.errors import EngineError, InvalidRequestError, ServingError
 from frontend.openai_output import (
     ChoiceOutput,
@@ -124,6 +125,8 @@ class Renderer:
                     events = parsers[step.index].feed(step.text)
                     frames = self._tool_frames(prepared, renderer, events, calls, step.index, logprobs,
                                                prompt_logprobs)
+                if prepared.stream_token_ids:
+                    frames = stream_token_ids.tagged(frames, step.token_ids)
                 for frame in frames:
                     yield frame
                 prompt_logprobs = None

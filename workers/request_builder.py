@@ -265,7 +265,11 @@ def handoff_from(disagg: DisaggregatedParams | None, vocab_size: int, n: int = 1
     starts = tuple(SequenceStart(tuple(s.first_gen_tokens), _token_logprobs(s.first_gen_logprobs)) for s in more)
     logprobs = _token_logprobs(disagg.first_gen_logprobs) if disagg.first_gen_logprobs is not None \
         else first_gen_logprobs_from(disagg.first_gen_log_probs)  # TensorRT-LLM's field, from its orchestrator
-    return Handoff(tuple(disagg.first_gen_tokens), state, ctx_id, logprobs, starts, disagg.cached_tokens or 0)
+    steps = tuple(disagg.first_gen_steps or ())
+    if steps and sum(steps) != len(disagg.first_gen_tokens):
+        raise HandoffError("first_gen_steps must add up to the number of first_gen_tokens",
+                           param="disaggregated_params.first_gen_steps")
+    return Handoff(tuple(disagg.first_gen_tokens), state, ctx_id, logprobs, starts, disagg.cached_tokens or 0, steps)
 
 
 def _token_logprobs(wire: list[FirstTokenLogprob] | None) -> tuple[TokenLogprob, ...]:

@@ -12,6 +12,7 @@ import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from typing import Any
 
+from frontend import stream_token_ids
 from frontend.disaggregated_params import DisaggregatedParams
 from frontend.errors import EngineError, InvalidRequestError, ModelNotFoundError, OverloadedError, ServingError
 from frontend.http import validate_wire
@@ -170,6 +171,7 @@ class WorkerService:
                 self.lifecycle.finish(grant, ok=False)
             raise
         prepared.grant = grant
+        prepared.stream_token_ids = headers is not None and headers.get(stream_token_ids.HEADER) == "1"
         return prepared
 
     async def _prepare(self, wire: GenerationWireRequest, disagg: DisaggregatedParams | None, dialect: AnswerDialect,

@@ -164,10 +164,12 @@ async def stream_text(
                                                   prompt_token_ids=accepted.prompt_token_ids,
                                                   cached_tokens=handoff.cached_tokens,
                                                   recomputed_tokens=accepted.recomputed_tokens)
-                step, stopped = sequences[index].step(opening)
-                yield step
-                if stopped:
-                    await _stop_sequence(engine, request, index)
+                for part in _opening_parts(opening, handoff.first_gen_steps if index == 0 else ()):
+                    step, stopped = sequences[index].step(part)
+                    yield step
+                    if stopped:
+                        await _stop_sequence(engine, request, index)
+                        break
             if all(s.finished for s in sequences):
                 return
             if accepted.token_ids or accepted.finish_reason is not None:
@@ -210,6 +212,21 @@ async def _prepended(first: EngineOutput, rest: AsyncIterator[EngineOutput]) -> 
     yield first
     async for output in rest:
         yield output
+
+
+def _opening_parts(opening: EngineOutput, steps: Sequence[int]) -> list[EngineOutput]:
+    """A sequence's first tokens as one output; or, where they are a broken stream's that this worker continues
+    (``Handoff.first_gen_steps``), as the steps that stream wrote them in: what the detokenizer and the stop-string
+    matcher have written depends on how the tokens came, and only the same steps write the same text."""
+    if len(steps) < 2:
+        return [opening]
+    parts, start = [], 0
+    for size in steps:
+        tokens, logprobs = opening.token_ids[start:start + size], opening.logprobs[start:start + size]
+        parts.append(dataclasses.replace(opening, token_ids=tokens, logprobs=logprobs) if not start
+                     else EngineOutput(tokens, logprobs, index=opening.index))
+        start += size
+    return parts
 
 
 async def _stop_sequence(engine: Engine, request: GenerationRequest, index: int) -> None:

@@ -48,7 +48,9 @@ class DisaggFlow:
                           exact=self.config.max_local_prefill_length > 0)
         if key.chain.links:
             headers[CHAIN_HEADER] = key.chain.header_value()  # both workers record what they now hold under it
-        return FlowRequest(endpoint, body, key, started, headers, conversation_id=conversation_id)
+        request = FlowRequest(endpoint, body, key, started, headers, conversation_id=conversation_id)
+        self.steps.migrations.ask_for_token_ids(request)
+        return request
 
     async def run(self, request: FlowRequest) -> Answer:
         """The request's answer; a worker's own error answer is raised as ``RelayedError``."""

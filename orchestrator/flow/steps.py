@@ -24,6 +24,7 @@ from frontend.openai_output import replay_as_stream
 from orchestrator.admission import Admission
 from orchestrator.flow import spans
 from orchestrator.flow.handoff_release import HandoffReleaser
+from orchestrator.flow.migration import Migrations
 from orchestrator.flow.request import Answer, FlowRequest, StreamedAnswer, WholeAnswer
 from orchestrator.flow.retry import Attempted, RetryPolicy
 from orchestrator.flow.worker_call import count_as_held, post
@@ -57,6 +58,7 @@ class Steps:
         self.retry = retry
         self.protocols = build_protocols(config)
         self.releaser = HandoffReleaser(ctx_pool, self.protocol_of)
+        self.migrations = Migrations(config.migration_limit, self)  # streams that break mid-way move on
         self.sign_for_gen = sign_for_gen
         self.ctx_latency = LabelledChildren(metrics.ctx_latency)  # by worker, looked up once per worker
         self.gen_first_byte = LabelledChildren(metrics.gen_first_byte)
@@ -205,10 +207,10 @@ class Steps:
                 raise RelayedError(answer.status_code, answer.content)
             return WholeAnswer(answer.content)
         relayed = RelayedStream(answer, answered.member, key.prompt_tokens, request.endpoint, request.started,
-                                self.metrics, on_end)
+                                self.metrics, on_end, migration=self.migrations.for_request(request, answered.member))
         if request.span is None:  # nothing reads the pieces on the way: they may be pushed
-            return StreamedAnswer(relayed.frames(), answer.aclose, pushed=relayed)
-        return StreamedAnswer(tracing.traced_frames("stream", request.span, relayed.frames()), answer.aclose)
+            return StreamedAnswer(relayed.frames(), relayed.aclose, pushed=relayed)
+        return StreamedAnswer(tracing.traced_frames("stream", request.span, relayed.frames()), relayed.aclose)
 
 
 async def _iterate(frames: list[bytes]) -> AsyncIterator[bytes]:

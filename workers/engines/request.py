@@ -55,6 +55,8 @@ class Handoff:
     first_gen_logprobs: tuple[TokenLogprob, ...] = ()
     more_sequences: tuple[SequenceStart, ...] = ()
     cached_tokens: int = 0  # prompt tokens CTX reused from its KV blocks: GEN reports CTX's figure
+    # A continued stream: the steps ``first_gen_tokens`` were first streamed in (sizes), replayed as they came.
+    first_gen_steps: tuple[int, ...] = ()
 
     @property
     def sequences(self) -> tuple[SequenceStart, ...]:

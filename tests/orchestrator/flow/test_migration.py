@@ -1,0 +1,303 @@
+"""Mid-stream migration with real processes: a CTX and two GEN reference-engine workers (each its own process with
+its own engine core), the orchestrator in front. The GEN that serves a request is SIGKILLed after the client has
+part of the answer; the answer must go on on the other GEN exactly as if nothing had happened.
+
+Each GEN sits behind a ``CuttingProxy``, so that what the client has when the worker dies is a condition the test
+sets (the answer's first frames), not a race with how fast the worker decodes. The tiny random model writes
+arbitrary bytes, so its answers cut multi-byte characters across tokens: the continuation's text must join them
+exactly as the uninterrupted answer does.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from entrypoints.launcher import free_port
+from frontend.config import parse_config
+from orchestrator.server import create_orchestrator_app
+from tests.orchestrator.flow.cutting_proxy import CuttingProxy
+from tests.servers import running
+from tests.waiting import eventually
+from tests.workers.engines.reference.tiny_model import write_tiny_model
+
+ROOT = Path(__file__).resolve().parents[3]
+MESSAGES: Any = [{"role": "user", "content": "Tell me a long story about the sea."}]
+PROMPT = "Once upon a time, far away,"
+MAX_TOKENS = 48
+CUT_FRAMES = 8  # frames of the first answer the client has when its GEN dies
+
+
+@dataclass
+class Gen:
+    port: int
+    proxy: CuttingProxy
+    url: str  # the proxy's: what the orchestrator knows
+    process: subprocess.Popen[bytes] | None = None
+
+
+@dataclass
+class System:
+    model_path: Path
+    logs: Path
+    ctx_url: str
+    gens: list[Gen]
+    orchestrator: str
+    app: Any = None
+    processes: list[subprocess.Popen[bytes]] = field(default_factory=list)
+
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.orchestrator + "/v1", api_key="x", max_retries=0, timeout=120)
+
+    def start_gen(self, gen: Gen) -> None:
+        gen.process = _worker(self, "generation", gen.port, f"gen-{gen.port}")
+        assert eventually(lambda: _healthy(f"http://127.0.0.1:{gen.port}"), timeout_s=120), self.log(gen.port)
+
+    def log(self, port: int) -> str:
+        return (self.logs / f"gen-{port}.log").read_text(errors="replace")[-4000:]
+
+    def all_routable(self) -> bool:
+        """Both GEN workers run, and the orchestrator would route to either (it takes a dead one back only once its
+        health check passes)."""
+        return (all(gen.process is not None and gen.process.poll() is None for gen in self.gens)
+                and all(worker.routable for worker in self.app.state.pools["generation"].workers))
+
+    def arm(self, frames: int) -> None:
+        for gen in self.gens:
+            gen.proxy.arm(frames)
+
+    def kill_the_one_holding(self) -> Gen:
+        """SIGKILL the GEN worker (and its engine core) whose answer the proxy cut; the other is disarmed, so the
+        continuation runs in full wherever it goes."""
+        assert eventually(lambda: any(g.proxy.holding.is_set() for g in self.gens))
+        victim = next(g for g in self.gens if g.proxy.holding.is_set())
+        for gen in self.gens:
+            gen.proxy.disarm()
+        assert victim.process is not None
+        os.killpg(victim.process.pid, signal.SIGKILL)
+        victim.process.wait(timeout=30)
+        return victim
+
+    def metric(self, name: str, **labels: str) -> float:
+        text = httpx.get(self.orchestrator + "/metrics", timeout=5).text
+        total = 0.0
+        for line in text.splitlines():
+            if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+                total += float(line.rsplit(" ", 1)[1])
+        return total
+
+
+def _worker(system: System, role: str, port: int, name: str) -> subprocess.Popen[bytes]:
+    log = (system.logs / f"{name}.log").open("ab")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "entrypoints.cli", "--log-level", "warning", "worker", "--role", role,
+         "--port", str(port), "--engine", "reference", "--model", str(system.model_path), "--blas-threads", "1"],
+        cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    system.processes.append(process)
+    return process
+
+
+def _healthy(url: str) -> bool:
+    try:
+        return httpx.get(url + "/health", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def system(tmp_path_factory: pytest.TempPathFactory) -> Iterator[System]:
+    tmp = tmp_path_factory.mktemp("migration")
+    model = write_tiny_model(tmp / "tiny.gguf", seed=0)
+    ctx_port = free_port()
+    with contextlib.ExitStack() as stack:
+        gens = []
+        for _ in range(2):
+            port = free_port()
+            proxy = CuttingProxy(f"http://127.0.0.1:{port}")
+            url = proxy.start()
+            stack.callback(proxy.stop)
+            gens.append(Gen(port, proxy, url))
+        system = System(model, tmp, f"http://127.0.0.1:{ctx_port}", gens, "")
+
+        def stop_all() -> None:
+            for process in system.processes:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(process.pid, signal.SIGKILL)
+                process.wait(timeout=30)
+        stack.callback(stop_all)
+        _worker(system, "context", ctx_port, "ctx")
+        for gen in gens:
+            gen.process = _worker(system, "generation", gen.port, f"gen-{gen.port}")
+        urls = [system.ctx_url, *(f"http://127.0.0.1:{g.port}" for g in gens)]
+        assert eventually(lambda: all(_healthy(url) for url in urls), timeout_s=120), (tmp / "ctx.log").read_text()
+        config = parse_config({"context_servers": {"urls": [system.ctx_url]},
+                               "generation_servers": {"urls": [g.url for g in gens]},
+                               "max_retries": 1, "health_check_interval_s": 0.2, "request_timeout_s": 60})
+        system.app = create_orchestrator_app(config)
+        system.orchestrator = stack.enter_context(running(system.app))
+        yield system
+
+
+@pytest.fixture
+def fresh(system: System) -> Iterator[System]:
+    """Both GEN workers up and in the pool, no proxy armed; a GEN killed by the test is started again after it."""
+    for gen in system.gens:
+        gen.proxy.disarm()
+        if gen.process is None or gen.process.poll() is not None:
+            system.start_gen(gen)
+    assert eventually(system.all_routable, timeout_s=60)
+    yield system
+
+
+def _chat_stream(client: openai.OpenAI, model: str, **extra: Any) -> Iterator[Any]:
+    return iter(client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=MAX_TOKENS,
+                                               stream=True, stream_options={"include_usage": True},
+                                               extra_body={"ignore_eos": True}, **extra))
+
+
+def _model(system: System) -> str:
+    return str(httpx.get(system.orchestrator + "/v1/models", timeout=10).json()["data"][0]["id"])
+
+
+def _read_chat(chunks: Iterator[Any], until: int | None = None) -> tuple[list[str], list[str | None], Any]:
+    texts: list[str] = []
+    finishes: list[str | None] = []
+    usage = None
+    for chunk in chunks:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            if choice.delta.content:
+                texts.append(choice.delta.content)
+            if choice.finish_reason is not None:
+                finishes.append(choice.finish_reason)
+        if until is not None and len(texts) >= until:
+            break
+    return texts, finishes, usage
+
+
+@pytest.mark.parametrize("sampling", [{"temperature": 0.0}, {"temperature": 1.0, "seed": 1234}],
+                         ids=["greedy", "seeded"])
+def test_a_chat_stream_goes_on_on_another_gen_when_its_gen_is_killed(fresh: System, sampling: dict[str, Any]
+                                                                     ) -> None:
+    model = _model(fresh)
+    with fresh.client() as client:
+        whole_texts, whole_finishes, whole_usage = _read_chat(_chat_stream(client, model, **sampling))
+        resumed_before = fresh.metric("disagg_stream_migrations_total", outcome="resumed")
+        fresh.arm(CUT_FRAMES)
+        chunks = _chat_stream(client, model, **sampling)
+        first, _, _ = _read_chat(chunks, until=3)  # the client has part of the answer ...
+        fresh.kill_the_one_holding()  # ... when its GEN dies
+        rest, finishes, usage = _read_chat(chunks)
+    assert "".join(first + rest) == "".join(whole_texts)
+    assert finishes == whole_finishes == ["length"]
+    assert usage.completion_tokens == whole_usage.completion_tokens == MAX_TOKENS
+    assert usage.prompt_tokens == whole_usage.prompt_tokens
+    assert fresh.metric("disagg_stream_migrations_total", outcome="resumed") == resumed_before + 1
+
+
+def test_a_completions_stream_with_logprobs_goes_on_with_the_same_tokens(fresh: System) -> None:
+    model = _model(fresh)
+
+    def stream() -> Iterator[Any]:
+        return iter(fresh.client().completions.create(
+            model=model, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0.0, stream=True, logprobs=2,
+            stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
+
+    def read(chunks: Iterator[Any], until: int | None = None) -> tuple[list[str], list[str], Any]:
+        texts: list[str] = []
+        tokens: list[str] = []
+        usage = None
+        for chunk in chunks:
+            usage = chunk.usage or usage
+            for choice in chunk.choices:
+                texts.append(choice.text)
+                if choice.logprobs is not None:
+                    tokens += choice.logprobs.tokens or []
+            if until is not None and len(tokens) >= until:
+                break
+        return texts, tokens, usage
+
+    whole_texts, whole_tokens, whole_usage = read(stream())
+    resumed_before = fresh.metric("disagg_stream_migrations_total", outcome="resumed")
+    fresh.arm(CUT_FRAMES)
+    chunks = stream()
+    first, first_tokens, _ = read(chunks, until=3)
+    fresh.kill_the_one_holding()
+    rest, rest_tokens, usage = read(chunks)
+    assert "".join(first + rest) == "".join(whole_texts)
+    assert first_tokens + rest_tokens == whole_tokens  # each token once, in order
+    assert usage.completion_tokens == whole_usage.completion_tokens == MAX_TOKENS
+    assert fresh.metric("disagg_stream_migrations_total", outcome="resumed") == resumed_before + 1
+
+
+def test_a_responses_stream_goes_on_with_its_numbering_and_one_completion(fresh: System) -> None:
+    model = _model(fresh)
+
+    def stream() -> Iterator[Any]:
+        return iter(fresh.client().responses.create(model=model, input="Tell me about the sea.",
+                                                    max_output_tokens=MAX_TOKENS, temperature=0.0, stream=True))
+
+    whole = list(stream())
+    resumed_before = fresh.metric("disagg_stream_migrations_total", outcome="resumed")
+    fresh.arm(CUT_FRAMES)
+    events = stream()
+    got = [next(events) for _ in range(6)]
+    fresh.kill_the_one_holding()
+    got += list(events)
+    numbers = [event.sequence_number for event in got]
+    assert numbers == list(range(len(got)))  # numbered on, never restarted or repeated
+    assert [e.type for e in got].count("response.created") == 1
+    ends = [e for e in got if e.type in ("response.completed", "response.incomplete")]
+    assert len(ends) == 1
+    deltas = "".join(e.delta for e in got if e.type == "response.output_text.delta")
+    whole_end = whole[-1].response
+    assert deltas == "".join(e.delta for e in whole if e.type == "response.output_text.delta")
+    assert ends[0].response.output_text == whole_end.output_text == deltas
+    assert ends[0].response.id == got[0].response.id  # one answer, one id
+    assert ends[0].response.usage.output_tokens == whole_end.usage.output_tokens
+    assert fresh.metric("disagg_stream_migrations_total", outcome="resumed") == resumed_before + 1
+
+
+@pytest.mark.parametrize("endpoint", ["chat", "completions", "responses"])
+def test_a_whole_answer_lost_with_its_gen_is_answered_by_another(fresh: System, endpoint: str) -> None:
+    model = _model(fresh)
+    client = fresh.client()
+
+    def ask() -> str:
+        if endpoint == "chat":
+            reply = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=MAX_TOKENS,
+                                                   temperature=0.0)
+            return reply.choices[0].message.content or ""
+        if endpoint == "completions":
+            return client.completions.create(model=model, prompt=PROMPT, max_tokens=MAX_TOKENS,
+                                             temperature=0.0).choices[0].text
+        return client.responses.create(model=model, input="Tell me about the sea.", max_output_tokens=MAX_TOKENS,
+                                       temperature=0.0).output_text
+
+    expected = ask()
+    fresh.arm(0)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        answer = pool.submit(ask)  # GEN's whole answer is held by its proxy ...
+        fresh.kill_the_one_holding()  # ... and lost with it
+        assert answer.result(timeout=120) == expected
+
+
+def test_no_hand_off_is_left_parked_after_migrations(fresh: System) -> None:
+    def parked() -> float:
+        text = httpx.get(fresh.ctx_url + "/metrics", timeout=5).text
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith("disagg_kv_store_entries"))
+    assert eventually(lambda: parked() == 0, timeout_s=60)
