@@ -251,3 +251,37 @@ def test_n_structured_choices_on_the_real_model_disaggregated_equal_aggregated(r
         assert (content or "").startswith("{")
         if finish == "stop":  # sampled: a choice may still run out of max_tokens
             jsonschema.validate(orjson.loads(content or ""), CAPITAL_SCHEMA)
+
+
+# One call and its result earlier in the conversation: SmolLM2 then calls the tool by itself when asked again.
+ASKED_BEFORE: list[ChatCompletionMessageParam] = [
+    {"role": "user", "content": "What is the weather in Rome?"},
+    {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}]},
+    {"role": "tool", "tool_call_id": "c1", "content": "21 C, sunny"},
+    {"role": "assistant", "content": "It is 21 C and sunny in Rome."},
+    {"role": "user", "content": "What is the weather in Paris?"},
+]
+
+
+def test_the_real_model_calls_a_tool_by_itself_under_auto_disaggregated_equal_to_aggregated(
+    real_cluster: RefCluster,
+) -> None:
+    """tool_choice auto: the model chooses to call, in Hermes' tags, and the worker reads the call out of its text,
+    whole and streamed (its arguments in pieces), the same through CTX and GEN as on one worker."""
+    body: Any = {"model": real_cluster.model, "messages": ASKED_BEFORE, "tools": [WEATHER_TOOL], "max_tokens": 60,
+                 "temperature": 0}
+    with real_cluster.orchestrator.client() as disagg, real_cluster.aggregated.client() as agg:
+        replies = [client.chat.completions.create(**body) for client in (disagg, agg)]
+        chunks = list(disagg.chat.completions.create(**body, stream=True))
+    calls = []
+    for reply in replies:
+        choice = reply.choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        (call,) = choice.message.tool_calls or []
+        calls.append(call.model_dump()["function"])
+    assert calls[0] == calls[1] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+    pieces = [call for chunk in chunks if chunk.choices for call in chunk.choices[0].delta.tool_calls or ()]
+    assert pieces[0].function is not None and pieces[0].function.name == "get_weather"
+    assert "".join(piece.function.arguments or "" for piece in pieces if piece.function) == calls[0]["arguments"]
+    assert len(pieces) > 2 and chunks[-1].choices[0].finish_reason == "tool_calls"
