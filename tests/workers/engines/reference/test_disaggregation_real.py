@@ -285,3 +285,31 @@ def test_the_real_model_calls_a_tool_by_itself_under_auto_disaggregated_equal_to
     assert pieces[0].function is not None and pieces[0].function.name == "get_weather"
     assert "".join(piece.function.arguments or "" for piece in pieces if piece.function) == calls[0]["arguments"]
     assert len(pieces) > 2 and chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_the_real_models_call_under_anthropics_auto_is_a_tool_use_block(real_cluster: RefCluster) -> None:
+    """The same conversation on Anthropic's Messages API with the official SDK: the call is a ``tool_use`` block,
+    whole and assembled by the SDK's stream helper from its ``input_json_delta`` pieces."""
+    import anthropic
+
+    tool: Any = {"name": "get_weather", "description": WEATHER_TOOL["function"]["description"],
+                 "input_schema": WEATHER_TOOL["function"]["parameters"]}
+    messages: Any = [
+        {"role": "user", "content": "What is the weather in Rome?"},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "get_weather",
+                                           "input": {"city": "Rome"}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "21 C, sunny"}]},
+        {"role": "assistant", "content": "It is 21 C and sunny in Rome."},
+        {"role": "user", "content": "What is the weather in Paris?"},
+    ]
+    client = anthropic.Anthropic(base_url=real_cluster.orchestrator.url, api_key="test", max_retries=0, timeout=120)
+    # Greedy: this SDK no longer sends temperature, older clients do (extra_body sends it as they do).
+    body: Any = {"model": real_cluster.model, "max_tokens": 60, "messages": messages, "tools": [tool],
+                 "extra_body": {"temperature": 0}}
+    whole = client.messages.create(**body)
+    with client.messages.stream(**body) as stream:
+        streamed = stream.get_final_message()
+    for message in (whole, streamed):
+        assert message.stop_reason == "tool_use"
+        (block,) = message.content
+        assert block.type == "tool_use" and (block.name, block.input) == ("get_weather", {"city": "Paris"})
