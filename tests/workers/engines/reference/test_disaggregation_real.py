@@ -312,4 +312,5 @@ def test_the_real_models_call_under_anthropics_auto_is_a_tool_use_block(real_clu
     for message in (whole, streamed):
         assert message.stop_reason == "tool_use"
         (block,) = message.content
-        assert block.type == "tool_use" and (block.name, block.input) == ("get_weather", {"city": "Paris"})
+        assert isinstance(block, anthropic.types.ToolUseBlock)
+        assert (block.name, block.input) == ("get_weather", {"city": "Paris"})
