@@ -48,7 +48,7 @@ def build_worker(role: str, port: int, engine_flags: list[str], log_level: str
     args = build_parser().parse_args(argv)
     built: list[Any] = []
 
-    def keep(app: Any, _args: argparse.Namespace, listener: socket.socket) -> int:
+    def keep(app: Any, _args: argparse.Namespace, listener: socket.socket, **_options: object) -> int:
         built.append((app, listener))
         return 0
 
@@ -60,16 +60,54 @@ def build_worker(role: str, port: int, engine_flags: list[str], log_level: str
     return app, args, listener
 
 
-def worker_server(app: Any, args: argparse.Namespace) -> TickServer:
-    """As ``entrypoints.cli._serve`` configures it: the same protocol, head, body and send limits."""
+def worker_server(app: Any, args: argparse.Namespace, drop_fields: frozenset[str] = frozenset()) -> TickServer:
+    """As ``entrypoints.cli._serve`` configures it: the same protocol, head, body and send limits
+    (``drop_fields``: removed from the JSON bodies it is sent)."""
     limits = ClientLimits(args.header_timeout_s, args.body_timeout_s, args.max_head_bytes)
     cuts = app.state.metrics.connections_cut
-    config = uvicorn.Config(with_send_timeout(app, args.client_send_timeout_s), host=args.host, port=args.port,
+    served = dropping_fields(app, drop_fields) if drop_fields else app
+    config = uvicorn.Config(with_send_timeout(served, args.client_send_timeout_s), host=args.host, port=args.port,
                             log_level=args.log_level, loop="none", ws="none",
                             http=guarded_protocol(limits, app,  # type: ignore[arg-type]
                                                   lambda reason: cuts.labels(reason=reason).inc()),
                             timeout_graceful_shutdown=5, timeout_keep_alive=75, access_log=False, log_config=None)
     return TickServer(config)
+
+
+def dropping_fields(app: Any, fields: frozenset[str]) -> Callable[[Scope, Receive, Send], Awaitable[None]]:
+    """``app`` with ``fields`` removed from every JSON body POSTed to it: what a gateway adds for its own engines
+    (vLLM's router sends SGLang's ``no_stop_trim``), which our workers refuse as an unknown argument."""
+    async def wrapped(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] != "POST":
+            await app(scope, receive, send)
+            return
+        chunks = []
+        while True:
+            message = await receive()
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body"):
+                break
+        body = b"".join(chunks)
+        try:
+            parsed = orjson.loads(body)
+        except orjson.JSONDecodeError:
+            parsed = None
+        if isinstance(parsed, dict) and fields.intersection(parsed):
+            body = orjson.dumps({k: v for k, v in parsed.items() if k not in fields})
+            headers = [(k, v) for k, v in scope["headers"] if k != b"content-length"]
+            scope = {**scope, "headers": [*headers, (b"content-length", str(len(body)).encode())]}
+        sent = False
+
+        async def replay() -> MutableMapping[str, Any]:
+            nonlocal sent
+            if sent:
+                return await receive()  # after the body: a disconnect, when it comes
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        await app(scope, replay, send)
+
+    return wrapped
 
 
 def control_app(ledger: FleetLedger, servers: list[TickServer]) -> Callable[[Scope, Receive, Send], Awaitable[None]]:
@@ -102,6 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--worker", action="append", default=[], metavar="ROLE:PORT",
                         help="a worker to serve (context, generation or both), once per worker")
     parser.add_argument("--log-level", default="warning")
+    parser.add_argument("--drop-fields", nargs="*", default=[],
+                        help="top-level fields removed from every JSON body a worker is sent (what a gateway adds)")
     args = parser.parse_args(raw)
     configure_logging(args.log_level, "text")
     ledger = record_every_prefill()  # before any engine exists: every prefill of this process is recorded
@@ -110,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     for spec in args.worker:
         role, _, port = spec.partition(":")
         app, worker_args, listener = build_worker(role, int(port), engine_flags, args.log_level)
-        servers.append(worker_server(app, worker_args))
+        servers.append(worker_server(app, worker_args, frozenset(args.drop_fields)))
         listeners.append(listener)
     control = TickServer(uvicorn.Config(control_app(ledger, servers), host=LOOPBACK, port=args.control_port,
                                          log_level=args.log_level, loop="none", lifespan="off",

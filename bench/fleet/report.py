@@ -20,8 +20,10 @@ def _cells(result: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def _router(cell: dict[str, Any]) -> str:
-    """The router, and the tokenization set-up of a --tokenize-compare run."""
-    return cell["router"] if "tokenize" not in cell else f"{cell['router']} [{cell['tokenize']}]"
+    """The router, the tokenization set-up of a --tokenize-compare run, and whether the workers published no KV
+    events."""
+    name = cell["router"] if "tokenize" not in cell else f"{cell['router']} [{cell['tokenize']}]"
+    return name if cell.get("events", True) else f"{name}, no events"
 
 
 TOKENIZE_TARGET = 10.0  # the target: follow-up TTFT p50 this many times lower than a full encode every turn
@@ -101,7 +103,7 @@ def tables(result: dict[str, Any]) -> str:
                                       for c in decisions])]
     skipped = [c for c in result["cells"] if "skipped" in c]
     if skipped:
-        parts += ["", "Skipped (the orchestrator refused the router at start-up):", ""]
+        parts += ["", "Skipped (the orchestrator refused the router at start-up, or the gateway could not run):", ""]
         parts += [f"- {c['router']} ({c['workload']}): `{c['skipped'][:200]}`" for c in skipped]
     errors = [c for c in _cells(result) if c["errors"]]
     if errors:
@@ -144,25 +146,26 @@ def targets(result: dict[str, Any], router: str = "cache_aware") -> list[dict[st
     TTFT p50 and p99 at least 1.3x better than round robin's and prefix_affinity's, same run."""
     out = []
     cells = _cells(result)
-    by = {(c["workload"], c["router"]): c for c in cells}
+    by = {(c["workload"], c["router"], c.get("events", True)): c for c in cells}
     for c in cells:
         if c["router"] != router:
             continue
+        name = _router(c)
         gap = c["oracle_hit_ratio"] - c["hit_ratio"]
-        out.append({"target": f"{router}, {c['workload']}: hit ratio within 0.02 of the oracle",
+        out.append({"target": f"{name}, {c['workload']}: hit ratio within 0.02 of the oracle",
                     "measured": f"{fmt(c['hit_ratio'], 3)} vs {fmt(c['oracle_hit_ratio'], 3)} "
                                 f"(gap {fmt(gap, 3)})",
                     "met": bool(gap <= 0.02) if math.isfinite(gap) else None})
         if c["workload"] != "chat":
             continue
         for other in ("round_robin", "prefix_affinity"):
-            base = by.get((c["workload"], other))
+            base = by.get((c["workload"], other, c.get("events", True)))
             if base is None:
                 continue
             for q in ("p50", "p99"):
                 mine, theirs = c["ttft_ms"][q], base["ttft_ms"][q]
                 better = theirs / mine if mine else math.nan
-                out.append({"target": f"{router}, chat: TTFT {q} >= 1.3x better than {other}",
+                out.append({"target": f"{name}, chat: TTFT {q} >= 1.3x better than {_router(base)}",
                             "measured": f"{fmt(mine, 0)} vs {fmt(theirs, 0)} ms ({fmt(better, 2)}x)",
                             "met": bool(better >= 1.3) if math.isfinite(better) else None})
     return out
@@ -186,7 +189,8 @@ def plot(result: dict[str, Any], path: Path) -> Path:
     from bench.driver import plots
 
     cells = _cells(result)
-    if any("tokenize" in c for c in cells):  # --tokenize-compare: each (router, set-up) is a series of its own
+    if any("tokenize" in c or not c.get("events", True) for c in cells):
+        # --tokenize-compare, or fleets with and without events: each (router, set-up) is a series of its own
         cells = [{**c, "router": _router(c)} for c in cells]
         result = {**result, "routers": list(dict.fromkeys(c["router"] for c in cells))}
     return plots.fleet_plot(result, cells, path)

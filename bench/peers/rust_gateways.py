@@ -58,6 +58,15 @@ class Gateway:
                 "--prefill", prefill_url, "--decode", decode_url, "--policy", policy, "--prometheus-host", LOOPBACK,
                 "--prometheus-port", str(metrics_port), "--log-level", self.log_level, *self.extra]
 
+    def argv_workers(self, venv: Path, port: int, worker_urls: list[str], metrics_port: int, policy: str,
+                     extra: tuple[str, ...] = ()) -> list[str]:
+        """The command line that runs this gateway on loopback ``port`` in front of ``worker_urls``, each of which
+        serves whole requests (its regular mode, not P/D): how it routes prefill work, with nothing between."""
+        command = [arg for arg in self.mode if "pd-disaggregation" not in arg]
+        return [str(venv / "bin" / self.script), *command, "--host", LOOPBACK, "--port", str(port),
+                "--worker-urls", *worker_urls, "--policy", policy, "--prometheus-host", LOOPBACK,
+                "--prometheus-port", str(metrics_port), "--log-level", self.log_level, *extra]
+
 
 VLLM_ROUTER = Gateway("vllm-router (Rust)", "vllm-router", "0.1.17", "vllm-router", "vllm",
                       ("--vllm-pd-disaggregation",), (), "warning")
@@ -184,6 +193,17 @@ def start(processes: Processes, gateway: Gateway, prefill_url: str, decode_url: 
     return server
 
 
+def start_in_front_of(processes: Processes, gateway: Gateway, worker_urls: list[str], policy: str,
+                      extra: tuple[str, ...] = (), venv: Path = VENV_DIR) -> Server:
+    """Start ``gateway`` in its regular mode in front of ``worker_urls``; returns once it answers its health check
+    (``wait_ready`` for a request streamed through)."""
+    port, metrics_port = free_port(), free_port()
+    argv = gateway.argv_workers(venv, port, worker_urls, metrics_port, policy, extra)
+    server = processes.spawn(f"{gateway.script}-{port}", argv, f"http://{LOOPBACK}:{port}", env=_gateway_env())
+    wait_healthy([server], READY_TIMEOUT_S)
+    return server
+
+
 def chat_body(prompt: str = "hello there", max_tokens: int = 8) -> dict[str, Any]:
     return {"model": SYNTHETIC_MODEL, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
             "temperature": 0, "stream": True}
@@ -196,13 +216,16 @@ def completions_body(prompt: str = "hello there", max_tokens: int = 8) -> dict[s
 ROUTES = {"chat": ("/v1/chat/completions", chat_body), "completions": ("/v1/completions", completions_body)}
 
 
-def stream_once(url: str, endpoint: str = "chat", timeout_s: float = 30.0) -> tuple[int, bytes]:
-    """One streamed request through ``url``: its status and its whole body."""
-    path, body = ROUTES[endpoint]
+def stream_once(url: str, endpoint: str = "chat", timeout_s: float = 30.0,
+                body: dict[str, Any] | None = None) -> tuple[int, bytes]:
+    """One streamed request through ``url`` (``body``, else the endpoint's default one): its status and its whole
+    body."""
+    path, default = ROUTES[endpoint]
     host, _, port = url.removeprefix("http://").partition(":")
     connection = http.client.HTTPConnection(host, int(port), timeout=timeout_s)
     try:
-        connection.request("POST", path, orjson.dumps(body()), {"Content-Type": "application/json"})
+        connection.request("POST", path, orjson.dumps(body if body is not None else default()),
+                           {"Content-Type": "application/json"})
         response = connection.getresponse()
         return response.status, response.read()
     finally:
@@ -215,9 +238,9 @@ def mock_posts(server: Server) -> int:
     return int(orjson.loads(body)["posts"]) if status == 200 else -1
 
 
-def wait_ready(gateway: Server, timeout_s: float = READY_TIMEOUT_S) -> None:
-    """Until a chat request streams through to ``[DONE]``: a gateway may answer its health check before it has
-    registered its workers."""
+def wait_ready(gateway: Server, timeout_s: float = READY_TIMEOUT_S, body: dict[str, Any] | None = None) -> None:
+    """Until a chat request (``body``, else a default one) streams through to ``[DONE]``: a gateway may answer its
+    health check before it has registered its workers."""
     deadline = time.monotonic() + timeout_s
     last = ""
     while True:
@@ -225,10 +248,10 @@ def wait_ready(gateway: Server, timeout_s: float = READY_TIMEOUT_S) -> None:
             raise RuntimeError(f"{gateway.name} exited with status {gateway.process.returncode}:\n"
                                f"{gateway.log_tail()}")
         with contextlib.suppress(OSError, http.client.HTTPException):
-            status, body = stream_once(gateway.url, "chat", timeout_s=10.0)
-            if status == 200 and b"[DONE]" in body:
+            status, answer = stream_once(gateway.url, "chat", timeout_s=10.0, body=body)
+            if status == 200 and b"[DONE]" in answer:
                 return
-            last = f"status {status}: {body[:300]!r}"
+            last = f"status {status}: {answer[:300]!r}"
         if time.monotonic() > deadline:
             raise RuntimeError(f"{gateway.name} streamed no answer within {timeout_s:.0f} s ({last}):\n"
                                f"{gateway.log_tail()}")

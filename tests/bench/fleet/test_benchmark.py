@@ -86,3 +86,23 @@ def test_tokenize_compare_runs_the_work_on_each_setup_in_real_tokens(tmp_path: P
     assert "| agent | cache_aware | full encode |" in table and "| agent | cache_aware | defaults |" in table
     assert "cache_aware [defaults]" in table and "--tokenize-cache-mb 0 --tokenizer-backend tokenizers" in table
     assert fleet_report.plot(result, tmp_path / "fleet.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_fleet_without_events_and_a_gateway_in_front_of_it(tmp_path: Path) -> None:
+    """Workers that publish no KV events (the orchestrator routes by its model of their caches), and SGLang's
+    gateway on the same fleet where it is installed (``python -m bench.peers.rust_gateways``), else skipped with
+    the reason; no gateway runs on the fleet with events, which it would not read."""
+    result = fleet.run(replace(TINY, events=(False, True)), ["cache_aware", "sglang_gateway"])
+    cells = result["cells"]
+    assert [(c["router"], c["events"]) for c in cells] == [("cache_aware", False), ("sglang_gateway", False),
+                                                          ("cache_aware", True)]
+    ours, gateway = cells[0], cells[1]
+    assert ours["errors"] == 0 and 0 < ours["hit_ratio"] <= ours["oracle_hit_ratio"]
+    if "skipped" in gateway:
+        assert "not installed" in gateway["skipped"]
+    else:
+        assert gateway["errors"] == 0 and gateway["requests"] == ours["requests"]
+        assert gateway["orchestrator"]["routing_decisions"] == {}
+    table = fleet_report.tables(result)
+    assert "| chat | cache_aware, no events |" in table and "| chat | cache_aware |" in table
+    assert fleet_report.plot(result, tmp_path / "fleet.png").read_bytes()[:4] == b"\x89PNG"
