@@ -97,7 +97,8 @@ async def prompt_tokens(service: WorkerService, chat: dict[str, Any]) -> int:
     info = service.engine.info
     constraint = output_constraint(wire)
     sampling = sampling_params_from(wire, info, constraint)
-    prompt = await prepare_prompt(wire, sampling, info, service.tokenizer, service.tool_calling(wire, constraint))
+    prompt = await prepare_prompt(wire, sampling, info, service.tokenizer, service.tool_calling(wire, constraint),
+                                  service.tool_format())
     return int(prompt.tokens.size)
 
 

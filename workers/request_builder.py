@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import orjson
 import pybase64
@@ -30,7 +32,8 @@ from frontend.sampling import SamplingParams, sampling_from_request
 from frontend.structured_output import OutputConstraint, tools_in_prompt
 from frontend.token_codec import TokenArray, decode_prompt_tokens, token_array_from_list
 from frontend.tool_calls import ToolCalling, with_tools_prompt
-from frontend.tool_parsers import forced
+from frontend.tool_parsers import FORMATS, ToolCallFormat, forced
+from frontend.tool_parsers.base import HistoryCalls
 from workers.engines.base import EncodesIncrementally, Tokenizer
 from workers.engines.outputs import EngineInfo, TokenLogprob
 from workers.engines.request import Handoff, Phase, PromptPath, SequenceStart, placeholder_prompt
@@ -96,9 +99,10 @@ def _max_tokens_field(wire: GenerationWireRequest) -> str:
 
 async def prepare_prompt(
     wire: GenerationWireRequest, sampling: SamplingParams, info: EngineInfo, tokenizer: Tokenizer,
-    tool_calling: ToolCalling | None = None,
+    tool_calling: ToolCalling | None = None, tool_format: ToolCallFormat | None = None,
 ) -> PreparedPrompt:
-    """``tool_calling``: how the answer is read for calls, which says how the prompt asks for one."""
+    """``tool_calling``: how the answer is read for calls, which says how the prompt asks for one; ``tool_format``:
+    the model's tool-call format, in which the history's earlier calls are written (Hermes' where None)."""
     disagg = wire.disaggregated_params
     expected_len = disagg.prompt_len if disagg is not None and disagg.request_type == "generation_only" else None
     limit = info.max_context
@@ -116,7 +120,8 @@ async def prepare_prompt(
         return PreparedPrompt(tokens, PromptPath.LIST, token_list)
     if expected_len is not None:
         return _metadata_only_prompt(wire, sampling, expected_len, info)
-    text = _prompt_text(wire, tokenizer, tool_calling.instructions if tool_calling else forced.INSTRUCTIONS)
+    text = _prompt_text(wire, tokenizer, tool_calling.instructions if tool_calling else forced.INSTRUCTIONS,
+                        (tool_format or FORMATS["hermes"]).calls_text)
     # A follow-up turn encodes only what it adds (the rest is cached): a thread hop would cost it more than that.
     new = tokenizer.new_chars(text) if isinstance(tokenizer, EncodesIncrementally) else len(text)
     if new > _TOKENIZE_IN_THREAD_CHARS:
@@ -181,7 +186,8 @@ def _explicit_token_list(wire: GenerationWireRequest) -> list[int] | None:
     return None
 
 
-def _prompt_text(wire: GenerationWireRequest, tokenizer: Tokenizer, tool_instructions: str) -> str:
+def _prompt_text(wire: GenerationWireRequest, tokenizer: Tokenizer, tool_instructions: str,
+                 calls_text: Callable[[HistoryCalls], str]) -> str:
     if isinstance(wire, CompletionRequest):
         prompt = wire.prompt
         if prompt is None:
@@ -198,24 +204,26 @@ def _prompt_text(wire: GenerationWireRequest, tokenizer: Tokenizer, tool_instruc
     if any(m.has_media for m in messages):
         raise UnsupportedParameterError("this model accepts text only (no images or audio)", param=field)
     try:
-        return tokenizer.render_chat(with_tools_prompt([template_message(m) for m in messages], tools_in_prompt(wire),
-                                                       tool_instructions))
+        turns = [template_message(m, calls_text) for m in messages]
+        return tokenizer.render_chat(with_tools_prompt(turns, tools_in_prompt(wire), tool_instructions))
     except ValueError as exc:  # the model's chat template refused these messages
         raise InvalidRequestError(f"the chat template cannot render these messages: {exc}", param=field) from exc
 
 
-def template_message(message: ChatMessage) -> dict[str, str]:
+def template_message(message: ChatMessage,
+                     calls_text: Callable[[HistoryCalls], str] = FORMATS["hermes"].calls_text) -> dict[str, str]:
     """One message as the chat template reads it: role, content, and ``name`` / ``tool_call_id`` when given.
 
     Templates differ in how (and whether) they show tool calls; SmolLM2's shows none, so an assistant's calls are
-    written into its content the way Hermes-style templates do (``<tool_call>{"name", "arguments"}</tool_call>``),
-    and a tool's answer keeps the ``tool`` role. The deprecated ``function`` role is a tool answer.
+    written into its content in the model's tool-call format (``calls_text``; Hermes' by default:
+    ``<tool_call>{"name", "arguments"}</tool_call>``), as it is asked to write them, and a tool's answer keeps the
+    ``tool`` role. The deprecated ``function`` role is a tool answer.
     """
     role = _TEMPLATE_ROLES.get(message.role, message.role)
     text = message.text()
     if message.tool_calls or message.function_call is not None:
         parts = [text] if text else []
-        parts.extend(_tool_call_text(call) for call in message.calls())
+        parts.append(calls_text([(call.name, _arguments(call)) for call in message.calls()]))
         text = "\n".join(parts)
     rendered = {"role": role, "content": text}
     if message.name is not None:
@@ -228,12 +236,11 @@ def template_message(message: ChatMessage) -> dict[str, str]:
 _TEMPLATE_ROLES = {"developer": "system", "function": "tool"}
 
 
-def _tool_call_text(call: FunctionCall) -> str:
+def _arguments(call: FunctionCall) -> Any:
     try:
-        arguments = orjson.loads(call.arguments)
+        return orjson.loads(call.arguments)
     except orjson.JSONDecodeError:
-        arguments = call.arguments  # kept as the model wrote it
-    return "<tool_call>\n" + orjson.dumps({"name": call.name, "arguments": arguments}).decode() + "\n</tool_call>"
+        return call.arguments  # kept as the model wrote it
 
 
 def handoff_from(disagg: DisaggregatedParams | None, vocab_size: int, n: int = 1) -> Handoff | None:

@@ -93,14 +93,18 @@ class WorkerService:
         """The engine's tokenizer (asked each time: an engine has one only once it has started)."""
         return self._tokenizer_source.get_tokenizer()
 
-    def tool_calling(self, wire: GenerationWireRequest, constraint: OutputConstraint | None) -> ToolCalling | None:
-        """How the answer to ``wire`` is read for tool calls, in the format ``--tool-call-parser`` names or the
-        model's chat template declares (chosen at the first request: the tokenizer comes with the started engine)."""
+    def tool_format(self) -> ToolCallFormat | None:
+        """The model's tool-call format: the one ``--tool-call-parser`` names or its chat template declares (chosen
+        at the first request: the tokenizer comes with the started engine); None where no parser reads it."""
         if self._tool_format is None:
             tokenizer = self.tokenizer
             template = tokenizer.chat_template if isinstance(tokenizer, DeclaresChatTemplate) else None
             self._tool_format = (choose_format(self.settings.tool_call_parser, template),)
-        return tool_calling_for(wire, constraint, self._tool_format[0])
+        return self._tool_format[0]
+
+    def tool_calling(self, wire: GenerationWireRequest, constraint: OutputConstraint | None) -> ToolCalling | None:
+        """How the answer to ``wire`` is read for tool calls, in the model's format."""
+        return tool_calling_for(wire, constraint, self.tool_format())
 
     async def _release_handoff(self, ctx_request_id: str, state: bytes) -> bool:
         engine = self.engine
@@ -183,7 +187,7 @@ class WorkerService:
         if tool_calling is not None and tool_calling.grammar is not None and info.supports_structured_output:
             sampling = dataclasses.replace(sampling, grammar=tool_calling.grammar)  # auto: text or well-formed calls
         dialect.refuse_unservable(wire, sampling, phase)
-        prompt = await prepare_prompt(wire, sampling, info, self.tokenizer, tool_calling)
+        prompt = await prepare_prompt(wire, sampling, info, self.tokenizer, tool_calling, self.tool_format())
         sampling = resolve_max_tokens(wire, sampling, int(prompt.tokens.size), info)
         assert sampling.max_tokens is not None
         # Decided against the resolved budget: only first tokens that used it all up finish the request at CTX.

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from frontend.tool_parsers import hermes, llama3_json, mistral
-from frontend.tool_parsers.base import ToolCallParser
+from frontend.tool_parsers.base import HistoryCalls, ToolCallParser
 from frontend.tool_parsers.hermes import HermesParser
 from frontend.tool_parsers.llama3_json import Llama3JsonParser
 from frontend.tool_parsers.mistral import MistralParser
@@ -24,16 +24,18 @@ class ToolCallFormat:
     instructions: str  # how the prompt asks for a call, where the template does not say
     parser: Callable[[bool], ToolCallParser]  # a reader for one answer; its argument: several calls allowed
     template_markers: tuple[str, ...]  # text a chat template that writes calls this way holds
+    calls_text: Callable[[HistoryCalls], str]  # earlier calls as the history's assistant turn holds them
     # The grammar (llguidance's Lark) of an answer that is text or well-formed calls, from the calls' object
     # schemas and whether several are allowed; None: the answer is read, not held to one.
     grammar: Callable[[Sequence[dict[str, Any]], bool], str] | None = None
 
 
 FORMATS: dict[str, ToolCallFormat] = {
-    "hermes": ToolCallFormat("hermes", hermes.INSTRUCTIONS, HermesParser, (hermes.OPEN,), hermes.grammar),
+    "hermes": ToolCallFormat("hermes", hermes.INSTRUCTIONS, HermesParser, (hermes.OPEN,), hermes.calls_text,
+                             hermes.grammar),
     "llama3_json": ToolCallFormat("llama3_json", llama3_json.INSTRUCTIONS, Llama3JsonParser,
-                                  (llama3_json.PYTHON_TAG,)),
-    "mistral": ToolCallFormat("mistral", mistral.INSTRUCTIONS, MistralParser, (mistral.MARKER,)),
+                                  (llama3_json.PYTHON_TAG,), llama3_json.calls_text),
+    "mistral": ToolCallFormat("mistral", mistral.INSTRUCTIONS, MistralParser, (mistral.MARKER,), mistral.calls_text),
 }
 DEFAULT_FORMAT = "hermes"  # asked for in the prompt where the template declares no format
 

@@ -14,7 +14,9 @@ pieces are out already, and is the answer's text in a whole answer, as a forced 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +37,8 @@ class ArgumentsPiece:
 
 
 ToolEvent = TextPiece | CallOpened | ArgumentsPiece
+# Earlier calls as a conversation's history holds them: (name, arguments), the arguments parsed where they are JSON.
+HistoryCalls = Sequence[tuple[str, Any]]
 
 
 @dataclass(frozen=True, slots=True)

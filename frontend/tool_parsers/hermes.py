@@ -13,8 +13,10 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
+import orjson
+
 from frontend.structured_output import JSON_OPTIONS
-from frontend.tool_parsers.base import TextPiece, ToolEvent, held_back
+from frontend.tool_parsers.base import HistoryCalls, TextPiece, ToolEvent, held_back
 from frontend.tool_parsers.reader import CallsReader
 
 OPEN = "<tool_call>"
@@ -37,9 +39,10 @@ def grammar(call_schemas: Sequence[dict[str, Any]], parallel: bool) -> str:
     ))
 
 
-def call_text(name_and_arguments: str) -> str:
-    """A call as this format writes it, from its ``{"name", "arguments"}`` JSON text."""
-    return f"{OPEN}\n{name_and_arguments}\n{CLOSE}"
+def calls_text(calls: HistoryCalls) -> str:
+    """Earlier calls as an assistant turn of the history holds them, one tagged call a line."""
+    return "\n".join(f"{OPEN}\n{orjson.dumps({'name': name, 'arguments': arguments}).decode()}\n{CLOSE}"
+                     for name, arguments in calls)
 
 
 class HermesParser(CallsReader):

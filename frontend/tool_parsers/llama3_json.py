@@ -4,11 +4,18 @@
 
 from __future__ import annotations
 
-from frontend.tool_parsers.base import TextPiece, ToolEvent
+import orjson
+
+from frontend.tool_parsers.base import HistoryCalls, TextPiece, ToolEvent
 from frontend.tool_parsers.reader import CallsReader
 
 PYTHON_TAG = "<|python_tag|>"
 INSTRUCTIONS = 'To call a function, answer only {"name": <function name>, "parameters": <its arguments>}.'
+
+
+def calls_text(calls: HistoryCalls) -> str:
+    """Earlier calls as an assistant turn of the history holds them, joined by ``; ``."""
+    return "; ".join(orjson.dumps({"name": name, "parameters": arguments}).decode() for name, arguments in calls)
 
 
 class Llama3JsonParser(CallsReader):

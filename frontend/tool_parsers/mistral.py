@@ -4,11 +4,18 @@ Mistral's tokenizers: the engine's detokenizer must keep it in the text for this
 
 from __future__ import annotations
 
-from frontend.tool_parsers.base import TextPiece, ToolEvent, held_back
+import orjson
+
+from frontend.tool_parsers.base import HistoryCalls, TextPiece, ToolEvent, held_back
 from frontend.tool_parsers.reader import CallsReader
 
 MARKER = "[TOOL_CALLS]"
 INSTRUCTIONS = f'To call functions, answer {MARKER}[{{"name": <function name>, "arguments": <its arguments>}}].'
+
+
+def calls_text(calls: HistoryCalls) -> str:
+    """Earlier calls as an assistant turn of the history holds them: the marker, then the list."""
+    return MARKER + orjson.dumps([{"name": name, "arguments": arguments} for name, arguments in calls]).decode()
 
 
 class MistralParser(CallsReader):

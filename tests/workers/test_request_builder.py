@@ -13,6 +13,7 @@ from frontend.http import validate_wire
 from frontend.openai_models import ChatCompletionRequest, CompletionRequest, GenerationWireRequest, ResponsesRequest
 from frontend.sampling import SamplingParams
 from frontend.token_codec import encode_prompt_tokens
+from frontend.tool_parsers import FORMATS
 from workers.engines.outputs import EngineInfo
 from workers.engines.request import Phase, PromptPath
 from workers.engines.synthetic import SyntheticConfig, SyntheticEngine
@@ -253,3 +254,6 @@ def test_tool_calls_names_and_tool_answers_reach_the_chat_template() -> None:
     assert template_message(tool) == {"role": "tool", "content": "12 C", "tool_call_id": "c1"}
     named = ChatMessage.model_validate({"role": "developer", "content": "Be brief", "name": "rules"})
     assert template_message(named) == {"role": "system", "content": "Be brief", "name": "rules"}
+    # In the model's own format where it has another: as it is asked to write calls.
+    assert template_message(assistant, FORMATS["mistral"].calls_text)["content"] == \
+        '[TOOL_CALLS][{"name":"weather","arguments":{"city":"Oslo"}}]'

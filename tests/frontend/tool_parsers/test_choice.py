@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import orjson
 import pytest
 
 from frontend.tool_parsers import DEFAULT_FORMAT, FORMATS, UnknownToolCallParser, choose_format, format_of_template
+from frontend.tool_parsers.base import parse_whole
 from tests.workers.engines.reference.tiny_model import CHAT_TEMPLATE
 
 QWEN_LIKE = ("{% if tools %}...<tool_call>\\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\\n"
@@ -33,3 +35,13 @@ def test_the_flag_wins_and_an_unknown_name_says_the_known_ones() -> None:
     assert choose_format(None, QWEN_LIKE) is FORMATS["hermes"]
     with pytest.raises(UnknownToolCallParser, match="hermes, llama3_json, mistral"):
         choose_format("pythonic", None)
+
+
+@pytest.mark.parametrize("name", sorted(FORMATS))
+def test_each_format_reads_back_the_history_it_writes(name: str) -> None:
+    # Earlier calls are written into the prompt in the model's format: what it is asked to write, it reads back.
+    written = FORMATS[name].calls_text([("weather", {"city": "Oslo"}), ("time", {})])
+    parsed = parse_whole(FORMATS[name].parser(True), written)
+    assert parsed is not None and parsed.content is None
+    assert [(call.name, orjson.loads(call.arguments)) for call in parsed.calls] == [("weather", {"city": "Oslo"}),
+                                                                                    ("time", {})]
