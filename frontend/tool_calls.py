@@ -4,7 +4,7 @@ calls read become OpenAI's ``message.tool_calls``.
 The tools are described in the system prompt (SmolLM2's chat template has no notion of tools), with how to call
 one: in the model's tool-call format (``frontend.tool_parsers``) when the model chooses (``tool_choice: "auto"``),
 as the bare ``{"name", "arguments"}`` object the grammar holds it to when a call is forced. Earlier calls in the
-history are rendered in Hermes' tags (``workers.request_builder.template_message``).
+history are written in the model's format (``workers.request_builder.template_message``).
 """
 
 from __future__ import annotations
