@@ -71,7 +71,7 @@ class CallsReader(ToolCallParser):
         if self.phase is Phase.CALL and call is not None:
             if call.opened:
                 self._incomplete = True  # cut short inside its arguments
-            else:  # a marker and no call object after it: the model's text
+            elif self.calls == 0:  # a marker and no call object after it: the model's text
                 events.append(TextPiece(self._call_prefix + call.seen))
             self._call = None
         elif self.phase is Phase.TEXT and self.buffer:
@@ -102,8 +102,10 @@ class CallsReader(ToolCallParser):
         self.buffer = ""
         events: list[ToolEvent] = []
         if call.failed and not was_open:
-            # No call after all: the marker and what followed it are text, and reading goes on after them.
-            events.append(TextPiece(self._call_prefix + call.seen))
+            # No call after all: the marker and what followed it are text, and reading goes on after them (after
+            # calls, text is dropped: so is this).
+            if self.calls == 0:
+                events.append(TextPiece(self._call_prefix + call.seen))
             self._call = None
             self.phase = Phase.TEXT if self.calls == 0 else Phase.AFTER
             self.buffer = rest or ""

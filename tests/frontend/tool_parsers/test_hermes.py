@@ -66,3 +66,11 @@ def test_a_call_right_after_a_tag_with_no_call_is_still_read() -> None:
     text = '<tool_call> <tool_call>{"name": "f", "arguments": {}}</tool_call>'
     for piece in (1, 5, 100):
         assert summary(read(HermesParser(parallel=True), text, piece)) == ("<tool_call> ", [("f", "{}")])
+
+
+def test_a_tag_with_no_call_after_the_calls_is_dropped_with_the_rest() -> None:
+    text = '<tool_call>{"name": "f", "arguments": {}}</tool_call>\n<tool_call> not a call'
+    for piece in (1, 4, 100):
+        assert summary(read(HermesParser(parallel=True), text, piece)) == ("", [("f", "{}")])
+    cut = '<tool_call>{"name": "f", "arguments": {}}</tool_call>\n<tool_call> {"na'
+    assert summary(read(HermesParser(parallel=True), cut, 3)) == ("", [("f", "{}")])
