@@ -37,7 +37,9 @@ ROOT = Path(__file__).resolve().parents[3]
 MESSAGES: Any = [{"role": "user", "content": "Tell me a long story about the sea."}]
 PROMPT = "Once upon a time, far away,"
 MAX_TOKENS = 48
-CUT_FRAMES = 8  # frames of the first answer the client has when its GEN dies
+# What the client has when its GEN dies: the stream's opening frames (a chat role, a Responses stream's four first
+# events), then this many frames of text.
+CUT_TEXT_FRAMES = 3
 
 
 @dataclass
@@ -196,9 +198,10 @@ def test_a_chat_stream_goes_on_on_another_gen_when_its_gen_is_killed(fresh: Syst
     with fresh.client() as client:
         whole_texts, whole_finishes, whole_usage = _read_chat(_chat_stream(client, model, **sampling))
         resumed_before = fresh.metric("disagg_stream_migrations_total", outcome="resumed")
-        fresh.arm(CUT_FRAMES)
+        assert len(whole_texts) > CUT_TEXT_FRAMES + 2  # (so the cut is mid-stream)
+        fresh.arm(1 + CUT_TEXT_FRAMES)
         chunks = _chat_stream(client, model, **sampling)
-        first, _, _ = _read_chat(chunks, until=3)  # the client has part of the answer ...
+        first, _, _ = _read_chat(chunks, until=CUT_TEXT_FRAMES - 1)  # the client has part of the answer ...
         fresh.kill_the_one_holding()  # ... when its GEN dies
         rest, finishes, usage = _read_chat(chunks)
     assert "".join(first + rest) == "".join(whole_texts)
@@ -232,9 +235,10 @@ def test_a_completions_stream_with_logprobs_goes_on_with_the_same_tokens(fresh: 
 
     whole_texts, whole_tokens, whole_usage = read(stream())
     resumed_before = fresh.metric("disagg_stream_migrations_total", outcome="resumed")
-    fresh.arm(CUT_FRAMES)
+    assert len(whole_tokens) > CUT_TEXT_FRAMES + 2
+    fresh.arm(CUT_TEXT_FRAMES)
     chunks = stream()
-    first, first_tokens, _ = read(chunks, until=3)
+    first, first_tokens, _ = read(chunks, until=CUT_TEXT_FRAMES - 1)
     fresh.kill_the_one_holding()
     rest, rest_tokens, usage = read(chunks)
     assert "".join(first + rest) == "".join(whole_texts)
@@ -247,14 +251,16 @@ def test_a_responses_stream_goes_on_with_its_numbering_and_one_completion(fresh:
     model = _model(fresh)
 
     def stream() -> Iterator[Any]:
-        return iter(fresh.client().responses.create(model=model, input="Tell me about the sea.",
-                                                    max_output_tokens=MAX_TOKENS, temperature=0.0, stream=True))
+        return iter(fresh.client().responses.create(model=model, input=MESSAGES[0]["content"],
+                                                    max_output_tokens=MAX_TOKENS, temperature=0.0, stream=True,
+                                                    extra_body={"ignore_eos": True}))
 
     whole = list(stream())
     resumed_before = fresh.metric("disagg_stream_migrations_total", outcome="resumed")
-    fresh.arm(CUT_FRAMES)
+    assert [e.type for e in whole].count("response.output_text.delta") > CUT_TEXT_FRAMES + 2
+    fresh.arm(4 + CUT_TEXT_FRAMES)
     events = stream()
-    got = [next(events) for _ in range(6)]
+    got = [next(events) for _ in range(4 + CUT_TEXT_FRAMES - 1)]
     fresh.kill_the_one_holding()
     got += list(events)
     numbers = [event.sequence_number for event in got]
@@ -277,17 +283,18 @@ def test_a_whole_answer_lost_with_its_gen_is_answered_by_another(fresh: System, 
     client = fresh.client()
 
     def ask() -> str:
+        more: Any = {"temperature": 0.0, "extra_body": {"ignore_eos": True}}
         if endpoint == "chat":
-            reply = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=MAX_TOKENS,
-                                                   temperature=0.0)
+            reply = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=MAX_TOKENS, **more)
             return reply.choices[0].message.content or ""
         if endpoint == "completions":
-            return client.completions.create(model=model, prompt=PROMPT, max_tokens=MAX_TOKENS,
-                                             temperature=0.0).choices[0].text
-        return client.responses.create(model=model, input="Tell me about the sea.", max_output_tokens=MAX_TOKENS,
-                                       temperature=0.0).output_text
+            return str(client.completions.create(model=model, prompt=PROMPT, max_tokens=MAX_TOKENS,
+                                                 **more).choices[0].text)
+        return str(client.responses.create(model=model, input=MESSAGES[0]["content"], max_output_tokens=MAX_TOKENS,
+                                           **more).output_text)
 
     expected = ask()
+    assert expected
     fresh.arm(0)
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         answer = pool.submit(ask)  # GEN's whole answer is held by its proxy ...
