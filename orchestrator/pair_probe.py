@@ -11,7 +11,8 @@ worker), each step straight to that pair's two workers in their own wire, and re
 - ``failed``: the pair could not serve the probe (a worker's error answer, a transport failure, no answer in
   ``timeout_s``), with the cause;
 - ``unverified``: nothing to judge by: a GEN that speaks another wire (trtllm-serve, vLLM's own servers) and sends
-  no account, or a worker too busy to take the probe now (429). The pair's standing is left as it was.
+  no account, or a worker too busy to take the probe now (429) or draining (503). The pair's standing is left as it
+  was.
 
 A ``recomputed`` or ``failed`` pair is logged with its cause and kept out of routing (``orchestrator.pair_health``)
 until a probe passes. Rounds run at start-up and every ``pair_probe.interval_s`` when ``pair_probe.enabled`` (off by
@@ -49,6 +50,8 @@ logger = logging.getLogger("disagg_serve.pair_probe")
 PROBE_PROMPT = ("A pair probe checks that the generation worker takes the prompt's KV cache from the context "
                 "worker instead of computing the prompt again by itself.")
 PROBE_MAX_TOKENS = 2
+# A worker too busy for the probe now (429), or draining to shut down (503): it judges no pair.
+_NOT_NOW = (429, 503)
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,7 +177,7 @@ class PairProbe:
         async with asyncio.timeout(timeout_s):
             reply = await steps.call_ctx(request, ctx, True)
         if reply.status_code != 200:
-            outcome = UNVERIFIED if reply.status_code == 429 else FAILED
+            outcome = UNVERIFIED if reply.status_code in _NOT_NOW else FAILED
             return verdict(outcome, f"the CTX worker answered {reply.status_code}: {_message(reply.content)}")
         request.ctx_worker = ctx.url
         answer = request.ctx = steps.wire(request, ctx).read_context_answer(reply.content)
@@ -192,7 +195,7 @@ class PairProbe:
             if not taken:  # GEN refused it or never answered: CTX's parked KV is freed now, not at its expiry
                 steps.releaser.release(answer, ctx.url, request.headers, request.wire)
         if gen_reply.status_code != 200:
-            outcome = UNVERIFIED if gen_reply.status_code == 429 else FAILED
+            outcome = UNVERIFIED if gen_reply.status_code in _NOT_NOW else FAILED
             return verdict(outcome, f"the GEN worker answered {gen_reply.status_code}: "
                                     f"{_message(gen_reply.content)}")
         report = steps.recomputes.saw(gen.url, gen_reply.status_code, gen_reply.prompt_report, ctx.url)
