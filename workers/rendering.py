@@ -77,6 +77,8 @@ class Renderer:
                 as_function_call_output(body, calls, parsed.content)
             else:
                 as_tool_call_message(body, calls, parsed.content, index)
+                if choice.finish_reason != "stop":  # cut short after its calls: as the stream ends it
+                    body["choices"][index]["finish_reason"] = choice.finish_reason
         if request.phase is Phase.CONTEXT_ONLY:
             assert prepared.disagg is not None
             prepared.dialect.add_context_fields(body, request, prepared.disagg, out, prepared.ident.endpoint)

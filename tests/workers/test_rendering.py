@@ -215,3 +215,12 @@ async def test_a_stream_cut_short_inside_a_call_ends_with_length_after_the_piece
              or ()]
     assert "".join(call["function"]["arguments"] for call in calls) == '{"a":'
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+async def test_an_answer_cut_short_after_its_calls_ends_with_length_whole_and_streamed() -> None:
+    answer = AUTO_ANSWER + " and then I went on"  # without the grammar a model may write on after its calls
+    body = Renderer(Tokenizers()).whole(chat_auto(), collected(answer.encode(), "length"))
+    assert body["choices"][0]["finish_reason"] == "length"
+    assert len(body["choices"][0]["message"]["tool_calls"]) == 2
+    chunks = await streamed_chunks(chat_auto(), answer, 5, "length")
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
