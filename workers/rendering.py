@@ -1,6 +1,7 @@
 """How a worker writes its answers: the engine's text as one OpenAI body or as SSE frames, with echo, logprobs (as
-clients read them: each token's text and bytes, vLLM's ``prompt_logprobs``) and forced tool calls. The context
-fields and the field set are the request's dialect's (``workers.dialects``).
+clients read them: each token's text and bytes, vLLM's ``prompt_logprobs``) and tool calls, read out of the text
+as it comes by the request's parser (``frontend.tool_parsers``; one per choice). The context fields and the field
+set are the request's dialect's (``workers.dialects``).
 
 The engine scores the prompt during prefill (on CTX in the disaggregated flow; the hand-off carries the scores to
 GEN), one entry per prompt token, ``None`` for the first, which has no context to be scored in.
