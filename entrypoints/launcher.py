@@ -98,11 +98,17 @@ def _wait_healthy(children: list[Child], timeout_s: float) -> None:
 
 
 def _stop(children: list[Child]) -> None:
-    for child in children:  # orchestrator first: it stops taking requests before its workers go
-        if child.process.poll() is None:
+    """SIGTERM to the orchestrator first (it stops taking requests before its workers go), then to the workers at
+    once: each drains on its own (workers/drain.py), so their drains overlap. SIGKILL to one not gone in time."""
+    first = [c for c in children if c.name == "orchestrator"]
+    for group in (first, [c for c in children if c not in first]):
+        running = [child for child in group if child.process.poll() is None]
+        for child in running:
             child.process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + _GRACE_S
+        for child in running:
             try:
-                child.process.wait(timeout=_GRACE_S)
+                child.process.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 child.process.kill()
                 child.process.wait()

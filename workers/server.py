@@ -139,6 +139,7 @@ def create_worker_app(
             # front end's body clock allows), never one of the limit's slots.
             raw = await read_body(request, settings.max_body_bytes)
             if drain.draining:
+                drain.refused(request.client.host if request.client else None)
                 raise WorkerDrainingError("this worker is draining (it is shutting down): send the request to "
                                           "another worker")
             service.admit()
@@ -284,11 +285,15 @@ def create_worker_app(
         return json_response(model_card())
 
     @app.get("/health")
-    async def health() -> Response:
+    async def health(request: Request) -> Response:
+        # Who checks, and what they were told: a drain waits until those who watch this worker have seen it.
+        checker = request.client.host if request.client else None
         if drain.draining:  # a 503 of its own: an orchestrator stops routing here at once, without a failure
+            drain.checked(checker, healthy=False)
             return json_response({"status": "draining", "role": settings.role, "inflight": service.inflight},
                                  status_code=503)
         healthy = ready["engine"] and (not isinstance(engine, HealthCheck) or await engine.health())
+        drain.checked(checker, healthy)
         return json_response({"status": "ok" if healthy else "unavailable", "role": settings.role,
                               "inflight": service.inflight}, status_code=200 if healthy else 503)
 

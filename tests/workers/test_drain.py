@@ -20,7 +20,8 @@ import pytest
 import uvicorn
 
 from entrypoints.http.server import TickServer
-from tests.waiting import eventually
+from tests.waiting import eventually, eventually_async
+from workers.drain import DRAIN_VISIBLE_S, WATCH_S, Drain
 from workers.engines.outputs import EngineOutput
 from workers.engines.request import GenerationRequest
 from workers.engines.synthetic import SyntheticEngine, synthetic_text
@@ -141,5 +142,62 @@ def test_a_stream_still_running_at_the_drain_timeout_is_cut() -> None:
         worker.sigterm()  # the gate never opens: the stream outlives the drain
         with pytest.raises(httpx.RemoteProtocolError):  # cut: the answer's chunked body never ends
             list(frames)
+        worker.engine.gate.set()  # (frees the engine's thread that held the stream, so the loop can close)
         worker.thread.join(timeout=60)
         assert not worker.thread.is_alive()
+
+
+# -- who must see the drain before the port closes ---------------------------------------------------------------
+class StoppedClock:
+    """Time that moves only when the test moves it; counts how often it is read (each turn of the drain's loop)."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+        self.reads = 0
+
+    def __call__(self) -> float:
+        self.reads += 1
+        return self.now
+
+
+async def drained_within(drain: Drain) -> bool:
+    """Whether ``drain.run`` returns with the clock stopped (bounded only so that a drain that waits fails the test
+    rather than hanging it)."""
+    return await asyncio.wait_for(drain.run(), 60)
+
+
+async def test_a_drain_no_one_watches_ends_as_soon_as_nothing_is_in_flight() -> None:
+    clock = StoppedClock()
+    drain = Drain(30, lambda: 0, clock=clock)
+    drain.checked("127.0.0.1", healthy=True)  # one check (a harness waiting for the start): not a watcher
+    assert await drained_within(drain) is True
+
+
+async def test_a_drain_waits_until_its_watchers_are_told_or_have_had_their_chance() -> None:
+    clock = StoppedClock()
+    drain = Drain(30, lambda: 0, clock=clock)
+    drain.checked("10.0.0.3", healthy=True)
+    clock.now += WATCH_S + 1
+    drain.checked("10.0.0.3", healthy=True)  # its previous check is too old: a harness, not a watcher
+    for host in ("10.0.0.1", "10.0.0.2"):  # orchestrators (or probes), each checking on an interval
+        drain.checked(host, healthy=True)
+        clock.now += 2
+        drain.checked(host, healthy=True)
+    running = asyncio.create_task(drain.run())
+    reads = clock.reads
+    assert await eventually_async(lambda: clock.reads > reads + 10)  # the drain's loop turns ...
+    assert not running.done()  # ... and waits: two watchers have not been told
+    drain.checked("10.0.0.1", healthy=False)  # its health check saw "draining"
+    drain.refused("10.0.0.2")  # its request was refused
+    assert await asyncio.wait_for(running, 60) is True
+    assert drain.watchers_told
+
+    late = Drain(30, lambda: 0, clock=(clock := StoppedClock()))
+    late.checked("10.0.0.1", healthy=True)
+    late.checked("10.0.0.1", healthy=True)
+    running = asyncio.create_task(late.run())
+    reads = clock.reads
+    assert await eventually_async(lambda: clock.reads > reads + 10) and not running.done()
+    clock.now += DRAIN_VISIBLE_S  # a watcher that does not look in time is not waited for longer
+    assert await asyncio.wait_for(running, 60) is True
+    assert not late.watchers_told
