@@ -13,6 +13,7 @@ import dataclasses
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 
+from frontend.errors import UnsupportedParameterError
 from frontend.token_codec import TokenArray
 from workers.engines.base import Detokenizer, Engine, StopsSequences
 from workers.engines.outputs import EngineOutput, FinishReason, TokenLogprob
@@ -149,6 +150,12 @@ async def stream_text(
             # before any byte is sent (a 400 the orchestrator can act on, not an error in the middle of a 200).
             accepted = await anext(outputs)
             if accepted.chose_first_tokens:
+                if handoff.first_gen_steps:
+                    # A stream continued here after another worker broke: the client has these tokens already, and
+                    # an engine that chooses them again (vLLM's P/D) would not choose them again alike.
+                    raise UnsupportedParameterError(
+                        "this engine chooses an answer's first tokens itself and cannot continue a stream from the "
+                        "tokens a client already has", param="disaggregated_params.first_gen_steps")
                 # The engine chose each sequence's first token(s) again and they are the answer's (nothing of
                 # CTX's has reached the client: this answer is the first it sees), so its outputs go as they come.
                 first = dataclasses.replace(accepted, cached_tokens=handoff.cached_tokens)
@@ -212,6 +219,21 @@ async def _prepended(first: EngineOutput, rest: AsyncIterator[EngineOutput]) -> 
     yield first
     async for output in rest:
         yield output
+
+
+def _opening_parts(opening: EngineOutput, steps: Sequence[int]) -> list[EngineOutput]:
+    """A sequence's first tokens as one output; or, where they are a broken stream's that this worker continues
+    (``Handoff.first_gen_steps``), as the steps that stream wrote them in: what the detokenizer and the stop-string
+    matcher have written depends on how the tokens came, and only the same steps write the same text."""
+    if len(steps) < 2:
+        return [opening]
+    parts, start = [], 0
+    for size in steps:
+        tokens, logprobs = opening.token_ids[start:start + size], opening.logprobs[start:start + size]
+        parts.append(dataclasses.replace(opening, token_ids=tokens, logprobs=logprobs) if not start
+                     else EngineOutput(tokens, logprobs, index=opening.index))
+        start += size
+    return parts
 
 
 def _opening_parts(opening: EngineOutput, steps: Sequence[int]) -> list[EngineOutput]:

@@ -61,7 +61,7 @@ class StreamLedger:
     opening is passed over and what follows is renamed to the first answer's identity."""
 
     __slots__ = ("broken", "endpoint", "identity", "last_frame", "next_sequence", "pending", "renames",
-                 "replay_identity", "replay_tokens", "replayed", "replaying", "tags")
+                 "replay_identity", "replay_tags", "replay_tokens", "replayed", "replaying", "tags")
 
     def __init__(self, endpoint: Endpoint) -> None:
         self.endpoint = endpoint
@@ -73,6 +73,7 @@ class StreamLedger:
         self.replaying = False
         self.replay_tokens = 0  # ids of a continuation's opening to pass over, and those passed over so far
         self.replayed = 0
+        self.replay_tags: list[bytes] = []  # the ids the continuation's opening replays: checked against ``tags``
         self.replay_identity = False  # a continuation's identity was read (its first data frame)
         self.renames: tuple[tuple[bytes, bytes], ...] = ()
         self.next_sequence: int | None = None  # a continued Responses stream: the next event's number
@@ -120,10 +121,11 @@ class StreamLedger:
                 return b""  # the continuation's opening: a chat role, a Responses stream's first events, an echo
             if self.replayed < self.replay_tokens:
                 self.replayed += tag.count(b",") + 1
-                if self.replayed > self.replay_tokens:
-                    self.broken = "the continuation did not replay the tokens the client has"
-                    return b""
-                self.replaying = self.replayed < self.replay_tokens
+                self.replay_tags.append(tag)
+                if self.replayed >= self.replay_tokens:
+                    self.replaying = False
+                    if b",".join(self.replay_tags) != b",".join(self.tags):
+                        self.broken = "the continuation did not replay the tokens the client has"
                 return b""
             self.replaying = False  # no ids to pass over (the break came before any): this frame is new
         if tag is not None:
@@ -146,6 +148,7 @@ class StreamLedger:
         self.broken = None
         self.replaying = True
         self.replay_tokens, self.replayed = len(self.sent_token_ids()), 0
+        self.replay_tags = []
         self.replay_identity = False
         self.renames = ()
         if self.endpoint == "responses":

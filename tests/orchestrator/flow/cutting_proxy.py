@@ -23,6 +23,7 @@ class CuttingProxy:
         self._armed: int | None = None  # frames the next POST's answer may pass on
         self.holding = threading.Event()  # an armed answer reached its cut: the rest is held
         self.cut_answers = 0
+        self.armed_posts = 0  # POSTs whose answer was to be cut
 
     def start(self) -> str:
         self._thread.start()
@@ -58,6 +59,7 @@ class CuttingProxy:
             while data := await reader.read(65536):
                 if self._armed is not None and b"POST /v1/" in data:
                     cut[0], self._armed = self._armed, None
+                    self.armed_posts += 1
                 up_writer.write(data)
                 await up_writer.drain()
             up_writer.close()

@@ -27,6 +27,7 @@ import pytest
 
 from entrypoints.launcher import free_port
 from frontend.config import parse_config
+from orchestrator.flow.migration import StreamLedger
 from orchestrator.server import create_orchestrator_app
 from tests.orchestrator.flow.cutting_proxy import CuttingProxy
 from tests.servers import running
@@ -84,7 +85,9 @@ class System:
         """SIGKILL the GEN worker (and its engine core) whose answer the proxy cut; the other is disarmed, so the
         continuation runs in full wherever it goes."""
         assert eventually(lambda: any(g.proxy.holding.is_set() for g in self.gens))
-        victim = next(g for g in self.gens if g.proxy.holding.is_set())
+        return self.kill(next(g for g in self.gens if g.proxy.holding.is_set()))
+
+    def kill(self, victim: Gen) -> Gen:
         for gen in self.gens:
             gen.proxy.disarm()
         assert victim.process is not None
@@ -302,9 +305,86 @@ def test_a_whole_answer_lost_with_its_gen_is_answered_by_another(fresh: System, 
         assert answer.result(timeout=120) == expected
 
 
+def test_a_stream_whose_client_left_is_never_migrated(fresh: System) -> None:
+    model = _model(fresh)
+    before = fresh.metric("disagg_stream_migrations_total")
+    for gen in fresh.gens:
+        gen.proxy.armed_posts = 0
+    fresh.arm(1 + CUT_TEXT_FRAMES)
+    with fresh.client() as client:
+        chunks = _chat_stream(client, model, temperature=0.0)
+        _read_chat(chunks, until=1)
+        chunks.close()  # type: ignore[attr-defined]  # the client leaves ...
+    assert eventually(lambda: all(w.inflight == 0 for w in fresh.app.state.pools["generation"].workers))
+    fresh.kill(next(g for g in fresh.gens if g.proxy.armed_posts))  # ... before its GEN dies
+    assert eventually(lambda: not fresh.all_routable())
+    assert fresh.metric("disagg_stream_migrations_total") == before
+
+
 def test_no_hand_off_is_left_parked_after_migrations(fresh: System) -> None:
     def parked() -> float:
         text = httpx.get(fresh.ctx_url + "/metrics", timeout=5).text
         return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                    if line.startswith("disagg_kv_store_entries"))
     assert eventually(lambda: parked() == 0, timeout_s=60)
+
+
+# -- the ledger alone: what of GEN's pieces reaches the client ---------------------------------------------------
+
+def _chunk(name: bytes, text: bytes, ids: bytes | None = None, created: int = 1) -> bytes:
+    frame = b'data: {"id":"chatcmpl-%s","created":%d,"choices":[{"delta":{"content":"%s"}}]}\n\n' % (
+        name, created, text)
+    return b": token_ids " + ids + b"\n" + frame if ids is not None else frame
+
+
+def test_the_ledger_passes_whole_frames_only_and_strips_the_ids() -> None:
+    ledger = StreamLedger("chat")
+    piece = _chunk(b"a1", b"x", b"5") + _chunk(b"a1", b"y", b"6,7")
+    assert ledger.feed(piece[:-30]) == _chunk(b"a1", b"x")  # the second frame is not whole yet
+    assert ledger.feed(piece[-30:] + b": token_ids 8\n\n") == _chunk(b"a1", b"y")  # (a frame of ids alone: nothing)
+    assert ledger.sent_token_ids() == [5, 6, 7, 8]
+    assert ledger.sent_steps() == [1, 2, 1]
+
+
+def test_gen_s_own_error_event_is_held_back_and_breaks_the_stream() -> None:
+    ledger = StreamLedger("chat")
+    error = b'data: {"error":{"message":"the engine failed","type":"server_error"}}\n\ndata: [DONE]\n\n'
+    assert ledger.feed(_chunk(b"a1", b"x", b"5") + error) == _chunk(b"a1", b"x")
+    assert ledger.broken == "GEN wrote an error event: the engine failed"
+    assert ledger.feed(_chunk(b"a1", b"z", b"9")) == b""
+
+
+def test_a_continuation_s_opening_is_passed_over_and_the_rest_named_as_the_first_answer() -> None:
+    ledger = StreamLedger("chat")
+    role = b'data: {"id":"chatcmpl-%s","created":%d,"choices":[{"delta":{"role":"assistant"}}]}\n\n'
+    ledger.feed(role % (b"a1", 1) + _chunk(b"a1", b"x", b"5") + _chunk(b"a1", b"y", b"6,7"))
+    ledger.begin_replay()
+    replayed = role % (b"b2", 9) + _chunk(b"b2", b"x", b"5", 9) + _chunk(b"b2", b"y", b"6,7", 9)
+    assert ledger.feed(replayed + _chunk(b"b2", b"z", b"8", 9) + b"data: [DONE]\n\n") == (
+        _chunk(b"a1", b"z") + b"data: [DONE]\n\n")
+    assert ledger.broken is None
+    assert ledger.sent_token_ids() == [5, 6, 7, 8]
+
+
+def test_a_continuation_that_replays_other_tokens_breaks_the_stream() -> None:
+    ledger = StreamLedger("chat")
+    ledger.feed(_chunk(b"a1", b"x", b"5") + _chunk(b"a1", b"y", b"6"))
+    ledger.begin_replay()
+    assert ledger.feed(_chunk(b"b2", b"x", b"5") + _chunk(b"b2", b"q", b"4") + _chunk(b"b2", b"z", b"8")) == b""
+    assert ledger.broken == "the continuation did not replay the tokens the client has"
+
+
+def test_a_continued_responses_stream_numbers_its_events_on() -> None:
+    ledger = StreamLedger("responses")
+
+    def event(kind: str, number: int, name: bytes, ids: bytes | None = None) -> bytes:
+        body = (b'{"type":"%s","sequence_number":%d,"item_id":"msg_%s","response":{"id":"resp_%s","created_at":1}}'
+                % (kind.encode(), number, name, name))
+        frame = b"event: %s\ndata: %s\n\n" % (kind.encode(), body)
+        return b": token_ids " + ids + b"\n" + frame if ids is not None else frame
+
+    ledger.feed(event("response.created", 0, b"a1") + event("response.output_text.delta", 1, b"a1", b"5"))
+    ledger.begin_replay()
+    out = ledger.feed(event("response.created", 0, b"b2") + event("response.output_text.delta", 1, b"b2", b"5")
+                      + event("response.output_text.delta", 2, b"b2", b"6"))
+    assert out == event("response.output_text.delta", 2, b"a1")
