@@ -236,21 +236,6 @@ def _opening_parts(opening: EngineOutput, steps: Sequence[int]) -> list[EngineOu
     return parts
 
 
-def _opening_parts(opening: EngineOutput, steps: Sequence[int]) -> list[EngineOutput]:
-    """A sequence's first tokens as one output; or, where they are a broken stream's that this worker continues
-    (``Handoff.first_gen_steps``), as the steps that stream wrote them in: what the detokenizer and the stop-string
-    matcher have written depends on how the tokens came, and only the same steps write the same text."""
-    if len(steps) < 2:
-        return [opening]
-    parts, start = [], 0
-    for size in steps:
-        tokens, logprobs = opening.token_ids[start:start + size], opening.logprobs[start:start + size]
-        parts.append(dataclasses.replace(opening, token_ids=tokens, logprobs=logprobs) if not start
-                     else EngineOutput(tokens, logprobs, index=opening.index))
-        start += size
-    return parts
-
-
 async def _stop_sequence(engine: Engine, request: GenerationRequest, index: int) -> None:
     """A stop string finished one sequence of several: the engine need not decode it further."""
     if request.sampling.n > 1 and isinstance(engine, StopsSequences):
