@@ -178,7 +178,10 @@ class WorkerPool:
 
     async def _probe_while_waiting(self) -> None:
         while self._waiting:
-            await asyncio.gather(*(self._check(w) for w in list(self.workers) if not w.healthy))
+            try:
+                await asyncio.gather(*(self._check(w) for w in list(self.workers) if not w.healthy))
+            except Exception:  # a probe that died silently would leave the waiters to the monitor's pace
+                logger.exception("%s pool: checking the workers that are down failed", self.name)
             await asyncio.sleep(PROBE_WHILE_WAITING_S)
 
     def catching_up(self) -> list[str]:
