@@ -39,6 +39,9 @@ class RouterConfig(_Frozen):
     # cache_aware: how fast the work a worker was given stops counting when a new conversation is placed (the
     # weight of a token halves every this many seconds).
     recent_half_s: Annotated[float, Field(gt=0)] = 5.0
+    # cache_aware, for a worker that publishes no KV events and whose card says no capacity: the prompt KV
+    # (tokens) its engine keeps for reuse, which bounds the model of its cache (None: 262,144).
+    kv_capacity_tokens: Annotated[int, Field(gt=0)] | None = None
 
 
 class DiscoveryConfig(_Frozen):

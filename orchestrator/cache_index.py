@@ -1,8 +1,9 @@
 """What each worker of a pool holds in its prefix cache, by prefix-chain link (``frontend.prefix_chain``).
 
 Two sources: the workers' KV events (``frontend.kv_events``), which give every orchestrator process the same
-picture without a mesh, and what this process sent where, for the gap until a worker's events say so and for a
-worker that publishes nothing. What a worker holds is prefix-closed (``workers.prefix_holdings``), so the longest
+picture without a mesh, and what this process sent where: for the gap until a worker's events say so, and for a
+worker that publishes nothing, a model of its cache aged as its engine ages it and corrected by its answers
+(``orchestrator.sent_cache``). What a worker holds is prefix-closed (``workers.prefix_holdings``), so the longest
 held prefix is a binary search over the chain. See docs/routing.md."""
 
 from __future__ import annotations
@@ -16,11 +17,15 @@ from dataclasses import dataclass
 
 from frontend.internal_secret import InternalSecret
 from frontend.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, EventSubscriber, KVCacheEvent
-from frontend.prefix_chain import LINK_ENDS, MAX_LINKS, PrefixChain
+from frontend.prefix_chain import PrefixChain
+from orchestrator.sent_cache import SentCacheModel, card_capacity_tokens, link_bytes
 
 logger = logging.getLogger(__name__)
 
-SENT_LINKS_PER_WORKER = 65_536  # what-was-sent-where for a worker without events: ~1 GiB of prompt text at most
+SENT_LINKS_PER_WORKER = 65_536  # what-was-sent-where awaiting a worker's events: ~1 GiB of prompt text at most
+# The prompt KV a worker that publishes nothing is assumed to keep, where neither its card nor the pool's
+# ``kv_capacity_tokens`` says: an 8B model's KV (128 KiB a token) in 32 GiB of an 80 GB accelerator.
+DEFAULT_KV_CAPACITY_TOKENS = 262_144
 MAX_HELD_LINKS = 4 * 1024 * 1024  # links one worker's events may name (~128 MiB of sets): past that, a bad worker
 # How long a newly followed worker's replay may keep the orchestrator from calling itself ready: a replay answer
 # takes milliseconds; one that has not come by then is not waited for (routing goes on from what was sent).
@@ -38,9 +43,10 @@ class EventSource:
 
 
 class _WorkerHoldings:
-    __slots__ = ("followed_at", "held", "held_bytes", "recent_at", "recent_bytes", "sent", "source", "subscriber")
+    __slots__ = ("card_capacity", "followed_at", "held", "held_bytes", "model", "recent_at", "recent_bytes", "sent",
+                 "source", "subscriber")
 
-    def __init__(self) -> None:
+    def __init__(self, capacity_tokens: int) -> None:
         self.held: set[int] = set()  # from the worker's events
         self.held_bytes = 0  # of prompt text those links cover (a link's size is in its name: its position)
         # Prompt bytes newly stored lately (decayed), by its events: the uncached work it was given, as every
@@ -51,6 +57,9 @@ class _WorkerHoldings:
         self.source: EventSource | None = None
         self.subscriber: EventSubscriber | None = None
         self.followed_at = 0.0  # when the current source was first followed
+        # For a worker whose events do not flow: its cache as this process's sends and its answers say.
+        self.model = SentCacheModel(capacity_tokens)
+        self.card_capacity: int | None = None  # the capacity its card says, if it says one
 
     @property
     def live(self) -> bool:
@@ -60,8 +69,10 @@ class _WorkerHoldings:
 
 class CacheIndex:
     def __init__(self, pending_s: float = 10.0, clock: Callable[[], float] = time.monotonic,
-                 recent_half_s: float = 5.0, secret: InternalSecret | None = None) -> None:
+                 recent_half_s: float = 5.0, secret: InternalSecret | None = None,
+                 kv_capacity_tokens: int = DEFAULT_KV_CAPACITY_TOKENS) -> None:
         self.pending_s = pending_s
+        self.kv_capacity_tokens = kv_capacity_tokens  # a worker's whose card says none
         self.recent_half_s = recent_half_s
         self._clock = clock
         self._workers: dict[str, _WorkerHoldings] = {}
@@ -71,7 +82,7 @@ class CacheIndex:
     def _of(self, url: str) -> _WorkerHoldings:
         holdings = self._workers.get(url)
         if holdings is None:
-            holdings = self._workers[url] = _WorkerHoldings()
+            holdings = self._workers[url] = _WorkerHoldings(self.kv_capacity_tokens)
         return holdings
 
     # -- the workers' events ----------------------------------------------------------------------------------
@@ -84,6 +95,7 @@ class CacheIndex:
         self._stop(holdings)
         holdings.held.clear()
         holdings.held_bytes = 0
+        holdings.model.clear()  # a restarted worker, or one whose events now flow
         holdings.source = source
         holdings.followed_at = self._clock()
         if source is not None:
@@ -92,6 +104,13 @@ class CacheIndex:
                                                   lambda: self.reset(url), secret=self.secret)
             holdings.subscriber.start()
             logger.info("following the KV events of %s at %s", url, source.endpoint)
+
+    def describe(self, url: str, card: object) -> None:
+        """``url``'s ``/v1/models`` card: the prompt KV its engine keeps, which bounds the model of its cache
+        where its events do not flow (else this index's ``kv_capacity_tokens``)."""
+        holdings = self._of(url)
+        holdings.card_capacity = card_capacity_tokens(card)
+        holdings.model.resize(holdings.card_capacity or self.kv_capacity_tokens)
 
     def publishes(self, url: str) -> bool:
         """``url`` announced events and they flow."""
@@ -126,7 +145,7 @@ class CacheIndex:
                     if isinstance(name, int):
                         if name not in held:
                             held.add(name)
-                            size = _link_bytes(name)
+                            size = link_bytes(name)
                             holdings.held_bytes += size
                             stored += size
                         sent.pop(name, None)
@@ -135,7 +154,7 @@ class CacheIndex:
                     if isinstance(name, int):
                         if name in held:
                             held.discard(name)
-                            holdings.held_bytes -= _link_bytes(name)
+                            holdings.held_bytes -= link_bytes(name)
                         sent.pop(name, None)
             elif isinstance(event, AllBlocksCleared):
                 held.clear()
@@ -163,6 +182,23 @@ class CacheIndex:
         if holdings is None or holdings.source is None or not holdings.source.capacity_tokens:
             return None
         return holdings.held_bytes, holdings.source.capacity_tokens
+
+    def modelled_fill(self, url: str) -> tuple[int, float] | None:
+        """(bytes of prompt text the model of ``url``'s cache holds, the bytes it keeps) for a worker whose events
+        do not flow; None for one whose do."""
+        holdings = self._workers.get(url)
+        if holdings is None or holdings.live:
+            return None
+        return holdings.model.held_bytes, holdings.model.capacity_bytes
+
+    def learn(self, url: str, chain: PrefixChain, predicted_links: int, prompt_tokens: int | None,
+              cached_tokens: int | None) -> None:
+        """``url`` answered a request for ``chain``'s prompt: its length in tokens and the tokens its engine
+        found cached, against the ``predicted_links`` it was believed to hold. Corrects the model of a worker
+        whose events do not flow (its events are the truth for one whose do)."""
+        holdings = self._workers.get(url)
+        if holdings is not None and not holdings.live:
+            holdings.model.learn(chain, prompt_tokens, predicted_links, cached_tokens)
 
     def held(self, url: str) -> frozenset[int]:
         """The links ``url``'s events say it holds (a copy)."""
@@ -201,6 +237,10 @@ class CacheIndex:
         if not chain.links:
             return
         holdings = self._of(url)
+        if not holdings.live:
+            holdings.model.note(chain)
+            if holdings.source is None:  # no events will ever name it: the model is the whole record
+                return
         sent = holdings.sent
         now = self._clock()
         for link in reversed(chain.links):  # the head most recent: it outlives the tail, as on the worker
@@ -208,13 +248,13 @@ class CacheIndex:
             sent.move_to_end(link)
         while len(sent) > SENT_LINKS_PER_WORKER:
             sent.popitem(last=False)
-        if holdings.live:  # the events will say it soon: what is older than that is dropped
-            horizon = now - self.pending_s
-            while sent:
-                link, when = next(iter(sent.items()))
-                if when >= horizon:
-                    break
-                del sent[link]
+        # The events will say it soon: what is older than that is dropped.
+        horizon = now - self.pending_s
+        while sent:
+            link, when = next(iter(sent.items()))
+            if when >= horizon:
+                break
+            del sent[link]
 
     # -- matching -----------------------------------------------------------------------------------------------
     def matched_links(self, url: str, chain: PrefixChain, events_only: bool = False) -> int:
@@ -225,18 +265,27 @@ class CacheIndex:
         if holdings is None or not links:
             return 0
         held = holdings.held
-        sent = _NOTHING_SENT if events_only else holdings.sent
-        if not held and not sent:
-            return 0
-        # What was sent to a worker whose events flow counts until they should have named it; for a worker
-        # whose events never came (none announced, or announced and never delivered), it is all there is.
-        horizon = self._clock() - self.pending_s if holdings.live else float("-inf")
+        if not holdings.live:
+            # Events never came (none announced, or announced and never delivered): the model of its cache
+            # from what was sent is all there is.
+            modelled = _NOTHING_SENT if events_only else holdings.model.links
+            if not held and not modelled:
+                return 0
 
-        def holds(link: int) -> bool:
-            if link in held:
-                return True
-            when = sent.get(link)
-            return when is not None and when >= horizon
+            def holds(link: int) -> bool:
+                return link in held or link in modelled
+        else:
+            sent = _NOTHING_SENT if events_only else holdings.sent
+            if not held and not sent:
+                return 0
+            # What was sent to a worker whose events flow counts until they should have named it.
+            horizon = self._clock() - self.pending_s
+
+            def holds(link: int) -> bool:
+                if link in held:
+                    return True
+                when = sent.get(link)
+                return when is not None and when >= horizon
 
         if holds(links[-1]):
             return len(links)
@@ -250,13 +299,7 @@ class CacheIndex:
         return low
 
 
-
 _NOTHING_SENT: collections.OrderedDict[int, float] = collections.OrderedDict()
-
-
-def _link_bytes(name: int) -> int:
-    index = name >> 32
-    return LINK_ENDS[index] - (LINK_ENDS[index - 1] if index else 0) if 0 <= index < MAX_LINKS else 0
 
 
 _closing: set[asyncio.Task[None]] = set()  # subscribers being closed, kept alive until they are

@@ -10,17 +10,18 @@ import hashlib
 import itertools
 import math
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import orjson
 
 from frontend.config import RouterConfig
-from frontend.prefix_chain import ChainBuilder, PrefixChain
+from frontend.prefix_chain import LINK_ENDS, ChainBuilder, PrefixChain
 from orchestrator.cache_index import CacheIndex
 from orchestrator.client_body import RawText
 from orchestrator.member import PoolMember
+from orchestrator.sent_cache import answer_cached_tokens
 
 _VIRTUAL_NODES = 64
 
@@ -51,6 +52,14 @@ class RoutingKey:
     # The uncached tokens a cache-aware router expects the request to cost each worker it picked: what that
     # worker's queue counts while the request is there (PoolMember.inflight_prefill_tokens).
     prefill_tokens: dict[str, int] = field(default_factory=dict, hash=False, compare=False)
+    # What routing computes alike in every process to keep a conversation together where the workers say
+    # nothing of what they hold: a name for the prompt's opening (its system texts and its first other text);
+    # None for a completion's prompt.
+    conversation: str | None = None
+    opening_links: int = 0  # the chain's links that lie within that opening
+    # The leading links of the chain each worker it picked was believed to hold, to check against the tokens the
+    # worker's answer says it found cached (CacheIndex.learn).
+    held_links: dict[str, int] = field(default_factory=dict, hash=False, compare=False)
 
     def prefill_at(self, url: str) -> int:
         return self.prefill_tokens.get(url, self.prompt_tokens)
@@ -160,7 +169,13 @@ class CacheAwareRouter:
         # Ties (equal cost) are broken by rendezvous hashing of what sets this request apart: its conversation
         # key, else the first link of its prompt that no worker holds (a new conversation's own first words).
         # Never by a counter or anything else of this process's: every process breaks them alike.
-        tie = key.session if key.session is not None else _first_unheld(key, max(matched_links.values()))
+        # Where workers publish nothing, this process knows only its own share of what went where: a
+        # conversation is kept together by what every process computes alike, its opening's name.
+        session = key.session
+        blind = any(not self.index.publishes(w.url) for w in candidates)
+        if session is None and blind:
+            session = key.conversation
+        tie = session if session is not None else _first_unheld(key, max(matched_links.values()))
 
         def cost(worker: PoolMember) -> int:
             uncached = max(1, key.prompt_tokens - matched[worker.url])
@@ -194,15 +209,37 @@ class CacheAwareRouter:
             if holder is not None and cost(holder) <= _SPILL_MARGIN * cost(best):
                 best = holder
         decision = "cache_hit" if longest and matched[best.url] == longest else "spill" if longest else "cold"
-        if key.session is not None:
+        if session is not None and blind and (not follow_up or max(matched_links.values()) <= key.opening_links):
+            # Workers that publish nothing, and a new conversation, or a next turn of one this process never saw
+            # (each process sees only its share of the turns). Another process will look for its next turns
+            # knowing nothing of where this one sent what: so it is placed by a rule every process applies alike
+            # to what every one of them sends alike, its opening (its system prompt and first words): the first
+            # worker in the order its key hashes to whose cost for the opening, by what it holds of it and its
+            # queue, is within 1.5x the cheapest's. Where the opening is held (a shared system prompt) the
+            # processes' models agree, as each sent it where this same rule said; hashing spreads the rest.
+            opening = min(key.opening_links, len(key.chain.links)) or len(key.chain.links)
+            opening_tokens = key.prompt_tokens if opening >= len(key.chain.links) else _tokens_covered(key, opening)
+
+            def placing(worker: PoolMember) -> int:
+                held = _tokens_covered(key, min(matched_links[worker.url], opening))
+                return max(1, opening_tokens - held) + worker.inflight_prefill_tokens
+
+            bound = _SESSION_SLACK * min(placing(w) for w in eligible)
+            best = min((w for w in eligible if placing(w) <= bound), key=lambda w: -_rendezvous(tie, w.url))
+            decision = "cache_hit" if longest and matched[best.url] == longest else "spill" if longest else "cold"
+            if not longest and key.session is not None:
+                decision = "session"
+        elif session is not None:
             own = max(eligible, key=lambda w: _rendezvous(tie, w.url))
             if own is not best and cost(own) <= _SESSION_SLACK * cost(best):
                 best = own
-                decision = "session" if not longest else decision if matched[own.url] == longest else "spill"
-            elif own is best and not longest:
+                named = "session" if key.session is not None else decision  # a conversation its client named
+                decision = named if not longest else decision if matched[own.url] == longest else "spill"
+            elif own is best and not longest and key.session is not None:
                 decision = "session"
         # What the flow already set stands (GEN computes none of a handed-off prompt).
         uncached = key.prefill_tokens.setdefault(best.url, max(1, key.prompt_tokens - matched[best.url]))
+        key.held_links[best.url] = matched_links[best.url]
         self._recent[best.url] = (self._recent_work(best.url, now) + uncached, now)
         if self.on_decision is not None:
             self.on_decision(decision)
@@ -223,12 +260,22 @@ class CacheAwareRouter:
         worker pays for a new conversation with other conversations' histories, which cost a prefill again
         when they come back; a worker with room pays nothing. (Once every worker is full, every worker pays
         about the same, and the rest of the cost decides.)"""
-        fill = self.index.fill(worker.url)
-        if fill is None or not key.chain.total_bytes:
+        if not key.chain.total_bytes:
             return 0
-        held_bytes, capacity = fill
-        held = held_bytes * key.prompt_tokens // key.chain.total_bytes  # at this prompt's bytes per token
-        return max(0, held + uncached - capacity)
+        fill = self.index.fill(worker.url)
+        if fill is not None:
+            held_bytes, capacity = fill
+            held = held_bytes * key.prompt_tokens // key.chain.total_bytes  # at this prompt's bytes per token
+            return max(0, held + uncached - capacity)
+        modelled = self.index.modelled_fill(worker.url)
+        if modelled is None:
+            return 0
+        # What this process's model of the worker holds and keeps, in bytes of prompt text: the excess, in this
+        # prompt's tokens.
+        held_bytes, capacity_bytes = modelled
+        uncached_bytes = uncached * key.chain.total_bytes / max(key.prompt_tokens, 1)
+        excess = held_bytes + uncached_bytes - capacity_bytes
+        return int(excess * key.prompt_tokens / key.chain.total_bytes) if excess > 0 else 0
 
 
 def _tokens_covered(key: RoutingKey, links: int) -> int:
@@ -278,14 +325,24 @@ def routing_key(body: dict[str, object], prefix_chars: int, with_chain: bool = F
     pieces: list[str] = []
     chars = 0
     builder = ChainBuilder(sampled=not exact) if with_chain else None
+    opening = hashlib.blake2b(digest_size=8) if with_chain else None
+    conversation: str | None = None
+    fed = opening_bytes = 0
     for role, text in _prompt_texts(body):
         if chars < prefix_chars:
             wanted = prefix_chars - chars
             pieces.append(text[:wanted] if isinstance(text, str) else text.prefix(wanted))
         chars += len(text) if isinstance(text, str) else text.size
         if builder is not None:
+            literal = orjson.dumps(text) if isinstance(text, str) else text.literal
             builder.feed(role)
-            builder.feed(orjson.dumps(text) if isinstance(text, str) else text.literal)
+            builder.feed(literal)
+            fed += len(role) + len(literal)
+            if opening is not None:
+                opening.update(_opening_piece(role, literal))
+                if role not in _SYSTEM_ROLES:  # a conversation's own first words: every later turn repeats them
+                    conversation = opening.hexdigest() if role != _ROLES["prompt"] else None
+                    opening, opening_bytes = None, fed
     explicit = body.get("prompt_token_ids")
     estimate = len(explicit) if isinstance(explicit, list) else chars // 4 + 1
     if builder is not None and isinstance(explicit, list):
@@ -294,7 +351,17 @@ def routing_key(body: dict[str, object], prefix_chars: int, with_chain: bool = F
         # ~1.3 ms to encode): a routing name, so a bounded prefix of the prompt is enough.
         builder.feed(orjson.dumps(explicit[:_CHAINED_TOKEN_IDS])[:-1])
     chain = builder.chain() if builder is not None else _NO_CHAIN
-    return RoutingKey("".join(pieces), estimate, chain, session, follow_up=_continues(body))
+    return RoutingKey("".join(pieces), estimate, chain, session, follow_up=_continues(body),
+                      conversation=conversation,
+                      opening_links=min(bisect.bisect_right(LINK_ENDS, opening_bytes), len(chain.links)))
+
+
+def _opening_piece(role: bytes, literal: bytes | memoryview) -> bytes:
+    """What names one text of a prompt's opening: its role, its size and its first and last KiB (a long system
+    prompt is not hashed whole a second time; texts that differ only within are rare and cost only a guess)."""
+    size = len(literal)
+    return b"".join((role, size.to_bytes(8, "big"), bytes(literal[:1024]),
+                     bytes(literal[-1024:]) if size > 1024 else b""))
 
 
 def _prompt_texts(body: dict[str, object]) -> Iterator[tuple[bytes, str | RawText]]:
@@ -323,6 +390,7 @@ def _prompt_texts(body: dict[str, object]) -> Iterator[tuple[bytes, str | RawTex
 _ROLES = {"instructions": b"\x00instructions\x00", "prompt": b"\x00prompt\x00", "input": b"\x00user\x00",
           "messages": b"\x00messages\x00"}
 _ROLE_CACHE: dict[str, bytes] = {}
+_SYSTEM_ROLES = frozenset((b"\x00system\x00", b"\x00developer\x00", _ROLES["instructions"]))
 _ANSWERS = ("assistant", "tool", "function_call", "function_call_output")  # roles and Responses item types
 
 
@@ -346,3 +414,13 @@ def _role(role: object) -> bytes:
         if len(_ROLE_CACHE) < 64:  # roles are a handful of names; a client inventing more is not cached
             _ROLE_CACHE[role] = marker
     return marker
+
+
+def learn_from_answer(index: CacheIndex, url: str, key: RoutingKey, response: Mapping[str, Any],
+                      handoff: Mapping[str, Any], prompt_tokens: int | None) -> None:
+    """A worker's answer to a request routed by ``key``: what its engine found cached, against what it was
+    believed to hold when it was picked, corrects the model of a worker that publishes nothing
+    (``CacheIndex.learn``)."""
+    if key.chain.links:
+        index.learn(url, key.chain, key.held_links.get(url, 0), prompt_tokens,
+                    answer_cached_tokens(response, handoff))

@@ -42,7 +42,7 @@ from frontend.openai_output import Endpoint
 from frontend.openapi import install_body_schemas, json_body
 from frontend.sse import SSE_RAW_HEADERS
 from orchestrator.admission import DEFAULT, Admission, priority_of
-from orchestrator.cache_index import CacheIndex
+from orchestrator.cache_index import DEFAULT_KV_CAPACITY_TOKENS, CacheIndex
 from orchestrator.client_body import parse_client_body
 from orchestrator.conversation import header_order, read_conversation
 from orchestrator.discovery import DnsDiscovery
@@ -74,7 +74,8 @@ def _pool(name: str, group: ServerGroupConfig, config: OrchestratorConfig, metri
           default_router: str, worker_headers: dict[str, str] | None = None,
           secret: InternalSecret | None = None) -> WorkerPool:
     timeouts = WorkerTimeouts(config.request_timeout_s, config.connect_timeout_s, min(config.connect_timeout_s, 5.0))
-    index = CacheIndex(group.router.pending_s, recent_half_s=group.router.recent_half_s, secret=secret)
+    index = CacheIndex(group.router.pending_s, recent_half_s=group.router.recent_half_s, secret=secret,
+                       kv_capacity_tokens=group.router.kv_capacity_tokens or DEFAULT_KV_CAPACITY_TOKENS)
     decisions = LabelledChildren(metrics.routing_decisions)
     circuit = LabelledChildren(metrics.worker_circuit_state)
     router = make_router(group.router, default_router, index, lambda decision: decisions(name, decision).inc())

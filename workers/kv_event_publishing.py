@@ -61,3 +61,10 @@ class KvEventPublishing:
         publisher, self.publisher = self.publisher, None
         if publisher is not None:
             await publisher.aclose()
+
+
+def kv_capacity_tokens(engine: Engine) -> int | None:
+    """The prompt KV ``engine`` keeps for reuse, in tokens (None: it reuses none, or does not say). The worker's card
+    says it with or without events: a router that gets no events bounds its model of the cache by it."""
+    capacity = engine.kv_capacity_tokens() if isinstance(engine, ReportsKvCapacity) else None
+    return capacity if capacity is not None and capacity > 0 else None

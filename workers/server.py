@@ -52,7 +52,7 @@ from workers.engines.base import (
 )
 from workers.engines.request import Phase
 from workers.handoff_counts import LedgerCounts, export_known_series, prompt_report_headers
-from workers.kv_event_publishing import KvEventPublishing
+from workers.kv_event_publishing import KvEventPublishing, kv_capacity_tokens
 from workers.messages import install_messages_routes
 from workers.prepared_generation import PreparedGeneration
 from workers.registration import Registration
@@ -273,6 +273,9 @@ def create_worker_app(
         }
         if kv_events.card is not None:  # what this worker's engine holds, for cache-aware routing
             card["engine_info"]["kv_events"] = kv_events.card
+        capacity = kv_capacity_tokens(engine)
+        if capacity is not None:  # bounds an orchestrator's model of this cache where it reads no events
+            card["engine_info"]["kv_capacity_tokens"] = capacity
         return card
 
     @app.get("/v1/models")

@@ -36,7 +36,7 @@ from orchestrator.protocols.base import ContextAnswer, PromptCarriage, WorkerPro
 from orchestrator.protocols.registry import DEFAULT_PROTOCOL, build_protocols
 from orchestrator.recompute_watch import RecomputeWatch
 from orchestrator.relay import RelayedStream
-from orchestrator.routers import RoutingKey
+from orchestrator.routers import RoutingKey, learn_from_answer
 from orchestrator.upstream.base import Body, OpenStream, Reply
 
 logger = logging.getLogger("disagg_serve.flow")
@@ -110,6 +110,8 @@ class Steps:
         if answered.answer.status_code != 200:
             raise RelayedError(answered.answer.status_code, answered.answer.content)
         request.ctx = self.wire(request, answered.member).read_context_answer(answered.answer.content)
+        learn_from_answer(self.ctx_pool.index, answered.member.url, request.key, request.ctx.response,
+                          request.ctx.handoff, request.ctx.prompt_len)
         self.sign_for_gen(request.headers, request.ctx.handoff)  # for GEN, sent what CTX handed off
         return request.ctx
 

@@ -15,7 +15,7 @@ import orjson
 import pytest
 
 from frontend.kv_events import BlockStored
-from orchestrator.cache_index import CacheIndex
+from orchestrator.cache_index import CacheIndex, EventSource
 from orchestrator.client_body import parse_client_body
 from orchestrator.member import PoolMember
 from orchestrator.routers import CacheAwareRouter, RoutingKey, routing_key
@@ -152,26 +152,60 @@ def test_the_session_header_keeps_a_conversation_on_one_worker_end_to_end() -> N
     assert len(set.union(*landed.values())) > 1
 
 
+def publishes(index: CacheIndex, worker: PoolMember) -> None:
+    """``worker`` announced KV events and they flow (no subscriber needed: the test applies them)."""
+    index._of(worker.url).source = EventSource(f"tcp://{worker.url}", None, "a")
+
+
 def test_new_conversations_go_where_little_work_went_lately_and_follow_ups_stay(pool: list[PoolMember]) -> None:
-    """Queues all empty, every worker holding the system prompt: new conversations spread by the work sent to
-    each worker lately; a conversation's next turn goes where its history is, whatever went there."""
+    """Workers that publish events, queues all empty, every worker holding the system prompt: new conversations
+    spread by the work each worker's events say it was given lately; a conversation's next turn goes where its
+    history is, whatever went there."""
     index = CacheIndex()
-    now = [0.0]
-    router = CacheAwareRouter(index, 1.25, clock=lambda: now[0])
+    router = CacheAwareRouter(index, 1.25)
     system = chat(("system", SYSTEM), ("user", "hello"))
     for worker in pool:
         holds(index, worker, system)
-    firsts = [chat(("system", SYSTEM), ("user", f"conversation {i} starts " * 20)) for i in range(40)]
-    counts = Counter(router.pick(pool, key).url for key in firsts)  # type: ignore[union-attr]
+        publishes(index, worker)
+    firsts = [chat(("system", SYSTEM), ("user", f"conversation {i} starts " * 200)) for i in range(40)]
+    counts: Counter[str] = Counter()
+    for key in firsts:
+        chosen = router.pick(pool, key)
+        assert chosen is not None
+        counts[chosen.url] += 1
+        holds(index, chosen, key)  # its events: it stored the new conversation's first turn
     assert max(counts.values()) - min(counts.values()) <= 2, counts
     busy = pool[1]
-    router._recent = {w.url: (0.0, 0.0) for w in pool} | {busy.url: (50_000.0, 0.0)}
+    index.apply(busy.url, [BlockStored([n + (1 << 40) for n in range(2000)], None, [], 16, None, None, None)])
     assert all(router.pick(pool, key) is not busy for key in firsts[:8])
     turns = (("system", SYSTEM), ("user", "my own question " * 300), ("assistant", "yes"), ("user", "and?"))
     holds(index, busy, chat(*turns))
     assert router.pick(pool, chat(*turns, ("assistant", "so"), ("user", "next"))) is busy
-    now[0] = 60.0  # twelve half-lives later the work sent there no longer counts
-    assert router._recent_work(busy.url, now[0]) < 50
+
+
+def test_without_events_a_new_conversation_goes_where_its_opening_hashes_in_every_process(
+        pool: list[PoolMember]) -> None:
+    """Workers that publish nothing: each process knows only what it sent. A new conversation goes to the worker
+    its opening hashes to among those that hold its system prompt (so another process, which never saw it, finds
+    its next turn there), unless a burst is queued there; a next turn this process never saw goes there too."""
+    routers = [CacheAwareRouter(CacheIndex(), 1.25) for _ in range(2)]
+    system = chat(("system", SYSTEM), ("user", "hello"))
+    for router in routers:
+        for worker in pool:
+            router.index.note_sent(worker.url, system.chain)  # each sent the system prompt everywhere
+    opening = (("system", SYSTEM), ("user", "a question of my own " * 20))
+    firsts = [chat(("system", SYSTEM), ("user", f"conversation {i} starts " * 200)) for i in range(40)]
+    placed = [routers[0].pick(pool, key) for key in firsts]
+    assert len(set(placed)) == 4  # hashing spreads them
+    assert placed == [routers[1].pick(pool, key) for key in firsts]  # and places them alike in every process
+    home = routers[0].pick(pool, chat(*opening))
+    assert home is not None
+    routers[0].index.note_sent(home.url, chat(*opening).chain)
+    # Its next turn through the other process, which knows nothing of it: the same worker.
+    assert routers[1].pick(pool, chat(*opening, ("assistant", "yes"), ("user", "and?"))) is home
+    home.inflight, home.inflight_prefill_tokens = 1, 20 * system.prompt_tokens  # a burst queued there
+    assert routers[1].pick(pool, chat(*opening)) is not home
+    home.inflight, home.inflight_prefill_tokens = 0, 0
 
 
 def test_a_follow_up_stays_with_its_history_through_a_short_queue(pool: list[PoolMember]) -> None:

@@ -71,16 +71,46 @@ def test_what_was_sent_counts_until_the_events_should_have_said_so() -> None:
     assert index.matched_links(W1, CHAIN) == 0  # the worker never said it holds it: it does not
 
 
-def test_for_a_worker_without_events_what_was_sent_is_kept_bounded() -> None:
+def test_what_was_sent_counts_until_the_events_should_have_said_so_and_is_kept_bounded() -> None:
+    clock = Clock()
+    index = CacheIndex(pending_s=1e9, clock=clock)
+    index._of(W1).source = EventSource("tcp://w1:1", None, "a")
+    for i in range(SENT_LINKS_PER_WORKER // len(CHAIN.links) + 2):
+        index.note_sent(W1, chain_of([str(i).encode() * 4096, b"x" * 8192]))
+    assert len(index._of(W1).sent) <= SENT_LINKS_PER_WORKER
+
+
+def test_a_worker_without_events_holds_what_was_sent_there_as_long_as_its_capacity_allows() -> None:
     clock = Clock()
     index = CacheIndex(pending_s=10.0, clock=clock)
+    index.describe(W2, {"engine_info": {"kv_capacity_tokens": 16_384}})  # its card: ~64 KiB of text at 4 B a token
     index.note_sent(W2, CHAIN)
-    clock.now = 1e6
+    clock.now = 1e6  # time alone ages nothing: only what came after
     assert index.matched_links(W2, CHAIN) == len(CHAIN.links)
-    for i in range(SENT_LINKS_PER_WORKER // len(CHAIN.links) + 2):
+    assert index.matched_links(W2, CHAIN, events_only=True) == 0
+    for i in range(8):  # 96 KiB of other conversations
         index.note_sent(W2, chain_of([str(i).encode() * 4096, b"x" * 8192]))
-    assert len(index._of(W2).sent) <= SENT_LINKS_PER_WORKER
     assert index.matched_links(W2, CHAIN) == 0  # the oldest went first
+    held, keeps = index.modelled_fill(W2)  # type: ignore[misc]
+    assert held <= keeps == 16_384 * 4
+
+
+def test_a_worker_without_events_whose_card_says_nothing_keeps_the_pools_capacity() -> None:
+    index = CacheIndex(kv_capacity_tokens=1_000)
+    index.describe(W2, {"engine_info": {}})
+    index.note_sent(W2, CHAIN)  # 12 KiB: more than 1,000 tokens at 4 B a token
+    assert 0 < index.matched_links(W2, CHAIN) < len(CHAIN.links)
+
+
+def test_answers_correct_the_model_of_a_worker_without_events_only() -> None:
+    index = CacheIndex(pending_s=10.0, clock=Clock())
+    index.describe(W2, {"engine_info": {"kv_capacity_tokens": 1_000_000}})
+    index.note_sent(W2, CHAIN)
+    index.learn(W2, CHAIN, len(CHAIN.links), CHAIN.total_bytes, cached_tokens=0)  # it held none of it
+    assert index._of(W2).model.share < 1.0
+    index._of(W1).source = EventSource("tcp://w1:1", None, "a")  # its events are the truth: nothing to correct
+    index.learn(W1, CHAIN, len(CHAIN.links), CHAIN.total_bytes, cached_tokens=0)
+    assert index._of(W1).model.share == 1.0
 
 
 def test_a_forgotten_worker_holds_nothing() -> None:

@@ -4,7 +4,8 @@ Real simulated-engine workers (a bounded LRU prefix cache, KV events on loopback
 loopback, the official ``openai`` client. The same multi-turn work goes once through one orchestrator and once
 through two that share nothing, the client alternating between them request by request; each run on fresh
 workers. The fleet's prefix-cache hit ratio (the engines' own counters) must agree within 2 points, and be well
-above what round robin gets on the same work (so a router that routed blind would fail it).
+above what round robin gets on the same work (so a router that routed blind would fail it): with workers that
+publish KV events, and with workers that publish none.
 
 Requests go one at a time, and before each one the test waits (on a condition, tests/waiting.py) until every
 orchestrator's index agrees with what every worker says it holds; and every run's workers listen at the same
@@ -126,6 +127,20 @@ def test_two_orchestrators_hit_the_cache_as_one_does(one_orchestrator: float) ->
     assert abs(two - one_orchestrator) <= 0.02, (one_orchestrator, two)
 
 
-def test_the_hit_ratio_is_the_routers_doing(one_orchestrator: float) -> None:
-    round_robin = run_work(2, router="round_robin")
+@pytest.fixture(scope="module")
+def round_robin() -> float:
+    return run_work(2, router="round_robin")
+
+
+def test_the_hit_ratio_is_the_routers_doing(one_orchestrator: float, round_robin: float) -> None:
     assert one_orchestrator > round_robin + 0.1, (one_orchestrator, round_robin)
+
+
+def test_where_workers_publish_nothing_two_orchestrators_hit_the_cache_as_one_does(round_robin: float) -> None:
+    """No events: each orchestrator knows only what it sent where, half of each conversation's turns. A
+    conversation is kept together by what both compute alike (its opening's name, hashed with each worker's),
+    not by one process's memory, so two hit the cache as one does, and far above round robin."""
+    one = run_work(1, events=False)
+    two = run_work(2, events=False)
+    assert abs(two - one) <= 0.02, (one, two)
+    assert two > round_robin + 0.1, (two, round_robin)
