@@ -222,11 +222,12 @@ def continued_handoff(ctx: ContextAnswer, sent: list[int], steps: list[int]) -> 
 class Migration:
     """One streamed request's migrations: its ledger (fed by the relay), and the continuations it starts."""
 
-    __slots__ = ("count", "ledger", "migrations", "request")
+    __slots__ = ("count", "ledger", "migrations", "request", "resumable")
 
-    def __init__(self, request: FlowRequest, migrations: Migrations) -> None:
+    def __init__(self, request: FlowRequest, migrations: Migrations, resumable: bool = True) -> None:
         self.request = request
         self.migrations = migrations
+        self.resumable = resumable  # else its ids are only stripped, and a break is counted
         self.ledger = StreamLedger(request.endpoint)
         self.count = 0
 
@@ -241,6 +242,11 @@ class Migration:
         """A stream on another GEN worker that goes on from what the client has; None where there is none (the
         relay then ends the client's stream with its error event)."""
         migrations = self.migrations
+        if not self.resumable:
+            migrations.counted(failed, NOT_RESUMABLE)
+            logger.warning("GEN stream broke on %s (%s): it cannot be continued on another worker (n > 1, or "
+                           "another wire than ours)", failed.url, reason)
+            return None
         if self.count >= migrations.limit:
             migrations.counted(failed, OVER_LIMIT)
             logger.warning("GEN stream broke on %s (%s): not continued, it has been moved %d time(s) already",
@@ -281,16 +287,17 @@ class Migrations:
             request.headers[HEADER] = "1"
 
     def for_request(self, request: FlowRequest, gen: PoolMember) -> Migration | None:
-        """The migration of ``request``'s stream from ``gen``; None where it could not be continued anywhere (it is
-        counted, as ``not_resumable``, only if it breaks)."""
-        if not self.enabled or not self.resumable(request, gen):
+        """The migration of ``request``'s stream from ``gen``: None where no ids were asked for; one that only
+        strips them, and counts a break as ``not_resumable``, where the stream could not be continued anywhere."""
+        if request.headers.get(HEADER) != "1":
             return None
-        return Migration(request, self)
+        return Migration(request, self, self.resumable(request, gen))
 
     def resumable(self, request: FlowRequest, gen: PoolMember) -> bool:
+        """Whether a break could be continued: one sequence, on our own wire and GEN workers (the only ones that
+        write the ids)."""
         n = request.body.get("n")
-        return (request.headers.get(HEADER) == "1" and request.wire is None and (n is None or n == 1)
-                and gen.protocol == DEFAULT_PROTOCOL)  # our own workers: the only ones that write the ids
+        return request.wire is None and (n is None or n == 1) and gen.protocol == DEFAULT_PROTOCOL
 
     def counted(self, worker: PoolMember, outcome: str) -> None:
         key = (worker.url, outcome)

@@ -321,6 +321,22 @@ def test_a_stream_whose_client_left_is_never_migrated(fresh: System) -> None:
     assert fresh.metric("disagg_stream_migrations_total") == before
 
 
+def test_a_stream_of_several_choices_is_not_migrated_but_counted_and_ends_with_an_error(fresh: System) -> None:
+    before = fresh.metric("disagg_stream_migrations_total", outcome="not_resumable")
+    body = {"model": _model(fresh), "messages": MESSAGES, "max_tokens": MAX_TOKENS, "n": 2, "temperature": 1.0,
+            "seed": 7, "stream": True, "ignore_eos": True}
+    fresh.arm(2 + 2 * CUT_TEXT_FRAMES)
+    received = b""
+    with httpx.stream("POST", fresh.orchestrator + "/v1/chat/completions", json=body, timeout=120) as reply:
+        pieces = reply.iter_raw()
+        while received.count(b'"content":"') < 3:  # the client has part of both answers ...
+            received += next(pieces)
+        fresh.kill_the_one_holding()  # ... when their GEN dies
+        received += b"".join(pieces)
+    assert b": token_ids" not in received  # the ids are stripped all the same
+    assert received.endswith(b'data: [DONE]\n\n') and b'"code":"upstream_error"' in received
+    assert fresh.metric("disagg_stream_migrations_total", outcome="not_resumable") == before + 1
+
 def test_no_hand_off_is_left_parked_after_migrations(fresh: System) -> None:
     def parked() -> float:
         text = httpx.get(fresh.ctx_url + "/metrics", timeout=5).text
