@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from frontend.internal_secret import InternalSecret
 from frontend.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, EventSubscriber, KVCacheEvent
 from frontend.prefix_chain import PrefixChain
-from orchestrator.sent_cache import SentCacheModel, card_capacity_tokens, link_bytes
+from orchestrator.sent_cache import SentCacheModel, card_capacity_tokens, link_bytes, vllm_capacity_tokens
+from orchestrator.upstream.base import Transport
 
 logger = logging.getLogger(__name__)
 
@@ -105,12 +106,22 @@ class CacheIndex:
             holdings.subscriber.start()
             logger.info("following the KV events of %s at %s", url, source.endpoint)
 
-    def describe(self, url: str, card: object) -> None:
+    async def describe(self, url: str, card: object, transport: Transport | None = None,
+                       timeout_s: float = 5.0) -> None:
         """``url``'s ``/v1/models`` card: the prompt KV its engine keeps, which bounds the model of its cache
-        where its events do not flow (else this index's ``kv_capacity_tokens``)."""
+        where its events do not flow. A vLLM server's card says none: its ``/metrics`` cache config does, read
+        with ``transport``. Else this index's ``kv_capacity_tokens``."""
+        capacity = card_capacity_tokens(card)
+        if capacity is None and transport is not None and _owned_by(card) == "vllm":
+            try:
+                reply = await transport.get("/metrics", timeout_s)
+                if reply.status_code == 200:
+                    capacity = vllm_capacity_tokens(reply.content.decode("utf-8", "replace"))
+            except Exception as exc:  # a capacity is a refinement: routing goes on with the configured one
+                logger.info("could not read %s/metrics for its KV capacity: %s", url, exc)
         holdings = self._of(url)
-        holdings.card_capacity = card_capacity_tokens(card)
-        holdings.model.resize(holdings.card_capacity or self.kv_capacity_tokens)
+        holdings.card_capacity = capacity
+        holdings.model.resize(capacity or self.kv_capacity_tokens)
 
     def publishes(self, url: str) -> bool:
         """``url`` announced events and they flow."""
@@ -300,6 +311,10 @@ class CacheIndex:
 
 
 _NOTHING_SENT: collections.OrderedDict[int, float] = collections.OrderedDict()
+
+
+def _owned_by(card: object) -> object:
+    return card.get("owned_by") if isinstance(card, dict) else None
 
 
 _closing: set[asyncio.Task[None]] = set()  # subscribers being closed, kept alive until they are

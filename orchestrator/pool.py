@@ -284,7 +284,7 @@ class WorkerPool:
         logger.info("%s worker %s speaks %s", self.name, worker.url, protocol)
         if worker in self.workers:  # not one removed while its card was being read: nothing would close it
             self.index.subscribe(worker.url, _event_source(card, worker.url))
-            self.index.describe(worker.url, card)
+            await self.index.describe(worker.url, card, worker.transport, self.timeouts.health_s)
         try:
             info = card["engine_info"]
             return GenEngineFacts(bool(info["kv_block_reuse"]), bool(info["prompt_tokens_in_handoff"])), protocol

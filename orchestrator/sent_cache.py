@@ -4,16 +4,18 @@ the engine ages it.
 The engine keeps prompt KV for reuse up to its capacity and evicts the least recently used first, a chain's tail
 before its head. The model does the same over prefix-chain links (``frontend.prefix_chain``): each link stands for
 its bytes of prompt text, the bytes a token are learned from the worker's answers (its exact prompt length against
-the prompt's bytes), and the capacity is the worker's own where it says it (``kv_capacity_tokens`` on its card),
-else the pool's ``kv_capacity_tokens``. What this process cannot see (another process's requests to the same
-worker, an engine that keeps less than it says) the answers tell: an answer that reports fewer cached tokens than
-the model predicted lowers the share of the capacity this process counts on, and every answer that confirms the
-model lets it grow back. See docs/routing.md, "Workers that publish nothing"."""
+the prompt's bytes), and the capacity is the worker's own where it says it (``kv_capacity_tokens`` on its card, a
+vLLM server's cache config on its ``/metrics``), else the pool's ``kv_capacity_tokens``. What this process cannot
+see (another process's requests to the same worker, an engine that keeps less than it says) the answers tell: an
+answer that reports fewer cached tokens than the model predicted lowers the share of the capacity this process
+counts on, and every answer that confirms the model lets it grow back. See docs/routing.md, "Workers that publish
+nothing"."""
 
 from __future__ import annotations
 
 import collections
 import math
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -136,3 +138,27 @@ def answer_cached_tokens(response: Mapping[str, Any], handoff: Mapping[str, Any]
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
         return None
     return int(value)
+
+
+_VLLM_CACHE_CONFIG = "vllm:cache_config_info{"
+
+
+def vllm_capacity_tokens(metrics: str) -> int | None:
+    """The prompt KV a vLLM server keeps for reuse, in tokens, from its ``/metrics`` page: its cache config's
+    ``num_gpu_blocks`` times ``block_size`` (one engine's: a data-parallel server gives each request to one); None
+    where the page does not say, or prefix caching is off."""
+    for line in metrics.splitlines():
+        if not line.startswith(_VLLM_CACHE_CONFIG):
+            continue
+        labels = dict(_LABEL.findall(line[len(_VLLM_CACHE_CONFIG):line.rfind("}")]))
+        if labels.get("enable_prefix_caching", "True") != "True":
+            return None
+        try:
+            capacity = int(labels["num_gpu_blocks"]) * int(labels["block_size"])
+        except (KeyError, ValueError):
+            return None
+        return capacity if capacity > 0 else None
+    return None
+
+
+_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import zmq
 import zmq.asyncio
 
@@ -83,7 +85,8 @@ def test_what_was_sent_counts_until_the_events_should_have_said_so_and_is_kept_b
 def test_a_worker_without_events_holds_what_was_sent_there_as_long_as_its_capacity_allows() -> None:
     clock = Clock()
     index = CacheIndex(pending_s=10.0, clock=clock)
-    index.describe(W2, {"engine_info": {"kv_capacity_tokens": 16_384}})  # its card: ~64 KiB of text at 4 B a token
+    # its card: ~64 KiB of text at 4 B a token
+    asyncio.run(index.describe(W2, {"engine_info": {"kv_capacity_tokens": 16_384}}))
     index.note_sent(W2, CHAIN)
     clock.now = 1e6  # time alone ages nothing: only what came after
     assert index.matched_links(W2, CHAIN) == len(CHAIN.links)
@@ -97,14 +100,14 @@ def test_a_worker_without_events_holds_what_was_sent_there_as_long_as_its_capaci
 
 def test_a_worker_without_events_whose_card_says_nothing_keeps_the_pools_capacity() -> None:
     index = CacheIndex(kv_capacity_tokens=1_000)
-    index.describe(W2, {"engine_info": {}})
+    asyncio.run(index.describe(W2, {"engine_info": {}}))
     index.note_sent(W2, CHAIN)  # 12 KiB: more than 1,000 tokens at 4 B a token
     assert 0 < index.matched_links(W2, CHAIN) < len(CHAIN.links)
 
 
 def test_answers_correct_the_model_of_a_worker_without_events_only() -> None:
     index = CacheIndex(pending_s=10.0, clock=Clock())
-    index.describe(W2, {"engine_info": {"kv_capacity_tokens": 1_000_000}})
+    asyncio.run(index.describe(W2, {"engine_info": {"kv_capacity_tokens": 1_000_000}}))
     index.note_sent(W2, CHAIN)
     index.learn(W2, CHAIN, len(CHAIN.links), CHAIN.total_bytes, cached_tokens=0)  # it held none of it
     assert index._of(W2).model.share < 1.0

@@ -3,8 +3,15 @@ used first, bounded by the worker's capacity, corrected by what its answers say 
 
 from __future__ import annotations
 
+import asyncio
+from typing import Any
+
 from frontend.prefix_chain import chain_of
-from orchestrator.sent_cache import SentCacheModel, answer_cached_tokens, card_capacity_tokens
+from orchestrator.cache_index import CacheIndex
+from orchestrator.sent_cache import SentCacheModel, answer_cached_tokens, card_capacity_tokens, vllm_capacity_tokens
+from orchestrator.upstream.base import WorkerTimeouts
+from orchestrator.upstream.choice import make_transport
+from tests.servers import running
 
 SYSTEM = b"s" * 4096
 
@@ -95,3 +102,46 @@ def test_the_cached_tokens_an_answer_says() -> None:
                      {"usage": {"prompt_tokens_details": {"cached_tokens": -1}}},
                      {"usage": {"prompt_tokens_details": {"cached_tokens": "12"}}}):
         assert answer_cached_tokens(response, {}) is None
+
+
+VLLM_METRICS = (
+    '# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig\n'
+    '# TYPE vllm:cache_config_info gauge\n'
+    'vllm:cache_config_info{block_size="16",cache_dtype="auto",enable_prefix_caching="True",engine="0",'
+    'gpu_memory_utilization="0.9",num_cpu_blocks="None",num_gpu_blocks="27000",prefix_caching_hash_algo="sha256"}'
+    ' 1.0\n'
+    'vllm:num_requests_running{engine="0",model_name="m"} 0.0\n')
+
+
+def test_a_vllm_servers_capacity_from_its_metrics() -> None:
+    assert vllm_capacity_tokens(VLLM_METRICS) == 27_000 * 16
+    assert vllm_capacity_tokens(VLLM_METRICS.replace('enable_prefix_caching="True"',
+                                                     'enable_prefix_caching="False"')) is None
+    assert vllm_capacity_tokens(VLLM_METRICS.replace('num_gpu_blocks="27000"', 'num_gpu_blocks="None"')) is None
+    assert vllm_capacity_tokens("vllm:num_requests_running 0.0\n") is None
+
+
+async def _metrics_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+    """A vLLM server's /metrics, as far as the index reads it."""
+    if scope["type"] != "http":
+        return
+    found = scope["path"] == "/metrics"
+    await send({"type": "http.response.start", "status": 200 if found else 404,
+                "headers": [(b"content-type", b"text/plain")]})
+    await send({"type": "http.response.body", "body": VLLM_METRICS.encode() if found else b""})
+
+
+def test_the_index_reads_a_vllm_workers_capacity_over_http() -> None:
+    with running(_metrics_app) as url:
+        async def describe() -> tuple[float, float]:
+            index = CacheIndex(kv_capacity_tokens=1_000)
+            transport = make_transport(url, WorkerTimeouts())
+            try:
+                await index.describe(url, {"id": "m", "owned_by": "vllm"}, transport)
+                await index.describe("http://other", {"id": "m", "owned_by": "someone"}, transport)
+            finally:
+                await transport.aclose()
+            vllm, other = index._of(url).model, index._of("http://other").model
+            return vllm.capacity_tokens, other.capacity_tokens
+
+        assert asyncio.run(describe()) == (27_000 * 16, 1_000)
