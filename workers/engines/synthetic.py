@@ -177,7 +177,8 @@ def handoff_position(request: GenerationRequest, engine: str) -> int:
     if prompt_len != request.prompt_len:
         raise HandoffError(f"hand-off is for a {prompt_len}-token prompt, the request has {request.prompt_len}",
                            param="disaggregated_params.prompt_len")
-    return int(position)
+    # Past CTX's first token, a stream continued after another GEN broke: it goes on after the tokens handed over.
+    return max(int(position), len(request.handoff.first_gen_tokens))
 
 
 class SyntheticEngine:

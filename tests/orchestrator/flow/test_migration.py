@@ -10,6 +10,7 @@ exactly as the uninterrupted answer does.
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import contextlib
 import os
@@ -19,7 +20,8 @@ import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from types import SimpleNamespace
+from typing import Any, cast
 
 import httpx
 import openai
@@ -27,9 +29,11 @@ import pytest
 
 from entrypoints.launcher import free_port
 from frontend.config import parse_config
-from orchestrator.flow.migration import StreamLedger
+from frontend.metrics import Metrics
+from orchestrator.flow.migration import Migration, Migrations, StreamLedger
 from orchestrator.server import create_orchestrator_app
 from tests.orchestrator.flow.cutting_proxy import CuttingProxy
+from tests.orchestrator.members import idle_members
 from tests.servers import running
 from tests.waiting import eventually
 from tests.workers.engines.reference.tiny_model import write_tiny_model
@@ -415,3 +419,23 @@ def test_a_continued_responses_stream_numbers_its_events_on() -> None:
     out = ledger.feed(event("response.created", 0, b"b2") + event("response.output_text.delta", 1, b"b2", b"5")
                       + event("response.output_text.delta", 2, b"b2", b"6"))
     assert out == event("response.output_text.delta", 2, b"a1")
+
+
+# -- when a break is not continued ---------------------------------------------------------------------------------
+
+def _count(metrics: Metrics, outcome: str) -> float:
+    value = metrics.registry.get_sample_value("disagg_stream_migrations_total",
+                                              {"pool": "gen", "worker": "http://127.0.0.1:1", "outcome": outcome})
+    return value or 0.0
+
+
+@pytest.mark.parametrize(("resumable", "outcome"), [(True, "over_limit"), (False, "not_resumable")])
+def test_a_break_past_the_limit_or_on_a_stream_that_cannot_move_is_counted_and_not_continued(
+        resumable: bool, outcome: str) -> None:
+    metrics = Metrics()
+    migrations = Migrations(1, cast(Any, SimpleNamespace(metrics=metrics)))
+    migration = Migration(cast(Any, SimpleNamespace(endpoint="chat")), migrations, resumable)
+    migration.count = 1 if resumable else 0  # moved once already (the limit); or never movable
+    with idle_members(1, 1) as (worker,):
+        assert asyncio.run(migration.resume(worker, "the worker is gone")) is None
+    assert _count(metrics, outcome) == 1
