@@ -176,6 +176,7 @@ def soak(settings: Settings, log_dir: Path) -> dict[str, Any]:
         "context_servers": {"urls": [f"http://127.0.0.1:{ports['ctx']}"]},
         "generation_servers": {"urls": [f"http://127.0.0.1:{ports[role]}" for role in gen_roles]},
         "health_check_interval_s": HEALTH_INTERVAL_S, "max_retries": 1,
+        **({"migration_limit": settings.migration_limit} if settings.migration_limit is not None else {}),
     }))
     processes = {
         "ctx": Proc("ctx", ports["ctx"], ["worker", "--role", "context", *engine, "--port", str(ports["ctx"])],
@@ -206,12 +207,13 @@ def soak(settings: Settings, log_dir: Path) -> dict[str, Any]:
 
 def settings(duration_s: float, concurrency: int = 64, itl_ms: float = 1.0, disconnect_fraction: float = 0.1,
              stream_fraction: float = 0.5, restart_at: float = 0.5, settle_s: float = 7.0, seed: int = 1,
-             gens: int = 1, kill_every_s: float | None = None, roll_every_s: float | None = None) -> Settings:
+             gens: int = 1, kill_every_s: float | None = None, roll_every_s: float | None = None,
+             migration_limit: int | None = None) -> Settings:
     """A run's settings, the command's defaults unless given; RSS is sampled about 80 times a run."""
     return Settings(duration_s=duration_s, concurrency=concurrency, itl_ms=itl_ms,
                     disconnect_fraction=disconnect_fraction, stream_fraction=stream_fraction, restart_at=restart_at,
                     sample_every_s=min(2.0, max(0.25, duration_s / 80)), settle_s=settle_s, seed=seed, gens=gens,
-                    kill_every_s=kill_every_s, roll_every_s=roll_every_s)
+                    kill_every_s=kill_every_s, roll_every_s=roll_every_s, migration_limit=migration_limit)
 
 
 def run(settings: Settings) -> dict[str, Any]:
@@ -236,6 +238,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="SIGKILL one GEN every S seconds, the GENs in turn, and start it again")
     parser.add_argument("--roll-gen-every-s", type=float, default=None, metavar="S",
                         help="SIGTERM one GEN every S seconds (it drains), the GENs in turn, and start it again")
+    parser.add_argument("--migration-limit", type=int, default=None, metavar="N",
+                        help="the orchestrator's --migration-limit (default: its own, 2; 0: streams that break "
+                             "mid-way end with an error event)")
     parser.add_argument("--settle-s", type=float, default=7.0, help="idle time before the end figures")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--json", type=Path, default=REPO_ROOT / "bench-results" / "soak.json")
@@ -244,7 +249,8 @@ def main(argv: list[str] | None = None) -> int:
     result = run(settings(duration, concurrency=args.concurrency, itl_ms=args.itl_ms,
                           disconnect_fraction=args.disconnect_fraction, stream_fraction=args.stream_fraction,
                           restart_at=args.restart_at, settle_s=args.settle_s, seed=args.seed, gens=args.gens,
-                          kill_every_s=args.kill_gen_every_s, roll_every_s=args.roll_gen_every_s))
+                          kill_every_s=args.kill_gen_every_s, roll_every_s=args.roll_gen_every_s,
+                          migration_limit=args.migration_limit))
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=1) + "\n")
     print(table(result))

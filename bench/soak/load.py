@@ -43,6 +43,7 @@ class Settings:
     gens: int = 1  # GEN workers
     kill_every_s: float | None = None  # SIGKILL one GEN (in turn) this often, and start it again
     roll_every_s: float | None = None  # SIGTERM one GEN (in turn) this often, wait for its exit, start it again
+    migration_limit: int | None = None  # the orchestrator's (None: its default); 0 shows what migration saves
 
 
 async def one_request(client: httpx.AsyncClient, url: str, rng: random.Random, settings: Settings) -> Outcome:

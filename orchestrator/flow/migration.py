@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from frontend.errors import RelayedError, UpstreamError
+from frontend.errors import RelayedError, ServingError, UpstreamError
 from frontend.openai_output import Endpoint
 from frontend.stream_token_ids import HEADER, PREFIX, parse_ids, split_tag
 from orchestrator.flow.request import FlowRequest
@@ -259,10 +259,11 @@ class Migration:
                        failed.url, len(sent), reason)
         try:
             resumed = await migrations.continuation(self.request, sent, steps, failed)
-        except (UpstreamError, RelayedError) as exc:
+        except ServingError as exc:  # no CTX or GEN to continue on, or one that refused (its own words logged)
             migrations.counted(failed, FAILED)
-            logger.warning("could not continue the stream that broke on %s: %s", failed.url,
-                           exc.message if isinstance(exc, UpstreamError) else f"status {exc.status_code}")
+            error = exc.to_dict().get("error")
+            message = error.get("message") if isinstance(error, dict) else None
+            logger.warning("could not continue the stream that broke on %s: %s", failed.url, message or exc.message)
             return None
         migrations.counted(failed, RESUMED)
         self.ledger.begin_replay()
