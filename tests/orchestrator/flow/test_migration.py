@@ -63,6 +63,10 @@ class System:
     gens: list[Gen]
     orchestrator: str
     app: Any = None
+    # A second orchestrator over the same workers that prefills short prompts on GEN alone (conditional
+    # disaggregation): a stream it moves goes on through CTX all the same.
+    local: str = ""
+    local_app: Any = None
     processes: list[subprocess.Popen[bytes]] = field(default_factory=list)
 
     def client(self) -> openai.OpenAI:
@@ -79,7 +83,8 @@ class System:
         """Both GEN workers run, and the orchestrator would route to either (it takes a dead one back only once its
         health check passes)."""
         return (all(gen.process is not None and gen.process.poll() is None for gen in self.gens)
-                and all(worker.routable for worker in self.app.state.pools["generation"].workers))
+                and all(worker.routable for app in (self.app, self.local_app)
+                        for worker in app.state.pools["generation"].workers))
 
     def arm(self, frames: int) -> None:
         for gen in self.gens:
@@ -99,8 +104,8 @@ class System:
         victim.process.wait(timeout=30)
         return victim
 
-    def metric(self, name: str, **labels: str) -> float:
-        text = httpx.get(self.orchestrator + "/metrics", timeout=5).text
+    def metric(self, name: str, orchestrator: str | None = None, **labels: str) -> float:
+        text = httpx.get((orchestrator or self.orchestrator) + "/metrics", timeout=5).text
         total = 0.0
         for line in text.splitlines():
             if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
@@ -156,6 +161,8 @@ def system(tmp_path_factory: pytest.TempPathFactory) -> Iterator[System]:
                                "max_retries": 1, "health_check_interval_s": 0.2, "request_timeout_s": 60})
         system.app = create_orchestrator_app(config)
         system.orchestrator = stack.enter_context(running(system.app))
+        system.local_app = create_orchestrator_app(config.model_copy(update={"max_local_prefill_length": 100_000}))
+        system.local = stack.enter_context(running(system.local_app))
         yield system
 
 
@@ -294,6 +301,20 @@ def test_a_responses_stream_goes_on_with_its_numbering_and_one_completion(fresh:
     assert ends[0].response.usage.output_tokens == whole_end.usage.output_tokens
     assert fresh.metric("disagg_stream_migrations_total", outcome="resumed") == resumed_before + 1
 
+
+def test_a_stream_prefilled_on_gen_alone_goes_on_through_ctx(fresh: System) -> None:
+    model = _model(fresh)
+    with openai.OpenAI(base_url=fresh.local + "/v1", api_key="x", max_retries=0, timeout=120) as client:
+        whole_texts, _, whole_usage = _read_chat(_chat_stream(client, model, temperature=0.0))
+        assert fresh.metric("disagg_prefill_placement_total", fresh.local, placement="gen_short") >= 1
+        fresh.arm(1 + CUT_TEXT_FRAMES)
+        chunks = _chat_stream(client, model, temperature=0.0)
+        first, _, _ = _read_chat(chunks, until=CUT_TEXT_FRAMES - 1)
+        fresh.kill_the_one_holding()
+        rest, finishes, usage = _read_chat(chunks)
+    assert "".join(first + rest) == "".join(whole_texts)
+    assert finishes == ["length"] and usage.completion_tokens == whole_usage.completion_tokens == MAX_TOKENS
+    assert fresh.metric("disagg_stream_migrations_total", fresh.local, outcome="resumed") == 1
 
 @pytest.mark.parametrize("endpoint", ["chat", "completions", "responses"])
 def test_a_whole_answer_lost_with_its_gen_is_answered_by_another(fresh: System, endpoint: str) -> None:
