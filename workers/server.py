@@ -69,6 +69,11 @@ if TYPE_CHECKING:
 _STARTED = int(time.time())
 
 
+def parked_handoffs(engine: Engine) -> int:
+    """The KV hand-offs a CTX engine holds for GEN workers to fetch now (0 for an engine that parks none)."""
+    return engine.kv_store_stats()[0] if isinstance(engine, KVHandoffStore) else 0
+
+
 def create_worker_app(
     engine: Engine, settings: WorkerSettings, metrics: Metrics | None = None, *,
     registration: Registration | None = None,
@@ -85,8 +90,9 @@ def create_worker_app(
     span_names = {e: f"{settings.role} {e}" for e in ("chat", "completions", "responses", "messages")}
     kv_events = KvEventPublishing(engine, settings, service)
     chain_secret = settings.internal_secret  # a prefix chain is believed only from its holder (the orchestrator)
-    # SIGTERM drains first (the server runs ``drain.run`` before it stops): a registered worker leaves at once.
-    drain = Drain(settings.drain_timeout_s, lambda: service.inflight,
+    # SIGTERM drains first (the server runs ``drain.run`` before it stops): a registered worker leaves at once. A
+    # CTX whose engine parks KV hand-offs waits for them too: a GEN is about to fetch each.
+    drain = Drain(settings.drain_timeout_s, lambda: service.inflight + parked_handoffs(engine),
                   on_begin=registration.leave if registration is not None else None)
 
     @asynccontextmanager

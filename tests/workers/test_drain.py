@@ -11,7 +11,7 @@ import contextlib
 import signal
 import socket
 import threading
-from collections.abc import AsyncGenerator, Iterator
+from collections.abc import AsyncGenerator, Iterator, Mapping
 from dataclasses import dataclass
 
 import httpx
@@ -22,11 +22,12 @@ import uvicorn
 from entrypoints.http.server import TickServer
 from tests.waiting import eventually, eventually_async
 from workers.drain import DRAIN_VISIBLE_S, WATCH_S, Drain
+from workers.engines.base import HandoffLedger, KVHandoffStore
 from workers.engines.outputs import EngineOutput
 from workers.engines.request import GenerationRequest
 from workers.engines.synthetic import SyntheticEngine, synthetic_text
 from workers.server import create_worker_app
-from workers.settings import WorkerSettings
+from workers.settings import Role, WorkerSettings
 
 MAX_TOKENS = 6
 
@@ -67,9 +68,10 @@ class DrainingWorker:
 
 
 @contextlib.contextmanager
-def draining_worker(drain_timeout_s: float) -> Iterator[DrainingWorker]:
-    engine = GatedEngine()
-    app = create_worker_app(engine, WorkerSettings(role="both", drain_timeout_s=drain_timeout_s))
+def draining_worker(drain_timeout_s: float, engine: GatedEngine | None = None,
+                    role: Role = "both") -> Iterator[DrainingWorker]:
+    engine = engine or GatedEngine()
+    app = create_worker_app(engine, WorkerSettings(role=role, drain_timeout_s=drain_timeout_s))
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
     port = listener.getsockname()[1]
@@ -143,6 +145,43 @@ def test_a_stream_still_running_at_the_drain_timeout_is_cut() -> None:
         with pytest.raises(httpx.RemoteProtocolError):  # cut: the answer's chunked body never ends
             list(frames)
         worker.engine.gate.set()  # (frees the engine's thread that held the stream, so the loop can close)
+        worker.thread.join(timeout=60)
+        assert not worker.thread.is_alive()
+
+
+class ParkingEngine(GatedEngine):
+    """A CTX engine that says it holds ``parked`` KV hand-offs (the store's side of ``KVHandoffStore``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.parked = 0
+        self.asked = 0  # how often the count was read
+
+    async def release_handoff(self, ctx_request_id: str, opaque_state: bytes) -> bool:
+        return False
+
+    def kv_store_stats(self) -> tuple[int, int]:
+        self.asked += 1
+        return self.parked, 1024 * self.parked
+
+    def kv_handoff_totals(self) -> Mapping[str, int]:
+        return {}
+
+    async def handoff_ledger(self) -> HandoffLedger:
+        raise NotImplementedError
+
+
+def test_a_draining_ctx_waits_for_the_hand_offs_it_parked_to_be_taken() -> None:
+    engine = ParkingEngine()
+    assert isinstance(engine, KVHandoffStore)
+    with draining_worker(drain_timeout_s=60, engine=engine, role="context") as worker:
+        engine.parked = 1  # a GEN is about to fetch it
+        worker.sigterm()
+        assert eventually(lambda: httpx.get(worker.url + "/health", timeout=10).json()["status"] == "draining")
+        asked = engine.asked
+        assert eventually(lambda: engine.asked > asked + 10)  # the drain keeps looking ...
+        assert worker.thread.is_alive()  # ... and the server keeps serving: the port stays open for the fetch
+        engine.parked = 0  # taken
         worker.thread.join(timeout=60)
         assert not worker.thread.is_alive()
 
