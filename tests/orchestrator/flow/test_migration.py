@@ -244,16 +244,18 @@ def test_a_completions_stream_with_logprobs_goes_on_with_the_same_tokens(fresh: 
             model=model, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0.0, stream=True, logprobs=2,
             stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
 
-    def read(chunks: Iterator[Any], until: int | None = None) -> tuple[list[str], list[str], Any]:
+    def read(chunks: Iterator[Any], until: int | None = None) -> tuple[list[str], list[Any], Any]:
+        """The texts, each token's (text, logprob, offset in the whole text) and the usage."""
         texts: list[str] = []
-        tokens: list[str] = []
+        tokens: list[Any] = []
         usage = None
         for chunk in chunks:
             usage = chunk.usage or usage
             for choice in chunk.choices:
                 texts.append(choice.text)
                 if choice.logprobs is not None:
-                    tokens += choice.logprobs.tokens or []
+                    lp = choice.logprobs
+                    tokens += zip(lp.tokens or [], lp.token_logprobs or [], lp.text_offset or [], strict=True)
             if until is not None and len(tokens) >= until:
                 break
         return texts, tokens, usage
@@ -267,7 +269,7 @@ def test_a_completions_stream_with_logprobs_goes_on_with_the_same_tokens(fresh: 
     fresh.kill_the_one_holding()
     rest, rest_tokens, usage = read(chunks)
     assert "".join(first + rest) == "".join(whole_texts)
-    assert first_tokens + rest_tokens == whole_tokens  # each token once, in order
+    assert first_tokens + rest_tokens == whole_tokens  # each token once, in order, its logprob and offset too
     assert usage.completion_tokens == whole_usage.completion_tokens == MAX_TOKENS
     assert fresh.metric("disagg_stream_migrations_total", outcome="resumed") == resumed_before + 1
 
