@@ -27,7 +27,7 @@ import pytest
 from entrypoints.launcher import free_port
 from frontend.process_lifetime import die_with_parent
 from orchestrator.member import PoolMember
-from tests.cluster import MODEL, Node, start_orchestrator, start_worker
+from tests.cluster import MODEL, Node, sample, start_orchestrator, start_worker
 from tests.waiting import eventually
 from workers.engines.synthetic import synthetic_text
 
@@ -44,6 +44,8 @@ class GenProcess:
     port: int
     log: Path
     process: subprocess.Popen[bytes] | None = None
+    itl_ms: int = 2
+    drain_timeout_s: float | None = None  # the worker's default unless given
 
     @property
     def url(self) -> str:
@@ -53,7 +55,8 @@ class GenProcess:
         with open(self.log, "ab") as log:
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "entrypoints.cli", "--log-level", "warning", "worker", "--role", "generation",
-                 "--engine", "synthetic", "--synthetic-itl-ms", "2", "--port", str(self.port)],
+                 "--engine", "synthetic", "--synthetic-itl-ms", str(self.itl_ms), "--port", str(self.port),
+                 *([] if self.drain_timeout_s is None else ["--drain-timeout-s", str(self.drain_timeout_s)])],
                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=REPO_ROOT,
                 preexec_fn=die_with_parent)
 
@@ -184,3 +187,35 @@ def test_rolling_every_gen_one_by_one_under_streaming_load_costs_no_client_an_er
         load.finish()
         assert load.errors == []
         assert all(member(orchestrator, gen.url).routable for gen in gens)
+
+
+def test_a_stream_still_running_at_its_gens_drain_timeout_goes_on_on_another_gen(
+        ctx: Node, tmp_path: Path) -> None:
+    # Slow GENs (20 ms a token) with a short drain: a 300-token stream outlives the drain of the GEN it is on.
+    tokens = 300
+    slow = [GenProcess(free_port(), tmp_path / f"slow{i}.log", itl_ms=20, drain_timeout_s=0.5) for i in range(2)]
+    try:
+        for gen in slow:
+            gen.start()
+        assert all(eventually(gen.healthy) for gen in slow)
+        with contextlib.ExitStack() as stack:
+            orchestrator = start_orchestrator(stack, [ctx.url], [gen.url for gen in slow])
+            assert eventually(lambda: all(member(orchestrator, gen.url).routable for gen in slow))
+            with openai.OpenAI(base_url=orchestrator.url + "/v1", api_key="x", max_retries=0, timeout=60) as client:
+                stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "long"}],
+                                                        max_tokens=tokens, stream=True)
+                chunks = [next(stream)]
+                assert eventually(lambda: any(member(orchestrator, gen.url).inflight for gen in slow))
+                [serving] = [gen for gen in slow if member(orchestrator, gen.url).inflight]
+                chunks.append(next(stream))  # the client has text
+                assert serving.sigterm_and_wait() == -signal.SIGTERM  # its drain timed out: the stream was cut
+                chunks += list(stream)
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert text == synthetic_text(tokens)  # nothing lost, repeated or reordered
+        assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["length"]
+        # Continued by mid-stream migration, on the other GEN.
+        assert sample(orchestrator.metrics, "disagg_stream_migrations_total", pool="gen", worker=serving.url,
+                      outcome="resumed") == 1
+    finally:
+        for gen in slow:
+            gen.stop()
