@@ -23,7 +23,14 @@ from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from frontend.errors import InvalidRequestError, OverloadedError, PayloadTooLargeError, ServingError, error_body
+from frontend.errors import (
+    InvalidRequestError,
+    OverloadedError,
+    PayloadTooLargeError,
+    ServingError,
+    WorkerDrainingError,
+    error_body,
+)
 from frontend.logging_setup import request_id_var
 from frontend.sse import close_frames
 
@@ -216,8 +223,11 @@ def install_error_handlers(app: FastAPI) -> None:
 
 
 def log_server_error(request_id: str, error: ServingError, method: str, path: str) -> None:
-    """Every 5xx is logged with its request id and its cause."""
-    logger.error("request %s answered %d on %s %s: %s", request_id, error.status_code, method, path, _cause(error))
+    """Every 5xx is logged with its request id and its cause; a draining worker's refusals, which are expected and
+    sent elsewhere, at info."""
+    level = logging.INFO if isinstance(error, WorkerDrainingError) else logging.ERROR
+    logger.log(level, "request %s answered %d on %s %s: %s", request_id, error.status_code, method, path,
+               _cause(error))
 
 
 def _cause(error: ServingError) -> str:

@@ -103,7 +103,9 @@ def frames_of(lines: Iterator[str]) -> Iterator[dict[str, object] | str]:
             yield data if data == "[DONE]" else orjson.loads(data)
 
 
-def test_a_draining_worker_refuses_new_requests_says_so_and_lets_its_stream_finish() -> None:
+def test_a_draining_worker_refuses_new_requests_says_so_and_lets_its_stream_finish(
+        caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level("INFO", logger="frontend.http")
     with draining_worker(drain_timeout_s=60) as worker, httpx.Client(timeout=30) as client, \
             client.stream("POST", worker.url + "/v1/chat/completions", json=chat_body(True)) as stream:
         assert stream.status_code == 200
@@ -123,6 +125,9 @@ def test_a_draining_worker_refuses_new_requests_says_so_and_lets_its_stream_fini
             error = refused.json()["error"]
             assert error["code"] == "worker_draining" and error["type"] == "service_unavailable"
         assert worker.thread.is_alive()  # still serving: the stream in flight holds the drain open
+        # Logged, but as what they are: expected refusals the orchestrator sends elsewhere, not server errors.
+        refusals = [r for r in caplog.records if "is draining" in r.getMessage()]
+        assert len(refusals) == 2 and {r.levelname for r in refusals} == {"INFO"}
 
         worker.engine.gate.set()
         rest = list(frames)
