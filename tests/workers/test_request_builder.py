@@ -226,11 +226,19 @@ def test_handoff_from_generation_only_params() -> None:
 @pytest.mark.parametrize(
     "changes",
     [{"first_gen_tokens": []}, {"first_gen_tokens": [-1]}, {"encoded_opaque_state": None},
-     {"encoded_opaque_state": "@@@"}],
+     {"encoded_opaque_state": "@@@"},
+     {"first_gen_tokens": [84, 85], "first_gen_steps": [1]}],  # steps that do not add up to the tokens
 )
 def test_bad_handoffs_are_refused(changes: dict[str, Any]) -> None:
     with pytest.raises(HandoffError):
         handoff_from(DisaggregatedParams.model_validate({**GEN_PARAMS, **changes}), 50_000)
+
+
+def test_a_continued_stream_s_steps_ride_its_handoff() -> None:
+    params = DisaggregatedParams.model_validate({**GEN_PARAMS, "first_gen_tokens": [84, 85, 86],
+                                                 "first_gen_steps": [1, 2]})
+    handoff = handoff_from(params, 50_000)
+    assert handoff is not None and handoff.first_gen_steps == (1, 2)
 
 
 def test_phase_and_endpoint() -> None:

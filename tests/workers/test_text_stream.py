@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from frontend.errors import UnsupportedParameterError
 from frontend.sampling import SamplingParams
 from frontend.token_codec import TOKEN_DTYPE, TokenArray
 from workers.engines.outputs import EngineOutput
@@ -161,3 +162,29 @@ async def test_an_engine_that_chose_the_first_tokens_again_opens_the_answer_with
     assert sum(len(s.token_ids) for s in steps) == 5
     assert steps[0].cached_tokens == 3  # CTX's figure, as on the path that opens with CTX's tokens
     assert [s.finish_reason for s in steps if s.finish_reason] == ["length", "length"]
+
+
+async def test_a_continued_stream_replays_the_tokens_handed_over_in_their_steps_then_goes_on() -> None:
+    # Another GEN broke after the client had 5 tokens, streamed in steps of 1, 2 and 2: this one opens with the same
+    # steps (the text a detokenizer writes depends on them) and decodes on after them.
+    engine = SyntheticEngine()
+    sampling = SamplingParams(max_tokens=12)
+    (ctx_step,) = await collect(engine, GenerationRequest("c", prompt(), sampling, phase=Phase.CONTEXT_ONLY))
+    assert ctx_step.handoff_state is not None
+    sent = tuple(SYNTHETIC_TEXT[:5])
+    handoff = Handoff(sent, ctx_step.handoff_state, first_gen_steps=(1, 2, 2))
+    steps = await collect(engine, GenerationRequest("g", prompt(), sampling, phase=Phase.GENERATION_ONLY,
+                                                    handoff=handoff))
+    assert [s.token_ids for s in steps[:3]] == [sent[:1], sent[1:3], sent[3:5]]
+    assert "".join(s.text for s in steps) == SYNTHETIC_TEXT[:12].decode()
+    assert sum(len(s.token_ids) for s in steps) == 12
+
+
+async def test_an_engine_that_chooses_the_first_tokens_again_refuses_to_continue_a_stream() -> None:
+    engine = ChoosesFirstTokensAgain([b"Yes"])
+    handoff = Handoff((ord("Y"), ord("e")), b"state", first_gen_steps=(1, 1))
+    request = GenerationRequest("g", prompt(), SamplingParams(max_tokens=3), phase=Phase.GENERATION_ONLY,
+                                handoff=handoff)
+    with pytest.raises(UnsupportedParameterError) as refused:
+        await collect(engine, request)
+    assert refused.value.param == "disaggregated_params.first_gen_steps"
