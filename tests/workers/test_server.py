@@ -321,3 +321,13 @@ def test_a_stream_whose_client_leaves_before_the_first_token_stops_at_once() -> 
         assert eventually(lambda: not engine._running)
         assert sample(app.state.metrics, "disagg_requests_total", role="both", endpoint="completions",
                       status="499") == 1
+
+
+def test_a_stream_says_its_token_ids_only_to_whoever_asks(cluster: Cluster) -> None:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "stream": True}
+    url = cluster.aggregated.url + "/v1/chat/completions"
+    plain = httpx.post(url, json=body, timeout=30).content
+    asked = httpx.post(url, json=body, headers={"x-disagg-stream-token-ids": "1"}, timeout=30).content
+    assert b": token_ids" not in plain
+    lines = [line.removeprefix(b": token_ids ") for line in asked.split(b"\n") if line.startswith(b": token_ids ")]
+    assert bytes(int(token) for line in lines for token in line.split(b",")) == SYNTHETIC_TEXT[:5]
