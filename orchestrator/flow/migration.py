@@ -146,7 +146,9 @@ class StreamLedger:
         """A continuation's stream comes next: it replays what the client has, then goes on."""
         self.pending = b""
         self.broken = None
-        self.replaying = True
+        # Nothing reached the client yet (the break came before GEN's first whole frame): the continuation's
+        # opening is the client's, passed on as it comes.
+        self.replaying = self.last_frame is not None
         self.replay_tokens, self.replayed = len(self.sent_token_ids()), 0
         self.replay_tags = []
         self.replay_identity = False

@@ -462,3 +462,11 @@ def test_a_break_past_the_limit_or_on_a_stream_that_cannot_move_is_counted_and_n
     with idle_members(1, 1) as (worker,):
         assert asyncio.run(migration.resume(worker, "the worker is gone")) is None
     assert _count(metrics, outcome) == 1
+
+
+def test_a_stream_that_broke_before_its_first_whole_frame_is_the_continuation_s_from_its_opening() -> None:
+    ledger = StreamLedger("chat")
+    role = b'data: {"id":"chatcmpl-b2","created":9,"choices":[{"delta":{"role":"assistant"}}]}\n\n'
+    assert ledger.feed(role[:20]) == b""  # cut before the end of GEN's first frame: the client has nothing
+    ledger.begin_replay()
+    assert ledger.feed(role + _chunk(b"b2", b"x", b"5", 9)) == role + _chunk(b"b2", b"x", created=9)
