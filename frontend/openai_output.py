@@ -483,13 +483,14 @@ class StreamRenderer:
         usage_frames = [self._chunk({}, usage=usage.as_openai(self.ident.endpoint))] if self.include_usage else []
         return [*usage_frames, DONE_FRAME]
 
-    def finish(self, finish_reason: str | None, usage: Usage) -> list[bytes]:
+    def finish(self, finish_reason: str | None, usage: Usage, call_broken: bool = False) -> list[bytes]:
         """The end: chat's and completions' finish chunk and end, or the Responses API's open items done and the
-        final event (a Response that made no item has one empty message)."""
+        final event (a Response that made no item has one empty message). ``call_broken``: the last call's
+        arguments broke off or are not JSON (its item is ``incomplete``)."""
         endpoint = self.ident.endpoint
         if endpoint in ("chat", "completions"):
             return [*self.finish_choice(finish_reason), *self.end(usage)]
-        cut = finish_reason == "length"
+        cut = finish_reason == "length" or call_broken
         frames = self._close_call("incomplete" if cut else "completed")
         if not self._items and self._message_index is None:
             frames += self._open_message()

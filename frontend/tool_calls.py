@@ -37,6 +37,7 @@ class ToolCalling:
     # The format's grammar of text or well-formed calls (``SamplingParams.grammar``), where it has one and every
     # tool's parameters compile; a forced call's grammar is the request's JSON schema instead.
     grammar: str | None = None
+    names: frozenset[str] | None = None  # the functions a call may name (the tools offered); None: any
 
     @property
     def forced(self) -> bool:
@@ -48,7 +49,7 @@ class ToolCalling:
 
     def parser(self) -> ToolCallParser:
         """A reader for one answer (one per choice)."""
-        return ForcedCallParser() if self.format is None else self.format.parser(self.parallel)
+        return ForcedCallParser() if self.format is None else self.format.parser(self.parallel, self.names)
 
 
 FORCED = ToolCalling(None, parallel=False)
@@ -70,12 +71,14 @@ def tool_calling_for(wire: GenerationWireRequest, constraint: OutputConstraint |
                 param="tool_choice")
         return None  # the tools are described and the answer is text, as without a parser
     parallel = getattr(wire, "parallel_tool_calls", None) is not False
+    tools = tools_in_prompt(wire)
     grammar = None
     if model_format.grammar is not None:
-        grammar = model_format.grammar([call_schema(tool) for tool in tools_in_prompt(wire)], parallel)
+        grammar = model_format.grammar([call_schema(tool) for tool in tools], parallel)
         if not _compiles(grammar):  # parameters the grammar compiler refuses: the answer is read, not held
             grammar = None
-    return ToolCalling(model_format, parallel, grammar)
+    # A "call" naming no tool offered is the answer's text (a JSON answer about a person named in "name").
+    return ToolCalling(model_format, parallel, grammar, frozenset(tool.function.name for tool in tools))
 
 
 @functools.lru_cache(maxsize=256)

@@ -195,12 +195,14 @@ class Renderer:
                            parsers: list[ToolCallParser] | None, calls: list[int], finish: str | None,
                            index: int) -> list[bytes]:
         """The frames that end choice ``index``: what its reader held back, then the finish chunk (``tool_calls``
-        where the choice ended its turn after calls)."""
+        where the choice ended its turn after calls, all of them whole and valid: a call whose arguments broke off
+        or are not JSON went out in pieces, but is no call for the client to run, as the whole answer says)."""
         if parsers is None:
             return renderer.finish_choice(finish, index)
-        frames = self._tool_frames(prepared, renderer, parsers[index].finish(), calls, index)
-        return [*frames, *renderer.finish_choice("tool_calls" if calls[index] and finish == "stop" else finish,
-                                                 index)]
+        parser = parsers[index]
+        frames = self._tool_frames(prepared, renderer, parser.finish(), calls, index)
+        called = calls[index] and finish == "stop" and not parser.incomplete
+        return [*frames, *renderer.finish_choice("tool_calls" if called else finish, index)]
 
     def _response_end_frames(self, prepared: PreparedGeneration, renderer: StreamRenderer,
                              parsers: list[ToolCallParser] | None, calls: list[int], finish: str | None,
@@ -208,7 +210,7 @@ class Renderer:
         """The frames that end a Responses stream: what its reader held back, then the open items done and the
         final event."""
         frames = [] if parsers is None else self._tool_frames(prepared, renderer, parsers[0].finish(), calls, 0)
-        return [*frames, *renderer.finish(finish, usage)]
+        return [*frames, *renderer.finish(finish, usage, call_broken=parsers is not None and parsers[0].incomplete)]
 
     def _echo_frames(self, request: GenerationRequest, renderer: StreamRenderer, first: TextStep | None,
                      prompt_logprobs: list[Any] | None) -> list[bytes]:

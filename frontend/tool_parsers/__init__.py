@@ -7,7 +7,7 @@ parser here reads gets none: ``tool_choice: "auto"`` is then refused with a 400 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,7 +22,8 @@ from frontend.tool_parsers.mistral import MistralParser
 class ToolCallFormat:
     name: str
     instructions: str  # how the prompt asks for a call, where the template does not say
-    parser: Callable[[bool], ToolCallParser]  # a reader for one answer; its argument: several calls allowed
+    # A reader for one answer; its arguments: several calls allowed, the functions a call may name (None: any).
+    parser: Callable[[bool, Collection[str] | None], ToolCallParser]
     template_markers: tuple[str, ...]  # text a chat template that writes calls this way holds
     calls_text: Callable[[HistoryCalls], str]  # earlier calls as the history's assistant turn holds them
     # The grammar (llguidance's Lark) of an answer that is text or well-formed calls, from the calls' object

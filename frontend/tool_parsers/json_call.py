@@ -1,15 +1,18 @@
 """One call written as a JSON object, ``{"name": <function>, "arguments": {...}}``, read as it is generated: the
 shape every format here wraps in its own markers (Llama 3 names the arguments ``parameters``).
 
-The name is known once its string closes; from there the arguments object streams as it comes, byte for byte, and
-the call is complete when the outer object closes. An object written another way (its arguments first, or not an
-object) is read once it closes, and its arguments re-serialised. Text that cannot be a call object is given back
+The call opens once its name is known and its arguments' value opens as an object; from there the arguments stream
+as they come, byte for byte, and the call is complete when the outer object closes, if the object is valid JSON (a
+call whose arguments turn out not to be JSON fails after its pieces went out: the answer is then incomplete). An
+object written another way (its arguments first, or not an object) is read once it closes, and its arguments
+re-serialised. Text that cannot be a call object, or a call to a function the request does not offer, is given back
 (``failed``): the format's parser then treats it as text.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Collection
 from enum import Enum, auto
 
 import orjson
@@ -30,9 +33,13 @@ class _State(Enum):
 
 class JsonCall:
     """One call object's reader. ``feed`` returns the text after the object once it has closed, or from the first
-    character that cannot open one where the reader failed (what it read is ``seen``), else None."""
+    character that cannot open one where the reader failed (what it read is ``seen``), else None. ``names``: the
+    functions a call may name (None: any)."""
 
-    def __init__(self) -> None:
+    def __init__(self, names: Collection[str] | None = None) -> None:
+        self._names = names
+        self._opening = False  # the object's brace has been read
+        self._head_name: str | None = None  # read from the head; the call opens once its arguments open as an object
         self._state = _State.HEAD
         self._seen: list[str] = []  # every character fed, for a call written another way, or given back
         self._depth = 0
@@ -73,8 +80,9 @@ class JsonCall:
                     self._seen.pop()
                     self._state = _State.FAILED
                     return text[position:]
-                if char == ":" and not self._in_string:
-                    self._open_if_head()
+                if char == ":" and self._depth == 1 and not self._in_string and not self._open_if_head():
+                    self._state = _State.FAILED
+                    return text[position + 1:]
             elif self._state is _State.ARGUMENTS:
                 if self._arguments_depth == 0:
                     if char.isspace():
@@ -83,16 +91,17 @@ class JsonCall:
                         self._state = _State.WHOLE
                         continue
                     self._arguments_depth = 1
+                    self.name = self._head_name
                 piece.append(char)
                 if closed and self._depth == 1:
                     self._flush(piece)
                     self._state = _State.TAIL
             if self._depth == 0 and closed:
                 self._flush(piece)
-                if self._state is _State.WHOLE or (self._state is _State.HEAD and self.name is None):
+                if self._state is _State.WHOLE or self._state is _State.HEAD:
                     self._read_whole()
-                else:
-                    self._state = _State.DONE
+                else:  # the arguments streamed: the call stands if the object is JSON (else it fails, opened)
+                    self._state = _State.DONE if _is_json("".join(self._seen)) else _State.FAILED
                 return text[position + 1:]
         self._flush(piece)
         return None
@@ -124,15 +133,31 @@ class JsonCall:
         return False
 
     def _seen_could_open(self) -> bool:
-        """Before anything else, only whitespace and then an object."""
-        stripped = "".join(self._seen).lstrip()
-        return not stripped or stripped[0] == "{"
+        """Before anything else, only whitespace and then an object (the last character is the only new one)."""
+        char = self._seen[-1]
+        if self._opening:
+            return True
+        if char == "{":
+            self._opening = True
+        return self._opening or char.isspace()
 
-    def _open_if_head(self) -> None:
+    def _open_if_head(self) -> bool:
+        """Read the name where the head is complete; False where it names a function not offered, or no name."""
         match = _HEAD.match("".join(self._seen))
-        if match is not None:
-            self.name = orjson.loads(match.group(1))
-            self._state = _State.ARGUMENTS
+        if match is None:
+            return True
+        try:
+            name = orjson.loads(match.group(1))
+        except orjson.JSONDecodeError:  # an escape JSON has not ("\q"): no call object
+            return False
+        if not self._offered(name):
+            return False
+        self._head_name = name
+        self._state = _State.ARGUMENTS
+        return True
+
+    def _offered(self, name: str) -> bool:
+        return self._names is None or name in self._names
 
     def _read_whole(self) -> None:
         try:
@@ -147,7 +172,7 @@ class JsonCall:
                 arguments = orjson.loads(arguments)
             except orjson.JSONDecodeError:
                 arguments = None
-        if not isinstance(name, str) or not isinstance(arguments, dict):
+        if not isinstance(name, str) or not isinstance(arguments, dict) or not self._offered(name):
             self._state = _State.FAILED
             return
         self.name = name
@@ -155,3 +180,11 @@ class JsonCall:
         self.pieces = [text]
         self.arguments_text = [text]
         self._state = _State.DONE
+
+
+def _is_json(text: str) -> bool:
+    try:
+        orjson.loads(text)
+    except orjson.JSONDecodeError:
+        return False
+    return True

@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 import orjson
 
 from frontend.tool_parsers.base import HistoryCalls, TextPiece, ToolEvent
@@ -19,8 +21,8 @@ def calls_text(calls: HistoryCalls) -> str:
 
 
 class Llama3JsonParser(CallsReader):
-    def __init__(self, parallel: bool) -> None:
-        super().__init__(parallel)
+    def __init__(self, parallel: bool, names: Collection[str] | None = None) -> None:
+        super().__init__(parallel, names)
         self._text = False  # the answer is known to be text
 
     def read_text(self, final: bool) -> list[ToolEvent]:

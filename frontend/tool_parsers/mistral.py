@@ -4,6 +4,8 @@ Mistral's tokenizers: the engine's detokenizer must keep it in the text for this
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 import orjson
 
 from frontend.tool_parsers.base import HistoryCalls, TextPiece, ToolEvent, held_back
@@ -19,8 +21,8 @@ def calls_text(calls: HistoryCalls) -> str:
 
 
 class MistralParser(CallsReader):
-    def __init__(self, parallel: bool) -> None:
-        super().__init__(parallel)
+    def __init__(self, parallel: bool, names: Collection[str] | None = None) -> None:
+        super().__init__(parallel, names)
         self._listed = False  # the calls are in a list (else one bare object followed the marker)
 
     def read_text(self, final: bool) -> list[ToolEvent]:
@@ -33,7 +35,7 @@ class MistralParser(CallsReader):
             rest = self.buffer[at + len(MARKER):]
             stripped = rest.lstrip()
             if not stripped and not final:
-                self.buffer = self.buffer[at:]  # wait for the list
+                self.buffer = self.buffer[len(before):]  # wait for the list (the space before the marker kept)
                 return events
             self._listed = stripped.startswith("[")
             skip = len(rest) - len(stripped) + (1 if self._listed else 0)

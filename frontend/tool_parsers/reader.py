@@ -9,6 +9,7 @@ Anthropic's answers hold text before calls, and a model that writes on after its
 from __future__ import annotations
 
 from abc import abstractmethod
+from collections.abc import Collection
 from enum import Enum, auto
 
 from frontend.tool_parsers.base import ArgumentsPiece, CallOpened, TextPiece, ToolCallParser, ToolEvent
@@ -23,8 +24,10 @@ class Phase(Enum):
 
 
 class CallsReader(ToolCallParser):
-    def __init__(self, parallel: bool) -> None:
+    def __init__(self, parallel: bool, names: Collection[str] | None = None) -> None:
+        """``names``: the functions a call may name (the request's tools; None: any)."""
         self.parallel = parallel
+        self.names = names
         self.phase = Phase.TEXT
         self.buffer = ""  # text not yet judged
         self.calls = 0
@@ -50,7 +53,7 @@ class CallsReader(ToolCallParser):
         """A call object starts after ``consumed`` characters of ``buffer``; ``prefix``: its marker, as text."""
         self.buffer = self.buffer[consumed:]
         self.phase = Phase.CALL
-        self._call = JsonCall()
+        self._call = JsonCall(self.names)
         self._call_prefix = prefix
 
     def end_calls(self) -> None:
@@ -117,6 +120,6 @@ class CallsReader(ToolCallParser):
             self._incomplete = self._incomplete or call.failed
             self.calls += 1
             self._call = None
-            self.phase = Phase.BETWEEN if self.next_call_allowed() else Phase.AFTER
+            self.phase = Phase.BETWEEN if self.next_call_allowed() and not call.failed else Phase.AFTER
             self.buffer = rest or ""
         return events

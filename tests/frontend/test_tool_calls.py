@@ -18,7 +18,7 @@ from frontend.tool_calls import (
     with_tools_prompt,
 )
 from frontend.tool_parsers import FORMATS, forced, hermes
-from frontend.tool_parsers.base import ParsedCall
+from frontend.tool_parsers.base import ParsedCall, parse_whole
 
 TOOL = ChatTool.model_validate({"type": "function", "function": {
     "name": "f", "description": "does f", "parameters": {"type": "object", "properties": {"x": {"type": "integer"}}}}})
@@ -55,6 +55,9 @@ def test_auto_reads_the_answer_in_the_models_format(body: dict[str, Any], parall
     calling = tool_calling_for(wire, output_constraint(wire), HERMES)
     assert calling is not None and calling.format is HERMES and calling.parallel is parallel
     assert calling.instructions == hermes.INSTRUCTIONS
+    # Its reader takes calls to the offered tools only: a "call" to another name is the answer's text.
+    assert calling.names == {"f"}
+    assert parse_whole(calling.parser(), '<tool_call>{"name": "g", "arguments": {}}</tool_call>') is None
 
 
 def test_a_forced_call_is_read_as_one_bare_call_whatever_the_format() -> None:

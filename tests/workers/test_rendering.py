@@ -224,3 +224,13 @@ async def test_an_answer_cut_short_after_its_calls_ends_with_length_whole_and_st
     assert len(body["choices"][0]["message"]["tool_calls"]) == 2
     chunks = await streamed_chunks(chat_auto(), answer, 5, "length")
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+async def test_a_call_whose_arguments_are_not_json_is_no_tool_calls_turn_whole_or_streamed() -> None:
+    """An engine without the grammar lets a model write broken JSON in the tags: the client is not told to run it."""
+    broken = 'I will look.\n<tool_call>\n{"name": "f", "arguments": {"a": 1,}}\n</tool_call>'
+    body = Renderer(Tokenizers()).whole(chat_auto(), collected(broken.encode(), "stop"))
+    assert body["choices"][0]["message"] == {"role": "assistant", "content": broken}
+    assert body["choices"][0]["finish_reason"] == "stop"
+    chunks = await streamed_chunks(chat_auto(), broken, 2, "stop")
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"  # its pieces went out, but it is no call to run

@@ -41,7 +41,7 @@ def test_the_flag_wins_and_an_unknown_name_says_the_known_ones() -> None:
 def test_each_format_reads_back_the_history_it_writes(name: str) -> None:
     # Earlier calls are written into the prompt in the model's format: what it is asked to write, it reads back.
     written = FORMATS[name].calls_text([("weather", {"city": "Oslo"}), ("time", {})])
-    parsed = parse_whole(FORMATS[name].parser(True), written)
+    parsed = parse_whole(FORMATS[name].parser(True, {"weather", "time"}), written)
     assert parsed is not None and parsed.content is None
     assert [(call.name, orjson.loads(call.arguments)) for call in parsed.calls] == [("weather", {"city": "Oslo"}),
                                                                                     ("time", {})]

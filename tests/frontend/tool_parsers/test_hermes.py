@@ -74,3 +74,43 @@ def test_a_tag_with_no_call_after_the_calls_is_dropped_with_the_rest() -> None:
         assert summary(read(HermesParser(parallel=True), text, piece)) == ("", [("f", "{}")])
     cut = '<tool_call>{"name": "f", "arguments": {}}</tool_call>\n<tool_call> {"na'
     assert summary(read(HermesParser(parallel=True), cut, 3)) == ("", [("f", "{}")])
+
+
+@pytest.mark.parametrize("arguments", ['{"a": }', '{"a": [1}}', '{"a": 1,}', '{"a": NaN}'])
+def test_arguments_that_are_not_json_are_no_call(arguments: str) -> None:
+    """Pieces that went out stay out, but the answer is incomplete (no tool_calls finish); where nothing had gone
+    out yet (the call in one piece, or whole), it is the answer's text."""
+    text = f'Sure <tool_call>\n{{"name": "f", "arguments": {arguments}}}\n</tool_call>'
+    for piece in (1, 3):
+        parser = HermesParser(parallel=True)
+        read(parser, text, piece)
+        assert parser.incomplete
+    assert summary(read(HermesParser(parallel=True), text, len(text))) == (text, [])
+    assert parse_whole(HermesParser(parallel=True), text) is None
+
+
+def test_a_name_with_an_escape_json_has_not_is_text() -> None:
+    text = '<tool_call>{"name": "\\q", "arguments": {}}</tool_call>'
+    for piece in (1, 100):
+        assert summary(read(HermesParser(parallel=True), text, piece)) == (text, [])
+
+
+@pytest.mark.parametrize("arguments", ["null", "3", '"not json"', "[1]"])
+def test_arguments_that_are_no_object_are_no_call_streamed_or_whole(arguments: str) -> None:
+    """Nothing is announced before the arguments show an object: a stream says what the whole answer says."""
+    text = f'x <tool_call>\n{{"name": "f", "arguments": {arguments}}}\n</tool_call>'
+    for piece in (1, 3, 1000):
+        assert summary(read(HermesParser(parallel=True), text, piece)) == (text, [])
+    assert parse_whole(HermesParser(parallel=True), text) is None
+
+
+def test_a_call_to_a_function_not_among_the_tools_is_text() -> None:
+    names = frozenset({"weather", "time"})
+    text = 'Hm <tool_call>{"name": "nope", "arguments": {"x": 1}}</tool_call>'
+    for piece in (1, 3, 1000):
+        assert summary(read(HermesParser(True, names), text, piece)) == (text, [])
+        assert summary(read(HermesParser(True, names), TWO_CALLS, piece)) == \
+            ("Let me check.", [WEATHER, ("time", "{}")])
+    written_another_way = '<tool_call>{"arguments": {"x": 1}, "name": "nope"}</tool_call>'
+    assert parse_whole(HermesParser(True, names), written_another_way) is None
+    assert parse_whole(HermesParser(True, names), text) is None

@@ -26,3 +26,13 @@ def test_one_call_when_parallel_calls_are_off() -> None:
 def test_an_answer_that_does_not_open_with_a_call_is_text(text: str) -> None:
     for piece in (1, 3, 100):
         assert summary(read(Llama3JsonParser(parallel=True), text, piece)) == (text, [])
+
+
+def test_a_json_answer_that_names_no_tool_is_text() -> None:
+    """A JSON answer whose "name" is data (a person), not one of the request's functions, is no call."""
+    text = '{"name": "Bob", "parameters": {"age": 3}}'
+    for piece in (1, 3, 100):
+        assert summary(read(Llama3JsonParser(True, frozenset({"f"})), text, piece)) == (text, [])
+    assert parse_whole(Llama3JsonParser(True, frozenset({"f"})), text) is None
+    assert parse_whole(Llama3JsonParser(True, frozenset({"Bob"})), text) == \
+        ParsedAnswer(None, (ParsedCall("Bob", '{"age": 3}'),))

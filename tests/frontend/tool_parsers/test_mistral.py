@@ -28,3 +28,9 @@ def test_one_call_when_parallel_calls_are_off_and_a_bare_object_is_one_call() ->
 def test_text_that_holds_no_call_is_text_as_written(text: str) -> None:
     for piece in (1, 3, 100):
         assert summary(read(MistralParser(parallel=True), text, piece)) == (text, [])
+
+
+def test_a_marker_with_no_list_after_it_keeps_the_space_before_it_however_it_is_split() -> None:
+    text = "Hello [TOOL_CALLS] not a list"
+    for piece in (1, 3, 18, 100):  # (18: the first piece ends at the marker's end)
+        assert summary(read(MistralParser(parallel=True), text, piece)) == (text, [])
