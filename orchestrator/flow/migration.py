@@ -87,18 +87,32 @@ class StreamLedger:
 
     def feed(self, chunk: bytes) -> bytes:
         """What of ``chunk`` the client gets now."""
-        data = self.pending + chunk if self.pending else chunk
-        ends = data.rfind(b"\n\n") + 2
-        if ends < 2:
-            self.pending = data
-            return b""
-        whole, self.pending = data[:ends], data[ends:]
+        if not self.pending and chunk.endswith(b"\n\n"):
+            whole = chunk  # (GEN's pieces are whole frames but where the network cut one)
+        else:
+            data = self.pending + chunk if self.pending else chunk
+            ends = data.rfind(b"\n\n") + 2
+            if ends < 2:
+                self.pending = data
+                return b""
+            whole, self.pending = data[:ends], data[ends:]
         if self.broken is not None:
             return b""
         if (self.identity is not None and not self.replaying and not self.renames and self.next_sequence is None
                 and PREFIX not in whole and b'data: {"error"' not in whole and b"event: error" not in whole):
             self.last_frame = whole  # (cut to its last frame only if a migration reads it)
             return whole  # nothing to strip, keep or rename: passed on as it came
+        if whole.startswith(PREFIX) and not self.replaying and not self.renames and self.next_sequence is None \
+                and self.identity is not None and whole.find(b"\n\n") == len(whole) - 2 \
+                and b"error" not in whole:
+            # One text step's frame, the common piece: its ids kept, the rest passed on.
+            line_end = whole.index(b"\n")
+            self.tags.append(whole[len(PREFIX):line_end])
+            rest = whole[line_end + 1:]
+            if rest == b"\n":
+                return b""
+            self.last_frame = rest
+            return rest
         passed = []
         for frame in whole.split(b"\n\n")[:-1]:
             passed.append(self._frame(frame + b"\n\n"))
