@@ -27,6 +27,7 @@ from frontend.errors import (
     UpstreamError,
     UpstreamTimeoutError,
     UpstreamUnavailableError,
+    WorkerDrainingError,
     error_body,
     responses_error_event,
     sse_error_event,
@@ -51,6 +52,7 @@ TABLE: list[tuple[type[ServingError], int, str, str | None]] = [
     (UpstreamError, 502, "upstream_error", "upstream_error"),
     (UpstreamUnavailableError, 503, "service_unavailable", "upstream_unavailable"),
     (UpstreamTimeoutError, 504, "timeout", "upstream_timeout"),
+    (WorkerDrainingError, 503, "service_unavailable", "worker_draining"),
 ]
 
 
