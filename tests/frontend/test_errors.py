@@ -52,13 +52,13 @@ TABLE: list[tuple[type[ServingError], int, str, str | None]] = [
     (UpstreamError, 502, "upstream_error", "upstream_error"),
     (UpstreamUnavailableError, 503, "service_unavailable", "upstream_unavailable"),
     (UpstreamTimeoutError, 504, "timeout", "upstream_timeout"),
-    (WorkerDrainingError, 503, "service_unavailable", "worker_draining"),
 ]
 
 
 def test_the_table_covers_every_error_class() -> None:
     defined = {v for v in vars(errors).values() if isinstance(v, type) and issubclass(v, ServingError)}
-    assert defined == {row[0] for row in TABLE} | {OverloadedError, RelayedError, ResponseStoreUnavailableError}
+    assert defined == {row[0] for row in TABLE} | {
+        OverloadedError, RelayedError, ResponseStoreUnavailableError, WorkerDrainingError}
 
 
 @pytest.mark.parametrize(("cls", "status", "error_type", "code"), TABLE, ids=[row[0].__name__ for row in TABLE])
@@ -85,6 +85,13 @@ def test_an_unavailable_response_store_is_503_with_retry_after() -> None:
     assert (error.status_code, error.headers) == (503, {"Retry-After": "1"})
     assert orjson.loads(error_body(error))["error"] == {"message": "down", "type": "service_unavailable",
                                                        "param": None, "code": "response_store_unavailable"}
+
+
+def test_a_draining_worker_is_503_with_retry_after() -> None:
+    error = WorkerDrainingError("draining")
+    assert (error.status_code, error.headers) == (503, {"Retry-After": "1"})
+    assert orjson.loads(error_body(error))["error"] == {"message": "draining", "type": "service_unavailable",
+                                                       "param": None, "code": "worker_draining"}
 
 
 def test_overloaded_is_429_with_retry_after() -> None:
