@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 PROMPT_TOKENS_HEADER = "x-disagg-prompt-tokens"
 PROMPT_TOKENS_HEADER_BYTES = PROMPT_TOKENS_HEADER.encode("latin-1")
+_MAX_DIGITS = 18  # a prompt's token count fits many times over
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,7 +39,8 @@ def read_prompt_report(value: bytes | str | None) -> PromptReport | None:
     fields: dict[str, int] = {}
     for part in text.split(","):
         name, sep, number = part.strip().partition("=")
-        if not sep or not number.isdigit():
+        # ASCII digits only, and no more than a count can have: int() raises on the rest ("²", 5,000 digits)
+        if not sep or not (number.isascii() and number.isdigit()) or len(number) > _MAX_DIGITS:
             return None
         fields[name] = int(number)
     if set(fields) != {"received", "computed"}:
