@@ -183,11 +183,11 @@ class PairProbe:
         answer = request.ctx = steps.wire(request, ctx).read_context_answer(reply.content)
         if answer.finished:
             return verdict(UNVERIFIED, "the CTX worker finished the probe by itself: nothing was handed off")
-        steps.sign_for_gen(request.headers, answer.handoff)
-        carriage, _ = steps.prompt_carriage(request, answer, gen)
-        gen_body = steps.wire(request, gen).generation_request(request.body, answer, carriage)
         taken = False
-        try:
+        try:  # (from here on CTX holds the probe's KV: whatever fails, it is freed)
+            steps.sign_for_gen(request.headers, answer.handoff)
+            carriage, _ = steps.prompt_carriage(request, answer, gen)
+            gen_body = steps.wire(request, gen).generation_request(request.body, answer, carriage)
             async with asyncio.timeout(timeout_s):
                 gen_reply = await post(flow.gen_pool, gen, request, gen_body, request.key)
             taken = gen_reply.status_code == 200

@@ -166,6 +166,17 @@ def test_the_probe_keeps_the_failing_pair_out_of_routing_and_passes_the_good_one
         assert probe(node, method="GET").json()["kept_out_of_routing"][0]["ctx"] == bad_pair[0]
 
 
+def test_a_fleet_whose_every_pair_fails_still_answers(workers: Workers) -> None:
+    """A failing pair is picked last, never refused: a probe that fails every pair (a fleet-wide misconfiguration,
+    or a probe of its own gone wrong) costs prefills twice, not a fleet that answers nothing."""
+    with orchestrator([workers.bad_ctx], workers.gen, admin_key=ADMIN) as node:
+        kept_out = probe(node).json()["kept_out_of_routing"]
+        assert [(pair["ctx"], pair["gen"]) for pair in kept_out] == [(workers.bad_ctx.url, workers.gen.url)]
+        text, prompt_tokens = complete(node)
+        assert text and prompt_tokens > 0
+        assert complete(node, stream=True) == (text, prompt_tokens)
+
+
 class Forwarder:
     """A TCP forwarder from ``listen`` to ``target`` (host, port), in its own thread and loop: the network path to
     the bad CTX's advertised KV address, put right."""
