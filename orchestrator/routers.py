@@ -209,23 +209,24 @@ class CacheAwareRouter:
             if holder is not None and cost(holder) <= _SPILL_MARGIN * cost(best):
                 best = holder
         decision = "cache_hit" if longest and matched[best.url] == longest else "spill" if longest else "cold"
-        if session is not None and blind and (not follow_up or max(matched_links.values()) <= key.opening_links):
+        # A next turn of which this process sent no later turn than the first: no worker holds more than its
+        # opening by this process's model (links are coarse: one that names the first words may name only words
+        # every conversation over that system prompt starts with).
+        unseen = follow_up and max(matched_links.values()) <= key.opening_links
+        if session is not None and blind and (not follow_up or unseen):
             # Workers that publish nothing, and a new conversation, or a next turn of one this process never saw
-            # (each process sees only its share of the turns). Another process will look for its next turns
-            # knowing nothing of where this one sent what: so it is placed by a rule every process applies alike
-            # to what every one of them sends alike, its opening (its system prompt and first words): the first
-            # worker in the order its key hashes to whose cost for the opening, by what it holds of it and its
-            # queue, is within 1.5x the cheapest's. Where the opening is held (a shared system prompt) the
-            # processes' models agree, as each sent it where this same rule said; hashing spreads the rest.
+            # (each process sees only its share of the turns, and its model holds only what it sent). Another
+            # process will look for the next turns knowing nothing of where this one sent what, so the worker is
+            # one every process picks alike: the first, in the order the conversation's name hashes to, whose
+            # queue is within one prefill of the opening of the least queued (bounded-load hashing). Not by this
+            # process's model of what each worker holds, which another process's model need not match, nor by
+            # the work it alone sent each lately: hashing spreads conversations evenly, and a shared system
+            # prompt costs each worker one prefill.
             opening = min(key.opening_links, len(key.chain.links)) or len(key.chain.links)
             opening_tokens = key.prompt_tokens if opening >= len(key.chain.links) else _tokens_covered(key, opening)
-
-            def placing(worker: PoolMember) -> int:
-                held = _tokens_covered(key, min(matched_links[worker.url], opening))
-                return max(1, opening_tokens - held) + worker.inflight_prefill_tokens
-
-            bound = _SESSION_SLACK * min(placing(w) for w in eligible)
-            best = min((w for w in eligible if placing(w) <= bound), key=lambda w: -_rendezvous(tie, w.url))
+            bound = min(w.inflight_prefill_tokens for w in eligible) + opening_tokens
+            best = min((w for w in eligible if w.inflight_prefill_tokens <= bound),
+                       key=lambda w: -_rendezvous(tie, w.url))
             decision = "cache_hit" if longest and matched[best.url] == longest else "spill" if longest else "cold"
             if not longest and key.session is not None:
                 decision = "session"

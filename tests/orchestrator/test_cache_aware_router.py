@@ -43,12 +43,19 @@ def holds(index: CacheIndex, worker: PoolMember, key: RoutingKey) -> None:
     index.apply(worker.url, [BlockStored(list(key.chain.links), None, [], 16, None, None, None)])
 
 
+def publishes(index: CacheIndex, worker: PoolMember) -> None:
+    """``worker`` announced KV events and they flow (no subscriber needed: the test applies them)."""
+    index._of(worker.url).source = EventSource(f"tcp://{worker.url}", None, "a")
+
+
 def test_the_worker_holding_the_prefix_takes_the_request(pool: list[PoolMember]) -> None:
     decisions: list[str] = []
     index = CacheIndex()
     router = CacheAwareRouter(index, 1.25, decisions.append)
     first = chat(("system", SYSTEM), ("user", "What is 2+2?"))
     holds(index, pool[2], first)
+    for worker in pool:
+        publishes(index, worker)
     follow_up = chat(("system", SYSTEM), ("user", "What is 2+2?"), ("assistant", "4"), ("user", "And 3+3?"))
     assert all(router.pick(pool, follow_up) is pool[2] for _ in range(5))
     assert decisions == ["cache_hit"] * 5
@@ -95,12 +102,16 @@ def test_a_session_lands_on_the_same_worker_in_every_router(pool: list[PoolMembe
 
 
 def test_a_session_gives_way_to_a_worker_that_holds_much_more(pool: list[PoolMember]) -> None:
-    index = CacheIndex()
-    router = CacheAwareRouter(index, 1.25)
+    now = [0.0]
+    index = CacheIndex(clock=lambda: now[0])
+    router = CacheAwareRouter(index, 1.25, clock=lambda: now[0])
     key = chat(("system", SYSTEM), ("user", "hello"), session="alice")
     own = router.pick(pool, chat(("user", "x"), session="alice"))
     holder = next(w for w in pool if w is not own)
     holds(index, holder, key)
+    for worker in pool:  # their events say the holder holds it (without them, a new conversation goes by its name)
+        publishes(index, worker)
+    now[0] = 60.0  # stored long ago: no longer work it was given lately
     assert router.pick(pool, key) is holder
 
 
@@ -140,7 +151,7 @@ def test_the_session_header_keeps_a_conversation_on_one_worker_end_to_end() -> N
         orchestrator = start_orchestrator(stack, [w.url for w in ctx], [gen.url])
         client = openai.OpenAI(base_url=f"{orchestrator.url}/v1", api_key="unused", max_retries=0)
         landed: dict[str, set[int]] = {}
-        for session in ("alice", "bob", "carol", "dave", "erin"):
+        for session in ("alice", "bob", "carol", "dave", "erin", "frank", "grace", "heidi"):
             for i in range(4):
                 before = [len(w.recorder.exchanges) for w in ctx]
                 client.chat.completions.create(model=MODEL, max_tokens=2, extra_headers={"x-session-id": session},
@@ -150,11 +161,6 @@ def test_the_session_header_keeps_a_conversation_on_one_worker_end_to_end() -> N
         client.close()
     assert all(len(workers) == 1 for workers in landed.values()), landed
     assert len(set.union(*landed.values())) > 1
-
-
-def publishes(index: CacheIndex, worker: PoolMember) -> None:
-    """``worker`` announced KV events and they flow (no subscriber needed: the test applies them)."""
-    index._of(worker.url).source = EventSource(f"tcp://{worker.url}", None, "a")
 
 
 def test_new_conversations_go_where_little_work_went_lately_and_follow_ups_stay(pool: list[PoolMember]) -> None:
