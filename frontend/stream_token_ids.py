@@ -1,10 +1,12 @@
 """The token ids of each streamed piece, for the orchestrator's eyes only: what it needs to continue a stream on
 another GEN worker once the first one broke (``orchestrator.flow.migration``).
 
-The orchestrator asks with ``HEADER``; our workers then open the first frame each text step writes with an SSE
+The orchestrator asks with ``HEADER``; our workers then open the last frame each text step writes with an SSE
 comment line, ``: token_ids 12,345\\n`` (a frame of that line alone where the step wrote no frame: text held back
 by a stop string, a forced tool call, or part of a character). A line and its frame are one: the orchestrator passes
-a frame on only whole, so the ids it counts are exactly those whose text the client has. It strips the line before
+a frame on only whole, so the ids it counts are exactly those whose text the client has; on the last frame of a
+step that writes several (a tool call opened and its arguments' first piece), a continuation that replays the step
+passes all of its frames over, not only the first. It strips the line before
 the client sees the frame (SSE clients skip comments anyway). vLLM's ``return_token_ids`` serves the same purpose
 inside its JSON; a comment line costs the orchestrator a prefix test per frame instead of a parse.
 """
@@ -18,13 +20,13 @@ PREFIX = b": token_ids "
 
 
 def tagged(frames: list[bytes], token_ids: Sequence[int]) -> list[bytes]:
-    """``frames`` (one text step's) with the step's ``token_ids`` in the first; a frame of its own if none."""
+    """``frames`` (one text step's) with the step's ``token_ids`` in the last; a frame of its own if none."""
     if not token_ids:
         return frames
     line = PREFIX + ",".join(map(str, token_ids)).encode("ascii") + b"\n"
     if not frames:
         return [line + b"\n"]
-    return [line + frames[0], *frames[1:]]
+    return [*frames[:-1], line + frames[-1]]
 
 
 def split_tag(frame: bytes) -> tuple[bytes | None, bytes]:

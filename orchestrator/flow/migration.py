@@ -5,7 +5,7 @@ error event (its engine failed). Before the first byte the retry policy moves th
 it, the client has text, and the answer can go on only from exactly where the client is:
 
 - **What the client has.** The relay passes GEN's frames on whole only, and our GEN workers, asked with
-  ``frontend.stream_token_ids.HEADER``, open each text step's first frame with the step's token ids, a line the
+  ``frontend.stream_token_ids.HEADER``, open each text step's last frame with the step's token ids, a line the
   ``StreamLedger`` strips. So the ledger knows the ids G whose text the client has, no more and no fewer.
 - **The continuation.** CTX prefills the prompt again (a new hand-off; its prefix cache may hold it), and GEN is
   given that hand-off with G as the answer's first tokens, as if CTX had chosen them all: its engine puts them in

@@ -8,13 +8,15 @@ from typing import Any
 
 import numpy as np
 import orjson
+import pytest
 
 from frontend.openai_models import ChatCompletionRequest, CompletionRequest, ResponsesRequest
-from frontend.openai_output import ResponseIdentity
+from frontend.openai_output import Endpoint, ResponseIdentity
 from frontend.sampling import SamplingParams
 from frontend.token_codec import TOKEN_DTYPE
 from frontend.tool_calls import FORCED, ToolCalling
 from frontend.tool_parsers import FORMATS
+from orchestrator.flow.migration import StreamLedger
 from workers.dialects import NATIVE, AnswerDialect
 from workers.engines.byte_tokenizer import ByteTokenizer
 from workers.engines.outputs import FinishReason, TokenLogprob
@@ -234,3 +236,48 @@ async def test_a_call_whose_arguments_are_not_json_is_no_tool_calls_turn_whole_o
     assert body["choices"][0]["finish_reason"] == "stop"
     chunks = await streamed_chunks(chat_auto(), broken, 2, "stop")
     assert chunks[-1]["choices"][0]["finish_reason"] == "stop"  # its pieces went out, but it is no call to run
+
+
+async def tagged_frames(prepared: PreparedGeneration, pieces: list[str]) -> list[tuple[int, bytes]]:
+    """The frames of a stream whose orchestrator asked for each step's token ids, each with how many steps the
+    renderer had read when it wrote it (one token a character)."""
+    prepared.stream_token_ids = True
+    read = 1
+
+    async def steps() -> Any:
+        nonlocal read
+        for index, piece in enumerate(pieces[1:], start=1):
+            read += 1
+            yield TextStep(piece, tuple(piece.encode()), finish_reason="stop" if index == len(pieces) - 1 else None)
+
+    first = TextStep(pieces[0], tuple(pieces[0].encode()))
+    return [(read, frame) async for frame in Renderer(Tokenizers()).frames(prepared, steps(), first,
+                                                                         lambda _, ok: None)]
+
+
+@pytest.mark.parametrize("endpoint", ["chat", "responses"])
+async def test_a_stream_of_calls_moved_after_any_step_reaches_the_client_once(endpoint: Endpoint) -> None:
+    """A step that writes several frames (a call opened and its arguments' first piece; a Responses message closed
+    and a call's item added) is passed over whole when a continuation on another GEN replays it: the ids that say
+    the client has a step's text ride the step's last frame, so nothing of it is sent twice, and nothing lost."""
+    pieces = [AUTO_ANSWER[i:i + 5] for i in range(0, len(AUTO_ANSWER), 5)]
+
+    def prepare() -> PreparedGeneration:
+        if endpoint == "chat":
+            return chat_auto()
+        wire = ResponsesRequest.model_validate({"model": "m", "input": "hi", "stream": True, "tools": [
+            {"type": "function", "name": "f"}, {"type": "function", "name": "g"}]})
+        request = GenerationRequest("123", PROMPT, SamplingParams(max_tokens=64), phase=Phase.AGGREGATED)
+        return PreparedGeneration(wire, request, ResponseIdentity("responses", "resp_123", "m"), None, NATIVE,
+                                  tool_calling=ToolCalling(FORMATS["hermes"], True))
+
+    frames = await tagged_frames(prepare(), pieces)
+    whole = StreamLedger(endpoint).feed(b"".join(frame for _, frame in frames))
+    assert b"<tool_call>" not in whole and b'"g"' in whole
+    for broken_after in range(1, len(pieces)):
+        ledger = StreamLedger(endpoint)
+        before = ledger.feed(b"".join(frame for read, frame in frames if read <= broken_after))
+        ledger.begin_replay()
+        after = ledger.feed(b"".join(frame for _, frame in await tagged_frames(prepare(), pieces)))
+        assert ledger.broken is None
+        assert before + after == whole, broken_after
