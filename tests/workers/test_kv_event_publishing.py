@@ -155,6 +155,12 @@ def test_a_worker_that_reuses_nothing_or_publishes_nothing_has_no_events_on_its_
     assert "kv_events" not in card(fleet.silent)
 
 
+def test_a_worker_that_reuses_kv_says_its_capacity_with_or_without_events(fleet: Fleet) -> None:
+    """An orchestrator that reads no events from it bounds its model of the cache by it."""
+    assert card(fleet.silent)["kv_capacity_tokens"] == card(fleet.both)["kv_capacity_tokens"] == CAPACITY
+    assert "kv_capacity_tokens" not in card(fleet.plain)
+
+
 async def test_an_aggregated_request_publishes_exactly_its_chain(fleet: Fleet) -> None:
     async with following(fleet.both) as seen:
         text = prompt(1)
