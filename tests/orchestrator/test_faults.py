@@ -128,8 +128,12 @@ def test_a_ctx_that_dies_after_joining_is_retried_on_the_live_one(live: tuple[No
     try:
         with contextlib.ExitStack() as stack:
             # Active checks far apart: the orchestrator still believes the dead CTX is healthy when it is asked.
+            # Round robin, so the first request goes to the dead CTX whatever the ports are (cache_aware places
+            # one conversation by a rendezvous hash of the ports, which could leave the dead CTX never asked).
             orch = start_orchestrator(stack, [doomed_url, ctx.url], [gen.url], max_retries=1,
-                                      health_check_interval_s=3600)
+                                      health_check_interval_s=3600,
+                                      context_servers={"urls": [doomed_url, ctx.url],
+                                                       "router": {"type": "round_robin"}})
             doomed.stop()
             texts = [chat(orch.url, 5, stream=i % 2 == 1) for i in range(4)]
             assert texts == [synthetic_text(5)] * 4
