@@ -84,18 +84,17 @@ class JsonCall:
                     self._state = _State.FAILED
                     return text[position + 1:]
             elif self._state is _State.ARGUMENTS:
-                if self._arguments_depth == 0:
-                    if char.isspace():
-                        continue
-                    if char != "{":  # arguments that are no object: read the call whole
+                if self._arguments_depth == 0 and not char.isspace():
+                    if char == "{":
+                        self._arguments_depth = 1
+                        self.name = self._head_name
+                    else:  # arguments that are no object: read the call whole (this character may close it)
                         self._state = _State.WHOLE
-                        continue
-                    self._arguments_depth = 1
-                    self.name = self._head_name
-                piece.append(char)
-                if closed and self._depth == 1:
-                    self._flush(piece)
-                    self._state = _State.TAIL
+                if self._arguments_depth:
+                    piece.append(char)
+                    if closed and self._depth == 1:
+                        self._flush(piece)
+                        self._state = _State.TAIL
             if self._depth == 0 and closed:
                 self._flush(piece)
                 if self._state is _State.WHOLE or self._state is _State.HEAD:

@@ -114,3 +114,11 @@ def test_a_call_to_a_function_not_among_the_tools_is_text() -> None:
     written_another_way = '<tool_call>{"arguments": {"x": 1}, "name": "nope"}</tool_call>'
     assert parse_whole(HermesParser(True, names), written_another_way) is None
     assert parse_whole(HermesParser(True, names), text) is None
+
+
+@pytest.mark.parametrize("arguments", ["}", "]", "null}"])
+def test_a_call_that_closes_where_its_arguments_should_be_gives_its_text_back_at_once(arguments: str) -> None:
+    """Not held to the answer's end: the object closed, so what it was is known, and the text after it streams."""
+    text = f'<tool_call>{{"name": "f", "arguments": {arguments}</tool_call> then more'
+    parser = HermesParser(parallel=True)
+    assert summary(parser.feed(text)) == (text, [])
