@@ -156,6 +156,9 @@ def targets(result: dict[str, Any], router: str = "cache_aware") -> list[dict[st
                     "measured": f"{fmt(c['hit_ratio'], 3)} vs {fmt(c['oracle_hit_ratio'], 3)} "
                                 f"(gap {fmt(gap, 3)})",
                     "met": bool(gap <= 0.02) if math.isfinite(gap) else None})
+        if not c.get("events", True):
+            out += _against_gateways(c, [g for g in cells if g["workload"] == c["workload"] and g["router"] in
+                                         GATEWAY_ROUTERS])
         if c["workload"] != "chat":
             continue
         for other in ("round_robin", "prefix_affinity"):
@@ -171,6 +174,31 @@ def targets(result: dict[str, Any], router: str = "cache_aware") -> list[dict[st
     return out
 
 
+GATEWAY_ROUTERS = ("sglang_gateway", "vllm_router")  # bench.fleet.benchmark.GATEWAYS
+
+
+def _against_gateways(cell: dict[str, Any], gateways: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Where workers publish no events: a hit ratio at least SGLang's gateway's, and TTFT p50 and p99 no worse
+    than the best gateway's, in the same run."""
+    out: list[dict[str, Any]] = []
+    name = _router(cell)
+    sglang = next((g for g in gateways if g["router"] == "sglang_gateway"), None)
+    if sglang is not None:
+        mine, theirs = cell["hit_ratio"], sglang["hit_ratio"]
+        out.append({"target": f"{name}, {cell['workload']}: hit ratio at least sglang_gateway's",
+                    "measured": f"{fmt(mine, 3)} vs {fmt(theirs, 3)}",
+                    "met": bool(mine >= theirs) if math.isfinite(mine - theirs) else None})
+    for q in ("p50", "p99"):
+        best = min(gateways, key=lambda g: g["ttft_ms"][q], default=None)
+        if best is None:
+            continue
+        mine, theirs = cell["ttft_ms"][q], best["ttft_ms"][q]
+        out.append({"target": f"{name}, {cell['workload']}: TTFT {q} no worse than the best gateway's",
+                    "measured": f"{fmt(mine, 0)} vs {fmt(theirs, 0)} ms ({best['router']})",
+                    "met": bool(mine <= theirs) if math.isfinite(mine - theirs) else None})
+    return out
+
+
 def targets_table(result: dict[str, Any]) -> str:
     rows = [[t["target"], t["measured"], verdict(t["met"])] for t in targets(result)]
     if not rows:
@@ -181,8 +209,13 @@ def targets_table(result: dict[str, Any]) -> str:
 def generated_block(result: dict[str, Any], plot_path: str) -> str:
     note = (f"{machine_note(result)}, {result.get('mode', 'full')} run, "
             f"{result.get('duration_s', 0) / 60:.1f} min")
+    images = [f"![routers on a simulated fleet]({plot_path})"]
+    workloads = _workloads(_cells(result))
+    if len(workloads) > 1:
+        images = [f"![routers on a simulated fleet, {w}]({_workload_plot(Path(plot_path), w).as_posix()})"
+                  for w in workloads]
     return "\n".join([BEGIN, "", f"Measured on {note}.", "", targets_table(result), "", tables(result), "",
-                      f"![routers on a simulated fleet]({plot_path})", "", END])
+                      *images, "", END])
 
 
 def plot(result: dict[str, Any], path: Path) -> Path:
@@ -193,4 +226,17 @@ def plot(result: dict[str, Any], path: Path) -> Path:
         # --tokenize-compare, or fleets with and without events: each (router, set-up) is a series of its own
         cells = [{**c, "router": _router(c)} for c in cells]
         result = {**result, "routers": list(dict.fromkeys(c["router"] for c in cells))}
-    return plots.fleet_plot(result, cells, path)
+    whole = plots.fleet_plot(result, cells, path)
+    workloads = _workloads(cells)
+    if len(workloads) > 1:  # and one per workload, where the routers of each are read without the others
+        for workload in workloads:
+            plots.fleet_plot(result, [c for c in cells if c["workload"] == workload], _workload_plot(path, workload))
+    return whole
+
+
+def _workloads(cells: list[dict[str, Any]]) -> list[str]:
+    return list(dict.fromkeys(c["workload"] for c in cells))
+
+
+def _workload_plot(path: Path, workload: str) -> Path:
+    return path.with_name(f"{path.stem}-{workload}{path.suffix}")

@@ -106,3 +106,22 @@ def test_a_fleet_without_events_and_a_gateway_in_front_of_it(tmp_path: Path) -> 
     table = fleet_report.tables(result)
     assert "| chat | cache_aware, no events |" in table and "| chat | cache_aware |" in table
     assert fleet_report.plot(result, tmp_path / "fleet.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def _cell(router: str, events: bool, hit: float, p50: float, p99: float) -> dict[str, Any]:
+    return {"router": router, "workload": "chat", "events": events, "hit_ratio": hit, "oracle_hit_ratio": 0.85,
+            "ttft_ms": {"p50": p50, "p99": p99}}
+
+
+def test_without_events_cache_aware_is_held_to_the_gateways() -> None:
+    """The fleet without events: cache_aware's hit ratio against SGLang's gateway's, its TTFT against the best
+    gateway's; nothing against the gateways for the fleet with events, where none runs."""
+    cells = [_cell("cache_aware", False, 0.84, 55, 190), _cell("sglang_gateway", False, 0.845, 54, 240),
+             _cell("vllm_router", False, 0.66, 110, 180), _cell("cache_aware", True, 0.84, 50, 150)]
+    found = {t["target"]: (t["measured"], t["met"]) for t in fleet_report.targets({"cells": cells})}
+    assert found["cache_aware, no events, chat: hit ratio at least sglang_gateway's"] == ("0.840 vs 0.845", False)
+    assert found["cache_aware, no events, chat: TTFT p50 no worse than the best gateway's"] == (
+        "55 vs 54 ms (sglang_gateway)", False)
+    assert found["cache_aware, no events, chat: TTFT p99 no worse than the best gateway's"] == (
+        "190 vs 180 ms (vllm_router)", False)
+    assert not any("gateway" in t and not t.startswith("cache_aware, no events") for t in found)
