@@ -52,19 +52,29 @@ logger = logging.getLogger("disagg_serve.migration")
 RESUMED, FAILED, OVER_LIMIT, NOT_RESUMABLE = "resumed", "failed", "over_limit", "not_resumable"
 _SEQUENCE = re.compile(rb'"sequence_number":\d+')
 _ERROR_FRAMES = (b'data: {"error"', b"event: error")  # GEN's own error event (chat and completions; Responses)
+_FINAL_FRAMES = (b"data: [DONE]", b"event: response.completed", b"event: response.incomplete")
+_MOST_FRAMES_A_STEP = 32  # a Responses step from text to a call writes ~6
 
 
 class StreamLedger:
     """What of GEN's streams the client has, fed piece by piece (``feed``): whole frames only (a frame cut by a
     break never reaches the client), the ids' lines stripped and kept, GEN's own error event held back (``broken``:
     the stream is then continued, or ended by the relay's own). Once a continuation starts (``begin_replay``), its
-    opening is passed over and what follows is renamed to the first answer's identity."""
+    opening is passed over and what follows is renamed to the first answer's identity.
 
-    __slots__ = ("broken", "endpoint", "identity", "last_frame", "next_sequence", "pending", "renames",
-                 "replay_identity", "replay_tags", "replay_tokens", "replayed", "replaying", "tags")
+    ``holds``: frames without ids are held until the frame with their step's ids (or the stream's final end marker)
+    comes, so that the client has a step's frames all or none: a GEN that dies between two frames of one step (a
+    tool call opened and its arguments' first piece, written as two) leaves nothing of that step with the client,
+    and the continuation's replay of it, passed over whole, repeats nothing. A stream that cannot move holds
+    nothing."""
 
-    def __init__(self, endpoint: Endpoint) -> None:
+    __slots__ = ("broken", "endpoint", "held", "holds", "identity", "last_frame", "next_sequence", "pending",
+                 "renames", "replay_identity", "replay_tags", "replay_tokens", "replayed", "replaying", "tags")
+
+    def __init__(self, endpoint: Endpoint, holds: bool = True) -> None:
         self.endpoint = endpoint
+        self.holds = holds
+        self.held: list[bytes] = []  # whole frames of a step whose ids have not come yet (``holds``)
         self.pending = b""  # a frame begun and not yet whole: held, never passed on in part
         self.tags: list[bytes] = []  # the ids' lines of the frames passed on, unparsed until a migration needs them
         self.broken: str | None = None  # GEN's own error message, once it wrote one
@@ -77,6 +87,11 @@ class StreamLedger:
         self.replay_identity = False  # a continuation's identity was read (its first data frame)
         self.renames: tuple[tuple[bytes, bytes], ...] = ()
         self.next_sequence: int | None = None  # a continued Responses stream: the next event's number
+
+    @property
+    def untagged(self) -> bool:
+        """The client has frames whose ids GEN never wrote: what it has cannot be told, so it cannot go on."""
+        return self.last_frame is not None and not self.tags
 
     def sent_token_ids(self) -> list[int]:
         return parse_ids(self.tags)
@@ -98,12 +113,13 @@ class StreamLedger:
             whole, self.pending = data[:ends], data[ends:]
         if self.broken is not None:
             return b""
-        if (self.identity is not None and not self.replaying and not self.renames and self.next_sequence is None
-                and PREFIX not in whole and b'data: {"error"' not in whole and b"event: error" not in whole):
+        if (not self.holds and self.identity is not None and not self.replaying and not self.renames
+                and self.next_sequence is None and PREFIX not in whole and b'data: {"error"' not in whole
+                and b"event: error" not in whole):
             self.last_frame = whole  # (cut to its last frame only if a migration reads it)
             return whole  # nothing to strip, keep or rename: passed on as it came
-        if whole.startswith(PREFIX) and not self.replaying and not self.renames and self.next_sequence is None \
-                and self.identity is not None and whole.find(b"\n\n") == len(whole) - 2 \
+        if whole.startswith(PREFIX) and not self.held and not self.replaying and not self.renames \
+                and self.next_sequence is None and self.identity is not None and whole.find(b"\n\n") == len(whole) - 2 \
                 and b"error" not in whole:
             # One text step's frame, the common piece: its ids kept, the rest passed on.
             line_end = whole.index(b"\n")
@@ -113,9 +129,26 @@ class StreamLedger:
                 return b""
             self.last_frame = rest
             return rest
-        passed = []
+        passed: list[bytes] = []
         for frame in whole.split(b"\n\n")[:-1]:
-            passed.append(self._frame(frame + b"\n\n"))
+            frame += b"\n\n"
+            if self.holds and not frame.startswith(PREFIX):
+                if frame.startswith(_ERROR_FRAMES):
+                    self.held.clear()  # the frames of a step GEN did not finish: the continuation writes them
+                elif not frame.startswith(_FINAL_FRAMES):
+                    self.held.append(frame)
+                    if len(self.held) <= _MOST_FRAMES_A_STEP:
+                        continue
+                    # No step writes this many: a GEN that writes no ids although asked. Nothing held any more
+                    # (its stream is not buffered), and a break is not continued (``untagged``).
+                    self.holds = False
+                    passed.extend(self._frame(held) for held in self.held)
+                    self.held.clear()
+                    continue
+            if self.held:
+                passed.extend(self._frame(held) for held in self.held)
+                self.held.clear()
+            passed.append(self._frame(frame))
             if self.broken is not None:
                 break  # nothing GEN writes after its error event reaches the client
         return b"".join(passed)
@@ -159,6 +192,7 @@ class StreamLedger:
     def begin_replay(self) -> None:
         """A continuation's stream comes next: it replays what the client has, then goes on."""
         self.pending = b""
+        self.held.clear()  # a step whose ids never came: the continuation writes it again
         self.broken = None
         # Nothing reached the client yet (the break came before GEN's first whole frame): the continuation's
         # opening is the client's, passed on as it comes.
@@ -244,7 +278,7 @@ class Migration:
         self.request = request
         self.migrations = migrations
         self.resumable = resumable  # else its ids are only stripped, and a break is counted
-        self.ledger = StreamLedger(request.endpoint)
+        self.ledger = StreamLedger(request.endpoint, holds=resumable)
         self.count = 0
 
     def feed(self, chunk: bytes) -> bytes:
@@ -258,7 +292,7 @@ class Migration:
         """A stream on another GEN worker that goes on from what the client has; None where there is none (the
         relay then ends the client's stream with its error event)."""
         migrations = self.migrations
-        if not self.resumable:
+        if not self.resumable or self.ledger.untagged:
             migrations.counted(failed, NOT_RESUMABLE)
             logger.warning("GEN stream broke on %s (%s): it cannot be continued on another worker (n > 1, or "
                            "another wire than ours)", failed.url, reason)

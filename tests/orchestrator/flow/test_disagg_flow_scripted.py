@@ -85,7 +85,8 @@ async def test_a_stream_refused_before_its_first_byte_moves_to_another_gen_and_c
     request = flow.new_request("chat", chat(stream=True), 0.0)
     answer = await flow.run(request)
     assert isinstance(answer, StreamedAnswer)
-    assert [frame async for frame in answer.frames] == STREAM
+    # (one piece: this GEN writes no token ids, so its frames are held until the end marker)
+    assert b"".join([frame async for frame in answer.frames]) == b"".join(STREAM)
     assert refused.closed
     assert transports[GEN_B].opened[0].closed
     assert request.gen_worker == GEN_B

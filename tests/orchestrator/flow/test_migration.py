@@ -428,6 +428,49 @@ def test_a_continuation_that_replays_other_tokens_breaks_the_stream() -> None:
     assert ledger.broken == "the continuation did not replay the tokens the client has"
 
 
+def _call_opened(name: bytes, created: int = 1) -> bytes:
+    return (b'data: {"id":"chatcmpl-%s","created":%d,"choices":[{"delta":{"tool_calls":[{"index":0,"id":"call_1",'
+            b'"function":{"name":"f"}}]}}]}\n\n' % (name, created))
+
+
+def test_a_step_cut_between_its_frames_reaches_the_client_whole_or_not_at_all() -> None:
+    """A step of two frames (a call opened, then its arguments' first piece with the step's ids) whose GEN dies
+    between them: the first is held, so the continuation's replay of the step, passed over whole, repeats nothing."""
+    ledger = StreamLedger("chat")
+    assert ledger.feed(_chunk(b"a1", b"x", b"5")) == _chunk(b"a1", b"x")
+    assert ledger.feed(_call_opened(b"a1")) == b""  # its step's ids have not come: held
+    ledger.begin_replay()  # GEN died here; the client has "x" only
+    assert ledger.sent_token_ids() == [5]
+    replayed = _chunk(b"b2", b"x", b"5", 9) + _call_opened(b"b2", 9) + _chunk(b"b2", b"{", b"6,7", 9)
+    assert ledger.feed(replayed + b"data: [DONE]\n\n") == (
+        _call_opened(b"a1") + _chunk(b"a1", b"{") + b"data: [DONE]\n\n")
+    assert ledger.broken is None and ledger.sent_token_ids() == [5, 6, 7]
+
+
+def test_frames_after_the_last_step_go_out_with_the_end_marker_and_a_stream_that_cannot_move_holds_nothing() -> None:
+    finish = b'data: {"id":"chatcmpl-a1","created":1,"choices":[{"delta":{},"finish_reason":"stop"}]}\n\n'
+    ledger = StreamLedger("chat")
+    assert ledger.feed(_chunk(b"a1", b"x", b"5")) == _chunk(b"a1", b"x")
+    assert ledger.feed(finish) == b""
+    assert ledger.feed(b"data: [DONE]\n\n") == finish + b"data: [DONE]\n\n"
+    error = b'data: {"error":{"message":"the engine failed","type":"server_error"}}\n\n'
+    ledger = StreamLedger("chat")
+    ledger.feed(_chunk(b"a1", b"x", b"5"))
+    assert ledger.feed(_call_opened(b"a1") + error) == b""  # the unfinished step is dropped with the break
+    assert ledger.broken == "GEN wrote an error event: the engine failed"
+    moving_nowhere = StreamLedger("chat", holds=False)
+    assert moving_nowhere.feed(_chunk(b"a1", b"x", b"5") + finish) == _chunk(b"a1", b"x") + finish
+
+
+def test_a_gen_that_writes_no_ids_is_not_buffered_and_its_break_is_not_continued() -> None:
+    ledger = StreamLedger("chat")
+    frames = [_chunk(b"a1", b"t%d" % i) for i in range(40)]
+    out = b"".join(ledger.feed(frame) for frame in frames)
+    assert out == b"".join(frames)  # held a step's worth at most, then passed on as they come
+    assert ledger.feed(frames[0]) == frames[0]
+    assert ledger.untagged  # the client has text whose ids it was never told: nothing to continue from
+
+
 def test_a_continued_responses_stream_numbers_its_events_on() -> None:
     ledger = StreamLedger("responses")
 
