@@ -16,7 +16,7 @@ from typing import Any
 import orjson
 
 from frontend.structured_output import JSON_OPTIONS
-from frontend.tool_parsers.base import HistoryCalls, TextPiece, ToolEvent, held_back
+from frontend.tool_parsers.base import HistoryCalls, TextPiece, ToolEvent
 from frontend.tool_parsers.reader import CallsReader
 
 OPEN = "<tool_call>"
@@ -52,12 +52,7 @@ class HermesParser(CallsReader):
             before = self.buffer[:at].rstrip()
             self.begin_call(at + len(OPEN), self.buffer[len(before):at + len(OPEN)])
             return [TextPiece(before)] if before else []
-        keep = 0 if final else held_back(self.buffer, (OPEN,))
-        text = self.buffer[:len(self.buffer) - keep]
-        if not text:
-            return []
-        self.buffer = self.buffer[len(text):]
-        return [TextPiece(text)]
+        return self.text_before(OPEN, final)
 
     def read_between(self, final: bool) -> None:
         rest = self.buffer.lstrip()

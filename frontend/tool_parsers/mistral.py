@@ -8,7 +8,7 @@ from collections.abc import Collection
 
 import orjson
 
-from frontend.tool_parsers.base import HistoryCalls, TextPiece, ToolEvent, held_back
+from frontend.tool_parsers.base import HistoryCalls, TextPiece, ToolEvent
 from frontend.tool_parsers.reader import CallsReader
 
 MARKER = "[TOOL_CALLS]"
@@ -43,12 +43,7 @@ class MistralParser(CallsReader):
             self.buffer = rest
             self.begin_call(skip, prefix)
             return events
-        keep = 0 if final else held_back(self.buffer, (MARKER,))
-        text = self.buffer[:len(self.buffer) - keep]
-        if not text:
-            return []
-        self.buffer = self.buffer[len(text):]
-        return [TextPiece(text)]
+        return self.text_before(MARKER, final)
 
     def read_between(self, final: bool) -> None:
         rest = self.buffer.lstrip()

@@ -12,7 +12,7 @@ from abc import abstractmethod
 from collections.abc import Collection
 from enum import Enum, auto
 
-from frontend.tool_parsers.base import ArgumentsPiece, CallOpened, TextPiece, ToolCallParser, ToolEvent
+from frontend.tool_parsers.base import ArgumentsPiece, CallOpened, TextPiece, ToolCallParser, ToolEvent, held_back
 from frontend.tool_parsers.json_call import JsonCall
 
 
@@ -55,6 +55,16 @@ class CallsReader(ToolCallParser):
         self.phase = Phase.CALL
         self._call = JsonCall(self.names)
         self._call_prefix = prefix
+
+    def text_before(self, marker: str, final: bool) -> list[ToolEvent]:
+        """No ``marker`` in ``buffer``: pass its text on, but for an end that may be the marker's start (until
+        ``final``)."""
+        keep = 0 if final else held_back(self.buffer, (marker,))
+        text = self.buffer[:len(self.buffer) - keep]
+        if not text:
+            return []
+        self.buffer = self.buffer[len(text):]
+        return [TextPiece(text)]
 
     def end_calls(self) -> None:
         self.phase = Phase.AFTER
