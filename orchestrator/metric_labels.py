@@ -33,6 +33,11 @@ RESPONSE_STORE_OPERATIONS = ("get", "put", "delete")  # the calls a shared Respo
 # How a pair probe of a CTX/GEN pair ended (orchestrator/pair_probe.py says what each means).
 PROBE_PASSED, PROBE_RECOMPUTED, PROBE_FAILED, PROBE_UNVERIFIED = "passed", "recomputed", "failed", "unverified"
 PROBE_OUTCOMES = (PROBE_PASSED, PROBE_RECOMPUTED, PROBE_FAILED, PROBE_UNVERIFIED)
+# What became of a GEN stream that broke mid-way (orchestrator/flow/migration.py): continued on another GEN worker,
+# or not, for want of a CTX or GEN to continue on, past the request's migration limit, or on a stream that cannot move.
+MIGRATION_RESUMED, MIGRATION_FAILED = "resumed", "failed"
+MIGRATION_OVER_LIMIT, MIGRATION_NOT_RESUMABLE = "over_limit", "not_resumable"
+MIGRATION_OUTCOMES = (MIGRATION_RESUMED, MIGRATION_FAILED, MIGRATION_OVER_LIMIT, MIGRATION_NOT_RESUMABLE)
 # The routes' ``endpoint`` label: the flow's endpoints, and /v1/messages, which runs as chat under its own name
 # (orchestrator/messages.py; tests/orchestrator/test_metric_labels.py holds the route's label to this one).
 MESSAGES_ENDPOINT = "messages"
@@ -50,8 +55,23 @@ def upstream_failure_reasons() -> tuple[str, ...]:
     return tuple(names)
 
 
+def export_ctx_worker_series(metrics: Metrics, url: str) -> None:
+    """The series of CTX worker ``url``: exported for those in the pool at start-up and for each that joins later
+    (kept, like any counter's, once it has left)."""
+    metrics.ctx_latency.labels(worker=url)
+
+
+def export_gen_worker_series(metrics: Metrics, url: str) -> None:
+    """The series of GEN worker ``url``, as ``export_ctx_worker_series``."""
+    metrics.gen_first_byte.labels(worker=url)
+    metrics.gen_prompt_recomputed.labels(pool=GEN_POOL_NAME, worker=url)
+    for outcome in MIGRATION_OUTCOMES:
+        metrics.stream_migrations.labels(pool=GEN_POOL_NAME, worker=url, outcome=outcome)
+
+
 def export_known_series(metrics: Metrics, ctx_workers: Iterable[str], gen_workers: Iterable[str]) -> None:
-    """Create the child of every known label combination (the workers: those in the pools at start-up)."""
+    """Create the child of every known label combination (the workers: those in the pools at start-up; those that
+    join later are exported as they join, ``orchestrator.server``)."""
     reasons = (*upstream_failure_reasons(), STATUS_5XX)
     for step in RETRIED_STEPS:
         metrics.failovers.labels(step=step)  # a failover is a retry after a failed call, never after a 5xx
@@ -73,7 +93,6 @@ def export_known_series(metrics: Metrics, ctx_workers: Iterable[str], gen_worker
         metrics.response_store_errors.labels(operation=operation)
         metrics.response_store_latency.labels(operation=operation)
     for url in ctx_workers:
-        metrics.ctx_latency.labels(worker=url)
+        export_ctx_worker_series(metrics, url)
     for url in gen_workers:
-        metrics.gen_first_byte.labels(worker=url)
-        metrics.gen_prompt_recomputed.labels(pool=GEN_POOL_NAME, worker=url)
+        export_gen_worker_series(metrics, url)

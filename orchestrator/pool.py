@@ -81,6 +81,7 @@ class WorkerPool:
         # How long a request that finds no worker waits for one to come back (``wait_for_worker``); 0: not at all.
         self.wait_for_worker_s = wait_for_worker_s
         self.on_health_change: list[Callable[[], None]] = []  # e.g. the prefill gate: room came or went
+        self.on_added: list[Callable[[str], None]] = []  # told each new member's URL (its metric series at 0)
         self.workers: list[PoolMember] = []
         self._sources: dict[str, str] = {}  # url -> "static" | "dns" | "registered"
         self._closing: set[asyncio.Task[None]] = set()
@@ -103,6 +104,8 @@ class WorkerPool:
         self.workers.append(worker)
         self._sources[url] = source
         logger.info("%s pool: added %s (%s)", self.name, url, source)
+        for added in self.on_added:
+            added(url)
         return worker
 
     def remove(self, url: str) -> bool:

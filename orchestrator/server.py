@@ -49,7 +49,14 @@ from orchestrator.discovery import DnsDiscovery
 from orchestrator.flow.disagg_flow import DisaggFlow
 from orchestrator.flow.request import PATHS, Answer, FlowRequest, StreamedAnswer, WholeAnswer, check_client_body
 from orchestrator.messages import COUNT_TOKENS_PATH, MESSAGES_PATH, authorization, count_tokens, serve_messages
-from orchestrator.metric_labels import CTX_POOL_NAME, GEN_POOL_NAME, MODELS_STEP, export_known_series
+from orchestrator.metric_labels import (
+    CTX_POOL_NAME,
+    GEN_POOL_NAME,
+    MODELS_STEP,
+    export_ctx_worker_series,
+    export_gen_worker_series,
+    export_known_series,
+)
 from orchestrator.pair_probe import PairProbe
 from orchestrator.pair_probe_routes import install_pair_probe_routes
 from orchestrator.pool import BreakerSettings, HealthMonitor, PoolsWait, WorkerPool
@@ -144,6 +151,9 @@ def create_orchestrator_app(
     gen_pool = _pool(GEN_POOL_NAME, config.generation_servers, config, metrics, "round_robin", worker_headers,
                      internal_secret)
     pools = {"context": ctx_pool, "generation": gen_pool}
+    # A worker that joins later (DNS, POST /admin/workers) has its series exported at 0 as it joins.
+    ctx_pool.on_added.append(partial(export_ctx_worker_series, metrics))
+    gen_pool.on_added.append(partial(export_gen_worker_series, metrics))
     flow = DisaggFlow(config, ctx_pool, gen_pool, metrics, trtllm_auth_key=trtllm_auth_key)
     pair_probe = PairProbe(config.pair_probe, flow, metrics)
     # previous_response_id and store: only /v1/responses reaches it.

@@ -39,6 +39,10 @@ from frontend.stream_token_ids import HEADER, PREFIX, parse_ids, split_tag
 from orchestrator.flow.request import FlowRequest
 from orchestrator.member import PoolMember
 from orchestrator.metric_labels import GEN_POOL_NAME
+from orchestrator.metric_labels import MIGRATION_FAILED as FAILED
+from orchestrator.metric_labels import MIGRATION_NOT_RESUMABLE as NOT_RESUMABLE
+from orchestrator.metric_labels import MIGRATION_OVER_LIMIT as OVER_LIMIT
+from orchestrator.metric_labels import MIGRATION_RESUMED as RESUMED
 from orchestrator.protocols.base import ContextAnswer
 from orchestrator.protocols.registry import DEFAULT_PROTOCOL
 from orchestrator.relay import next_sequence_number
@@ -49,7 +53,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("disagg_serve.migration")
 
-RESUMED, FAILED, OVER_LIMIT, NOT_RESUMABLE = "resumed", "failed", "over_limit", "not_resumable"
 _SEQUENCE = re.compile(rb'"sequence_number":\d+')
 _ERROR_FRAMES = (b'data: {"error"', b"event: error")  # GEN's own error event (chat and completions; Responses)
 _FINAL_FRAMES = (b"data: [DONE]", b"event: response.completed", b"event: response.incomplete")

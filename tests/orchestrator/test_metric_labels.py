@@ -9,16 +9,19 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from frontend.config import parse_config
 from frontend.errors import UpstreamError, UpstreamTimeoutError, UpstreamUnavailableError
 from frontend.guardrail import FallbackReason
 from frontend.metrics import Metrics
 from orchestrator.flow.retry import RetryPolicy
-from orchestrator.metric_labels import RETRIED_STEPS, export_known_series
+from orchestrator.metric_labels import MIGRATION_OUTCOMES, RETRIED_STEPS, export_known_series
 from orchestrator.pool import WorkerPool
 from orchestrator.routers import RoundRobinRouter, RoutingKey
+from orchestrator.server import create_orchestrator_app
 from orchestrator.upstream.base import Reply, WorkerTimeouts
 from tests.cluster import MODEL, start_orchestrator, start_worker
 from tests.orchestrator.upstream.scripted_transport import ScriptedTransports, Step
+from tests.servers import running
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 
@@ -55,6 +58,11 @@ def test_a_fresh_orchestrator_exports_every_known_series_at_zero() -> None:
         assert value(fresh, "disagg_ctx_step_seconds_count", worker=ctx.url) == 0
         assert value(fresh, "disagg_gen_first_byte_seconds_count", worker=gen.url) == 0
         assert value(fresh, "disagg_gen_first_byte_seconds_bucket", worker=gen.url, le="+Inf") == 0
+        assert value(fresh, "disagg_gen_prompt_tokens_recomputed_total", pool="gen", worker=gen.url) == 0
+        for outcome in MIGRATION_OUTCOMES:
+            assert value(fresh, "disagg_stream_migrations_total", pool="gen", worker=gen.url, outcome=outcome) == 0
+        assert series(fresh, "disagg_stream_migrations_total") == {
+            frozenset({"pool": "gen", "worker": gen.url, "outcome": o}.items()) for o in MIGRATION_OUTCOMES}
         for endpoint in ("chat", "completions", "responses", "messages"):
             assert value(fresh, "disagg_request_latency_seconds_count", endpoint=endpoint) == 0, endpoint
 
@@ -76,6 +84,34 @@ def test_a_fresh_orchestrator_exports_every_known_series_at_zero() -> None:
         series(fresh, "disagg_request_latency_seconds_count")
     assert value(served, "disagg_request_latency_seconds_count", endpoint="completions") == 1
     assert value(served, "disagg_request_latency_seconds_count", endpoint="messages") == 1
+
+
+def test_a_worker_that_joins_later_has_its_series_exported_at_zero_and_kept_after_it_leaves() -> None:
+    """Registered over the admin API (DNS discovery adds members the same way): its per-worker series are there
+    before its first request, and stay once it has left, as a counter's do."""
+    admin = {"Authorization": "Bearer admin-secret"}
+    with contextlib.ExitStack() as stack:
+        ctx, gen = start_worker(stack, "context"), start_worker(stack, "generation")
+        config = parse_config({"context_servers": {"registration": True}, "generation_servers": {"registration": True}})
+        orchestrator = stack.enter_context(running(create_orchestrator_app(config, admin_key="admin-secret")))
+        assert not series(scrape(orchestrator), "disagg_stream_migrations_total")
+        for role, worker in (("context", ctx), ("generation", gen)):
+            joined = httpx.post(orchestrator + "/admin/workers", json={"role": role, "url": worker.url},
+                                headers=admin, timeout=10)
+            assert joined.status_code == 201, joined.text
+        after_joining = scrape(orchestrator)
+        assert value(after_joining, "disagg_ctx_step_seconds_count", worker=ctx.url) == 0
+        assert value(after_joining, "disagg_gen_first_byte_seconds_count", worker=gen.url) == 0
+        assert value(after_joining, "disagg_gen_prompt_tokens_recomputed_total", pool="gen", worker=gen.url) == 0
+        for outcome in MIGRATION_OUTCOMES:
+            assert value(after_joining, "disagg_stream_migrations_total", pool="gen", worker=gen.url,
+                         outcome=outcome) == 0, outcome
+        left = httpx.request("DELETE", orchestrator + "/admin/workers", json={"role": "generation", "url": gen.url},
+                             headers=admin, timeout=10)
+        assert left.json()["removed"] is True
+        after_leaving = scrape(orchestrator)
+    for name in ("disagg_stream_migrations_total", "disagg_gen_prompt_tokens_recomputed_total"):
+        assert series(after_leaving, name) == series(after_joining, name), name
 
 
 A, B = "http://a:1", "http://b:1"
