@@ -15,6 +15,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from orchestrator.metric_labels import MIGRATION_OUTCOMES, MIGRATION_RESUMED
 from tests.cluster import MODEL, Cluster, cluster_running
 from tests.workers.engines.reference.cluster import reference_cluster
 from tests.workers.engines.reference.tiny_model import write_tiny_model
@@ -122,6 +123,20 @@ def test_every_query_names_a_metric_and_is_well_formed(dashboard: dict[str, Any]
             assert expr.count(opening) == expr.count(closing), expr
         if "histogram_quantile" in expr:  # a quantile needs the buckets, summed by le
             assert "_bucket" in expr and re.search(r"by \((le\b|[^)]*\ble\b)", expr), expr
+
+
+def test_the_stream_migration_panels_count_every_outcome_and_single_out_the_streams_not_continued(
+        dashboard: dict[str, Any]) -> None:
+    """One panel by outcome, whatever the outcomes; one of the streams that ended in an error for the client: every
+    outcome the orchestrator counts but ``resumed`` (the outcomes the alert of the Helm chart fires on)."""
+    exprs = [t["expr"] for p in panels(dashboard) for t in p.get("targets", [])
+             if "disagg_stream_migrations_total" in t["expr"]]
+    assert len(exprs) == 2, exprs
+    by_outcome, not_continued = sorted(exprs, key=lambda expr: "outcome=~" in expr)
+    assert by_outcome.startswith("sum by (outcome) ") and "outcome=" not in by_outcome
+    named = re.search(r'outcome=~"([^"]+)"', not_continued)
+    assert named and set(named.group(1).split("|")) == set(MIGRATION_OUTCOMES) - {MIGRATION_RESUMED}
+    assert "worker" in not_continued.split("(")[1]  # by GEN worker: which one breaks
 
 
 def test_the_exported_set_is_not_vacuous(exported: set[str]) -> None:

@@ -727,17 +727,18 @@ def test_only_the_orchestrators_reach_the_workers_and_the_workers_each_other_for
     assert "NetworkPolicies let only this release's orchestrators reach the workers" in notes(None)
 
 
-# -- alerts for KV that never moved -----------------------------------------------------------------------------
+# -- alerts for KV that never moved and for streams that broke ------------------------------------------------
 def test_the_alert_rules_are_an_opt_in_prometheus_rule_over_metrics_the_orchestrator_exports() -> None:
     from frontend.metrics import Metrics
+    from orchestrator.metric_labels import MIGRATION_OUTCOMES, MIGRATION_RESUMED
 
     assert not [m for m in render(None) if m["kind"] == "PrometheusRule"]
     rule = by_kind(render({"prometheusRule": {"enabled": True, "labels": {"release": "kps"}}}))[
         ("PrometheusRule", f"{PREFIX}-alerts")]
     assert rule["apiVersion"] == "monitoring.coreos.com/v1" and rule["metadata"]["labels"]["release"] == "kps"
-    [group] = rule["spec"]["groups"]
-    alerts = {r["alert"]: r for r in group["rules"]}
-    assert set(alerts) == {"DisaggGenRecomputingPrompts", "DisaggKVPairProbeFailing"}
+    alerts = {r["alert"]: r for group in rule["spec"]["groups"] for r in group["rules"]}
+    assert set(alerts) == {"DisaggGenRecomputingPrompts", "DisaggKVPairProbeFailing",
+                           "DisaggStreamsBrokenNotContinued"}
     exported = {metric.name for metric in Metrics().registry.collect()}  # counters without their _total
     for alert in alerts.values():
         names = set(re.findall(r"disagg_\w+", alert["expr"]))
@@ -745,6 +746,11 @@ def test_the_alert_rules_are_an_opt_in_prometheus_rule_over_metrics_the_orchestr
         assert alert["for"] == "10m" and alert["labels"] == {"severity": "warning"}
         # Prometheus's own template variables reach the rule unexpanded by Helm.
         assert "{{ $labels." in alert["annotations"]["summary"]
+    # Streams that broke and were not continued: every outcome the orchestrator counts but ``resumed``.
+    broken = alerts["DisaggStreamsBrokenNotContinued"]["expr"]
+    named = re.search(r'disagg_stream_migrations_total\{outcome=~"([^"]+)"\}', broken)
+    assert named and set(named.group(1).split("|")) == set(MIGRATION_OUTCOMES) - {MIGRATION_RESUMED}, broken
+    assert "{{ $labels.outcome }}" in alerts["DisaggStreamsBrokenNotContinued"]["annotations"]["summary"]
 
 
 def test_the_pair_probe_is_set_in_the_orchestrators_config() -> None:
