@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import logging
 import os
 import signal
 import subprocess
@@ -29,7 +30,9 @@ import pytest
 
 from entrypoints.launcher import free_port
 from frontend.config import parse_config
+from frontend.errors import EngineError
 from frontend.metrics import Metrics
+from frontend.openai_output import Endpoint, stream_error_frames
 from orchestrator.flow.migration import Migration, Migrations, StreamLedger
 from orchestrator.server import create_orchestrator_app
 from tests.orchestrator.flow.cutting_proxy import CuttingProxy
@@ -89,6 +92,13 @@ class System:
     def arm(self, frames: int) -> None:
         for gen in self.gens:
             gen.proxy.arm(frames)
+
+    def arm_to_fail(self, frames: int, error: bytes) -> None:
+        """The next answer's engine fails after ``frames`` frames: its GEN ends it with ``error`` (GEN's own error
+        event) in place of the rest, and lives on; the other proxies are disarmed at the cut, so the continuation
+        runs in full wherever it goes."""
+        for gen in self.gens:
+            gen.proxy.arm(frames, then=error, disarming=tuple(g.proxy for g in self.gens if g is not gen))
 
     def kill_the_one_holding(self) -> Gen:
         """SIGKILL the GEN worker (and its engine core) whose answer the proxy cut; the other is disarmed, so the
@@ -513,3 +523,51 @@ def test_a_stream_that_broke_before_its_first_whole_frame_is_the_continuation_s_
     assert ledger.feed(role[:20]) == b""  # cut before the end of GEN's first frame: the client has nothing
     ledger.begin_replay()
     assert ledger.feed(role + _chunk(b"b2", b"x", b"5", 9)) == role + _chunk(b"b2", b"x", created=9)
+
+
+# -- an engine that fails mid-answer, its GEN living on ----------------------------------------------------------
+
+@pytest.mark.parametrize("endpoint", ["chat", "responses"])
+def test_a_stream_whose_gen_writes_an_error_event_mid_answer_goes_on_on_another_gen(
+        fresh: System, endpoint: Endpoint, caplog: pytest.LogCaptureFixture) -> None:
+    """GEN's engine fails after the client has part of the answer: GEN ends its stream with its own error event (the
+    frames a worker writes, sent by the proxy in place of the rest) and stays up. The orchestrator reads the event
+    over HTTP, holds it back, and the stream goes on on the other GEN as if nothing had happened."""
+    model = _model(fresh)
+    failure = EngineError("the engine failed: RuntimeError")
+    opening = 1 if endpoint == "chat" else 4  # a chat role; a Responses stream's first events
+
+    def stream(client: openai.OpenAI) -> Iterator[Any]:
+        if endpoint == "chat":
+            return _chat_stream(client, model, temperature=0.0)
+        return iter(client.responses.create(model=model, input=MESSAGES[0]["content"], max_output_tokens=MAX_TOKENS,
+                                            temperature=0.0, stream=True, extra_body={"ignore_eos": True}))
+
+    def text_and_ends(events: list[Any]) -> tuple[str, list[Any]]:
+        if endpoint == "chat":
+            texts, finishes, usage = _read_chat(iter(events))
+            return "".join(texts), [finishes, usage.completion_tokens]
+        ends = [e.response for e in events if e.type in ("response.completed", "response.incomplete")]
+        deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+        errors = [e for e in events if e.type == "error"]  # (a chat's error event raises in the client)
+        return deltas, [[e.status for e in ends], [e.usage.output_tokens for e in ends], errors]
+
+    with fresh.client() as client:
+        whole_text, whole_ends = text_and_ends(list(stream(client)))
+        resumed_before = fresh.metric("disagg_stream_migrations_total", outcome="resumed")
+        cut_before = sum(g.proxy.cut_answers for g in fresh.gens)
+        # The frames GEN writes when its engine fails mid-stream (workers/rendering.py), numbered on for Responses.
+        error = b"".join(stream_error_frames(endpoint, failure, opening + CUT_TEXT_FRAMES))
+        fresh.arm_to_fail(opening + CUT_TEXT_FRAMES, error)
+        with caplog.at_level(logging.WARNING, logger="disagg_serve.migration"):
+            events = list(stream(client))
+    text, ends = text_and_ends(events)
+    assert sum(g.proxy.cut_answers for g in fresh.gens) == cut_before + 1  # one GEN failed mid-answer ...
+    assert text == whole_text and ends == whole_ends  # ... and the client saw none of it
+    if endpoint == "responses":
+        assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert fresh.metric("disagg_stream_migrations_total", outcome="resumed") == resumed_before + 1
+    assert all(g.process is not None and g.process.poll() is None for g in fresh.gens)  # nothing died
+    # It moved for GEN's error event (which a Responses stream, ending without its completion, would not show).
+    breaks = [r.getMessage() for r in caplog.records if r.name == "disagg_serve.migration"]
+    assert any(f"GEN wrote an error event: {failure.message}" in line for line in breaks), breaks
