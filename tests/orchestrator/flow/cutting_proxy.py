@@ -17,35 +17,18 @@ import asyncio
 import contextlib
 import threading
 
+from tests.tcp_proxy import TcpProxy
 
-class CuttingProxy:
+
+class CuttingProxy(TcpProxy):
     def __init__(self, target_url: str) -> None:
-        host, port = target_url.removeprefix("http://").split(":")
-        self.target = (host, int(port))
-        self.loop = asyncio.new_event_loop()
-        self._server: asyncio.Server | None = None
-        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        super().__init__(target_url)
         self._armed: int | None = None  # frames the next POST's answer may pass on
         self._then: bytes | None = None  # what the armed answer ends with in place of the rest (None: held)
         self._disarming: tuple[CuttingProxy, ...] = ()  # proxies disarmed as the armed answer is cut
         self.holding = threading.Event()  # an armed answer reached its cut: the rest is held
         self.cut_answers = 0
         self.armed_posts = 0  # POSTs whose answer was to be cut
-
-    def start(self) -> str:
-        self._thread.start()
-        self._server = asyncio.run_coroutine_threadsafe(
-            asyncio.start_server(self._serve, "127.0.0.1", 0), self.loop).result(timeout=10)
-        return f"http://127.0.0.1:{self._server.sockets[0].getsockname()[1]}"
-
-    def stop(self) -> None:
-        async def close() -> None:
-            if self._server is not None:
-                self._server.close()
-
-        asyncio.run_coroutine_threadsafe(close(), self.loop).result(timeout=10)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(timeout=10)
 
     def arm(self, frames: int, then: bytes | None = None, disarming: tuple[CuttingProxy, ...] = ()) -> None:
         """Cut the next POST's answer after ``frames`` frames with data; ``then``: end it with these bytes instead of

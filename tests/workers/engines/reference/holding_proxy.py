@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import threading
+
+from tests.tcp_proxy import TcpProxy
 
 
 async def _read_message(reader: asyncio.StreamReader) -> bytes:
@@ -19,30 +20,11 @@ async def _read_message(reader: asyncio.StreamReader) -> bytes:
     return head + (await reader.readexactly(length) if length else b"")
 
 
-class HoldingProxy:
+class HoldingProxy(TcpProxy):
     def __init__(self, target_url: str) -> None:
-        host, port = target_url.removeprefix("http://").split(":")
-        self.target = (host, int(port))
+        super().__init__(target_url)
         self.held = 0  # POSTs held open now
         self.let_go = 0  # held POSTs whose client went away
-        self.loop = asyncio.new_event_loop()
-        self._server: asyncio.Server | None = None
-        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-
-    def start(self) -> str:
-        self._thread.start()
-        self._server = asyncio.run_coroutine_threadsafe(
-            asyncio.start_server(self._serve, "127.0.0.1", 0), self.loop).result(timeout=10)
-        return f"http://127.0.0.1:{self._server.sockets[0].getsockname()[1]}"
-
-    def stop(self) -> None:
-        async def close() -> None:
-            if self._server is not None:
-                self._server.close()
-
-        asyncio.run_coroutine_threadsafe(close(), self.loop).result(timeout=10)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(timeout=10)
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
