@@ -11,6 +11,7 @@ import urllib.parse
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import httpx
 import uvicorn
 
 EventLoopFactory = Callable[[], asyncio.AbstractEventLoop]
@@ -76,3 +77,11 @@ def open_post(url: str, path: str, body: bytes) -> Iterator[socket.socket]:
         yield sock
     finally:
         sock.close()
+
+
+def answers_healthy(url: str) -> bool:
+    """Whether the server at ``url`` answers its ``/health`` with a 200 now (one that is not up yet: False)."""
+    try:
+        return httpx.get(url + "/health", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False

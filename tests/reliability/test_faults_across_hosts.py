@@ -31,6 +31,7 @@ import orjson
 import pytest
 
 from tests.reliability.netns import Network, namespaces_unavailable
+from tests.servers import answers_healthy
 from tests.waiting import eventually
 from tests.workers.engines.reference.tiny_model import write_tiny_model
 
@@ -116,13 +117,6 @@ def _orchestrator(cluster: Cluster, name: str, port: int, ctx_port: int, gen_por
                   "--config", str(path))
 
 
-def _healthy(url: str) -> bool:
-    try:
-        return httpx.get(url + "/health", timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False
-
-
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     tmp = tmp_path_factory.mktemp("hosts")
@@ -152,7 +146,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         for ns, port in ((ctx, 8001), (ctx, 8101), (gen1, 8002), (gen2, 8002), (gen1, 8102), (gen2, 8102),
                          (orch, 8000), (orch, 8100)):
             url = c.url(ns, port)
-            assert eventually(functools.partial(_healthy, url), every_s=0.2), f"{url} did not start"
+            assert eventually(functools.partial(answers_healthy, url), every_s=0.2), f"{url} did not start"
         _model(c, 8000)
         _model(c, 8100)
         yield c

@@ -37,7 +37,7 @@ from orchestrator.flow.migration import Migration, Migrations, StreamLedger
 from orchestrator.server import create_orchestrator_app
 from tests.orchestrator.flow.cutting_proxy import CuttingProxy
 from tests.orchestrator.members import idle_members
-from tests.servers import running
+from tests.servers import answers_healthy, running
 from tests.waiting import eventually
 from tests.workers.engines.reference.tiny_model import write_tiny_model
 
@@ -77,7 +77,7 @@ class System:
 
     def start_gen(self, gen: Gen) -> None:
         gen.process = _worker(self, "generation", gen.port, f"gen-{gen.port}")
-        assert eventually(lambda: _healthy(f"http://127.0.0.1:{gen.port}"), timeout_s=120), self.log(gen.port)
+        assert eventually(lambda: answers_healthy(f"http://127.0.0.1:{gen.port}"), timeout_s=120), self.log(gen.port)
 
     def log(self, port: int) -> str:
         return (self.logs / f"gen-{port}.log").read_text(errors="replace")[-4000:]
@@ -133,13 +133,6 @@ def _worker(system: System, role: str, port: int, name: str) -> subprocess.Popen
     return process
 
 
-def _healthy(url: str) -> bool:
-    try:
-        return httpx.get(url + "/health", timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False
-
-
 @pytest.fixture(scope="module")
 def system(tmp_path_factory: pytest.TempPathFactory) -> Iterator[System]:
     tmp = tmp_path_factory.mktemp("migration")
@@ -165,7 +158,8 @@ def system(tmp_path_factory: pytest.TempPathFactory) -> Iterator[System]:
         for gen in gens:
             gen.process = _worker(system, "generation", gen.port, f"gen-{gen.port}")
         urls = [system.ctx_url, *(f"http://127.0.0.1:{g.port}" for g in gens)]
-        assert eventually(lambda: all(_healthy(url) for url in urls), timeout_s=120), (tmp / "ctx.log").read_text()
+        assert eventually(lambda: all(answers_healthy(url) for url in urls), timeout_s=120), \
+            (tmp / "ctx.log").read_text()
         config = parse_config({"context_servers": {"urls": [system.ctx_url]},
                                "generation_servers": {"urls": [g.url for g in gens]},
                                "max_retries": 1, "health_check_interval_s": 0.2, "request_timeout_s": 60})
