@@ -20,6 +20,7 @@ own (a dead engine core, a full KV store, a timeout) is worth another try.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
@@ -68,13 +69,16 @@ class RetryPolicy:
         attempt: Callable[[PoolMember], Awaitable[AnswerT]],
         avoid: Collection[PoolMember] = (),
         judges_workers: bool = True,
+        wait_from: float | None = None,
     ) -> Attempted[AnswerT]:
         """Run ``attempt`` on workers of ``pool`` until one answers (``step`` names it in errors and metrics).
 
         ``attempt`` must not leave a 5xx answer open: the policy drops it and moves on. ``avoid`` are workers that
         already failed this request in an earlier round (a health check may still find them fine): they are
         picked only when no other worker is left. ``judges_workers``: whether outcomes feed the workers' circuit
-        breakers (not for a cheap GET that says nothing of how a worker serves requests).
+        breakers (not for a cheap GET that says nothing of how a worker serves requests). ``wait_from``: when the
+        request began (``time.perf_counter``): its wait for a worker expected back is what is left of the pool's
+        bound since then, so that the admission queue's wait and each step's add up to that bound, not to one each.
         """
         tried: list[PoolMember] = []
         last: Attempted[AnswerT] | UpstreamError | None = None  # the failure that stands if no worker is left
@@ -85,7 +89,7 @@ class RetryPolicy:
             except UpstreamUnavailableError:
                 # None to take it now, but one may come back (restarting, draining): the request waits for it,
                 # once, up to the pool's bound (the admission queue's timeout).
-                if not waited and await pool.wait_for_worker():
+                if not waited and await pool.wait_for_worker(_left(pool, wait_from)):
                     waited = True
                     continue
                 # No untried worker left: the last failure stands. A healthy worker that answered 5xx is not
@@ -167,6 +171,13 @@ def _named(step: str, attempts: int, exc: UpstreamError) -> UpstreamError:
 def is_deterministic(answer: _Answered) -> bool:
     """Whether a worker's 5xx says the request itself failed the engine (``DETERMINISTIC_FAILURE_CODES``)."""
     return _error_code(answer) in DETERMINISTIC_FAILURE_CODES
+
+
+def _left(pool: WorkerPool, wait_from: float | None) -> float | None:
+    """How long a request that began at ``wait_from`` may still wait for one of ``pool``'s workers."""
+    if wait_from is None:
+        return None  # the pool's whole bound
+    return max(0.0, pool.wait_for_worker_s - (time.perf_counter() - wait_from))
 
 
 def is_draining(answer: _Answered) -> bool:

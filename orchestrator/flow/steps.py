@@ -103,7 +103,8 @@ class Steps:
             if self.pairs:  # and those whose every routable GEN partner failed the pair probe
                 full = [*full, *self.pairs.ctxs_to_avoid(self.ctx_pool.workers, self.gen_pool.workers)]
             answered = await self.retry.run(CTX_STEP, self.ctx_pool, request.key,
-                                            lambda member: attempt(request, member, return_tokens), avoid=full)
+                                            lambda member: attempt(request, member, return_tokens), avoid=full,
+                                            wait_from=request.started)
             spans.called(span, answered)
         request.ctx_worker = answered.member.url
         self.ctx_latency(answered.member.url).observe(time.perf_counter() - started)
@@ -186,7 +187,8 @@ class Steps:
         started = time.perf_counter()
         with tracing.span("gen.call", request.span, headers=request.headers, client=True) as span:
             answered = await (retry or self.retry).run(GEN_STEP, self.gen_pool, key,
-                                                       streamed if request.streaming else whole, avoid)
+                                                       streamed if request.streaming else whole, avoid,
+                                                       wait_from=request.started)
             spans.called(span, answered)
         if not isinstance(answered.answer, Reply):
             self.gen_first_byte(answered.member.url).observe(time.perf_counter() - started)

@@ -3,6 +3,9 @@ it gives up."""
 
 from __future__ import annotations
 
+import asyncio
+import time
+
 import pytest
 
 from frontend.errors import UpstreamError, UpstreamTimeoutError, UpstreamUnavailableError
@@ -126,3 +129,20 @@ async def test_a_4xx_is_an_answer_and_never_retried(metrics: Metrics) -> None:
     refused = Reply(400, b'{"error":{"message":"seed: bad","code":null}}')
     pool = pool_of({A: [refused], B: [OK]})
     assert await run(RetryPolicy(5, metrics), pool) == (refused, A, 1)
+
+
+async def test_a_request_waits_for_a_worker_only_what_is_left_of_the_pool_s_bound_since_it_began(
+        metrics: Metrics) -> None:
+    # The only worker drains (it or its replacement is expected back): a request that already waited the whole
+    # bound (at admission, or in the step before) must not wait it all over again.
+    pool = WorkerPool("ctx", RoundRobinRouter(), WorkerTimeouts(), wait_for_worker_s=3600,
+                      transport_factory=ScriptedTransports({A: []}))
+    try:
+        pool.add(A).mark_draining()
+        assert pool.expects_worker()
+        began = time.perf_counter() - 3600
+        # Bounded far beyond the test: a wait that began would hang it.
+        with pytest.raises(UpstreamUnavailableError):
+            await asyncio.wait_for(RetryPolicy(1, metrics).run("ctx", pool, RoutingKey(), post, wait_from=began), 60)
+    finally:
+        await pool.aclose()
