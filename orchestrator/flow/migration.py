@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import re
+import time
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -318,6 +319,10 @@ class Migration:
             message = error.get("message") if isinstance(error, dict) else None
             logger.warning("could not continue the stream that broke on %s: %s", failed.url, message or exc.message)
             return None
+        except Exception:  # a failure no one foresaw: the client's stream still ends with the relay's error event
+            migrations.counted(failed, FAILED)
+            logger.exception("could not continue the stream that broke on %s", failed.url)
+            return None
         migrations.counted(failed, RESUMED)
         self.ledger.begin_replay()
         return resumed
@@ -367,22 +372,23 @@ class Migrations:
         of ``step_sizes``), on a GEN worker
         other than ``failed`` where one is left. Raises where there is none; a hand-off no GEN took is released."""
         steps = self.steps
-        again = FlowRequest(request.endpoint, request.body, request.key, request.started, dict(request.headers),
+        # Started now: a wait for a worker expected back (the only GEN restarting) has its whole bound from the break.
+        again = FlowRequest(request.endpoint, request.body, request.key, time.perf_counter(), dict(request.headers),
                             span=request.span, priority=request.priority, conversation_id=request.conversation_id)
         ctx = await steps.run_context_step(again)
         if ctx.finished:  # only a request sampled without a seed can finish differently at CTX the second time
             raise UpstreamError("CTX finished the continuation by itself: there is no hand-off to continue from")
-        ctx = continued_handoff(ctx, sent, step_sizes)
+        try:  # from here on, CTX's new hand-off is released unless a GEN took it
+            ctx = continued_handoff(ctx, sent, step_sizes)
 
-        def body_for(gen: PoolMember) -> Body:
-            carriage, _ = steps.prompt_carriage(again, ctx, gen)
-            return steps.wire(again, gen).generation_request(again.body, ctx, carriage,
-                                                             conversation_id=again.conversation_id)
+            def body_for(gen: PoolMember) -> Body:
+                carriage, _ = steps.prompt_carriage(again, ctx, gen)
+                return steps.wire(again, gen).generation_request(again.body, ctx, carriage,
+                                                                 conversation_id=again.conversation_id)
 
-        prompt_tokens = ctx.prompt_len if ctx.prompt_len is not None else request.key.prompt_tokens
-        key = replace(request.key, prompt_tokens=prompt_tokens, only=None, prefill_tokens={})
-        key.prefill_tokens.update((w.url, 0) for w in steps.gen_pool.workers)
-        try:
+            prompt_tokens = ctx.prompt_len if ctx.prompt_len is not None else request.key.prompt_tokens
+            key = replace(request.key, prompt_tokens=prompt_tokens, only=None, prefill_tokens={})
+            key.prefill_tokens.update((w.url, 0) for w in steps.gen_pool.workers)
             answered = await steps.call_gen(again, key, body_for, avoid=(failed,))
         except BaseException:
             steps.releaser.release(again.ctx, again.ctx_worker, again.headers)

@@ -34,6 +34,8 @@ from frontend.errors import EngineError
 from frontend.metrics import Metrics
 from frontend.openai_output import Endpoint, stream_error_frames
 from orchestrator.flow.migration import Migration, Migrations, StreamLedger
+from orchestrator.flow.request import FlowRequest
+from orchestrator.routers import RoutingKey
 from orchestrator.server import create_orchestrator_app
 from tests.orchestrator.flow.cutting_proxy import CuttingProxy
 from tests.orchestrator.members import idle_members
@@ -565,3 +567,41 @@ def test_a_stream_whose_gen_writes_an_error_event_mid_answer_goes_on_on_another_
     # It moved for GEN's error event (which a Responses stream, ending without its completion, would not show).
     breaks = [r.getMessage() for r in caplog.records if r.name == "disagg_serve.migration"]
     assert any(f"GEN wrote an error event: {failure.message}" in line for line in breaks), breaks
+
+
+class _FailingContinuation:
+    """The flow's steps as a continuation sees them, the continuation failing with an error no one foresaw (a bug,
+    not a ``ServingError``): at GEN, or while its hand-off is built. What CTX parked is recorded, and what is
+    released."""
+
+    def __init__(self, metrics: Metrics, fails_at: str) -> None:
+        self.metrics = metrics
+        self.fails_at = fails_at
+        self.released: list[object] = []
+        self.releaser = SimpleNamespace(release=lambda ctx, worker, headers: self.released.append(ctx))
+        self.gen_pool = SimpleNamespace(workers=[])
+        self.handoff = SimpleNamespace(finished=False, prompt_len=3, response={}, prompt_b64=None,
+                                       handoff=None if fails_at == "handoff" else {"kv": 1})
+
+    async def run_context_step(self, request: FlowRequest) -> object:
+        request.ctx, request.ctx_worker = cast(Any, self.handoff), "http://ctx:1"
+        return self.handoff
+
+    async def call_gen(self, *args: object, **kwargs: object) -> object:
+        raise RuntimeError("an unforeseen failure")
+
+
+@pytest.mark.parametrize("fails_at", ["handoff", "gen"])
+def test_a_continuation_failing_unforeseen_ends_the_stream_counted_and_releases_its_hand_off(fails_at: str) -> None:
+    # Escaping the relay, the failure would cut the client's connection with no error event, and leave CTX's new
+    # hand-off parked until it expires.
+    metrics = Metrics()
+    steps = _FailingContinuation(metrics, fails_at)
+    migrations = Migrations(2, cast(Any, steps))
+    request = FlowRequest("chat", {}, RoutingKey(), 0.0)
+    migration = Migration(request, migrations)
+    migration.feed(_chunk(b"a1", b"x", b"5"))
+    with idle_members(1, 1) as (worker,):
+        assert asyncio.run(migration.resume(worker, "the worker is gone")) is None
+    assert _count(metrics, "failed") == 1
+    assert steps.released == [steps.handoff]
