@@ -119,8 +119,12 @@ class Admission:
     async def admit(self, priority: int) -> None:
         """Return once the request may run (it then holds a slot until ``release``); raise a 429 or 503 if it may
         not. Cancelled while waiting, it holds nothing."""
+        queue_timeout_s = self.config.queue_timeout_s
         if self._worker_wait is not None and not self._has_workers() and self._worker_wait.expected():
+            began = self._clock()
             await self._wait_for_workers(self._worker_wait, priority)
+            # One timeout for both waits: the queue's is what the wait for a worker left of it.
+            queue_timeout_s = max(0.0, queue_timeout_s - (self._clock() - began))
         if self._may_run(priority) and not any(self._queues[p] for p in range(priority + 1)):
             self._start(priority, "admitted")
             return
@@ -137,7 +141,7 @@ class Admission:
         self._queue_length[priority].inc()
         enqueued = self._clock()
         try:
-            async with asyncio.timeout(self.config.queue_timeout_s):
+            async with asyncio.timeout(queue_timeout_s):
                 while not waiter.granted.done():
                     if callable(self._limit):
                         # A limit that moves without an event (a worker's circuit breaker turning half-open):

@@ -394,3 +394,22 @@ async def test_no_more_requests_wait_for_a_worker_than_may_queue() -> None:
     with contextlib.suppress(asyncio.CancelledError):
         await first
     assert admission.awaiting_workers == 0 and admission.running == [0, 0, 0]
+
+
+async def test_a_request_that_waited_for_a_worker_queues_only_what_is_left_of_its_timeout() -> None:
+    # The worker came back only as the timeout ran out, and the one slot is taken: the request has no time left to
+    # queue for it, and is refused now rather than after a second whole timeout.
+    wait, workers, clock = WorkerComingBack(), {"up": True}, FakeClock()
+    admission = Admission(1, AdmissionConfig.model_validate({"queue_timeout_s": 3600}), Metrics(),
+                          lambda: workers["up"], clock, worker_wait=wait)
+    await admission.admit(DEFAULT)  # the slot, held
+    workers["up"] = False
+    task = asyncio.create_task(admission.admit(DEFAULT))
+    assert await eventually_async(lambda: wait.waiting == 1)
+    clock.now += 3600
+    workers["up"] = True
+    wait.returned.set()
+    assert await eventually_async(task.done)
+    with pytest.raises(OverloadedError):
+        await task
+    assert admission.running == [0, 1, 0] and admission.queued == 0
