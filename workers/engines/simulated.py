@@ -49,6 +49,7 @@ from workers.engines.synthetic import (
     check_tokenizer,
     finish_reason,
     first_output,
+    handoff_finish,
     handoff_position,
     load_engine_tokens,
     token_at,
@@ -248,8 +249,9 @@ class SimulatedEngine:
         max_tokens = request.max_tokens
         if request.phase is Phase.GENERATION_ONLY:
             position = self._accept_handoff(request)
-            if position >= max_tokens:  # CTX's token(s) already used the whole budget
-                yield EngineOutput((), finish_reason="length")
+            finish = handoff_finish(request, position, self._answer.eos)
+            if finish is not None:  # the budget used, or a continued stream's EOS handed over
+                yield EngineOutput((), finish_reason=finish)
                 return
             yield EngineOutput(())  # the hand-off is accepted
         else:

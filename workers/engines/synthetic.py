@@ -181,6 +181,14 @@ def handoff_position(request: GenerationRequest, engine: str) -> int:
     return max(int(position), len(request.handoff.first_gen_tokens))
 
 
+def handoff_finish(request: GenerationRequest, position: int, eos: int) -> FinishReason | None:
+    """Why a generation-only request ends before it decodes, if it does: CTX's token(s) used the whole budget, or
+    the tokens handed over end with EOS (a stream continued after the worker that wrote its EOS broke)."""
+    assert request.handoff is not None
+    last = request.handoff.first_gen_tokens[-1]
+    return finish_reason(last, position, request.max_tokens, request.sampling.ignore_eos, eos)
+
+
 class SyntheticEngine:
     """A typed engine (``workers.engines.base.Engine``) that also provides its tokenizer: the byte tokenizer, or
     with ``tokenizer="reference"`` the reference model's (loaded in ``start``; ``info.vocab_size`` is then its)."""
@@ -238,8 +246,9 @@ class SyntheticEngine:
         if request.phase is Phase.GENERATION_ONLY:
             assert request.handoff is not None
             position = handoff_position(request, "synthetic")
-            if position >= max_tokens:  # CTX's token(s) already used the whole budget
-                yield EngineOutput((), finish_reason="length")
+            finish = handoff_finish(request, position, self._answer.eos)
+            if finish is not None:
+                yield EngineOutput((), finish_reason=finish)
                 return
             yield EngineOutput(())  # the hand-off is accepted
         else:

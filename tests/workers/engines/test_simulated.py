@@ -19,7 +19,7 @@ from workers.engines.factory import EngineOptions, create_engine
 from workers.engines.outputs import EngineOutput
 from workers.engines.request import GenerationRequest, Handoff, Phase
 from workers.engines.simulated import BLOCK_TOKENS, SimulatedConfig, SimulatedEngine
-from workers.engines.synthetic import SYNTHETIC_TEXT
+from workers.engines.synthetic import EOS_TOKEN_ID, SYNTHETIC_TEXT
 
 RATE = 100_000.0  # tokens per second: a 1,000-token miss costs 10 ms
 BASE = 0.001
@@ -227,3 +227,16 @@ def test_a_reference_tokenizer_worker_counts_real_tokens_and_a_follow_up_hits_it
     # engine's cache, keyed by those ids, holds its whole blocks.
     held = (first["usage"]["prompt_tokens"] - 1) // BLOCK_TOKENS * BLOCK_TOKENS
     assert follow_up["usage"]["prompt_tokens_details"]["cached_tokens"] == held > 0
+
+
+async def test_a_stream_continued_after_its_eos_ends_at_once() -> None:
+    # The continuation of a stream that broke after its EOS reached the client: it ends there, not past it.
+    ctx, gen = (SimulatedEngine(SimulatedConfig(prefill_base_s=BASE, prefill_tokens_per_s=RATE,
+                                                inter_token_latency_s=0.0, output_tokens=3)) for _ in range(2))
+    tokens = prompt(64, 5)
+    (first,) = await run(ctx, request("c", tokens, max_tokens=9, phase=Phase.CONTEXT_ONLY))
+    assert first.handoff_state is not None
+    handed = (*SYNTHETIC_TEXT[:3], EOS_TOKEN_ID)
+    rest = await run(gen, request("g", tokens, max_tokens=9, phase=Phase.GENERATION_ONLY,
+                                  handoff=Handoff(handed, first.handoff_state)))
+    assert text(rest) == [] and [o.finish_reason for o in rest] == ["stop"]

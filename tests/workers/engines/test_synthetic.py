@@ -197,3 +197,19 @@ async def test_the_workers_tokenize_settings_reach_the_reference_tokenizer() -> 
     tokenizer.encode("What --tokenize-cache-mb 0 --tokenizer-backend tokenizers asks for: today's full encode.")
     stats = tokenizer.tokenize_stats()
     assert stats is not None and stats.encoder == "tokenizers" and stats.cache is None
+
+
+async def test_a_stream_continued_after_its_eos_ends_at_once() -> None:
+    # A GEN that broke after writing the answer's EOS and before its end marker: the continuation is handed the
+    # tokens the client has, EOS last. It ends there, as the first answer did, rather than decode past its end.
+    engine = SyntheticEngine(SyntheticConfig(output_tokens=3))
+    (ctx,) = await run(engine, GenerationRequest("c", PROMPT, SamplingParams(max_tokens=9), phase=Phase.CONTEXT_ONLY))
+    assert ctx.handoff_state is not None
+    handed = (*SYNTHETIC_TEXT[:3], EOS_TOKEN_ID)
+    gen = await run(engine, GenerationRequest("g", PROMPT, SamplingParams(max_tokens=9), phase=Phase.GENERATION_ONLY,
+                                              handoff=Handoff(handed, ctx.handoff_state)))
+    assert tokens(gen) == [] and [o.finish_reason for o in gen] == ["stop"]
+    ignoring = await run(engine, GenerationRequest("i", PROMPT, SamplingParams(max_tokens=6, ignore_eos=True),
+                                                   phase=Phase.GENERATION_ONLY,
+                                                   handoff=Handoff(handed, ctx.handoff_state)))
+    assert len(tokens(ignoring)) == 2 and ignoring[-1].finish_reason == "length"
