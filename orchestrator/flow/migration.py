@@ -72,22 +72,24 @@ class StreamLedger:
     and the continuation's replay of it, passed over whole, repeats nothing. A stream that cannot move holds
     nothing."""
 
-    __slots__ = ("broken", "endpoint", "held", "holds", "identity", "last_frame", "next_sequence", "pending",
-                 "renames", "replay_identity", "replay_tags", "replay_tokens", "replayed", "replaying", "tags")
+    __slots__ = ("broken", "endpoint", "held", "holds", "identity", "ids", "last_frame", "next_sequence", "pending",
+                 "renames", "replay_identity", "replay_ids", "replay_tokens", "replayed", "replaying")
 
     def __init__(self, endpoint: Endpoint, holds: bool = True) -> None:
         self.endpoint = endpoint
         self.holds = holds
         self.held: list[bytes] = []  # whole frames of a step whose ids have not come yet (``holds``)
         self.pending = b""  # a frame begun and not yet whole: held, never passed on in part
-        self.tags: list[bytes] = []  # the ids' lines of the frames passed on, unparsed until a migration needs them
+        # The ids' lines of the frames passed on, each ended by a newline, unparsed until a migration needs them: one
+        # buffer, not a bytes object a step (a few bytes a token, where a list of them costs ~45).
+        self.ids = bytearray()
         self.broken: str | None = None  # GEN's own error message, once it wrote one
         self.identity: tuple[bytes, int] | None = None  # the first answer's (id, created): what the client sees
         self.last_frame: bytes | None = None  # (a Responses stream's numbering goes on from it)
         self.replaying = False
         self.replay_tokens = 0  # ids of a continuation's opening to pass over, and those passed over so far
         self.replayed = 0
-        self.replay_tags: list[bytes] = []  # the ids the continuation's opening replays: checked against ``tags``
+        self.replay_ids = bytearray()  # the ids the continuation's opening replays: checked against ``ids``
         self.replay_identity = False  # a continuation's identity was read (its first data frame)
         self.renames: tuple[tuple[bytes, bytes], ...] = ()
         self.next_sequence: int | None = None  # a continued Responses stream: the next event's number
@@ -95,14 +97,14 @@ class StreamLedger:
     @property
     def untagged(self) -> bool:
         """The client has frames whose ids GEN never wrote: what it has cannot be told, so it cannot go on."""
-        return self.last_frame is not None and not self.tags
+        return self.last_frame is not None and not self.ids
 
     def sent_token_ids(self) -> list[int]:
-        return parse_ids(self.tags)
+        return parse_ids(_lines(self.ids))
 
     def sent_steps(self) -> list[int]:
         """How many of those ids each of GEN's text steps wrote, in order."""
-        return [tag.count(b",") + 1 for tag in self.tags]
+        return [tag.count(b",") + 1 for tag in _lines(self.ids)]
 
     def feed(self, chunk: bytes) -> bytes:
         """What of ``chunk`` the client gets now."""
@@ -127,7 +129,7 @@ class StreamLedger:
                 and b"error" not in whole:
             # One text step's frame, the common piece: its ids kept, the rest passed on.
             line_end = whole.index(b"\n")
-            self.tags.append(whole[len(PREFIX):line_end])
+            self.ids += whole[len(PREFIX):line_end + 1]  # (with its newline)
             rest = whole[line_end + 1:]
             if rest == b"\n":
                 return b""
@@ -172,15 +174,17 @@ class StreamLedger:
                 return b""  # the continuation's opening: a chat role, a Responses stream's first events, an echo
             if self.replayed < self.replay_tokens:
                 self.replayed += tag.count(b",") + 1
-                self.replay_tags.append(tag)
+                self.replay_ids += tag
+                self.replay_ids += b"\n"
                 if self.replayed >= self.replay_tokens:
                     self.replaying = False
-                    if b",".join(self.replay_tags) != b",".join(self.tags):
+                    if _joined(self.replay_ids) != _joined(self.ids):
                         self.broken = "the continuation did not replay the tokens the client has"
                 return b""
             self.replaying = False  # no ids to pass over (the break came before any): this frame is new
         if tag is not None:
-            self.tags.append(tag)
+            self.ids += tag
+            self.ids += b"\n"
         if frame == b"\n":
             return b""  # a frame of ids alone
         if self.identity is None:
@@ -202,11 +206,21 @@ class StreamLedger:
         # opening is the client's, passed on as it comes.
         self.replaying = self.last_frame is not None
         self.replay_tokens, self.replayed = len(self.sent_token_ids()), 0
-        self.replay_tags = []
+        self.replay_ids = bytearray()
         self.replay_identity = False
         self.renames = ()
         if self.endpoint == "responses":
             self.next_sequence = next_sequence_number(_last_frame(self.last_frame))
+
+
+def _lines(ids: bytearray) -> list[bytes]:
+    """A ledger's lines of ids, one a step."""
+    return bytes(ids).split(b"\n")[:-1]
+
+
+def _joined(ids: bytearray) -> bytes:
+    """The ids of a ledger's lines as one list, whatever steps they came in."""
+    return bytes(ids).replace(b"\n", b",")
 
 
 def _last_frame(piece: bytes | None) -> bytes | None:

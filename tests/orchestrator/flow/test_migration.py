@@ -18,6 +18,7 @@ import os
 import signal
 import subprocess
 import sys
+import tracemalloc
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -605,3 +606,20 @@ def test_a_continuation_failing_unforeseen_ends_the_stream_counted_and_releases_
         assert asyncio.run(migration.resume(worker, "the worker is gone")) is None
     assert _count(metrics, "failed") == 1
     assert steps.released == [steps.handoff]
+
+
+def test_the_ids_a_long_stream_s_ledger_keeps_cost_a_few_bytes_a_token() -> None:
+    # A ledger lives as long as its stream, one per stream in flight: thousands of streams of thousands of tokens.
+    # Kept as one list of small bytes objects, they cost ~45 bytes a token (1.5 MB a 32k-token answer).
+    ledger = StreamLedger("chat")
+    ledger.feed(_chunk(b"a1", b"x", b"1"))
+    pieces = [_chunk(b"a1", b"y", b"%d" % (10_000 + i)) for i in range(20_000)]
+    tracemalloc.start()
+    try:
+        for piece in pieces:
+            ledger.feed(piece)
+        held, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert held / len(pieces) < 12  # the id's 5 digits and a separator, and the buffer's growth room
+    assert ledger.sent_token_ids() == [1, *range(10_000, 30_000)] and ledger.sent_steps() == [1] * 20_001
