@@ -322,10 +322,10 @@ class Migration:
             return None
         self.count += 1
         self.ledger.broken = None
-        sent, steps = self.ledger.sent_token_ids(), self.ledger.sent_steps()
-        logger.warning("GEN stream broke on %s after %d token(s) (%s): continuing it on another GEN worker",
-                       failed.url, len(sent), reason)
         try:
+            sent, steps = self.ledger.sent_token_ids(), self.ledger.sent_steps()  # (ids GEN wrote wrong: raises)
+            logger.warning("GEN stream broke on %s after %d token(s) (%s): continuing it on another GEN worker",
+                           failed.url, len(sent), reason)
             resumed = await migrations.continuation(self.request, sent, steps, failed)
         except ServingError as exc:  # no CTX or GEN to continue on, or one that refused (its own words logged)
             migrations.counted(failed, FAILED)

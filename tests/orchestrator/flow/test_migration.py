@@ -623,3 +623,13 @@ def test_the_ids_a_long_stream_s_ledger_keeps_cost_a_few_bytes_a_token() -> None
         tracemalloc.stop()
     assert held / len(pieces) < 12  # the id's 5 digits and a separator, and the buffer's growth room
     assert ledger.sent_token_ids() == [1, *range(10_000, 30_000)] and ledger.sent_steps() == [1] * 20_001
+
+
+def test_ids_a_gen_wrote_wrong_end_the_stream_counted_rather_than_escape_the_relay() -> None:
+    metrics = Metrics()
+    migrations = Migrations(2, cast(Any, SimpleNamespace(metrics=metrics)))
+    migration = Migration(FlowRequest("chat", {}, RoutingKey(), 0.0), migrations)
+    migration.feed(_chunk(b"a1", b"x", b"5") + _chunk(b"a1", b"y", b"6;7"))
+    with idle_members(1, 1) as (worker,):
+        assert asyncio.run(migration.resume(worker, "the worker is gone")) is None
+    assert _count(metrics, "failed") == 1
