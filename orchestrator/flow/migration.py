@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from frontend.errors import RelayedError, ServingError, UpstreamError
+from frontend.errors import DETERMINISTIC_FAILURE_CODES, RelayedError, ServingError, UpstreamError
 from frontend.openai_output import Endpoint
 from frontend.stream_token_ids import HEADER, PREFIX, parse_ids, split_tag
 from orchestrator.flow.request import FlowRequest
@@ -72,8 +72,9 @@ class StreamLedger:
     and the continuation's replay of it, passed over whole, repeats nothing. A stream that cannot move holds
     nothing."""
 
-    __slots__ = ("broken", "endpoint", "held", "holds", "identity", "ids", "last_frame", "next_sequence", "pending",
-                 "renames", "replay_identity", "replay_ids", "replay_tokens", "replayed", "replaying")
+    __slots__ = ("broken", "deterministic", "endpoint", "held", "holds", "identity", "ids", "last_frame",
+                 "next_sequence", "pending", "renames", "replay_identity", "replay_ids", "replay_tokens", "replayed",
+                 "replaying")
 
     def __init__(self, endpoint: Endpoint, holds: bool = True) -> None:
         self.endpoint = endpoint
@@ -84,6 +85,7 @@ class StreamLedger:
         # buffer, not a bytes object a step (a few bytes a token, where a list of them costs ~45).
         self.ids = bytearray()
         self.broken: str | None = None  # GEN's own error message, once it wrote one
+        self.deterministic = False  # that error is one any GEN would repeat (the engine failed on the request)
         self.identity: tuple[bytes, int] | None = None  # the first answer's (id, created): what the client sees
         self.last_frame: bytes | None = None  # (a Responses stream's numbering goes on from it)
         self.replaying = False
@@ -162,7 +164,8 @@ class StreamLedger:
     def _frame(self, frame: bytes) -> bytes:
         tag, frame = split_tag(frame)
         if frame.startswith(_ERROR_FRAMES):
-            self.broken = _error_message(frame)
+            self.broken, code = _error_message(frame)
+            self.deterministic = code in DETERMINISTIC_FAILURE_CODES
             return b""
         if self.replaying:
             if not self.replay_identity and self.identity is not None:
@@ -230,15 +233,17 @@ def _last_frame(piece: bytes | None) -> bytes | None:
     return piece[begins if begins > 1 else 0:]
 
 
-def _error_message(frame: bytes) -> str:
+def _error_message(frame: bytes) -> tuple[str, object]:
+    """What GEN's error event says, and its ``code``."""
     _, _, data = frame.partition(b"data: ")
     try:
         payload = orjson.loads(data.strip())
         error = payload.get("error", payload)
-        message = error.get("message") if isinstance(error, dict) else None
+        message, code = (error.get("message"), error.get("code")) if isinstance(error, dict) else (None, None)
     except (orjson.JSONDecodeError, AttributeError):
-        message = None
-    return f"GEN wrote an error event: {message}" if isinstance(message, str) else "GEN wrote an error event"
+        message, code = None, None
+    said = f"GEN wrote an error event: {message}" if isinstance(message, str) else "GEN wrote an error event"
+    return said, code
 
 
 def _identity(endpoint: Endpoint, frame: bytes) -> tuple[bytes, int] | None:
@@ -310,6 +315,10 @@ class Migration:
         """A stream on another GEN worker that goes on from what the client has; None where there is none (the
         relay then ends the client's stream with its error event)."""
         migrations = self.migrations
+        if self.ledger.deterministic:  # the engine failed on the request itself: any GEN would fail it again
+            logger.info("GEN stream on %s ended with a failure any worker would repeat (%s): not continued",
+                        failed.url, reason)
+            return None
         if not self.resumable or self.ledger.untagged:
             migrations.counted(failed, NOT_RESUMABLE)
             logger.warning("GEN stream broke on %s (%s): it cannot be continued on another worker (n > 1, or "

@@ -31,7 +31,7 @@ import pytest
 
 from entrypoints.launcher import free_port
 from frontend.config import parse_config
-from frontend.errors import EngineError
+from frontend.errors import EngineError, EngineRequestError
 from frontend.metrics import Metrics
 from frontend.openai_output import Endpoint, stream_error_frames
 from orchestrator.flow.migration import Migration, Migrations, StreamLedger
@@ -633,3 +633,18 @@ def test_ids_a_gen_wrote_wrong_end_the_stream_counted_rather_than_escape_the_rel
     with idle_members(1, 1) as (worker,):
         assert asyncio.run(migration.resume(worker, "the worker is gone")) is None
     assert _count(metrics, "failed") == 1
+
+
+@pytest.mark.parametrize("endpoint", ["chat", "responses"])
+def test_a_failure_that_would_repeat_on_any_gen_is_not_migrated(endpoint: Endpoint) -> None:
+    # The engine failed on this request itself (a deterministic failure): another GEN would fail it the same way,
+    # after a new prefill on CTX and the replay of the whole answer, up to the limit.
+    metrics = Metrics()
+    migrations = Migrations(2, cast(Any, SimpleNamespace(metrics=metrics)))  # (a continuation would fail on it)
+    migration = Migration(FlowRequest(endpoint, {}, RoutingKey(), 0.0), migrations)
+    error = b"".join(stream_error_frames(endpoint, EngineRequestError("the grammar rejects every token"), 1))
+    assert migration.feed(_chunk(b"a1", b"x", b"5") + error) == _chunk(b"a1", b"x")
+    assert migration.broken is not None and "the grammar rejects every token" in migration.broken
+    with idle_members(1, 1) as (worker,):
+        assert asyncio.run(migration.resume(worker, migration.broken)) is None
+    assert migration.count == 0 and _count(metrics, "failed") == 0 and _count(metrics, "resumed") == 0
