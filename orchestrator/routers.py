@@ -31,6 +31,10 @@ _NO_CHAIN = PrefixChain()
 # factor of the cheapest worker's, so that near-ties do not scatter a conversation; a real saving wins.
 _SESSION_SLACK = 1.5
 ROUTING_DECISIONS = ("cache_hit", "spill", "cold", "session")
+_OPENINGS_KEPT = 256  # cache_aware without events: the system prompts whose share of the requests is kept
+# Requests lately before the shares of their system prompts size groups: shares from a few are noise, and another
+# process, seeing other requests, would size the groups otherwise (and place the conversations elsewhere).
+_OPENING_SAMPLE = 64.0
 _SPILL_MARGIN = 2.0  # cache_aware: a follow-up leaves its history's worker only for one under half its cost
 _CHAINED_TOKEN_IDS = 16_384  # of a prompt_token_ids list, the ids the chain names (~100 KB of JSON)
 
@@ -57,6 +61,10 @@ class RoutingKey:
     # None for a completion's prompt.
     conversation: str | None = None
     opening_links: int = 0  # the chain's links that lie within that opening
+    # A name for the system texts the opening starts with (what many conversations share: a system prompt);
+    # None without any.
+    shared_opening: str | None = None
+    shared_links: int = 0  # the chain's links that lie within those system texts
     # The leading links of the chain each worker it picked was believed to hold, to check against the tokens the
     # worker's answer says it found cached (CacheIndex.learn).
     held_links: dict[str, int] = field(default_factory=dict, hash=False, compare=False)
@@ -152,6 +160,9 @@ class CacheAwareRouter:
         self._clock = clock
         # url -> (uncached tokens sent lately, as of when): for workers whose events do not flow
         self._recent: dict[str, tuple[float, float]] = {}
+        # The system texts conversations' requests opened with lately (None: none), each with how many, as of
+        # when: where workers publish nothing.
+        self._openings: dict[str | None, tuple[float, float]] = {}
 
     def pick(self, workers: Sequence[PoolMember], key: RoutingKey, exclude: Iterable[PoolMember] = ()
              ) -> PoolMember | None:
@@ -175,6 +186,8 @@ class CacheAwareRouter:
         blind = any(not self.index.publishes(w.url) for w in candidates)
         if session is None and blind:
             session = key.conversation
+            if session is not None:
+                self._note_opening(key.shared_opening, self._clock())
         tie = session if session is not None else _first_unheld(key, max(matched_links.values()))
 
         def cost(worker: PoolMember) -> int:
@@ -213,6 +226,12 @@ class CacheAwareRouter:
         # opening by this process's model (links are coarse: one that names the first words may name only words
         # every conversation over that system prompt starts with).
         unseen = follow_up and max(matched_links.values()) <= key.opening_links
+        group = self._opening_group(candidates, key.shared_opening, now) if blind and key.session is None else None
+        if unseen and group is not None and max(matched_links.values()) >= key.shared_links + 2:
+            # Its system prompt's group may have moved since its first turn (the shares shifted, or there were no
+            # groups yet): where this process sent that turn, its model holds the conversation's own first words
+            # (a link wholly past the system texts), and the cost finds it there.
+            unseen = False
         if session is not None and blind and (not follow_up or unseen):
             # Workers that publish nothing, and a new conversation, or a next turn of one this process never saw
             # (each process sees only its share of the turns, and its model holds only what it sent). Another
@@ -225,8 +244,9 @@ class CacheAwareRouter:
             opening = min(key.opening_links, len(key.chain.links)) or len(key.chain.links)
             opening_tokens = key.prompt_tokens if opening >= len(key.chain.links) else _tokens_covered(key, opening)
             bound = min(w.inflight_prefill_tokens for w in eligible) + opening_tokens
-            best = min((w for w in eligible if w.inflight_prefill_tokens <= bound),
-                       key=lambda w: -_rendezvous(tie, w.url))
+            queued = [w for w in eligible if w.inflight_prefill_tokens <= bound]
+            within = [w for w in queued if group is not None and w.url in group] or queued
+            best = min(within, key=lambda w: -_rendezvous(tie, w.url))
             decision = "cache_hit" if longest and matched[best.url] == longest else "spill" if longest else "cold"
             if not longest and key.session is not None:
                 decision = "session"
@@ -245,6 +265,48 @@ class CacheAwareRouter:
         if self.on_decision is not None:
             self.on_decision(decision)
         return best
+
+    def _note_opening(self, shared: str | None, now: float) -> None:
+        openings = self._openings
+        count, when = openings.get(shared, (0.0, now))
+        openings[shared] = (count * 0.5 ** ((now - when) / self.index.recent_half_s) + 1.0, now)
+        if len(openings) > _OPENINGS_KEPT:  # many one-off openings: keep the most frequent
+            for name, _ in sorted(openings.items(), key=lambda item: item[1][0])[:len(openings) // 2]:
+                del openings[name]
+
+    def _opening_group(self, workers: Sequence[PoolMember], shared: str | None, now: float) -> set[str] | None:
+        """The workers a conversation opening with the system texts ``shared`` names lives on, where workers
+        publish nothing: each set of system texts that opened at least half a worker's share of the requests
+        lately gets its share of the N workers, rounded, the first in the rendezvous order of its name not taken
+        by a set named before it. Conversations over one system prompt gather on as many workers as their share
+        of the work needs, and a worker holds one system prompt instead of every one: under cache pressure, room
+        for more histories. Every process computes it alike from what every process sees alike (the workers; the
+        shares of the requests it gets, which are the fleet's); None: no group (no system texts, too rare a set,
+        too few requests lately to tell, or groups that whole workers would fit badly: spread over every
+        worker)."""
+        if shared is None or len(workers) < 2:
+            return None
+        decay = self.index.recent_half_s
+        counts = {name: count * 0.5 ** ((now - when) / decay) for name, (count, when) in self._openings.items()}
+        total = sum(counts.values())
+        if total < _OPENING_SAMPLE:
+            return None
+        wanted = {name: len(workers) * count / total for name, count in counts.items() if name is not None}
+        sizes = {name: math.floor(want + 0.5) for name, want in wanted.items()}
+        grouped = sorted(name for name, size in sizes.items() if size >= 1)
+        if shared not in grouped:
+            return None
+        taken: set[str] = set()
+        groups: dict[str, list[str]] = {}
+        for name in grouped:
+            order = sorted((w.url for w in workers if w.url not in taken), key=lambda url: -_rendezvous(name, url))
+            groups[name] = order[:sizes[name]]
+            taken.update(groups[name])
+            # Groups are whole workers: where one's would take more than load_factor times their part (few
+            # workers, shares that split them unevenly), that costs more than the system prompts saved.
+            if wanted[name] > self.load_factor * len(groups[name]):
+                return None
+        return set(groups[shared])
 
     def _recent_work(self, url: str, now: float, key: RoutingKey | None = None) -> float:
         """Uncached tokens given to ``url`` lately, each weighing less as it ages: by the worker's own events
@@ -328,7 +390,8 @@ def routing_key(body: dict[str, object], prefix_chars: int, with_chain: bool = F
     builder = ChainBuilder(sampled=not exact) if with_chain else None
     opening = hashlib.blake2b(digest_size=8) if with_chain else None
     conversation: str | None = None
-    fed = opening_bytes = 0
+    shared: str | None = None
+    fed = opening_bytes = shared_bytes = 0
     for role, text in _prompt_texts(body):
         if chars < prefix_chars:
             wanted = prefix_chars - chars
@@ -340,10 +403,14 @@ def routing_key(body: dict[str, object], prefix_chars: int, with_chain: bool = F
             builder.feed(literal)
             fed += len(role) + len(literal)
             if opening is not None:
-                opening.update(_opening_piece(role, literal))
                 if role not in _SYSTEM_ROLES:  # a conversation's own first words: every later turn repeats them
+                    if fed > len(role) + len(literal):  # system texts before them
+                        shared, shared_bytes = opening.hexdigest(), fed - len(role) - len(literal)
+                    opening.update(_opening_piece(role, literal))
                     conversation = opening.hexdigest() if role != _ROLES["prompt"] else None
                     opening, opening_bytes = None, fed
+                else:
+                    opening.update(_opening_piece(role, literal))
     explicit = body.get("prompt_token_ids")
     estimate = len(explicit) if isinstance(explicit, list) else chars // 4 + 1
     if builder is not None and isinstance(explicit, list):
@@ -353,8 +420,9 @@ def routing_key(body: dict[str, object], prefix_chars: int, with_chain: bool = F
         builder.feed(orjson.dumps(explicit[:_CHAINED_TOKEN_IDS])[:-1])
     chain = builder.chain() if builder is not None else _NO_CHAIN
     return RoutingKey("".join(pieces), estimate, chain, session, follow_up=_continues(body),
-                      conversation=conversation,
-                      opening_links=min(bisect.bisect_right(LINK_ENDS, opening_bytes), len(chain.links)))
+                      conversation=conversation, shared_opening=shared if conversation is not None else None,
+                      opening_links=min(bisect.bisect_right(LINK_ENDS, opening_bytes), len(chain.links)),
+                      shared_links=min(bisect.bisect_right(LINK_ENDS, shared_bytes), len(chain.links)))
 
 
 def _opening_piece(role: bytes, literal: bytes | memoryview) -> bytes:

@@ -229,3 +229,50 @@ def test_a_follow_up_stays_with_its_history_through_a_short_queue(pool: list[Poo
     assert router.pick(pool, follow_up) is holder
     holder.inflight_prefill_tokens = 4 * history  # now elsewhere is well under half
     assert router.pick(pool, follow_up) is not holder
+
+
+def test_the_opening_names_the_system_prompt_that_conversations_share() -> None:
+    """Two conversations over one system prompt share its name, not their own; without system texts, none."""
+    first = chat(("system", SYSTEM), ("user", "one question"))
+    second = chat(("system", SYSTEM), ("user", "another question"), ("assistant", "yes"), ("user", "and?"))
+    assert first.shared_opening is not None and first.shared_opening == second.shared_opening
+    assert first.conversation != second.conversation
+    assert chat(("system", "You are terse."), ("user", "one question")).shared_opening != first.shared_opening
+    assert chat(("user", "one question")).shared_opening is None
+
+
+def conversations(system: str, count: int, start: int = 0) -> list[RoutingKey]:
+    return [chat(("system", system), ("user", f"conversation {start + i} asks " * 40)) for i in range(count)]
+
+
+def test_without_events_conversations_over_one_system_prompt_gather_on_its_share_of_the_workers(
+        pool: list[PoolMember]) -> None:
+    """Workers that publish nothing, two system prompts sharing the work: once each process has seen enough of
+    it, each prompt's conversations live on half the workers, not all (a worker holds one prompt, not both), and
+    two processes that each saw half the requests place new conversations alike."""
+    other = "You answer in French, briefly. " * 400
+    routers = [CacheAwareRouter(CacheIndex(), 1.25, clock=lambda: 0.0) for _ in range(2)]
+    warm_up = [key for pair in zip(conversations(SYSTEM, 70), conversations(other, 70), strict=True)
+               for key in pair]
+    for number, key in enumerate(warm_up):  # each process sees half the requests, of both prompts
+        routers[number // 2 % 2].pick(pool, key)
+    fresh = [key for pair in zip(conversations(SYSTEM, 30, 100), conversations(other, 30, 100), strict=True)
+             for key in pair]
+    placed = [routers[0].pick(pool, key) for key in fresh]
+    ours, theirs = set(placed[::2]), set(placed[1::2])
+    assert len(ours) == len(theirs) == 2
+    assert not ours & theirs
+    assert placed == [routers[1].pick(pool, key) for key in fresh]
+
+
+def test_without_events_groups_that_whole_workers_would_load_unevenly_are_not_formed(
+        pool: list[PoolMember]) -> None:
+    """Three workers, two prompts sharing the work evenly: one prompt would get one worker for half the work, past
+    the load bound, so conversations spread over every worker as by their names alone."""
+    other = "You answer in French, briefly. " * 400
+    router = CacheAwareRouter(CacheIndex(), 1.25, clock=lambda: 0.0)
+    three = pool[:3]
+    for pair in zip(conversations(SYSTEM, 40), conversations(other, 40), strict=True):
+        for key in pair:
+            router.pick(three, key)
+    assert len({router.pick(three, key) for key in conversations(SYSTEM, 30, 100)}) == 3
