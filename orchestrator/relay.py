@@ -38,6 +38,10 @@ _STREAM_ENDS = (DONE_FRAME, b"event: response.completed", b"event: response.inco
 TAIL_S = 2.0  # how long GEN's stream is awaited past its final end marker (see above)
 
 
+class _Broke(Exception):
+    """A stream that broke (``StreamMigration.broken``) while GEN writes on: it is read no further."""
+
+
 class StreamMigration(Protocol):
     """What the relay asks of a stream that may move to another GEN worker (``orchestrator.flow.migration``)."""
 
@@ -159,13 +163,18 @@ class RelayedStream:
         migration = self.migration
         tail = asyncio.timeout(None)  # no deadline until the final marker has passed
 
+        async def paused() -> None:
+            if migration is not None and migration.broken is not None:
+                raise _Broke  # nothing more of this stream reaches the client: it is read no further
+            await drained()
+
         def take(chunk: bytes) -> bool:
             if watch.final:
                 return True  # past the end marker: nothing for the client
             if migration is not None:
                 chunk = migration.feed(chunk)
                 if not chunk:
-                    return True
+                    return migration.broken is None  # (broken: reading pauses, and ``paused`` ends it)
             watch.feed(chunk)
             if watch.final:
                 finish(chunk)  # the client's answer ends with this piece, in its send
@@ -179,9 +188,11 @@ class RelayedStream:
             with self.member.carrying(self.prompt_tokens, 0):  # its first byte came: the prompt is computed
                 try:
                     async with tail:
-                        await self.stream.push(take, drained)
+                        await self.stream.push(take, paused)
                 except UpstreamError as exc:
                     failure = exc
+                except _Broke:
+                    pass  # (the migration says why)
                 except TimeoutError:
                     if not tail.expired():
                         raise
@@ -229,6 +240,8 @@ class RelayedStream:
                         if migration is not None:
                             chunk = migration.feed(chunk)
                             if not chunk:
+                                if migration.broken is not None:
+                                    break  # nothing more of this stream reaches the client: read no further
                                 continue
                         watch.feed(chunk)
                         yield chunk

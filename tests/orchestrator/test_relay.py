@@ -7,16 +7,21 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncGenerator
+from types import SimpleNamespace
+from typing import Any, cast
 
 import orjson
 import pytest
 
-from frontend.errors import UpstreamError
+from frontend.errors import EngineError, UpstreamError
 from frontend.metrics import Metrics
-from frontend.openai_output import Endpoint
+from frontend.openai_output import Endpoint, stream_error_frames
 from frontend.sse import DONE_FRAME
+from orchestrator.flow.migration import Migration, Migrations
+from orchestrator.flow.request import FlowRequest
 from orchestrator.member import PoolMember
 from orchestrator.relay import RelayedStream, relay_stream
+from orchestrator.routers import RoutingKey
 from tests.orchestrator.upstream.scripted_transport import ScriptedStream, ScriptedTransport
 from tests.waiting import DEFAULT_TIMEOUT_S, eventually_async
 
@@ -289,3 +294,25 @@ async def test_a_responses_error_event_does_not_end_a_pushed_answer(member: Pool
     await RelayedStream(ScriptedStream(200, parts), member, 42, "responses", time.perf_counter(), Metrics()).push(
         client.write, _never_behind, client.finish)
     assert client.written == parts and client.last is None
+
+
+async def test_a_stream_that_broke_is_read_no_further_while_the_client_waits(member: PoolMember, mode: str) -> None:
+    # Once GEN's stream broke (its error event; a continuation that replayed other tokens than the client has),
+    # nothing more of it reaches the client: what GEN writes on (a whole answer, decoded to its end) must not hold
+    # the client, who gets the relay's error event at once, and GEN's stream is closed.
+    migrations = Migrations(0, cast(Any, SimpleNamespace(metrics=Metrics())))  # (no move allowed: the error stands)
+    migration = Migration(FlowRequest("chat", {}, RoutingKey(), 0.0), migrations)
+    tagged = b': token_ids 5\ndata: {"id":"chatcmpl-a1","created":1,"choices":[{"delta":{"content":"x"}}]}\n\n'
+    error = b"".join(stream_error_frames("chat", EngineError("the engine failed")))
+    stream = ScriptedStream(200, [tagged, error, tagged], stalls=True)
+    relayed_stream = RelayedStream(stream, member, 42, "chat", time.perf_counter(), Metrics(), migration=migration)
+    async with asyncio.timeout(DEFAULT_TIMEOUT_S):  # a hang guard only
+        if mode == "iterated":
+            frames = [chunk async for chunk in relayed_stream.frames()]
+        else:
+            client = Client()
+            await relayed_stream.push(client.write, _never_behind, client.finish)
+            frames = client.written
+    assert frames[0] == tagged.partition(b"\n")[2] and frames[-1] == DONE_FRAME
+    assert b"the engine failed" in b"".join(frames[1:])
+    assert stream.closed and member.inflight == 0
