@@ -387,6 +387,18 @@ def test_no_hand_off_is_left_parked_after_migrations(fresh: System) -> None:
         text = httpx.get(fresh.ctx_url + "/metrics", timeout=5).text
         return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                    if line.startswith("disagg_kv_store_entries"))
+    # A migration of its own (the suite's order is random: the other tests' may not have run yet), then none of the
+    # hand-offs CTX parked for it, the first answer's and the continuation's, is left.
+    model = _model(fresh)
+    resumed_before = fresh.metric("disagg_stream_migrations_total", outcome="resumed")
+    with fresh.client() as client:
+        fresh.arm(1 + CUT_TEXT_FRAMES)
+        chunks = _chat_stream(client, model, temperature=0.0)
+        _read_chat(chunks, until=CUT_TEXT_FRAMES - 1)
+        fresh.kill_the_one_holding()
+        _, finishes, _ = _read_chat(chunks)
+    assert finishes == ["length"]
+    assert fresh.metric("disagg_stream_migrations_total", outcome="resumed") == resumed_before + 1
     assert eventually(lambda: parked() == 0, timeout_s=60)
 
 
