@@ -35,6 +35,9 @@ _OPENINGS_KEPT = 256  # cache_aware without events: the system prompts whose sha
 # Requests lately before the shares of their system prompts size groups: shares from a few are noise, and another
 # process, seeing other requests, would size the groups otherwise (and place the conversations elsewhere).
 _OPENING_SAMPLE = 64.0
+# Groups only where holding one system prompt instead of every one frees at least this share of a worker's cache:
+# with room to spare, the coarser balance of whole-worker groups and their moves cost more than they save.
+_GROUP_ROOM = 0.125
 _SPILL_MARGIN = 2.0  # cache_aware: a follow-up leaves its history's worker only for one under half its cost
 _CHAINED_TOKEN_IDS = 16_384  # of a prompt_token_ids list, the ids the chain names (~100 KB of JSON)
 
@@ -162,7 +165,7 @@ class CacheAwareRouter:
         self._recent: dict[str, tuple[float, float]] = {}
         # The system texts conversations' requests opened with lately (None: none), each with how many, as of
         # when: where workers publish nothing.
-        self._openings: dict[str | None, tuple[float, float]] = {}
+        self._openings: dict[str | None, tuple[float, float, int]] = {}  # (..., the system texts' bytes)
 
     def pick(self, workers: Sequence[PoolMember], key: RoutingKey, exclude: Iterable[PoolMember] = ()
              ) -> PoolMember | None:
@@ -187,7 +190,7 @@ class CacheAwareRouter:
         if session is None and blind:
             session = key.conversation
             if session is not None:
-                self._note_opening(key.shared_opening, self._clock())
+                self._note_opening(key.shared_opening, self._clock(), key.chain.covered_bytes(key.shared_links))
         tie = session if session is not None else _first_unheld(key, max(matched_links.values()))
 
         def cost(worker: PoolMember) -> int:
@@ -266,10 +269,10 @@ class CacheAwareRouter:
             self.on_decision(decision)
         return best
 
-    def _note_opening(self, shared: str | None, now: float) -> None:
+    def _note_opening(self, shared: str | None, now: float, size: int) -> None:
         openings = self._openings
-        count, when = openings.get(shared, (0.0, now))
-        openings[shared] = (count * 0.5 ** ((now - when) / self.index.recent_half_s) + 1.0, now)
+        count, when, _ = openings.get(shared, (0.0, now, size))
+        openings[shared] = (count * 0.5 ** ((now - when) / self.index.recent_half_s) + 1.0, now, size)
         if len(openings) > _OPENINGS_KEPT:  # many one-off openings: keep the most frequent
             for name, _ in sorted(openings.items(), key=lambda item: item[1][0])[:len(openings) // 2]:
                 del openings[name]
@@ -287,7 +290,7 @@ class CacheAwareRouter:
         if shared is None or len(workers) < 2:
             return None
         decay = self.index.recent_half_s
-        counts = {name: count * 0.5 ** ((now - when) / decay) for name, (count, when) in self._openings.items()}
+        counts = {name: count * 0.5 ** ((now - when) / decay) for name, (count, when, _) in self._openings.items()}
         total = sum(counts.values())
         if total < _OPENING_SAMPLE:
             return None
@@ -295,6 +298,11 @@ class CacheAwareRouter:
         sizes = {name: math.floor(want + 0.5) for name, want in wanted.items()}
         grouped = sorted(name for name, size in sizes.items() if size >= 1)
         if shared not in grouped:
+            return None
+        prompts = [self._openings[name][2] for name in grouped]
+        fills = [self.index.modelled_fill(w.url) for w in workers]
+        room = min((fill[1] for fill in fills if fill is not None), default=0.0)
+        if sum(prompts) - max(prompts) < _GROUP_ROOM * room:
             return None
         taken: set[str] = set()
         groups: dict[str, list[str]] = {}

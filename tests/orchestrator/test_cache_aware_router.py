@@ -6,6 +6,7 @@ fed the events a worker would publish.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections import Counter
 from collections.abc import Iterator
@@ -245,13 +246,21 @@ def conversations(system: str, count: int, start: int = 0) -> list[RoutingKey]:
     return [chat(("system", system), ("user", f"conversation {start + i} asks " * 40)) for i in range(count)]
 
 
+def known_at(index: CacheIndex, pool: list[PoolMember], capacity_tokens: int) -> CacheIndex:
+    """``index`` models every worker of ``pool`` as keeping ``capacity_tokens`` (as their cards would say)."""
+    for worker in pool:
+        asyncio.run(index.describe(worker.url, {"engine_info": {"kv_capacity_tokens": capacity_tokens}}))
+    return index
+
+
 def test_without_events_conversations_over_one_system_prompt_gather_on_its_share_of_the_workers(
         pool: list[PoolMember]) -> None:
-    """Workers that publish nothing, two system prompts sharing the work: once each process has seen enough of
-    it, each prompt's conversations live on half the workers, not all (a worker holds one prompt, not both), and
-    two processes that each saw half the requests place new conversations alike."""
+    """Workers that publish nothing, two ~11 KB system prompts sharing the work, caches where one prompt takes a
+    good share of the room: once each process has seen enough of the work, each prompt's conversations live on
+    half the workers, not all (a worker holds one prompt, not both), and two processes that each saw half the
+    requests place new conversations alike."""
     other = "You answer in French, briefly. " * 400
-    routers = [CacheAwareRouter(CacheIndex(), 1.25, clock=lambda: 0.0) for _ in range(2)]
+    routers = [CacheAwareRouter(known_at(CacheIndex(), pool, 16_384), 1.25, clock=lambda: 0.0) for _ in range(2)]
     warm_up = [key for pair in zip(conversations(SYSTEM, 70), conversations(other, 70), strict=True)
                for key in pair]
     for number, key in enumerate(warm_up):  # each process sees half the requests, of both prompts
@@ -265,13 +274,25 @@ def test_without_events_conversations_over_one_system_prompt_gather_on_its_share
     assert placed == [routers[1].pick(pool, key) for key in fresh]
 
 
+def test_without_events_caches_with_room_for_every_system_prompt_keep_conversations_spread(
+        pool: list[PoolMember]) -> None:
+    """The same work, caches where both prompts take little room: grouping would save little, so conversations
+    spread over every worker by their names."""
+    other = "You answer in French, briefly. " * 400
+    router = CacheAwareRouter(known_at(CacheIndex(), pool, 1 << 20), 1.25, clock=lambda: 0.0)
+    for pair in zip(conversations(SYSTEM, 70), conversations(other, 70), strict=True):
+        for key in pair:
+            router.pick(pool, key)
+    assert len({router.pick(pool, key) for key in conversations(SYSTEM, 30, 100)}) == 4
+
+
 def test_without_events_groups_that_whole_workers_would_load_unevenly_are_not_formed(
         pool: list[PoolMember]) -> None:
     """Three workers, two prompts sharing the work evenly: one prompt would get one worker for half the work, past
     the load bound, so conversations spread over every worker as by their names alone."""
     other = "You answer in French, briefly. " * 400
-    router = CacheAwareRouter(CacheIndex(), 1.25, clock=lambda: 0.0)
     three = pool[:3]
+    router = CacheAwareRouter(known_at(CacheIndex(), three, 16_384), 1.25, clock=lambda: 0.0)
     for pair in zip(conversations(SYSTEM, 40), conversations(other, 40), strict=True):
         for key in pair:
             router.pick(three, key)
