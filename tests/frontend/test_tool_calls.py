@@ -56,7 +56,7 @@ def test_auto_reads_the_answer_in_the_models_format(body: dict[str, Any], parall
     assert calling is not None and calling.format is HERMES and calling.parallel is parallel
     assert calling.instructions == hermes.INSTRUCTIONS
     # Its reader takes calls to the offered tools only: a "call" to another name is the answer's text.
-    assert calling.names == {"f"}
+    assert calling.names == frozenset({"f"})
     assert parse_whole(calling.parser(), '<tool_call>{"name": "g", "arguments": {}}</tool_call>') is None
 
 

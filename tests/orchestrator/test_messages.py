@@ -263,7 +263,7 @@ class BrokenRetry(RetryPolicy):
 
     async def run(self, step: str, pool: WorkerPool, key: RoutingKey,
                   attempt: Callable[[PoolMember], Awaitable[AnswerT]], avoid: Collection[PoolMember] = (),
-                  judges_workers: bool = True) -> Attempted[AnswerT]:
+                  judges_workers: bool = True, wait_from: float | None = None) -> Attempted[AnswerT]:
         raise RuntimeError("a bug")
 
 
