@@ -69,8 +69,9 @@ class StreamLedger:
     ``holds``: frames without ids are held until the frame with their step's ids (or the stream's final end marker)
     comes, so that the client has a step's frames all or none: a GEN that dies between two frames of one step (a
     tool call opened and its arguments' first piece, written as two) leaves nothing of that step with the client,
-    and the continuation's replay of it, passed over whole, repeats nothing. A stream that cannot move holds
-    nothing."""
+    and the continuation's replay of it, passed over whole, repeats nothing. Frames pass as they come until GEN's
+    first ids (its opening, which a continuation's replay passes over; a GEN that writes no ids at all is relayed
+    as it comes, and its break not continued: ``untagged``), and a stream that cannot move holds nothing."""
 
     __slots__ = ("broken", "deterministic", "endpoint", "held", "holds", "identity", "ids", "last_frame",
                  "next_sequence", "pending", "renames", "replay_identity", "replay_ids", "replay_tokens", "replayed",
@@ -140,7 +141,7 @@ class StreamLedger:
         passed: list[bytes] = []
         for frame in whole.split(b"\n\n")[:-1]:
             frame += b"\n\n"
-            if self.holds and not frame.startswith(PREFIX):
+            if self.holds and self.ids and not frame.startswith(PREFIX):
                 if frame.startswith(_ERROR_FRAMES):
                     self.held.clear()  # the frames of a step GEN did not finish: the continuation writes them
                 elif not frame.startswith(_FINAL_FRAMES):
