@@ -29,28 +29,32 @@ from __future__ import annotations
 import logging
 import re
 import time
+from collections.abc import Callable
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import orjson
 
 from frontend.errors import DETERMINISTIC_FAILURE_CODES, RelayedError, ServingError, UpstreamError
+from frontend.guardrail import FallbackReason
+from frontend.metrics import Metrics
 from frontend.openai_output import Endpoint
 from frontend.stream_token_ids import HEADER, PREFIX, parse_ids, split_tag
+from orchestrator.flow.handoff_release import HandoffReleaser
 from orchestrator.flow.request import FlowRequest
+from orchestrator.flow.retry import Attempted, RetryPolicy
 from orchestrator.member import PoolMember
 from orchestrator.metric_labels import GEN_POOL_NAME
 from orchestrator.metric_labels import MIGRATION_FAILED as FAILED
 from orchestrator.metric_labels import MIGRATION_NOT_RESUMABLE as NOT_RESUMABLE
 from orchestrator.metric_labels import MIGRATION_OVER_LIMIT as OVER_LIMIT
 from orchestrator.metric_labels import MIGRATION_RESUMED as RESUMED
-from orchestrator.protocols.base import ContextAnswer
+from orchestrator.pool import WorkerPool
+from orchestrator.protocols.base import ContextAnswer, PromptCarriage, WorkerProtocol
 from orchestrator.protocols.registry import DEFAULT_PROTOCOL
 from orchestrator.relay import next_sequence_number
+from orchestrator.routers import RoutingKey
 from orchestrator.upstream.base import Body, OpenStream, Reply
-
-if TYPE_CHECKING:
-    from orchestrator.flow.steps import Steps
 
 logger = logging.getLogger("disagg_serve.migration")
 
@@ -352,10 +356,29 @@ class Migration:
         return resumed
 
 
+class ContinuationSteps(Protocol):
+    """What a continuation runs of the flow's steps (``orchestrator.flow.steps.Steps``): CTX again, then GEN."""
+
+    metrics: Metrics
+    gen_pool: WorkerPool
+    releaser: HandoffReleaser
+
+    async def run_context_step(self, request: FlowRequest) -> ContextAnswer: ...
+
+    def prompt_carriage(self, request: FlowRequest, ctx: ContextAnswer, gen: PoolMember
+                        ) -> tuple[PromptCarriage, FallbackReason | None]: ...
+
+    def wire(self, request: FlowRequest, member: PoolMember | None) -> WorkerProtocol: ...
+
+    async def call_gen(self, request: FlowRequest, key: RoutingKey, body_for: Callable[[PoolMember], Body],
+                       avoid: tuple[PoolMember, ...] = (), retry: RetryPolicy | None = None
+                       ) -> Attempted[Reply | OpenStream]: ...
+
+
 class Migrations:
     """The flow's migrations: which streams may move, and the continuation of one that does."""
 
-    def __init__(self, limit: int, steps: Steps) -> None:
+    def __init__(self, limit: int, steps: ContinuationSteps) -> None:
         self.limit = limit
         self.steps = steps
         self._counters: dict[tuple[str, str], Any] = {}
